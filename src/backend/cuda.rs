@@ -1,0 +1,289 @@
+//! CUDA virtual memory management through the driver API (`cudarc::driver::sys`).
+//!
+//! `libcuda` is loaded at run time: on a machine without it, [`CudaBackend::new`] returns
+//! [`Error::BackendUnavailable`] before any driver symbol is touched, and the rest of the crate
+//! works. Every call binds the device's primary context to the calling thread first (a no-op when
+//! it is already current), so pools can be used from any thread.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys;
+
+use super::{Backend, BackendInfo, MemoryInfo, MemoryKind, PhysicalChunk};
+use crate::error::{Error, Result};
+
+const NAME: &str = "cuda";
+
+/// CUDA VMM on one device. See the module documentation.
+#[derive(Debug)]
+pub struct CudaBackend {
+    info: BackendInfo,
+    device: sys::CUdevice,
+    ctx: sys::CUcontext,
+    prop: Prop,
+    physical: AtomicU64,
+}
+
+/// `CUmemAllocationProp` holds a (null) raw pointer; it is plain data we never share mutably.
+#[derive(Debug, Clone, Copy)]
+struct Prop(sys::CUmemAllocationProp);
+
+// SAFETY: the raw pointer inside (`win32HandleMetaData`) is always null and never dereferenced;
+// the context handle is a process-wide driver object usable from any thread.
+unsafe impl Send for CudaBackend {}
+// SAFETY: as above; all mutation goes through the driver or an atomic.
+unsafe impl Sync for CudaBackend {}
+
+fn driver_error(call: &'static str, detail: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
+    let detail = detail.into();
+    move |e| Error::backend(NAME, call, format!("{:?}", e.0), detail)
+}
+
+fn unavailable(reason: impl Into<String>) -> Error {
+    Error::BackendUnavailable {
+        backend: NAME,
+        reason: reason.into(),
+    }
+}
+
+/// Whether a CUDA driver library can be loaded, checked with `dlopen` so that cudarc's loader
+/// (which panics when the library is missing) is never reached without one.
+fn driver_library_present() -> bool {
+    for name in [c"libcuda.so.1", c"libcuda.so"] {
+        // SAFETY: `name` is a valid C string; a successful handle is kept open on purpose, as
+        // cudarc will open the same library next.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if !handle.is_null() {
+            return true;
+        }
+    }
+    false
+}
+
+impl CudaBackend {
+    /// CUDA VMM on device `ordinal` at the driver's recommended granularity.
+    pub fn new(ordinal: i32) -> Result<Self> {
+        Self::with_granularity(ordinal, None)
+    }
+
+    /// CUDA VMM on device `ordinal`; `granularity` must be a multiple of the driver's minimum
+    /// (`None`: the recommended granularity).
+    pub fn with_granularity(ordinal: i32, granularity: Option<usize>) -> Result<Self> {
+        if !driver_library_present() {
+            return Err(unavailable("libcuda.so.1 not found (no NVIDIA driver on this machine)"));
+        }
+        result::init().map_err(|e| unavailable(format!("cuInit failed with {:?}", e.0)))?;
+        let count = result::device::get_count().map_err(driver_error("cuDeviceGetCount", ""))?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(unavailable(format!(
+                "device ordinal {ordinal} requested, {count} CUDA device(s) present"
+            )));
+        }
+        let device = result::device::get(ordinal).map_err(driver_error("cuDeviceGet", ordinal.to_string()))?;
+        let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
+            // SAFETY: `device` is a valid device handle from cuDeviceGet.
+            unsafe { result::device::get_attribute(device, a) }
+                .map_err(driver_error("cuDeviceGetAttribute", format!("{a:?}")))
+        };
+        let vmm = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
+        if !vmm {
+            return Err(unavailable(format!("device {ordinal} does not support virtual memory management")));
+        }
+        let rdma = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)? != 0;
+        let posix_fd = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)? != 0;
+        let name = result::device::get_name(device).map_err(driver_error("cuDeviceGetName", ""))?;
+        // SAFETY: `device` is valid.
+        let total = unsafe { result::device::total_mem(device) }.map_err(driver_error("cuDeviceTotalMem", ""))?;
+        // SAFETY: `device` is valid; the retained primary context is released in Drop.
+        let ctx = unsafe { result::primary_ctx::retain(device) }.map_err(driver_error("cuDevicePrimaryCtxRetain", ""))?;
+
+        // SAFETY: CUmemAllocationProp is plain data; all-zero is its documented default.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = ordinal;
+        if posix_fd {
+            prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
+        prop.allocFlags.gpuDirectRDMACapable = u8::from(rdma);
+
+        let mut backend = CudaBackend {
+            info: BackendInfo {
+                name: NAME,
+                memory_kind: MemoryKind::Device,
+                device_ordinal: Some(ordinal),
+                device_name: name,
+                granularity: 0,
+                min_granularity: 0,
+                vmm_supported: true,
+                rdma_capable: rdma,
+                posix_fd_exportable: posix_fd,
+                total_memory: total as u64,
+            },
+            device,
+            ctx,
+            prop: Prop(prop),
+            physical: AtomicU64::new(0),
+        };
+        backend.bind()?;
+        let query = |flag| -> Result<usize> {
+            let mut g = 0usize;
+            // SAFETY: `g` and the prop are valid for the call's duration.
+            unsafe { sys::cuMemGetAllocationGranularity(&mut g, &backend.prop.0, flag) }
+                .result()
+                .map_err(driver_error("cuMemGetAllocationGranularity", format!("{flag:?}")))?;
+            Ok(g)
+        };
+        let min = query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?;
+        let recommended = query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
+        let granularity = granularity.unwrap_or(recommended);
+        if granularity == 0 || granularity % min != 0 || !granularity.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "cuda granularity {granularity} must be a power of two and a multiple of the device minimum {min}"
+            )));
+        }
+        backend.info.granularity = granularity;
+        backend.info.min_granularity = min;
+        tracing::debug!(ordinal, granularity, rdma, posix_fd, "cuda backend ready");
+        Ok(backend)
+    }
+
+    /// The device handle.
+    pub fn device(&self) -> sys::CUdevice {
+        self.device
+    }
+
+    /// Make the device's primary context current on this thread.
+    fn bind(&self) -> Result<()> {
+        let current = result::ctx::get_current().map_err(driver_error("cuCtxGetCurrent", ""))?;
+        if current != Some(self.ctx) {
+            // SAFETY: `ctx` is the primary context we retained and still hold.
+            unsafe { result::ctx::set_current(self.ctx) }.map_err(driver_error("cuCtxSetCurrent", ""))?;
+        }
+        Ok(())
+    }
+
+    fn access_desc(&self) -> sys::CUmemAccessDesc {
+        // SAFETY: plain data; all-zero is a valid starting value.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = self.info.device_ordinal.unwrap_or(0);
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        desc
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // SAFETY: we retained the primary context once in `new`.
+        if let Err(e) = unsafe { result::primary_ctx::release(self.device) } {
+            tracing::warn!(error = ?e.0, "cuDevicePrimaryCtxRelease failed");
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    fn info(&self) -> &BackendInfo {
+        &self.info
+    }
+
+    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
+        self.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is valid for writing; a fresh reservation touches no existing memory.
+        unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) }
+            .result()
+            .map_err(driver_error("cuMemAddressReserve", format!("{size} bytes, alignment {alignment}")))?;
+        Ok(ptr)
+    }
+
+    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees this is one whole unused reservation of ours.
+        unsafe { sys::cuMemAddressFree(base, size) }
+            .result()
+            .map_err(driver_error("cuMemAddressFree", format!("{size} bytes at {base:#x}")))
+    }
+
+    fn create(&self, size: usize) -> Result<PhysicalChunk> {
+        self.bind()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` is valid for writing and the prop outlives the call.
+        unsafe { sys::cuMemCreate(&mut handle, size, &self.prop.0, 0) }
+            .result()
+            .map_err(driver_error("cuMemCreate", format!("{size} bytes on device {}", self.info.device_ordinal.unwrap_or(0))))?;
+        self.physical.fetch_add(size as u64, Ordering::Relaxed);
+        Ok(PhysicalChunk { raw: handle, size })
+    }
+
+    unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the handle is ours, live and unmapped.
+        unsafe { sys::cuMemRelease(chunk.raw) }
+            .result()
+            .map_err(driver_error("cuMemRelease", format!("{} bytes", chunk.size)))?;
+        self.physical.fetch_sub(chunk.size as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the range is an unmapped part of our reservation.
+        unsafe { sys::cuMemMap(addr, chunk.size, 0, chunk.raw, 0) }
+            .result()
+            .map_err(driver_error("cuMemMap", format!("{} bytes at {addr:#x}", chunk.size)))
+    }
+
+    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
+        self.bind()?;
+        let desc = self.access_desc();
+        // SAFETY: the caller guarantees the range is made of our mapped chunks.
+        unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }
+            .result()
+            .map_err(driver_error("cuMemSetAccess", format!("{size} bytes at {addr:#x}")))
+    }
+
+    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the range is made of whole chunks nothing uses.
+        unsafe { sys::cuMemUnmap(addr, size) }
+            .result()
+            .map_err(driver_error("cuMemUnmap", format!("{size} bytes at {addr:#x}")))
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        self.bind()?;
+        let (free, total) = result::mem_get_info().map_err(driver_error("cuMemGetInfo", ""))?;
+        Ok(MemoryInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn physical_bytes(&self) -> Result<u64> {
+        Ok(self.physical.load(Ordering::Relaxed))
+    }
+
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the destination is mapped with access.
+        unsafe { result::memcpy_htod_sync(addr, data) }
+            .map_err(driver_error("cuMemcpyHtoD", format!("{} bytes to {addr:#x}", data.len())))
+    }
+
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        let len = out.len();
+        // SAFETY: the caller guarantees the source is mapped with access.
+        unsafe { result::memcpy_dtoh_sync(out, addr) }
+            .map_err(driver_error("cuMemcpyDtoH", format!("{len} bytes from {addr:#x}")))
+    }
+
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the range is mapped with access.
+        unsafe { result::memset_d8_sync(addr, byte, len) }
+            .map_err(driver_error("cuMemsetD8", format!("{len} bytes at {addr:#x}")))
+    }
+}

@@ -1,0 +1,227 @@
+//! Backends: the only code in the crate that calls a driver.
+//!
+//! A backend offers the CUDA virtual-memory model: reserve a virtual range, create physical
+//! chunks, map a chunk at an address, grant access, unmap, release. The [`host`] backend gives the
+//! same semantics with `mmap` and a `memfd` on any Linux machine; the [`cuda`] backend uses the
+//! CUDA driver's VMM API. Adaptors such as [`fault::FaultInjector`] wrap any backend.
+
+pub mod cuda;
+pub mod fault;
+pub mod host;
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::Result;
+
+/// Which kind of memory a backend provides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Host memory (`memfd` pages).
+    Host,
+    /// Device memory of a CUDA GPU.
+    Device,
+}
+
+/// What a backend is and what it supports. Fixed for the backend's life.
+#[derive(Debug, Clone)]
+pub struct BackendInfo {
+    /// Short name: `"host"` or `"cuda"`.
+    pub name: &'static str,
+    /// Host or device memory.
+    pub memory_kind: MemoryKind,
+    /// Device ordinal for device memory; `None` for host memory.
+    pub device_ordinal: Option<i32>,
+    /// Human-readable description of the device (GPU name, or "host memory (memfd)").
+    pub device_name: String,
+    /// The unit of mapping: every physical chunk and every mapped range is a multiple of it.
+    pub granularity: usize,
+    /// The smallest granularity the driver allows.
+    pub min_granularity: usize,
+    /// Whether the device supports virtual memory management at all.
+    pub vmm_supported: bool,
+    /// Whether physical chunks are created GPUDirect-RDMA capable.
+    pub rdma_capable: bool,
+    /// Whether physical chunks can be exported as POSIX file descriptors.
+    pub posix_fd_exportable: bool,
+    /// Total memory of the device (or of the host), in bytes.
+    pub total_memory: u64,
+}
+
+/// A physical chunk created by a backend: an opaque driver handle and its size.
+///
+/// Chunks are plain values; the pool owns them and hands them back to the backend exactly once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PhysicalChunk {
+    /// The backend's handle (CUDA: `CUmemGenericAllocationHandle`; host: offset in the memfd).
+    pub(crate) raw: u64,
+    /// Size in bytes, a multiple of the backend's granularity.
+    pub(crate) size: usize,
+}
+
+impl PhysicalChunk {
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The backend's raw handle.
+    pub fn raw(&self) -> u64 {
+        self.raw
+    }
+}
+
+/// Free and total memory as the driver (or the kernel) reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes free on the device (CUDA: `cuMemGetInfo`; host: `MemAvailable`).
+    pub free: u64,
+    /// Bytes in total.
+    pub total: u64,
+}
+
+/// The driver calls a backend makes, for stats and fault injection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DriverCall {
+    /// Reserve a virtual range (`cuMemAddressReserve`, `mmap(PROT_NONE)`).
+    Reserve,
+    /// Free a virtual range (`cuMemAddressFree`, `munmap`).
+    FreeReservation,
+    /// Create a physical chunk (`cuMemCreate`, `fallocate`).
+    Create,
+    /// Release a physical chunk (`cuMemRelease`, punch hole).
+    Release,
+    /// Map a chunk at an address (`cuMemMap`, `mmap(MAP_FIXED)`).
+    Map,
+    /// Grant read-write access (`cuMemSetAccess`, `mprotect`).
+    SetAccess,
+    /// Unmap a range (`cuMemUnmap`, `mmap(PROT_NONE, MAP_FIXED)`).
+    Unmap,
+}
+
+impl DriverCall {
+    /// Every kind, in a fixed order (the index used by stats).
+    pub const ALL: [DriverCall; 7] = [
+        DriverCall::Reserve,
+        DriverCall::FreeReservation,
+        DriverCall::Create,
+        DriverCall::Release,
+        DriverCall::Map,
+        DriverCall::SetAccess,
+        DriverCall::Unmap,
+    ];
+
+    /// Position in [`DriverCall::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverCall::Reserve => "reserve",
+            DriverCall::FreeReservation => "free_reservation",
+            DriverCall::Create => "create",
+            DriverCall::Release => "release",
+            DriverCall::Map => "map",
+            DriverCall::SetAccess => "set_access",
+            DriverCall::Unmap => "unmap",
+        }
+    }
+}
+
+impl fmt::Display for DriverCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The virtual-memory driver interface. Implementations are thin: no caching, no policy.
+///
+/// Addresses are absolute (`u64`, as CUDA's `CUdeviceptr`); sizes are multiples of
+/// [`BackendInfo::granularity`] except for the data-movement helpers at the end, which take any
+/// byte range inside mapped, accessible memory.
+///
+/// The calls that change mappings or touch memory are `unsafe`: on the host backend a wrong
+/// address unmaps or overwrites memory the process uses for something else. The pool is the only
+/// caller in the crate and upholds each contract stated below.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// What this backend is.
+    fn info(&self) -> &BackendInfo;
+
+    /// Reserve `size` bytes of virtual address space aligned to `alignment`. Nothing physical.
+    fn reserve(&self, size: usize, alignment: usize) -> Result<u64>;
+
+    /// Give a reservation back.
+    ///
+    /// # Safety
+    /// `base`/`size` must be exactly a reservation made by this backend, with nothing mapped in
+    /// it and nothing referring to it afterwards.
+    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()>;
+
+    /// Create a physical chunk of `size` bytes.
+    fn create(&self, size: usize) -> Result<PhysicalChunk>;
+
+    /// Give a physical chunk back to the driver.
+    ///
+    /// # Safety
+    /// `chunk` must come from this backend's `create`, be released once, and be mapped nowhere.
+    unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()>;
+
+    /// Map `chunk` at `addr`, with no access yet.
+    ///
+    /// # Safety
+    /// `addr..addr + chunk.size` must lie in a reservation of this backend and be unmapped;
+    /// `chunk` must come from this backend and be mapped nowhere else.
+    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()>;
+
+    /// Grant read-write access to the owning device over a mapped range.
+    ///
+    /// # Safety
+    /// `addr..addr + size` must be made of chunks this backend mapped.
+    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()>;
+
+    /// Unmap a range made of whole mapped chunks; the range returns to the reservation.
+    ///
+    /// # Safety
+    /// `addr..addr + size` must be made of whole chunks this backend mapped, and nothing may use
+    /// that memory any more.
+    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()>;
+
+    /// Free and total memory of the device.
+    fn memory_info(&self) -> Result<MemoryInfo>;
+
+    /// Bytes of physical memory this backend currently holds in created chunks, measured from
+    /// the system where possible (host: the memfd's allocated blocks), else from its own counts.
+    fn physical_bytes(&self) -> Result<u64>;
+
+    /// Copy `data` into memory at `addr`.
+    ///
+    /// # Safety
+    /// `addr..addr + data.len()` must be mapped with access, and no one else may use it meanwhile.
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()>;
+
+    /// Copy memory at `addr` into `out`.
+    ///
+    /// # Safety
+    /// `addr..addr + out.len()` must be mapped with access.
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()>;
+
+    /// Set `len` bytes at `addr` to `byte`.
+    ///
+    /// # Safety
+    /// As for [`Backend::write`].
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
+}
+
+/// The embedded default: CUDA device 0 when a CUDA driver and a VMM-capable GPU are present,
+/// host memory otherwise. When CUDA was not chosen, the reason comes back beside the backend.
+pub fn default_backend() -> Result<(Arc<dyn Backend>, Option<String>)> {
+    match cuda::CudaBackend::new(0) {
+        Ok(b) => Ok((Arc::new(b), None)),
+        Err(e) => Ok((
+            Arc::new(host::HostBackend::new(host::DEFAULT_GRANULARITY)?),
+            Some(e.to_string()),
+        )),
+    }
+}

@@ -1,0 +1,47 @@
+//! # elastic-vmm
+//!
+//! Elastic GPU memory for LLM serving, managed the way an operating system manages RAM:
+//! reserve a huge virtual address range once, map physical memory on demand, give it back when
+//! the data goes.
+//!
+//! - [`backend`]: the only code that calls a driver. [`backend::cuda::CudaBackend`] uses the
+//!   CUDA VMM API (loaded at run time); [`backend::host::HostBackend`] gives the same semantics
+//!   on host memory with `mmap` and a `memfd`, so everything runs and is tested without a GPU.
+//! - [`Pool`]: one reservation on one backend. RAII [`Allocation`]s whose hot path makes no
+//!   driver call, and a range API ([`Pool::map`], [`Pool::unmap`]) for KV-cache managers.
+//! - [`stats`]: O(1) snapshots of memory and driver calls.
+//!
+//! ## Zeroing
+//! Memory from [`Pool::allocate`] has unspecified contents. Physical memory freshly created on
+//! the host backend reads as zero (it comes from a `memfd`); CUDA makes no such promise. Memory
+//! reused from the pool (idle mapped memory or cached chunks) keeps whatever was written to it
+//! last. Use [`Pool::allocate_zeroed`] or [`Allocation::fill`] when zeros are needed.
+//!
+//! ## Example
+//! ```
+//! use elastic_vmm::Pool;
+//! # fn main() -> elastic_vmm::Result<()> {
+//! let pool = Pool::host(64 << 30)?; // 64 GiB of address space, nothing physical yet
+//! let mut a = pool.allocate(3 << 20)?; // maps physical memory
+//! a.write(0, b"hello")?;
+//! drop(a); // back to the pool, still mapped for the next allocation
+//! assert_eq!(pool.stats().in_use, 0);
+//! pool.trim()?; // physical memory goes back to the system
+//! assert_eq!(pool.stats().mapped, 0);
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod backend;
+mod error;
+mod pool;
+pub mod stats;
+
+pub use backend::{Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk};
+pub use error::{Error, Result};
+pub use pool::{
+    Allocation, ChunkSpan, LiveAllocation, Pool, PoolConfig, TrimReport, DEFAULT_ALIGNMENT,
+    DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK,
+};
+pub use stats::{DriverCalls, PoolStats};

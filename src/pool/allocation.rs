@@ -1,0 +1,113 @@
+//! RAII allocations handed out by [`crate::Pool::allocate`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::Inner;
+use crate::backend::BackendInfo;
+use crate::error::{Error, Result};
+
+/// Memory from a pool, backed by physical memory for as long as this value lives.
+///
+/// Dropping it returns the memory to the pool's idle set (no driver call). The allocation keeps
+/// the pool's reservation alive, so its address stays valid even if every [`crate::Pool`]
+/// handle is dropped first.
+pub struct Allocation {
+    pool: Arc<Inner>,
+    offset: u64,
+    size: usize,
+    footprint: u64,
+    slot: u32,
+}
+
+impl Allocation {
+    pub(crate) fn new(pool: Arc<Inner>, offset: u64, size: usize, footprint: u64, slot: u32) -> Self {
+        Allocation {
+            pool,
+            offset,
+            size,
+            footprint,
+            slot,
+        }
+    }
+
+    /// Address of the first byte (a device pointer on CUDA, a host pointer on host memory).
+    pub fn addr(&self) -> u64 {
+        self.pool.base + self.offset
+    }
+
+    /// Bytes requested.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Bytes held, the request rounded up to the pool's allocation unit.
+    pub fn footprint(&self) -> u64 {
+        self.footprint
+    }
+
+    /// Offset of the allocation in the pool's reservation.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The name given at allocation, if any.
+    pub fn name(&self) -> Option<String> {
+        let st = self.pool.state.lock();
+        st.live.get(self.slot).and_then(|r| r.name.as_deref().map(str::to_owned))
+    }
+
+    /// The backend the memory lives on.
+    pub fn backend_info(&self) -> &BackendInfo {
+        self.pool.backend.info()
+    }
+
+    fn check(&self, at: usize, len: usize) -> Result<()> {
+        if at.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(Error::RangeOutOfBounds {
+                offset: at as u64,
+                len: len as u64,
+                capacity: self.size as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copy `data` into the allocation at byte `at` (host-to-device on CUDA).
+    pub fn write(&mut self, at: usize, data: &[u8]) -> Result<()> {
+        self.check(at, data.len())?;
+        // SAFETY: the range lies inside this allocation, which is mapped with access for as
+        // long as it lives; `&mut self` rules out concurrent use through this handle.
+        unsafe { self.pool.backend.write(self.addr() + at as u64, data) }
+    }
+
+    /// Copy bytes from the allocation at byte `at` into `out`.
+    pub fn read(&self, at: usize, out: &mut [u8]) -> Result<()> {
+        self.check(at, out.len())?;
+        // SAFETY: the range lies inside this mapped allocation.
+        unsafe { self.pool.backend.read(self.addr() + at as u64, out) }
+    }
+
+    /// Set every byte of the allocation to `byte`.
+    pub fn fill(&mut self, byte: u8) -> Result<()> {
+        // SAFETY: the whole allocation is mapped with access; `&mut self` as in `write`.
+        unsafe { self.pool.backend.fill(self.addr(), self.size, byte) }
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("pool", &self.pool.name())
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("size", &self.size)
+            .field("footprint", &self.footprint)
+            .finish()
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.pool.free(self.offset, self.footprint, self.slot);
+    }
+}

@@ -1,0 +1,239 @@
+//! The pool's bookkeeping, changed only under the pool's lock and never across a driver call.
+//!
+//! Every byte of the reservation is in exactly one place:
+//! - `cold`: unmapped and free;
+//! - `idle` or `quick`: mapped and free (the allocator's warm memory);
+//! - a live allocation;
+//! - `ranges`: mapped through the range API;
+//! - in transit: claimed by an operation that is making driver calls right now.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::cache::ChunkCache;
+use super::intervals::{FreeRanges, Intervals};
+use crate::backend::PhysicalChunk;
+
+/// Exact-size lists of recently freed ranges, so that allocate/free of the same size does not
+/// walk the coalescing structures. Flushed into `idle` before growing and when trimming.
+#[derive(Debug, Default)]
+pub(crate) struct QuickBins {
+    bins: Vec<(u64, Vec<u64>)>,
+    bytes: u64,
+}
+
+const QUICK_SIZES: usize = 16;
+const QUICK_DEPTH: usize = 256;
+
+impl QuickBins {
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub(crate) fn take(&mut self, size: u64) -> Option<u64> {
+        let (_, list) = self.bins.iter_mut().find(|(s, _)| *s == size)?;
+        let off = list.pop()?;
+        self.bytes -= size;
+        Some(off)
+    }
+
+    /// Keep `[off, off + size)` in a bin; gives it back when the bins are full.
+    pub(crate) fn put(&mut self, off: u64, size: u64) -> Option<u64> {
+        if let Some((_, list)) = self.bins.iter_mut().find(|(s, _)| *s == size) {
+            if list.len() < QUICK_DEPTH {
+                list.push(off);
+                self.bytes += size;
+                return None;
+            }
+            return Some(off);
+        }
+        if self.bins.len() < QUICK_SIZES {
+            self.bins.push((size, vec![off]));
+            self.bytes += size;
+            return None;
+        }
+        Some(off)
+    }
+
+    /// Everything in the bins, as `(offset, size)`.
+    pub(crate) fn drain(&mut self) -> Vec<(u64, u64)> {
+        self.bytes = 0;
+        let mut out = Vec::new();
+        for (size, list) in &mut self.bins {
+            out.extend(list.drain(..).map(|off| (off, *size)));
+        }
+        self.bins.retain(|(_, l)| !l.is_empty());
+        out
+    }
+}
+
+/// One live allocation, for reports and leak warnings.
+#[derive(Debug, Clone)]
+pub(crate) struct LiveRecord {
+    pub(crate) offset: u64,
+    pub(crate) footprint: u64,
+    pub(crate) name: Option<Arc<str>>,
+}
+
+/// Live allocations in O(1) slots.
+#[derive(Debug, Default)]
+pub(crate) struct Slab {
+    entries: Vec<Option<LiveRecord>>,
+    vacant: Vec<u32>,
+    live: u64,
+}
+
+impl Slab {
+    pub(crate) fn insert(&mut self, rec: LiveRecord) -> u32 {
+        self.live += 1;
+        if let Some(i) = self.vacant.pop() {
+            self.entries[i as usize] = Some(rec);
+            i
+        } else {
+            self.entries.push(Some(rec));
+            (self.entries.len() - 1) as u32
+        }
+    }
+
+    pub(crate) fn remove(&mut self, slot: u32) -> Option<LiveRecord> {
+        let rec = self.entries.get_mut(slot as usize)?.take()?;
+        self.vacant.push(slot);
+        self.live -= 1;
+        Some(rec)
+    }
+
+    pub(crate) fn get(&self, slot: u32) -> Option<&LiveRecord> {
+        self.entries.get(slot as usize)?.as_ref()
+    }
+
+    pub(crate) fn live(&self) -> u64 {
+        self.live
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &LiveRecord> {
+        self.entries.iter().flatten()
+    }
+}
+
+/// All of a pool's mutable bookkeeping.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    /// Set once the last [`crate::Pool`] handle is gone: frees then give memory straight back.
+    pub(crate) closed: bool,
+    pub(crate) cold: Intervals,
+    pub(crate) idle: FreeRanges,
+    pub(crate) quick: QuickBins,
+    pub(crate) ranges: Intervals,
+    /// Mapped chunks by offset.
+    pub(crate) chunks: BTreeMap<u64, PhysicalChunk>,
+    pub(crate) cache: ChunkCache,
+    pub(crate) live: Slab,
+    pub(crate) alloc_bytes: u64,
+    pub(crate) mapped: u64,
+    pub(crate) in_transit: u64,
+    pub(crate) peak_in_use: u64,
+    pub(crate) peak_physical: u64,
+    pub(crate) allocations: u64,
+    pub(crate) frees: u64,
+}
+
+impl State {
+    pub(crate) fn in_use(&self) -> u64 {
+        self.alloc_bytes + self.ranges.total()
+    }
+
+    pub(crate) fn physical(&self) -> u64 {
+        self.mapped + self.cache.bytes()
+    }
+
+    pub(crate) fn note_peaks(&mut self) {
+        self.peak_in_use = self.peak_in_use.max(self.in_use());
+        self.peak_physical = self.peak_physical.max(self.physical());
+    }
+
+    /// Move everything in the quick bins into the coalescing idle set.
+    pub(crate) fn flush_quick(&mut self) {
+        for (off, size) in self.quick.drain() {
+            self.idle.insert(off, off + size);
+        }
+    }
+
+    /// Take idle memory for `footprint` bytes without any driver call.
+    pub(crate) fn take_warm(&mut self, footprint: u64) -> Option<u64> {
+        if let Some(off) = self.quick.take(footprint) {
+            return Some(off);
+        }
+        self.idle.take_best_fit(footprint)
+    }
+
+    /// Return a freed range to the warm memory.
+    pub(crate) fn put_warm(&mut self, off: u64, size: u64) {
+        if let Some(off) = self.quick.put(off, size) {
+            self.idle.insert(off, off + size);
+        }
+    }
+
+    /// Remove from `chunks` and `idle` every mapped chunk that lies wholly in idle memory;
+    /// returns them as `(offset, chunk)`. The caller unmaps them and then returns the ranges to
+    /// `cold` (or, on failure, puts them back).
+    pub(crate) fn take_idle_chunks(&mut self, limit: u64) -> Vec<(u64, PhysicalChunk)> {
+        self.flush_quick();
+        let mut out = Vec::new();
+        let mut taken = 0u64;
+        let candidates: Vec<(u64, PhysicalChunk)> = self
+            .chunks
+            .iter()
+            .filter(|(&off, c)| self.idle.intervals().covers(off, off + c.size as u64))
+            .map(|(&off, &c)| (off, c))
+            .collect();
+        for (off, c) in candidates {
+            if taken >= limit {
+                break;
+            }
+            self.idle.remove(off, off + c.size as u64);
+            self.chunks.remove(&off);
+            taken += c.size as u64;
+            out.push((off, c));
+        }
+        self.mapped -= taken;
+        self.in_transit += taken;
+        out
+    }
+
+    /// Verify that every byte is accounted for exactly once. O(n); for tests and debugging.
+    pub(crate) fn audit(&self, capacity: u64) -> Result<(), String> {
+        let chunk_bytes: u64 = self.chunks.values().map(|c| c.size as u64).sum();
+        if chunk_bytes != self.mapped {
+            return Err(format!("mapped chunks sum to {chunk_bytes}, counter says {}", self.mapped));
+        }
+        let live_bytes: u64 = self.live.iter().map(|r| r.footprint).sum();
+        if live_bytes != self.alloc_bytes {
+            return Err(format!("live allocations sum to {live_bytes}, counter says {}", self.alloc_bytes));
+        }
+        let mapped_parts = self.idle.total() + self.quick.bytes() + self.alloc_bytes + self.ranges.total();
+        if self.in_transit == 0 && mapped_parts != self.mapped {
+            return Err(format!(
+                "idle {} + quick {} + allocations {} + ranges {} = {mapped_parts}, but {} mapped",
+                self.idle.total(),
+                self.quick.bytes(),
+                self.alloc_bytes,
+                self.ranges.total(),
+                self.mapped
+            ));
+        }
+        let all = mapped_parts + self.cold.total() + self.in_transit;
+        if all != capacity {
+            return Err(format!(
+                "mapped parts {mapped_parts} + cold {} + in transit {} = {all}, capacity {capacity}",
+                self.cold.total(),
+                self.in_transit
+            ));
+        }
+        for (&off, c) in &self.chunks {
+            if self.cold.first_overlap(off, off + c.size as u64).is_some() {
+                return Err(format!("chunk at {off:#x} overlaps unmapped space"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,156 @@
+//! Snapshots of a pool's memory and of the driver calls it made.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::backend::DriverCall;
+
+/// Driver calls by kind, counted as they are made (atomics: the calls happen outside locks).
+#[derive(Debug, Default)]
+pub(crate) struct DriverCounters {
+    counts: [AtomicU64; DriverCall::ALL.len()],
+}
+
+impl DriverCounters {
+    pub(crate) fn bump(&self, call: DriverCall) {
+        self.counts[call.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> DriverCalls {
+        let mut counts = [0u64; DriverCall::ALL.len()];
+        for (dst, src) in counts.iter_mut().zip(&self.counts) {
+            *dst = src.load(Ordering::Relaxed);
+        }
+        DriverCalls { counts }
+    }
+}
+
+/// How many driver calls of each kind a pool made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCalls {
+    counts: [u64; DriverCall::ALL.len()],
+}
+
+impl DriverCalls {
+    /// Calls of one kind.
+    pub fn get(&self, call: DriverCall) -> u64 {
+        self.counts[call.index()]
+    }
+
+    /// All calls together.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// Calls made between `earlier` and `self`.
+    pub fn since(&self, earlier: &DriverCalls) -> DriverCalls {
+        let mut counts = self.counts;
+        for (c, e) in counts.iter_mut().zip(earlier.counts) {
+            *c -= e;
+        }
+        DriverCalls { counts }
+    }
+}
+
+impl fmt::Display for DriverCalls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for call in DriverCall::ALL {
+            let n = self.get(call);
+            if n == 0 {
+                continue;
+            }
+            if !first {
+                f.write_str(" ")?;
+            }
+            first = false;
+            write!(f, "{}={}", call.name(), n)?;
+        }
+        if first {
+            f.write_str("none")?;
+        }
+        Ok(())
+    }
+}
+
+/// A consistent snapshot of one pool, taken in O(1).
+///
+/// Physical memory the pool holds is `mapped + cached`. Of the mapped part, `in_use` is held by
+/// live allocations and range-API mappings; the rest is idle (mapped, free, reused without a
+/// driver call) and goes back with [`crate::Pool::trim`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Virtual bytes reserved.
+    pub capacity: u64,
+    /// The backend's mapping unit.
+    pub granularity: u64,
+    /// Physical bytes mapped into the reservation.
+    pub mapped: u64,
+    /// Bytes held by live allocations (rounded to the allocation unit) and range-API mappings.
+    pub in_use: u64,
+    /// Of `in_use`, bytes mapped through the range API.
+    pub range_mapped: u64,
+    /// Physical bytes created but unmapped, kept for reuse.
+    pub cached: u64,
+    /// Highest `in_use` seen.
+    pub peak_in_use: u64,
+    /// Highest `mapped + cached` seen.
+    pub peak_physical: u64,
+    /// Live allocations.
+    pub live_allocations: u64,
+    /// Allocations made since the pool was created.
+    pub allocations: u64,
+    /// Allocations freed since the pool was created.
+    pub frees: u64,
+    /// Physical chunks currently mapped.
+    pub mapped_chunks: u64,
+    /// Physical chunks in the cache.
+    pub cached_chunks: u64,
+    /// Driver calls made, by kind.
+    pub driver_calls: DriverCalls,
+}
+
+impl PoolStats {
+    /// Physical bytes held: mapped plus cached.
+    pub fn physical(&self) -> u64 {
+        self.mapped + self.cached
+    }
+
+    /// Mapped bytes not in use.
+    pub fn idle(&self) -> u64 {
+        self.mapped.saturating_sub(self.in_use)
+    }
+}
+
+/// Bytes as a short human-readable string (binary units).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
+}
+
+impl fmt::Display for PoolStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "in use {} (peak {}), mapped {} in {} chunks, cached {} in {} chunks, {} live allocations, driver calls: {}",
+            human_bytes(self.in_use),
+            human_bytes(self.peak_in_use),
+            human_bytes(self.mapped),
+            self.mapped_chunks,
+            human_bytes(self.cached),
+            self.cached_chunks,
+            self.live_allocations,
+            self.driver_calls
+        )
+    }
+}
