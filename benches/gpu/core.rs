@@ -1,0 +1,1 @@
+//! GPU benchmark: core (filled in by its issue).

@@ -1,0 +1,1 @@
+//! GPU benchmark: shared (filled in by its issue).

@@ -1,0 +1,1 @@
+//! GPU tests: candle (filled in by its issue).

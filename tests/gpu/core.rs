@@ -1,0 +1,1 @@
+//! GPU tests: core (filled in by its issue).

@@ -1,0 +1,11 @@
+//! The GPU test target: every test that needs a CUDA GPU, in one binary to carry to the GPU
+//! machine (see README, "GPU tests"). Built only with the `gpu-tests` feature; on a machine
+//! without a usable CUDA device every test here fails, by design, rather than skipping.
+
+mod core;
+mod shared;
+
+#[cfg(feature = "candle")]
+mod candle;
+#[cfg(feature = "nixl")]
+mod nixl;

@@ -1,0 +1,1 @@
+//! GPU tests: nixl (filled in by its issue).

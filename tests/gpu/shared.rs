@@ -1,0 +1,1 @@
+//! GPU tests: shared (filled in by its issue).
