@@ -2,7 +2,7 @@
 //! machine (see README, "GPU tests"). Built only with the `gpu-tests` feature; on a machine
 //! without a usable CUDA device every test here fails, by design, rather than skipping.
 
-mod core;
+mod pool;
 mod shared;
 
 #[cfg(feature = "candle")]

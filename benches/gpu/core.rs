@@ -1,1 +1,0 @@
-//! GPU benchmark: core (filled in by its issue).

@@ -1,0 +1,1 @@
+//! GPU benchmark: pool (filled in by its issue).

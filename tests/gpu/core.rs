@@ -1,1 +1,0 @@
-//! GPU tests: core (filled in by its issue).

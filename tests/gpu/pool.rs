@@ -1,0 +1,1 @@
+//! GPU tests: pool (filled in by its issue).
