@@ -391,7 +391,8 @@ impl Inner {
                     if let Some(a) = &self.admission {
                         a.credit(left);
                     }
-                    self.release_all(out);
+                    // Failures here are logged and the chunks cached; the create error is the news.
+                    let _ = self.release_all(out);
                     return Err(self.physical_error(e, bytes));
                 }
             }
@@ -413,9 +414,11 @@ impl Inner {
     }
 
     /// Release chunks that are mapped nowhere; a chunk whose release fails goes to the cache.
-    fn release_all(&self, chunks: Vec<PhysicalChunk>) -> u64 {
+    /// Returns the bytes released and the first failure, if any.
+    fn release_all(&self, chunks: Vec<PhysicalChunk>) -> (u64, Option<Error>) {
         let mut released = 0;
         let mut kept = Vec::new();
+        let mut first_err = None;
         for c in chunks {
             // SAFETY: callers pass chunks they took out of every structure and unmapped.
             match unsafe { self.call_release(c) } {
@@ -423,6 +426,7 @@ impl Inner {
                 Err(e) => {
                     tracing::warn!(pool = %self.name, error = %e, "release failed; chunk kept in the cache");
                     kept.push(c);
+                    first_err.get_or_insert(e);
                 }
             }
         }
@@ -432,7 +436,7 @@ impl Inner {
                 st.cache.put(c);
             }
         }
-        released
+        (released, first_err)
     }
 
     /// Put unmapped chunks in the cache, then release whatever exceeds the cache cap.
@@ -447,7 +451,8 @@ impl Inner {
                 None => Vec::new(),
             }
         };
-        self.release_all(excess);
+        // A chunk that cannot be released stays cached (logged): nothing is lost.
+        let _ = self.release_all(excess);
     }
 
     /// Map `chunks` one after the other from `offset` and grant access to all of them.
@@ -665,7 +670,8 @@ impl Inner {
                 st.cache.put(c);
             }
         }
-        self.release_all(fresh);
+        // Rollback: a chunk that cannot be released stays cached (logged).
+        let _ = self.release_all(fresh);
     }
 
     /// Called by [`Allocation`]'s drop.
@@ -769,7 +775,8 @@ impl Inner {
                 st.cache.put(c);
             }
         }
-        self.release_all(fresh);
+        // Rollback: a chunk that cannot be released stays cached (logged).
+        let _ = self.release_all(fresh);
     }
 
     pub(crate) fn unmap_range(&self, offset: u64, len: u64) -> Result<()> {
@@ -885,7 +892,11 @@ impl Inner {
         }
         cached.extend(unmapped.into_iter().map(|(_, c)| c));
         let released = if with_cache {
-            self.release_all(cached)
+            let (released, err) = self.release_all(cached);
+            if let Some(e) = err {
+                first_err.get_or_insert(e);
+            }
+            released
         } else {
             self.cache_or_release(cached);
             0
@@ -905,17 +916,10 @@ impl Inner {
     /// Release cached chunks until at most `keep` bytes stay cached.
     pub(crate) fn release_cached(&self, keep: u64) -> Result<u64> {
         let excess = self.state.lock().cache.shrink_to(keep);
-        let wanted: u64 = excess.iter().map(|c| c.size as u64).sum();
-        let released = self.release_all(excess);
-        if released < wanted {
-            return Err(Error::backend(
-                self.backend.info().name,
-                "release",
-                "PARTIAL",
-                format!("released {released} of {wanted} cached bytes; the rest stays cached"),
-            ));
+        match self.release_all(excess) {
+            (released, None) => Ok(released),
+            (_, Some(e)) => Err(e),
         }
-        Ok(released)
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
