@@ -192,14 +192,6 @@ impl Error {
     }
 }
 
-/// Checked `a + b` with an error naming the operands.
-pub(crate) fn checked_add(what: &'static str, a: u64, b: u64) -> Result<u64> {
-    a.checked_add(b).ok_or_else(|| Error::SizeOverflow {
-        what,
-        detail: format!("{a} + {b}"),
-    })
-}
-
 /// Round `value` up to a multiple of `unit` (a power of two), checked.
 pub(crate) fn round_up(what: &'static str, value: u64, unit: u64) -> Result<u64> {
     debug_assert!(unit.is_power_of_two());

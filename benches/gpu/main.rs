@@ -1,9 +1,56 @@
-//! GPU benchmark binary: elastic-vmm against the driver's allocators, measured in one run,
-//! with ratios printed. Built only with the `gpu-tests` feature.
+//! GPU benchmark binary: elastic-vmm against the driver's allocators and its peers, measured in
+//! one run, with ratios printed. Built only with the `gpu-tests` feature:
+//! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
+//! machine. Arguments name the sections to run (`pool`, `shared`, `candle`); none runs all.
 
 mod pool;
 mod shared;
 #[cfg(feature = "candle")]
 mod candle;
 
-fn main() {}
+use std::process::ExitCode;
+
+pub type BoxError = Box<dyn std::error::Error>;
+
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// The median of `runs` measurements.
+pub fn median(runs: usize, mut f: impl FnMut() -> f64) -> f64 {
+    let mut v: Vec<f64> = (0..runs).map(|_| f()).collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Print "`label`: X.XXx" where X = `peer` / `ours` (both costs: above 1 means we are faster).
+pub fn ratio_line(label: &str, peer: f64, ours: f64) {
+    println!("{label}: {:.2}x", peer / ours);
+}
+
+pub fn human(bytes: u64) -> String {
+    elastic_vmm::stats::human_bytes(bytes)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
+    #[cfg_attr(not(feature = "candle"), allow(unused_mut))]
+    let mut sections: Vec<(&str, fn() -> Result<(), BoxError>)> = vec![("pool", pool::run), ("shared", shared::run)];
+    #[cfg(feature = "candle")]
+    sections.push(("candle", candle::run));
+    let mut failed = false;
+    for (name, run) in sections {
+        if !want(name) {
+            continue;
+        }
+        if let Err(e) = run() {
+            eprintln!("section {name} failed: {e}");
+            failed = true;
+        }
+    }
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,7 +1,7 @@
 //! RAII allocations handed out by [`crate::Pool::allocate`].
 
 use std::fmt;
-use std::sync::Arc;
+use std::ptr::NonNull;
 
 use super::Inner;
 use crate::backend::BackendInfo;
@@ -12,18 +12,30 @@ use crate::error::{Error, Result};
 /// Dropping it returns the memory to the pool's idle set (no driver call). The allocation keeps
 /// the pool's reservation alive, so its address stays valid even if every [`crate::Pool`]
 /// handle is dropped first.
+///
+/// It refers to the pool without a reference count of its own (no atomic operation on the hot
+/// path): the pool keeps itself alive while any allocation lives (see `State::keepalive`).
 pub struct Allocation {
-    pool: Arc<Inner>,
+    pool: NonNull<Inner>,
     offset: u64,
     size: usize,
     footprint: u64,
     slot: u32,
 }
 
+// SAFETY: `Inner` is `Send + Sync`; the pointer is only used for shared access to it, and the
+// allocation's memory itself is touched only through `&mut self` (write, fill) or `&self` (read).
+unsafe impl Send for Allocation {}
+// SAFETY: as above.
+unsafe impl Sync for Allocation {}
+
 impl Allocation {
-    pub(crate) fn new(pool: Arc<Inner>, offset: u64, size: usize, footprint: u64, slot: u32) -> Self {
+    /// # Safety
+    /// `pool` must stay alive until this allocation is freed: the caller recorded it as live
+    /// under the pool's lock, and the pool holds its keepalive while any allocation is live.
+    pub(crate) unsafe fn new(pool: &Inner, offset: u64, size: usize, footprint: u64, slot: u32) -> Self {
         Allocation {
-            pool,
+            pool: NonNull::from(pool),
             offset,
             size,
             footprint,
@@ -31,9 +43,14 @@ impl Allocation {
         }
     }
 
+    fn inner(&self) -> &Inner {
+        // SAFETY: the pool outlives every live allocation (see `new`).
+        unsafe { self.pool.as_ref() }
+    }
+
     /// Address of the first byte (a device pointer on CUDA, a host pointer on host memory).
     pub fn addr(&self) -> u64 {
-        self.pool.base + self.offset
+        self.inner().base + self.offset
     }
 
     /// Bytes requested.
@@ -53,13 +70,13 @@ impl Allocation {
 
     /// The name given at allocation, if any.
     pub fn name(&self) -> Option<String> {
-        let st = self.pool.state.lock();
+        let st = self.inner().state.lock();
         st.live.get(self.slot).and_then(|r| r.name.as_deref().map(str::to_owned))
     }
 
     /// The backend the memory lives on.
     pub fn backend_info(&self) -> &BackendInfo {
-        self.pool.backend.info()
+        self.inner().backend.info()
     }
 
     fn check(&self, at: usize, len: usize) -> Result<()> {
@@ -78,27 +95,27 @@ impl Allocation {
         self.check(at, data.len())?;
         // SAFETY: the range lies inside this allocation, which is mapped with access for as
         // long as it lives; `&mut self` rules out concurrent use through this handle.
-        unsafe { self.pool.backend.write(self.addr() + at as u64, data) }
+        unsafe { self.inner().backend.write(self.addr() + at as u64, data) }
     }
 
     /// Copy bytes from the allocation at byte `at` into `out`.
     pub fn read(&self, at: usize, out: &mut [u8]) -> Result<()> {
         self.check(at, out.len())?;
         // SAFETY: the range lies inside this mapped allocation.
-        unsafe { self.pool.backend.read(self.addr() + at as u64, out) }
+        unsafe { self.inner().backend.read(self.addr() + at as u64, out) }
     }
 
     /// Set every byte of the allocation to `byte`.
     pub fn fill(&mut self, byte: u8) -> Result<()> {
         // SAFETY: the whole allocation is mapped with access; `&mut self` as in `write`.
-        unsafe { self.pool.backend.fill(self.addr(), self.size, byte) }
+        unsafe { self.inner().backend.fill(self.addr(), self.size, byte) }
     }
 }
 
 impl fmt::Debug for Allocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Allocation")
-            .field("pool", &self.pool.name())
+            .field("pool", &self.inner().name())
             .field("addr", &format_args!("{:#x}", self.addr()))
             .field("size", &self.size)
             .field("footprint", &self.footprint)
@@ -108,6 +125,9 @@ impl fmt::Debug for Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.pool.free(self.offset, self.footprint, self.slot);
+        let keepalive = self.inner().free(self.offset, self.footprint, self.slot);
+        // The last allocation of a closed pool ends the pool: dropped here, after every use of
+        // the pool above, with no reference to it left.
+        drop(keepalive);
     }
 }

@@ -16,10 +16,6 @@ impl Intervals {
         self.total
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     /// Iterate `(start, end)` in address order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.map.iter().map(|(&s, &e)| (s, e))

@@ -51,7 +51,8 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        self.inner.close();
+        let keepalive = self.inner.close();
+        drop(keepalive);
     }
 }
 
@@ -166,8 +167,10 @@ impl Pool {
             drivers,
             backend,
         };
+        let inner = Arc::new(inner);
+        inner.state.lock().keepalive = Some(inner.clone());
         Ok(Pool {
-            handle: Arc::new(Handle { inner: Arc::new(inner) }),
+            handle: Arc::new(Handle { inner }),
         })
     }
 
@@ -208,17 +211,17 @@ impl Pool {
     /// Allocate `bytes` backed by physical memory; contents are unspecified (see the crate
     /// documentation on zeroing). Dropping the [`Allocation`] frees it.
     pub fn allocate(&self, bytes: usize) -> Result<Allocation> {
-        Inner::allocate(self.inner(), bytes, None)
+        self.inner().allocate(bytes, None)
     }
 
     /// As [`Pool::allocate`], with a name that shows in reports and leak warnings.
     pub fn allocate_named(&self, bytes: usize, name: &str) -> Result<Allocation> {
-        Inner::allocate(self.inner(), bytes, Some(name.into()))
+        self.inner().allocate(bytes, Some(name.into()))
     }
 
     /// As [`Pool::allocate`], with every byte set to zero.
     pub fn allocate_zeroed(&self, bytes: usize) -> Result<Allocation> {
-        let mut a = Inner::allocate(self.inner(), bytes, None)?;
+        let mut a = self.inner().allocate(bytes, None)?;
         a.fill(0)?;
         Ok(a)
     }
@@ -303,10 +306,6 @@ impl Pool {
     pub fn audit(&self) -> Result<(), String> {
         let st = self.inner().state.lock();
         st.audit(self.inner().capacity)
-    }
-
-    pub(crate) fn inner_arc(&self) -> Arc<Inner> {
-        self.inner().clone()
     }
 }
 
@@ -505,24 +504,29 @@ impl Inner {
         Ok(f)
     }
 
-    fn allocate(this: &Arc<Inner>, bytes: usize, name: Option<Arc<str>>) -> Result<Allocation> {
-        let footprint = this.footprint(bytes)?;
+    fn allocate(&self, bytes: usize, name: Option<Arc<str>>) -> Result<Allocation> {
+        let footprint = self.footprint(bytes)?;
         let growth = {
-            let mut st = this.state.lock();
-            if let Some(off) = st.take_warm(footprint) {
+            let mut st = self.state.lock();
+            let warm = match st.take_warm(footprint) {
                 // Hot path: warm memory, no driver call.
-                let slot = this.record(&mut st, off, footprint, name);
-                return Ok(Allocation::new(this.clone(), off, bytes, footprint, slot));
+                Some(off) => Some(off),
+                None => {
+                    st.flush_quick();
+                    st.idle.take_best_fit(footprint)
+                }
+            };
+            if let Some(off) = warm {
+                let slot = self.record(&mut st, off, footprint, name);
+                // SAFETY: recorded live under the lock; the pool is open (we are called through
+                // a handle), so its keepalive is held until this allocation is freed.
+                return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
             }
-            st.flush_quick();
-            if let Some(off) = st.idle.take_best_fit(footprint) {
-                let slot = this.record(&mut st, off, footprint, name);
-                return Ok(Allocation::new(this.clone(), off, bytes, footprint, slot));
-            }
-            this.plan_growth(&mut st, footprint)?
+            self.plan_growth(&mut st, footprint)?
         };
-        let (off, slot) = this.grow(growth, footprint, name)?;
-        Ok(Allocation::new(this.clone(), off, bytes, footprint, slot))
+        let (off, slot) = self.grow(growth, footprint, name)?;
+        // SAFETY: as above.
+        Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) })
     }
 
     fn record(&self, st: &mut State, offset: u64, footprint: u64, name: Option<Arc<str>>) -> u32 {
@@ -674,21 +678,28 @@ impl Inner {
         let _ = self.release_all(fresh);
     }
 
-    /// Called by [`Allocation`]'s drop.
-    pub(crate) fn free(&self, offset: u64, footprint: u64, slot: u32) {
-        let closed = {
+    /// Called by [`Allocation`]'s drop. Returns the pool's keepalive when this was the last
+    /// allocation of a closed pool: the caller drops it after its last use of the pool.
+    #[must_use]
+    pub(crate) fn free(&self, offset: u64, footprint: u64, slot: u32) -> Option<Arc<Inner>> {
+        let (closed, last) = {
             let mut st = self.state.lock();
             st.live.remove(slot);
             st.alloc_bytes -= footprint;
             st.frees += 1;
             st.put_warm(offset, footprint);
-            st.closed
+            (st.closed, st.live.live() == 0)
         };
-        if closed {
-            if let Err(e) = self.trim(u64::MAX, true) {
-                tracing::warn!(pool = %self.name, error = %e, "giving back memory of a closed pool failed");
-            }
+        if !closed {
+            return None;
         }
+        if let Err(e) = self.trim(u64::MAX, true) {
+            tracing::warn!(pool = %self.name, error = %e, "giving back memory of a closed pool failed");
+        }
+        if last {
+            return self.state.lock().keepalive.take();
+        }
+        None
     }
 
     // ---- range API ----
@@ -943,7 +954,9 @@ impl Inner {
     }
 
     /// The last pool handle is gone: give back everything no allocation holds, report leaks.
-    fn close(&self) {
+    /// Returns the keepalive when no allocation is live (the caller drops it).
+    #[must_use]
+    fn close(&self) -> Option<Arc<Inner>> {
         let (ranges, live, live_bytes, names) = {
             let mut st = self.state.lock();
             st.closed = true;
@@ -979,6 +992,12 @@ impl Inner {
                 named = ?names,
                 "pool dropped with live allocations; their memory is given back as each is dropped"
             );
+        }
+        let mut st = self.state.lock();
+        if st.live.live() == 0 {
+            st.keepalive.take()
+        } else {
+            None
         }
     }
 }

@@ -120,6 +120,10 @@ impl Slab {
 pub(crate) struct State {
     /// Set once the last [`crate::Pool`] handle is gone: frees then give memory straight back.
     pub(crate) closed: bool,
+    /// The pool's reference to itself, held while it is open or any allocation is live, so that
+    /// allocations need no reference count of their own. Taken out (and dropped outside the lock)
+    /// when the pool is closed and the last allocation is freed.
+    pub(crate) keepalive: Option<std::sync::Arc<super::Inner>>,
     pub(crate) cold: Intervals,
     pub(crate) idle: FreeRanges,
     pub(crate) quick: QuickBins,

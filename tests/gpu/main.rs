@@ -2,6 +2,9 @@
 //! machine (see README, "GPU tests"). Built only with the `gpu-tests` feature; on a machine
 //! without a usable CUDA device every test here fails, by design, rather than skipping.
 
+#[path = "../suite/mod.rs"]
+mod suite;
+
 mod pool;
 mod shared;
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build the GPU test target, the GPU benchmark, the command-line tool and (with candle) the
+# example in release mode, strip them and pack them into .carry/bundle.tar.xz for the GPU
+# machine (which has no Rust). Usage: scripts/gpu-bundle.sh [extra features, e.g. candle,nixl]
+#
+# On the GPU machine: tar -xJf .carry/bundle.tar.xz -C /tmp && /tmp/bundle/gpu-tests --test-threads=1
+set -euo pipefail
+cd "$(dirname "$0")/.."
+features="gpu-tests${1:+,$1}"
+out=.carry/bundle
+rm -rf "$out" && mkdir -p "$out"
+json=$(mktemp)
+cargo build --release --features "$features" --test gpu --bench gpu --bins --message-format=json-render-diagnostics >"$json"
+if [[ ",$features," == *",candle,"* ]]; then
+  cargo build --release --features "$features" --examples --message-format=json-render-diagnostics >>"$json"
+fi
+python3 - "$json" "$out" <<'PY'
+import json, shutil, sys
+src, out = sys.argv[1], sys.argv[2]
+names = {("test", "gpu"): "gpu-tests", ("bench", "gpu"): "gpu-bench", ("bin", "elastic-vmm"): "elastic-vmm"}
+for line in open(src):
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    kind = m["target"]["kind"][0]
+    name = names.get((kind, m["target"]["name"]), m["target"]["name"] if kind == "example" else None)
+    if name:
+        shutil.copy(m["executable"], f"{out}/{name}")
+        print(f"{name}: {m['executable']}")
+PY
+rm -f "$json"
+strip "$out"/*
+cp ../shared/tools/torch_probe.py "$out/" 2>/dev/null || true
+tar -C .carry -cJf .carry/bundle.tar.xz bundle
+ls -la "$out" .carry/bundle.tar.xz
