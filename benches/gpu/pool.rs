@@ -31,7 +31,7 @@ pub fn run() -> Result<(), BoxError> {
 
     // ---- hot allocate + free ----
     for size in [4096usize, 2 * MIB as usize, 64 * MIB as usize] {
-        let pool = Pool::new(backend.clone(), PoolConfig::new(16 * GIB as usize))?;
+        let pool = Pool::new(backend.clone(), PoolConfig::new(64 * GIB as usize))?;
         drop(pool.allocate(size)?);
         let calls = pool.stats().driver_calls;
         let mut err = None;
@@ -90,8 +90,9 @@ pub fn run() -> Result<(), BoxError> {
             let t = Instant::now();
             for _ in 0..20 {
                 for _ in 0..BATCH {
-                    if let Ok(a) = pool.allocate(size) {
-                        held.push(a);
+                    match pool.allocate(size) {
+                        Ok(a) => held.push(a),
+                        Err(e) => err = Some(e),
                     }
                 }
                 held.clear();
@@ -116,6 +117,9 @@ pub fn run() -> Result<(), BoxError> {
             }
             t.elapsed().as_nanos() as f64 / (20 * BATCH) as f64
         });
+        if let Some(e) = err.take() {
+            return Err(e.into());
+        }
         println!(
             "hot allocate+free {:>9}, {BATCH} live then all freed (+ stream sync): elastic-vmm {:8.1} ns | cuMemAllocAsync+FreeAsync {:8.1} ns",
             crate::human(size as u64),
