@@ -29,7 +29,9 @@ fn hot_path(c: &mut Criterion) {
     }
     // With other allocations live (free ranges to search and coalesce).
     let pool = Pool::new(host(), PoolConfig::new(16 << 30)).expect("pool");
-    let _live: Vec<_> = (0..1000).map(|i| pool.allocate(4096 * (1 + i % 7)).expect("live")).collect();
+    let _live: Vec<_> = (0..1000)
+        .map(|i| pool.allocate(4096 * (1 + i % 7)).expect("live"))
+        .collect();
     g.bench_function("4 KiB among 1000 live", |b| {
         b.iter(|| {
             let a = pool.allocate(black_box(4096)).expect("allocate");
@@ -48,7 +50,9 @@ fn growth(c: &mut Criterion) {
         b.iter_batched(
             || Pool::new(host(), PoolConfig::new(8 << 30)).expect("pool"),
             |pool| {
-                let v: Vec<_> = (0..TOTAL / (2 * MIB)).map(|_| pool.allocate(2 * MIB).expect("step")).collect();
+                let v: Vec<_> = (0..TOTAL / (2 * MIB))
+                    .map(|_| pool.allocate(2 * MIB).expect("step"))
+                    .collect();
                 black_box(v.len());
                 (pool, v)
             },

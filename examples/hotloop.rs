@@ -8,6 +8,9 @@ fn main() -> elastic_vmm::Result<()> {
         let a = pool.allocate(std::hint::black_box(2 << 20))?;
         std::hint::black_box(a.addr());
     }
-    println!("{:.1} ns per allocate+free", t.elapsed().as_nanos() as f64 / n as f64);
+    println!(
+        "{:.1} ns per allocate+free",
+        t.elapsed().as_nanos() as f64 / n as f64
+    );
     Ok(())
 }

@@ -51,5 +51,8 @@ fn small_granularity() {
     let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(64 << 10).expect("host"));
     suite::range_api(backend.clone());
     suite::trim_returns_physical_memory(backend);
-    assert!(HostBackend::new(3000).is_err(), "granularity must be a power of two >= page size");
+    assert!(
+        HostBackend::new(3000).is_err(),
+        "granularity must be a power of two >= page size"
+    );
 }

@@ -10,8 +10,16 @@ use elastic_vmm::{Backend, Pool, PoolConfig};
 fn resident() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
     let field = |key: &str| -> u64 {
-        let line = status.lines().find(|l| l.starts_with(key)).unwrap_or_else(|| panic!("{key} missing"));
-        line.split_whitespace().nth(1).expect("value").parse::<u64>().expect("number") * 1024
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .unwrap_or_else(|| panic!("{key} missing"));
+        line.split_whitespace()
+            .nth(1)
+            .expect("value")
+            .parse::<u64>()
+            .expect("number")
+            * 1024
     };
     (field("VmRSS:"), field("RssShmem:"))
 }
@@ -33,10 +41,18 @@ fn resident_memory_drops_after_unmap_and_trim() {
     // Range path: 128 MiB mapped and touched.
     pool.map(4 << 30, 128 * MIB).expect("map");
     // SAFETY: the range was just mapped and nothing else uses it.
-    unsafe { backend.fill(pool.base() + (4 << 30), (128 * MIB) as usize, 7).expect("touch") };
+    unsafe {
+        backend
+            .fill(pool.base() + (4 << 30), (128 * MIB) as usize, 7)
+            .expect("touch")
+    };
     let (rss1, shmem1) = resident();
     println!("before: VmRSS {rss0} RssShmem {shmem0}; loaded: VmRSS {rss1} RssShmem {shmem1}");
-    assert!(shmem1 - shmem0 >= 380 * MIB, "384 MiB touched should be resident: +{} bytes", shmem1 - shmem0);
+    assert!(
+        shmem1 - shmem0 >= 380 * MIB,
+        "384 MiB touched should be resident: +{} bytes",
+        shmem1 - shmem0
+    );
     assert!(backend.physical_bytes().expect("blocks") >= 384 * MIB);
 
     drop(allocs);
@@ -44,11 +60,27 @@ fn resident_memory_drops_after_unmap_and_trim() {
     // Freed memory is idle/cached, still held: nothing given back before trim.
     assert!(pool.stats().physical() >= 384 * MIB);
     let report = pool.trim().expect("trim");
-    assert!(report.released >= 384 * MIB, "trim released only {}", report.released);
+    assert!(
+        report.released >= 384 * MIB,
+        "trim released only {}",
+        report.released
+    );
     let (rss2, shmem2) = resident();
     println!("after unmap + trim: VmRSS {rss2} RssShmem {shmem2}");
-    assert!(shmem1 - shmem2 >= 380 * MIB, "RssShmem dropped only {} bytes", shmem1 - shmem2);
-    assert!(rss1 - rss2 >= 380 * MIB, "VmRSS dropped only {} bytes", rss1 - rss2);
-    assert_eq!(backend.physical_bytes().expect("blocks"), 0, "the memfd holds no blocks any more");
+    assert!(
+        shmem1 - shmem2 >= 380 * MIB,
+        "RssShmem dropped only {} bytes",
+        shmem1 - shmem2
+    );
+    assert!(
+        rss1 - rss2 >= 380 * MIB,
+        "VmRSS dropped only {} bytes",
+        rss1 - rss2
+    );
+    assert_eq!(
+        backend.physical_bytes().expect("blocks"),
+        0,
+        "the memfd holds no blocks any more"
+    );
     assert_eq!(pool.stats().physical(), 0);
 }

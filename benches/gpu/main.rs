@@ -3,14 +3,17 @@
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
 //! machine. Arguments name the sections to run (`pool`, `shared`, `candle`); none runs all.
 
-mod pool;
-mod shared;
 #[cfg(feature = "candle")]
 mod candle;
+mod pool;
+mod shared;
 
 use std::process::ExitCode;
 
 pub type BoxError = Box<dyn std::error::Error>;
+
+/// One benchmark section: a name and its entry point.
+type Section = (&'static str, fn() -> Result<(), BoxError>);
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
@@ -32,10 +35,13 @@ pub fn human(bytes: u64) -> String {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
     let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
     #[cfg_attr(not(feature = "candle"), allow(unused_mut))]
-    let mut sections: Vec<(&str, fn() -> Result<(), BoxError>)> = vec![("pool", pool::run), ("shared", shared::run)];
+    let mut sections: Vec<Section> = vec![("pool", pool::run), ("shared", shared::run)];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));
     let mut failed = false;

@@ -80,7 +80,11 @@ pub fn run() -> Result<(), BoxError> {
             asynch,
             plain
         );
-        ratio_line("  elastic-vmm vs cuMemAllocAsync+FreeAsync", asynch, elastic);
+        ratio_line(
+            "  elastic-vmm vs cuMemAllocAsync+FreeAsync",
+            asynch,
+            elastic,
+        );
         ratio_line("  elastic-vmm vs cuMemAlloc+Free", plain, elastic);
 
         // Batch pattern of a serving step: 256 blocks live at once, all freed, stream synced.
@@ -126,7 +130,11 @@ pub fn run() -> Result<(), BoxError> {
             elastic_b,
             asynch_b
         );
-        ratio_line("  elastic-vmm vs cuMemAllocAsync+FreeAsync, batch", asynch_b, elastic_b);
+        ratio_line(
+            "  elastic-vmm vs cuMemAllocAsync+FreeAsync, batch",
+            asynch_b,
+            elastic_b,
+        );
     }
 
     // ---- growth: 8 GiB in 2 MiB steps, and in one request ----
@@ -202,7 +210,11 @@ pub fn run() -> Result<(), BoxError> {
         raw_page_s * 1e3,
         gib_s(raw_page_s)
     );
-    ratio_line("  elastic-vmm 2 MiB steps vs raw per-page path", raw_page_s, steps_s);
+    ratio_line(
+        "  elastic-vmm 2 MiB steps vs raw per-page path",
+        raw_page_s,
+        steps_s,
+    );
     println!(
         "  regrowth from idle memory (no driver call): {:.2} ms = {:.0} GiB/s",
         warm_s * 1e3,
@@ -215,7 +227,11 @@ pub fn run() -> Result<(), BoxError> {
         raw_bulk_s * 1e3,
         gib_s(raw_bulk_s)
     );
-    ratio_line("  elastic-vmm bulk vs raw per-page path", raw_page_s, bulk_s);
+    ratio_line(
+        "  elastic-vmm bulk vs raw per-page path",
+        raw_page_s,
+        bulk_s,
+    );
     println!(
         "give back 8 GiB (trim): elastic-vmm {:.2} ms | raw per-page unmap+release {:.2} ms",
         trim_s * 1e3,

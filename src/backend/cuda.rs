@@ -35,7 +35,10 @@ unsafe impl Send for CudaBackend {}
 // SAFETY: as above; all mutation goes through the driver or an atomic.
 unsafe impl Sync for CudaBackend {}
 
-fn driver_error(call: &'static str, detail: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
+fn driver_error(
+    call: &'static str,
+    detail: impl Into<String>,
+) -> impl FnOnce(DriverError) -> Error {
     let detail = detail.into();
     move |e| Error::backend(NAME, call, format!("{:?}", e.0), detail)
 }
@@ -71,7 +74,9 @@ impl CudaBackend {
     /// (`None`: the recommended granularity).
     pub fn with_granularity(ordinal: i32, granularity: Option<usize>) -> Result<Self> {
         if !driver_library_present() {
-            return Err(unavailable("libcuda.so.1 not found (no NVIDIA driver on this machine)"));
+            return Err(unavailable(
+                "libcuda.so.1 not found (no NVIDIA driver on this machine)",
+            ));
         }
         result::init().map_err(|e| unavailable(format!("cuInit failed with {:?}", e.0)))?;
         let count = result::device::get_count().map_err(driver_error("cuDeviceGetCount", ""))?;
@@ -80,23 +85,32 @@ impl CudaBackend {
                 "device ordinal {ordinal} requested, {count} CUDA device(s) present"
             )));
         }
-        let device = result::device::get(ordinal).map_err(driver_error("cuDeviceGet", ordinal.to_string()))?;
+        let device = result::device::get(ordinal)
+            .map_err(driver_error("cuDeviceGet", ordinal.to_string()))?;
         let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
             // SAFETY: `device` is a valid device handle from cuDeviceGet.
             unsafe { result::device::get_attribute(device, a) }
                 .map_err(driver_error("cuDeviceGetAttribute", format!("{a:?}")))
         };
-        let vmm = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
+        let vmm =
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?
+                != 0;
         if !vmm {
-            return Err(unavailable(format!("device {ordinal} does not support virtual memory management")));
+            return Err(unavailable(format!(
+                "device {ordinal} does not support virtual memory management"
+            )));
         }
-        let rdma = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)? != 0;
+        let rdma = attr(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+        )? != 0;
         let posix_fd = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)? != 0;
         let name = result::device::get_name(device).map_err(driver_error("cuDeviceGetName", ""))?;
         // SAFETY: `device` is valid.
-        let total = unsafe { result::device::total_mem(device) }.map_err(driver_error("cuDeviceTotalMem", ""))?;
+        let total = unsafe { result::device::total_mem(device) }
+            .map_err(driver_error("cuDeviceTotalMem", ""))?;
         // SAFETY: `device` is valid; the retained primary context is released in Drop.
-        let ctx = unsafe { result::primary_ctx::retain(device) }.map_err(driver_error("cuDevicePrimaryCtxRetain", ""))?;
+        let ctx = unsafe { result::primary_ctx::retain(device) }
+            .map_err(driver_error("cuDevicePrimaryCtxRetain", ""))?;
 
         // SAFETY: CUmemAllocationProp is plain data; all-zero is its documented default.
         let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
@@ -104,7 +118,8 @@ impl CudaBackend {
         prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = ordinal;
         if posix_fd {
-            prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            prop.requestedHandleTypes =
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         }
         prop.allocFlags.gpuDirectRDMACapable = u8::from(rdma);
 
@@ -132,11 +147,15 @@ impl CudaBackend {
             // SAFETY: `g` and the prop are valid for the call's duration.
             unsafe { sys::cuMemGetAllocationGranularity(&mut g, &backend.prop.0, flag) }
                 .result()
-                .map_err(driver_error("cuMemGetAllocationGranularity", format!("{flag:?}")))?;
+                .map_err(driver_error(
+                    "cuMemGetAllocationGranularity",
+                    format!("{flag:?}"),
+                ))?;
             Ok(g)
         };
         let min = query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?;
-        let recommended = query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
+        let recommended =
+            query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
         let granularity = granularity.unwrap_or(recommended);
         if granularity == 0 || granularity % min != 0 || !granularity.is_power_of_two() {
             return Err(Error::InvalidArgument(format!(
@@ -159,7 +178,8 @@ impl CudaBackend {
         let current = result::ctx::get_current().map_err(driver_error("cuCtxGetCurrent", ""))?;
         if current != Some(self.ctx) {
             // SAFETY: `ctx` is the primary context we retained and still hold.
-            unsafe { result::ctx::set_current(self.ctx) }.map_err(driver_error("cuCtxSetCurrent", ""))?;
+            unsafe { result::ctx::set_current(self.ctx) }
+                .map_err(driver_error("cuCtxSetCurrent", ""))?;
         }
         Ok(())
     }
@@ -194,7 +214,10 @@ impl Backend for CudaBackend {
         // SAFETY: `ptr` is valid for writing; a fresh reservation touches no existing memory.
         unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) }
             .result()
-            .map_err(driver_error("cuMemAddressReserve", format!("{size} bytes, alignment {alignment}")))?;
+            .map_err(driver_error(
+                "cuMemAddressReserve",
+                format!("{size} bytes, alignment {alignment}"),
+            ))?;
         Ok(ptr)
     }
 
@@ -203,7 +226,10 @@ impl Backend for CudaBackend {
         // SAFETY: the caller guarantees this is one whole unused reservation of ours.
         unsafe { sys::cuMemAddressFree(base, size) }
             .result()
-            .map_err(driver_error("cuMemAddressFree", format!("{size} bytes at {base:#x}")))
+            .map_err(driver_error(
+                "cuMemAddressFree",
+                format!("{size} bytes at {base:#x}"),
+            ))
     }
 
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
@@ -212,7 +238,13 @@ impl Backend for CudaBackend {
         // SAFETY: `handle` is valid for writing and the prop outlives the call.
         unsafe { sys::cuMemCreate(&mut handle, size, &self.prop.0, 0) }
             .result()
-            .map_err(driver_error("cuMemCreate", format!("{size} bytes on device {}", self.info.device_ordinal.unwrap_or(0))))?;
+            .map_err(driver_error(
+                "cuMemCreate",
+                format!(
+                    "{size} bytes on device {}",
+                    self.info.device_ordinal.unwrap_or(0)
+                ),
+            ))?;
         self.physical.fetch_add(size as u64, Ordering::Relaxed);
         Ok(PhysicalChunk { raw: handle, size })
     }
@@ -222,8 +254,12 @@ impl Backend for CudaBackend {
         // SAFETY: the caller guarantees the handle is ours, live and unmapped.
         unsafe { sys::cuMemRelease(chunk.raw) }
             .result()
-            .map_err(driver_error("cuMemRelease", format!("{} bytes", chunk.size)))?;
-        self.physical.fetch_sub(chunk.size as u64, Ordering::Relaxed);
+            .map_err(driver_error(
+                "cuMemRelease",
+                format!("{} bytes", chunk.size),
+            ))?;
+        self.physical
+            .fetch_sub(chunk.size as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -232,7 +268,10 @@ impl Backend for CudaBackend {
         // SAFETY: the caller guarantees the range is an unmapped part of our reservation.
         unsafe { sys::cuMemMap(addr, chunk.size, 0, chunk.raw, 0) }
             .result()
-            .map_err(driver_error("cuMemMap", format!("{} bytes at {addr:#x}", chunk.size)))
+            .map_err(driver_error(
+                "cuMemMap",
+                format!("{} bytes at {addr:#x}", chunk.size),
+            ))
     }
 
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
@@ -241,7 +280,10 @@ impl Backend for CudaBackend {
         // SAFETY: the caller guarantees the range is made of our mapped chunks.
         unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }
             .result()
-            .map_err(driver_error("cuMemSetAccess", format!("{size} bytes at {addr:#x}")))
+            .map_err(driver_error(
+                "cuMemSetAccess",
+                format!("{size} bytes at {addr:#x}"),
+            ))
     }
 
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
@@ -249,7 +291,10 @@ impl Backend for CudaBackend {
         // SAFETY: the caller guarantees the range is made of whole chunks nothing uses.
         unsafe { sys::cuMemUnmap(addr, size) }
             .result()
-            .map_err(driver_error("cuMemUnmap", format!("{size} bytes at {addr:#x}")))
+            .map_err(driver_error(
+                "cuMemUnmap",
+                format!("{size} bytes at {addr:#x}"),
+            ))
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {
@@ -268,22 +313,28 @@ impl Backend for CudaBackend {
     unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
         self.bind()?;
         // SAFETY: the caller guarantees the destination is mapped with access.
-        unsafe { result::memcpy_htod_sync(addr, data) }
-            .map_err(driver_error("cuMemcpyHtoD", format!("{} bytes to {addr:#x}", data.len())))
+        unsafe { result::memcpy_htod_sync(addr, data) }.map_err(driver_error(
+            "cuMemcpyHtoD",
+            format!("{} bytes to {addr:#x}", data.len()),
+        ))
     }
 
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
         self.bind()?;
         let len = out.len();
         // SAFETY: the caller guarantees the source is mapped with access.
-        unsafe { result::memcpy_dtoh_sync(out, addr) }
-            .map_err(driver_error("cuMemcpyDtoH", format!("{len} bytes from {addr:#x}")))
+        unsafe { result::memcpy_dtoh_sync(out, addr) }.map_err(driver_error(
+            "cuMemcpyDtoH",
+            format!("{len} bytes from {addr:#x}"),
+        ))
     }
 
     unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
         self.bind()?;
         // SAFETY: the caller guarantees the range is mapped with access.
-        unsafe { result::memset_d8_sync(addr, byte, len) }
-            .map_err(driver_error("cuMemsetD8", format!("{len} bytes at {addr:#x}")))
+        unsafe { result::memset_d8_sync(addr, byte, len) }.map_err(driver_error(
+            "cuMemsetD8",
+            format!("{len} bytes at {addr:#x}"),
+        ))
     }
 }

@@ -39,13 +39,21 @@ impl FaultInjector {
     /// Fail the `n`-th call (1-based) of kind `call` made from now on.
     pub fn fail_nth(&self, call: DriverCall, n: u64) {
         let at = self.calls[call.index()].load(Ordering::SeqCst) + n.max(1);
-        self.plans.lock().push(Plan { call, at, sticky: false });
+        self.plans.lock().push(Plan {
+            call,
+            at,
+            sticky: false,
+        });
     }
 
     /// Fail every call of kind `call` from the `n`-th one (1-based) on, until [`Self::clear`].
     pub fn fail_from(&self, call: DriverCall, n: u64) {
         let at = self.calls[call.index()].load(Ordering::SeqCst) + n.max(1);
-        self.plans.lock().push(Plan { call, at, sticky: true });
+        self.plans.lock().push(Plan {
+            call,
+            at,
+            sticky: true,
+        });
     }
 
     /// Disarm every planned failure.

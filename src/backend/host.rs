@@ -138,7 +138,10 @@ impl HostBackend {
         let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: `memfd` is a valid descriptor; a sparse size commits nothing.
         if unsafe { libc::ftruncate(memfd.as_raw_fd(), MEMFD_SPAN as libc::off_t) } != 0 {
-            return Err(os_error("ftruncate", format!("memfd to {MEMFD_SPAN} bytes")));
+            return Err(os_error(
+                "ftruncate",
+                format!("memfd to {MEMFD_SPAN} bytes"),
+            ));
         }
         let total = read_meminfo()?.total;
         Ok(HostBackend {
@@ -185,10 +188,12 @@ impl Backend for HostBackend {
                 "reservation alignment {alignment} is not a power of two"
             )));
         }
-        let span = size.checked_add(alignment).ok_or_else(|| Error::SizeOverflow {
-            what: "reservation",
-            detail: format!("{size} + alignment {alignment}"),
-        })?;
+        let span = size
+            .checked_add(alignment)
+            .ok_or_else(|| Error::SizeOverflow {
+                what: "reservation",
+                detail: format!("{size} + alignment {alignment}"),
+            })?;
         // SAFETY: an anonymous PROT_NONE mapping at an address of the kernel's choosing touches
         // no existing memory.
         let ptr = unsafe {
@@ -232,12 +237,22 @@ impl Backend for HostBackend {
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
         self.check_granular("chunk size", size as u64)?;
         let off = self.offsets.lock().take(size as u64).ok_or_else(|| {
-            Error::backend(NAME, "create", "ENOSPC", format!("memfd span of {MEMFD_SPAN} bytes exhausted"))
+            Error::backend(
+                NAME,
+                "create",
+                "ENOSPC",
+                format!("memfd span of {MEMFD_SPAN} bytes exhausted"),
+            )
         })?;
         // SAFETY: the file range [off, off + size) belongs to no live chunk; committing its
         // pages touches no memory of the process.
         let rc = unsafe {
-            libc::fallocate(self.memfd.as_raw_fd(), 0, off as libc::off_t, size as libc::off_t)
+            libc::fallocate(
+                self.memfd.as_raw_fd(),
+                0,
+                off as libc::off_t,
+                size as libc::off_t,
+            )
         };
         if rc != 0 {
             let err = os_error("fallocate", format!("{size} bytes at file offset {off:#x}"));
@@ -247,10 +262,7 @@ impl Backend for HostBackend {
             self.offsets.lock().give(off, size as u64);
             return Err(err);
         }
-        Ok(PhysicalChunk {
-            raw: off,
-            size,
-        })
+        Ok(PhysicalChunk { raw: off, size })
     }
 
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
@@ -290,7 +302,11 @@ impl Backend for HostBackend {
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
         // SAFETY: the caller guarantees the range is made of our mapped chunks.
         let rc = unsafe {
-            libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE)
+            libc::mprotect(
+                addr as *mut libc::c_void,
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
         };
         if rc != 0 {
             return Err(os_error("mprotect", format!("{size} bytes at {addr:#x}")));
@@ -312,7 +328,10 @@ impl Backend for HostBackend {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(os_error("mmap(PROT_NONE, MAP_FIXED)", format!("{size} bytes at {addr:#x}")));
+            return Err(os_error(
+                "mmap(PROT_NONE, MAP_FIXED)",
+                format!("{size} bytes at {addr:#x}"),
+            ));
         }
         Ok(())
     }

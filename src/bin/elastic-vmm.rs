@@ -14,7 +14,11 @@ use elastic_vmm::stats::human_bytes;
 use elastic_vmm::{Allocation, Backend, DriverCall, Pool, PoolConfig};
 
 #[derive(Parser)]
-#[command(name = "elastic-vmm", version, about = "Elastic GPU memory: reserve once, map on demand, give back")]
+#[command(
+    name = "elastic-vmm",
+    version,
+    about = "Elastic GPU memory: reserve once, map on demand, give back"
+)]
 struct Cli {
     /// Which memory to use: CUDA device 0 when a GPU is found, else host memory.
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto, global = true)]
@@ -85,14 +89,23 @@ fn main() -> ExitCode {
 
 type BoxError = Box<dyn std::error::Error>;
 
-fn open_backend(choice: BackendChoice, device: i32) -> Result<(Arc<dyn Backend>, Option<String>), BoxError> {
+fn open_backend(
+    choice: BackendChoice,
+    device: i32,
+) -> Result<(Arc<dyn Backend>, Option<String>), BoxError> {
     Ok(match choice {
         BackendChoice::Cuda => (Arc::new(CudaBackend::new(device)?), None),
-        BackendChoice::Host => (Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?), None),
+        BackendChoice::Host => (
+            Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?),
+            None,
+        ),
         BackendChoice::Auto if device == 0 => backend::default_backend()?,
         BackendChoice::Auto => match CudaBackend::new(device) {
             Ok(b) => (Arc::new(b), None),
-            Err(e) => (Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?), Some(e.to_string())),
+            Err(e) => (
+                Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?),
+                Some(e.to_string()),
+            ),
         },
     })
 }
@@ -117,11 +130,19 @@ fn info(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     if let Some(o) = i.device_ordinal {
         println!("device ordinal     {o}");
     }
-    println!("granularity        {} (minimum {})", human_bytes(i.granularity as u64), human_bytes(i.min_granularity as u64));
+    println!(
+        "granularity        {} (minimum {})",
+        human_bytes(i.granularity as u64),
+        human_bytes(i.min_granularity as u64)
+    );
     println!("VMM supported      {}", i.vmm_supported);
     println!("GPUDirect RDMA     {}", i.rdma_capable);
     println!("POSIX fd export    {}", i.posix_fd_exportable);
-    println!("memory             {} free of {}", human_bytes(mem.free), human_bytes(mem.total));
+    println!(
+        "memory             {} free of {}",
+        human_bytes(mem.free),
+        human_bytes(mem.total)
+    );
     Ok(())
 }
 
@@ -170,17 +191,26 @@ impl Timing {
 
 fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
     if a.concurrent == 0 || a.sequences == 0 || a.block_tokens == 0 || a.bytes_per_token == 0 {
-        return Err("sequences, concurrent, block-tokens and bytes-per-token must be positive".into());
+        return Err(
+            "sequences, concurrent, block-tokens and bytes-per-token must be positive".into(),
+        );
     }
     if a.max_tokens < 2 * a.block_tokens {
-        return Err(format!("max-tokens {} must be at least two blocks of {} tokens", a.max_tokens, a.block_tokens).into());
+        return Err(format!(
+            "max-tokens {} must be at least two blocks of {} tokens",
+            a.max_tokens, a.block_tokens
+        )
+        .into());
     }
     let block_bytes = a.block_tokens * a.bytes_per_token;
     let blocks_per_seq = a.max_tokens.div_ceil(a.block_tokens);
     let static_bytes = (a.concurrent * blocks_per_seq * block_bytes) as u64;
     // Reserve address space for twice the static worst case: virtual memory is free.
     let capacity = (2 * static_bytes).max(1 << 30);
-    let pool = Pool::new(backend.clone(), PoolConfig::new(capacity as usize).name("demo"))?;
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig::new(capacity as usize).name("demo"),
+    )?;
     let info = backend.info();
     println!(
         "demo on {} ({}): {} sequences, {} at a time, up to {} tokens each, {} per {}-token block",
@@ -199,7 +229,10 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
         human_bytes(static_bytes),
         human_bytes(pool.capacity())
     );
-    println!("{:>6} {:>7} {:>10} {:>10} {:>10} {:>10} {:>12}", "step", "active", "in use", "mapped", "cached", "physical", "driver calls");
+    println!(
+        "{:>6} {:>7} {:>10} {:>10} {:>10} {:>10} {:>12}",
+        "step", "active", "in use", "mapped", "cached", "physical", "driver calls"
+    );
 
     let mut rng = Rng(a.seed.max(1));
     let mut started = 0usize;
@@ -219,7 +252,11 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
             }
             let prompt = rng.range(a.block_tokens, a.max_tokens / 2);
             let output = rng.range(a.block_tokens, a.max_tokens - prompt);
-            let mut seq = Sequence { tokens: 0, target: prompt + output, blocks: Vec::new() };
+            let mut seq = Sequence {
+                tokens: 0,
+                target: prompt + output,
+                blocks: Vec::new(),
+            };
             // Prefill: blocks for the whole prompt at once.
             for _ in 0..prompt.div_ceil(a.block_tokens) {
                 let t = Instant::now();
@@ -280,7 +317,10 @@ fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
     let after = pool.stats();
     println!();
     println!("summary");
-    println!("  sequences served        {} ({} tokens decoded in {} steps, {:.2?})", finished, tokens_generated, step, elapsed);
+    println!(
+        "  sequences served        {} ({} tokens decoded in {} steps, {:.2?})",
+        finished, tokens_generated, step, elapsed
+    );
     println!(
         "  peak physical           {} (peak in use {}) vs static worst case {}: {:.1}% of it, {} never taken",
         human_bytes(s.peak_physical),

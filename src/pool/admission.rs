@@ -42,10 +42,16 @@ impl Admission for PhysicalLimit {
                 return Err(Error::OutOfPhysicalMemory {
                     requested: bytes,
                     available: self.limit.saturating_sub(used),
-                    source_of_limit: format!("pool physical limit of {} bytes, {used} in use", self.limit),
+                    source_of_limit: format!(
+                        "pool physical limit of {} bytes, {used} in use",
+                        self.limit
+                    ),
                 });
             };
-            match self.used.compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed) {
+            match self
+                .used
+                .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
+            {
                 Ok(_) => return Ok(()),
                 Err(actual) => used = actual,
             }

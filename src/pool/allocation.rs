@@ -33,7 +33,13 @@ impl Allocation {
     /// # Safety
     /// `pool` must stay alive until this allocation is freed: the caller recorded it as live
     /// under the pool's lock, and the pool holds its keepalive while any allocation is live.
-    pub(crate) unsafe fn new(pool: &Inner, offset: u64, size: usize, footprint: u64, slot: u32) -> Self {
+    pub(crate) unsafe fn new(
+        pool: &Inner,
+        offset: u64,
+        size: usize,
+        footprint: u64,
+        slot: u32,
+    ) -> Self {
         Allocation {
             pool: NonNull::from(pool),
             offset,
@@ -71,7 +77,9 @@ impl Allocation {
     /// The name given at allocation, if any.
     pub fn name(&self) -> Option<String> {
         let st = self.inner().state.lock();
-        st.live.get(self.slot).and_then(|r| r.name.as_deref().map(str::to_owned))
+        st.live
+            .get(self.slot)
+            .and_then(|r| r.name.as_deref().map(str::to_owned))
     }
 
     /// The backend the memory lives on.

@@ -64,7 +64,10 @@ impl ChunkCache {
     pub(crate) fn drain(&mut self) -> Vec<PhysicalChunk> {
         self.bytes = 0;
         self.count = 0;
-        std::mem::take(&mut self.by_size).into_values().flatten().collect()
+        std::mem::take(&mut self.by_size)
+            .into_values()
+            .flatten()
+            .collect()
     }
 
     /// Remove chunks until at most `keep` bytes remain, releasing as little beyond the excess

@@ -91,9 +91,12 @@ impl PoolConfig {
     /// Check the values against the backend's granularity; returns the rounded capacity.
     pub(crate) fn validate(&self, granularity: usize) -> Result<u64> {
         if self.capacity == 0 {
-            return Err(Error::ZeroSize { what: "pool capacity" });
+            return Err(Error::ZeroSize {
+                what: "pool capacity",
+            });
         }
-        let capacity = crate::error::round_up("pool capacity", self.capacity as u64, granularity as u64)?;
+        let capacity =
+            crate::error::round_up("pool capacity", self.capacity as u64, granularity as u64)?;
         if !self.alignment.is_power_of_two() || self.alignment > granularity {
             return Err(Error::InvalidArgument(format!(
                 "alignment {} must be a power of two no larger than the granularity {granularity}",

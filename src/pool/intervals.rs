@@ -55,7 +55,11 @@ impl Intervals {
             match self.containing(at) {
                 Some((_, e)) => at = e,
                 None => {
-                    let next = self.map.range(at..).next().map_or(end, |(&s, _)| s.min(end));
+                    let next = self
+                        .map
+                        .range(at..)
+                        .next()
+                        .map_or(end, |(&s, _)| s.min(end));
                     return Some((at, next));
                 }
             }
@@ -67,7 +71,10 @@ impl Intervals {
     /// Returns the merged interval.
     pub(crate) fn insert(&mut self, mut start: u64, mut end: u64) -> (u64, u64) {
         debug_assert!(start < end);
-        debug_assert!(self.first_overlap(start, end).is_none(), "overlapping insert [{start:#x}, {end:#x})");
+        debug_assert!(
+            self.first_overlap(start, end).is_none(),
+            "overlapping insert [{start:#x}, {end:#x})"
+        );
         self.total += end - start;
         if let Some((s, e)) = self.ending_at(start) {
             self.map.remove(&s);

@@ -103,6 +103,15 @@ pub struct LiveAllocation {
     pub name: Option<String>,
 }
 
+/// Where a growth could go: `needed` new bytes mapped at `cold`, the allocation starting at
+/// `start` (inside the idle neighbour `idle` when one is used).
+struct Candidate {
+    needed: u64,
+    start: u64,
+    idle: Option<(u64, u64)>,
+    cold: (u64, u64),
+}
+
 /// A VA range taken out of `cold` (and perhaps an idle neighbour) for a growth, with the
 /// chunks that will back it.
 struct Growth {
@@ -129,14 +138,18 @@ impl Pool {
 
     /// A pool on host memory with the default 2 MiB granularity.
     pub fn host(capacity: usize) -> Result<Pool> {
-        let backend = crate::backend::host::HostBackend::new(crate::backend::host::DEFAULT_GRANULARITY)?;
+        let backend =
+            crate::backend::host::HostBackend::new(crate::backend::host::DEFAULT_GRANULARITY)?;
         Self::new(Arc::new(backend), PoolConfig::new(capacity).name("host"))
     }
 
     /// A pool on CUDA device `ordinal`.
     pub fn cuda(ordinal: i32, capacity: usize) -> Result<Pool> {
         let backend = crate::backend::cuda::CudaBackend::new(ordinal)?;
-        Self::new(Arc::new(backend), PoolConfig::new(capacity).name(format!("cuda:{ordinal}")))
+        Self::new(
+            Arc::new(backend),
+            PoolConfig::new(capacity).name(format!("cuda:{ordinal}")),
+        )
     }
 
     pub(crate) fn with_admission(
@@ -230,7 +243,8 @@ impl Pool {
     /// Both must be multiples of the granularity; the range must be unmapped and not used by the
     /// allocator. Physical chunks are at most the configured range chunk (default: one granule).
     pub fn map(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner().map_range(offset, len, self.inner().range_chunk)
+        self.inner()
+            .map_range(offset, len, self.inner().range_chunk)
     }
 
     /// As [`Pool::map`] with chunks of up to `max_chunk` bytes: fewer driver calls, but
@@ -255,14 +269,24 @@ impl Pool {
 
     /// Whether all of `[offset, offset + len)` is mapped through the range API.
     pub fn is_mapped(&self, offset: u64, len: u64) -> bool {
-        len > 0 && self.inner().state.lock().ranges.covers(offset, offset.saturating_add(len))
+        len > 0
+            && self
+                .inner()
+                .state
+                .lock()
+                .ranges
+                .covers(offset, offset.saturating_add(len))
     }
 
     /// The physical chunks mapped under `[offset, offset + len)`, in address order.
     pub fn chunks_in(&self, offset: u64, len: u64) -> Vec<ChunkSpan> {
         let end = offset.saturating_add(len);
         let st = self.inner().state.lock();
-        let first = st.chunks.range(..=offset).next_back().map_or(offset, |(&o, _)| o);
+        let first = st
+            .chunks
+            .range(..=offset)
+            .next_back()
+            .map_or(offset, |(&o, _)| o);
         st.chunks
             .range(first..end)
             .filter(|(&o, c)| o + c.size as u64 > offset)
@@ -408,7 +432,11 @@ impl Inner {
         Error::OutOfPhysicalMemory {
             requested,
             available,
-            source_of_limit: format!("{} device {} ({e})", self.backend.info().name, self.backend.info().device_name),
+            source_of_limit: format!(
+                "{} device {} ({e})",
+                self.backend.info().name,
+                self.backend.info().device_name
+            ),
         }
     }
 
@@ -491,13 +519,22 @@ impl Inner {
 
     fn footprint(&self, bytes: usize) -> Result<u64> {
         if bytes == 0 {
-            return Err(Error::ZeroSize { what: "allocation size" });
+            return Err(Error::ZeroSize {
+                what: "allocation size",
+            });
         }
         let f = round_up("allocation size", bytes as u64, self.alignment)?;
         if f > self.capacity {
             return Err(Error::OutOfAddressSpace {
                 requested: f,
-                largest_free: self.state.lock().cold.iter().map(|(s, e)| e - s).max().unwrap_or(0),
+                largest_free: self
+                    .state
+                    .lock()
+                    .cold
+                    .iter()
+                    .map(|(s, e)| e - s)
+                    .max()
+                    .unwrap_or(0),
                 capacity: self.capacity,
             });
         }
@@ -533,37 +570,61 @@ impl Inner {
         st.alloc_bytes += footprint;
         st.allocations += 1;
         st.note_peaks();
-        st.live.insert(LiveRecord { offset, footprint, name })
+        st.live.insert(LiveRecord {
+            offset,
+            footprint,
+            name,
+        })
     }
 
     /// Choose where to grow: the cold range that needs the least new mapping, using an idle
     /// range that ends where it starts. Claims the ranges and takes cached chunks.
     fn plan_growth(&self, st: &mut State, footprint: u64) -> Result<Growth> {
         let g = self.gran;
-        // (needed cold bytes, start, idle part, cold start, cold end)
-        let mut best: Option<(u64, u64, Option<(u64, u64)>, u64, u64)> = None;
-        let mut consider = |cand: (u64, u64, Option<(u64, u64)>, u64, u64)| {
-            if best.is_none_or(|b| (cand.0, cand.1) < (b.0, b.1)) {
-                best = Some(cand);
+        let mut best: Option<Candidate> = None;
+        let mut consider = |c: Candidate| {
+            if best
+                .as_ref()
+                .is_none_or(|b| (c.needed, c.start) < (b.needed, b.start))
+            {
+                best = Some(c);
             }
         };
         for (cs, ce) in st.cold.iter() {
             if let Some((is, ie)) = st.idle.intervals().ending_at(cs) {
-                let need = (footprint - (ie - is)).div_ceil(g) * g;
-                if need <= ce - cs {
-                    consider((need, is, Some((is, ie)), cs, ce));
+                let needed = (footprint - (ie - is)).div_ceil(g) * g;
+                if needed <= ce - cs {
+                    consider(Candidate {
+                        needed,
+                        start: is,
+                        idle: Some((is, ie)),
+                        cold: (cs, ce),
+                    });
                 }
             }
-            let need = footprint.div_ceil(g) * g;
-            if need <= ce - cs {
-                consider((need, cs, None, cs, ce));
+            let needed = footprint.div_ceil(g) * g;
+            if needed <= ce - cs {
+                consider(Candidate {
+                    needed,
+                    start: cs,
+                    idle: None,
+                    cold: (cs, ce),
+                });
             }
         }
-        let Some((needed, start, idle, cs, ce)) = best else {
+        let Some(Candidate {
+            needed,
+            start,
+            idle,
+            cold: (cs, ce),
+        }) = best
+        else {
             let largest = st
                 .cold
                 .iter()
-                .map(|(cs, ce)| ce - cs + st.idle.intervals().ending_at(cs).map_or(0, |(s, e)| e - s))
+                .map(|(cs, ce)| {
+                    ce - cs + st.idle.intervals().ending_at(cs).map_or(0, |(s, e)| e - s)
+                })
                 .max()
                 .unwrap_or(0)
                 .max(st.idle.largest());
@@ -573,11 +634,10 @@ impl Inner {
                 capacity: self.capacity,
             });
         };
-        let ahead = if self.growth_divisor == 0 {
-            0
-        } else {
-            (st.mapped / self.growth_divisor / g * g).clamp(g, self.max_chunk)
-        };
+        let ahead = st
+            .mapped
+            .checked_div(self.growth_divisor)
+            .map_or(0, |a| (a / g * g).clamp(g, self.max_chunk));
         let len = needed.max(ahead).min(ce - cs);
         if let Some((is, ie)) = idle {
             st.idle.remove(is, ie);
@@ -706,7 +766,9 @@ impl Inner {
 
     fn check_range(&self, offset: u64, len: u64) -> Result<u64> {
         if len == 0 {
-            return Err(Error::ZeroSize { what: "range length" });
+            return Err(Error::ZeroSize {
+                what: "range length",
+            });
         }
         for (what, v) in [("range offset", offset), ("range length", len)] {
             if v % self.gran != 0 {
@@ -717,11 +779,14 @@ impl Inner {
                 });
             }
         }
-        let end = offset.checked_add(len).filter(|&e| e <= self.capacity).ok_or(Error::RangeOutOfBounds {
-            offset,
-            len,
-            capacity: self.capacity,
-        })?;
+        let end = offset
+            .checked_add(len)
+            .filter(|&e| e <= self.capacity)
+            .ok_or(Error::RangeOutOfBounds {
+                offset,
+                len,
+                capacity: self.capacity,
+            })?;
         Ok(end)
     }
 
@@ -777,7 +842,13 @@ impl Inner {
         Ok(())
     }
 
-    fn undo_range(&self, offset: u64, end: u64, cached: Vec<PhysicalChunk>, fresh: Vec<PhysicalChunk>) {
+    fn undo_range(
+        &self,
+        offset: u64,
+        end: u64,
+        cached: Vec<PhysicalChunk>,
+        fresh: Vec<PhysicalChunk>,
+    ) {
         {
             let mut st = self.state.lock();
             st.cold.insert(offset, end);
@@ -816,7 +887,11 @@ impl Inner {
                     }
                 }
             }
-            let victims: Vec<_> = st.chunks.range(offset..end).map(|(&o, &c)| (o, c)).collect();
+            let victims: Vec<_> = st
+                .chunks
+                .range(offset..end)
+                .map(|(&o, &c)| (o, c))
+                .collect();
             for (o, _) in &victims {
                 st.chunks.remove(o);
             }
@@ -831,7 +906,9 @@ impl Inner {
             // SAFETY: the range was removed from the range set under the lock: nobody else
             // touches these chunks, and the caller said it no longer uses the memory.
             if let Err(e) = unsafe { self.call_unmap(o, c.size as u64) } {
-                let restored = victims[..i].iter().all(|&(ro, rc)| self.map_chunks(ro, &[rc]).is_ok());
+                let restored = victims[..i]
+                    .iter()
+                    .all(|&(ro, rc)| self.map_chunks(ro, &[rc]).is_ok());
                 let mut st = self.state.lock();
                 st.in_transit -= len;
                 if restored {
@@ -874,7 +951,11 @@ impl Inner {
         let (idle, mut cached) = {
             let mut st = self.state.lock();
             let idle = st.take_idle_chunks(limit);
-            let cached = if with_cache { st.cache.drain() } else { Vec::new() };
+            let cached = if with_cache {
+                st.cache.drain()
+            } else {
+                Vec::new()
+            };
             (idle, cached)
         };
         let mut unmapped = Vec::new();
@@ -973,7 +1054,10 @@ impl Inner {
             // Range mappings belong to the pool alone: give them back chunk by chunk.
             let spans: Vec<(u64, u64)> = {
                 let st = self.state.lock();
-                st.chunks.range(s..e).map(|(&o, c)| (o, c.size as u64)).collect()
+                st.chunks
+                    .range(s..e)
+                    .map(|(&o, c)| (o, c.size as u64))
+                    .collect()
             };
             for (o, size) in spans {
                 if let Err(e) = self.unmap_range(o, size) {
@@ -1007,13 +1091,16 @@ impl Drop for Inner {
         // No allocation and no handle is left: everything can go.
         let st = self.state.get_mut();
         st.flush_quick();
-        let chunks: Vec<(u64, PhysicalChunk)> = std::mem::take(&mut st.chunks).into_iter().collect();
+        let chunks: Vec<(u64, PhysicalChunk)> =
+            std::mem::take(&mut st.chunks).into_iter().collect();
         let mut cached = st.cache.drain();
         for (o, c) in chunks {
             // SAFETY: no allocation, handle or range user is left; the chunk is ours and mapped.
             match unsafe { self.call_unmap(o, c.size as u64) } {
                 Ok(()) => cached.push(c),
-                Err(e) => tracing::error!(pool = %self.name, error = %e, "unmap at pool teardown failed"),
+                Err(e) => {
+                    tracing::error!(pool = %self.name, error = %e, "unmap at pool teardown failed")
+                }
             }
         }
         for c in cached {
@@ -1024,7 +1111,10 @@ impl Drop for Inner {
         }
         self.drivers.bump(DriverCall::FreeReservation);
         // SAFETY: the reservation is ours, everything in it is unmapped, nothing refers to it.
-        if let Err(e) = unsafe { self.backend.free_reservation(self.base, self.capacity as usize) } {
+        if let Err(e) = unsafe {
+            self.backend
+                .free_reservation(self.base, self.capacity as usize)
+        } {
             tracing::error!(pool = %self.name, error = %e, "freeing the reservation failed");
         }
         tracing::debug!(pool = %self.name, "pool released");

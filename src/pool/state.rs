@@ -208,13 +208,20 @@ impl State {
     pub(crate) fn audit(&self, capacity: u64) -> Result<(), String> {
         let chunk_bytes: u64 = self.chunks.values().map(|c| c.size as u64).sum();
         if chunk_bytes != self.mapped {
-            return Err(format!("mapped chunks sum to {chunk_bytes}, counter says {}", self.mapped));
+            return Err(format!(
+                "mapped chunks sum to {chunk_bytes}, counter says {}",
+                self.mapped
+            ));
         }
         let live_bytes: u64 = self.live.iter().map(|r| r.footprint).sum();
         if live_bytes != self.alloc_bytes {
-            return Err(format!("live allocations sum to {live_bytes}, counter says {}", self.alloc_bytes));
+            return Err(format!(
+                "live allocations sum to {live_bytes}, counter says {}",
+                self.alloc_bytes
+            ));
         }
-        let mapped_parts = self.idle.total() + self.quick.bytes() + self.alloc_bytes + self.ranges.total();
+        let mapped_parts =
+            self.idle.total() + self.quick.bytes() + self.alloc_bytes + self.ranges.total();
         if self.in_transit == 0 && mapped_parts != self.mapped {
             return Err(format!(
                 "idle {} + quick {} + allocations {} + ranges {} = {mapped_parts}, but {} mapped",

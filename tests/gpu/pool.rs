@@ -42,13 +42,22 @@ fn backend_reports_the_device() {
     let i = b.info();
     println!(
         "device {:?} ordinal {:?}: granularity {} (min {}), rdma {}, posix fd {}, total {}",
-        i.device_name, i.device_ordinal, i.granularity, i.min_granularity, i.rdma_capable, i.posix_fd_exportable, i.total_memory
+        i.device_name,
+        i.device_ordinal,
+        i.granularity,
+        i.min_granularity,
+        i.rdma_capable,
+        i.posix_fd_exportable,
+        i.total_memory
     );
     assert_eq!(i.name, "cuda");
     assert!(i.vmm_supported);
     assert!(i.granularity >= i.min_granularity && i.granularity % i.min_granularity == 0);
     assert!(i.total_memory > GIB);
-    assert!(CudaBackend::new(1000).is_err(), "a missing ordinal is an error, not a panic");
+    assert!(
+        CudaBackend::new(1000).is_err(),
+        "a missing ordinal is an error, not a panic"
+    );
 }
 
 /// Device-side copies cross chunk boundaries: an allocation backed by several chunks behaves as
@@ -57,11 +66,20 @@ fn backend_reports_the_device() {
 fn device_copies_across_chunks_read_back() {
     let b = cuda();
     let g = b.info().granularity;
-    let pool = Pool::new(b, PoolConfig::new(4 * GIB as usize).max_chunk(g).growth_divisor(0)).expect("pool");
+    let pool = Pool::new(
+        b,
+        PoolConfig::new(4 * GIB as usize)
+            .max_chunk(g)
+            .growth_divisor(0),
+    )
+    .expect("pool");
     let n = 5 * g + 12345;
     let mut src = pool.allocate(n).expect("src");
     let dst = pool.allocate(n).expect("dst");
-    assert!(pool.chunks_in(src.offset(), n as u64).len() >= 5, "the source spans several chunks");
+    assert!(
+        pool.chunks_in(src.offset(), n as u64).len() >= 5,
+        "the source spans several chunks"
+    );
     let data: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4099) as u8).collect();
     src.write(0, &data).expect("upload");
     // SAFETY: both ranges are live allocations of n bytes on this context's device.
@@ -78,18 +96,40 @@ fn device_memory_returns_after_trim() {
     let b = cuda();
     let pool = Pool::new(b.clone(), PoolConfig::new(64 * GIB as usize)).expect("pool");
     let free0 = b.memory_info().expect("info").free;
-    let allocs: Vec<_> = (0..4).map(|_| pool.allocate(GIB as usize).expect("1 GiB")).collect();
+    let allocs: Vec<_> = (0..4)
+        .map(|_| pool.allocate(GIB as usize).expect("1 GiB"))
+        .collect();
     pool.map(32 * GIB, 2 * GIB).expect("range");
     let free1 = b.memory_info().expect("info").free;
-    println!("cuMemGetInfo free: {} MiB before, {} MiB with 6 GiB mapped", free0 / MIB, free1 / MIB);
-    assert!(free0 - free1 >= 6 * GIB - 64 * MIB, "mapping 6 GiB took only {} MiB from the device", (free0 - free1) / MIB);
+    println!(
+        "cuMemGetInfo free: {} MiB before, {} MiB with 6 GiB mapped",
+        free0 / MIB,
+        free1 / MIB
+    );
+    assert!(
+        free0 - free1 >= 6 * GIB - 64 * MIB,
+        "mapping 6 GiB took only {} MiB from the device",
+        (free0 - free1) / MIB
+    );
     drop(allocs);
     pool.unmap(32 * GIB, 2 * GIB).expect("unmap");
     let free2 = b.memory_info().expect("info").free;
-    assert!(free2 <= free1 + 64 * MIB, "idle and cached memory is still held before trim");
+    assert!(
+        free2 <= free1 + 64 * MIB,
+        "idle and cached memory is still held before trim"
+    );
     let report = pool.trim().expect("trim");
     let free3 = b.memory_info().expect("info").free;
-    println!("after free + unmap: {} MiB; after trim ({report:?}): {} MiB", free2 / MIB, free3 / MIB);
-    assert!(free3 + 64 * MIB >= free0, "trim gave back only {} of {} MiB", (free3 - free1) / MIB, (free0 - free1) / MIB);
+    println!(
+        "after free + unmap: {} MiB; after trim ({report:?}): {} MiB",
+        free2 / MIB,
+        free3 / MIB
+    );
+    assert!(
+        free3 + 64 * MIB >= free0,
+        "trim gave back only {} of {} MiB",
+        (free3 - free1) / MIB,
+        (free0 - free1) / MIB
+    );
     assert_eq!(pool.stats().physical(), 0);
 }

@@ -74,7 +74,12 @@ pub fn data_survives_while_mapped(backend: Arc<dyn Backend>) {
     for (a, data) in &live {
         let mut back = vec![0u8; data.len()];
         a.read(0, &mut back).expect("read");
-        assert!(back == *data, "allocation at {:#x} of {} bytes lost its data", a.addr(), a.size());
+        assert!(
+            back == *data,
+            "allocation at {:#x} of {} bytes lost its data",
+            a.addr(),
+            a.size()
+        );
     }
     // Reuse keeps contents (documented: reused memory is not zeroed); zeroed allocation zeroes.
     let (a, data) = live.pop().expect("one");
@@ -82,18 +87,32 @@ pub fn data_survives_while_mapped(backend: Arc<dyn Backend>) {
     let len = a.size();
     drop(a);
     let b = p.allocate(len).expect("reuse");
-    assert_eq!(b.offset(), off, "an exact-size free range should be reused first");
+    assert_eq!(
+        b.offset(),
+        off,
+        "an exact-size free range should be reused first"
+    );
     let mut back = vec![0u8; 64];
     b.read(0, &mut back).expect("read");
-    assert_eq!(&back[..], &data[..64], "reused memory keeps its previous contents");
+    assert_eq!(
+        &back[..],
+        &data[..64],
+        "reused memory keeps its previous contents"
+    );
     drop(b);
     let z = p.allocate_zeroed(len).expect("zeroed");
     let mut back = vec![1u8; len];
     z.read(0, &mut back).expect("read");
-    assert!(back.iter().all(|&x| x == 0), "allocate_zeroed returned non-zero bytes");
+    assert!(
+        back.iter().all(|&x| x == 0),
+        "allocate_zeroed returned non-zero bytes"
+    );
     // Out-of-bounds access is an error, not a crash.
     let mut buf = [0u8; 8];
-    assert!(matches!(z.read(len - 4, &mut buf), Err(Error::RangeOutOfBounds { .. })));
+    assert!(matches!(
+        z.read(len - 4, &mut buf),
+        Err(Error::RangeOutOfBounds { .. })
+    ));
     drop(z);
     drop(live);
     assert_backend_matches(&backend, &p);
@@ -112,7 +131,11 @@ pub fn hot_path_makes_no_driver_calls(backend: Arc<dyn Backend>) {
         drop(a);
     }
     let calls = p.stats().driver_calls.since(&before);
-    assert_eq!(calls.total(), 0, "hot allocate/free made driver calls: {calls}");
+    assert_eq!(
+        calls.total(),
+        0,
+        "hot allocate/free made driver calls: {calls}"
+    );
     let s = p.stats();
     assert_eq!(s.allocations, 10_003);
     assert_eq!(s.frees, 10_003);
@@ -159,9 +182,14 @@ pub fn address_space_is_reused_and_coalesced(backend: Arc<dyn Backend>) {
         }
     }
     let filled = small.len() as u64 * (64 << 10);
-    assert!(filled >= cap - cap / 16, "only {filled} of {cap} bytes could be allocated");
+    assert!(
+        filled >= cap - cap / 16,
+        "only {filled} of {cap} bytes could be allocated"
+    );
     drop(small);
-    let whole = p.allocate(cap as usize).expect("whole capacity after coalescing");
+    let whole = p
+        .allocate(cap as usize)
+        .expect("whole capacity after coalescing");
     assert_eq!(whole.offset(), 0);
     drop(whole);
     p.audit().expect("audit");
@@ -169,25 +197,42 @@ pub fn address_space_is_reused_and_coalesced(backend: Arc<dyn Backend>) {
 
 /// Large requests are backed by few, large chunks: one chunk per `max_chunk`.
 pub fn large_requests_use_few_chunks(backend: Arc<dyn Backend>) {
-    let p = pool(&backend, PoolConfig::new(8 * GIB as usize).max_chunk(256 * MIB as usize));
+    let p = pool(
+        &backend,
+        PoolConfig::new(8 * GIB as usize).max_chunk(256 * MIB as usize),
+    );
     let before = p.stats().driver_calls;
     let a = p.allocate(GIB as usize).expect("1 GiB");
     let calls = p.stats().driver_calls.since(&before);
-    assert_eq!(calls.get(DriverCall::Create), 4, "1 GiB in 256 MiB chunks: {calls}");
-    assert_eq!(calls.get(DriverCall::SetAccess), 1, "one access grant per growth: {calls}");
+    assert_eq!(
+        calls.get(DriverCall::Create),
+        4,
+        "1 GiB in 256 MiB chunks: {calls}"
+    );
+    assert_eq!(
+        calls.get(DriverCall::SetAccess),
+        1,
+        "one access grant per growth: {calls}"
+    );
     drop(a);
     p.trim().expect("trim");
     assert_backend_matches(&backend, &p);
     // Growth in small steps maps ahead: far fewer driver growths than steps.
     let before = p.stats().driver_calls;
-    let steps: Vec<_> = (0..512).map(|_| p.allocate(2 * MIB as usize).expect("step")).collect();
+    let steps: Vec<_> = (0..512)
+        .map(|_| p.allocate(2 * MIB as usize).expect("step"))
+        .collect();
     let calls = p.stats().driver_calls.since(&before);
     assert!(
         calls.get(DriverCall::SetAccess) < 64,
         "512 steps of 2 MiB should need far fewer than 64 growths: {calls}"
     );
     let s = p.stats();
-    assert!(s.mapped >= GIB && s.mapped <= GIB + GIB / 4, "look-ahead bounded: mapped {}", s.mapped);
+    assert!(
+        s.mapped >= GIB && s.mapped <= GIB + GIB / 4,
+        "look-ahead bounded: mapped {}",
+        s.mapped
+    );
     drop(steps);
     p.trim().expect("trim");
     assert_backend_matches(&backend, &p);
@@ -204,7 +249,11 @@ pub fn trim_returns_physical_memory(backend: Arc<dyn Backend>) {
     assert_eq!(s.mapped, 4 * g, "exact growth maps whole granules");
     drop(a);
     let s = p.stats();
-    assert_eq!((s.in_use, s.mapped, s.cached), (g / 2, 4 * g, 0), "freed memory stays mapped (idle)");
+    assert_eq!(
+        (s.in_use, s.mapped, s.cached),
+        (g / 2, 4 * g, 0),
+        "freed memory stays mapped (idle)"
+    );
     p.map(512 * MIB, 2 * g).expect("range");
     p.unmap(512 * MIB, 2 * g).expect("unrange");
     let s = p.stats();
@@ -212,7 +261,11 @@ pub fn trim_returns_physical_memory(backend: Arc<dyn Backend>) {
     assert_eq!(s.physical(), 6 * g);
     assert_backend_matches(&backend, &p);
     let r = p.trim().expect("trim");
-    assert_eq!(r.unmapped, 3 * g, "the idle 3-granule chunk is unmapped; b's stays");
+    assert_eq!(
+        r.unmapped,
+        3 * g,
+        "the idle 3-granule chunk is unmapped; b's stays"
+    );
     assert_eq!(r.released, 5 * g);
     let s = p.stats();
     assert_eq!((s.in_use, s.mapped, s.cached), (g / 2, g, 0));
@@ -226,27 +279,52 @@ pub fn trim_returns_physical_memory(backend: Arc<dyn Backend>) {
 /// The range API: map, unmap, reuse of cached chunks, and every misuse with its numbers.
 pub fn range_api(backend: Arc<dyn Backend>) {
     let g = backend.info().granularity as u64;
-    let p = pool(&backend, PoolConfig::new((64 * g) as usize).max_cached(4 * g));
+    let p = pool(
+        &backend,
+        PoolConfig::new((64 * g) as usize).max_cached(4 * g),
+    );
     p.map(4 * g, 4 * g).expect("map");
     assert!(p.is_mapped(4 * g, 4 * g));
     assert!(!p.is_mapped(3 * g, 2 * g));
-    assert_eq!(p.chunks_in(4 * g, 4 * g).len(), 4, "one chunk per granule by default");
+    assert_eq!(
+        p.chunks_in(4 * g, 4 * g).len(),
+        4,
+        "one chunk per granule by default"
+    );
     match p.map(6 * g, 4 * g) {
-        Err(Error::RangeAlreadyMapped { offset, len, mapped_offset, mapped_len }) => {
-            assert_eq!((offset, len, mapped_offset, mapped_len), (6 * g, 4 * g, 6 * g, 2 * g));
+        Err(Error::RangeAlreadyMapped {
+            offset,
+            len,
+            mapped_offset,
+            mapped_len,
+        }) => {
+            assert_eq!(
+                (offset, len, mapped_offset, mapped_len),
+                (6 * g, 4 * g, 6 * g, 2 * g)
+            );
         }
         other => panic!("expected RangeAlreadyMapped, got {other:?}"),
     }
     match p.unmap(2 * g, 4 * g) {
-        Err(Error::RangeNotMapped { hole_offset, hole_len, .. }) => {
+        Err(Error::RangeNotMapped {
+            hole_offset,
+            hole_len,
+            ..
+        }) => {
             assert_eq!((hole_offset, hole_len), (2 * g, 2 * g));
         }
         other => panic!("expected RangeNotMapped, got {other:?}"),
     }
     assert!(matches!(p.map(g / 2, g), Err(Error::Misaligned { .. })));
     assert!(matches!(p.map(0, 0), Err(Error::ZeroSize { .. })));
-    assert!(matches!(p.map(63 * g, 2 * g), Err(Error::RangeOutOfBounds { .. })));
-    assert!(matches!(p.map(u64::MAX - g + 1, g), Err(Error::RangeOutOfBounds { .. })));
+    assert!(matches!(
+        p.map(63 * g, 2 * g),
+        Err(Error::RangeOutOfBounds { .. })
+    ));
+    assert!(matches!(
+        p.map(u64::MAX - g + 1, g),
+        Err(Error::RangeOutOfBounds { .. })
+    ));
     // Data in a mapped range.
     let addr = p.base() + 5 * g;
     let data = pattern(3, 4096);
@@ -262,17 +340,28 @@ pub fn range_api(backend: Arc<dyn Backend>) {
     let before = p.stats().driver_calls;
     p.map(20 * g, g).expect("remap from cache");
     let calls = p.stats().driver_calls.since(&before);
-    assert_eq!(calls.get(DriverCall::Create), 0, "map must reuse the cached chunk: {calls}");
+    assert_eq!(
+        calls.get(DriverCall::Create),
+        0,
+        "map must reuse the cached chunk: {calls}"
+    );
     // Big chunks: unmap must cover whole chunks.
     p.map_chunked(32 * g, 8 * g, 4 * g).expect("chunked");
     assert_eq!(p.chunks_in(32 * g, 8 * g).len(), 2);
     match p.unmap(32 * g, 2 * g) {
-        Err(Error::SplitsChunk { chunk_offset, chunk_len, .. }) => {
+        Err(Error::SplitsChunk {
+            chunk_offset,
+            chunk_len,
+            ..
+        }) => {
             assert_eq!((chunk_offset, chunk_len), (32 * g, 4 * g));
         }
         other => panic!("expected SplitsChunk, got {other:?}"),
     }
-    assert!(p.is_mapped(32 * g, 8 * g), "a refused unmap changes nothing");
+    assert!(
+        p.is_mapped(32 * g, 8 * g),
+        "a refused unmap changes nothing"
+    );
     p.unmap(32 * g, 8 * g).expect("whole chunks");
     // The cache is capped at 4 granules: the rest was released.
     assert!(p.stats().cached <= 4 * g, "cache cap: {}", p.stats().cached);
@@ -293,32 +382,63 @@ pub fn range_api(backend: Arc<dyn Backend>) {
 /// Bad input gets a clear error with the numbers in it and changes nothing.
 pub fn bad_input_is_refused_cleanly(backend: Arc<dyn Backend>) {
     let g = backend.info().granularity as u64;
-    let p = pool(&backend, PoolConfig::new((16 * g) as usize).physical_limit(4 * g).growth_divisor(0));
+    let p = pool(
+        &backend,
+        PoolConfig::new((16 * g) as usize)
+            .physical_limit(4 * g)
+            .growth_divisor(0),
+    );
     assert!(matches!(p.allocate(0), Err(Error::ZeroSize { .. })));
-    assert!(matches!(p.allocate(usize::MAX), Err(Error::SizeOverflow { .. })));
+    assert!(matches!(
+        p.allocate(usize::MAX),
+        Err(Error::SizeOverflow { .. })
+    ));
     match p.allocate((17 * g) as usize) {
-        Err(Error::OutOfAddressSpace { requested, capacity, .. }) => {
+        Err(Error::OutOfAddressSpace {
+            requested,
+            capacity,
+            ..
+        }) => {
             assert_eq!((requested, capacity), (17 * g, 16 * g));
         }
         other => panic!("expected OutOfAddressSpace, got {other:?}"),
     }
     let a = p.allocate((3 * g) as usize).expect("within limit");
     match p.allocate((2 * g) as usize) {
-        Err(e @ Error::OutOfPhysicalMemory { requested, available, .. }) => {
+        Err(
+            e @ Error::OutOfPhysicalMemory {
+                requested,
+                available,
+                ..
+            },
+        ) => {
             assert_eq!((requested, available), (2 * g, g));
-            assert!(e.to_string().contains(&format!("{}", 4 * g)), "message names the limit: {e}");
+            assert!(
+                e.to_string().contains(&format!("{}", 4 * g)),
+                "message names the limit: {e}"
+            );
         }
         other => panic!("expected OutOfPhysicalMemory, got {other:?}"),
     }
-    assert!(matches!(p.map(8 * g, 2 * g), Err(Error::OutOfPhysicalMemory { .. })));
+    assert!(matches!(
+        p.map(8 * g, 2 * g),
+        Err(Error::OutOfPhysicalMemory { .. })
+    ));
     assert_eq!(p.stats().in_use, 3 * g, "refusals change nothing");
     assert_backend_matches(&backend, &p);
     drop(a);
-    p.allocate((2 * g) as usize).expect("idle memory is reused under the limit");
+    p.allocate((2 * g) as usize)
+        .expect("idle memory is reused under the limit");
     // Invalid configurations.
-    assert!(matches!(Pool::new(backend.clone(), PoolConfig::new(0)), Err(Error::ZeroSize { .. })));
     assert!(matches!(
-        Pool::new(backend.clone(), PoolConfig::new(GIB as usize).max_chunk(g as usize + 1)),
+        Pool::new(backend.clone(), PoolConfig::new(0)),
+        Err(Error::ZeroSize { .. })
+    ));
+    assert!(matches!(
+        Pool::new(
+            backend.clone(),
+            PoolConfig::new(GIB as usize).max_chunk(g as usize + 1)
+        ),
         Err(Error::Misaligned { .. })
     ));
     assert!(matches!(
@@ -333,7 +453,10 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
     let g = backend.info().granularity;
     let faulty = Arc::new(FaultInjector::new(backend.clone()));
     let as_backend: Arc<dyn Backend> = faulty.clone();
-    let p = pool(&as_backend, PoolConfig::new(64 * g).max_chunk(g).growth_divisor(0));
+    let p = pool(
+        &as_backend,
+        PoolConfig::new(64 * g).max_chunk(g).growth_divisor(0),
+    );
     let keep = p.allocate(g).expect("baseline");
     let base_stats = p.stats();
     let base_held = backend.physical_bytes().expect("held");
@@ -341,10 +464,19 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
         let s = p.stats();
         assert_eq!(
             (s.in_use, s.mapped, s.cached, s.live_allocations),
-            (base_stats.in_use, base_stats.mapped, base_stats.cached, base_stats.live_allocations),
+            (
+                base_stats.in_use,
+                base_stats.mapped,
+                base_stats.cached,
+                base_stats.live_allocations
+            ),
             "{what}: stats changed"
         );
-        assert_eq!(backend.physical_bytes().expect("held"), base_held, "{what}: physical memory leaked");
+        assert_eq!(
+            backend.physical_bytes().expect("held"),
+            base_held,
+            "{what}: physical memory leaked"
+        );
         p.audit().expect(what);
     };
     let cases = [
@@ -363,7 +495,10 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
         }
         check_unchanged(what);
         faulty.fail_nth(call, n);
-        assert!(p.map(16 * g as u64, 5 * g as u64).is_err(), "{what}: range map must fail");
+        assert!(
+            p.map(16 * g as u64, 5 * g as u64).is_err(),
+            "{what}: range map must fail"
+        );
         assert!(!p.is_mapped(16 * g as u64, g as u64));
         check_unchanged(what);
     }
@@ -371,13 +506,22 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
     p.map(16 * g as u64, 3 * g as u64).expect("map");
     faulty.fail_nth(DriverCall::Unmap, 2);
     assert!(p.unmap(16 * g as u64, 3 * g as u64).is_err());
-    assert!(p.is_mapped(16 * g as u64, 3 * g as u64), "failed unmap is rolled back");
+    assert!(
+        p.is_mapped(16 * g as u64, 3 * g as u64),
+        "failed unmap is rolled back"
+    );
     p.audit().expect("audit after failed unmap");
     p.unmap(16 * g as u64, 3 * g as u64).expect("unmap");
     faulty.fail_nth(DriverCall::Release, 1);
     assert!(p.trim().is_err());
-    assert!(p.stats().cached >= g as u64, "a chunk whose release failed stays cached");
-    assert_eq!(backend.physical_bytes().expect("held"), p.stats().physical());
+    assert!(
+        p.stats().cached >= g as u64,
+        "a chunk whose release failed stays cached"
+    );
+    assert_eq!(
+        backend.physical_bytes().expect("held"),
+        p.stats().physical()
+    );
     p.trim().expect("trim");
     // Everything still works.
     let a = p.allocate(5 * g).expect("after failures");
@@ -401,13 +545,22 @@ pub fn pool_drop_reports_and_releases(backend: Arc<dyn Backend>) {
     assert_eq!(survivor.name().as_deref(), Some("kv-cache"));
     drop(p);
     let held = backend.physical_bytes().expect("held");
-    assert!(held <= 2 * g, "only the survivor's chunk may stay: {held} bytes held");
-    survivor.write(0, b"still mapped").expect("write after pool drop");
+    assert!(
+        held <= 2 * g,
+        "only the survivor's chunk may stay: {held} bytes held"
+    );
+    survivor
+        .write(0, b"still mapped")
+        .expect("write after pool drop");
     let mut back = [0u8; 12];
     survivor.read(0, &mut back).expect("read");
     assert_eq!(&back, b"still mapped");
     drop(survivor);
-    assert_eq!(backend.physical_bytes().expect("held"), 0, "everything is back");
+    assert_eq!(
+        backend.physical_bytes().expect("held"),
+        0,
+        "everything is back"
+    );
 }
 
 /// 8 threads allocate and free at random; the invariants hold throughout and exactly at every
@@ -416,14 +569,24 @@ pub fn pool_drop_reports_and_releases(backend: Arc<dyn Backend>) {
 pub fn concurrent_invariants(backend: Arc<dyn Backend>, phases: usize, ops_per_phase: usize) {
     const THREADS: usize = 8;
     let g = backend.info().granularity as u64;
-    let p = pool(&backend, PoolConfig::new((4 * GIB) as usize).max_chunk((16 * g) as usize));
+    let p = pool(
+        &backend,
+        PoolConfig::new((4 * GIB) as usize).max_chunk((16 * g) as usize),
+    );
     let barrier = Arc::new(Barrier::new(THREADS + 1));
-    let live_bytes: Arc<Vec<AtomicU64>> = Arc::new((0..THREADS).map(|_| AtomicU64::new(0)).collect());
-    let live_count: Arc<Vec<AtomicU64>> = Arc::new((0..THREADS).map(|_| AtomicU64::new(0)).collect());
+    let live_bytes: Arc<Vec<AtomicU64>> =
+        Arc::new((0..THREADS).map(|_| AtomicU64::new(0)).collect());
+    let live_count: Arc<Vec<AtomicU64>> =
+        Arc::new((0..THREADS).map(|_| AtomicU64::new(0)).collect());
     let stop = Arc::new(AtomicBool::new(false));
     std::thread::scope(|scope| {
         for t in 0..THREADS {
-            let (p, barrier, live_bytes, live_count) = (p.clone(), barrier.clone(), live_bytes.clone(), live_count.clone());
+            let (p, barrier, live_bytes, live_count) = (
+                p.clone(),
+                barrier.clone(),
+                live_bytes.clone(),
+                live_count.clone(),
+            );
             scope.spawn(move || {
                 let mut rng = Rng::new(1000 + t as u64);
                 let mut mine: Vec<(elastic_vmm::Allocation, u64)> = Vec::new();
@@ -434,7 +597,12 @@ pub fn concurrent_invariants(backend: Arc<dyn Backend>, phases: usize, ops_per_p
                             let (a, tag) = mine.swap_remove(i);
                             let mut head = [0u8; 8];
                             a.read(0, &mut head).expect("read tag");
-                            assert_eq!(u64::from_le_bytes(head), tag, "allocation at {:#x} was overwritten: overlap", a.addr());
+                            assert_eq!(
+                                u64::from_le_bytes(head),
+                                tag,
+                                "allocation at {:#x} was overwritten: overlap",
+                                a.addr()
+                            );
                             live_bytes[t].fetch_sub(a.footprint(), Ordering::SeqCst);
                             live_count[t].fetch_sub(1, Ordering::SeqCst);
                             drop(a);
@@ -467,8 +635,16 @@ pub fn concurrent_invariants(backend: Arc<dyn Backend>, phases: usize, ops_per_p
             let mut checks = 0u64;
             while !stopw.load(Ordering::SeqCst) {
                 let s = pw.stats();
-                assert!(s.in_use <= s.mapped, "in use {} > mapped {}", s.in_use, s.mapped);
-                assert!(s.mapped + s.cached <= s.capacity, "physical beyond capacity");
+                assert!(
+                    s.in_use <= s.mapped,
+                    "in use {} > mapped {}",
+                    s.in_use,
+                    s.mapped
+                );
+                assert!(
+                    s.mapped + s.cached <= s.capacity,
+                    "physical beyond capacity"
+                );
                 assert!(s.peak_in_use >= s.in_use);
                 checks += 1;
                 std::thread::yield_now();
@@ -480,8 +656,14 @@ pub fn concurrent_invariants(backend: Arc<dyn Backend>, phases: usize, ops_per_p
             let s = p.stats();
             let want: u64 = live_bytes.iter().map(|x| x.load(Ordering::SeqCst)).sum();
             let count: u64 = live_count.iter().map(|x| x.load(Ordering::SeqCst)).sum();
-            assert_eq!(s.in_use, want, "phase {phase}: stats in use vs sum of live allocations");
-            assert_eq!(s.live_allocations, count, "phase {phase}: live allocation count");
+            assert_eq!(
+                s.in_use, want,
+                "phase {phase}: stats in use vs sum of live allocations"
+            );
+            assert_eq!(
+                s.live_allocations, count,
+                "phase {phase}: live allocation count"
+            );
             assert_backend_matches(&backend, &p);
             if phase % 3 == 2 {
                 p.trim().expect("trim between phases");
