@@ -162,6 +162,95 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+
+    /// The pool takes no new allocations or mappings (its model was unregistered).
+    #[error("pool {pool} is closed to new memory: {reason}")]
+    PoolClosed {
+        /// The pool's name.
+        pool: String,
+        /// Why.
+        reason: String,
+    },
+
+    // ---- shared pool ----
+    /// A model id is registered already.
+    #[error("model {model:?} is already registered")]
+    DuplicateModel {
+        /// The id.
+        model: String,
+    },
+
+    /// No model with this id is registered.
+    #[error("no model {model:?} is registered")]
+    UnknownModel {
+        /// The id.
+        model: String,
+    },
+
+    /// A model's settings are inconsistent (guarantee above limit, zero capacity, ...).
+    #[error("model {model:?}: {reason}")]
+    InvalidModelConfig {
+        /// The id.
+        model: String,
+        /// What is wrong, with the numbers.
+        reason: String,
+    },
+
+    /// Admission refused a physical growth, before any driver call.
+    #[error(
+        "model {model:?} asked for {requested} more bytes and was refused: {cause}; model uses {model_used} of its limit {model_limit}, the device budget has {global_used} of {global_limit} in use and {reserved_for_others} reserved for other models' guarantees"
+    )]
+    AdmissionRefused {
+        /// The model.
+        model: String,
+        /// Bytes of new physical memory asked for.
+        requested: u64,
+        /// What refused it: the model's limit or the global budget.
+        cause: &'static str,
+        /// The model's physical use.
+        model_used: u64,
+        /// The model's limit.
+        model_limit: u64,
+        /// Physical use of all models.
+        global_used: u64,
+        /// The global limit.
+        global_limit: u64,
+        /// Unused guarantees of the other models.
+        reserved_for_others: u64,
+    },
+
+    /// A model still holds memory and cannot be unregistered.
+    #[error("model {model:?} still has {live_allocations} live allocations and {mapped_ranges} bytes of mapped ranges ({bytes} bytes in use)")]
+    ModelBusy {
+        /// The model.
+        model: String,
+        /// Live allocations.
+        live_allocations: u64,
+        /// Bytes mapped through the range API.
+        mapped_ranges: u64,
+        /// Bytes in use in total.
+        bytes: u64,
+    },
+
+    /// Lowering a limit or raising a guarantee could not be achieved; nothing was changed
+    /// except the memory that was reclaimed on the way.
+    #[error(
+        "model {model:?}: cannot set {what} to {wanted} bytes: {reason} (model uses {used} bytes after reclaiming {reclaimed})"
+    )]
+    ChangeNotReached {
+        /// The model.
+        model: String,
+        /// `"limit"` or `"guarantee"`.
+        what: &'static str,
+        /// The value asked for.
+        wanted: u64,
+        /// Why it could not be reached, with the numbers.
+        reason: String,
+        /// The model's physical use now.
+        used: u64,
+        /// Bytes reclaimed while trying.
+        reclaimed: u64,
+    },
 }
 
 impl Error {
@@ -180,10 +269,10 @@ impl Error {
         }
     }
 
-    /// The driver reported that it has no memory left for this call.
+    /// Physical memory ran out: the driver said so, or a limit refused the growth.
     pub fn is_out_of_memory(&self) -> bool {
         match self {
-            Error::OutOfPhysicalMemory { .. } => true,
+            Error::OutOfPhysicalMemory { .. } | Error::AdmissionRefused { .. } => true,
             Error::Backend { code, .. } => {
                 code == "CUDA_ERROR_OUT_OF_MEMORY" || code == "ENOMEM" || code == "ENOSPC"
             }

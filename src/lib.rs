@@ -9,6 +9,8 @@
 //!   on host memory with `mmap` and a `memfd`, so everything runs and is tested without a GPU.
 //! - [`Pool`]: one reservation on one backend. RAII [`Allocation`]s whose hot path makes no
 //!   driver call, and a range API ([`Pool::map`], [`Pool::unmap`]) for KV-cache managers.
+//! - [`SharedPool`]: several models on one device, each a [`ModelHandle`] (a pool of its own)
+//!   under a physical limit, with guarantees, live limit changes and reclaim of idle memory.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -36,6 +38,7 @@
 pub mod backend;
 mod error;
 mod pool;
+pub mod shared;
 pub mod stats;
 
 pub use backend::{Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk};
@@ -44,4 +47,5 @@ pub use pool::{
     Allocation, ChunkSpan, LiveAllocation, Pool, PoolConfig, TrimReport, DEFAULT_ALIGNMENT,
     DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK,
 };
+pub use shared::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig};
 pub use stats::{DriverCalls, PoolStats};

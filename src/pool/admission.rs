@@ -11,7 +11,9 @@ use crate::error::{Error, Result};
 /// (or when admitted bytes were never created). Chunks taken from a cache are already charged.
 pub(crate) trait Admission: Send + Sync + fmt::Debug {
     /// Charge `bytes` of new physical memory or refuse with an error naming the limit.
-    fn admit(&self, bytes: u64) -> Result<()>;
+    /// With `may_reclaim`, memory other users hold idle may be reclaimed to make room; without
+    /// it (growth look-ahead, which is optional) the answer is immediate.
+    fn admit(&self, bytes: u64, may_reclaim: bool) -> Result<()>;
     /// Give back `bytes` charged earlier.
     fn credit(&self, bytes: u64);
 }
@@ -33,7 +35,7 @@ impl PhysicalLimit {
 }
 
 impl Admission for PhysicalLimit {
-    fn admit(&self, bytes: u64) -> Result<()> {
+    fn admit(&self, bytes: u64, _may_reclaim: bool) -> Result<()> {
         // A compare-and-swap loop: the limit is never overshot, not even briefly.
         let mut used = self.used.load(Ordering::Relaxed);
         loop {

@@ -74,6 +74,18 @@ pub(crate) struct Inner {
     drivers: DriverCounters,
 }
 
+/// A pool's lock held for a stats snapshot.
+pub(crate) struct StatsGuard<'a> {
+    inner: &'a Inner,
+    state: parking_lot::MutexGuard<'a, State>,
+}
+
+impl StatsGuard<'_> {
+    pub(crate) fn snapshot(&self) -> PoolStats {
+        self.inner.stats_of(&self.state)
+    }
+}
+
 /// What [`Pool::trim`] gave back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TrimReport {
@@ -187,7 +199,7 @@ impl Pool {
         })
     }
 
-    fn inner(&self) -> &Arc<Inner> {
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.handle.inner
     }
 
@@ -393,13 +405,27 @@ impl Inner {
     // ---- physical memory: cache, admission, create, release ----
 
     /// Create `bytes` of new physical memory in chunks of at most `max_chunk`, admitted first.
-    /// On failure nothing stays created and nothing stays charged.
-    fn create_chunks(&self, bytes: u64, max_chunk: u64) -> Result<Vec<PhysicalChunk>> {
+    /// On failure nothing stays created and nothing stays charged. `optional` growth (look-ahead)
+    /// never makes others give memory back.
+    fn create_chunks(
+        &self,
+        bytes: u64,
+        max_chunk: u64,
+        optional: bool,
+    ) -> Result<Vec<PhysicalChunk>> {
         if bytes == 0 {
             return Ok(Vec::new());
         }
         if let Some(a) = &self.admission {
-            a.admit(bytes)?;
+            if let Err(e) = a.admit(bytes, !optional) {
+                // Our own cache may hold chunks of sizes that did not fit this request: they
+                // count against the limit too, so give them back and ask once more.
+                if optional || self.state.lock().cache.bytes() == 0 {
+                    return Err(e);
+                }
+                self.release_cached(0)?;
+                a.admit(bytes, true)?;
+            }
         }
         let mut out = Vec::new();
         let mut left = bytes;
@@ -517,6 +543,42 @@ impl Inner {
 
     // ---- allocator ----
 
+    fn refusal(&self, reason: &str) -> Error {
+        Error::PoolClosed {
+            pool: self.name.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Take no new memory from now on, if nothing is in use; else say what is.
+    pub(crate) fn close_if_unused(&self, reason: &str) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.live.live() > 0 || st.ranges.total() > 0 || st.in_transit > 0 {
+            return Err(Error::ModelBusy {
+                model: self.name.to_string(),
+                live_allocations: st.live.live(),
+                mapped_ranges: st.ranges.total(),
+                bytes: st.in_use(),
+            });
+        }
+        st.refusing = Some(reason.into());
+        Ok(())
+    }
+
+    /// Give back up to `want` bytes of memory nobody uses: cached chunks first, then idle
+    /// chunks. Returns the bytes released.
+    pub(crate) fn reclaim(&self, want: u64) -> Result<u64> {
+        let keep = self.state.lock().cache.bytes().saturating_sub(want);
+        let mut released = self.release_cached(keep)?;
+        if released < want {
+            released += self.trim(want - released, false)?.released;
+        }
+        if released > 0 {
+            tracing::debug!(pool = %self.name, want, released, "reclaimed");
+        }
+        Ok(released)
+    }
+
     fn footprint(&self, bytes: usize) -> Result<u64> {
         if bytes == 0 {
             return Err(Error::ZeroSize {
@@ -545,6 +607,9 @@ impl Inner {
         let footprint = self.footprint(bytes)?;
         let growth = {
             let mut st = self.state.lock();
+            if let Some(reason) = &st.refusing {
+                return Err(self.refusal(reason));
+            }
             let warm = match st.take_warm(footprint) {
                 // Hot path: warm memory, no driver call.
                 Some(off) => Some(off),
@@ -665,7 +730,7 @@ impl Inner {
         // What the request needs must be created; the look-ahead is best effort.
         let required = plan.needed.saturating_sub(cached_bytes);
         let optional = (ce - cs) - cached_bytes - required;
-        let created = match self.create_chunks(required, self.max_chunk) {
+        let created = match self.create_chunks(required, self.max_chunk, false) {
             Ok(c) => c,
             Err(e) => {
                 self.undo_growth(plan.idle, (cs, ce), chunks, Vec::new());
@@ -675,7 +740,7 @@ impl Inner {
         chunks.extend(created.iter().copied());
         let mut fresh = created;
         if optional > 0 {
-            match self.create_chunks(optional, self.max_chunk) {
+            match self.create_chunks(optional, self.max_chunk, true) {
                 Ok(extra) => {
                     chunks.extend(extra.iter().copied());
                     fresh.extend(extra);
@@ -794,6 +859,9 @@ impl Inner {
         let end = self.check_range(offset, len)?;
         let cached = {
             let mut st = self.state.lock();
+            if let Some(reason) = &st.refusing {
+                return Err(self.refusal(reason));
+            }
             if let Some((s, e)) = st.cold.first_gap(offset, end) {
                 return Err(match st.ranges.first_overlap(offset, end) {
                     Some((ms, me)) => Error::RangeAlreadyMapped {
@@ -815,7 +883,7 @@ impl Inner {
             st.cache.take_up_to(len, max_chunk as usize)
         };
         let cached_bytes: u64 = cached.iter().map(|c| c.size as u64).sum();
-        let fresh = match self.create_chunks(len - cached_bytes, max_chunk) {
+        let fresh = match self.create_chunks(len - cached_bytes, max_chunk, false) {
             Ok(f) => f,
             Err(e) => {
                 self.undo_range(offset, end, cached, Vec::new());
@@ -946,7 +1014,8 @@ impl Inner {
 
     // ---- giving memory back ----
 
-    /// Unmap up to `limit` bytes of idle chunks; release them and, if `with_cache`, the cache.
+    /// Unmap up to `limit` bytes of idle chunks and release them; with `with_cache`, release the
+    /// whole cache too.
     pub(crate) fn trim(&self, limit: u64, with_cache: bool) -> Result<TrimReport> {
         let (idle, mut cached) = {
             let mut st = self.state.lock();
@@ -983,16 +1052,10 @@ impl Inner {
             }
         }
         cached.extend(unmapped.into_iter().map(|(_, c)| c));
-        let released = if with_cache {
-            let (released, err) = self.release_all(cached);
-            if let Some(e) = err {
-                first_err.get_or_insert(e);
-            }
-            released
-        } else {
-            self.cache_or_release(cached);
-            0
-        };
+        let (released, err) = self.release_all(cached);
+        if let Some(e) = err {
+            first_err.get_or_insert(e);
+        }
         if unmapped_bytes > 0 || released > 0 {
             tracing::debug!(pool = %self.name, unmapped = unmapped_bytes, released, "trimmed");
         }
@@ -1015,7 +1078,18 @@ impl Inner {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        let st = self.state.lock();
+        self.stats_of(&self.state.lock())
+    }
+
+    /// Hold the pool's lock for a snapshot taken together with other pools'.
+    pub(crate) fn lock_stats(&self) -> StatsGuard<'_> {
+        StatsGuard {
+            inner: self,
+            state: self.state.lock(),
+        }
+    }
+
+    fn stats_of(&self, st: &State) -> PoolStats {
         PoolStats {
             capacity: self.capacity,
             granularity: self.gran,

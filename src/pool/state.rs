@@ -124,6 +124,8 @@ pub(crate) struct State {
     /// allocations need no reference count of their own. Taken out (and dropped outside the lock)
     /// when the pool is closed and the last allocation is freed.
     pub(crate) keepalive: Option<std::sync::Arc<super::Inner>>,
+    /// Set when the pool must take no new memory (its model was unregistered): why.
+    pub(crate) refusing: Option<Arc<str>>,
     pub(crate) cold: Intervals,
     pub(crate) idle: FreeRanges,
     pub(crate) quick: QuickBins,

@@ -1,0 +1,308 @@
+//! The shared pool's book of physical memory: pure arithmetic, no driver, no pool.
+//!
+//! Every byte a model holds (mapped, cached, or being created) is charged here before the driver
+//! is asked for it, and credited back after the driver has it again. The invariants, checked on
+//! every charge under one lock, so that they hold at every instant:
+//! - each model: `used <= limit` (growth is also held below `cap` while a lower limit is being
+//!   reached);
+//! - globally: `used + unused guarantees of the other models <= global limit`, where a model's
+//!   unused guarantee is `max(0, guarantee - used)`; hence `used <= global limit`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::error::Error;
+
+/// One model's line in the book.
+#[derive(Debug, Clone)]
+pub(crate) struct ModelBook {
+    pub(crate) id: Arc<str>,
+    pub(crate) limit: u64,
+    /// Growth is admitted only up to `min(limit, cap)`; `cap < limit` while lowering the limit.
+    pub(crate) cap: u64,
+    pub(crate) guarantee: u64,
+    pub(crate) priority: i32,
+    pub(crate) used: u64,
+    pub(crate) peak: u64,
+    pub(crate) refusals: u64,
+    pub(crate) reclaimed: u64,
+    /// Unregistered: no new memory; its guarantee no longer reserved.
+    pub(crate) retired: bool,
+}
+
+impl ModelBook {
+    fn unused_guarantee(&self) -> u64 {
+        if self.retired {
+            0
+        } else {
+            self.guarantee.saturating_sub(self.used)
+        }
+    }
+}
+
+/// Why a charge was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The model's own limit.
+    ModelLimit,
+    /// The global budget (after other models' unused guarantees); `short` bytes are missing.
+    Global { short: u64 },
+    /// The model was unregistered.
+    Retired,
+}
+
+/// The book of every model of one shared pool.
+#[derive(Debug)]
+pub(crate) struct Ledger {
+    pub(crate) global_limit: u64,
+    pub(crate) used: u64,
+    /// Sum of every model's unused guarantee, kept up to date on each change.
+    unused_guarantees: u64,
+    pub(crate) models: BTreeMap<u64, ModelBook>,
+}
+
+impl Ledger {
+    pub(crate) fn new(global_limit: u64) -> Self {
+        Ledger {
+            global_limit,
+            used: 0,
+            unused_guarantees: 0,
+            models: BTreeMap::new(),
+        }
+    }
+
+    /// Unused guarantees of every model but `key`.
+    pub(crate) fn reserved_for_others(&self, key: u64) -> u64 {
+        let own = self.models.get(&key).map_or(0, ModelBook::unused_guarantee);
+        self.unused_guarantees - own
+    }
+
+    pub(crate) fn unused_guarantees(&self) -> u64 {
+        self.unused_guarantees
+    }
+
+    /// Apply `f` to a model's book, keeping the guarantee sum in step.
+    fn update(&mut self, key: u64, f: impl FnOnce(&mut ModelBook)) {
+        if let Some(m) = self.models.get_mut(&key) {
+            let before = m.unused_guarantee();
+            f(m);
+            let after = m.unused_guarantee();
+            self.unused_guarantees = self.unused_guarantees - before + after;
+        }
+    }
+
+    /// Add a model; checks that its guarantee fits beside everything already promised.
+    pub(crate) fn add(&mut self, key: u64, book: ModelBook) -> Result<(), u64> {
+        let room = self
+            .global_limit
+            .saturating_sub(self.used + self.unused_guarantees);
+        if book.guarantee > room {
+            return Err(room);
+        }
+        self.unused_guarantees += book.unused_guarantee();
+        self.models.insert(key, book);
+        Ok(())
+    }
+
+    /// Drop a model's line; its memory must have been credited back already.
+    pub(crate) fn remove(&mut self, key: u64) {
+        if let Some(m) = self.models.remove(&key) {
+            self.unused_guarantees -= m.unused_guarantee();
+            debug_assert_eq!(m.used, 0, "model {} removed while holding memory", m.id);
+            self.used -= m.used;
+        }
+    }
+
+    /// How many more bytes `key` could be charged right now.
+    pub(crate) fn headroom(&self, key: u64) -> u64 {
+        let Some(m) = self.models.get(&key) else {
+            return 0;
+        };
+        if m.retired {
+            return 0;
+        }
+        let own = m.limit.min(m.cap).saturating_sub(m.used);
+        let global = self
+            .global_limit
+            .saturating_sub(self.used + self.reserved_for_others(key));
+        own.min(global)
+    }
+
+    /// Charge `bytes` to `key`, or say why not.
+    pub(crate) fn try_charge(&mut self, key: u64, bytes: u64) -> Result<(), Refusal> {
+        let reserved = self.reserved_for_others(key);
+        let Some(m) = self.models.get(&key) else {
+            return Err(Refusal::Retired);
+        };
+        if m.retired {
+            return Err(Refusal::Retired);
+        }
+        if m.used + bytes > m.limit.min(m.cap) {
+            return Err(Refusal::ModelLimit);
+        }
+        let need = self.used + bytes + reserved;
+        if need > self.global_limit {
+            return Err(Refusal::Global {
+                short: need - self.global_limit,
+            });
+        }
+        self.used += bytes;
+        self.update(key, |m| {
+            m.used += bytes;
+            m.peak = m.peak.max(m.used);
+        });
+        Ok(())
+    }
+
+    /// Give `bytes` charged to `key` back.
+    pub(crate) fn credit(&mut self, key: u64, bytes: u64) {
+        if self.models.contains_key(&key) {
+            self.used -= bytes;
+            self.update(key, |m| m.used -= bytes);
+        }
+    }
+
+    pub(crate) fn note_refusal(&mut self, key: u64) {
+        self.update(key, |m| m.refusals += 1);
+    }
+
+    pub(crate) fn note_reclaimed(&mut self, key: u64, bytes: u64) {
+        self.update(key, |m| m.reclaimed += bytes);
+    }
+
+    pub(crate) fn set_cap(&mut self, key: u64, cap: u64) {
+        self.update(key, |m| m.cap = cap);
+    }
+
+    pub(crate) fn set_limit(&mut self, key: u64, limit: u64) {
+        self.update(key, |m| {
+            m.limit = limit;
+            m.cap = limit;
+        });
+    }
+
+    /// Set a guarantee if it fits; else return the largest guarantee that would fit now.
+    pub(crate) fn try_set_guarantee(&mut self, key: u64, guarantee: u64) -> Result<(), u64> {
+        let Some(m) = self.models.get(&key) else {
+            return Err(0);
+        };
+        let new_unused = guarantee.saturating_sub(m.used);
+        let others = self.reserved_for_others(key);
+        let room = self.global_limit.saturating_sub(self.used + others);
+        if new_unused > room {
+            return Err(m.used + room);
+        }
+        self.update(key, |m| m.guarantee = guarantee);
+        Ok(())
+    }
+
+    pub(crate) fn retire(&mut self, key: u64) {
+        self.update(key, |m| m.retired = true);
+    }
+
+    /// The error for a refusal of `bytes` to `key`.
+    pub(crate) fn refusal_error(&self, key: u64, bytes: u64, why: Refusal) -> Error {
+        let m = self.models.get(&key);
+        Error::AdmissionRefused {
+            model: m.map_or_else(String::new, |m| m.id.to_string()),
+            requested: bytes,
+            cause: match why {
+                Refusal::ModelLimit => "the model's limit",
+                Refusal::Global { .. } => "the global budget",
+                Refusal::Retired => "the model is unregistered",
+            },
+            model_used: m.map_or(0, |m| m.used),
+            model_limit: m.map_or(0, |m| m.limit.min(m.cap)),
+            global_used: self.used,
+            global_limit: self.global_limit,
+            reserved_for_others: self.reserved_for_others(key),
+        }
+    }
+
+    /// Check the book against itself (tests and debugging).
+    pub(crate) fn audit(&self) -> Result<(), String> {
+        let used: u64 = self.models.values().map(|m| m.used).sum();
+        if used != self.used {
+            return Err(format!("models use {used}, global says {}", self.used));
+        }
+        let ug: u64 = self.models.values().map(ModelBook::unused_guarantee).sum();
+        if ug != self.unused_guarantees {
+            return Err(format!(
+                "unused guarantees sum to {ug}, cached sum {}",
+                self.unused_guarantees
+            ));
+        }
+        if self.used > self.global_limit {
+            return Err(format!(
+                "global use {} above limit {}",
+                self.used, self.global_limit
+            ));
+        }
+        for m in self.models.values() {
+            if m.used > m.limit {
+                return Err(format!(
+                    "model {} uses {} above its limit {}",
+                    m.id, m.used, m.limit
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn book(id: &str, limit: u64, guarantee: u64) -> ModelBook {
+        ModelBook {
+            id: id.into(),
+            limit,
+            cap: limit,
+            guarantee,
+            priority: 0,
+            used: 0,
+            peak: 0,
+            refusals: 0,
+            reclaimed: 0,
+            retired: false,
+        }
+    }
+
+    #[test]
+    fn guarantees_are_kept_for_their_owner() {
+        let mut l = Ledger::new(100);
+        l.add(1, book("a", 100, 30)).unwrap();
+        l.add(2, book("b", 100, 0)).unwrap();
+        assert_eq!(l.headroom(2), 70);
+        assert_eq!(l.try_charge(2, 71), Err(Refusal::Global { short: 1 }));
+        l.try_charge(2, 70).unwrap();
+        // a can still take its 30.
+        l.try_charge(1, 30).unwrap();
+        assert_eq!(l.try_charge(1, 1), Err(Refusal::Global { short: 1 }));
+        l.credit(2, 70);
+        l.try_charge(1, 50).unwrap();
+        assert_eq!(l.used, 80);
+        l.audit().unwrap();
+        assert_eq!(l.add(3, book("c", 100, 21)), Err(20));
+    }
+
+    #[test]
+    fn limits_and_caps() {
+        let mut l = Ledger::new(1000);
+        l.add(1, book("a", 100, 0)).unwrap();
+        assert_eq!(l.try_charge(1, 101), Err(Refusal::ModelLimit));
+        l.try_charge(1, 60).unwrap();
+        l.set_cap(1, 50);
+        assert_eq!(l.try_charge(1, 1), Err(Refusal::ModelLimit));
+        l.credit(1, 20);
+        l.set_limit(1, 50);
+        l.try_charge(1, 10).unwrap();
+        assert_eq!(l.try_set_guarantee(1, 2000), Err(1000));
+        l.try_set_guarantee(1, 50).unwrap();
+        l.retire(1);
+        assert_eq!(l.try_charge(1, 1), Err(Refusal::Retired));
+        assert_eq!(l.unused_guarantees(), 0);
+        l.audit().unwrap();
+    }
+}

@@ -1,0 +1,804 @@
+//! The shared pool: several models on one device, each under its own physical limit.
+//!
+//! Each registered model gets its own [`Pool`] (its own virtual reservation, its own idle memory
+//! and chunk cache) whose physical growth is admitted by one [`ledger::Ledger`] per device
+//! before any driver call:
+//! - a model never holds more than its limit;
+//! - all models together never hold more than the global limit, less what other models were
+//!   guaranteed and do not use yet;
+//! - when the global budget is full, memory other models hold but do not use (cached chunks and
+//!   idle mapped chunks, above their guarantees, lowest priority first) is reclaimed before a
+//!   request is refused;
+//! - limits and guarantees change live; lowering a limit reclaims the model's own idle memory
+//!   first, then asks the model through its reclaim callback, and fails (changing nothing) if
+//!   the new limit cannot be reached.
+//!
+//! Locks: the ledger's lock is taken for bookkeeping only; the registry's lock only to look
+//! models up. Neither is held across a driver call or a callback. Where both the ledger and a
+//! pool's lock are taken (stats snapshots), the ledger comes first.
+
+mod ledger;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use crate::backend::{Backend, BackendInfo};
+use crate::error::{Error, Result};
+use crate::pool::{Admission, Pool, PoolConfig};
+use ledger::{Ledger, ModelBook, Refusal};
+
+/// Default margin left free on the device when the global limit is taken from its free memory.
+pub const DEFAULT_MARGIN: u64 = 1 << 30;
+
+/// A model's reclaim callback: asked to free `bytes` of its memory (for example by evicting
+/// KV blocks). It runs with no lock held; the shared pool trims what it freed afterwards.
+pub type ReclaimCallback = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// How a [`SharedPool`] is set up.
+#[derive(Debug, Clone, Default)]
+pub struct SharedPoolConfig {
+    global_limit: Option<u64>,
+    margin: Option<u64>,
+}
+
+impl SharedPoolConfig {
+    /// Defaults: the global limit is what the device reports free minus [`DEFAULT_MARGIN`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An explicit global physical limit in bytes.
+    pub fn global_limit(mut self, bytes: u64) -> Self {
+        self.global_limit = Some(bytes);
+        self
+    }
+
+    /// The margin kept free when the limit comes from the device's free memory.
+    pub fn margin(mut self, bytes: u64) -> Self {
+        self.margin = Some(bytes);
+        self
+    }
+}
+
+/// How a model is registered: see [`SharedPool::register`].
+#[derive(Clone)]
+pub struct ModelConfig {
+    id: String,
+    virtual_capacity: usize,
+    limit: u64,
+    guarantee: u64,
+    priority: i32,
+    reclaim: Option<ReclaimCallback>,
+    pool: Option<PoolConfig>,
+}
+
+impl fmt::Debug for ModelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModelConfig")
+            .field("id", &self.id)
+            .field("virtual_capacity", &self.virtual_capacity)
+            .field("limit", &self.limit)
+            .field("guarantee", &self.guarantee)
+            .field("priority", &self.priority)
+            .field("reclaim", &self.reclaim.is_some())
+            .finish()
+    }
+}
+
+impl ModelConfig {
+    /// A model `id` with `virtual_capacity` bytes of address space and at most `limit` bytes of
+    /// physical memory.
+    pub fn new(id: impl Into<String>, virtual_capacity: usize, limit: u64) -> Self {
+        ModelConfig {
+            id: id.into(),
+            virtual_capacity,
+            limit,
+            guarantee: 0,
+            priority: 0,
+            reclaim: None,
+            pool: None,
+        }
+    }
+
+    /// Physical memory no other model can take (at most the limit). Default 0.
+    pub fn guarantee(mut self, bytes: u64) -> Self {
+        self.guarantee = bytes;
+        self
+    }
+
+    /// Reclaim order: idle memory of lower priorities is taken first. Default 0.
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// The callback used when the model's limit is lowered below what it uses.
+    pub fn on_reclaim(mut self, f: impl Fn(u64) + Send + Sync + 'static) -> Self {
+        self.reclaim = Some(Arc::new(f));
+        self
+    }
+
+    /// Pool tuning (chunk sizes, growth look-ahead, cache cap). Its capacity and name are
+    /// replaced by the model's virtual capacity and id.
+    pub fn pool_config(mut self, config: PoolConfig) -> Self {
+        self.pool = Some(config);
+        self
+    }
+}
+
+/// One device's physical memory shared by several models. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct SharedPool {
+    inner: Arc<SharedInner>,
+}
+
+struct SharedInner {
+    backend: Arc<dyn Backend>,
+    ledger: Mutex<Ledger>,
+    models: Mutex<BTreeMap<String, ModelSlot>>,
+    next_key: AtomicU64,
+}
+
+impl fmt::Debug for SharedInner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedPool")
+            .field("backend", &self.backend.info().name)
+            .field("global_limit", &self.ledger.lock().global_limit)
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+struct ModelSlot {
+    key: u64,
+    pool: Pool,
+    reclaim: Option<ReclaimCallback>,
+}
+
+/// A registered model: allocate from it exactly as from a [`Pool`] (it dereferences to its
+/// pool). Cheap to clone, `Send + Sync`.
+#[derive(Clone, Debug)]
+pub struct ModelHandle {
+    pool: Pool,
+    id: Arc<str>,
+    key: u64,
+    shared: SharedPool,
+}
+
+impl Deref for ModelHandle {
+    type Target = Pool;
+    fn deref(&self) -> &Pool {
+        &self.pool
+    }
+}
+
+impl ModelHandle {
+    /// The model's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The model's pool.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The shared pool it belongs to.
+    pub fn shared(&self) -> &SharedPool {
+        &self.shared
+    }
+
+    /// This model's line of a fresh snapshot.
+    pub fn model_stats(&self) -> Option<ModelStats> {
+        self.shared
+            .stats()
+            .models
+            .into_iter()
+            .find(|m| m.key == self.key)
+    }
+}
+
+/// Admission for one model's pool: charges the shared ledger.
+#[derive(Debug)]
+struct ModelAdmission {
+    shared: Weak<SharedInner>,
+    key: u64,
+}
+
+impl Admission for ModelAdmission {
+    fn admit(&self, bytes: u64, may_reclaim: bool) -> Result<()> {
+        match self.shared.upgrade() {
+            Some(s) => s.admit(self.key, bytes, may_reclaim),
+            None => Err(Error::PoolClosed {
+                pool: format!("model #{}", self.key),
+                reason: "its shared pool is gone".into(),
+            }),
+        }
+    }
+
+    fn credit(&self, bytes: u64) {
+        if let Some(s) = self.shared.upgrade() {
+            s.ledger.lock().credit(self.key, bytes);
+        }
+    }
+}
+
+impl Drop for ModelAdmission {
+    fn drop(&mut self) {
+        // The model's pool is gone and has given every byte back: its line can go.
+        if let Some(s) = self.shared.upgrade() {
+            s.ledger.lock().remove(self.key);
+        }
+    }
+}
+
+/// What a limit or guarantee change did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChangeReport {
+    /// Bytes given back from the model's own cached and idle memory.
+    pub reclaimed_idle: u64,
+    /// Bytes given back after the model's reclaim callback freed memory.
+    pub reclaimed_by_callback: u64,
+    /// Bytes reclaimed from other models (raising a guarantee).
+    pub reclaimed_from_others: u64,
+    /// The model's physical use afterwards.
+    pub used: u64,
+}
+
+/// One model in a [`SharedStats`] snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelStats {
+    /// The model's id.
+    pub id: String,
+    key: u64,
+    /// Its physical limit.
+    pub limit: u64,
+    /// Its guaranteed minimum.
+    pub guarantee: u64,
+    /// Its reclaim priority.
+    pub priority: i32,
+    /// Physical bytes charged to it (mapped + cached + being created).
+    pub used: u64,
+    /// Bytes held by its live allocations and mapped ranges.
+    pub in_use: u64,
+    /// Physical bytes mapped in its pool.
+    pub mapped: u64,
+    /// Physical bytes in its chunk cache.
+    pub cached: u64,
+    /// Highest physical use.
+    pub peak: u64,
+    /// Highest in-use.
+    pub peak_in_use: u64,
+    /// Live allocations.
+    pub live_allocations: u64,
+    /// Growths refused by admission.
+    pub refusals: u64,
+    /// Bytes reclaimed from it (for other models or by limit changes).
+    pub reclaimed: u64,
+}
+
+/// The device-wide line of a [`SharedStats`] snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalStats {
+    /// The global physical limit.
+    pub limit: u64,
+    /// Physical bytes charged to all models.
+    pub used: u64,
+    /// Of those, bytes in chunk caches.
+    pub cached: u64,
+    /// Bytes held by live allocations and mapped ranges of all models.
+    pub in_use: u64,
+    /// `limit - used`.
+    pub free: u64,
+    /// Guaranteed bytes models do not use yet.
+    pub reserved_guarantees: u64,
+    /// Registered models.
+    pub models: usize,
+}
+
+/// A consistent snapshot of every model and the whole budget, taken under one ledger lock and
+/// every model pool's lock together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedStats {
+    /// The budget.
+    pub global: GlobalStats,
+    /// Every registered model, by id.
+    pub models: Vec<ModelStats>,
+}
+
+impl SharedPool {
+    /// A shared pool over `backend`.
+    pub fn new(backend: Arc<dyn Backend>, config: SharedPoolConfig) -> Result<SharedPool> {
+        let limit = match config.global_limit {
+            Some(l) => l,
+            None => {
+                let margin = config.margin.unwrap_or(DEFAULT_MARGIN);
+                let free = backend.memory_info()?.free;
+                free.checked_sub(margin).filter(|&l| l > 0).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the device reports {free} bytes free, not more than the margin of {margin}"
+                    ))
+                })?
+            }
+        };
+        if limit == 0 {
+            return Err(Error::ZeroSize {
+                what: "global limit",
+            });
+        }
+        tracing::info!(backend = backend.info().name, limit, "shared pool");
+        Ok(SharedPool {
+            inner: Arc::new(SharedInner {
+                backend,
+                ledger: Mutex::new(Ledger::new(limit)),
+                models: Mutex::new(BTreeMap::new()),
+                next_key: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The backend every model maps from.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// What the backend is.
+    pub fn backend_info(&self) -> &BackendInfo {
+        self.inner.backend.info()
+    }
+
+    /// The global physical limit.
+    pub fn global_limit(&self) -> u64 {
+        self.inner.ledger.lock().global_limit
+    }
+
+    /// Register a model and get its handle.
+    pub fn register(&self, config: ModelConfig) -> Result<ModelHandle> {
+        let id = config.id.clone();
+        let invalid = |reason: String| Error::InvalidModelConfig {
+            model: id.clone(),
+            reason,
+        };
+        if id.is_empty() {
+            return Err(invalid("the id is empty".into()));
+        }
+        if config.limit == 0 {
+            return Err(invalid("the limit is 0 bytes".into()));
+        }
+        if config.guarantee > config.limit {
+            return Err(invalid(format!(
+                "guarantee {} is above the limit {}",
+                config.guarantee, config.limit
+            )));
+        }
+        if self.inner.models.lock().contains_key(&id) {
+            return Err(Error::DuplicateModel { model: id });
+        }
+        let key = self.inner.next_key.fetch_add(1, Ordering::Relaxed);
+        let book = || ModelBook {
+            id: id.as_str().into(),
+            limit: config.limit,
+            cap: config.limit,
+            guarantee: config.guarantee,
+            priority: config.priority,
+            used: 0,
+            peak: 0,
+            refusals: 0,
+            reclaimed: 0,
+            retired: false,
+        };
+        for attempt in 0..2 {
+            let added = self.inner.ledger.lock().add(key, book());
+            let Err(room) = added else { break };
+            // The guarantee must fit beside what is promised and used: reclaim idle memory of
+            // other models once, then give up.
+            if attempt == 1 || self.inner.reclaim_for(None, config.guarantee - room) == 0 {
+                return Err(Error::ChangeNotReached {
+                    model: id,
+                    what: "guarantee",
+                    wanted: config.guarantee,
+                    reason: format!(
+                        "only {room} bytes of the global budget are neither used nor guaranteed"
+                    ),
+                    used: 0,
+                    reclaimed: 0,
+                });
+            }
+        }
+        let admission: Arc<dyn Admission> = Arc::new(ModelAdmission {
+            shared: Arc::downgrade(&self.inner),
+            key,
+        });
+        let mut pc = config
+            .pool
+            .clone()
+            .unwrap_or_else(|| PoolConfig::new(config.virtual_capacity));
+        pc.capacity = config.virtual_capacity;
+        pc.name = id.clone();
+        pc.physical_limit = None;
+        // On failure the admission (and with it the ledger line) is dropped.
+        let pool = Pool::with_admission(self.inner.backend.clone(), pc, Some(admission))?;
+        let slot = ModelSlot {
+            key,
+            pool: pool.clone(),
+            reclaim: config.reclaim.clone(),
+        };
+        {
+            let mut models = self.inner.models.lock();
+            if models.contains_key(&id) {
+                return Err(Error::DuplicateModel { model: id });
+            }
+            models.insert(id.clone(), slot);
+        }
+        tracing::info!(model = %id, limit = config.limit, guarantee = config.guarantee, priority = config.priority, "model registered");
+        Ok(ModelHandle {
+            pool,
+            id: id.as_str().into(),
+            key,
+            shared: self.clone(),
+        })
+    }
+
+    fn slot(&self, id: &str) -> Result<ModelSlot> {
+        self.inner
+            .models
+            .lock()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::UnknownModel {
+                model: id.to_string(),
+            })
+    }
+
+    /// A handle to a registered model.
+    pub fn model(&self, id: &str) -> Result<ModelHandle> {
+        let slot = self.slot(id)?;
+        Ok(ModelHandle {
+            pool: slot.pool,
+            id: id.into(),
+            key: slot.key,
+            shared: self.clone(),
+        })
+    }
+
+    /// Ids of the registered models.
+    pub fn model_ids(&self) -> Vec<String> {
+        self.inner.models.lock().keys().cloned().collect()
+    }
+
+    /// Unregister a model. Refused while it has live allocations or mapped ranges (with their
+    /// count and bytes). Its idle memory is given back at once; its handles stop taking new
+    /// memory, and its line disappears when the last handle is gone.
+    pub fn unregister(&self, id: &str) -> Result<()> {
+        let slot = self.slot(id)?;
+        slot.pool
+            .inner()
+            .close_if_unused("the model was unregistered")?;
+        self.inner.models.lock().remove(id);
+        self.inner.ledger.lock().retire(slot.key);
+        let trimmed = slot.pool.trim();
+        tracing::info!(model = %id, "model unregistered");
+        trimmed.map(|_| ())
+    }
+
+    /// Would a growth of `bytes` be admitted for model `id` right now (without reclaiming)?
+    /// The same check admission makes, without charging anything.
+    pub fn check_admission(&self, id: &str, bytes: u64) -> Result<()> {
+        // The slot (and with it the model's pool and ledger line) stays alive while we look.
+        let slot = self.slot(id)?;
+        let key = slot.key;
+        let l = self.inner.ledger.lock();
+        if bytes <= l.headroom(key) {
+            Ok(())
+        } else {
+            let m = &l.models[&key];
+            let why = if m.used + bytes > m.limit.min(m.cap) {
+                Refusal::ModelLimit
+            } else {
+                Refusal::Global { short: 0 }
+            };
+            Err(l.refusal_error(key, bytes, why))
+        }
+    }
+
+    /// Change a model's limit. Raising takes effect at once. Lowering below what the model uses
+    /// gives back its cached and idle memory, then calls its reclaim callback and gives back what
+    /// that freed; if the model still uses more than `limit`, the old limit stays and the error
+    /// says how far it got.
+    pub fn set_limit(&self, id: &str, limit: u64) -> Result<ChangeReport> {
+        let slot = self.slot(id)?;
+        let key = slot.key;
+        let used = {
+            let mut l = self.inner.ledger.lock();
+            let m = &l.models[&key];
+            if limit < m.guarantee {
+                return Err(Error::InvalidModelConfig {
+                    model: id.to_string(),
+                    reason: format!(
+                        "limit {limit} is below the guarantee {}: lower the guarantee first",
+                        m.guarantee
+                    ),
+                });
+            }
+            let used = m.used;
+            if used <= limit {
+                l.set_limit(key, limit);
+                tracing::info!(model = %id, limit, "limit changed");
+                return Ok(ChangeReport {
+                    used,
+                    ..Default::default()
+                });
+            }
+            // Hold growth below the new limit while memory is reclaimed.
+            l.set_cap(key, limit);
+            used
+        };
+        let mut report = ChangeReport::default();
+        let mut result = slot
+            .pool
+            .inner()
+            .reclaim(used - limit)
+            .map(|r| report.reclaimed_idle = r);
+        let over = |s: &Self| {
+            s.inner.ledger.lock().models[&key]
+                .used
+                .saturating_sub(limit)
+        };
+        if result.is_ok() && over(self) > 0 {
+            if let Some(cb) = &slot.reclaim {
+                let want = over(self);
+                tracing::info!(model = %id, bytes = want, "asking the model to free memory");
+                cb(want);
+                result = slot
+                    .pool
+                    .inner()
+                    .reclaim(over(self))
+                    .map(|r| report.reclaimed_by_callback = r);
+            }
+        }
+        let mut l = self.inner.ledger.lock();
+        let reclaimed = report.reclaimed_idle + report.reclaimed_by_callback;
+        l.note_reclaimed(key, reclaimed);
+        let (used, old_limit) = (l.models[&key].used, l.models[&key].limit);
+        report.used = used;
+        if used <= limit {
+            l.set_limit(key, limit);
+            tracing::info!(model = %id, limit, reclaimed, "limit lowered");
+            return result.map(|()| report);
+        }
+        l.set_cap(key, old_limit);
+        drop(l);
+        tracing::warn!(model = %id, limit, used, reclaimed, "limit could not be lowered");
+        result?;
+        Err(Error::ChangeNotReached {
+            model: id.to_string(),
+            what: "limit",
+            wanted: limit,
+            reason: format!(
+                "{} bytes are still in use after giving back idle memory{}; the limit stays {old_limit}",
+                used,
+                if slot.reclaim.is_some() { " and asking the model" } else { " (no reclaim callback registered)" }
+            ),
+            used,
+            reclaimed,
+        })
+    }
+
+    /// Change a model's guarantee. Lowering takes effect at once; raising needs room in the
+    /// budget, made by reclaiming other models' idle memory if necessary, else nothing changes
+    /// and the error says how much room there is.
+    pub fn set_guarantee(&self, id: &str, guarantee: u64) -> Result<ChangeReport> {
+        let slot = self.slot(id)?;
+        let key = slot.key;
+        let mut report = ChangeReport::default();
+        for attempt in 0..2 {
+            let outcome = {
+                let mut l = self.inner.ledger.lock();
+                let m = &l.models[&key];
+                if guarantee > m.limit {
+                    return Err(Error::InvalidModelConfig {
+                        model: id.to_string(),
+                        reason: format!("guarantee {guarantee} is above the limit {}", m.limit),
+                    });
+                }
+                l.try_set_guarantee(key, guarantee)
+                    .map(|()| l.models[&key].used)
+            };
+            match outcome {
+                Ok(used) => {
+                    report.used = used;
+                    tracing::info!(model = %id, guarantee, "guarantee changed");
+                    return Ok(report);
+                }
+                Err(max) => {
+                    let got = if attempt == 0 {
+                        self.inner.reclaim_for(Some(key), guarantee - max)
+                    } else {
+                        0
+                    };
+                    report.reclaimed_from_others += got;
+                    if got == 0 {
+                        let used = self.inner.ledger.lock().models[&key].used;
+                        return Err(Error::ChangeNotReached {
+                            model: id.to_string(),
+                            what: "guarantee",
+                            wanted: guarantee,
+                            reason: format!("at most {max} bytes can be guaranteed beside other models' use and guarantees"),
+                            used,
+                            reclaimed: report.reclaimed_from_others,
+                        });
+                    }
+                }
+            }
+        }
+        Err(Error::InvalidArgument(
+            "unreachable: guarantee loop ended".into(),
+        ))
+    }
+
+    /// A consistent snapshot of all models and the budget.
+    pub fn stats(&self) -> SharedStats {
+        let slots: Vec<(String, ModelSlot)> = self
+            .inner
+            .models
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let l = self.inner.ledger.lock();
+        // Every pool's lock, in registry order, while the ledger is held.
+        let guards: Vec<_> = slots
+            .iter()
+            .map(|(_, s)| s.pool.inner().lock_stats())
+            .collect();
+        let mut models = Vec::with_capacity(slots.len());
+        let (mut cached, mut in_use) = (0, 0);
+        for ((id, slot), ps) in slots.iter().zip(&guards) {
+            let Some(m) = l.models.get(&slot.key) else {
+                continue;
+            };
+            let ps = ps.snapshot();
+            cached += ps.cached;
+            in_use += ps.in_use;
+            models.push(ModelStats {
+                id: id.clone(),
+                key: slot.key,
+                limit: m.limit,
+                guarantee: m.guarantee,
+                priority: m.priority,
+                used: m.used,
+                in_use: ps.in_use,
+                mapped: ps.mapped,
+                cached: ps.cached,
+                peak: m.peak,
+                peak_in_use: ps.peak_in_use,
+                live_allocations: ps.live_allocations,
+                refusals: m.refusals,
+                reclaimed: m.reclaimed,
+            });
+        }
+        drop(guards);
+        SharedStats {
+            global: GlobalStats {
+                limit: l.global_limit,
+                used: l.used,
+                cached,
+                in_use,
+                free: l.global_limit.saturating_sub(l.used),
+                reserved_guarantees: l.unused_guarantees(),
+                models: models.len(),
+            },
+            models,
+        }
+    }
+
+    /// Check the books: the ledger against itself, every model pool against itself, and (when
+    /// nothing is in flight) each model's charge against what its pool holds and the total
+    /// against what the backend holds. For tests and debugging.
+    pub fn audit(&self) -> Result<(), String> {
+        let slots: Vec<ModelSlot> = self.inner.models.lock().values().cloned().collect();
+        let l = self.inner.ledger.lock();
+        l.audit()?;
+        let mut total = 0;
+        for s in &slots {
+            s.pool.audit()?;
+            let ps = s.pool.stats();
+            let used = l.models.get(&s.key).map_or(0, |m| m.used);
+            if used != ps.physical() {
+                return Err(format!(
+                    "model {}: ledger says {used}, pool holds {}",
+                    s.pool.name(),
+                    ps.physical()
+                ));
+            }
+            total += used;
+        }
+        if total == l.used {
+            let held = self
+                .inner
+                .backend
+                .physical_bytes()
+                .map_err(|e| e.to_string())?;
+            if held != l.used {
+                return Err(format!(
+                    "ledger says {} bytes, backend holds {held}",
+                    l.used
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SharedInner {
+    /// Admission for one growth of model `key`.
+    fn admit(&self, key: u64, bytes: u64, may_reclaim: bool) -> Result<()> {
+        let mut last = Refusal::Retired;
+        for attempt in 0..3 {
+            let refusal = match self.ledger.lock().try_charge(key, bytes) {
+                Ok(()) => return Ok(()),
+                Err(r) => r,
+            };
+            last = refusal;
+            match refusal {
+                Refusal::Global { short } if may_reclaim && attempt < 2 => {
+                    if self.reclaim_for(Some(key), short) == 0 {
+                        break;
+                    }
+                }
+                _ => break,
+            }
+        }
+        let mut l = self.ledger.lock();
+        l.note_refusal(key);
+        let err = l.refusal_error(key, bytes, last);
+        drop(l);
+        tracing::warn!(error = %err, "admission refused");
+        Err(err)
+    }
+
+    /// Reclaim up to `want` bytes of memory other models hold but do not use, above their
+    /// guarantees, lowest priority first. Returns the bytes released.
+    fn reclaim_for(&self, for_key: Option<u64>, want: u64) -> u64 {
+        let slots: Vec<(String, ModelSlot)> = self
+            .models
+            .lock()
+            .iter()
+            .filter(|(_, s)| Some(s.key) != for_key)
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect();
+        let mut candidates: Vec<(i32, u64, String, ModelSlot)> = {
+            let l = self.ledger.lock();
+            slots
+                .into_iter()
+                .filter_map(|(id, s)| {
+                    let m = l.models.get(&s.key)?;
+                    let ps = s.pool.stats();
+                    let spare = (ps.idle() + ps.cached).min(m.used.saturating_sub(m.guarantee));
+                    (spare > 0).then_some((m.priority, spare, id, s))
+                })
+                .collect()
+        };
+        candidates.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        let mut got = 0;
+        for (_, spare, id, s) in candidates {
+            if got >= want {
+                break;
+            }
+            match s.pool.inner().reclaim(spare.min(want - got)) {
+                Ok(n) => {
+                    got += n;
+                    self.ledger.lock().note_reclaimed(s.key, n);
+                    tracing::info!(from = %id, bytes = n, "reclaimed idle memory for another model");
+                }
+                Err(e) => tracing::warn!(from = %id, error = %e, "reclaiming idle memory failed"),
+            }
+        }
+        got
+    }
+}

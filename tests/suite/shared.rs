@@ -1,0 +1,511 @@
+//! The shared pool's behavioural suite, generic over the backend (host in CI, CUDA on the GPU).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+
+use elastic_vmm::{
+    Allocation, Backend, Error, ModelConfig, ModelHandle, PoolConfig, SharedPool, SharedPoolConfig,
+};
+use parking_lot::Mutex;
+
+use super::Rng;
+
+fn shared(backend: &Arc<dyn Backend>, limit: u64) -> SharedPool {
+    SharedPool::new(backend.clone(), SharedPoolConfig::new().global_limit(limit))
+        .expect("shared pool")
+}
+
+fn used(s: &SharedPool, id: &str) -> u64 {
+    s.stats()
+        .models
+        .iter()
+        .find(|m| m.id == id)
+        .map_or(0, |m| m.used)
+}
+
+/// Exact growth (no look-ahead) so the numbers below are easy to state.
+fn exact(capacity: u64) -> PoolConfig {
+    PoolConfig::new(capacity as usize).growth_divisor(0)
+}
+
+fn assert_send_sync<T: Send + Sync + Clone>(_: &T) {}
+
+/// Registration, handles, lookups and every invalid registration.
+pub fn registration_and_handles(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 64 * g);
+    let a = s
+        .register(ModelConfig::new("a", (256 * g) as usize, 32 * g))
+        .expect("a");
+    assert_send_sync(&a);
+    let a2 = a.clone();
+    let t = std::thread::spawn(move || a2.allocate(3 * g as usize).map(|x| x.size()));
+    assert_eq!(
+        t.join()
+            .expect("thread")
+            .expect("allocate from another thread"),
+        3 * g as usize
+    );
+    match s.register(ModelConfig::new("a", g as usize, g)) {
+        Err(Error::DuplicateModel { model }) => assert_eq!(model, "a"),
+        other => panic!("expected DuplicateModel, got {other:?}"),
+    }
+    assert!(matches!(
+        s.register(ModelConfig::new("", g as usize, g)),
+        Err(Error::InvalidModelConfig { .. })
+    ));
+    assert!(matches!(
+        s.register(ModelConfig::new("z", g as usize, 0)),
+        Err(Error::InvalidModelConfig { .. })
+    ));
+    assert!(matches!(
+        s.register(ModelConfig::new("z", g as usize, g).guarantee(2 * g)),
+        Err(Error::InvalidModelConfig { .. })
+    ));
+    assert!(matches!(s.model("nope"), Err(Error::UnknownModel { .. })));
+    // The range API through a handle, and a second handle to the same model.
+    let b = s
+        .register(ModelConfig::new("b", (64 * g) as usize, 8 * g))
+        .expect("b");
+    b.map(0, 4 * g).expect("map");
+    let b2 = s.model("b").expect("lookup");
+    assert!(b2.is_mapped(0, 4 * g));
+    assert_eq!(used(&s, "b"), 4 * g);
+    b2.unmap(0, 4 * g).expect("unmap");
+    assert_eq!(s.model_ids(), vec!["a".to_string(), "b".to_string()]);
+    s.audit().expect("audit");
+}
+
+/// Refusals name the model, what it asked for, its use and limit, and the global numbers;
+/// they happen before any driver call and change nothing.
+pub fn admission_refuses_with_numbers(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 16 * g);
+    let a = s
+        .register(ModelConfig::new("a", (64 * g) as usize, 8 * g).pool_config(exact(0)))
+        .expect("a");
+    let b = s
+        .register(
+            ModelConfig::new("b", (64 * g) as usize, 16 * g)
+                .guarantee(4 * g)
+                .pool_config(exact(0)),
+        )
+        .expect("b");
+    let c = s
+        .register(ModelConfig::new("c", (64 * g) as usize, 16 * g).pool_config(exact(0)))
+        .expect("c");
+    let calls = backend_calls(&[&a, &b, &c]);
+    match a.allocate(9 * g as usize) {
+        Err(Error::AdmissionRefused {
+            model,
+            requested,
+            cause,
+            model_used,
+            model_limit,
+            global_limit,
+            reserved_for_others,
+            ..
+        }) => {
+            assert_eq!(model, "a");
+            assert_eq!(requested, 9 * g);
+            assert_eq!(cause, "the model's limit");
+            assert_eq!((model_used, model_limit, global_limit), (0, 8 * g, 16 * g));
+            assert_eq!(reserved_for_others, 4 * g, "b's guarantee is reserved");
+        }
+        other => panic!("expected AdmissionRefused, got {other:?}"),
+    }
+    assert_eq!(
+        backend_calls(&[&a, &b, &c]),
+        calls,
+        "a refusal makes no driver call"
+    );
+    let _a1 = a.allocate(8 * g as usize).expect("a within its limit");
+    // 8 used by a, 4 reserved for b: c may take 4, not 5.
+    assert!(s.check_admission("c", 4 * g).is_ok());
+    let err = s
+        .check_admission("c", 5 * g)
+        .expect_err("over the global budget");
+    let text = err.to_string();
+    assert!(
+        text.contains("\"c\"") && text.contains(&(16 * g).to_string()),
+        "message names model and limit: {text}"
+    );
+    match c.allocate(5 * g as usize) {
+        Err(Error::AdmissionRefused {
+            cause,
+            global_used,
+            reserved_for_others,
+            ..
+        }) => {
+            assert_eq!(cause, "the global budget");
+            assert_eq!((global_used, reserved_for_others), (8 * g, 4 * g));
+        }
+        other => panic!("expected AdmissionRefused, got {other:?}"),
+    }
+    let _c1 = c.allocate(4 * g as usize).expect("c within the budget");
+    // b's guarantee is still there for b.
+    let _b1 = b.allocate(4 * g as usize).expect("b's guarantee");
+    assert!(b.allocate(g as usize).is_err(), "the budget is full");
+    let st = s.stats();
+    assert_eq!(st.global.used, 16 * g);
+    assert_eq!(st.global.free, 0);
+    assert!(st.models.iter().find(|m| m.id == "c").expect("c").refusals >= 1);
+    s.audit().expect("audit");
+}
+
+fn backend_calls(handles: &[&ModelHandle]) -> u64 {
+    handles.iter().map(|h| h.stats().driver_calls.total()).sum()
+}
+
+/// Memory a model freed but keeps (idle or cached) goes to another model that needs it,
+/// lowest priority first, before anyone is refused.
+pub fn idle_memory_does_not_hoard(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 12 * g);
+    let low = s
+        .register(ModelConfig::new("low", (64 * g) as usize, 12 * g).priority(0))
+        .expect("low");
+    let high = s
+        .register(ModelConfig::new("high", (64 * g) as usize, 12 * g).priority(5))
+        .expect("high");
+    let taker = s
+        .register(ModelConfig::new("taker", (64 * g) as usize, 12 * g))
+        .expect("taker");
+    // low keeps 4 granules idle (freed allocations), high 4 granules cached (unmapped range).
+    drop(low.allocate(4 * g as usize).expect("low"));
+    high.map(0, 4 * g).expect("high");
+    high.unmap(0, 4 * g).expect("high unmap");
+    let st = s.stats();
+    assert_eq!(used(&s, "low"), low.stats().physical());
+    assert!(
+        st.models
+            .iter()
+            .find(|m| m.id == "high")
+            .expect("high")
+            .cached
+            == 4 * g
+    );
+    let free_before = st.global.free;
+    // taker needs more than is free: low's idle memory goes first.
+    let need = free_before + 2 * g;
+    let t1 = taker
+        .allocate(need as usize)
+        .expect("taker gets memory others kept");
+    let st = s.stats();
+    let low_st = st.models.iter().find(|m| m.id == "low").expect("low");
+    let high_st = st.models.iter().find(|m| m.id == "high").expect("high");
+    assert!(
+        low_st.reclaimed >= 2 * g,
+        "low priority gives first: {low_st:?}"
+    );
+    assert_eq!(
+        high_st.reclaimed, 0,
+        "high priority untouched while low had enough: {high_st:?}"
+    );
+    // Everything that is left.
+    let rest = st.global.free + high_st.cached + low_st.used;
+    let _t2 = taker
+        .allocate(rest as usize)
+        .expect("taker takes the rest, high's cache included");
+    let st = s.stats();
+    assert_eq!(st.global.used, 12 * g);
+    assert_eq!(used(&s, "taker"), 12 * g);
+    assert!(taker.allocate(g as usize).is_err(), "nothing left");
+    drop(t1);
+    s.audit().expect("audit");
+}
+
+/// Limits and guarantees change live.
+pub fn live_limit_changes(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 32 * g);
+    // The engine's blocks, which its reclaim callback frees on request.
+    let blocks: Arc<Mutex<Vec<Allocation>>> = Arc::new(Mutex::new(Vec::new()));
+    let asked = Arc::new(AtomicU64::new(0));
+    let (cb_blocks, cb_asked) = (blocks.clone(), asked.clone());
+    let m = s
+        .register(
+            ModelConfig::new("m", (128 * g) as usize, 8 * g)
+                .pool_config(exact(0).max_chunk(g as usize))
+                .on_reclaim(move |bytes| {
+                    cb_asked.fetch_add(bytes, Ordering::SeqCst);
+                    let mut v = cb_blocks.lock();
+                    let mut freed = 0;
+                    while freed < bytes {
+                        match v.pop() {
+                            Some(a) => freed += a.footprint(),
+                            None => break,
+                        }
+                    }
+                }),
+        )
+        .expect("m");
+    let other = s
+        .register(ModelConfig::new("other", (128 * g) as usize, 32 * g).pool_config(exact(0)))
+        .expect("other");
+    for _ in 0..8 {
+        blocks.lock().push(m.allocate(g as usize).expect("block"));
+    }
+    assert!(m.allocate(g as usize).is_err(), "at the limit");
+    // Raising takes effect at once.
+    let r = s.set_limit("m", 12 * g).expect("raise");
+    assert_eq!(r.used, 8 * g);
+    for _ in 0..4 {
+        blocks
+            .lock()
+            .push(m.allocate(g as usize).expect("after raising"));
+    }
+    // Lowering below use: idle memory first.
+    drop(blocks.lock().drain(8..).collect::<Vec<_>>());
+    let r = s
+        .set_limit("m", 9 * g)
+        .expect("lower: idle memory suffices");
+    assert!(
+        r.reclaimed_idle >= 3 * g && r.reclaimed_by_callback == 0,
+        "{r:?}"
+    );
+    assert_eq!(asked.load(Ordering::SeqCst), 0, "no need to ask the engine");
+    // Lowering further: the engine is asked to free blocks.
+    let r = s
+        .set_limit("m", 5 * g)
+        .expect("lower: the engine frees blocks");
+    assert!(
+        asked.load(Ordering::SeqCst) >= 3 * g,
+        "the callback was asked for what was missing"
+    );
+    assert!(r.reclaimed_by_callback >= 3 * g, "{r:?}");
+    assert!(r.used <= 5 * g);
+    assert!(m.allocate(g as usize).is_err() || used(&s, "m") <= 5 * g);
+    // A limit that cannot be reached: nothing changes, the error has the numbers.
+    let keep: Vec<Allocation> = blocks.lock().drain(..).collect();
+    let held = used(&s, "m");
+    let no_cb = s
+        .register(ModelConfig::new("nocb", (64 * g) as usize, 8 * g).pool_config(exact(0)))
+        .expect("nocb");
+    let pinned = no_cb.allocate(4 * g as usize).expect("pinned");
+    match s.set_limit("nocb", 2 * g) {
+        Err(Error::ChangeNotReached {
+            what, wanted, used, ..
+        }) => {
+            assert_eq!((what, wanted, used), ("limit", 2 * g, 4 * g));
+        }
+        other => panic!("expected ChangeNotReached, got {other:?}"),
+    }
+    let nocb = s
+        .stats()
+        .models
+        .into_iter()
+        .find(|x| x.id == "nocb")
+        .expect("nocb");
+    assert_eq!(nocb.limit, 8 * g, "the old limit stays");
+    let more = no_cb
+        .allocate(4 * g as usize)
+        .expect("growth up to the old limit still works");
+    drop((pinned, more));
+    assert_eq!(used(&s, "m"), held);
+    drop(keep);
+    // Guarantees: raising needs room, made from other models' idle memory.
+    let big = other
+        .allocate(20 * g as usize)
+        .expect("other fills the budget");
+    drop(big); // idle in other
+    assert!(
+        s.set_guarantee("m", 9 * g).is_err(),
+        "a guarantee above the limit"
+    );
+    let r = s
+        .set_guarantee("m", 5 * g)
+        .expect("room is made from other's idle memory");
+    assert!(s.stats().global.reserved_guarantees <= 5 * g, "{r:?}");
+    assert!(
+        matches!(
+            s.set_limit("m", 4 * g),
+            Err(Error::InvalidModelConfig { .. })
+        ),
+        "limit below guarantee"
+    );
+    s.set_guarantee("m", 0).expect("lowering a guarantee");
+    assert_eq!(s.stats().global.reserved_guarantees, 0);
+    s.audit().expect("audit");
+}
+
+/// Unregistering is refused while memory is in use; afterwards every byte is credited back.
+pub fn unregister_credits_everything(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 16 * g);
+    let m = s
+        .register(ModelConfig::new("m", (64 * g) as usize, 8 * g))
+        .expect("m");
+    let a = m.allocate(3 * g as usize).expect("a");
+    let b = m.allocate(100).expect("b");
+    match s.unregister("m") {
+        Err(Error::ModelBusy {
+            model,
+            live_allocations,
+            bytes,
+            ..
+        }) => {
+            assert_eq!((model.as_str(), live_allocations), ("m", 2));
+            assert_eq!(bytes, a.footprint() + b.footprint());
+        }
+        other => panic!("expected ModelBusy, got {other:?}"),
+    }
+    drop((a, b));
+    m.map(32 * g, g).expect("range");
+    assert!(
+        matches!(s.unregister("m"), Err(Error::ModelBusy { mapped_ranges, .. }) if mapped_ranges == g)
+    );
+    m.unmap(32 * g, g).expect("unmap");
+    s.unregister("m").expect("unregister");
+    assert_eq!(s.stats().global.used, 0, "every byte credited back");
+    assert_eq!(backend.physical_bytes().expect("held"), 0);
+    assert!(
+        matches!(m.allocate(1), Err(Error::PoolClosed { .. })),
+        "an unregistered model takes no memory"
+    );
+    assert!(matches!(s.model("m"), Err(Error::UnknownModel { .. })));
+    let again = s
+        .register(ModelConfig::new("m", (64 * g) as usize, 8 * g))
+        .expect("the id is free again");
+    drop(again.allocate(g as usize).expect("new model works"));
+    drop(m);
+    assert_eq!(s.stats().models.len(), 1);
+    s.audit().expect("audit");
+}
+
+/// `threads` threads over `models` models grow and shrink at random under a budget smaller than
+/// their demand. A watcher checks on every snapshot that no model is over its limit, the global
+/// use is within the global limit, and the models' use sums to the global use; at every phase
+/// barrier the books must equal what the pools and the backend hold.
+pub fn concurrent_models(
+    backend: Arc<dyn Backend>,
+    threads: usize,
+    models: usize,
+    phases: usize,
+    ops: usize,
+) {
+    let g = backend.info().granularity as u64;
+    let global = 24 * g;
+    let s = shared(&backend, global);
+    let handles: Vec<ModelHandle> = (0..models)
+        .map(|i| {
+            let limit = (6 + 3 * (i as u64 % 3)) * g;
+            let cfg = ModelConfig::new(format!("m{i}"), (256 * g) as usize, limit)
+                .guarantee(if i == 0 { 2 * g } else { 0 })
+                .priority(i as i32)
+                .pool_config(PoolConfig::new(0).max_chunk((2 * g) as usize));
+            s.register(cfg).expect("register")
+        })
+        .collect();
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let stop = Arc::new(AtomicBool::new(false));
+    let refusals = Arc::new(AtomicU64::new(0));
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let (handles, barrier, refusals) = (handles.clone(), barrier.clone(), refusals.clone());
+            scope.spawn(move || {
+                let mut rng = Rng::new(77 + t as u64);
+                let mut mine: Vec<(usize, Allocation)> = Vec::new();
+                for _ in 0..phases {
+                    for _ in 0..ops {
+                        if !mine.is_empty() && (mine.len() > 12 || rng.below(2) == 0) {
+                            let i = rng.below(mine.len() as u64) as usize;
+                            mine.swap_remove(i);
+                        } else {
+                            let m = rng.below(handles.len() as u64) as usize;
+                            let n = 4096 + rng.below(3 * g) as usize;
+                            match handles[m].allocate(n) {
+                                Ok(a) => mine.push((m, a)),
+                                Err(Error::AdmissionRefused { .. }) => {
+                                    refusals.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(e) => panic!("unexpected error: {e}"),
+                            }
+                        }
+                        if rng.below(64) == 0 {
+                            let _ = handles[rng.below(handles.len() as u64) as usize].trim();
+                        }
+                    }
+                    barrier.wait();
+                    barrier.wait();
+                }
+                drop(mine);
+            });
+        }
+        let (sw, stopw) = (s.clone(), stop.clone());
+        let watcher = scope.spawn(move || {
+            let mut n = 0u64;
+            while !stopw.load(Ordering::SeqCst) {
+                let st = sw.stats();
+                let sum: u64 = st.models.iter().map(|m| m.used).sum();
+                assert_eq!(sum, st.global.used, "models' use sums to the global use");
+                assert!(
+                    st.global.used <= st.global.limit,
+                    "global {} over {}",
+                    st.global.used,
+                    st.global.limit
+                );
+                for m in &st.models {
+                    assert!(
+                        m.used <= m.limit,
+                        "model {} uses {} over its limit {}",
+                        m.id,
+                        m.used,
+                        m.limit
+                    );
+                }
+                n += 1;
+            }
+            n
+        });
+        for phase in 0..phases {
+            barrier.wait();
+            s.audit().unwrap_or_else(|e| panic!("phase {phase}: {e}"));
+            barrier.wait();
+        }
+        stop.store(true, Ordering::SeqCst);
+        let snapshots = watcher.join().expect("watcher");
+        assert!(snapshots > 0);
+    });
+    let st = s.stats();
+    assert_eq!(st.global.in_use, 0);
+    assert!(
+        refusals.load(Ordering::Relaxed) > 0,
+        "the budget was meant to be tight enough to refuse some growth"
+    );
+    for h in &handles {
+        h.trim().expect("trim");
+    }
+    assert_eq!(s.stats().global.used, 0, "exact accounting at the end");
+    assert_eq!(backend.physical_bytes().expect("held"), 0);
+    s.audit().expect("audit");
+}
+
+/// Model A holds `bytes`, releases them; model B grows by `bytes` under a budget that cannot hold
+/// both: B's growth reclaims A's idle memory. Returns (seconds for B's growth, A's stats after).
+pub fn hand_over(backend: Arc<dyn Backend>, bytes: u64, step: u64) -> f64 {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, bytes + 4 * g);
+    let cfg = |id: &str| ModelConfig::new(id, (2 * bytes) as usize, bytes + 2 * g);
+    let a = s.register(cfg("a")).expect("a");
+    let b = s.register(cfg("b")).expect("b");
+    let held: Vec<Allocation> = (0..bytes / step)
+        .map(|_| a.allocate(step as usize).expect("a grows"))
+        .collect();
+    assert!(used(&s, "a") >= bytes);
+    drop(held); // A releases: its memory is idle, still charged to A.
+    let t = std::time::Instant::now();
+    let got: Vec<Allocation> = (0..bytes / step)
+        .map(|_| b.allocate(step as usize).expect("b grows"))
+        .collect();
+    let secs = t.elapsed().as_secs_f64();
+    assert!(used(&s, "b") >= bytes);
+    assert!(
+        used(&s, "a") <= 4 * g,
+        "A's idle memory went to B: A still uses {}",
+        used(&s, "a")
+    );
+    s.audit().expect("audit");
+    drop(got);
+    secs
+}
