@@ -193,6 +193,12 @@ impl ModelHandle {
         &self.shared
     }
 
+    /// Would a growth of `bytes` be admitted for this model right now (without reclaiming)?
+    /// The check admission makes before every physical growth, without charging anything.
+    pub fn check_admission(&self, bytes: u64) -> Result<()> {
+        self.shared.inner.check(self.key, bytes)
+    }
+
     /// This model's line of a fresh snapshot.
     pub fn model_stats(&self) -> Option<ModelStats> {
         self.shared
@@ -491,19 +497,7 @@ impl SharedPool {
     pub fn check_admission(&self, id: &str, bytes: u64) -> Result<()> {
         // The slot (and with it the model's pool and ledger line) stays alive while we look.
         let slot = self.slot(id)?;
-        let key = slot.key;
-        let l = self.inner.ledger.lock();
-        if bytes <= l.headroom(key) {
-            Ok(())
-        } else {
-            let m = &l.models[&key];
-            let why = if m.used + bytes > m.limit.min(m.cap) {
-                Refusal::ModelLimit
-            } else {
-                Refusal::Global { short: 0 }
-            };
-            Err(l.refusal_error(key, bytes, why))
-        }
+        self.inner.check(slot.key, bytes)
     }
 
     /// Change a model's limit. Raising takes effect at once. Lowering below what the model uses
@@ -736,6 +730,21 @@ impl SharedPool {
 }
 
 impl SharedInner {
+    /// The admission check without charging.
+    fn check(&self, key: u64, bytes: u64) -> Result<()> {
+        let l = self.ledger.lock();
+        if bytes <= l.headroom(key) {
+            return Ok(());
+        }
+        let why = match l.models.get(&key) {
+            None => Refusal::Retired,
+            Some(m) if m.retired => Refusal::Retired,
+            Some(m) if m.used + bytes > m.limit.min(m.cap) => Refusal::ModelLimit,
+            Some(_) => Refusal::Global { short: 0 },
+        };
+        Err(l.refusal_error(key, bytes, why))
+    }
+
     /// Admission for one growth of model `key`.
     fn admit(&self, key: u64, bytes: u64, may_reclaim: bool) -> Result<()> {
         let mut last = Refusal::Retired;
@@ -755,10 +764,16 @@ impl SharedInner {
             }
         }
         let mut l = self.ledger.lock();
-        l.note_refusal(key);
         let err = l.refusal_error(key, bytes, last);
-        drop(l);
-        tracing::warn!(error = %err, "admission refused");
+        if may_reclaim {
+            l.note_refusal(key);
+            drop(l);
+            tracing::warn!(error = %err, "admission refused");
+        } else {
+            // Optional growth (look-ahead): the request itself goes on without it.
+            drop(l);
+            tracing::debug!(error = %err, "optional growth not admitted");
+        }
         Err(err)
     }
 

@@ -1,162 +1,24 @@
-//! `elastic-vmm`: the command-line tool. Uses the crate's public API only.
-//!
-//! - `info`: the backend, device, granularity and VMM support.
-//! - `demo`: an elastic KV-cache workload (sequences growing block by block and finishing),
-//!   with stats as it goes and a summary against a static worst-case preallocation.
+//! `demo`: sequences whose KV caches grow block by block and finish, memory reused.
 
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::{Parser, Subcommand, ValueEnum};
-use elastic_vmm::backend::{self, cuda::CudaBackend, host::HostBackend};
 use elastic_vmm::stats::human_bytes;
 use elastic_vmm::{Allocation, Backend, DriverCall, Pool, PoolConfig};
 
-#[derive(Parser)]
-#[command(
-    name = "elastic-vmm",
-    version,
-    about = "Elastic GPU memory: reserve once, map on demand, give back"
-)]
-struct Cli {
-    /// Which memory to use: CUDA device 0 when a GPU is found, else host memory.
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto, global = true)]
-    backend: BackendChoice,
-    /// CUDA device ordinal (with --backend cuda or auto).
-    #[arg(long, default_value_t = 0, global = true)]
-    device: i32,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum BackendChoice {
-    Auto,
-    Host,
-    Cuda,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Print the backend, device, granularity and VMM support.
-    Info,
-    /// Run an elastic KV-cache workload and compare it with static preallocation.
-    Demo(DemoArgs),
-}
-
-#[derive(clap::Args, Clone)]
-struct DemoArgs {
-    /// Sequences to serve in total.
-    #[arg(long, default_value_t = 400)]
-    sequences: usize,
-    /// Sequences running at the same time (the batch).
-    #[arg(long, default_value_t = 32)]
-    concurrent: usize,
-    /// Longest sequence in tokens (prompt plus output): what a static cache reserves per slot.
-    #[arg(long, default_value_t = 2048)]
-    max_tokens: usize,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    block_tokens: usize,
-    /// KV bytes per token (all layers, K and V).
-    #[arg(long, default_value_t = 32 * 1024)]
-    bytes_per_token: usize,
-    /// Print a line every this many decode steps.
-    #[arg(long, default_value_t = 250)]
-    report_every: usize,
-    /// Seed of the workload generator.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-}
-
-fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
-    match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-type BoxError = Box<dyn std::error::Error>;
-
-fn open_backend(
-    choice: BackendChoice,
-    device: i32,
-) -> Result<(Arc<dyn Backend>, Option<String>), BoxError> {
-    Ok(match choice {
-        BackendChoice::Cuda => (Arc::new(CudaBackend::new(device)?), None),
-        BackendChoice::Host => (
-            Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?),
-            None,
-        ),
-        BackendChoice::Auto if device == 0 => backend::default_backend()?,
-        BackendChoice::Auto => match CudaBackend::new(device) {
-            Ok(b) => (Arc::new(b), None),
-            Err(e) => (
-                Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?),
-                Some(e.to_string()),
-            ),
-        },
-    })
-}
-
-fn run(cli: Cli) -> Result<(), BoxError> {
-    let (backend, why_not_cuda) = open_backend(cli.backend, cli.device)?;
-    if let Some(why) = &why_not_cuda {
-        println!("CUDA not used: {why}");
-        println!("using host memory (memfd), the embedded default");
-    }
-    match cli.command {
-        Command::Info => info(&backend),
-        Command::Demo(args) => demo(backend, &args),
-    }
-}
-
-fn info(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
-    let i = backend.info();
-    let mem = backend.memory_info()?;
-    println!("backend            {}", i.name);
-    println!("device             {}", i.device_name);
-    if let Some(o) = i.device_ordinal {
-        println!("device ordinal     {o}");
-    }
-    println!(
-        "granularity        {} (minimum {})",
-        human_bytes(i.granularity as u64),
-        human_bytes(i.min_granularity as u64)
-    );
-    println!("VMM supported      {}", i.vmm_supported);
-    println!("GPUDirect RDMA     {}", i.rdma_capable);
-    println!("POSIX fd export    {}", i.posix_fd_exportable);
-    println!(
-        "memory             {} free of {}",
-        human_bytes(mem.free),
-        human_bytes(mem.total)
-    );
-    Ok(())
-}
+use crate::{BoxError, DemoArgs};
 
 /// A tiny deterministic generator for the workload.
-struct Rng(u64);
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
         lo + (self.next() % (hi - lo + 1) as u64) as usize
     }
 }
@@ -189,7 +51,7 @@ impl Timing {
     }
 }
 
-fn demo(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
+pub fn run(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
     if a.concurrent == 0 || a.sequences == 0 || a.block_tokens == 0 || a.bytes_per_token == 0 {
         return Err(
             "sequences, concurrent, block-tokens and bytes-per-token must be positive".into(),

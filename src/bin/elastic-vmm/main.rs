@@ -1,0 +1,155 @@
+//! `elastic-vmm`: the command-line tool. Uses the crate's public API only.
+//!
+//! - `info`: the backend, device, granularity and VMM support.
+//! - `demo`: an elastic KV-cache workload (sequences growing block by block and finishing),
+//!   with stats as it goes and a summary against a static worst-case preallocation.
+//! - `multi`: three models with bursty, out-of-phase load sharing one budget smaller than the
+//!   sum of their peaks; per-model use over time, and an SVG plot of it.
+
+mod demo;
+mod multi;
+mod plot;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use elastic_vmm::backend::{self, cuda::CudaBackend, host::HostBackend};
+use elastic_vmm::stats::human_bytes;
+use elastic_vmm::Backend;
+
+#[derive(Parser)]
+#[command(
+    name = "elastic-vmm",
+    version,
+    about = "Elastic GPU memory: reserve once, map on demand, give back"
+)]
+struct Cli {
+    /// Which memory to use: CUDA device 0 when a GPU is found, else host memory.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto, global = true)]
+    backend: BackendChoice,
+    /// CUDA device ordinal (with --backend cuda or auto).
+    #[arg(long, default_value_t = 0, global = true)]
+    device: i32,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendChoice {
+    Auto,
+    Host,
+    Cuda,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the backend, device, granularity and VMM support.
+    Info,
+    /// Run an elastic KV-cache workload and compare it with static preallocation.
+    Demo(DemoArgs),
+    /// Three models with bursty, out-of-phase load on one budget; writes an SVG plot.
+    Multi(multi::MultiArgs),
+}
+
+#[derive(clap::Args, Clone)]
+pub struct DemoArgs {
+    /// Sequences to serve in total.
+    #[arg(long, default_value_t = 400)]
+    pub sequences: usize,
+    /// Sequences running at the same time (the batch).
+    #[arg(long, default_value_t = 32)]
+    pub concurrent: usize,
+    /// Longest sequence in tokens (prompt plus output): what a static cache reserves per slot.
+    #[arg(long, default_value_t = 2048)]
+    pub max_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: usize,
+    /// KV bytes per token (all layers, K and V).
+    #[arg(long, default_value_t = 32 * 1024)]
+    pub bytes_per_token: usize,
+    /// Print a line every this many decode steps.
+    #[arg(long, default_value_t = 250)]
+    pub report_every: usize,
+    /// Seed of the workload generator.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+pub type BoxError = Box<dyn std::error::Error>;
+
+fn open_backend(
+    choice: BackendChoice,
+    device: i32,
+) -> Result<(Arc<dyn Backend>, Option<String>), BoxError> {
+    Ok(match choice {
+        BackendChoice::Cuda => (Arc::new(CudaBackend::new(device)?), None),
+        BackendChoice::Host => (
+            Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?),
+            None,
+        ),
+        BackendChoice::Auto if device == 0 => backend::default_backend()?,
+        BackendChoice::Auto => match CudaBackend::new(device) {
+            Ok(b) => (Arc::new(b), None),
+            Err(e) => (
+                Arc::new(HostBackend::new(backend::host::DEFAULT_GRANULARITY)?),
+                Some(e.to_string()),
+            ),
+        },
+    })
+}
+
+fn run(cli: Cli) -> Result<(), BoxError> {
+    let (backend, why_not_cuda) = open_backend(cli.backend, cli.device)?;
+    if let Some(why) = &why_not_cuda {
+        println!("CUDA not used: {why}");
+        println!("using host memory (memfd), the embedded default");
+    }
+    match cli.command {
+        Command::Info => info(&backend),
+        Command::Demo(args) => demo::run(backend, &args),
+        Command::Multi(args) => multi::run(backend, &args),
+    }
+}
+
+fn info(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
+    let i = backend.info();
+    let mem = backend.memory_info()?;
+    println!("backend            {}", i.name);
+    println!("device             {}", i.device_name);
+    if let Some(o) = i.device_ordinal {
+        println!("device ordinal     {o}");
+    }
+    println!(
+        "granularity        {} (minimum {})",
+        human_bytes(i.granularity as u64),
+        human_bytes(i.min_granularity as u64)
+    );
+    println!("VMM supported      {}", i.vmm_supported);
+    println!("GPUDirect RDMA     {}", i.rdma_capable);
+    println!("POSIX fd export    {}", i.posix_fd_exportable);
+    println!(
+        "memory             {} free of {}",
+        human_bytes(mem.free),
+        human_bytes(mem.total)
+    );
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! `multi`: three models with bursty, out-of-phase load share one device under a global budget
+//! smaller than the sum of their peaks. Each model allocates and frees KV blocks to follow its
+//! load; memory one model freed and keeps idle is reclaimed by another that needs it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use elastic_vmm::shared::SharedStats;
+use elastic_vmm::stats::human_bytes;
+use elastic_vmm::{Allocation, Backend, Error, ModelConfig, SharedPool, SharedPoolConfig};
+
+use crate::plot::{self, Series};
+use crate::BoxError;
+
+#[derive(clap::Args, Clone)]
+pub struct MultiArgs {
+    /// Simulation steps.
+    #[arg(long, default_value_t = 600)]
+    pub steps: usize,
+    /// Peak memory of the largest model, in MiB (the others peak at 80% and 60% of it).
+    #[arg(long, default_value_t = 512)]
+    pub scale_mib: u64,
+    /// Global budget as a percentage of the sum of the models' peaks.
+    #[arg(long, default_value_t = 50)]
+    pub budget_percent: u64,
+    /// KV block size in KiB.
+    #[arg(long, default_value_t = 2048)]
+    pub block_kib: u64,
+    /// Steps per load cycle.
+    #[arg(long, default_value_t = 200)]
+    pub period: usize,
+    /// Print a line every this many steps.
+    #[arg(long, default_value_t = 40)]
+    pub report_every: usize,
+    /// Where to write the SVG plot.
+    #[arg(long, default_value = "multi-model.svg")]
+    pub svg: String,
+}
+
+struct Model {
+    name: &'static str,
+    peak: u64,
+    phase: f64,
+    handle: elastic_vmm::ModelHandle,
+    blocks: Vec<Allocation>,
+    refused: u64,
+    series: Series,
+}
+
+/// Load in [0, 1]: a quiet base and a burst once per period, shifted by `phase`.
+fn load(step: usize, period: usize, phase: f64) -> f64 {
+    let x = step as f64 / period as f64 - phase;
+    let burst = (2.0 * std::f64::consts::PI * x).sin().max(0.0).powi(2);
+    // A little deterministic jitter, so the curves look like traffic.
+    let jitter = 0.05 * ((step as f64 * 0.37 + phase * 11.0).sin() * (step as f64 * 0.11).cos());
+    (0.08 + 0.92 * burst + jitter).clamp(0.0, 1.0)
+}
+
+pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
+    if a.steps < 2 || a.period == 0 || a.block_kib == 0 || a.scale_mib == 0 {
+        return Err("steps >= 2, and period, block-kib and scale-mib > 0".into());
+    }
+    let mib = 1u64 << 20;
+    let block = a.block_kib * 1024;
+    let peaks = [
+        a.scale_mib * mib,
+        a.scale_mib * mib * 4 / 5,
+        a.scale_mib * mib * 3 / 5,
+    ];
+    let sum_of_peaks: u64 = peaks.iter().sum();
+    let budget = sum_of_peaks * a.budget_percent / 100;
+    let shared = SharedPool::new(
+        backend.clone(),
+        SharedPoolConfig::new().global_limit(budget),
+    )?;
+    let spec = [
+        ("chat", "#1f77b4", 0.0),
+        ("code", "#ff7f0e", 1.0 / 3.0),
+        ("embed", "#2ca02c", 2.0 / 3.0),
+    ];
+    let mut models = Vec::new();
+    for (i, (name, color, phase)) in spec.into_iter().enumerate() {
+        // Each model may use up to its own peak; the budget is what they must share.
+        let handle = shared.register(
+            ModelConfig::new(name, (4 * peaks[i]) as usize, peaks[i]).priority(i as i32),
+        )?;
+        models.push(Model {
+            name,
+            peak: peaks[i],
+            phase,
+            handle,
+            blocks: Vec::new(),
+            refused: 0,
+            series: Series {
+                name: name.to_string(),
+                color,
+                physical: Vec::new(),
+                in_use: Vec::new(),
+            },
+        });
+    }
+    println!(
+        "multi-model on {} ({}): peaks {} / {} / {} (sum {}), global budget {} ({}% of the sum), {} blocks",
+        backend.info().name,
+        backend.info().device_name,
+        human_bytes(peaks[0]),
+        human_bytes(peaks[1]),
+        human_bytes(peaks[2]),
+        human_bytes(sum_of_peaks),
+        human_bytes(budget),
+        a.budget_percent,
+        human_bytes(block)
+    );
+    println!(
+        "{:>5}  {:>21}  {:>21}  {:>21}  {:>10}",
+        "step", "chat in use/held", "code in use/held", "embed in use/held", "budget use"
+    );
+    let started = Instant::now();
+    let mut peak_global = 0;
+    for step in 0..a.steps {
+        for m in &mut models {
+            let target = ((load(step, a.period, m.phase) * m.peak as f64) as u64 / block) as usize;
+            while m.blocks.len() > target {
+                m.blocks.pop();
+            }
+            while m.blocks.len() < target {
+                match m.handle.allocate(block as usize) {
+                    Ok(b) => m.blocks.push(b),
+                    Err(Error::AdmissionRefused { .. }) => {
+                        // The request waits for memory: it is retried next step.
+                        m.refused += 1;
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        let st = shared.stats();
+        peak_global = peak_global.max(st.global.used);
+        for m in &mut models {
+            let ms = st
+                .models
+                .iter()
+                .find(|x| x.id == m.name)
+                .ok_or("model missing from stats")?;
+            m.series.physical.push(ms.used);
+            m.series.in_use.push(ms.in_use);
+        }
+        if step % a.report_every == 0 || step + 1 == a.steps {
+            print_row(step, &st);
+        }
+        if let Err(e) = shared.audit() {
+            return Err(format!("accounting broke at step {step}: {e}").into());
+        }
+    }
+    let st = shared.stats();
+    println!();
+    println!("summary ({} steps in {:.2?})", a.steps, started.elapsed());
+    for m in &models {
+        let ms = st
+            .models
+            .iter()
+            .find(|x| x.id == m.name)
+            .ok_or("model missing from stats")?;
+        println!(
+            "  {:<6} peak in use {:>10}, peak held {:>10}, limit {:>10}; {} block requests waited for memory; {} reclaimed from it for others",
+            m.name,
+            human_bytes(ms.peak_in_use),
+            human_bytes(ms.peak),
+            human_bytes(ms.limit),
+            m.refused,
+            human_bytes(ms.reclaimed)
+        );
+    }
+    println!(
+        "  global: peak {} of the {} budget; a static partition at each model's peak would need {} ({:.0}% more)",
+        human_bytes(peak_global),
+        human_bytes(budget),
+        human_bytes(sum_of_peaks),
+        100.0 * (sum_of_peaks as f64 / budget as f64 - 1.0)
+    );
+    let series: Vec<Series> = models.into_iter().map(|m| m.series).collect();
+    let svg = plot::render(
+        &format!(
+            "Three models sharing {} of {} ({})",
+            human_bytes(budget),
+            backend.info().device_name,
+            backend.info().name
+        ),
+        &series,
+        budget,
+        sum_of_peaks,
+    );
+    std::fs::write(&a.svg, svg).map_err(|e| format!("writing {}: {e}", a.svg))?;
+    println!("  plot written to {}", a.svg);
+    Ok(())
+}
+
+fn print_row(step: usize, st: &SharedStats) {
+    let cell = |id: &str| {
+        st.models
+            .iter()
+            .find(|m| m.id == id)
+            .map_or_else(String::new, |m| {
+                format!("{} / {}", human_bytes(m.in_use), human_bytes(m.used))
+            })
+    };
+    println!(
+        "{:>5}  {:>21}  {:>21}  {:>21}  {:>9.0}%",
+        step,
+        cell("chat"),
+        cell("code"),
+        cell("embed"),
+        100.0 * st.global.used as f64 / st.global.limit as f64
+    );
+}
