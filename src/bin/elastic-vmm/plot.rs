@@ -106,13 +106,13 @@ pub fn render(title: &str, series: &[Series], budget: u64, sum_of_peaks: u64) ->
             top[i] += v;
         }
         let mut d = String::new();
-        for i in 0..steps {
+        for (i, v) in top.iter().enumerate() {
             let _ = write!(
                 d,
                 "{}{:.1},{:.1} ",
                 if i == 0 { "M" } else { "L" },
                 x(i),
-                y(gib(top[i]))
+                y(gib(*v))
             );
         }
         for i in (0..steps).rev() {
