@@ -12,23 +12,7 @@ fn host() -> Arc<dyn Backend> {
     Arc::new(HostBackend::new(2 << 20).expect("host backend"))
 }
 
-macro_rules! on_host {
-    ($($name:ident),* $(,)?) => {
-        $( #[test] fn $name() { suite::$name(host()) } )*
-    };
-}
-
-on_host!(
-    data_survives_while_mapped,
-    hot_path_makes_no_driver_calls,
-    address_space_is_reused_and_coalesced,
-    large_requests_use_few_chunks,
-    trim_returns_physical_memory,
-    range_api,
-    bad_input_is_refused_cleanly,
-    failures_roll_back,
-    pool_drop_reports_and_releases,
-);
+crate::pool_suite!(host);
 
 #[test]
 fn concurrent_invariants() {

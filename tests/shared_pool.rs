@@ -12,19 +12,7 @@ fn host() -> Arc<dyn Backend> {
     Arc::new(HostBackend::new(2 << 20).expect("host backend"))
 }
 
-macro_rules! on_host {
-    ($($name:ident),* $(,)?) => {
-        $( #[test] fn $name() { suite::shared::$name(host()) } )*
-    };
-}
-
-on_host!(
-    registration_and_handles,
-    admission_refuses_with_numbers,
-    idle_memory_does_not_hoard,
-    live_limit_changes,
-    unregister_credits_everything,
-);
+crate::shared_suite!(host);
 
 #[test]
 fn concurrent_models() {

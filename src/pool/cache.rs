@@ -32,7 +32,13 @@ impl ChunkCache {
 
     /// The largest chunk no bigger than `max`.
     pub(crate) fn take_at_most(&mut self, max: usize) -> Option<PhysicalChunk> {
-        let (&size, list) = self.by_size.range_mut(..=max).next_back()?;
+        let size = *self.by_size.range(..=max).next_back()?.0;
+        self.pop(size)
+    }
+
+    /// One chunk of exactly `size`, if held.
+    fn pop(&mut self, size: usize) -> Option<PhysicalChunk> {
+        let list = self.by_size.get_mut(&size)?;
         let chunk = list.pop()?;
         if list.is_empty() {
             self.by_size.remove(&size);
@@ -89,13 +95,7 @@ impl ChunkCache {
     }
 
     fn take_smallest(&mut self) -> Option<PhysicalChunk> {
-        let (&size, list) = self.by_size.iter_mut().next()?;
-        let chunk = list.pop()?;
-        if list.is_empty() {
-            self.by_size.remove(&size);
-        }
-        self.bytes -= chunk.size as u64;
-        self.count -= 1;
-        Some(chunk)
+        let size = *self.by_size.keys().next()?;
+        self.pop(size)
     }
 }

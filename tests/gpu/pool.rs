@@ -13,23 +13,7 @@ fn cuda() -> Arc<dyn Backend> {
     Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"))
 }
 
-macro_rules! on_cuda {
-    ($($name:ident),* $(,)?) => {
-        $( #[test] fn $name() { suite::$name(cuda()) } )*
-    };
-}
-
-on_cuda!(
-    data_survives_while_mapped,
-    hot_path_makes_no_driver_calls,
-    address_space_is_reused_and_coalesced,
-    large_requests_use_few_chunks,
-    trim_returns_physical_memory,
-    range_api,
-    bad_input_is_refused_cleanly,
-    failures_roll_back,
-    pool_drop_reports_and_releases,
-);
+crate::pool_suite!(cuda);
 
 #[test]
 fn concurrent_invariants() {

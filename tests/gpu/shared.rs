@@ -12,19 +12,7 @@ fn cuda() -> Arc<dyn Backend> {
     Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"))
 }
 
-macro_rules! on_cuda {
-    ($($name:ident),* $(,)?) => {
-        $( #[test] fn $name() { suite::shared::$name(cuda()) } )*
-    };
-}
-
-on_cuda!(
-    registration_and_handles,
-    admission_refuses_with_numbers,
-    idle_memory_does_not_hoard,
-    live_limit_changes,
-    unregister_credits_everything,
-);
+crate::shared_suite!(cuda);
 
 #[test]
 fn concurrent_models_stress() {

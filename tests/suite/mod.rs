@@ -6,6 +6,52 @@
 
 pub mod shared;
 
+/// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
+#[macro_export]
+macro_rules! pool_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            data_survives_while_mapped,
+            hot_path_makes_no_driver_calls,
+            address_space_is_reused_and_coalesced,
+            large_requests_use_few_chunks,
+            trim_returns_physical_memory,
+            range_api,
+            bad_input_is_refused_cleanly,
+            failures_roll_back,
+            pool_drop_reports_and_releases,
+        );
+    };
+}
+
+/// Every test of the shared pool's suite, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! shared_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod shared;
+            registration_and_handles,
+            admission_refuses_with_numbers,
+            idle_memory_does_not_hoard,
+            live_limit_changes,
+            unregister_credits_everything,
+        );
+    };
+}
+
+/// `#[test] fn name() { suite::[module::]name($make()) }` for each name.
+#[macro_export]
+macro_rules! suite_tests {
+    ($make:expr; mod $module:ident; $($name:ident),* $(,)?) => {
+        $( #[test] fn $name() { $crate::suite::$module::$name($make()) } )*
+    };
+    ($make:expr; $($name:ident),* $(,)?) => {
+        $( #[test] fn $name() { $crate::suite::$name($make()) } )*
+    };
+}
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
