@@ -11,6 +11,9 @@
 //!   driver call, and a range API ([`Pool::map`], [`Pool::unmap`]) for KV-cache managers.
 //! - [`SharedPool`]: several models on one device, each a [`ModelHandle`] (a pool of its own)
 //!   under a physical limit, with guarantees, live limit changes and reclaim of idle memory.
+//! - [`Region`]: a part of a pool's reservation set aside for one owner's range mappings, and
+//!   [`backing::BlockBacking`]: blocks over a region whose pages are mapped only while a block on
+//!   them is in use (the elastic half of a KV cache).
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -36,15 +39,19 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod backing;
 mod error;
 mod pool;
 pub mod shared;
 pub mod stats;
 
 pub use backend::{Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk};
+pub use backing::{
+    BackingChange, BackingStats, BlockBacking, BlockGeometry, MappingHook, UniformBlocks,
+};
 pub use error::{Error, Result};
 pub use pool::{
-    Allocation, ChunkSpan, LiveAllocation, Pool, PoolConfig, TrimReport, DEFAULT_ALIGNMENT,
+    Allocation, ChunkSpan, LiveAllocation, Pool, PoolConfig, Region, TrimReport, DEFAULT_ALIGNMENT,
     DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK,
 };
 pub use shared::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig};

@@ -88,8 +88,10 @@ pub struct PoolStats {
     pub mapped: u64,
     /// Bytes held by live allocations (rounded to the allocation unit) and range-API mappings.
     pub in_use: u64,
-    /// Of `in_use`, bytes mapped through the range API.
+    /// Of `in_use`, bytes mapped through the range API (regions included).
     pub range_mapped: u64,
+    /// Virtual bytes set aside as [`crate::Region`]s, mapped or not.
+    pub reserved_regions: u64,
     /// Physical bytes created but unmapped, kept for reuse.
     pub cached: u64,
     /// Highest `in_use` seen.

@@ -16,6 +16,7 @@ mod allocation;
 mod cache;
 mod config;
 mod intervals;
+mod region;
 mod state;
 
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use parking_lot::Mutex;
 
 pub use allocation::Allocation;
 pub use config::{PoolConfig, DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK};
+pub use region::Region;
 
 pub(crate) use admission::{Admission, PhysicalLimit};
 use state::{LiveRecord, State};
@@ -252,31 +254,24 @@ impl Pool {
     }
 
     /// Back `[offset, offset + len)` of the reservation with physical memory (range API).
-    /// Both must be multiples of the granularity; the range must be unmapped and not used by the
-    /// allocator. Physical chunks are at most the configured range chunk (default: one granule).
+    /// Both must be multiples of the granularity; the range must be unmapped and used neither by
+    /// the allocator nor by a [`Region`]. Physical chunks are at most the configured range chunk (default: one granule).
     pub fn map(&self, offset: u64, len: u64) -> Result<()> {
         self.inner()
-            .map_range(offset, len, self.inner().range_chunk)
+            .map_range(offset, len, self.inner().range_chunk, false)
     }
 
     /// As [`Pool::map`] with chunks of up to `max_chunk` bytes: fewer driver calls, but
     /// [`Pool::unmap`] must then cover whole chunks.
     pub fn map_chunked(&self, offset: u64, len: u64, max_chunk: u64) -> Result<()> {
-        let g = self.inner().gran;
-        if max_chunk == 0 || max_chunk % g != 0 {
-            return Err(Error::Misaligned {
-                what: "max_chunk",
-                value: max_chunk,
-                alignment: g,
-            });
-        }
-        self.inner().map_range(offset, len, max_chunk)
+        self.inner().check_chunk_size(max_chunk)?;
+        self.inner().map_range(offset, len, max_chunk, false)
     }
 
     /// Give back the physical memory under `[offset, offset + len)`, which must be mapped through
     /// the range API and made of whole chunks. Its chunks go to the cache.
     pub fn unmap(&self, offset: u64, len: u64) -> Result<()> {
-        self.inner().unmap_range(offset, len)
+        self.inner().unmap_range(offset, len, false)
     }
 
     /// Whether all of `[offset, offset + len)` is mapped through the range API.
@@ -829,6 +824,17 @@ impl Inner {
 
     // ---- range API ----
 
+    fn check_chunk_size(&self, max_chunk: u64) -> Result<()> {
+        if max_chunk == 0 || max_chunk % self.gran != 0 {
+            return Err(Error::Misaligned {
+                what: "max_chunk",
+                value: max_chunk,
+                alignment: self.gran,
+            });
+        }
+        Ok(())
+    }
+
     fn check_range(&self, offset: u64, len: u64) -> Result<u64> {
         if len == 0 {
             return Err(Error::ZeroSize {
@@ -855,14 +861,23 @@ impl Inner {
         Ok(end)
     }
 
-    pub(crate) fn map_range(&self, offset: u64, len: u64, max_chunk: u64) -> Result<()> {
+    /// Map `[offset, offset + len)`, which must be unmapped free space: `cold` for the pool's
+    /// own range API, `held` (inside a region) for a [`Region`]'s.
+    pub(crate) fn map_range(
+        &self,
+        offset: u64,
+        len: u64,
+        max_chunk: u64,
+        in_region: bool,
+    ) -> Result<()> {
         let end = self.check_range(offset, len)?;
         let cached = {
             let mut st = self.state.lock();
             if let Some(reason) = &st.refusing {
                 return Err(self.refusal(reason));
             }
-            if let Some((s, e)) = st.cold.first_gap(offset, end) {
+            let free = if in_region { &st.held } else { &st.cold };
+            if let Some((s, e)) = free.first_gap(offset, end) {
                 return Err(match st.ranges.first_overlap(offset, end) {
                     Some((ms, me)) => Error::RangeAlreadyMapped {
                         offset,
@@ -878,7 +893,11 @@ impl Inner {
                     },
                 });
             }
-            st.cold.remove(offset, end);
+            if in_region {
+                st.held.remove(offset, end);
+            } else {
+                st.cold.remove(offset, end);
+            }
             st.in_transit += len;
             st.cache.take_up_to(len, max_chunk as usize)
         };
@@ -919,7 +938,7 @@ impl Inner {
     ) {
         {
             let mut st = self.state.lock();
-            st.cold.insert(offset, end);
+            st.unmapped_home(offset, end).insert(offset, end);
             st.in_transit -= end - offset;
             for c in cached {
                 st.cache.put(c);
@@ -929,10 +948,22 @@ impl Inner {
         let _ = self.release_all(fresh);
     }
 
-    pub(crate) fn unmap_range(&self, offset: u64, len: u64) -> Result<()> {
+    /// Unmap `[offset, offset + len)`, mapped through the range API: inside a region when
+    /// `in_region`, outside every region otherwise.
+    pub(crate) fn unmap_range(&self, offset: u64, len: u64, in_region: bool) -> Result<()> {
         let end = self.check_range(offset, len)?;
         let victims: Vec<(u64, PhysicalChunk)> = {
             let mut st = self.state.lock();
+            if !in_region {
+                if let Some((s, e)) = st.regions.first_overlap(offset, end) {
+                    return Err(Error::RangeInUse {
+                        offset,
+                        len,
+                        busy_offset: s,
+                        busy_len: e - s,
+                    });
+                }
+            }
             if let Some((s, e)) = st.ranges.first_gap(offset, end) {
                 return Err(Error::RangeNotMapped {
                     offset,
@@ -995,7 +1026,8 @@ impl Inner {
                         st.ranges.insert(ro, ro + rc.size as u64);
                     }
                     for &(ro, rc) in &victims[..i] {
-                        st.cold.insert(ro, ro + rc.size as u64);
+                        st.unmapped_home(ro, ro + rc.size as u64)
+                            .insert(ro, ro + rc.size as u64);
                         st.cache.put(rc);
                     }
                 }
@@ -1005,7 +1037,7 @@ impl Inner {
         {
             let mut st = self.state.lock();
             st.in_transit -= len;
-            st.cold.insert(offset, end);
+            st.unmapped_home(offset, end).insert(offset, end);
         }
         tracing::debug!(pool = %self.name, offset, len, chunks = victims.len(), "range unmapped");
         self.cache_or_release(victims.into_iter().map(|(_, c)| c).collect());
@@ -1096,6 +1128,7 @@ impl Inner {
             mapped: st.mapped,
             in_use: st.in_use(),
             range_mapped: st.ranges.total(),
+            reserved_regions: st.regions.total(),
             cached: st.cache.bytes(),
             peak_in_use: st.peak_in_use,
             peak_physical: st.peak_physical,
@@ -1134,7 +1167,8 @@ impl Inner {
                     .collect()
             };
             for (o, size) in spans {
-                if let Err(e) = self.unmap_range(o, size) {
+                let in_region = self.state.lock().regions.covers(o, o + size);
+                if let Err(e) = self.unmap_range(o, size, in_region) {
                     tracing::error!(pool = %self.name, error = %e, "unmapping a range at pool drop failed");
                 }
             }

@@ -4,7 +4,8 @@
 //! - `cold`: unmapped and free;
 //! - `idle` or `quick`: mapped and free (the allocator's warm memory);
 //! - a live allocation;
-//! - `ranges`: mapped through the range API;
+//! - `ranges`: mapped through the range API (inside a region or not);
+//! - `held`: unmapped, inside a [`crate::Region`] (set aside for its owner's range mappings);
 //! - in transit: claimed by an operation that is making driver calls right now.
 
 use std::collections::BTreeMap;
@@ -130,6 +131,11 @@ pub(crate) struct State {
     pub(crate) idle: FreeRanges,
     pub(crate) quick: QuickBins,
     pub(crate) ranges: Intervals,
+    /// Address ranges set aside as [`crate::Region`]s: the allocator and [`crate::Pool::map`]
+    /// never use them. Mapped parts are in `ranges`, unmapped parts in `held`.
+    pub(crate) regions: Intervals,
+    /// The unmapped part of `regions`.
+    pub(crate) held: Intervals,
     /// Mapped chunks by offset.
     pub(crate) chunks: BTreeMap<u64, PhysicalChunk>,
     pub(crate) cache: ChunkCache,
@@ -176,6 +182,16 @@ impl State {
     pub(crate) fn put_warm(&mut self, off: u64, size: u64) {
         if let Some(off) = self.quick.put(off, size) {
             self.idle.insert(off, off + size);
+        }
+    }
+
+    /// The free set that unmapped range-API memory at `[start, end)` belongs to: `held` inside a
+    /// region, `cold` outside. Ranges never straddle a region's edge.
+    pub(crate) fn unmapped_home(&mut self, start: u64, end: u64) -> &mut Intervals {
+        if self.regions.covers(start, end) {
+            &mut self.held
+        } else {
+            &mut self.cold
         }
     }
 
@@ -234,13 +250,21 @@ impl State {
                 self.mapped
             ));
         }
-        let all = mapped_parts + self.cold.total() + self.in_transit;
+        let all = mapped_parts + self.cold.total() + self.held.total() + self.in_transit;
         if all != capacity {
             return Err(format!(
-                "mapped parts {mapped_parts} + cold {} + in transit {} = {all}, capacity {capacity}",
+                "mapped parts {mapped_parts} + cold {} + held {} + in transit {} = {all}, capacity {capacity}",
                 self.cold.total(),
+                self.held.total(),
                 self.in_transit
             ));
+        }
+        for (s, e) in self.held.iter() {
+            if !self.regions.covers(s, e) {
+                return Err(format!(
+                    "held range [{s:#x}, {e:#x}) lies outside every region"
+                ));
+            }
         }
         for (&off, c) in &self.chunks {
             if self.cold.first_overlap(off, off + c.size as u64).is_some() {

@@ -5,6 +5,7 @@
 #[path = "../suite/mod.rs"]
 mod suite;
 
+mod backing;
 mod pool;
 mod shared;
 

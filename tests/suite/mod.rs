@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod backing;
 pub mod shared;
 
 /// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
@@ -37,6 +38,22 @@ macro_rules! shared_suite {
             idle_memory_does_not_hoard,
             live_limit_changes,
             unregister_credits_everything,
+        );
+    };
+}
+
+/// Every test of the regions and block backing suite, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! backing_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod backing;
+            region_is_set_apart,
+            backing_shares_pages,
+            backing_rolls_back,
+            backing_respects_model_limits,
+            backing_concurrent,
         );
     };
 }

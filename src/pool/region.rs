@@ -1,0 +1,239 @@
+//! Regions: parts of a pool's reservation set aside for one owner's range mappings.
+//!
+//! A KV-cache layout or an elastic tensor needs a fixed, contiguous virtual range whose pages it
+//! maps and unmaps itself. [`Pool::reserve_region`] takes such a range out of the allocator's
+//! reach (no [`crate::Allocation`] and no [`Pool::map`] ever lands in it), and the [`Region`]
+//! maps and unmaps granule-aligned parts of it with the same machinery (chunk cache, admission,
+//! rollback) as the pool's own range API. Dropping the region unmaps what is still mapped in it
+//! and returns the range to the pool.
+
+use std::fmt;
+
+use super::{ChunkSpan, Pool};
+use crate::error::{round_up, Error, Result};
+
+/// A contiguous part of a pool's reservation owned by one user; see the module documentation.
+///
+/// Offsets taken by its methods are relative to the region's start. It keeps its pool alive.
+pub struct Region {
+    pool: Pool,
+    offset: u64,
+    len: u64,
+}
+
+impl Pool {
+    /// Set aside `len` bytes (rounded up to the granularity) of this pool's address space as a
+    /// [`Region`]. Nothing is mapped. The range is taken from the top of the largest free
+    /// address space, away from where the allocator grows.
+    pub fn reserve_region(&self, len: u64) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::ZeroSize {
+                what: "region length",
+            });
+        }
+        let inner = self.inner();
+        let len = round_up("region length", len, inner.gran)?;
+        let offset = {
+            let mut st = inner.state.lock();
+            if let Some(reason) = &st.refusing {
+                return Err(inner.refusal(reason));
+            }
+            let Some((_, e)) = st.cold.iter().filter(|(s, e)| e - s >= len).last() else {
+                return Err(Error::OutOfAddressSpace {
+                    requested: len,
+                    largest_free: st.cold.iter().map(|(s, e)| e - s).max().unwrap_or(0),
+                    capacity: inner.capacity,
+                });
+            };
+            let offset = e - len;
+            st.cold.remove(offset, e);
+            st.regions.insert(offset, e);
+            st.held.insert(offset, e);
+            offset
+        };
+        tracing::debug!(pool = %inner.name, offset, len, "region reserved");
+        Ok(Region {
+            pool: self.clone(),
+            offset,
+            len,
+        })
+    }
+}
+
+impl Region {
+    /// The pool the region belongs to.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Offset of the region's first byte in the pool's reservation.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes in the region (a multiple of the granularity).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false: a region has at least one granule.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Address of the region's first byte (a device pointer on CUDA).
+    pub fn addr(&self) -> u64 {
+        self.pool.base() + self.offset
+    }
+
+    /// The mapping unit.
+    pub fn granularity(&self) -> u64 {
+        self.pool.granularity()
+    }
+
+    /// `[at, at + len)` inside the region, as an offset in the pool's reservation.
+    fn absolute(&self, at: u64, len: u64) -> Result<u64> {
+        match at.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.offset + at),
+            _ => Err(Error::RangeOutOfBounds {
+                offset: at,
+                len,
+                capacity: self.len,
+            }),
+        }
+    }
+
+    /// Back `[at, at + len)` of the region with physical memory, one chunk per granule (so any
+    /// granule of it can be unmapped alone). Both must be multiples of the granularity and the
+    /// range must be unmapped. On failure nothing stays mapped.
+    pub fn map(&self, at: u64, len: u64) -> Result<()> {
+        let inner = self.pool.inner();
+        let abs = self.absolute(at, len)?;
+        inner.map_range(abs, len, inner.range_chunk, true)
+    }
+
+    /// As [`Region::map`] with physical chunks of up to `max_chunk` bytes; [`Region::unmap`]
+    /// must then cover whole chunks.
+    pub fn map_chunked(&self, at: u64, len: u64, max_chunk: u64) -> Result<()> {
+        let inner = self.pool.inner();
+        inner.check_chunk_size(max_chunk)?;
+        let abs = self.absolute(at, len)?;
+        inner.map_range(abs, len, max_chunk, true)
+    }
+
+    /// Give back the physical memory under `[at, at + len)`: mapped, made of whole chunks.
+    /// Its chunks go to the pool's cache.
+    pub fn unmap(&self, at: u64, len: u64) -> Result<()> {
+        let abs = self.absolute(at, len)?;
+        self.pool.inner().unmap_range(abs, len, true)
+    }
+
+    /// Whether all of `[at, at + len)` is mapped.
+    pub fn is_mapped(&self, at: u64, len: u64) -> bool {
+        self.absolute(at, len)
+            .is_ok_and(|abs| self.pool.is_mapped(abs, len))
+    }
+
+    /// The physical chunks mapped under `[at, at + len)`, with offsets relative to the region.
+    pub fn chunks_in(&self, at: u64, len: u64) -> Vec<ChunkSpan> {
+        let Ok(abs) = self.absolute(at, len) else {
+            return Vec::new();
+        };
+        self.pool
+            .chunks_in(abs, len)
+            .into_iter()
+            .map(|c| ChunkSpan {
+                offset: c.offset - self.offset,
+                size: c.size,
+            })
+            .collect()
+    }
+
+    /// Copy `data` into the region at `at` (host-to-device on CUDA). The range must be mapped.
+    ///
+    /// # Safety
+    /// Nobody else (a kernel, a transfer, another thread) may use these bytes meanwhile.
+    pub unsafe fn write(&self, at: u64, data: &[u8]) -> Result<()> {
+        let abs = self.mapped_span(at, data.len() as u64)?;
+        // SAFETY: mapped with access (checked above); exclusive use is the caller's promise.
+        unsafe { self.pool.backend().write(self.pool.base() + abs, data) }
+    }
+
+    /// Copy bytes of the region at `at` into `out`. The range must be mapped.
+    ///
+    /// # Safety
+    /// Nobody may write these bytes meanwhile.
+    pub unsafe fn read(&self, at: u64, out: &mut [u8]) -> Result<()> {
+        let abs = self.mapped_span(at, out.len() as u64)?;
+        // SAFETY: mapped with access (checked above); no writer is the caller's promise.
+        unsafe { self.pool.backend().read(self.pool.base() + abs, out) }
+    }
+
+    /// `[at, at + len)` checked to lie in the region and be mapped; its reservation offset.
+    fn mapped_span(&self, at: u64, len: u64) -> Result<u64> {
+        let abs = self.absolute(at, len)?;
+        if len > 0 && !self.pool.is_mapped(abs, len) {
+            let st = self.pool.inner().state.lock();
+            let (s, e) = st
+                .ranges
+                .first_gap(abs, abs + len)
+                .unwrap_or((abs, abs + len));
+            return Err(Error::RangeNotMapped {
+                offset: at,
+                len,
+                hole_offset: s - self.offset,
+                hole_len: e - s,
+            });
+        }
+        Ok(abs)
+    }
+
+    /// Bytes of the region mapped now. O(number of mapped ranges in it).
+    pub fn mapped_bytes(&self) -> u64 {
+        let st = self.pool.inner().state.lock();
+        let end = self.offset + self.len;
+        st.ranges
+            .iter()
+            .filter(|&(s, e)| s < end && e > self.offset)
+            .map(|(s, e)| e.min(end) - s.max(self.offset))
+            .sum()
+    }
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("pool", &self.pool.name())
+            .field("offset", &format_args!("{:#x}", self.offset))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let inner = self.pool.inner();
+        let end = self.offset + self.len;
+        // Unmap what the owner left mapped, chunk by chunk (chunks never straddle our edges).
+        let spans = self.pool.chunks_in(self.offset, self.len);
+        for c in spans {
+            if let Err(e) = inner.unmap_range(c.offset, c.size, true) {
+                tracing::error!(pool = %inner.name, error = %e, offset = c.offset, "unmapping a region's chunk at drop failed; it stays mapped until the pool goes");
+            }
+        }
+        let mut st = inner.state.lock();
+        let held: Vec<(u64, u64)> = st
+            .held
+            .iter()
+            .filter(|&(s, e)| s < end && e > self.offset)
+            .map(|(s, e)| (s.max(self.offset), e.min(end)))
+            .collect();
+        for (s, e) in held {
+            st.held.remove(s, e);
+            st.cold.insert(s, e);
+        }
+        st.regions.remove(self.offset, end);
+        drop(st);
+        tracing::debug!(pool = %inner.name, offset = self.offset, len = self.len, "region returned");
+    }
+}

@@ -1,0 +1,15 @@
+//! Regions and elastic block backing on the host backend (real `memfd` memory).
+
+#[path = "suite/mod.rs"]
+mod suite;
+
+use std::sync::Arc;
+
+use elastic_vmm::backend::host::HostBackend;
+use elastic_vmm::Backend;
+
+fn host() -> Arc<dyn Backend> {
+    Arc::new(HostBackend::new(2 << 20).expect("host backend"))
+}
+
+crate::backing_suite!(host);
