@@ -5,6 +5,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 
+/// What an admission granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Grant {
+    /// The bytes are charged: create them.
+    Charged,
+    /// Nothing was charged for the request; instead physical chunks other users held idle were
+    /// moved, already created and charged, into the asking pool's cache. Plan again with them.
+    Donated,
+}
+
 /// Decides whether a pool may create more physical memory.
 ///
 /// `admit` runs before `create` and charges the bytes; `credit` runs after a chunk is released
@@ -12,8 +22,10 @@ use crate::error::{Error, Result};
 pub(crate) trait Admission: Send + Sync + fmt::Debug {
     /// Charge `bytes` of new physical memory or refuse with an error naming the limit.
     /// With `may_reclaim`, memory other users hold idle may be reclaimed to make room; without
-    /// it (growth look-ahead, which is optional) the answer is immediate.
-    fn admit(&self, bytes: u64, may_reclaim: bool) -> Result<()>;
+    /// it (growth look-ahead, which is optional) the answer is immediate. With `donate`, idle
+    /// chunks of other users no bigger than that may be handed over instead (unmapped, never
+    /// released and created again), answered with [`Grant::Donated`].
+    fn admit(&self, bytes: u64, may_reclaim: bool, donate: Option<u64>) -> Result<Grant>;
     /// Give back `bytes` charged earlier.
     fn credit(&self, bytes: u64);
 }
@@ -35,7 +47,7 @@ impl PhysicalLimit {
 }
 
 impl Admission for PhysicalLimit {
-    fn admit(&self, bytes: u64, _may_reclaim: bool) -> Result<()> {
+    fn admit(&self, bytes: u64, _may_reclaim: bool, _donate: Option<u64>) -> Result<Grant> {
         // A compare-and-swap loop: the limit is never overshot, not even briefly.
         let mut used = self.used.load(Ordering::Relaxed);
         loop {
@@ -54,7 +66,7 @@ impl Admission for PhysicalLimit {
                 .used
                 .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(Grant::Charged),
                 Err(actual) => used = actual,
             }
         }

@@ -36,6 +36,15 @@ impl ChunkCache {
         self.pop(size)
     }
 
+    /// The smallest chunk of at least `min` and at most `max` bytes.
+    pub(crate) fn take_smallest_in(&mut self, min: usize, max: usize) -> Option<PhysicalChunk> {
+        if min > max {
+            return None;
+        }
+        let size = *self.by_size.range(min..=max).next()?.0;
+        self.pop(size)
+    }
+
     /// One chunk of exactly `size`, if held.
     fn pop(&mut self, size: usize) -> Option<PhysicalChunk> {
         let list = self.by_size.get_mut(&size)?;

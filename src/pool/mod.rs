@@ -27,12 +27,15 @@ pub use allocation::Allocation;
 pub use config::{PoolConfig, DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK};
 pub use region::Region;
 
-pub(crate) use admission::{Admission, PhysicalLimit};
+pub(crate) use admission::{Admission, Grant, PhysicalLimit};
 use state::{LiveRecord, State};
 
 use crate::backend::{Backend, BackendInfo, DriverCall, PhysicalChunk};
 use crate::error::{round_up, Error, Result};
 use crate::stats::{DriverCounters, PoolStats};
+
+/// How often one request may be planned again after admission handed it donated chunks.
+const MAX_REPLANS: usize = 3;
 
 /// A pool of elastic memory. Cheap to clone (all clones are the same pool), `Send + Sync`,
 /// every method takes `&self`.
@@ -401,25 +404,34 @@ impl Inner {
 
     /// Create `bytes` of new physical memory in chunks of at most `max_chunk`, admitted first.
     /// On failure nothing stays created and nothing stays charged. `optional` growth (look-ahead)
-    /// never makes others give memory back.
+    /// never makes others give memory back. With `donate`, admission may instead move idle
+    /// chunks of other users into our cache: then `None` comes back and the caller plans again.
     fn create_chunks(
         &self,
         bytes: u64,
         max_chunk: u64,
         optional: bool,
-    ) -> Result<Vec<PhysicalChunk>> {
+        donate: bool,
+    ) -> Result<Option<Vec<PhysicalChunk>>> {
         if bytes == 0 {
-            return Ok(Vec::new());
+            return Ok(Some(Vec::new()));
         }
         if let Some(a) = &self.admission {
-            if let Err(e) = a.admit(bytes, !optional) {
-                // Our own cache may hold chunks of sizes that did not fit this request: they
-                // count against the limit too, so give them back and ask once more.
-                if optional || self.state.lock().cache.bytes() == 0 {
-                    return Err(e);
+            let donate = (donate && !optional).then_some(max_chunk);
+            match a.admit(bytes, !optional, donate) {
+                Ok(Grant::Charged) => {}
+                Ok(Grant::Donated) => return Ok(None),
+                Err(e) => {
+                    // Our own cache may hold chunks of sizes that did not fit this request:
+                    // they count against the limit too, so give them back and ask once more.
+                    if optional || self.state.lock().cache.bytes() == 0 {
+                        return Err(e);
+                    }
+                    self.release_cached(0)?;
+                    if a.admit(bytes, true, None)? == Grant::Donated {
+                        return Ok(None);
+                    }
                 }
-                self.release_cached(0)?;
-                a.admit(bytes, true)?;
             }
         }
         let mut out = Vec::new();
@@ -441,7 +453,7 @@ impl Inner {
                 }
             }
         }
-        Ok(out)
+        Ok(Some(out))
     }
 
     /// A driver out-of-memory becomes [`Error::OutOfPhysicalMemory`] with the device's numbers.
@@ -463,7 +475,7 @@ impl Inner {
 
     /// Release chunks that are mapped nowhere; a chunk whose release fails goes to the cache.
     /// Returns the bytes released and the first failure, if any.
-    fn release_all(&self, chunks: Vec<PhysicalChunk>) -> (u64, Option<Error>) {
+    pub(crate) fn release_all(&self, chunks: Vec<PhysicalChunk>) -> (u64, Option<Error>) {
         let mut released = 0;
         let mut kept = Vec::new();
         let mut first_err = None;
@@ -600,6 +612,28 @@ impl Inner {
 
     fn allocate(&self, bytes: usize, name: Option<Arc<str>>) -> Result<Allocation> {
         let footprint = self.footprint(bytes)?;
+        // A growth may be answered with chunks handed over from other models' idle memory
+        // instead of new ones: then plan again, now with them in our cache. A few rounds at most;
+        // the last one creates fresh memory.
+        for round in 0..=MAX_REPLANS {
+            if let Some(a) = self.allocate_once(bytes, footprint, &name, round < MAX_REPLANS)? {
+                return Ok(a);
+            }
+        }
+        Err(Error::InvalidArgument(format!(
+            "allocation of {bytes} bytes was re-planned {MAX_REPLANS} times without settling"
+        )))
+    }
+
+    /// One planning round of [`Inner::allocate`]; `None` when the cache was refilled by a
+    /// donation and the request must be planned again.
+    fn allocate_once(
+        &self,
+        bytes: usize,
+        footprint: u64,
+        name: &Option<Arc<str>>,
+        donate: bool,
+    ) -> Result<Option<Allocation>> {
         let growth = {
             let mut st = self.state.lock();
             if let Some(reason) = &st.refusing {
@@ -614,16 +648,22 @@ impl Inner {
                 }
             };
             if let Some(off) = warm {
-                let slot = self.record(&mut st, off, footprint, name);
+                let slot = self.record(&mut st, off, footprint, name.clone());
                 // SAFETY: recorded live under the lock; the pool is open (we are called through
                 // a handle), so its keepalive is held until this allocation is freed.
-                return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
+                return Ok(Some(unsafe {
+                    Allocation::new(self, off, bytes, footprint, slot)
+                }));
             }
             self.plan_growth(&mut st, footprint)?
         };
-        let (off, slot) = self.grow(growth, footprint, name)?;
+        let Some((off, slot)) = self.grow(growth, footprint, name.clone(), donate)? else {
+            return Ok(None);
+        };
         // SAFETY: as above.
-        Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) })
+        Ok(Some(unsafe {
+            Allocation::new(self, off, bytes, footprint, slot)
+        }))
     }
 
     fn record(&self, st: &mut State, offset: u64, footprint: u64, name: Option<Arc<str>>) -> u32 {
@@ -698,14 +738,24 @@ impl Inner {
             .mapped
             .checked_div(self.growth_divisor)
             .map_or(0, |a| (a / g * g).clamp(g, self.max_chunk));
-        let len = needed.max(ahead).min(ce - cs);
+        let mut len = needed.max(ahead).min(ce - cs);
+        let mut cached = st.cache.take_up_to(len, self.max_chunk as usize);
+        let got: u64 = cached.iter().map(|c| c.size as u64).sum();
+        if got < needed {
+            // A cached chunk bigger than what is left is still better than a new one (it is
+            // created and charged already): grow by all of it when the address space allows.
+            let room = (ce - cs - got).min(self.max_chunk) as usize;
+            if let Some(c) = st.cache.take_smallest_in((needed - got) as usize, room) {
+                len = len.max(got + c.size as u64);
+                cached.push(c);
+            }
+        }
         if let Some((is, ie)) = idle {
             st.idle.remove(is, ie);
             st.in_transit += ie - is;
         }
         st.cold.remove(cs, cs + len);
         st.in_transit += len;
-        let cached = st.cache.take_up_to(len, self.max_chunk as usize);
         Ok(Growth {
             start,
             idle,
@@ -716,8 +766,15 @@ impl Inner {
     }
 
     /// Back a planned growth with physical memory, map it and record the allocation.
-    /// Returns the allocation's offset and slot.
-    fn grow(&self, plan: Growth, footprint: u64, name: Option<Arc<str>>) -> Result<(u64, u32)> {
+    /// Returns the allocation's offset and slot, or `None` (nothing changed) when admission
+    /// refilled the cache with donated chunks instead: plan again.
+    fn grow(
+        &self,
+        plan: Growth,
+        footprint: u64,
+        name: Option<Arc<str>>,
+        donate: bool,
+    ) -> Result<Option<(u64, u32)>> {
         let (cs, ce) = plan.cold;
         let cached_bytes: u64 = plan.cached.iter().map(|c| c.size as u64).sum();
         let n_cached = plan.cached.len();
@@ -725,8 +782,12 @@ impl Inner {
         // What the request needs must be created; the look-ahead is best effort.
         let required = plan.needed.saturating_sub(cached_bytes);
         let optional = (ce - cs) - cached_bytes - required;
-        let created = match self.create_chunks(required, self.max_chunk, false) {
-            Ok(c) => c,
+        let created = match self.create_chunks(required, self.max_chunk, false, donate) {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                self.undo_growth(plan.idle, (cs, ce), chunks, Vec::new());
+                return Ok(None);
+            }
             Err(e) => {
                 self.undo_growth(plan.idle, (cs, ce), chunks, Vec::new());
                 return Err(e);
@@ -735,8 +796,10 @@ impl Inner {
         chunks.extend(created.iter().copied());
         let mut fresh = created;
         if optional > 0 {
-            match self.create_chunks(optional, self.max_chunk, true) {
-                Ok(extra) => {
+            // Optional growth is never answered with a donation (`None`): nothing to add then.
+            match self.create_chunks(optional, self.max_chunk, true, false) {
+                Ok(None) => {}
+                Ok(Some(extra)) => {
                     chunks.extend(extra.iter().copied());
                     fresh.extend(extra);
                 }
@@ -772,7 +835,7 @@ impl Inner {
         let slot = self.record(&mut st, plan.start, footprint, name);
         drop(st);
         tracing::debug!(pool = %self.name, offset = cs, mapped, chunks = chunks.len(), "grew");
-        Ok((plan.start, slot))
+        Ok(Some((plan.start, slot)))
     }
 
     fn undo_growth(
@@ -870,6 +933,27 @@ impl Inner {
         max_chunk: u64,
         in_region: bool,
     ) -> Result<()> {
+        // As for allocations: a donation of idle chunks means planning again with them.
+        for round in 0..=MAX_REPLANS {
+            if self.map_range_once(offset, len, max_chunk, in_region, round < MAX_REPLANS)? {
+                return Ok(());
+            }
+        }
+        Err(Error::InvalidArgument(format!(
+            "mapping {len} bytes at {offset:#x} was re-planned {MAX_REPLANS} times without settling"
+        )))
+    }
+
+    /// One round of [`Inner::map_range`]; `false` (nothing changed) when admission refilled
+    /// the cache with donated chunks instead of admitting new ones.
+    fn map_range_once(
+        &self,
+        offset: u64,
+        len: u64,
+        max_chunk: u64,
+        in_region: bool,
+        donate: bool,
+    ) -> Result<bool> {
         let end = self.check_range(offset, len)?;
         let cached = {
             let mut st = self.state.lock();
@@ -902,8 +986,12 @@ impl Inner {
             st.cache.take_up_to(len, max_chunk as usize)
         };
         let cached_bytes: u64 = cached.iter().map(|c| c.size as u64).sum();
-        let fresh = match self.create_chunks(len - cached_bytes, max_chunk, false) {
-            Ok(f) => f,
+        let fresh = match self.create_chunks(len - cached_bytes, max_chunk, false, donate) {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                self.undo_range(offset, end, cached, Vec::new());
+                return Ok(false);
+            }
             Err(e) => {
                 self.undo_range(offset, end, cached, Vec::new());
                 return Err(e);
@@ -926,7 +1014,7 @@ impl Inner {
         st.ranges.insert(offset, end);
         st.note_peaks();
         tracing::debug!(pool = %self.name, offset, len, chunks = chunks.len(), "range mapped");
-        Ok(())
+        Ok(true)
     }
 
     fn undo_range(
@@ -1098,6 +1186,84 @@ impl Inner {
                 released,
             }),
         }
+    }
+
+    /// Hand over idle physical memory to another pool without releasing it: cached chunks, then
+    /// idle mapped chunks (unmapped here), largest first, each at most `max_size` bytes, until
+    /// `want` bytes are taken and never more than `cap` bytes. The chunks leave this pool's
+    /// books; their admission charge is the caller's to move or credit.
+    pub(crate) fn take_spare(&self, want: u64, max_size: u64, cap: u64) -> Vec<PhysicalChunk> {
+        let (mut out, idle) = {
+            let mut st = self.state.lock();
+            let mut out = Vec::new();
+            let mut got = 0u64;
+            while got < want {
+                let room = max_size.min(cap - got) as usize;
+                match st.cache.take_at_most(room) {
+                    Some(c) => {
+                        got += c.size as u64;
+                        out.push(c);
+                    }
+                    None => break,
+                }
+            }
+            let mut idle = Vec::new();
+            if got < want {
+                st.flush_quick();
+                let mut candidates: Vec<(u64, PhysicalChunk)> = st
+                    .chunks
+                    .iter()
+                    .filter(|(&o, c)| {
+                        c.size as u64 <= max_size
+                            && st.idle.intervals().covers(o, o + c.size as u64)
+                    })
+                    .map(|(&o, &c)| (o, c))
+                    .collect();
+                candidates.sort_by_key(|(o, c)| (std::cmp::Reverse(c.size), *o));
+                for (o, c) in candidates {
+                    let size = c.size as u64;
+                    if got >= want || got + size > cap {
+                        continue;
+                    }
+                    st.idle.remove(o, o + size);
+                    st.chunks.remove(&o);
+                    st.mapped -= size;
+                    st.in_transit += size;
+                    got += size;
+                    idle.push((o, c));
+                }
+            }
+            (out, idle)
+        };
+        for (o, c) in idle {
+            let size = c.size as u64;
+            // SAFETY: the chunk lay wholly in idle memory and is claimed: nobody uses it.
+            let unmapped = unsafe { self.call_unmap(o, size) };
+            let mut st = self.state.lock();
+            st.in_transit -= size;
+            match unmapped {
+                Ok(()) => {
+                    st.cold.insert(o, o + size);
+                    out.push(c);
+                }
+                Err(e) => {
+                    tracing::warn!(pool = %self.name, error = %e, "unmapping a chunk to hand over failed; it stays");
+                    st.chunks.insert(o, c);
+                    st.mapped += size;
+                    st.idle.insert(o, o + size);
+                }
+            }
+        }
+        out
+    }
+
+    /// Take chunks handed over by another pool (already charged to this one) into the cache.
+    pub(crate) fn adopt(&self, chunks: Vec<PhysicalChunk>) {
+        let mut st = self.state.lock();
+        for c in chunks {
+            st.cache.put(c);
+        }
+        st.note_peaks();
     }
 
     /// Release cached chunks until at most `keep` bytes stay cached.

@@ -128,6 +128,33 @@ impl Ledger {
         own.min(global)
     }
 
+    /// How many more bytes `key` may hold under its own limit, whatever the global budget.
+    pub(crate) fn headroom_own(&self, key: u64) -> u64 {
+        match self.models.get(&key) {
+            Some(m) if !m.retired => m.limit.min(m.cap).saturating_sub(m.used),
+            _ => 0,
+        }
+    }
+
+    /// Move a charge of `bytes` from `from` to `to` (memory handed over, not created): global
+    /// use is unchanged; `to` must stay within its limit. Returns whether it was moved.
+    pub(crate) fn transfer(&mut self, from: u64, to: u64, bytes: u64) -> bool {
+        // The donor keeps its guarantee: its unused guarantee must not grow while `to` uses more.
+        let donor_ok = self
+            .models
+            .get(&from)
+            .is_some_and(|m| m.used >= bytes && (m.retired || m.used - bytes >= m.guarantee));
+        if !donor_ok || bytes > self.headroom_own(to) {
+            return false;
+        }
+        self.update(from, |m| m.used -= bytes);
+        self.update(to, |m| {
+            m.used += bytes;
+            m.peak = m.peak.max(m.used);
+        });
+        true
+    }
+
     /// Charge `bytes` to `key`, or say why not.
     pub(crate) fn try_charge(&mut self, key: u64, bytes: u64) -> Result<(), Refusal> {
         let reserved = self.reserved_for_others(key);

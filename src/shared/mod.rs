@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{Backend, BackendInfo};
 use crate::error::{Error, Result};
-use crate::pool::{Admission, Pool, PoolConfig};
+use crate::pool::{Admission, Grant, Pool, PoolConfig};
 use ledger::{Ledger, ModelBook, Refusal};
 
 /// Default margin left free on the device when the global limit is taken from its free memory.
@@ -217,9 +217,9 @@ struct ModelAdmission {
 }
 
 impl Admission for ModelAdmission {
-    fn admit(&self, bytes: u64, may_reclaim: bool) -> Result<()> {
+    fn admit(&self, bytes: u64, may_reclaim: bool, donate: Option<u64>) -> Result<Grant> {
         match self.shared.upgrade() {
-            Some(s) => s.admit(self.key, bytes, may_reclaim),
+            Some(s) => s.admit(self.key, bytes, may_reclaim, donate),
             None => Err(Error::PoolClosed {
                 pool: format!("model #{}", self.key),
                 reason: "its shared pool is gone".into(),
@@ -745,17 +745,24 @@ impl SharedInner {
         Err(l.refusal_error(key, bytes, why))
     }
 
-    /// Admission for one growth of model `key`.
-    fn admit(&self, key: u64, bytes: u64, may_reclaim: bool) -> Result<()> {
+    /// Admission for one growth of model `key`. When the global budget is full, idle memory of
+    /// other models makes room: handed over as whole chunks when `donate` allows (no release,
+    /// no create: the growth is planned again with them), else released.
+    fn admit(&self, key: u64, bytes: u64, may_reclaim: bool, donate: Option<u64>) -> Result<Grant> {
         let mut last = Refusal::Retired;
         for attempt in 0..3 {
             let refusal = match self.ledger.lock().try_charge(key, bytes) {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(Grant::Charged),
                 Err(r) => r,
             };
             last = refusal;
             match refusal {
                 Refusal::Global { short } if may_reclaim && attempt < 2 => {
+                    if let (0, Some(max_chunk)) = (attempt, donate) {
+                        if self.donate_to(key, short, max_chunk) > 0 {
+                            return Ok(Grant::Donated);
+                        }
+                    }
                     if self.reclaim_for(Some(key), short) == 0 {
                         break;
                     }
@@ -777,9 +784,9 @@ impl SharedInner {
         Err(err)
     }
 
-    /// Reclaim up to `want` bytes of memory other models hold but do not use, above their
-    /// guarantees, lowest priority first. Returns the bytes released.
-    fn reclaim_for(&self, for_key: Option<u64>, want: u64) -> u64 {
+    /// Models other than `for_key` holding memory they do not use above their guarantees, as
+    /// `(spare bytes, id, slot)`, in reclaim order: lowest priority first, then most spare.
+    fn donors(&self, for_key: Option<u64>) -> Vec<(u64, String, ModelSlot)> {
         let slots: Vec<(String, ModelSlot)> = self
             .models
             .lock()
@@ -800,8 +807,59 @@ impl SharedInner {
                 .collect()
         };
         candidates.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        candidates
+            .into_iter()
+            .map(|(_, spare, id, s)| (spare, id, s))
+            .collect()
+    }
+
+    /// Hand idle chunks of other models (each at most `max_chunk`, at least `want` bytes in
+    /// all when they have them, largest chunks first) to model `key`: unmapped from the donor, charged over to `key`
+    /// within its limit, put in its pool's cache. Nothing is released or created, which is what
+    /// makes moving memory between models fast. Returns the bytes handed over.
+    fn donate_to(&self, key: u64, want: u64, max_chunk: u64) -> u64 {
+        let Some(recipient) = self.models.lock().values().find(|s| s.key == key).cloned() else {
+            return 0;
+        };
         let mut got = 0;
-        for (_, spare, id, s) in candidates {
+        for (spare, id, donor) in self.donors(Some(key)) {
+            if got >= want {
+                break;
+            }
+            let headroom = self.ledger.lock().headroom_own(key);
+            let max_size = max_chunk.min(headroom);
+            if max_size == 0 {
+                break;
+            }
+            let chunks = donor.pool.inner().take_spare(want - got, max_size, spare);
+            if chunks.is_empty() {
+                continue;
+            }
+            let (moved, refused): (Vec<_>, Vec<_>) = {
+                let mut l = self.ledger.lock();
+                chunks
+                    .into_iter()
+                    .partition(|c| l.transfer(donor.key, key, c.size() as u64))
+            };
+            let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
+            recipient.pool.inner().adopt(moved);
+            // Chunks the recipient's limit could not take go back to the driver (credited to
+            // the donor as they are released); a failed release leaves them in its cache.
+            let _ = donor.pool.inner().release_all(refused);
+            if bytes > 0 {
+                got += bytes;
+                self.ledger.lock().note_reclaimed(donor.key, bytes);
+                tracing::info!(from = %id, to = %recipient.pool.name(), bytes, "handed idle memory over to another model");
+            }
+        }
+        got
+    }
+
+    /// Reclaim up to `want` bytes of memory other models hold but do not use, above their
+    /// guarantees, lowest priority first. Returns the bytes released.
+    fn reclaim_for(&self, for_key: Option<u64>, want: u64) -> u64 {
+        let mut got = 0;
+        for (spare, id, s) in self.donors(for_key) {
             if got >= want {
                 break;
             }

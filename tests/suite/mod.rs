@@ -38,6 +38,7 @@ macro_rules! shared_suite {
             idle_memory_does_not_hoard,
             live_limit_changes,
             unregister_credits_everything,
+            hand_over_moves_chunks,
         );
     };
 }

@@ -509,3 +509,65 @@ pub fn hand_over(backend: Arc<dyn Backend>, bytes: u64, step: u64) -> f64 {
     drop(got);
     secs
 }
+
+/// Memory one model freed moves to another as whole chunks: unmapped from the first, mapped by
+/// the second, with no chunk released or created on the way (the driver's slow calls), and the
+/// books stay exact: both allocator growth and range mappings.
+pub fn hand_over_moves_chunks(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 16 * g);
+    let a = s
+        .register(ModelConfig::new("a", (256 * g) as usize, 16 * g))
+        .expect("a");
+    let b = s
+        .register(ModelConfig::new("b", (256 * g) as usize, 16 * g))
+        .expect("b");
+    let held: Vec<Allocation> = (0..16)
+        .map(|_| a.allocate(g as usize).expect("a fills the budget"))
+        .collect();
+    assert_eq!(s.stats().global.free, 0);
+    let (a0, b0) = (a.stats().driver_calls, b.stats().driver_calls);
+    let held_before = backend.physical_bytes().expect("held");
+    drop(held);
+    let got: Vec<Allocation> = (0..16)
+        .map(|_| b.allocate(g as usize).expect("b takes a's memory"))
+        .collect();
+    let (da, db) = (
+        a.stats().driver_calls.since(&a0),
+        b.stats().driver_calls.since(&b0),
+    );
+    use elastic_vmm::DriverCall::{Create, Map, Release, Unmap};
+    assert_eq!(
+        (da.get(Release), db.get(Create)),
+        (0, 0),
+        "no chunk released or created: a {da}, b {db}"
+    );
+    assert!(da.get(Unmap) >= 1 && db.get(Map) >= 1, "a {da}, b {db}");
+    assert_eq!(used(&s, "b"), 16 * g);
+    assert_eq!(used(&s, "a"), 0);
+    assert_eq!(backend.physical_bytes().expect("held"), held_before);
+    s.audit().expect("audit after hand-over");
+    drop(got);
+    // The range API takes granule-sized chunks over the same way.
+    b.trim().expect("trim");
+    let c = s
+        .register(ModelConfig::new("c", (256 * g) as usize, 16 * g))
+        .expect("c");
+    b.map(0, 16 * g).expect("b maps a range");
+    b.unmap(0, 16 * g)
+        .expect("b unmaps it: its chunks are cached");
+    let (b1, c1) = (b.stats().driver_calls, c.stats().driver_calls);
+    c.map(64 * g, 16 * g).expect("c maps b's cached chunks");
+    let (db, dc) = (
+        b.stats().driver_calls.since(&b1),
+        c.stats().driver_calls.since(&c1),
+    );
+    assert_eq!(
+        (db.get(Release), dc.get(Create)),
+        (0, 0),
+        "range hand-over: b {db}, c {dc}"
+    );
+    assert_eq!(used(&s, "c"), 16 * g);
+    s.audit().expect("audit after range hand-over");
+    c.unmap(64 * g, 16 * g).expect("unmap");
+}
