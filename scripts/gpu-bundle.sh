@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Build the GPU test target, the GPU benchmark, the command-line tool and (with candle) the
 # example in release mode, strip them and pack them into .carry/bundle.tar.xz for the GPU
-# machine (which has no Rust). Usage: scripts/gpu-bundle.sh [extra features, e.g. candle,nixl]
+# machine (which has no Rust); with nixl, also the NIXL runtime (.carry/nixl-runtime.tar.xz).
+# Usage: scripts/gpu-bundle.sh [extra features, e.g. candle,nixl]
+# With candle, set up the CUDA toolchain first: eval "$(../shared/tools/cuda13-toolchain.sh)".
 #
-# On the GPU machine: tar -xJf .carry/bundle.tar.xz -C /tmp && /tmp/bundle/gpu-tests --test-threads=1
+# On the GPU machine (carry .carry/bundle.tar.xz and .carry/nixl-runtime.tar.xz):
+#   tar -xJf .carry/bundle.tar.xz -C /tmp && tar -xJf .carry/nixl-runtime.tar.xz -C /tmp
+#   export LD_LIBRARY_PATH=/tmp/nixl/.nixl_cu13.mesonpy.libs
+#   /tmp/bundle/gpu-tests --test-threads=1 && /tmp/bundle/gpu-bench && /tmp/bundle/elastic_kv_cache
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features="gpu-tests${1:+,$1}"
@@ -12,7 +17,7 @@ rm -rf "$out" && mkdir -p "$out"
 json=$(mktemp)
 cargo build --release --features "$features" --test gpu --bench gpu --bins --message-format=json-render-diagnostics >"$json"
 if [[ ",$features," == *",candle,"* ]]; then
-  cargo build --release --features "$features" --examples --message-format=json-render-diagnostics >>"$json"
+  cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
 fi
 python3 - "$json" "$out" <<'PY'
 import json, shutil, sys
@@ -32,4 +37,8 @@ rm -f "$json"
 strip "$out"/*
 cp ../shared/tools/torch_probe.py "$out/" 2>/dev/null || true
 tar -C .carry -cJf .carry/bundle.tar.xz bundle
-ls -la "$out" .carry/bundle.tar.xz
+rm -rf "$out" # only the archives travel
+if [[ ",$features," == *",nixl,"* && ! -e .carry/nixl-runtime.tar.xz ]]; then
+  scripts/nixl-runtime.sh --pack >/dev/null
+fi
+ls -la .carry/

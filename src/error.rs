@@ -251,6 +251,122 @@ pub enum Error {
         /// Bytes reclaimed while trying.
         reclaimed: u64,
     },
+
+    // ---- layouts and NIXL ----
+    /// A KV-cache layout's configuration or memory is unusable (zero dimension, region too
+    /// small or misaligned, mixed memory kinds, mismatched shapes).
+    #[error("invalid layout: {0}")]
+    InvalidLayout(String),
+
+    /// A block, layer or outer index outside the layout.
+    #[error("{what} {index} does not exist: the layout has {count}")]
+    OutOfLayout {
+        /// `"block"`, `"layer"` or `"outer index"`.
+        what: &'static str,
+        /// The index given.
+        index: usize,
+        /// How many there are.
+        count: usize,
+    },
+
+    /// A transfer touches a block of an elastic layout that has no physical memory; refused
+    /// before NIXL is called.
+    #[error("{side} block {block} is not backed: transfer of {blocks} blocks refused before any NIXL call")]
+    BlockNotBacked {
+        /// Which side of the transfer: `"local"` or `"remote"`.
+        side: &'static str,
+        /// The first unbacked block.
+        block: usize,
+        /// Blocks in the transfer.
+        blocks: usize,
+    },
+
+    /// The NIXL library cannot be used (feature `nixl`): it is not installed or not on the
+    /// library path. Any NIXL call would abort the process, so none was made.
+    #[error("NIXL unavailable: {reason}")]
+    NixlUnavailable {
+        /// Why, and what to do.
+        reason: String,
+    },
+
+    /// A NIXL call failed (feature `nixl`).
+    #[error("NIXL {call} failed: {detail}")]
+    Nixl {
+        /// The call, e.g. `register_memory`.
+        call: &'static str,
+        /// NIXL's error and the arguments of the call.
+        detail: String,
+    },
+
+    /// Memory that must be registered with a NIXL agent is not (entirely).
+    #[error(
+        "[{addr:#x}, {end:#x}) is not registered with NIXL agent {agent:?}: [{hole_addr:#x}, {hole_end:#x}) within it has no registration",
+        end = addr.saturating_add(*len), hole_end = hole_addr.saturating_add(*hole_len)
+    )]
+    NotRegistered {
+        /// The agent.
+        agent: String,
+        /// Start of the range asked for.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Start of the first part with no registration.
+        hole_addr: u64,
+        /// Length of that part.
+        hole_len: u64,
+    },
+
+    /// A NIXL transfer did not complete in time; it was released (aborted).
+    #[error("NIXL {op} of {bytes} bytes in {descriptors} descriptors did not complete within {waited_ms} ms")]
+    TransferTimeout {
+        /// `"WRITE"` or `"READ"`.
+        op: &'static str,
+        /// Bytes in the transfer.
+        bytes: u64,
+        /// Descriptors in the transfer.
+        descriptors: usize,
+        /// How long it was waited for.
+        waited_ms: u64,
+    },
+
+    // ---- candle tensors and elastic tensors ----
+    /// A candle operation failed (feature `candle`).
+    #[cfg(feature = "candle")]
+    #[error("candle {op} failed: {message}")]
+    Candle {
+        /// The candle operation, e.g. `index_select`.
+        op: &'static str,
+        /// Candle's error.
+        message: String,
+    },
+
+    /// An operation on an elastic tensor touches a block with no physical memory; refused before
+    /// any kernel could read unmapped memory.
+    #[error("elastic tensor: {op} over {blocks} block(s) refused: block {block} is not backed ({backed} of {max_blocks} blocks are)")]
+    ElasticBlockNotBacked {
+        /// The operation: `view`, `gather`, `write`, `release`...
+        op: &'static str,
+        /// The first unbacked block.
+        block: usize,
+        /// Blocks the operation asked for.
+        blocks: usize,
+        /// Blocks backed now.
+        backed: usize,
+        /// Blocks of the tensor.
+        max_blocks: usize,
+    },
+
+    /// A block of an elastic tensor is still used (by a live view, or an operation queuing a
+    /// kernel) and cannot be released; nothing was changed.
+    #[error("elastic tensor: block {block} is in use by {users} user(s): {detail}")]
+    ElasticBlockInUse {
+        /// The first block found in use.
+        block: usize,
+        /// How many views or operations hold the blocks asked for.
+        users: usize,
+        /// What holds it.
+        detail: String,
+    },
 }
 
 impl Error {

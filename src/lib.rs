@@ -14,6 +14,12 @@
 //! - [`Region`]: a part of a pool's reservation set aside for one owner's range mappings, and
 //!   [`backing::BlockBacking`]: blocks over a region whose pages are mapped only while a block on
 //!   them is in use (the elastic half of a KV cache).
+//! - [`layout`]: KV-cache layouts (fully contiguous or layer separate) as offset views over
+//!   pool memory, fully mapped or elastic (blocks backed on demand).
+//! - `nixl` (feature `nixl`): registration of mapped memory with NIXL, one registration per
+//!   physical chunk, and block transfers between layouts.
+//! - `candle` (feature `candle`): candle tensors in pool memory, and elastic KV tensors whose
+//!   blocks are backed on demand.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -40,7 +46,12 @@
 
 pub mod backend;
 pub mod backing;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod error;
+pub mod layout;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod pool;
 pub mod shared;
 pub mod stats;

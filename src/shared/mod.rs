@@ -1,7 +1,7 @@
 //! The shared pool: several models on one device, each under its own physical limit.
 //!
 //! Each registered model gets its own [`Pool`] (its own virtual reservation, its own idle memory
-//! and chunk cache) whose physical growth is admitted by one [`ledger::Ledger`] per device
+//! and chunk cache) whose physical growth is admitted by one ledger (`ledger.rs`) per device
 //! before any driver call:
 //! - a model never holds more than its limit;
 //! - all models together never hold more than the global limit, less what other models were

@@ -6,6 +6,7 @@
 mod suite;
 
 mod backing;
+mod layout;
 mod pool;
 mod shared;
 

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod backing;
+pub mod layout;
 pub mod shared;
 
 /// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
@@ -56,6 +57,39 @@ macro_rules! backing_suite {
             backing_respects_model_limits,
             backing_concurrent,
         );
+    };
+}
+
+/// Every test of the layout suite, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! layout_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod layout;
+            layout_views_place_data,
+            layout_over_caller_regions,
+            elastic_layout_backs_on_demand,
+            elastic_layout_rolls_back,
+        );
+    };
+}
+
+/// Every test of the NIXL part of the layout suite (feature `nixl`), as `#[test]` functions
+/// over `$make()` that run when `$ready()` says the NIXL library is there.
+#[macro_export]
+macro_rules! nixl_suite {
+    ($make:expr, $ready:expr) => {
+        $crate::nixl_suite!(
+            @tests $make, $ready;
+            registration_follows_chunks,
+            registration_lifetime_every_path,
+            write_then_read_byte_exact,
+            unbacked_block_refused_before_nixl,
+        );
+    };
+    (@tests $make:expr, $ready:expr; $($name:ident),* $(,)?) => {
+        $( #[test] fn $name() { if $ready() { $crate::suite::layout::nixl::$name($make()) } } )*
     };
 }
 

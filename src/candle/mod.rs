@@ -1,0 +1,144 @@
+//! Candle tensors in elastic memory (feature `candle`).
+//!
+//! - [`TensorPool`]: candle [`Tensor`]s of any dtype candle's CUDA backend stores, allocated from
+//!   a [`Pool`](crate::Pool) (or a [`ModelHandle`](crate::ModelHandle), which derefs to one) on a
+//!   candle CUDA device: [`TensorPool::empty`], [`TensorPool::zeros`], [`TensorPool::copy_in`].
+//! - [`ElasticKv`]: one tensor shaped for a model's largest KV cache (`[max_blocks, ...block]`)
+//!   whose blocks have physical memory only while they are backed
+//!   ([`ElasticKv::ensure_backed`], [`ElasticKv::release`]); kernels reach it only through views
+//!   and operations that refuse unbacked blocks.
+//!
+//! # Who owns the memory, and when it goes back
+//! A pool tensor's memory is an [`Allocation`](crate::Allocation) held by its [`TensorPool`],
+//! not by the tensor. The pool knows exactly when the tensor and every tensor sharing its storage
+//! (clones, `narrow`, `reshape`, `i(..)` views...) are gone: each tensor's cudarc slice holds a
+//! handle of its own that the pool also keeps, and the pool's copy becomes the only one when the
+//! storage is dropped. The memory then goes back to the pool **lazily**, in two steps:
+//! 1. at the next [`TensorPool::collect`] (which [`TensorPool::empty`]/[`TensorPool::zeros`] run
+//!    when the number or bytes of live tensors has doubled since the last one, when the pool is
+//!    out of memory, and which [`TensorPool::stats`] runs), the dead tensors' memory is put behind
+//!    a *fence*: a CUDA event recorded on the candle device's stream;
+//! 2. once the GPU has passed that fence (checked without blocking by every later collect, or
+//!    waited for by [`TensorPool::collect_blocking`]), the allocation is dropped and the memory
+//!    is the pool's again (idle, reused without a driver call, or given back by `trim`).
+//!
+//! Memory never goes back while a kernel queued before the drop could still use it.
+//!
+//! # The user's candle device is never poisoned
+//! cudarc frees a slice on drop with `cuMemFreeAsync` and stores a failure as the sticky error
+//! of the slice's `CudaContext` object, which candle would then return from an unrelated
+//! operation. On VMM memory that free always fails (`CUDA_ERROR_INVALID_VALUE`, harmless to the
+//! mapping). Each slice made here therefore belongs to a *private* `CudaContext` object (a
+//! separate error slot over the same primary context, recycled after the slice is gone) and the
+//! failed free lands there; the pool absorbs and counts it
+//! ([`TensorPoolStats::absorbed_free_errors`]). The slice's stream is the candle device's own
+//! stream, so every operation stays in stream order with candle's kernels.
+//!
+//! One case is not fully contained: `Tensor::copy()` of a pool tensor or a view makes an
+//! ordinary candle allocation whose slice shares the original's private context (cudarc copies
+//! the stream handle). The copy keeps the original's pool memory from going back until the copy
+//! is dropped too (never early), and if the original is dropped first, the copy's next host read
+//! or `copy()` can fail once with `CUDA_ERROR_INVALID_VALUE` unless a pool operation (any
+//! allocation, view, `collect`, `stats`, `release`) ran in between and absorbed the error. Use
+//! [`detached_copy`] to copy a pool tensor into candle's own memory without that link.
+//!
+//! # Synchronisation
+//! Pool tensors carry no cudarc events: they are ordered by the candle device's stream, exactly
+//! as candle's own tensors on a single-stream device. Moving one to another candle device on the
+//! same GPU created with a different stream (`to_device`) needs a `synchronize` of the source
+//! device first.
+
+mod kv;
+mod orphans;
+mod slices;
+mod tensor_pool;
+
+pub use kv::{ElasticKv, KvStats};
+pub use orphans::reap_orphans;
+pub use tensor_pool::{CollectReport, TensorPool, TensorPoolStats};
+
+use candle_core::cuda_backend::cudarc::driver::result;
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// The dtypes candle's CUDA backend can store (candle refuses the others on CUDA).
+pub const SUPPORTED_DTYPES: [DType; 10] = [
+    DType::U8,
+    DType::U32,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::BF16,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+    DType::F8E4M3,
+];
+
+/// Bytes per element of `dtype`, or an error for a dtype candle cannot store on CUDA.
+pub(crate) fn element_size(dtype: DType) -> Result<usize> {
+    if SUPPORTED_DTYPES.contains(&dtype) {
+        Ok(dtype.size_in_bytes())
+    } else {
+        Err(unsupported_dtype(dtype))
+    }
+}
+
+pub(crate) fn unsupported_dtype(dtype: DType) -> Error {
+    Error::InvalidArgument(format!(
+        "dtype {dtype:?} has no CUDA storage in candle; supported: {SUPPORTED_DTYPES:?}"
+    ))
+}
+
+/// A candle failure as this crate's error.
+pub(crate) fn candle_error(op: &'static str) -> impl FnOnce(candle_core::Error) -> Error {
+    move |e| Error::Candle {
+        op,
+        message: e.to_string(),
+    }
+}
+
+impl From<Error> for candle_core::Error {
+    /// So that code returning `candle_core::Result` can use `?` on this crate's calls.
+    fn from(e: Error) -> Self {
+        candle_core::Error::wrap(e)
+    }
+}
+
+/// A copy of `tensor` in candle's own memory on `tensor`'s device (or on `device`, when given),
+/// made by candle's allocator and a device-side copy: unlike `Tensor::copy()`, the result has no
+/// link to the pool (see the module documentation).
+pub fn detached_copy(tensor: &Tensor, device: Option<&Device>) -> Result<Tensor> {
+    let device = device.unwrap_or(tensor.device());
+    let src = tensor
+        .to_device(device)
+        .and_then(|t| t.contiguous())
+        .map_err(candle_error("to_device"))?;
+    let Ok(cuda) = device.as_cuda_device() else {
+        // A host copy is candle's own memory already.
+        return Ok(src);
+    };
+    // SAFETY: candle's `empty` leaves the contents unset; every byte is written by the copy
+    // below, queued on the device's stream before the tensor is returned.
+    let out = unsafe { Tensor::empty(src.shape(), src.dtype(), device) }
+        .map_err(candle_error("empty"))?;
+    let bytes = src.elem_count() * src.dtype().size_in_bytes();
+    if bytes > 0 {
+        let stream = cuda.cuda_stream();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(slices::cuda_error("cuCtxSetCurrent", "candle device"))?;
+        slices::with_device_ptr(&src, |from| {
+            slices::with_device_ptr(&out, |to| {
+                // SAFETY: both are live contiguous tensors of `bytes` bytes on this device,
+                // held until the copy is queued on the stream that orders their users.
+                unsafe { result::memcpy_dtod_async(to, from, bytes, stream.cu_stream()) }.map_err(
+                    slices::cuda_error("cuMemcpyDtoDAsync", format!("{bytes} bytes")),
+                )
+            })
+        })?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,410 @@
+//! Candle storage over pool memory, the private CUDA contexts that keep cudarc's failed frees
+//! away from the user's device, and fences that tell when the GPU is done with memory.
+//!
+//! cudarc's `CudaSlice` frees its memory on drop with `cuMemFreeAsync` on the slice's stream and
+//! stores a failure as the sticky error of that stream's `CudaContext` object; the next checked
+//! call through that object (`bind_to_thread`) returns it. On VMM memory the free always fails
+//! with `CUDA_ERROR_INVALID_VALUE` and changes nothing. Every `CudaContext::new` is a separate
+//! error slot over the same primary context, so each slice made here gets a private context
+//! object of its own:
+//! - the failed free of a dropped tensor lands in its private context, never in the user's;
+//! - a live tensor's own operations (`to_vec*`, `copy`) go through its private context, whose
+//!   error slot only its own drop fills, so they never see another tensor's failed free;
+//! - once every slice over it is gone, the context's error is absorbed (counted) and the context
+//!   is reused for the next tensor, so the steady state makes no driver call to create one.
+//!
+//! The slice's stream is a borrowed wrapper of the candle device's stream on the private context:
+//! what cudarc does through the slice's stream (host reads, `Tensor::copy`, the failed free) is
+//! in stream order with the kernels candle launches on the device's stream.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    result, sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DriverError,
+};
+use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, DType, Shape, Storage, Tensor};
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// Idle private contexts kept for reuse; beyond this they are released.
+const MAX_IDLE_CONTEXTS: usize = 1024;
+/// Spare fence events kept for reuse.
+const MAX_SPARE_EVENTS: usize = 64;
+/// cudarc's handle for the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`),
+/// which candle's `Device::new_cuda` uses.
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// A driver failure as this crate's error.
+pub(crate) fn cuda_error(
+    call: &'static str,
+    detail: impl Into<String>,
+) -> impl FnOnce(DriverError) -> Error {
+    let detail = detail.into();
+    move |e| Error::backend("cuda", call, format!("{:?}", e.0), detail)
+}
+
+fn is_failed_free(e: &DriverError) -> bool {
+    e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE
+}
+
+/// Run `f` with the device address of the first element of `src` (a contiguous tensor on a CUDA
+/// device), holding its storage until `f` returns: long enough to queue a copy from it in
+/// stream order.
+pub(crate) fn with_device_ptr<R>(src: &Tensor, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
+    if !src.is_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "copy source of shape {:?} is not contiguous",
+            src.dims()
+        )));
+    }
+    let (storage, layout) = src.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return Err(Error::InvalidArgument(format!(
+            "copy source is on {:?}, not on a CUDA device",
+            src.device().location()
+        )));
+    };
+    let stream = cuda.device.cuda_stream();
+    let offset = (layout.start_offset() * src.dtype().size_in_bytes()) as u64;
+    macro_rules! at {
+        ($s:expr) => {{
+            let (p, guard) = $s.device_ptr(&stream);
+            (p + offset, guard)
+        }};
+    }
+    use CudaStorageSlice as S;
+    let (from, _read) = match &cuda.slice {
+        S::U8(s) | S::F6E2M3(s) | S::F6E3M2(s) | S::F4(s) | S::F8E8M0(s) => at!(s),
+        S::U32(s) => at!(s),
+        S::I16(s) => at!(s),
+        S::I32(s) => at!(s),
+        S::I64(s) => at!(s),
+        S::BF16(s) => at!(s),
+        S::F16(s) => at!(s),
+        S::F32(s) => at!(s),
+        S::F64(s) => at!(s),
+        S::F8E4M3(s) => at!(s),
+    };
+    f(from)
+}
+
+/// Tells when every slice made over one piece of memory is gone.
+///
+/// It holds the stream handle that the slice (and any cudarc copy of the slice) holds too: when
+/// the tracker's handle is the only one left, no tensor can reach the memory any more.
+#[derive(Debug)]
+pub(crate) struct Tracker {
+    stream: Arc<CudaStream>,
+}
+
+impl Tracker {
+    /// Whether every slice made with this tracker is gone. Exact: the slices' handles are
+    /// clones of ours, and none can be made once the last slice is dropped.
+    pub(crate) fn is_unique(&mut self) -> bool {
+        // `get_mut` reads the count with acquire ordering, so the other thread's drop of the
+        // slice (and its failed free, made before) happened before we go on.
+        Arc::get_mut(&mut self.stream).is_some()
+    }
+
+    /// Clear the failed free of an already dropped tensor from the private context that its
+    /// `Tensor::copy()` copies still use. Other errors are put back. Returns whether one was
+    /// absorbed.
+    pub(crate) fn absorb_copy_error(&self) -> bool {
+        let ctx = self.stream.context();
+        match ctx.check_err() {
+            Ok(()) => false,
+            Err(e) if is_failed_free(&e) => true,
+            Err(e) => {
+                ctx.record_err::<()>(Err(e));
+                false
+            }
+        }
+    }
+
+    /// Copy `bytes` from device memory at `src` to `dst` in stream order on the candle device's
+    /// stream (a plain copy engine transfer: every dtype, whatever kernels candle ships).
+    pub(crate) fn copy_from(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent", "private context"))?;
+        // SAFETY: `dst..dst + bytes` is the caller's fresh pool tensor, mapped with access;
+        // `src..src + bytes` is a live candle tensor's memory on this device, kept alive by the
+        // caller until the copy is queued; both are ordered by this one stream.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(
+            cuda_error(
+                "cuMemcpyDtoDAsync",
+                format!("{bytes} bytes from {src:#x} to {dst:#x}"),
+            ),
+        )
+    }
+
+    /// Zero `bytes` at `addr` in stream order on the candle device's stream.
+    pub(crate) fn zero(&self, addr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent", "private context"))?;
+        // SAFETY: `addr..addr + bytes` is mapped with access (the caller's tensor lives on it)
+        // and the memset is queued on the stream every user of that tensor is ordered by.
+        unsafe { result::memset_d8_async(addr, 0, bytes, self.stream.cu_stream()) }.map_err(
+            cuda_error("cuMemsetD8Async", format!("{bytes} bytes at {addr:#x}")),
+        )
+    }
+}
+
+/// Makes candle tensors over given device memory for one candle CUDA device.
+pub(crate) struct SliceFactory {
+    device: CudaDevice,
+    ordinal: usize,
+    /// The device's raw `CUstream` (kept as an integer: raw pointers are not `Send`).
+    stream: usize,
+    idle: Mutex<Vec<Arc<CudaContext>>>,
+    created: AtomicU64,
+    absorbed: AtomicU64,
+}
+
+impl std::fmt::Debug for SliceFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SliceFactory")
+            .field("ordinal", &self.ordinal)
+            .field("stream", &format_args!("{:#x}", self.stream))
+            .field("contexts", &self.created.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl SliceFactory {
+    pub(crate) fn new(device: &CudaDevice, ordinal: usize) -> Self {
+        SliceFactory {
+            stream: device.cuda_stream().cu_stream() as usize,
+            device: device.clone(),
+            ordinal,
+            idle: Mutex::new(Vec::new()),
+            created: AtomicU64::new(0),
+            absorbed: AtomicU64::new(0),
+        }
+    }
+
+    /// Private contexts created so far.
+    pub(crate) fn contexts_created(&self) -> u64 {
+        self.created.load(Ordering::Relaxed)
+    }
+
+    /// Failed frees absorbed so far.
+    pub(crate) fn absorbed(&self) -> u64 {
+        self.absorbed.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_absorbed(&self, n: u64) {
+        if n > 0 {
+            self.absorbed.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// A private context: a recycled one (no driver call), or a new one.
+    pub(crate) fn take_context(&self) -> Result<Arc<CudaContext>> {
+        if let Some(ctx) = self.idle.lock().pop() {
+            return Ok(ctx);
+        }
+        let ctx = CudaContext::new(self.ordinal).map_err(cuda_error(
+            "cuDevicePrimaryCtxRetain",
+            format!("private context on device {}", self.ordinal),
+        ))?;
+        // SAFETY: slices on this context are used only on the candle device's one stream, in
+        // stream order (see the module documentation), so they need no cross-stream events;
+        // without them `upgrade_device_ptr` makes no driver call and cannot panic.
+        unsafe { ctx.disable_event_tracking() };
+        self.created.fetch_add(1, Ordering::Relaxed);
+        tracing::trace!(ordinal = self.ordinal, "private context created");
+        Ok(ctx)
+    }
+
+    /// Give back a context no slice uses any more: its error slot is emptied (a failed free is
+    /// counted, anything else logged) and it waits for the next tensor.
+    pub(crate) fn put_back(&self, ctx: Arc<CudaContext>) {
+        match ctx.check_err() {
+            Ok(()) => {}
+            Err(e) if is_failed_free(&e) => self.count_absorbed(1),
+            Err(e) => {
+                tracing::warn!(error = ?e.0, "unexpected error left in a private context; cleared")
+            }
+        }
+        let excess = {
+            let mut idle = self.idle.lock();
+            if idle.len() < MAX_IDLE_CONTEXTS {
+                idle.push(ctx);
+                None
+            } else {
+                Some(ctx)
+            }
+        };
+        // Dropping a context releases its primary-context reference: outside the lock.
+        drop(excess);
+    }
+
+    /// Recycle the context of a tracker whose slices are all gone.
+    pub(crate) fn retire(&self, tracker: Tracker) {
+        let ctx = tracker.stream.context().clone();
+        drop(tracker);
+        self.put_back(ctx);
+    }
+
+    /// A contiguous candle tensor of `shape` and `dtype` over the memory at `addr`, on the
+    /// private context `ctx`, and the tracker that tells when it is gone. No driver call.
+    ///
+    /// # Safety
+    /// `addr` must hold `shape.elem_count()` elements of `dtype`, mapped with access on this
+    /// device, for as long as the tracker is not unique (or, for a tensor that never leaves this
+    /// crate, every kernel queued on it must touch mapped parts only); `dtype` should be
+    /// supported ([`super::element_size`]; others are refused) and `ctx` must come from
+    /// [`SliceFactory::take_context`] with no slice left on it.
+    pub(crate) unsafe fn tensor(
+        &self,
+        ctx: Arc<CudaContext>,
+        addr: u64,
+        shape: Shape,
+        dtype: DType,
+    ) -> Result<(Tensor, Tracker)> {
+        let elems = shape.elem_count();
+        // SAFETY: the raw stream is the candle device's; every storage made here holds a clone
+        // of that device, and so does this factory, which keeps the stream alive while the
+        // wrapper can be used.
+        let stream = unsafe { ctx.wrap_borrowed_stream(self.stream as sys::CUstream) };
+        macro_rules! over {
+            ($variant:ident) => {
+                // SAFETY: the caller guarantees the memory (see above); the slice's failed
+                // free on drop lands in the private context.
+                CudaStorageSlice::$variant(unsafe { stream.upgrade_device_ptr(addr, elems) })
+            };
+        }
+        let slice = match dtype {
+            DType::U8 => over!(U8),
+            DType::U32 => over!(U32),
+            DType::I16 => over!(I16),
+            DType::I32 => over!(I32),
+            DType::I64 => over!(I64),
+            DType::BF16 => over!(BF16),
+            DType::F16 => over!(F16),
+            DType::F32 => over!(F32),
+            DType::F64 => over!(F64),
+            DType::F8E4M3 => over!(F8E4M3),
+            other => {
+                self.put_back(ctx);
+                return Err(super::unsupported_dtype(other));
+            }
+        };
+        let storage = CudaStorage {
+            slice,
+            device: self.device.clone(),
+        };
+        let tensor = Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false);
+        Ok((tensor, Tracker { stream }))
+    }
+}
+
+/// A point in the candle device's stream; passed once the GPU has done everything queued before.
+#[derive(Debug)]
+pub(crate) struct Fence(CudaEvent);
+
+/// Fences on one candle device's stream, recorded through a context of our own (whose error
+/// slot only these events use).
+#[derive(Debug)]
+pub(crate) struct Fences {
+    /// Keeps the stream of `target` alive.
+    _device: CudaDevice,
+    target: Arc<CudaStream>,
+    spare: Mutex<Vec<CudaEvent>>,
+}
+
+impl Fences {
+    pub(crate) fn new(device: &CudaDevice, ordinal: usize) -> Result<Self> {
+        let control = CudaContext::new(ordinal).map_err(cuda_error(
+            "cuDevicePrimaryCtxRetain",
+            format!("fence context on device {ordinal}"),
+        ))?;
+        let raw = device.cuda_stream().cu_stream() as usize;
+        // Candle's default device launches on the per-thread default stream of whichever thread
+        // runs an operation; an event on the legacy default stream comes after the work of every
+        // blocking stream, all threads' per-thread streams included. Other streams get theirs.
+        let target = if raw == 0 || raw == PER_THREAD_STREAM {
+            control.default_stream()
+        } else {
+            // SAFETY: the stream is the candle device's, kept alive by `_device`.
+            unsafe { control.wrap_borrowed_stream(raw as sys::CUstream) }
+        };
+        Ok(Fences {
+            _device: device.clone(),
+            target,
+            spare: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A fence after everything queued so far.
+    pub(crate) fn record(&self) -> Result<Fence> {
+        let spare = self.spare.lock().pop();
+        let event = match spare {
+            Some(e) => e,
+            None => self
+                .target
+                .context()
+                .new_event(None)
+                .map_err(cuda_error("cuEventCreate", "fence"))?,
+        };
+        match event.record(&self.target) {
+            Ok(()) => Ok(Fence(event)),
+            Err(e) => Err(cuda_error("cuEventRecord", "fence")(e)),
+        }
+    }
+
+    /// Whether the GPU has passed `fence`, without blocking.
+    pub(crate) fn is_passed(&self, fence: &Fence) -> Result<bool> {
+        // The query needs the device's context current on this thread (cudarc's query does not
+        // bind it); binding is a no-op when it is.
+        self.target
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent", "fence context"))?;
+        fence
+            .0
+            .try_is_complete()
+            .map_err(cuda_error("cuEventQuery", "fence"))
+    }
+
+    /// Block until the GPU has passed `fence`.
+    pub(crate) fn wait(&self, fence: &Fence) -> Result<()> {
+        fence
+            .0
+            .synchronize()
+            .map_err(cuda_error("cuEventSynchronize", "fence"))
+    }
+
+    /// Keep a passed fence's event for the next one.
+    pub(crate) fn recycle(&self, fence: Fence) {
+        let mut spare = self.spare.lock();
+        if spare.len() < MAX_SPARE_EVENTS {
+            spare.push(fence.0);
+            return;
+        }
+        drop(spare);
+        drop(fence);
+    }
+
+    /// Block until the GPU has done everything queued so far.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        let fence = self.record()?;
+        let waited = self.wait(&fence);
+        self.recycle(fence);
+        waited
+    }
+}

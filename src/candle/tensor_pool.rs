@@ -1,0 +1,530 @@
+//! Candle tensors allocated from a pool, with exact lifetime tracking and fenced give-back.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, DeviceLocation, Shape, Tensor};
+use parking_lot::Mutex;
+
+use super::orphans::{self, Orphan};
+use super::slices::{with_device_ptr, Fence, Fences, SliceFactory, Tracker};
+use super::{candle_error, element_size, ElasticKv};
+use crate::backend::MemoryKind;
+use crate::error::{Error, Result};
+use crate::pool::{Allocation, Pool};
+
+/// A collect runs on allocation once live tensors exceed twice the survivors of the last one
+/// (plus this many), so its scan costs O(1) per allocation on average.
+const COLLECT_SLACK_TENSORS: usize = 16;
+/// ... or once live bytes exceed twice the survivors' bytes plus this much.
+const COLLECT_SLACK_BYTES: u64 = 64 << 20;
+
+/// Candle tensors in pool memory on one candle CUDA device. Cheap to clone (clones share
+/// everything), `Send + Sync`, every method takes `&self`.
+///
+/// See the [module documentation](super) for who owns the memory, when it goes back, and how the
+/// candle device is kept free of cudarc's failed frees.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use candle_core::{DType, Device};
+/// use elastic_vmm::{candle::TensorPool, Pool};
+///
+/// let device = Device::new_cuda(0)?;
+/// let pool = Pool::cuda(0, 64 << 30)?; // or a ModelHandle: `TensorPool::new(&model, ..)`
+/// let tensors = TensorPool::new(&pool, &device)?;
+/// let x = tensors.zeros((4, 1024), DType::F16)?; // an ordinary candle Tensor
+/// let y = (x.to_dtype(DType::F32)? + 1.0)?;
+/// drop(x); // its memory goes back at the next collect, once the GPU is past it
+/// tensors.collect_blocking()?;
+/// assert_eq!(tensors.stats().live_tensors, 0);
+/// # drop(y); Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct TensorPool {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    pool: Pool,
+    device: Device,
+    ordinal: usize,
+    slices: SliceFactory,
+    fences: Arc<Fences>,
+    state: Mutex<State>,
+}
+
+/// A tensor the pool handed out, and its memory.
+struct Live {
+    alloc: Allocation,
+    tracker: Tracker,
+    bytes: u64,
+}
+
+/// Memory of dead tensors waiting for the GPU to pass a fence. `fence: None`: recording one
+/// failed, only a blocking collect (which synchronizes) gives it back.
+struct Retired {
+    fence: Option<Fence>,
+    allocs: Vec<Allocation>,
+    bytes: u64,
+}
+
+#[derive(Default)]
+struct State {
+    live: Vec<Live>,
+    live_bytes: u64,
+    retired: VecDeque<Retired>,
+    retired_tensors: usize,
+    retired_bytes: u64,
+    survivors: usize,
+    survivor_bytes: u64,
+    created: u64,
+    returned: u64,
+}
+
+/// A snapshot of a [`TensorPool`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TensorPoolStats {
+    /// Tensors handed out whose storage is still alive (as of the last collect).
+    pub live_tensors: usize,
+    /// Their bytes.
+    pub live_bytes: u64,
+    /// Dead tensors whose memory waits for the GPU to pass a fence.
+    pub awaiting_gpu: usize,
+    /// Their bytes.
+    pub awaiting_gpu_bytes: u64,
+    /// Tensors handed out so far.
+    pub tensors_created: u64,
+    /// Tensors whose memory went back to the pool so far.
+    pub tensors_returned: u64,
+    /// cudarc frees of pool memory that failed, as they must, in a private context and were
+    /// absorbed there (one per dropped tensor or view); none reached the candle device.
+    pub absorbed_free_errors: u64,
+    /// Private CUDA context objects created (each is reused once its tensor is gone).
+    pub private_contexts: u64,
+}
+
+/// What one collect did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CollectReport {
+    /// Dead tensors found (their memory is now behind a fence, or back already).
+    pub found_dead: usize,
+    /// Tensors whose memory went back to the pool.
+    pub returned: usize,
+    /// Bytes that went back.
+    pub returned_bytes: u64,
+    /// Dead tensors whose memory still waits for the GPU.
+    pub awaiting_gpu: usize,
+}
+
+impl fmt::Debug for TensorPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorPool")
+            .field("pool", &self.shared.pool.name())
+            .field("device", &self.shared.device)
+            .field("stats", &self.snapshot())
+            .finish()
+    }
+}
+
+impl TensorPool {
+    /// Tensors from `pool` (a [`Pool`], or a [`crate::ModelHandle`] through deref) on the candle
+    /// CUDA device `device`. The pool must be a CUDA pool on the same GPU.
+    pub fn new(pool: &Pool, device: &Device) -> Result<TensorPool> {
+        let cuda = device.as_cuda_device().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "candle tensors in pool memory need a CUDA device, got {:?}",
+                device.location()
+            ))
+        })?;
+        let ordinal = match device.location() {
+            DeviceLocation::Cuda { gpu_id } => gpu_id,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "candle device at {other:?} is not a CUDA device"
+                )))
+            }
+        };
+        let info = pool.backend_info();
+        if info.memory_kind != MemoryKind::Device || info.device_ordinal != Some(ordinal as i32) {
+            return Err(Error::InvalidArgument(format!(
+                "pool {:?} holds {:?} memory of device {:?} ({} backend), the candle device is cuda:{ordinal}",
+                pool.name(),
+                info.memory_kind,
+                info.device_ordinal,
+                info.name
+            )));
+        }
+        let fences = Arc::new(Fences::new(cuda, ordinal)?);
+        tracing::debug!(pool = %pool.name(), ordinal, "tensor pool ready");
+        Ok(TensorPool {
+            shared: Arc::new(Shared {
+                pool: pool.clone(),
+                device: device.clone(),
+                ordinal,
+                slices: SliceFactory::new(cuda, ordinal),
+                fences,
+                state: Mutex::new(State::default()),
+            }),
+        })
+    }
+
+    /// The pool the memory comes from.
+    pub fn pool(&self) -> &Pool {
+        &self.shared.pool
+    }
+
+    /// The candle device the tensors live on.
+    pub fn device(&self) -> &Device {
+        &self.shared.device
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.shared.ordinal
+    }
+
+    /// A contiguous tensor whose contents are unspecified (what was written to the memory last;
+    /// see the crate's notes on zeroing). Any dtype in [`super::SUPPORTED_DTYPES`].
+    pub fn empty(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        self.shared.allocate(shape.into(), dtype, Init::None)
+    }
+
+    /// A contiguous tensor of zeros (set in stream order on the device's stream).
+    pub fn zeros(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        self.shared.allocate(shape.into(), dtype, Init::Zero)
+    }
+
+    /// A pool tensor holding a copy of `src` (from any device; a host tensor goes to the GPU
+    /// first). The bytes move with one device-to-device copy in stream order, so every dtype
+    /// works, including those candle 0.11 has no copy kernel for (`I16`, `I32`).
+    pub fn copy_in(&self, src: &Tensor) -> Result<Tensor> {
+        let src = src
+            .to_device(&self.shared.device)
+            .and_then(|t| t.contiguous())
+            .map_err(candle_error("to_device"))?;
+        self.shared
+            .allocate(src.shape().clone(), src.dtype(), Init::CopyOf(&src))
+    }
+
+    /// An elastic tensor `[max_blocks, ...block_shape]` in this pool; see [`ElasticKv`].
+    pub fn elastic_kv(
+        &self,
+        max_blocks: usize,
+        block_shape: &[usize],
+        dtype: DType,
+    ) -> Result<ElasticKv> {
+        ElasticKv::new(self, max_blocks, block_shape, dtype)
+    }
+
+    /// Find the tensors that are gone, put their memory behind a fence on the device's stream,
+    /// and give back the memory whose fence the GPU has passed. Never blocks.
+    pub fn collect(&self) -> Result<CollectReport> {
+        self.shared.collect(false)
+    }
+
+    /// As [`TensorPool::collect`], and wait for the GPU to pass every fence: afterwards the
+    /// memory of every tensor dropped before the call is the pool's again (except what another
+    /// thread's collect, running at the same moment, has in hand: that one gives it back).
+    pub fn collect_blocking(&self) -> Result<CollectReport> {
+        self.shared.collect(true)
+    }
+
+    /// A snapshot, taken after a non-blocking [`TensorPool::collect`] so that the numbers are
+    /// current (a failing collect is logged, the snapshot still returned).
+    pub fn stats(&self) -> TensorPoolStats {
+        if let Err(e) = self.shared.collect(false) {
+            tracing::warn!(error = %e, "collect before stats failed");
+        }
+        self.snapshot()
+    }
+
+    fn snapshot(&self) -> TensorPoolStats {
+        let st = self.shared.state.lock();
+        TensorPoolStats {
+            live_tensors: st.live.len(),
+            live_bytes: st.live_bytes,
+            awaiting_gpu: st.retired_tensors,
+            awaiting_gpu_bytes: st.retired_bytes,
+            tensors_created: st.created,
+            tensors_returned: st.returned,
+            absorbed_free_errors: self.shared.slices.absorbed(),
+            private_contexts: self.shared.slices.contexts_created(),
+        }
+    }
+
+    pub(crate) fn slices(&self) -> &SliceFactory {
+        &self.shared.slices
+    }
+
+    pub(crate) fn fences(&self) -> &Arc<Fences> {
+        &self.shared.fences
+    }
+}
+
+/// What a new pool tensor holds.
+enum Init<'a> {
+    /// Whatever the memory held.
+    None,
+    /// Zeros.
+    Zero,
+    /// A copy of a contiguous tensor of the same shape and dtype on the pool's device.
+    CopyOf(&'a Tensor),
+}
+
+impl Shared {
+    fn allocate(&self, shape: Shape, dtype: DType, init: Init<'_>) -> Result<Tensor> {
+        let elem = element_size(dtype)?;
+        let bytes = shape
+            .elem_count()
+            .checked_mul(elem)
+            .ok_or_else(|| Error::SizeOverflow {
+                what: "tensor bytes",
+                detail: format!("{shape:?} of {dtype:?}"),
+            })?;
+        let (scan, fences) = self.collect_due();
+        if scan || fences {
+            self.collect_with(false, scan)?;
+        }
+        // An empty tensor still gets an address of its own.
+        let want = bytes.max(elem);
+        let alloc = match self.pool.allocate(want) {
+            Ok(a) => a,
+            Err(e) if e.is_out_of_memory() => {
+                // Dead tensors may hold what is missing: give it back and try once more.
+                let report = self.collect(true)?;
+                if report.returned == 0 {
+                    return Err(e);
+                }
+                self.pool.allocate(want)?
+            }
+            Err(e) => return Err(e),
+        };
+        let ctx = self.slices.take_context()?;
+        let addr = alloc.addr();
+        // SAFETY: the allocation holds `want >= bytes` mapped bytes of this device's pool; it
+        // stays in the live list below until the tracker is unique (every slice gone) and then
+        // behind a fence until the GPU is past every kernel queued before; `dtype` was checked.
+        let (tensor, tracker) = unsafe { self.slices.tensor(ctx, addr, shape, dtype)? };
+        let zeroed = match init {
+            Init::None => Ok(()),
+            Init::Zero => tracker.zero(addr, bytes),
+            Init::CopyOf(src) if bytes > 0 => {
+                with_device_ptr(src, |from| tracker.copy_from(addr, from, bytes))
+            }
+            Init::CopyOf(_) => Ok(()),
+        };
+        {
+            let mut st = self.state.lock();
+            st.live.push(Live {
+                alloc,
+                tracker,
+                bytes: bytes as u64,
+            });
+            st.live_bytes += bytes as u64;
+            st.created += 1;
+        }
+        // On failure the tensor is dropped and its memory goes back through the next collect.
+        zeroed.map(|()| tensor)
+    }
+
+    /// Whether the live list is due for a scan (its size or bytes doubled since the last one:
+    /// O(1) per allocation on average), and whether fences are pending (checked in order, so
+    /// that costs one query while the GPU is behind).
+    fn collect_due(&self) -> (bool, bool) {
+        let st = self.state.lock();
+        let scan = st.live.len() > 2 * st.survivors + COLLECT_SLACK_TENSORS
+            || st.live_bytes > 2 * st.survivor_bytes + COLLECT_SLACK_BYTES;
+        (scan, !st.retired.is_empty())
+    }
+
+    fn collect(&self, wait: bool) -> Result<CollectReport> {
+        self.collect_with(wait, true)
+    }
+
+    /// Scan for dead tensors (when `scan`), fence them, give back what the GPU has passed (all
+    /// of it, waiting, when `wait`).
+    fn collect_with(&self, wait: bool, scan: bool) -> Result<CollectReport> {
+        orphans::reap_orphans();
+        let mut absorbed = 0;
+        let dead: Vec<Live> = if !scan {
+            Vec::new()
+        } else {
+            let mut st = self.state.lock();
+            let mut dead = Vec::new();
+            let mut i = 0;
+            while i < st.live.len() {
+                if st.live[i].tracker.is_unique() {
+                    let d = st.live.swap_remove(i);
+                    st.live_bytes -= d.bytes;
+                    dead.push(d);
+                } else {
+                    absorbed += u64::from(st.live[i].tracker.absorb_copy_error());
+                    i += 1;
+                }
+            }
+            st.survivors = st.live.len();
+            st.survivor_bytes = st.live_bytes;
+            dead
+        };
+        self.slices.count_absorbed(absorbed);
+        let found_dead = dead.len();
+        let mut first_err = None;
+        let mut batches = {
+            let mut st = self.state.lock();
+            st.retired_tensors = 0;
+            st.retired_bytes = 0;
+            std::mem::take(&mut st.retired)
+        };
+        if !dead.is_empty() {
+            let mut allocs = Vec::with_capacity(dead.len());
+            let mut bytes = 0;
+            for d in dead {
+                bytes += d.bytes;
+                allocs.push(d.alloc);
+                self.slices.retire(d.tracker);
+            }
+            // The fence comes after every kernel queued on these tensors before they died.
+            let fence = match self.fences.record() {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    first_err = Some(e);
+                    None
+                }
+            };
+            batches.push_back(Retired {
+                fence,
+                allocs,
+                bytes,
+            });
+        }
+        let mut done = Vec::new();
+        let mut kept = VecDeque::new();
+        // Fences on one stream are passed in the order they were recorded: after the first one
+        // the GPU has not reached, the later ones are not asked about.
+        let mut behind = false;
+        for b in batches {
+            let passed = match (&b.fence, wait) {
+                (Some(_), false) if behind => Ok(false),
+                (Some(f), false) => self.fences.is_passed(f),
+                (Some(f), true) => self.fences.wait(f).map(|()| true),
+                (None, false) => Ok(false),
+                (None, true) => self.fences.synchronize().map(|()| true),
+            };
+            behind |= b.fence.is_some() && matches!(passed, Ok(false));
+            match passed {
+                Ok(true) => done.push(b),
+                Ok(false) => kept.push_back(b),
+                Err(e) => {
+                    kept.push_back(b);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        let returned: usize = done.iter().map(|b| b.allocs.len()).sum();
+        let returned_bytes: u64 = done.iter().map(|b| b.bytes).sum();
+        let awaiting_gpu = {
+            let mut st = self.state.lock();
+            // Batches retired meanwhile by another thread are newer: ours go in front.
+            for b in kept.into_iter().rev() {
+                st.retired.push_front(b);
+            }
+            st.retired_tensors = st.retired.iter().map(|b| b.allocs.len()).sum();
+            st.retired_bytes = st.retired.iter().map(|b| b.bytes).sum();
+            st.returned += returned as u64;
+            st.retired_tensors
+        };
+        for b in done {
+            if let Some(f) = b.fence {
+                self.fences.recycle(f);
+            }
+            // Memory back to the pool, outside our lock.
+            drop(b.allocs);
+        }
+        if returned > 0 || found_dead > 0 {
+            tracing::trace!(
+                found_dead,
+                returned,
+                returned_bytes,
+                awaiting_gpu,
+                "tensor pool collected"
+            );
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(CollectReport {
+                found_dead,
+                returned,
+                returned_bytes,
+                awaiting_gpu,
+            }),
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if let Err(e) = self.collect(true) {
+            tracing::error!(error = %e, "collecting at tensor pool drop failed");
+        }
+        let st = self.state.get_mut();
+        let live = std::mem::take(&mut st.live);
+        let retired = std::mem::take(&mut st.retired);
+        if live.is_empty() && retired.is_empty() {
+            return;
+        }
+        let bytes: u64 = live.iter().map(|l| l.bytes).sum();
+        tracing::warn!(
+            pool = %self.pool.name(),
+            live_tensors = live.len(),
+            bytes,
+            "tensor pool dropped while tensors still use its memory; it goes back once they are dropped (see elastic_vmm::candle::reap_orphans)"
+        );
+        orphans::adopt(Box::new(OrphanTensors {
+            live,
+            retired,
+            fences: self.fences.clone(),
+        }));
+    }
+}
+
+/// The remains of a dropped [`TensorPool`] whose tensors still live.
+struct OrphanTensors {
+    live: Vec<Live>,
+    retired: VecDeque<Retired>,
+    fences: Arc<Fences>,
+}
+
+impl Orphan for OrphanTensors {
+    fn reap(&mut self) -> bool {
+        let mut dead = Vec::new();
+        let mut i = 0;
+        while i < self.live.len() {
+            if self.live[i].tracker.is_unique() {
+                dead.push(self.live.swap_remove(i));
+            } else {
+                self.live[i].tracker.absorb_copy_error();
+                i += 1;
+            }
+        }
+        let pending = !dead.is_empty() || self.retired.iter().any(|b| b.fence.is_none());
+        if pending {
+            if let Err(e) = self.fences.synchronize() {
+                tracing::error!(error = %e, "synchronizing for orphaned tensors failed; their memory stays mapped");
+                self.live.extend(dead);
+                return false;
+            }
+            for b in self.retired.iter_mut().filter(|b| b.fence.is_none()) {
+                b.allocs.clear();
+            }
+        }
+        // Their contexts go with the trackers; the memory goes back to its pool.
+        drop(dead);
+        self.retired.retain(|b| match &b.fence {
+            Some(f) => !matches!(self.fences.is_passed(f), Ok(true)),
+            None => !b.allocs.is_empty(),
+        });
+        self.live.is_empty() && self.retired.is_empty()
+    }
+}

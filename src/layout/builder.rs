@@ -1,0 +1,340 @@
+//! A typed builder: config, then kind, then memory, then build. Each step is a different type,
+//! so a layout without a config, a kind or memory does not compile.
+//!
+//! ```
+//! use elastic_vmm::layout::{BlockDim, LayoutBuilder, LayoutConfig};
+//! use elastic_vmm::Pool;
+//! # fn main() -> elastic_vmm::Result<()> {
+//! let pool = Pool::host(1 << 30)?;
+//! let config = LayoutConfig::new(16, 4, 2, 16, 128, 2); // blocks, layers, K/V, tokens, inner, bf16
+//! let kv = LayoutBuilder::new()
+//!     .config(config)
+//!     .layer_separate(BlockDim::First)
+//!     .allocate(&pool)
+//!     .build()?;
+//! let k = kv.unit(3, 1, 0)?; // block 3, layer 1, K: an offset view of the allocation
+//! assert_eq!(k.len, 16 * 128 * 2);
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+
+use super::elastic::ElasticLayout;
+use super::geometry::LayoutGeometry;
+use super::kind::{BlockDim, LayoutKind};
+use super::mapped::{Layout, LayoutMemory, MemoryRange};
+use super::view::LayoutViews;
+use super::{LayoutConfig, REGION_ALIGNMENT};
+use crate::backend::MemoryKind;
+use crate::backing::{BlockBacking, MappingHook};
+use crate::error::{round_up, Error, Result};
+use crate::pool::Pool;
+
+/// Builder state: no config yet.
+#[derive(Debug, Default)]
+pub struct NoConfig;
+/// Builder state: no kind yet.
+#[derive(Debug, Default)]
+pub struct NoKind;
+/// Builder state: no memory yet.
+#[derive(Debug, Default)]
+pub struct NoMemory;
+
+/// Builder memory: one allocation of a pool.
+#[derive(Debug)]
+pub struct PoolAllocation<'a>(&'a Pool);
+
+/// Builder memory: a region of a pool, mapped in full in chunks of up to `chunk` bytes.
+#[derive(Debug)]
+pub struct PoolRegion<'a> {
+    pool: &'a Pool,
+    chunk: Option<u64>,
+}
+
+/// Builder memory: ranges the caller supplies, one per layout region.
+#[derive(Debug)]
+pub struct CallerRegions(Vec<MemoryRange>);
+
+/// Builder memory: a region of a pool backed block by block on demand.
+pub struct ElasticRegion<'a> {
+    pool: &'a Pool,
+    page_size: Option<u64>,
+    hook: Option<Arc<dyn MappingHook>>,
+}
+
+/// The typed layout builder; see the module documentation.
+#[derive(Debug, Default)]
+pub struct LayoutBuilder<C = NoConfig, K = NoKind, M = NoMemory> {
+    config: C,
+    kind: K,
+    memory: M,
+}
+
+impl LayoutBuilder {
+    /// An empty builder.
+    pub fn new() -> Self {
+        LayoutBuilder::default()
+    }
+
+    /// The dimensions (validated at build).
+    pub fn config(self, config: LayoutConfig) -> LayoutBuilder<LayoutConfig, NoKind, NoMemory> {
+        LayoutBuilder {
+            config,
+            kind: NoKind,
+            memory: NoMemory,
+        }
+    }
+}
+
+impl LayoutBuilder<LayoutConfig, NoKind, NoMemory> {
+    /// The order of the dimensions.
+    pub fn kind(self, kind: LayoutKind) -> LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
+        LayoutBuilder {
+            config: self.config,
+            kind,
+            memory: NoMemory,
+        }
+    }
+
+    /// One region, `[block][layer][outer][page][inner]`.
+    pub fn fully_contiguous(self) -> LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
+        self.kind(LayoutKind::FullyContiguous)
+    }
+
+    /// One region per layer, the block dimension first or second.
+    pub fn layer_separate(
+        self,
+        block_dim: BlockDim,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
+        self.kind(LayoutKind::LayerSeparate(block_dim))
+    }
+}
+
+impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
+    fn with<M>(self, memory: M) -> LayoutBuilder<LayoutConfig, LayoutKind, M> {
+        LayoutBuilder {
+            config: self.config,
+            kind: self.kind,
+            memory,
+        }
+    }
+
+    /// Place the layout in one allocation of `pool` (regions carved out of it at 512-byte
+    /// aligned offsets). Its memory may share physical chunks with other allocations.
+    pub fn allocate(
+        self,
+        pool: &Pool,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
+        self.with(PoolAllocation(pool))
+    }
+
+    /// Place the layout in a region of `pool` of its own, mapped in full (see
+    /// [`LayoutBuilder::chunk_size`]): its chunks hold nothing else.
+    pub fn map_region(
+        self,
+        pool: &Pool,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'_>> {
+        self.with(PoolRegion { pool, chunk: None })
+    }
+
+    /// Place the layout in memory the caller owns: one range per layout region (1 for fully
+    /// contiguous, `num_layers` for layer separate), each 512-byte aligned, large enough, all
+    /// of one memory kind and device.
+    pub fn regions(
+        self,
+        ranges: Vec<MemoryRange>,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
+        self.with(CallerRegions(ranges))
+    }
+
+    /// Lay the layout out over a region of `pool` with no physical memory yet: blocks are
+    /// backed with [`ElasticLayout::ensure_backed`].
+    pub fn elastic(
+        self,
+        pool: &Pool,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
+        self.with(ElasticRegion {
+            pool,
+            page_size: None,
+            hook: None,
+        })
+    }
+}
+
+impl<M> LayoutBuilder<LayoutConfig, LayoutKind, M> {
+    fn geometry(&self) -> Result<LayoutGeometry> {
+        LayoutGeometry::new(self.config, self.kind)
+    }
+}
+
+/// The views of `geometry` carved out of one range starting at `base`.
+fn carved(geometry: LayoutGeometry, base: u64, pool: &Pool) -> LayoutViews {
+    let info = pool.backend_info();
+    let bases = (0..geometry.num_regions())
+        .map(|r| base + geometry.region_offset(r))
+        .collect();
+    LayoutViews::new(geometry, bases, info.memory_kind, info.device_ordinal)
+}
+
+fn extent_usize(geometry: &LayoutGeometry, pad: u64) -> Result<usize> {
+    geometry
+        .extent()
+        .checked_add(pad)
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or_else(|| Error::SizeOverflow {
+            what: "layout allocation",
+            detail: format!("{} + {pad} bytes", geometry.extent()),
+        })
+}
+
+impl LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
+    /// Validate, allocate and carve.
+    pub fn build(self) -> Result<Layout> {
+        let geometry = self.geometry()?;
+        let pool = self.memory.0;
+        let mut alloc = pool.allocate_named(extent_usize(&geometry, 0)?, "kv-layout")?;
+        if alloc.addr() % REGION_ALIGNMENT != 0 {
+            // A pool configured with a smaller alignment: ask for room to align the start.
+            drop(alloc);
+            alloc =
+                pool.allocate_named(extent_usize(&geometry, REGION_ALIGNMENT - 1)?, "kv-layout")?;
+        }
+        let start = alloc.addr().next_multiple_of(REGION_ALIGNMENT);
+        let views = carved(geometry, start, pool);
+        tracing::debug!(kind = %geometry.kind(), start, bytes = geometry.extent(), "layout allocated");
+        Ok(Layout::new(
+            views,
+            LayoutMemory::Allocation {
+                alloc,
+                pool: pool.clone(),
+                start,
+            },
+        ))
+    }
+}
+
+impl<'a> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'a>> {
+    /// Physical chunks of up to `bytes` (a multiple of the granularity) for
+    /// [`LayoutBuilder::map_region`]; default: the pool's largest chunk, 1 GiB. Each chunk is
+    /// one NIXL registration.
+    pub fn chunk_size(mut self, bytes: u64) -> Self {
+        self.memory.chunk = Some(bytes);
+        self
+    }
+
+    /// Validate, reserve a region, map it and carve. On failure nothing stays mapped.
+    pub fn build(self) -> Result<Layout> {
+        let geometry = self.geometry()?;
+        let pool = self.memory.pool;
+        let chunk = match self.memory.chunk {
+            Some(c) => c,
+            None => round_up(
+                "default layout chunk",
+                crate::DEFAULT_MAX_CHUNK as u64,
+                pool.granularity(),
+            )?,
+        };
+        let region = pool.reserve_region(geometry.extent())?;
+        // A failed map leaves nothing mapped; dropping the region returns its address space.
+        region.map_chunked(0, region.len(), chunk)?;
+        let views = carved(geometry, region.addr(), pool);
+        tracing::debug!(kind = %geometry.kind(), addr = region.addr(), bytes = region.len(), chunk, "layout region mapped");
+        Ok(Layout::new(views, LayoutMemory::Region(region)))
+    }
+}
+
+impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
+    /// Validate the config and the ranges, and place the regions in them.
+    pub fn build(self) -> Result<Layout> {
+        let geometry = self.geometry()?;
+        let ranges = self.memory.0;
+        let need = geometry.num_regions();
+        if ranges.len() != need {
+            return Err(Error::InvalidLayout(format!(
+                "{} regions supplied, the {} layout needs {need}",
+                ranges.len(),
+                geometry.kind()
+            )));
+        }
+        let first = ranges[0];
+        for (i, r) in ranges.iter().enumerate() {
+            if r.addr == 0 || r.addr % REGION_ALIGNMENT != 0 {
+                return Err(Error::InvalidLayout(format!(
+                    "region {i} starts at {:#x}, which is not a non-null multiple of {REGION_ALIGNMENT}",
+                    r.addr
+                )));
+            }
+            if r.len < geometry.region_bytes() {
+                return Err(Error::InvalidLayout(format!(
+                    "region {i} has {} bytes, each region needs {}",
+                    r.len,
+                    geometry.region_bytes()
+                )));
+            }
+            if r.addr.checked_add(r.len).is_none() {
+                return Err(Error::SizeOverflow {
+                    what: "caller region end",
+                    detail: format!("{:#x} + {}", r.addr, r.len),
+                });
+            }
+            if (r.kind, r.device) != (first.kind, first.device) {
+                return Err(Error::InvalidLayout(format!(
+                    "region {i} is {:?} memory of device {:?}, region 0 is {:?} of device {:?}: all regions of a layout share one kind",
+                    r.kind, r.device, first.kind, first.device
+                )));
+            }
+        }
+        match (first.kind, first.device) {
+            (MemoryKind::Host, None) | (MemoryKind::Device, Some(_)) => {}
+            (kind, device) => {
+                return Err(Error::InvalidLayout(format!(
+                    "{kind:?} memory with device {device:?}: device memory needs a device ordinal, host memory none"
+                )))
+            }
+        }
+        let bases = ranges.iter().map(|r| r.addr).collect();
+        let views = LayoutViews::new(geometry, bases, first.kind, first.device);
+        Ok(Layout::new(views, LayoutMemory::Caller(ranges)))
+    }
+}
+
+impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
+    /// Map in pages of `bytes` (a multiple of the granularity; default: the granularity).
+    /// Each page is one physical chunk and one NIXL registration.
+    pub fn page_size(mut self, bytes: u64) -> Self {
+        self.memory.page_size = Some(bytes);
+        self
+    }
+
+    /// Tell `hook` of every page mapped and unmapped (NIXL registration:
+    /// `NixlAgent::mapping_hook` with the `nixl` feature).
+    pub fn hook(mut self, hook: Arc<dyn MappingHook>) -> Self {
+        self.memory.hook = Some(hook);
+        self
+    }
+
+    /// Validate and reserve the region; nothing physical is mapped.
+    pub fn build(self) -> Result<ElasticLayout> {
+        let geometry = self.geometry()?;
+        let ElasticRegion {
+            pool,
+            page_size,
+            hook,
+        } = self.memory;
+        let region = pool.reserve_region(geometry.extent())?;
+        let views = carved(geometry, region.addr(), pool);
+        let backing = BlockBacking::new(region, geometry, page_size, hook)?;
+        tracing::debug!(kind = %geometry.kind(), addr = backing.region().addr(), bytes = backing.region().len(), page = backing.page_size(), "elastic layout reserved");
+        Ok(ElasticLayout::new(views, backing))
+    }
+}
+
+impl std::fmt::Debug for ElasticRegion<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ElasticRegion")
+            .field("pool", &self.pool.name())
+            .field("page_size", &self.page_size)
+            .field("hook", &self.hook.is_some())
+            .finish()
+    }
+}

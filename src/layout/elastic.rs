@@ -1,0 +1,136 @@
+//! An elastic layout: laid out over a large virtual region of a pool, with physical memory only
+//! under the blocks in use ([`BlockBacking`] over the layout's geometry).
+
+use std::fmt;
+use std::ops::Deref;
+
+use super::geometry::LayoutGeometry;
+use super::view::{KvLayout, LayoutViews};
+use crate::backing::{BackingChange, BackingStats, BlockBacking};
+use crate::error::{Error, Result};
+use crate::pool::Region;
+
+/// A KV-cache layout whose blocks are backed on demand. Dereferences to its [`LayoutViews`]:
+/// every view can be computed, but only those of backed blocks have memory under them.
+///
+/// A page shared by several blocks (small blocks, or the edges of layer regions) is mapped
+/// while any of them is backed. A [`crate::MappingHook`] given to the builder (the NIXL
+/// registration) hears of every page mapped and is told before any page is unmapped, on
+/// [`ElasticLayout::release`], on the rollback of a failed [`ElasticLayout::ensure_backed`] and
+/// on drop.
+pub struct ElasticLayout {
+    views: LayoutViews,
+    backing: BlockBacking<LayoutGeometry>,
+}
+
+impl ElasticLayout {
+    pub(crate) fn new(views: LayoutViews, backing: BlockBacking<LayoutGeometry>) -> Self {
+        ElasticLayout { views, backing }
+    }
+
+    /// Where everything lies.
+    pub fn views(&self) -> &LayoutViews {
+        &self.views
+    }
+
+    /// The pool region the layout lies in.
+    pub fn region(&self) -> &Region {
+        self.backing.region()
+    }
+
+    /// The block backing underneath (pages, refcounts, mapped runs).
+    pub fn backing(&self) -> &BlockBacking<LayoutGeometry> {
+        &self.backing
+    }
+
+    /// Map the pages under `blocks` that are not mapped yet. Blocks backed already stay as
+    /// they are; on failure nothing changes.
+    pub fn ensure_backed(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+        self.backing.ensure_backed(blocks)
+    }
+
+    /// Release `blocks` (each must be backed): unmap the pages no other backed block touches.
+    pub fn release(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+        self.backing.release(blocks)
+    }
+
+    /// Whether `block` has memory under it.
+    pub fn is_backed(&self, block: usize) -> bool {
+        self.backing.is_backed(block)
+    }
+
+    /// Physical bytes the pages under `blocks` cost together, each shared page counted once.
+    pub fn physical_bytes_for(&self, blocks: impl IntoIterator<Item = usize>) -> Result<u64> {
+        self.backing.physical_bytes_for(blocks)
+    }
+
+    /// Physical bytes backing `blocks` would map now (pages not mapped yet).
+    pub fn additional_bytes_for(&self, blocks: impl IntoIterator<Item = usize>) -> Result<u64> {
+        self.backing.additional_bytes_for(blocks)
+    }
+
+    /// Blocks and pages now.
+    pub fn stats(&self) -> BackingStats {
+        self.backing.stats()
+    }
+
+    /// `[addr, addr + len)` as an offset in the region, checked to lie in one layout region.
+    fn offset_of(&self, addr: u64, len: u64) -> Result<u64> {
+        if self.views.locate(addr, len).is_none() {
+            return Err(Error::InvalidLayout(format!(
+                "[{addr:#x}, +{len}) does not lie in one region of the layout"
+            )));
+        }
+        Ok(addr - self.region().addr())
+    }
+
+    /// Copy `data` to `addr` (inside one region of the layout, on backed pages).
+    ///
+    /// # Safety
+    /// Nobody else may use these bytes meanwhile, and the blocks on them must not be released
+    /// meanwhile.
+    pub unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        let at = self.offset_of(addr, data.len() as u64)?;
+        // SAFETY: forwarded; the region checks the bytes are mapped.
+        unsafe { self.region().write(at, data) }
+    }
+
+    /// Copy the bytes at `addr` (inside one region of the layout, on backed pages) into `out`.
+    ///
+    /// # Safety
+    /// Nobody may write these bytes meanwhile, and the blocks on them must not be released
+    /// meanwhile.
+    pub unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        let at = self.offset_of(addr, out.len() as u64)?;
+        // SAFETY: forwarded; the region checks the bytes are mapped.
+        unsafe { self.region().read(at, out) }
+    }
+}
+
+impl Deref for ElasticLayout {
+    type Target = LayoutViews;
+
+    fn deref(&self) -> &LayoutViews {
+        &self.views
+    }
+}
+
+impl KvLayout for ElasticLayout {
+    fn views(&self) -> &LayoutViews {
+        &self.views
+    }
+
+    fn first_unbacked(&self, blocks: &[usize]) -> Option<usize> {
+        self.backing.first_unbacked(blocks.iter().copied())
+    }
+}
+
+impl fmt::Debug for ElasticLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ElasticLayout")
+            .field("kind", &self.views.kind())
+            .field("config", self.views.config())
+            .field("backing", &self.backing)
+            .finish()
+    }
+}

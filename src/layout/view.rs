@@ -1,0 +1,174 @@
+//! Views: where a unit, a block or a run of blocks of a layout lies in memory, as offset views
+//! of the memory the layout was placed in.
+
+use super::geometry::{LayoutGeometry, Span};
+use super::kind::LayoutKind;
+use super::LayoutConfig;
+use crate::backend::MemoryKind;
+use crate::error::Result;
+
+/// A contiguous piece of memory: `len` bytes at `addr` (a device pointer for device memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemoryView {
+    /// Address of the first byte.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+impl MemoryView {
+    /// One past the last byte.
+    pub fn end(&self) -> u64 {
+        self.addr + self.len
+    }
+}
+
+/// A layout placed in memory: its geometry, the address of each region and the kind of memory.
+/// Every view is an offset into one region; nothing here owns memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutViews {
+    geometry: LayoutGeometry,
+    bases: Vec<u64>,
+    memory: MemoryKind,
+    device: Option<i32>,
+}
+
+impl LayoutViews {
+    /// `bases[r]` is the address of region `r`; the caller checked there is one per region,
+    /// each 512-byte aligned and large enough, and that no address overflows.
+    pub(crate) fn new(
+        geometry: LayoutGeometry,
+        bases: Vec<u64>,
+        memory: MemoryKind,
+        device: Option<i32>,
+    ) -> Self {
+        debug_assert_eq!(bases.len(), geometry.num_regions());
+        LayoutViews {
+            geometry,
+            bases,
+            memory,
+            device,
+        }
+    }
+
+    /// Where every unit lies, relative to the regions.
+    pub fn geometry(&self) -> &LayoutGeometry {
+        &self.geometry
+    }
+
+    /// The dimensions.
+    pub fn config(&self) -> &LayoutConfig {
+        self.geometry.config()
+    }
+
+    /// The order of the dimensions.
+    pub fn kind(&self) -> LayoutKind {
+        self.geometry.kind()
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.geometry.config().num_blocks
+    }
+
+    /// Host or device memory (all regions of a layout share one kind).
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.memory
+    }
+
+    /// The device ordinal for device memory.
+    pub fn device(&self) -> Option<i32> {
+        self.device
+    }
+
+    /// The regions: one for fully contiguous, one per layer for layer separate.
+    pub fn regions(&self) -> Vec<MemoryView> {
+        self.bases
+            .iter()
+            .map(|&addr| MemoryView {
+                addr,
+                len: self.geometry.region_bytes(),
+            })
+            .collect()
+    }
+
+    fn place(&self, s: Span) -> MemoryView {
+        MemoryView {
+            addr: self.bases[s.region] + s.offset,
+            len: s.len,
+        }
+    }
+
+    /// The memory of `(block, layer, outer)`: one contiguous view.
+    pub fn unit(&self, block: usize, layer: usize, outer: usize) -> Result<MemoryView> {
+        Ok(self.place(self.geometry.unit(block, layer, outer)?))
+    }
+
+    /// The whole-block views of `block`: one for fully contiguous, one per layer for block
+    /// first, one per layer and outer index for block second.
+    pub fn block(&self, block: usize) -> Result<Vec<MemoryView>> {
+        self.blocks(block, 1)
+    }
+
+    /// The views of `count` consecutive blocks from `first`, merged: as many views as one block
+    /// has (see [`LayoutViews::block`]), each `count` times longer.
+    pub fn blocks(&self, first: usize, count: usize) -> Result<Vec<MemoryView>> {
+        Ok(self
+            .geometry
+            .blocks(first, count)?
+            .into_iter()
+            .map(|s| self.place(s))
+            .collect())
+    }
+
+    /// The views of `blocks` in the order given, with every run of consecutive ascending
+    /// indices merged as in [`LayoutViews::blocks`].
+    pub fn runs(&self, blocks: &[usize]) -> Result<Vec<MemoryView>> {
+        let mut spans = Vec::new();
+        let mut i = 0;
+        while i < blocks.len() {
+            let mut n = 1;
+            while i + n < blocks.len() && blocks[i + n - 1].checked_add(1) == Some(blocks[i + n]) {
+                n += 1;
+            }
+            self.geometry.blocks_into(blocks[i], n, &mut spans)?;
+            i += n;
+        }
+        Ok(spans.into_iter().map(|s| self.place(s)).collect())
+    }
+
+    /// Every unit of `blocks`, block by block in the order given, then layer, then outer
+    /// index: the order in which two layouts of one shape but different kinds correspond.
+    pub fn units_of(&self, blocks: &[usize]) -> Result<Vec<MemoryView>> {
+        let c = self.geometry.config();
+        let per_block = c.num_layers.saturating_mul(c.outer_dim);
+        let mut out = Vec::with_capacity(blocks.len().saturating_mul(per_block).min(1 << 20));
+        for &b in blocks {
+            for l in 0..c.num_layers {
+                for o in 0..c.outer_dim {
+                    out.push(self.unit(b, l, o)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The region holding `[addr, addr + len)`, if one does, and the offset in it.
+    pub(crate) fn locate(&self, addr: u64, len: u64) -> Option<(usize, u64)> {
+        let size = self.geometry.region_bytes();
+        self.bases.iter().enumerate().find_map(|(r, &base)| {
+            let off = addr.checked_sub(base)?;
+            (off.checked_add(len)? <= size).then_some((r, off))
+        })
+    }
+}
+
+/// What a transfer needs of a layout: its views, and which blocks have memory under them.
+pub trait KvLayout: Send + Sync {
+    /// Where everything lies.
+    fn views(&self) -> &LayoutViews;
+
+    /// The first of `blocks` that has no physical memory (always `None` for a fully mapped
+    /// layout).
+    fn first_unbacked(&self, blocks: &[usize]) -> Option<usize>;
+}

@@ -1,0 +1,232 @@
+//! A NIXL agent with one backend, and the registrations it holds.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use nixl_sys::{MemType, OptArgs};
+use parking_lot::Mutex;
+
+use super::hook::RegistrationHook;
+use super::registered::RegisteredLayout;
+use super::registry::{NixlDescriptor, Registry};
+use crate::backend::MemoryKind;
+use crate::error::{Error, Result};
+use crate::layout::{Layout, MemoryView};
+use crate::MappingHook;
+
+/// Whether the NIXL library can be used. Without it every NIXL call aborts the process, so
+/// each entry point of this module checks first and returns [`Error::NixlUnavailable`].
+pub fn available() -> Result<()> {
+    if nixl_sys::is_stub() {
+        return Err(Error::NixlUnavailable {
+            reason: "libnixl_capi.so could not be loaded (NIXL is not installed or its library \
+                     folder is not on LD_LIBRARY_PATH; scripts/nixl-runtime.sh fetches it and \
+                     prints the folder)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// NIXL's memory type and device id for `kind` on `device`.
+pub fn mem_type_of(kind: MemoryKind, device: Option<i32>) -> Result<(MemType, u64)> {
+    match (kind, device) {
+        (MemoryKind::Host, _) => Ok((MemType::Dram, 0)),
+        (MemoryKind::Device, Some(d)) if d >= 0 => Ok((MemType::Vram, d as u64)),
+        (MemoryKind::Device, d) => Err(Error::InvalidArgument(format!(
+            "device memory needs a device ordinal, got {d:?}"
+        ))),
+    }
+}
+
+pub(crate) fn nixl_error(call: &'static str, detail: impl fmt::Display) -> Error {
+    Error::Nixl {
+        call,
+        detail: detail.to_string(),
+    }
+}
+
+/// What an agent shares with its hooks and registered layouts.
+pub(crate) struct AgentShared {
+    pub(crate) name: String,
+    pub(crate) agent: nixl_sys::Agent,
+    pub(crate) backend: nixl_sys::Backend,
+    pub(crate) registry: Mutex<Registry>,
+    /// Per remote agent: the registry generation of its metadata we loaded last.
+    pub(crate) loaded: Mutex<HashMap<String, u64>>,
+    /// Transfers hold it shared while NIXL uses a remote's metadata; reloading metadata takes
+    /// it exclusively. A gate for NIXL calls, not bookkeeping: hence `std`, not parking_lot.
+    pub(crate) metadata_gate: std::sync::RwLock<()>,
+}
+
+impl AgentShared {
+    /// Register `view` (one physical chunk of `kind` memory) with NIXL.
+    pub(crate) fn register(
+        &self,
+        view: MemoryView,
+        kind: MemoryKind,
+        device: Option<i32>,
+    ) -> Result<()> {
+        available()?;
+        let (mem_type, device_id) = mem_type_of(kind, device)?;
+        self.registry
+            .lock()
+            .claim(&self.name, view, mem_type, device_id)?;
+        let desc = NixlDescriptor {
+            addr: view.addr,
+            len: view.len,
+            mem_type,
+            device_id,
+        };
+        let result = OptArgs::new()
+            .and_then(|mut args| {
+                args.add_backend(&self.backend)?;
+                Ok(args)
+            })
+            .and_then(|args| self.agent.register_memory(&desc, Some(&args)));
+        match result {
+            Ok(handle) => {
+                self.registry.lock().complete(view.addr, handle);
+                tracing::trace!(agent = %self.name, addr = view.addr, len = view.len, ?mem_type, device_id, "registered with NIXL");
+                Ok(())
+            }
+            Err(e) => {
+                self.registry.lock().abandon(view.addr);
+                Err(nixl_error(
+                    "register_memory",
+                    format!(
+                        "{e} ([{:#x}, +{}) as {mem_type:?} of device {device_id} with agent {:?})",
+                        view.addr, view.len, self.name
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Deregister every registration starting in `[addr, addr + len)`; returns how many.
+    pub(crate) fn deregister_range(&self, addr: u64, len: u64) -> usize {
+        let taken = self
+            .registry
+            .lock()
+            .take_range(addr, addr.saturating_add(len));
+        let n = taken.len();
+        for (a, entry) in taken {
+            if let Some(mut handle) = entry.handle {
+                if let Err(e) = handle.deregister() {
+                    tracing::error!(agent = %self.name, addr = a, len = entry.len, error = %e, "NIXL deregistration failed");
+                }
+            }
+            tracing::trace!(agent = %self.name, addr = a, len = entry.len, "deregistered from NIXL");
+        }
+        n
+    }
+
+    /// Descriptors for `view`, split where registrations end.
+    pub(crate) fn descriptors_into(
+        &self,
+        view: MemoryView,
+        out: &mut Vec<NixlDescriptor>,
+    ) -> Result<()> {
+        self.registry.lock().descriptors(&self.name, view, out)
+    }
+}
+
+/// A NIXL agent with one backend (UCX by default), registering pool memory one physical chunk
+/// at a time. Cheap to clone; the agent lives while any clone, hook or registered layout does.
+#[derive(Clone)]
+pub struct NixlAgent {
+    pub(crate) shared: Arc<AgentShared>,
+}
+
+impl NixlAgent {
+    /// An agent named `name` with the UCX backend.
+    pub fn new(name: &str) -> Result<Self> {
+        Self::with_backend(name, "UCX")
+    }
+
+    /// An agent named `name` with the backend plugin `plugin` (e.g. `"UCX"`, `"POSIX"`) and
+    /// its default parameters.
+    pub fn with_backend(name: &str, plugin: &str) -> Result<Self> {
+        available()?;
+        let agent = nixl_sys::Agent::new(name)
+            .map_err(|e| nixl_error("create agent", format!("{e} (name {name:?})")))?;
+        let (_mems, params) = agent
+            .get_plugin_params(plugin)
+            .map_err(|e| nixl_error("get_plugin_params", format!("{e} (plugin {plugin:?})")))?;
+        let backend = agent.create_backend(plugin, &params).map_err(|e| {
+            nixl_error(
+                "create_backend",
+                format!(
+                    "{e} (plugin {plugin:?}, agent {name:?}; with UCX, never set an empty UCX_TLS)"
+                ),
+            )
+        })?;
+        tracing::debug!(agent = name, plugin, "NIXL agent created");
+        Ok(NixlAgent {
+            shared: Arc::new(AgentShared {
+                name: name.to_owned(),
+                agent,
+                backend,
+                registry: Mutex::new(Registry::default()),
+                loaded: Mutex::new(HashMap::new()),
+                metadata_gate: std::sync::RwLock::new(()),
+            }),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The underlying nixl-sys agent, for calls this crate does not wrap. Check
+    /// [`available`] first: any call aborts the process when the library is missing.
+    pub fn raw(&self) -> &nixl_sys::Agent {
+        &self.shared.agent
+    }
+
+    /// Registrations alive now (one per physical chunk registered).
+    pub fn registrations(&self) -> usize {
+        self.shared.registry.lock().live()
+    }
+
+    /// Bytes under live registrations.
+    pub fn registered_bytes(&self) -> u64 {
+        self.shared.registry.lock().bytes()
+    }
+
+    /// A hook for [`crate::layout::LayoutBuilder::hook`] (elastic layouts) or
+    /// [`crate::BlockBacking::new`]: every chunk is registered right after it is mapped and
+    /// deregistered right before it is unmapped.
+    pub fn mapping_hook(&self) -> Arc<dyn MappingHook> {
+        Arc::new(RegistrationHook {
+            agent: self.shared.clone(),
+        })
+    }
+
+    /// Register every physical chunk under `layout` (see [`Layout::chunks`]). The result owns
+    /// the layout and drops the registrations before the memory. On failure the registrations
+    /// made are dropped, then the layout.
+    pub fn register(&self, layout: Layout) -> Result<RegisteredLayout> {
+        RegisteredLayout::new(self.shared.clone(), layout)
+    }
+
+    /// NIXL descriptors for `view`: one per registration it touches (a view across two
+    /// chunks gives two), each derived from its registration. Unregistered bytes are an error.
+    pub fn descriptors(&self, view: MemoryView) -> Result<Vec<NixlDescriptor>> {
+        let mut out = Vec::new();
+        self.shared.descriptors_into(view, &mut out)?;
+        Ok(out)
+    }
+}
+
+impl fmt::Debug for NixlAgent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlAgent")
+            .field("name", &self.shared.name)
+            .field("registrations", &self.registrations())
+            .field("registered_bytes", &self.registered_bytes())
+            .finish()
+    }
+}

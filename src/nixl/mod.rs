@@ -1,0 +1,58 @@
+//! NIXL (feature `nixl`): mapped memory registered with a NIXL agent, one registration per
+//! physical chunk, and block transfers between layouts.
+//!
+//! - Device memory is registered as `VRAM` with its device id, host memory as `DRAM`.
+//! - One registration per physical chunk: UCX exports only the first handle of a range backed
+//!   by several, so a view across two chunks gives two descriptors.
+//! - A registration lives exactly as long as its mapping: an elastic layout registers through
+//!   [`NixlAgent::mapping_hook`] (each page registered after it is mapped, deregistered before
+//!   it is unmapped: on release, rollback and drop); a fully mapped [`crate::layout::Layout`]
+//!   is owned by its [`RegisteredLayout`], which deregisters before the memory goes.
+//! - Descriptors for a view come from the registrations that contain it
+//!   ([`NixlAgent::descriptors`]), never from a second registration.
+//! - [`transfer_blocks`]: WRITE or READ blocks between two layouts of two agents, refusing
+//!   unbacked blocks before NIXL is called.
+//!
+//! Without the NIXL library (`libnixl_capi.so` on the library path) any NIXL call aborts the
+//! process, so every entry point checks [`available`] first and returns
+//! [`crate::Error::NixlUnavailable`].
+//!
+//! ```no_run
+//! use elastic_vmm::layout::{BlockDim, LayoutBuilder, LayoutConfig};
+//! use elastic_vmm::nixl::{transfer_blocks, BlockSet, NixlAgent, TransferOp};
+//! use elastic_vmm::Pool;
+//! # fn main() -> elastic_vmm::Result<()> {
+//! let pool = Pool::host(1 << 30)?;
+//! let (a, b) = (NixlAgent::new("prefill")?, NixlAgent::new("decode")?);
+//! let config = LayoutConfig::new(64, 4, 2, 16, 128, 2);
+//! let src = a.register(LayoutBuilder::new().config(config).fully_contiguous().allocate(&pool).build()?)?;
+//! let dst = LayoutBuilder::new()
+//!     .config(config)
+//!     .layer_separate(BlockDim::First)
+//!     .elastic(&pool)
+//!     .hook(b.mapping_hook())
+//!     .build()?;
+//! dst.ensure_backed([7, 8])?; // mapped and registered with `b`, page by page
+//! let done = transfer_blocks(
+//!     TransferOp::Write,
+//!     BlockSet { agent: &a, layout: &src, blocks: &[0, 1] },
+//!     BlockSet { agent: &b, layout: &dst, blocks: &[7, 8] },
+//!     std::time::Duration::from_secs(10),
+//! )?;
+//! println!("{} bytes in {:?}", done.bytes, done.elapsed);
+//! # Ok(()) }
+//! ```
+
+mod agent;
+mod hook;
+mod registered;
+mod registry;
+mod transfer;
+
+pub use agent::{available, mem_type_of, NixlAgent};
+pub use registered::RegisteredLayout;
+pub use registry::NixlDescriptor;
+pub use transfer::{transfer_blocks, BlockSet, TransferOp, TransferReport};
+
+/// The nixl-sys crate, for what this module does not wrap (check [`available`] first).
+pub use nixl_sys as sys;

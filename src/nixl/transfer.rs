@@ -1,0 +1,309 @@
+//! Moving blocks between two layouts with NIXL: every block is checked to be backed before any
+//! NIXL call, descriptors come from the registrations (one per chunk touched on each side), the
+//! remote's metadata is reloaded only when its registrations changed, and completion is awaited
+//! with a timeout.
+
+use std::sync::RwLockReadGuard;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{XferDescList, XferOp, XferStatus};
+
+use super::agent::{available, nixl_error, AgentShared, NixlAgent};
+use super::registry::NixlDescriptor;
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, MemoryView};
+
+/// The direction of a transfer, as the initiating (local) agent sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferOp {
+    /// Local blocks are written into the remote blocks.
+    Write,
+    /// Remote blocks are read into the local blocks.
+    Read,
+}
+
+impl TransferOp {
+    fn name(self) -> &'static str {
+        match self {
+            TransferOp::Write => "WRITE",
+            TransferOp::Read => "READ",
+        }
+    }
+
+    fn nixl(self) -> XferOp {
+        match self {
+            TransferOp::Write => XferOp::Write,
+            TransferOp::Read => XferOp::Read,
+        }
+    }
+}
+
+/// One side of a transfer: blocks of a layout registered with an agent.
+#[derive(Clone, Copy)]
+pub struct BlockSet<'a> {
+    /// The agent the layout's memory is registered with.
+    pub agent: &'a NixlAgent,
+    /// The layout.
+    pub layout: &'a dyn KvLayout,
+    /// Its blocks, paired by position with the other side's.
+    pub blocks: &'a [usize],
+}
+
+/// What a finished transfer did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferReport {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Descriptor pairs posted (after merging contiguous pieces, split at chunks).
+    pub descriptors: usize,
+    /// From posting to completion.
+    pub elapsed: Duration,
+    /// Whether the remote's metadata had to be (re)loaded first.
+    pub metadata_loaded: bool,
+}
+
+/// Move `local.blocks` to `remote.blocks` (WRITE) or back (READ), block `i` of one side with
+/// block `i` of the other, unit by unit (block, layer, outer index), so the two layouts may be
+/// of different kinds but must have the same layers, outer dimension and unit size. The local
+/// agent initiates. A block without memory on either side is refused before any NIXL call;
+/// bytes outside every registration are an error naming them. Waits at most `timeout`.
+///
+/// Neither side's blocks may be released, and nobody else may use their bytes, until it returns.
+pub fn transfer_blocks(
+    op: TransferOp,
+    local: BlockSet<'_>,
+    remote: BlockSet<'_>,
+    timeout: Duration,
+) -> Result<TransferReport> {
+    let (lv, rv) = (local.layout.views(), remote.layout.views());
+    if local.blocks.len() != remote.blocks.len() || local.blocks.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "a transfer pairs blocks one to one: {} local and {} remote blocks given",
+            local.blocks.len(),
+            remote.blocks.len()
+        )));
+    }
+    let (lc, rc) = (lv.config(), rv.config());
+    let (lu, ru) = (lv.geometry().sizes().unit, rv.geometry().sizes().unit);
+    if (lc.num_layers, lc.outer_dim, lu) != (rc.num_layers, rc.outer_dim, ru) {
+        return Err(Error::InvalidLayout(format!(
+            "layouts do not correspond: local has {} layers x {} outer of {lu} bytes per unit, remote {} x {} of {ru}",
+            lc.num_layers, lc.outer_dim, rc.num_layers, rc.outer_dim
+        )));
+    }
+    if local.agent.name() == remote.agent.name() {
+        return Err(Error::InvalidArgument(format!(
+            "both sides use NIXL agent {:?}; a transfer needs two agents",
+            local.agent.name()
+        )));
+    }
+    // Indices first (an index past the end is an error naming it), then backing.
+    let (local_units, remote_units) = (lv.units_of(local.blocks)?, rv.units_of(remote.blocks)?);
+    let blocks = local.blocks.len();
+    if let Some(block) = local.layout.first_unbacked(local.blocks) {
+        return Err(Error::BlockNotBacked {
+            side: "local",
+            block,
+            blocks,
+        });
+    }
+    if let Some(block) = remote.layout.first_unbacked(remote.blocks) {
+        return Err(Error::BlockNotBacked {
+            side: "remote",
+            block,
+            blocks,
+        });
+    }
+    let pairs = merged_pairs(local_units, remote_units);
+    let (ls, rs) = (&local.agent.shared, &remote.agent.shared);
+    let (mut ld, mut rd) = (Vec::new(), Vec::new());
+    let (mut lp, mut rp) = (Vec::new(), Vec::new());
+    for (l, r) in pairs {
+        lp.clear();
+        rp.clear();
+        ls.descriptors_into(l, &mut lp)?;
+        rs.descriptors_into(r, &mut rp)?;
+        co_split(&lp, &rp, &mut ld, &mut rd);
+    }
+    let bytes: u64 = ld.iter().map(|d| d.len).sum();
+
+    available()?;
+    let (_gate, metadata_loaded) = sync_remote(ls, rs)?;
+    let list = |descs: &[NixlDescriptor]| -> Result<XferDescList<'static>> {
+        let mem = descs
+            .first()
+            .map_or(nixl_sys::MemType::Dram, |d| d.mem_type);
+        let mut list = XferDescList::new(mem).map_err(|e| nixl_error("XferDescList::new", e))?;
+        for d in descs {
+            list.add_desc(d.addr as usize, d.len as usize, d.device_id);
+        }
+        Ok(list)
+    };
+    let (local_list, remote_list) = (list(&ld)?, list(&rd)?);
+    let req = ls
+        .agent
+        .create_xfer_req(op.nixl(), &local_list, &remote_list, &rs.name, None)
+        .map_err(|e| {
+            nixl_error(
+                "create_xfer_req",
+                format!(
+                    "{e} ({} of {bytes} bytes in {} descriptors from {:?} to {:?})",
+                    op.name(),
+                    ld.len(),
+                    ls.name,
+                    rs.name
+                ),
+            )
+        })?;
+    let start = Instant::now();
+    let mut pending = ls.agent.post_xfer_req(&req, None).map_err(|e| {
+        nixl_error(
+            "post_xfer_req",
+            format!("{e} ({} of {bytes} bytes)", op.name()),
+        )
+    })?;
+    while pending {
+        match ls.agent.get_xfer_status(&req) {
+            Ok(XferStatus::Success) => pending = false,
+            Ok(XferStatus::InProgress) => {
+                if start.elapsed() > timeout {
+                    // Dropping the request releases (aborts) it.
+                    drop(req);
+                    return Err(Error::TransferTimeout {
+                        op: op.name(),
+                        bytes,
+                        descriptors: ld.len(),
+                        waited_ms: start.elapsed().as_millis() as u64,
+                    });
+                }
+                if start.elapsed() < Duration::from_millis(1) {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            Err(e) => {
+                return Err(nixl_error(
+                    "get_xfer_status",
+                    format!("{e} ({} of {bytes} bytes)", op.name()),
+                ))
+            }
+        }
+    }
+    let elapsed = start.elapsed();
+    tracing::debug!(
+        op = op.name(),
+        bytes,
+        descriptors = ld.len(),
+        ?elapsed,
+        "NIXL transfer done"
+    );
+    Ok(TransferReport {
+        bytes,
+        descriptors: ld.len(),
+        elapsed,
+        metadata_loaded,
+    })
+}
+
+/// Pair units one to one, merging a pair into the previous one when both sides continue it.
+fn merged_pairs(local: Vec<MemoryView>, remote: Vec<MemoryView>) -> Vec<(MemoryView, MemoryView)> {
+    let mut out: Vec<(MemoryView, MemoryView)> = Vec::new();
+    for (l, r) in local.into_iter().zip(remote) {
+        match out.last_mut() {
+            Some((pl, pr)) if pl.end() == l.addr && pr.end() == r.addr => {
+                pl.len += l.len;
+                pr.len += r.len;
+            }
+            _ => out.push((l, r)),
+        }
+    }
+    out
+}
+
+/// Cut two descriptor lists covering the same number of bytes at the union of their
+/// boundaries, so that every pair has one length and each piece lies in one registration.
+fn co_split(
+    a: &[NixlDescriptor],
+    b: &[NixlDescriptor],
+    out_a: &mut Vec<NixlDescriptor>,
+    out_b: &mut Vec<NixlDescriptor>,
+) {
+    let (mut i, mut j, mut oa, mut ob) = (0, 0, 0u64, 0u64);
+    while i < a.len() && j < b.len() {
+        let n = (a[i].len - oa).min(b[j].len - ob);
+        out_a.push(NixlDescriptor {
+            addr: a[i].addr + oa,
+            len: n,
+            ..a[i]
+        });
+        out_b.push(NixlDescriptor {
+            addr: b[j].addr + ob,
+            len: n,
+            ..b[j]
+        });
+        oa += n;
+        ob += n;
+        if oa == a[i].len {
+            i += 1;
+            oa = 0;
+        }
+        if ob == b[j].len {
+            j += 1;
+            ob = 0;
+        }
+    }
+}
+
+/// Make sure `local` holds `remote`'s current metadata (reloading it if the remote's
+/// registrations changed since it was loaded) and return the shared gate that keeps it from
+/// being reloaded while the caller uses it.
+fn sync_remote<'a>(
+    local: &'a AgentShared,
+    remote: &AgentShared,
+) -> Result<(RwLockReadGuard<'a, ()>, bool)> {
+    let want = remote.registry.lock().generation;
+    let read = || {
+        local
+            .metadata_gate
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+    };
+    if local.loaded.lock().get(&remote.name) == Some(&want) {
+        return Ok((read(), false));
+    }
+    {
+        let _exclusive = local
+            .metadata_gate
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
+        let want = remote.registry.lock().generation;
+        let loaded = local.loaded.lock().get(&remote.name).copied();
+        if loaded != Some(want) {
+            let md = remote.agent.get_local_md().map_err(|e| {
+                nixl_error("get_local_md", format!("{e} (agent {:?})", remote.name))
+            })?;
+            if loaded.is_some() {
+                local
+                    .agent
+                    .invalidate_remote_md(&remote.name)
+                    .map_err(|e| {
+                        nixl_error(
+                            "invalidate_remote_md",
+                            format!("{e} ({:?} forgetting {:?})", local.name, remote.name),
+                        )
+                    })?;
+                local.loaded.lock().remove(&remote.name);
+            }
+            local.agent.load_remote_md(&md).map_err(|e| {
+                nixl_error(
+                    "load_remote_md",
+                    format!("{e} ({:?} loading {:?})", local.name, remote.name),
+                )
+            })?;
+            local.loaded.lock().insert(remote.name.clone(), want);
+            tracing::debug!(local = %local.name, remote = %remote.name, generation = want, "remote NIXL metadata loaded");
+        }
+    }
+    Ok((read(), true))
+}
