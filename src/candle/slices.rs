@@ -125,16 +125,21 @@ impl Tracker {
         }
     }
 
+    /// Make the device's primary context current for a raw driver call on our stream.
+    fn bind(&self) -> Result<()> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent", "private context"))
+    }
+
     /// Copy `bytes` from device memory at `src` to `dst` in stream order on the candle device's
     /// stream (a plain copy engine transfer: every dtype, whatever kernels candle ships).
     pub(crate) fn copy_from(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda_error("cuCtxSetCurrent", "private context"))?;
+        self.bind()?;
         // SAFETY: `dst..dst + bytes` is the caller's fresh pool tensor, mapped with access;
         // `src..src + bytes` is a live candle tensor's memory on this device, kept alive by the
         // caller until the copy is queued; both are ordered by this one stream.
@@ -151,10 +156,7 @@ impl Tracker {
         if bytes == 0 {
             return Ok(());
         }
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda_error("cuCtxSetCurrent", "private context"))?;
+        self.bind()?;
         // SAFETY: `addr..addr + bytes` is mapped with access (the caller's tensor lives on it)
         // and the memset is queued on the stream every user of that tensor is ordered by.
         unsafe { result::memset_d8_async(addr, 0, bytes, self.stream.cu_stream()) }.map_err(
