@@ -2,7 +2,9 @@
 //! - hot path: a tensor from the pool (`TensorPool::empty`/`zeros`, then dropped) against candle's
 //!   own allocation of the same tensor (`Tensor::empty`/`zeros`, `cuMemAllocAsync` underneath);
 //! - one decode step of attention over 8 sequences with an elastic KV cache against the same step
-//!   with a static candle KV cache (target: within 1%).
+//!   with a static candle KV cache (target: within 1%), at short contexts (100..1700 tokens: the
+//!   host launching kernels bounds the step, the worst case for the elastic bookkeeping) and long
+//!   ones (4000..14500 tokens), with the host time of each part of the step.
 
 use std::time::Instant;
 
@@ -30,7 +32,10 @@ pub fn run() -> Result<(), BoxError> {
     let tensors = TensorPool::new(&pool, &device)?;
     println!("== candle: {} ==", pool.backend_info().device_name);
     hot_path(&device, &tensors)?;
-    decode_step(&device, &tensors)?;
+    // Short contexts, where the step is bound by the host launching kernels (the worst case for
+    // the elastic bookkeeping), and long ones, where the GPU's work grows with the context.
+    decode_step(&device, &tensors, 128, 100, 200)?;
+    decode_step(&device, &tensors, 1024, 4000, 1500)?;
     let stats = tensors.stats();
     println!("{stats:?}");
     Ok(())
@@ -103,9 +108,7 @@ const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
 const HIDDEN: usize = KV_HEADS * HEAD_DIM;
 const BLOCK_SIZE: usize = 16;
-const BLOCKS_PER_SEQ: usize = 128;
 const SEQS: usize = 8;
-const MAX_BLOCKS: usize = SEQS * BLOCKS_PER_SEQ;
 /// Timed steps per cache (one step each, the three caches interleaved); medians are reported.
 const SAMPLES: usize = 151;
 
@@ -157,11 +160,11 @@ impl Cache {
 
 /// Per-call cost of the cache operations a decode step makes, elastic against static, each
 /// timed over many calls with one synchronize at the end.
-fn op_costs(device: &Device, elastic: &Cache, fixed: &Cache) -> Result<(), BoxError> {
+fn op_costs(device: &Device, elastic: &Cache, fixed: &Cache, bps: usize) -> Result<(), BoxError> {
     const N: usize = 2000;
     let token = Tensor::randn(0f32, 1., (1, KV_HEADS, HEAD_DIM), device)?;
     // The longest sequence's first 100 blocks, all backed.
-    let first = (SEQS - 1) * BLOCKS_PER_SEQ;
+    let first = (SEQS - 1) * bps;
     let table: Vec<usize> = (first..first + 100).collect();
     let Cache::Elastic(kv) = elastic else {
         return Err("op_costs needs the elastic cache first".into());
@@ -202,13 +205,17 @@ fn op_costs(device: &Device, elastic: &Cache, fixed: &Cache) -> Result<(), BoxEr
 /// A preallocated cache of the same maximum: an ordinary candle tensor, or (with `tensors`) a
 /// fully mapped pool tensor driven by the same candle calls (which separates the memory's
 /// effect from the elastic bookkeeping's).
-fn static_cache(device: &Device, tensors: Option<&TensorPool>) -> Result<Cache, BoxError> {
-    let shape = (MAX_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM);
+fn static_cache(
+    device: &Device,
+    tensors: Option<&TensorPool>,
+    max_blocks: usize,
+) -> Result<Cache, BoxError> {
+    let shape = (max_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM);
     let blocks = match tensors {
         None => Tensor::zeros(shape, DType::F32, device)?,
         Some(t) => t.zeros(shape, DType::F32)?,
     };
-    let rows = blocks.reshape((MAX_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM))?;
+    let rows = blocks.reshape((max_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM))?;
     Ok(Cache::Static { blocks, rows })
 }
 
@@ -219,13 +226,15 @@ struct Weights {
     wo: Tensor,
 }
 
-/// One decode step of every sequence (lengths `lens`, advanced by one) against `k`, `v`.
+/// One decode step of every sequence (lengths `lens`, advanced by one; sequence `s` owns blocks
+/// `s * bps..`) against `k`, `v`.
 fn step(
     k: &Cache,
     v: &Cache,
     w: &Weights,
     x: &Tensor,
     lens: &mut [usize],
+    bps: usize,
 ) -> Result<Tensor, BoxError> {
     let q = x.matmul(&w.wq)?;
     let kx = x.matmul(&w.wk)?;
@@ -234,7 +243,7 @@ fn step(
     for (s, len) in lens.iter_mut().enumerate() {
         let t = Instant::now();
         let pos = *len;
-        let block = s * BLOCKS_PER_SEQ + pos / BLOCK_SIZE;
+        let block = s * bps + pos / BLOCK_SIZE;
         if pos % BLOCK_SIZE == 0 {
             if let Cache::Elastic(kv) = k {
                 kv.ensure_backed([block])?;
@@ -256,7 +265,7 @@ fn step(
         )?;
         let t = spent(1, t);
         *len += 1;
-        let first = s * BLOCKS_PER_SEQ;
+        let first = s * bps;
         let table: Vec<usize> = (first..first + len.div_ceil(BLOCK_SIZE)).collect();
         let keys = k.tokens(&table, *len)?;
         let values = v.tokens(&table, *len)?;
@@ -273,14 +282,23 @@ fn step(
     Ok(Tensor::cat(&outs, 0)?.matmul(&w.wo)?)
 }
 
-fn decode_step(device: &Device, tensors: &TensorPool) -> Result<(), BoxError> {
+/// Decode steps of `SEQS` sequences of `base + s * spread` tokens, each with room for `bps`
+/// blocks, over the three caches.
+fn decode_step(
+    device: &Device,
+    tensors: &TensorPool,
+    bps: usize,
+    base: usize,
+    spread: usize,
+) -> Result<(), BoxError> {
+    let max_blocks = SEQS * bps;
     let shape = [BLOCK_SIZE, KV_HEADS, HEAD_DIM];
-    let ek = Cache::Elastic(tensors.elastic_kv(MAX_BLOCKS, &shape, DType::F32)?);
-    let ev = Cache::Elastic(tensors.elastic_kv(MAX_BLOCKS, &shape, DType::F32)?);
-    let sk = static_cache(device, None)?;
-    let sv = static_cache(device, None)?;
-    let pk = static_cache(device, Some(tensors))?;
-    let pv = static_cache(device, Some(tensors))?;
+    let ek = Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32)?);
+    let ev = Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32)?);
+    let sk = static_cache(device, None, max_blocks)?;
+    let sv = static_cache(device, None, max_blocks)?;
+    let pk = static_cache(device, Some(tensors), max_blocks)?;
+    let pv = static_cache(device, Some(tensors), max_blocks)?;
     let scale = (1.0 / (HIDDEN as f64).sqrt()) as f32;
     let w = Weights {
         wq: Tensor::randn(0f32, scale, (HIDDEN, HIDDEN), device)?,
@@ -289,9 +307,9 @@ fn decode_step(device: &Device, tensors: &TensorPool) -> Result<(), BoxError> {
         wo: Tensor::randn(0f32, scale, (HIDDEN, HIDDEN), device)?,
     };
     // Sequences of 100 to 1500 tokens already in the caches (their blocks backed and filled).
-    let start: Vec<usize> = (0..SEQS).map(|s| 100 + s * 200).collect();
+    let start: Vec<usize> = (0..SEQS).map(|s| base + s * spread).collect();
     for (s, &len) in start.iter().enumerate() {
-        let first = s * BLOCKS_PER_SEQ;
+        let first = s * bps;
         let n = len.div_ceil(BLOCK_SIZE);
         let data = Tensor::randn(0f32, 1., (n, BLOCK_SIZE, KV_HEADS, HEAD_DIM), device)?;
         for c in [&ek, &ev] {
@@ -311,10 +329,10 @@ fn decode_step(device: &Device, tensors: &TensorPool) -> Result<(), BoxError> {
     let mut lens_p = start.clone();
     // Warm up, and check that the caches compute the same.
     let x = Tensor::randn(0f32, 1., (SEQS, HIDDEN), device)?;
-    let reference = step(&sk, &sv, &w, &x, &mut lens_s)?;
+    let reference = step(&sk, &sv, &w, &x, &mut lens_s, bps)?;
     let mut diff = 0f32;
     for (k, v, lens) in [(&ek, &ev, &mut lens_e), (&pk, &pv, &mut lens_p)] {
-        let d: f32 = (step(k, v, &w, &x, lens)? - &reference)?
+        let d: f32 = (step(k, v, &w, &x, lens, bps)? - &reference)?
             .abs()?
             .max_all()?
             .to_scalar()?;
@@ -340,7 +358,7 @@ fn decode_step(device: &Device, tensors: &TensorPool) -> Result<(), BoxError> {
             device.synchronize()?;
             SPENT.with(|c| c.set([0.0; 4]));
             let t = Instant::now();
-            drop(step(k, v, &w, &x, lens)?);
+            drop(step(k, v, &w, &x, lens, bps)?);
             device.synchronize()?;
             times.push(t.elapsed().as_secs_f64());
             let h = SPENT.with(|c| c.get());
@@ -370,7 +388,7 @@ fn decode_step(device: &Device, tensors: &TensorPool) -> Result<(), BoxError> {
         fixed * 1e6,
         (elastic / fixed - 1.0) * 100.0,
         crate::human(physical),
-        crate::human(2 * (MAX_BLOCKS * BLOCK_SIZE * HIDDEN * 4) as u64)
+        crate::human(2 * (max_blocks * BLOCK_SIZE * HIDDEN * 4) as u64)
     );
     ratio_line("  static/elastic, decode step", fixed, elastic);
     let fmt = |h: [f64; 4]| {
@@ -388,7 +406,7 @@ fn decode_step(device: &Device, tensors: &TensorPool) -> Result<(), BoxError> {
         fmt(host_s),
         fmt(host_p)
     );
-    op_costs(device, &ek, &sk)?;
+    op_costs(device, &ek, &sk, bps)?;
     println!(
         "  same step over a preallocated pool tensor (pool memory, no elastic bookkeeping): {:.1} us ({:+.2}% vs static candle)",
         pooled * 1e6,
