@@ -94,6 +94,9 @@ pub struct PoolStats {
     pub reserved_regions: u64,
     /// Physical bytes created but unmapped, kept for reuse.
     pub cached: u64,
+    /// Physical bytes held by operations in progress (being created, mapped, unmapped,
+    /// released or handed over), neither mapped nor cached right now.
+    pub in_flight: u64,
     /// Highest `in_use` seen.
     pub peak_in_use: u64,
     /// Highest `mapped + cached` seen.

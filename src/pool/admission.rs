@@ -1,33 +1,57 @@
-//! Admission of new physical memory: decided before any driver call, credited back after release.
+//! Admission of new physical memory: decided before any driver call, credited after release.
+//!
+//! An admission stands between a pool and its backend in the chunk-source stack (cache ->
+//! admission -> donation -> backend, see `sources.rs`). It charges bytes the pool is about to
+//! create, or answers with chunks other users held idle (a donation: already created, charged
+//! over to the asking pool). Every byte charged is counted in the asking pool's in-flight
+//! counter in the same critical section as the charge, so that an observer holding the
+//! admission's lock and then the pool's sees `charge == mapped + cached + in flight` at every
+//! instant.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
 
-/// What an admission granted.
+/// How much a growth matters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Grant {
-    /// The bytes are charged: create them.
-    Charged,
-    /// Nothing was charged for the request; instead physical chunks other users held idle were
-    /// moved, already created and charged, into the asking pool's cache. Plan again with them.
-    Donated,
+pub(crate) enum Urgency {
+    /// The request needs it: other users' idle memory may be handed over or reclaimed first.
+    Required,
+    /// Look-ahead: taken only if admitted at once, never at anyone's expense.
+    LookAhead,
 }
 
-/// Decides whether a pool may create more physical memory.
-///
-/// `admit` runs before `create` and charges the bytes; `credit` runs after a chunk is released
-/// (or when admitted bytes were never created). Chunks taken from a cache are already charged.
+/// Which chunks a pool can use for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Fit {
+    /// The largest chunk it can map.
+    pub(crate) max_chunk: u64,
+    /// The most bytes it can map in all (donated chunks may exceed the request up to this).
+    pub(crate) room: u64,
+}
+
+/// What an admission answered.
+#[derive(Debug)]
+pub(crate) struct Acquired {
+    /// Chunks handed over from other users, already charged to the asking pool and counted in
+    /// its in-flight bytes.
+    pub(crate) donated: Vec<PhysicalChunk>,
+    /// Bytes charged for the pool to create (counted in its in-flight bytes too), or why not.
+    pub(crate) charged: Result<u64>,
+}
+
+/// Decides whether a pool may hold more physical memory.
 pub(crate) trait Admission: Send + Sync + fmt::Debug {
-    /// Charge `bytes` of new physical memory or refuse with an error naming the limit.
-    /// With `may_reclaim`, memory other users hold idle may be reclaimed to make room; without
-    /// it (growth look-ahead, which is optional) the answer is immediate. With `donate`, idle
-    /// chunks of other users no bigger than that may be handed over instead (unmapped, never
-    /// released and created again), answered with [`Grant::Donated`].
-    fn admit(&self, bytes: u64, may_reclaim: bool, donate: Option<u64>) -> Result<Grant>;
-    /// Give back `bytes` charged earlier.
-    fn credit(&self, bytes: u64);
+    /// Charge `bytes` of new memory, or hand over chunks of other users that fit `fit` (which
+    /// may cover all or part of `bytes`), or refuse with an error naming the limit. Whatever is
+    /// charged or donated is added to `in_flight` in the same critical section.
+    fn acquire(&self, bytes: u64, urgency: Urgency, fit: Fit, in_flight: &AtomicU64) -> Acquired;
+
+    /// Give back `bytes` charged earlier (released, or never created), taking them out of
+    /// `in_flight` in the same critical section.
+    fn credit(&self, bytes: u64, in_flight: &AtomicU64);
 }
 
 /// A plain physical limit for one pool.
@@ -47,32 +71,41 @@ impl PhysicalLimit {
 }
 
 impl Admission for PhysicalLimit {
-    fn admit(&self, bytes: u64, _may_reclaim: bool, _donate: Option<u64>) -> Result<Grant> {
+    fn acquire(&self, bytes: u64, _: Urgency, _: Fit, in_flight: &AtomicU64) -> Acquired {
         // A compare-and-swap loop: the limit is never overshot, not even briefly.
         let mut used = self.used.load(Ordering::Relaxed);
         loop {
-            let next = used.checked_add(bytes).filter(|&n| n <= self.limit);
-            let Some(next) = next else {
-                return Err(Error::OutOfPhysicalMemory {
-                    requested: bytes,
-                    available: self.limit.saturating_sub(used),
-                    source_of_limit: format!(
-                        "pool physical limit of {} bytes, {used} in use",
-                        self.limit
-                    ),
-                });
+            let Some(next) = used.checked_add(bytes).filter(|&n| n <= self.limit) else {
+                return Acquired {
+                    donated: Vec::new(),
+                    charged: Err(Error::OutOfPhysicalMemory {
+                        requested: bytes,
+                        available: self.limit.saturating_sub(used),
+                        source_of_limit: format!(
+                            "pool physical limit of {} bytes, {used} in use",
+                            self.limit
+                        ),
+                    }),
+                };
             };
             match self
                 .used
                 .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => return Ok(Grant::Charged),
+                Ok(_) => {
+                    in_flight.fetch_add(bytes, Ordering::AcqRel);
+                    return Acquired {
+                        donated: Vec::new(),
+                        charged: Ok(bytes),
+                    };
+                }
                 Err(actual) => used = actual,
             }
         }
     }
 
-    fn credit(&self, bytes: u64) {
+    fn credit(&self, bytes: u64, in_flight: &AtomicU64) {
         self.used.fetch_sub(bytes, Ordering::AcqRel);
+        in_flight.fetch_sub(bytes, Ordering::AcqRel);
     }
 }

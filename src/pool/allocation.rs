@@ -1,7 +1,7 @@
 //! RAII allocations handed out by [`crate::Pool::allocate`].
 
 use std::fmt;
-use std::ptr::NonNull;
+use std::sync::Arc;
 
 use super::Inner;
 use crate::backend::BackendInfo;
@@ -9,39 +9,28 @@ use crate::error::{Error, Result};
 
 /// Memory from a pool, backed by physical memory for as long as this value lives.
 ///
-/// Dropping it returns the memory to the pool's idle set (no driver call). The allocation keeps
-/// the pool's reservation alive, so its address stays valid even if every [`crate::Pool`]
-/// handle is dropped first.
-///
-/// It refers to the pool without a reference count of its own (no atomic operation on the hot
-/// path): the pool keeps itself alive while any allocation lives (see `State::keepalive`).
+/// Dropping it returns the memory to the pool's idle set (no driver call). The allocation owns a
+/// reference to the pool's internals, so its address stays valid even if every [`crate::Pool`]
+/// handle is dropped first, on any thread, in any order.
 pub struct Allocation {
-    pool: NonNull<Inner>,
+    pool: Arc<Inner>,
     offset: u64,
     size: usize,
     footprint: u64,
     slot: u32,
 }
 
-// SAFETY: `Inner` is `Send + Sync`; the pointer is only used for shared access to it, and the
-// allocation's memory itself is touched only through `&mut self` (write, fill) or `&self` (read).
-unsafe impl Send for Allocation {}
-// SAFETY: as above.
-unsafe impl Sync for Allocation {}
-
 impl Allocation {
-    /// # Safety
-    /// `pool` must stay alive until this allocation is freed: the caller recorded it as live
-    /// under the pool's lock, and the pool holds its keepalive while any allocation is live.
-    pub(crate) unsafe fn new(
-        pool: &Inner,
+    /// An allocation the caller recorded as live under the pool's lock.
+    pub(crate) fn new(
+        pool: Arc<Inner>,
         offset: u64,
         size: usize,
         footprint: u64,
         slot: u32,
     ) -> Self {
         Allocation {
-            pool: NonNull::from(pool),
+            pool,
             offset,
             size,
             footprint,
@@ -50,8 +39,7 @@ impl Allocation {
     }
 
     fn inner(&self) -> &Inner {
-        // SAFETY: the pool outlives every live allocation (see `new`).
-        unsafe { self.pool.as_ref() }
+        &self.pool
     }
 
     /// Address of the first byte (a device pointer on CUDA, a host pointer on host memory).
@@ -133,9 +121,7 @@ impl fmt::Debug for Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        let keepalive = self.inner().free(self.offset, self.footprint, self.slot);
-        // The last allocation of a closed pool ends the pool: dropped here, after every use of
-        // the pool above, with no reference to it left.
-        drop(keepalive);
+        // The `Arc` goes after this: the last allocation of a closed pool ends the pool.
+        self.pool.free(self.offset, self.footprint, self.slot);
     }
 }

@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use super::{ChunkSpan, Pool};
+use super::{ChunkSpan, Pool, Space};
 use crate::error::{round_up, Error, Result};
 
 /// A contiguous part of a pool's reservation owned by one user; see the module documentation.
@@ -109,7 +109,7 @@ impl Region {
     pub fn map(&self, at: u64, len: u64) -> Result<()> {
         let inner = self.pool.inner();
         let abs = self.absolute(at, len)?;
-        inner.map_range(abs, len, inner.range_chunk, true)
+        inner.map_range(abs, len, inner.range_chunk, Space::Region)
     }
 
     /// As [`Region::map`] with physical chunks of up to `max_chunk` bytes; [`Region::unmap`]
@@ -118,14 +118,15 @@ impl Region {
         let inner = self.pool.inner();
         inner.check_chunk_size(max_chunk)?;
         let abs = self.absolute(at, len)?;
-        inner.map_range(abs, len, max_chunk, true)
+        inner.map_range(abs, len, max_chunk, Space::Region)
     }
 
     /// Give back the physical memory under `[at, at + len)`: mapped, made of whole chunks.
-    /// Its chunks go to the pool's cache.
+    /// Its chunks go to the pool's cache. Refused (`RangeInUse`) while a [`Region::read`] or
+    /// [`Region::write`] is copying any byte of it.
     pub fn unmap(&self, at: u64, len: u64) -> Result<()> {
         let abs = self.absolute(at, len)?;
-        self.pool.inner().unmap_range(abs, len, true)
+        self.pool.inner().unmap_range(abs, len, Space::Region)
     }
 
     /// Whether all of `[at, at + len)` is mapped.
@@ -149,41 +150,58 @@ impl Region {
             .collect()
     }
 
-    /// Copy `data` into the region at `at` (host-to-device on CUDA). The range must be mapped.
+    /// Copy `data` into the region at `at` (host-to-device on CUDA). The range must be mapped;
+    /// it stays mapped until the copy is done (an unmap meanwhile is refused).
     ///
     /// # Safety
     /// Nobody else (a kernel, a transfer, another thread) may use these bytes meanwhile.
     pub unsafe fn write(&self, at: u64, data: &[u8]) -> Result<()> {
-        let abs = self.mapped_span(at, data.len() as u64)?;
-        // SAFETY: mapped with access (checked above); exclusive use is the caller's promise.
-        unsafe { self.pool.backend().write(self.pool.base() + abs, data) }
+        let abs = self.pinned_span(at, data.len() as u64)?;
+        // SAFETY: mapped with access and pinned against unmapping (above); exclusive use is the
+        // caller's promise.
+        let done = unsafe { self.pool.backend().write(self.pool.base() + abs, data) };
+        self.unpin(abs, data.len() as u64);
+        done
     }
 
-    /// Copy bytes of the region at `at` into `out`. The range must be mapped.
+    /// Copy bytes of the region at `at` into `out`. The range must be mapped; it stays mapped
+    /// until the copy is done (an unmap meanwhile is refused).
     ///
     /// # Safety
     /// Nobody may write these bytes meanwhile.
     pub unsafe fn read(&self, at: u64, out: &mut [u8]) -> Result<()> {
-        let abs = self.mapped_span(at, out.len() as u64)?;
-        // SAFETY: mapped with access (checked above); no writer is the caller's promise.
-        unsafe { self.pool.backend().read(self.pool.base() + abs, out) }
+        let abs = self.pinned_span(at, out.len() as u64)?;
+        // SAFETY: mapped with access and pinned against unmapping (above); no writer is the
+        // caller's promise.
+        let done = unsafe { self.pool.backend().read(self.pool.base() + abs, out) };
+        self.unpin(abs, out.len() as u64);
+        done
     }
 
-    /// `[at, at + len)` checked to lie in the region and be mapped; its reservation offset.
-    fn mapped_span(&self, at: u64, len: u64) -> Result<u64> {
+    fn unpin(&self, abs: u64, len: u64) {
+        if len > 0 {
+            self.pool.inner().unpin(abs, len);
+        }
+    }
+
+    /// `[at, at + len)` checked to lie in the region and be mapped, and pinned against
+    /// unmapping (when not empty); its reservation offset.
+    fn pinned_span(&self, at: u64, len: u64) -> Result<u64> {
         let abs = self.absolute(at, len)?;
-        if len > 0 && !self.pool.is_mapped(abs, len) {
-            let st = self.pool.inner().state.lock();
-            let (s, e) = st
-                .ranges
-                .first_gap(abs, abs + len)
-                .unwrap_or((abs, abs + len));
-            return Err(Error::RangeNotMapped {
-                offset: at,
-                len,
-                hole_offset: s - self.offset,
-                hole_len: e - s,
-            });
+        if len > 0 {
+            self.pool.inner().pin(abs, len).map_err(|e| match e {
+                Error::RangeNotMapped {
+                    hole_offset,
+                    hole_len,
+                    ..
+                } => Error::RangeNotMapped {
+                    offset: at,
+                    len,
+                    hole_offset: hole_offset - self.offset,
+                    hole_len,
+                },
+                other => other,
+            })?;
         }
         Ok(abs)
     }
@@ -217,7 +235,7 @@ impl Drop for Region {
         // Unmap what the owner left mapped, chunk by chunk (chunks never straddle our edges).
         let spans = self.pool.chunks_in(self.offset, self.len);
         for c in spans {
-            if let Err(e) = inner.unmap_range(c.offset, c.size, true) {
+            if let Err(e) = inner.unmap_range(c.offset, c.size, Space::Region) {
                 tracing::error!(pool = %inner.name, error = %e, offset = c.offset, "unmapping a region's chunk at drop failed; it stays mapped until the pool goes");
             }
         }

@@ -6,7 +6,11 @@
 //! - a live allocation;
 //! - `ranges`: mapped through the range API (inside a region or not);
 //! - `held`: unmapped, inside a [`crate::Region`] (set aside for its owner's range mappings);
+//! - `stuck`: mapped chunks whose unmap failed during a rollback: kept out of every use, retried
+//!   by trim and teardown;
 //! - in transit: claimed by an operation that is making driver calls right now.
+//!
+//! Physical chunks are in `chunks` (mapped), in `cache`, or in flight (see `sources.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -121,10 +125,6 @@ impl Slab {
 pub(crate) struct State {
     /// Set once the last [`crate::Pool`] handle is gone: frees then give memory straight back.
     pub(crate) closed: bool,
-    /// The pool's reference to itself, held while it is open or any allocation is live, so that
-    /// allocations need no reference count of their own. Taken out (and dropped outside the lock)
-    /// when the pool is closed and the last allocation is freed.
-    pub(crate) keepalive: Option<std::sync::Arc<super::Inner>>,
     /// Set when the pool must take no new memory (its model was unregistered): why.
     pub(crate) refusing: Option<Arc<str>>,
     pub(crate) cold: Intervals,
@@ -136,6 +136,12 @@ pub(crate) struct State {
     pub(crate) regions: Intervals,
     /// The unmapped part of `regions`.
     pub(crate) held: Intervals,
+    /// Mapped chunks that a failed rollback left behind (perhaps without access): never handed
+    /// out, retried by trim and teardown. Their chunks are in `chunks`.
+    pub(crate) stuck: Intervals,
+    /// Ranges being read or written through a [`crate::Region`] right now: unmapping any byte
+    /// of them is refused until the copy is done.
+    pub(crate) pins: Vec<(u64, u64)>,
     /// Mapped chunks by offset.
     pub(crate) chunks: BTreeMap<u64, PhysicalChunk>,
     pub(crate) cache: ChunkCache,
@@ -222,6 +228,43 @@ impl State {
         out
     }
 
+    /// Take every stuck chunk out, as [`State::take_idle_chunks`] does idle ones, to unmap it
+    /// again.
+    pub(crate) fn take_stuck_chunks(&mut self) -> Vec<(u64, PhysicalChunk)> {
+        let mut out = Vec::new();
+        let ranges: Vec<(u64, u64)> = self.stuck.iter().collect();
+        for (s, e) in ranges {
+            self.stuck.remove(s, e);
+            let placed: Vec<(u64, PhysicalChunk)> =
+                self.chunks.range(s..e).map(|(&o, &c)| (o, c)).collect();
+            for (o, c) in placed {
+                self.chunks.remove(&o);
+                self.mapped -= c.size as u64;
+                self.in_transit += c.size as u64;
+                out.push((o, c));
+            }
+        }
+        out
+    }
+
+    /// Record chunks still mapped after a failed rollback as stuck.
+    pub(crate) fn put_stuck(&mut self, placed: &[(u64, PhysicalChunk)]) {
+        for &(o, c) in placed {
+            let size = c.size as u64;
+            self.chunks.insert(o, c);
+            self.stuck.insert(o, o + size);
+            self.mapped += size;
+        }
+    }
+
+    /// Whether any byte of `[start, end)` is pinned.
+    pub(crate) fn pinned_in(&self, start: u64, end: u64) -> Option<(u64, u64)> {
+        self.pins
+            .iter()
+            .copied()
+            .find(|&(s, e)| s < end && start < e)
+    }
+
     /// Verify that every byte is accounted for exactly once. O(n); for tests and debugging.
     pub(crate) fn audit(&self, capacity: u64) -> Result<(), String> {
         let chunk_bytes: u64 = self.chunks.values().map(|c| c.size as u64).sum();
@@ -238,8 +281,11 @@ impl State {
                 self.alloc_bytes
             ));
         }
-        let mapped_parts =
-            self.idle.total() + self.quick.bytes() + self.alloc_bytes + self.ranges.total();
+        let mapped_parts = self.idle.total()
+            + self.quick.bytes()
+            + self.alloc_bytes
+            + self.ranges.total()
+            + self.stuck.total();
         if self.in_transit == 0 && mapped_parts != self.mapped {
             return Err(format!(
                 "idle {} + quick {} + allocations {} + ranges {} = {mapped_parts}, but {} mapped",

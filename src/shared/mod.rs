@@ -13,9 +13,18 @@
 //!   first, then asks the model through its reclaim callback, and fails (changing nothing) if
 //!   the new limit cannot be reached.
 //!
-//! Locks: the ledger's lock is taken for bookkeeping only; the registry's lock only to look
-//! models up. Neither is held across a driver call or a callback. Where both the ledger and a
-//! pool's lock are taken (stats snapshots), the ledger comes first.
+//! Locks: the registry's lock only to look models up, the ledger's for bookkeeping; the order is
+//! registry, ledger, then a pool's state (stats and audits hold the ledger and every pool's
+//! lock together). None is held across a driver call, a callback, or the drop of a model's pool
+//! reference: the registry hands out clones of the pools' internals, and those clones are
+//! dropped only with no lock held (the last one may run the pool's teardown, whose releases
+//! credit the ledger).
+//!
+//! Accounting: the ledger accounts for the memory its models hold, nothing else. A plain
+//! [`Pool`] or another process on the same device draws on the same physical memory without
+//! the ledger seeing it; give every user of a device a model of one shared pool (or leave a
+//! margin) when the budget must be the device's truth. The default global limit is the
+//! device's free memory when the shared pool is created, less a margin.
 
 mod ledger;
 
@@ -25,11 +34,14 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
+use crate::pool::Inner as PoolInner;
+
 use parking_lot::Mutex;
 
+use crate::backend::PhysicalChunk;
 use crate::backend::{Backend, BackendInfo};
 use crate::error::{Error, Result};
-use crate::pool::{Admission, Grant, Pool, PoolConfig};
+use crate::pool::{Acquired, Admission, Fit, Pool, PoolConfig, Urgency};
 use ledger::{Ledger, ModelBook, Refusal};
 
 /// Default margin left free on the device when the global limit is taken from its free memory.
@@ -153,11 +165,21 @@ impl fmt::Debug for SharedInner {
     }
 }
 
+/// A registered model in the registry. The registry's `Pool` handle keeps the model open until
+/// it is unregistered.
 #[derive(Clone)]
 struct ModelSlot {
     key: u64,
     pool: Pool,
     reclaim: Option<ReclaimCallback>,
+}
+
+/// A model's pool internals, cloned out of the registry for work done without its lock. Never
+/// dropped while a lock is held (see the module documentation).
+struct ModelRef {
+    key: u64,
+    id: String,
+    pool: Arc<PoolInner>,
 }
 
 /// A registered model: allocate from it exactly as from a [`Pool`] (it dereferences to its
@@ -217,19 +239,29 @@ struct ModelAdmission {
 }
 
 impl Admission for ModelAdmission {
-    fn admit(&self, bytes: u64, may_reclaim: bool, donate: Option<u64>) -> Result<Grant> {
+    fn acquire(&self, bytes: u64, urgency: Urgency, fit: Fit, in_flight: &AtomicU64) -> Acquired {
         match self.shared.upgrade() {
-            Some(s) => s.admit(self.key, bytes, may_reclaim, donate),
-            None => Err(Error::PoolClosed {
-                pool: format!("model #{}", self.key),
-                reason: "its shared pool is gone".into(),
-            }),
+            Some(s) => s.acquire(self.key, bytes, urgency, fit, in_flight),
+            None => Acquired {
+                donated: Vec::new(),
+                charged: Err(Error::PoolClosed {
+                    pool: format!("model #{}", self.key),
+                    reason: "its shared pool is gone".into(),
+                }),
+            },
         }
     }
 
-    fn credit(&self, bytes: u64) {
-        if let Some(s) = self.shared.upgrade() {
-            s.ledger.lock().credit(self.key, bytes);
+    fn credit(&self, bytes: u64, in_flight: &AtomicU64) {
+        match self.shared.upgrade() {
+            Some(s) => {
+                let mut l = s.ledger.lock();
+                l.credit(self.key, bytes);
+                in_flight.fetch_sub(bytes, Ordering::AcqRel);
+            }
+            None => {
+                in_flight.fetch_sub(bytes, Ordering::AcqRel);
+            }
         }
     }
 }
@@ -276,6 +308,8 @@ pub struct ModelStats {
     pub mapped: u64,
     /// Physical bytes in its chunk cache.
     pub cached: u64,
+    /// Physical bytes held by its operations in progress.
+    pub in_flight: u64,
     /// Highest physical use.
     pub peak: u64,
     /// Highest in-use.
@@ -299,6 +333,10 @@ pub struct GlobalStats {
     pub cached: u64,
     /// Bytes held by live allocations and mapped ranges of all models.
     pub in_use: u64,
+    /// Bytes held by operations in progress.
+    pub in_flight: u64,
+    /// Bytes of models gone whose memory the driver did not take back: still counted.
+    pub leaked: u64,
     /// `limit - used`.
     pub free: u64,
     /// Guaranteed bytes models do not use yet.
@@ -485,9 +523,11 @@ impl SharedPool {
         slot.pool
             .inner()
             .close_if_unused("the model was unregistered")?;
-        self.inner.models.lock().remove(id);
+        // The registry's handle is dropped after the registry's lock (it may close the pool).
+        let removed = { self.inner.models.lock().remove(id) };
         self.inner.ledger.lock().retire(slot.key);
         let trimmed = slot.pool.trim();
+        drop(removed);
         tracing::info!(model = %id, "model unregistered");
         trimmed.map(|_| ())
     }
@@ -637,99 +677,120 @@ impl SharedPool {
 
     /// A consistent snapshot of all models and the budget.
     pub fn stats(&self) -> SharedStats {
-        let slots: Vec<(String, ModelSlot)> = self
-            .inner
-            .models
-            .lock()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        let l = self.inner.ledger.lock();
-        // Every pool's lock, in registry order, while the ledger is held.
-        let guards: Vec<_> = slots
-            .iter()
-            .map(|(_, s)| s.pool.inner().lock_stats())
-            .collect();
-        let mut models = Vec::with_capacity(slots.len());
-        let (mut cached, mut in_use) = (0, 0);
-        for ((id, slot), ps) in slots.iter().zip(&guards) {
-            let Some(m) = l.models.get(&slot.key) else {
-                continue;
-            };
-            let ps = ps.snapshot();
-            cached += ps.cached;
-            in_use += ps.in_use;
-            models.push(ModelStats {
-                id: id.clone(),
-                key: slot.key,
-                limit: m.limit,
-                guarantee: m.guarantee,
-                priority: m.priority,
-                used: m.used,
-                in_use: ps.in_use,
-                mapped: ps.mapped,
-                cached: ps.cached,
-                peak: m.peak,
-                peak_in_use: ps.peak_in_use,
-                live_allocations: ps.live_allocations,
-                refusals: m.refusals,
-                reclaimed: m.reclaimed,
-            });
-        }
-        drop(guards);
-        SharedStats {
-            global: GlobalStats {
-                limit: l.global_limit,
-                used: l.used,
-                cached,
-                in_use,
-                free: l.global_limit.saturating_sub(l.used),
-                reserved_guarantees: l.unused_guarantees(),
-                models: models.len(),
-            },
-            models,
-        }
+        let refs = self.inner.model_refs(None);
+        let snapshot = {
+            let l = self.inner.ledger.lock();
+            // Every pool's lock, in registry order, while the ledger is held.
+            let guards: Vec<_> = refs.iter().map(|r| r.pool.lock_stats()).collect();
+            let mut models = Vec::with_capacity(refs.len());
+            let (mut cached, mut in_use, mut in_flight) = (0, 0, 0);
+            for (r, ps) in refs.iter().zip(&guards) {
+                let Some(m) = l.models.get(&r.key) else {
+                    continue;
+                };
+                let ps = ps.snapshot();
+                cached += ps.cached;
+                in_use += ps.in_use;
+                in_flight += ps.in_flight;
+                models.push(ModelStats {
+                    id: r.id.clone(),
+                    key: r.key,
+                    limit: m.limit,
+                    guarantee: m.guarantee,
+                    priority: m.priority,
+                    used: m.used,
+                    in_use: ps.in_use,
+                    mapped: ps.mapped,
+                    cached: ps.cached,
+                    in_flight: ps.in_flight,
+                    peak: m.peak,
+                    peak_in_use: ps.peak_in_use,
+                    live_allocations: ps.live_allocations,
+                    refusals: m.refusals,
+                    reclaimed: m.reclaimed,
+                });
+            }
+            drop(guards);
+            SharedStats {
+                global: GlobalStats {
+                    limit: l.global_limit,
+                    used: l.used,
+                    cached,
+                    in_use,
+                    in_flight,
+                    leaked: l.leaked,
+                    free: l.global_limit.saturating_sub(l.used),
+                    reserved_guarantees: l.unused_guarantees(),
+                    models: models.len(),
+                },
+                models,
+            }
+        };
+        drop(refs);
+        snapshot
     }
 
-    /// Check the books: the ledger against itself, every model pool against itself, and (when
-    /// nothing is in flight) each model's charge against what its pool holds and the total
-    /// against what the backend holds. For tests and debugging.
+    /// Check the books, at any moment, even with other threads allocating: the ledger against
+    /// itself, every model pool against itself, and each model's charge against what its pool
+    /// holds (mapped + cached + in flight), all under the ledger's lock and every pool's. When
+    /// nothing is in flight, also that the backend holds at least what the ledger counts (it
+    /// may hold more: other users of the backend are not the ledger's). For tests and debugging.
     pub fn audit(&self) -> Result<(), String> {
-        let slots: Vec<ModelSlot> = self.inner.models.lock().values().cloned().collect();
-        let l = self.inner.ledger.lock();
-        l.audit()?;
-        let mut total = 0;
-        for s in &slots {
-            s.pool.audit()?;
-            let ps = s.pool.stats();
-            let used = l.models.get(&s.key).map_or(0, |m| m.used);
-            if used != ps.physical() {
-                return Err(format!(
-                    "model {}: ledger says {used}, pool holds {}",
-                    s.pool.name(),
-                    ps.physical()
-                ));
+        let refs = self.inner.model_refs(None);
+        let result = (|| {
+            let l = self.inner.ledger.lock();
+            l.audit()?;
+            let guards: Vec<_> = refs.iter().map(|r| r.pool.lock_stats()).collect();
+            let mut in_flight = 0;
+            for (r, g) in refs.iter().zip(&guards) {
+                g.audit()?;
+                let ps = g.snapshot();
+                in_flight += ps.in_flight;
+                let used = l.models.get(&r.key).map_or(0, |m| m.used);
+                let held = ps.physical() + ps.in_flight;
+                if used != held {
+                    return Err(format!(
+                        "model {}: ledger says {used}, pool holds {held} (mapped {} + cached {} + in flight {})",
+                        r.id, ps.mapped, ps.cached, ps.in_flight
+                    ));
+                }
             }
-            total += used;
-        }
-        if total == l.used {
-            let held = self
-                .inner
-                .backend
-                .physical_bytes()
-                .map_err(|e| e.to_string())?;
-            if held != l.used {
-                return Err(format!(
-                    "ledger says {} bytes, backend holds {held}",
-                    l.used
-                ));
+            drop(guards);
+            if in_flight == 0 {
+                let held = self
+                    .inner
+                    .backend
+                    .physical_bytes()
+                    .map_err(|e| e.to_string())?;
+                if held < l.used {
+                    return Err(format!(
+                        "ledger says {} bytes, backend holds only {held}",
+                        l.used
+                    ));
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })();
+        drop(refs);
+        result
     }
 }
 
 impl SharedInner {
+    /// Every registered model but `except`, as references usable with no lock held.
+    fn model_refs(&self, except: Option<u64>) -> Vec<ModelRef> {
+        self.models
+            .lock()
+            .iter()
+            .filter(|(_, s)| Some(s.key) != except)
+            .map(|(id, s)| ModelRef {
+                key: s.key,
+                id: id.clone(),
+                pool: s.pool.inner().clone(),
+            })
+            .collect()
+    }
+
     /// The admission check without charging.
     fn check(&self, key: u64, bytes: u64) -> Result<()> {
         let l = self.ledger.lock();
@@ -739,137 +800,187 @@ impl SharedInner {
         let why = match l.models.get(&key) {
             None => Refusal::Retired,
             Some(m) if m.retired => Refusal::Retired,
-            Some(m) if m.used + bytes > m.limit.min(m.cap) => Refusal::ModelLimit,
+            Some(m)
+                if m.used
+                    .checked_add(bytes)
+                    .is_none_or(|n| n > m.limit.min(m.cap)) =>
+            {
+                Refusal::ModelLimit
+            }
             Some(_) => Refusal::Global { short: 0 },
         };
         Err(l.refusal_error(key, bytes, why))
     }
 
-    /// Admission for one growth of model `key`. When the global budget is full, idle memory of
-    /// other models makes room: handed over as whole chunks when `donate` allows (no release,
-    /// no create: the growth is planned again with them), else released.
-    fn admit(&self, key: u64, bytes: u64, may_reclaim: bool, donate: Option<u64>) -> Result<Grant> {
+    /// Admission for one growth of model `key`, counted in its pool's `in_flight`. When the
+    /// global budget is full, idle memory of other models makes room: first handed over as
+    /// whole chunks that fit (no release, no create), then released.
+    fn acquire(
+        &self,
+        key: u64,
+        bytes: u64,
+        urgency: Urgency,
+        fit: Fit,
+        in_flight: &AtomicU64,
+    ) -> Acquired {
+        let mut donated: Vec<PhysicalChunk> = Vec::new();
+        let mut left = bytes;
         let mut last = Refusal::Retired;
         for attempt in 0..3 {
-            let refusal = match self.ledger.lock().try_charge(key, bytes) {
-                Ok(()) => return Ok(Grant::Charged),
-                Err(r) => r,
+            let refusal = {
+                let mut l = self.ledger.lock();
+                match l.try_charge(key, left) {
+                    Ok(()) => {
+                        in_flight.fetch_add(left, Ordering::AcqRel);
+                        return Acquired {
+                            donated,
+                            charged: Ok(left),
+                        };
+                    }
+                    Err(r) => r,
+                }
             };
             last = refusal;
-            match refusal {
-                Refusal::Global { short } if may_reclaim && attempt < 2 => {
-                    if let (0, Some(max_chunk)) = (attempt, donate) {
-                        if self.donate_to(key, short, max_chunk) > 0 {
-                            return Ok(Grant::Donated);
-                        }
-                    }
-                    if self.reclaim_for(Some(key), short) == 0 {
-                        break;
-                    }
+            let Refusal::Global { short } = refusal else {
+                break;
+            };
+            if urgency == Urgency::LookAhead || attempt == 2 {
+                break;
+            }
+            if attempt == 0 {
+                let room = fit.room.saturating_sub(bytes - left);
+                // Only what the budget lacks moves: the rest is charged and created as usual.
+                let got = self.donate_to(key, short.min(left), fit.max_chunk, room, in_flight);
+                let n: u64 = got.iter().map(|c| c.size() as u64).sum();
+                donated.extend(got);
+                if n >= left {
+                    return Acquired {
+                        donated,
+                        charged: Ok(0),
+                    };
                 }
-                _ => break,
+                if n > 0 {
+                    left -= n;
+                    continue;
+                }
+            }
+            if self.reclaim_for(Some(key), short) == 0 {
+                break;
             }
         }
         let mut l = self.ledger.lock();
-        let err = l.refusal_error(key, bytes, last);
-        if may_reclaim {
+        let err = l.refusal_error(key, left, last);
+        if urgency == Urgency::Required {
             l.note_refusal(key);
             drop(l);
             tracing::warn!(error = %err, "admission refused");
         } else {
-            // Optional growth (look-ahead): the request itself goes on without it.
             drop(l);
             tracing::debug!(error = %err, "optional growth not admitted");
         }
-        Err(err)
+        Acquired {
+            donated,
+            charged: Err(err),
+        }
     }
 
     /// Models other than `for_key` holding memory they do not use above their guarantees, as
-    /// `(spare bytes, id, slot)`, in reclaim order: lowest priority first, then most spare.
-    fn donors(&self, for_key: Option<u64>) -> Vec<(u64, String, ModelSlot)> {
-        let slots: Vec<(String, ModelSlot)> = self
-            .models
-            .lock()
-            .iter()
-            .filter(|(_, s)| Some(s.key) != for_key)
-            .map(|(k, s)| (k.clone(), s.clone()))
-            .collect();
-        let mut candidates: Vec<(i32, u64, String, ModelSlot)> = {
+    /// `(spare bytes, model)`, in reclaim order: lowest priority first, then most spare.
+    fn donors(&self, for_key: Option<u64>) -> Vec<(u64, ModelRef)> {
+        let refs = self.model_refs(for_key);
+        let spare: Vec<Option<(i32, u64)>> = {
             let l = self.ledger.lock();
-            slots
-                .into_iter()
-                .filter_map(|(id, s)| {
-                    let m = l.models.get(&s.key)?;
-                    let ps = s.pool.stats();
+            refs.iter()
+                .map(|r| {
+                    let m = l.models.get(&r.key)?;
+                    let ps = r.pool.stats();
                     let spare = (ps.idle() + ps.cached).min(m.used.saturating_sub(m.guarantee));
-                    (spare > 0).then_some((m.priority, spare, id, s))
+                    (spare > 0).then_some((m.priority, spare))
                 })
                 .collect()
         };
-        candidates.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        candidates
+        // The references are filtered (and some dropped) with no lock held.
+        let mut candidates: Vec<(i32, u64, ModelRef)> = refs
             .into_iter()
-            .map(|(_, spare, id, s)| (spare, id, s))
-            .collect()
+            .zip(spare)
+            .filter_map(|(r, s)| s.map(|(p, n)| (p, n, r)))
+            .collect();
+        candidates.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        candidates.into_iter().map(|(_, n, r)| (n, r)).collect()
     }
 
-    /// Hand idle chunks of other models (each at most `max_chunk`, at least `want` bytes in
-    /// all when they have them, largest chunks first) to model `key`: unmapped from the donor, charged over to `key`
-    /// within its limit, put in its pool's cache. Nothing is released or created, which is what
-    /// makes moving memory between models fast. Returns the bytes handed over.
-    fn donate_to(&self, key: u64, want: u64, max_chunk: u64) -> u64 {
-        let Some(recipient) = self.models.lock().values().find(|s| s.key == key).cloned() else {
-            return 0;
-        };
+    /// Hand idle chunks of other models (each at most `max_chunk`, together at most `room`, at
+    /// least `want` bytes when they have them, largest first) to model `key`: unmapped from the
+    /// donor, their charge and in-flight count moved to `key` (within its limit) in one ledger
+    /// critical section, and returned to the caller to map. Nothing is released or created,
+    /// which is what makes moving memory between models fast.
+    fn donate_to(
+        &self,
+        key: u64,
+        want: u64,
+        max_chunk: u64,
+        room: u64,
+        in_flight: &AtomicU64,
+    ) -> Vec<PhysicalChunk> {
+        let mut out = Vec::new();
         let mut got = 0;
-        for (spare, id, donor) in self.donors(Some(key)) {
-            if got >= want {
+        for (spare, donor) in self.donors(Some(key)) {
+            if got >= want || got >= room {
                 break;
             }
             let headroom = self.ledger.lock().headroom_own(key);
-            let max_size = max_chunk.min(headroom);
+            let max_size = max_chunk.min(headroom).min(room - got);
             if max_size == 0 {
                 break;
             }
-            let chunks = donor.pool.inner().take_spare(want - got, max_size, spare);
+            let cap = spare.min(room - got);
+            let chunks = donor.pool.take_spare(want - got, max_size, cap);
             if chunks.is_empty() {
                 continue;
             }
             let (moved, refused): (Vec<_>, Vec<_>) = {
                 let mut l = self.ledger.lock();
-                chunks
+                let (moved, refused): (Vec<_>, Vec<_>) = chunks
                     .into_iter()
-                    .partition(|c| l.transfer(donor.key, key, c.size() as u64))
+                    .partition(|c| l.transfer(donor.key, key, c.size() as u64));
+                let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
+                donor.pool.hand_off(bytes);
+                in_flight.fetch_add(bytes, Ordering::AcqRel);
+                if bytes > 0 {
+                    l.note_reclaimed(donor.key, bytes);
+                }
+                (moved, refused)
             };
-            let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
-            recipient.pool.inner().adopt(moved);
             // Chunks the recipient's limit could not take go back to the driver (credited to
             // the donor as they are released); a failed release leaves them in its cache.
-            let _ = donor.pool.inner().release_all(refused);
+            let _ = donor.pool.release_chunks(refused);
+            let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
             if bytes > 0 {
                 got += bytes;
-                self.ledger.lock().note_reclaimed(donor.key, bytes);
-                tracing::info!(from = %id, to = %recipient.pool.name(), bytes, "handed idle memory over to another model");
+                tracing::info!(from = %donor.id, to = key, bytes, "handed idle memory over to another model");
             }
+            out.extend(moved);
         }
-        got
+        out
     }
 
     /// Reclaim up to `want` bytes of memory other models hold but do not use, above their
     /// guarantees, lowest priority first. Returns the bytes released.
     fn reclaim_for(&self, for_key: Option<u64>, want: u64) -> u64 {
         let mut got = 0;
-        for (spare, id, s) in self.donors(for_key) {
+        for (spare, donor) in self.donors(for_key) {
             if got >= want {
                 break;
             }
-            match s.pool.inner().reclaim(spare.min(want - got)) {
+            match donor.pool.reclaim(spare.min(want - got)) {
                 Ok(n) => {
                     got += n;
-                    self.ledger.lock().note_reclaimed(s.key, n);
-                    tracing::info!(from = %id, bytes = n, "reclaimed idle memory for another model");
+                    self.ledger.lock().note_reclaimed(donor.key, n);
+                    tracing::info!(from = %donor.id, bytes = n, "reclaimed idle memory for another model");
                 }
-                Err(e) => tracing::warn!(from = %id, error = %e, "reclaiming idle memory failed"),
+                Err(e) => {
+                    tracing::warn!(from = %donor.id, error = %e, "reclaiming idle memory failed")
+                }
             }
         }
         got

@@ -1,0 +1,209 @@
+//! Where a pool's physical chunks come from and go back to: the chunk-source stack.
+//!
+//! A request is served, in order, by the pool's own cache (taken under the pool's lock while
+//! the request is planned), by admission (a limit or the shared ledger), which may answer with
+//! chunks handed over from other models' idle memory, and by the backend, which creates what
+//! admission charged. Donated chunks arrive exactly like cached ones: the caller maps whatever
+//! it gets, and no request is planned twice.
+//!
+//! Every chunk a pool owns is in exactly one place: mapped (`State::chunks`), cached
+//! (`State::cache`), or *in flight*: held by an operation between two of those places or
+//! between the pool and the driver, counted in `Inner::in_flight`. Moves between the cache or
+//! the mapping and in flight happen under the pool's lock; charges and credits move bytes into
+//! and out of in flight inside admission's critical section. So `charge == mapped + cached +
+//! in flight` holds at every instant for whoever holds admission's lock and then the pool's.
+
+use std::sync::atomic::Ordering;
+
+use super::admission::{Acquired, Fit, Urgency};
+use super::mapper::bytes_of;
+use super::Inner;
+use crate::backend::PhysicalChunk;
+use crate::error::{Error, Result};
+
+/// Chunks [`Inner::obtain`] got, in flight.
+#[derive(Debug, Default)]
+pub(super) struct Obtained {
+    /// Handed over by other models (created and charged already).
+    pub(super) donated: Vec<PhysicalChunk>,
+    /// Created for this request.
+    pub(super) created: Vec<PhysicalChunk>,
+}
+
+impl Inner {
+    /// Bytes of chunks this pool holds in flight.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// New physical memory for at least `bytes` (chunks fitting `fit`): admission first (which
+    /// may hand over idle chunks of other models), then the backend for what was charged. The
+    /// chunks come back in flight. On failure nothing stays in flight: donated chunks go to the
+    /// cache, created ones back to the driver, uncreated charges are credited.
+    pub(super) fn obtain(&self, bytes: u64, urgency: Urgency, fit: Fit) -> Result<Obtained> {
+        if bytes == 0 {
+            return Ok(Obtained::default());
+        }
+        let Acquired {
+            mut donated,
+            charged,
+        } = self.acquire(bytes, urgency, fit);
+        let charged = match charged {
+            Ok(n) => n,
+            Err(e) if urgency == Urgency::Required && self.state.lock().cache.bytes() > 0 => {
+                // Our own cache may hold chunks of sizes this request cannot use; they count
+                // against the limit too: give them back and ask once more for what is missing.
+                let have = bytes_of(&donated);
+                if let Err(release) = self.release_cached(0) {
+                    self.stash(donated);
+                    return Err(release);
+                }
+                let again = self.acquire(bytes.saturating_sub(have), urgency, fit);
+                donated.extend(again.donated);
+                match again.charged {
+                    Ok(n) => n,
+                    Err(_) => {
+                        self.stash(donated);
+                        return Err(e);
+                    }
+                }
+            }
+            Err(e) => {
+                self.stash(donated);
+                return Err(e);
+            }
+        };
+        let mut created = Vec::new();
+        let mut left = charged;
+        while left > 0 {
+            let size = left.min(fit.max_chunk);
+            match self.call_create(size) {
+                Ok(c) => {
+                    created.push(c);
+                    left -= size;
+                }
+                Err(e) => {
+                    self.credit(left);
+                    // Failures here are logged and the chunks cached; the create error is the news.
+                    let _ = self.release_chunks(created);
+                    self.stash(donated);
+                    return Err(self.physical_error(e, bytes));
+                }
+            }
+        }
+        Ok(Obtained { donated, created })
+    }
+
+    fn acquire(&self, bytes: u64, urgency: Urgency, fit: Fit) -> Acquired {
+        match &self.admission {
+            Some(a) => a.acquire(bytes, urgency, fit, &self.in_flight),
+            None => {
+                self.in_flight.fetch_add(bytes, Ordering::AcqRel);
+                Acquired {
+                    donated: Vec::new(),
+                    charged: Ok(bytes),
+                }
+            }
+        }
+    }
+
+    /// Give back `bytes` charged but not held (released, or never created).
+    fn credit(&self, bytes: u64) {
+        match &self.admission {
+            Some(a) => a.credit(bytes, &self.in_flight),
+            None => {
+                self.in_flight.fetch_sub(bytes, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// A driver out-of-memory becomes [`Error::OutOfPhysicalMemory`] with the device's numbers.
+    fn physical_error(&self, e: Error, requested: u64) -> Error {
+        if !matches!(e, Error::Backend { .. }) || !e.is_out_of_memory() {
+            return e;
+        }
+        let available = self.backend.memory_info().map(|m| m.free).unwrap_or(0);
+        Error::OutOfPhysicalMemory {
+            requested,
+            available,
+            source_of_limit: format!(
+                "{} device {} ({e})",
+                self.backend.info().name,
+                self.backend.info().device_name
+            ),
+        }
+    }
+
+    /// Put in-flight chunks in the cache (then release what exceeds the cache cap).
+    pub(super) fn stash(&self, chunks: Vec<PhysicalChunk>) {
+        if chunks.is_empty() {
+            return;
+        }
+        let excess = {
+            let mut st = self.state.lock();
+            for &c in &chunks {
+                st.cache.put(c);
+            }
+            self.in_flight
+                .fetch_sub(bytes_of(&chunks), Ordering::AcqRel);
+            st.note_peaks();
+            match self.max_cached {
+                Some(cap) => self.take_out(st.cache.shrink_to(cap)),
+                None => Vec::new(),
+            }
+        };
+        // A chunk that cannot be released stays cached (logged): nothing is lost.
+        let _ = self.release_chunks(excess);
+    }
+
+    /// Count chunks just taken out of the cache or the mapping (under the pool's lock) as in
+    /// flight; returns them.
+    pub(super) fn take_out(&self, chunks: Vec<PhysicalChunk>) -> Vec<PhysicalChunk> {
+        self.in_flight
+            .fetch_add(bytes_of(&chunks), Ordering::AcqRel);
+        chunks
+    }
+
+    /// Release in-flight chunks that are mapped nowhere, crediting each; a chunk whose release
+    /// fails goes to the cache. Returns the bytes released and the first failure.
+    pub(crate) fn release_chunks(&self, chunks: Vec<PhysicalChunk>) -> (u64, Option<Error>) {
+        let mut released = 0;
+        let mut kept = Vec::new();
+        let mut first_err = None;
+        for c in chunks {
+            // SAFETY: callers pass in-flight chunks they took out of every structure, unmapped.
+            match unsafe { self.call_release(c) } {
+                Ok(()) => {
+                    released += c.size as u64;
+                    self.credit(c.size as u64);
+                }
+                Err(e) => {
+                    tracing::warn!(pool = %self.name, error = %e, "release failed; chunk kept in the cache");
+                    kept.push(c);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if !kept.is_empty() {
+            let mut st = self.state.lock();
+            for &c in &kept {
+                st.cache.put(c);
+            }
+            self.in_flight.fetch_sub(bytes_of(&kept), Ordering::AcqRel);
+        }
+        (released, first_err)
+    }
+
+    /// Release cached chunks until at most `keep` bytes stay cached.
+    pub(crate) fn release_cached(&self, keep: u64) -> Result<u64> {
+        let excess = {
+            let mut st = self.state.lock();
+            let c = st.cache.shrink_to(keep);
+            self.take_out(c)
+        };
+        match self.release_chunks(excess) {
+            (released, None) => Ok(released),
+            (_, Some(e)) => Err(e),
+        }
+    }
+}
