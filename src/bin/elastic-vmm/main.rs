@@ -4,10 +4,14 @@
 //! - `demo`: an elastic KV-cache workload (sequences growing block by block and finishing),
 //!   with stats as it goes and a summary against a static worst-case preallocation.
 //! - `multi`: three models with bursty, out-of-phase load sharing one budget smaller than the
-//!   sum of their peaks; per-model use over time, and an SVG plot of it.
+//!   sum of their peaks; per-model use over time, and an SVG plot of it (its folder is created
+//!   when missing).
+//!
+//! Built only with the crate's default feature `cli`, which brings clap and tracing-subscriber.
 
 mod demo;
 mod multi;
+mod output;
 mod plot;
 
 use std::process::ExitCode;
@@ -95,6 +99,35 @@ fn main() -> ExitCode {
 }
 
 pub type BoxError = Box<dyn std::error::Error>;
+
+/// A command-line argument that cannot work, with the numbers given.
+#[derive(Debug, thiserror::Error)]
+pub enum ArgError {
+    /// The arguments are inconsistent or out of range.
+    #[error("invalid arguments: {0}")]
+    Invalid(String),
+    /// A size computed from the arguments does not fit in 64 bits.
+    #[error("arguments too large: {what} = {a} x {b} overflows")]
+    Overflow {
+        /// What was being computed.
+        what: &'static str,
+        /// The operands.
+        a: u64,
+        /// The operands.
+        b: u64,
+    },
+}
+
+/// `a * b`, or an error naming `what` when it overflows.
+pub fn mul(what: &'static str, a: u64, b: u64) -> Result<u64, ArgError> {
+    a.checked_mul(b).ok_or(ArgError::Overflow { what, a, b })
+}
+
+/// A `u64` from the arguments as a `usize` (they are the same size on the 64-bit targets the
+/// crate supports, but the conversion is checked anyway).
+pub fn to_usize(what: &'static str, v: u64) -> Result<usize, ArgError> {
+    usize::try_from(v).map_err(|_| ArgError::Invalid(format!("{what} = {v} does not fit in usize")))
+}
 
 fn open_backend(
     choice: BackendChoice,
