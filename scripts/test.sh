@@ -58,6 +58,30 @@ cargo clippy --profile "$profile" --lib --no-default-features -- -D warnings
 step "tests on the host backend (real memfd memory), debug assertions and overflow checks on"
 cargo test --profile "$profile"
 
+step "command-line tool: demo and multi-model run (the binary the tests built)"
+# Not `cargo run`: without the dev-dependencies the tests pull in, some dependencies resolve
+# with other features and the tool would be built a second time. Ask cargo (nothing to build)
+# where the test build put it.
+cli=$(cargo test --profile "$profile" --no-run --quiet --message-format=json | python3 -c '
+import json, sys
+exes = [m["executable"] for m in map(json.loads, sys.stdin)
+        if m.get("reason") == "compiler-artifact" and m["target"]["kind"] == ["bin"]
+        and m["target"]["name"] == "elastic-vmm" and not m["profile"]["test"] and m["executable"]]
+print(exes[0] if exes else "")
+')
+[[ -x "$cli" ]] || {
+  echo "cargo reported no elastic-vmm binary" >&2
+  exit 1
+}
+"$cli" --backend host demo --sequences 60 --report-every 1000 >/dev/null
+# A folder that does not exist yet: the tool creates it.
+svg="$tmp/cli/plots/multi-model.svg"
+"$cli" --backend host multi --steps 120 --svg "$svg" >/dev/null
+head -c 5 "$svg" | grep -q '^<svg' || {
+  echo "multi wrote no SVG plot to $svg" >&2
+  exit 1
+}
+
 step "NIXL: the real library (PyPI wheel nixl-cu13), registration and transfers on host memory"
 nixl_libs=$(scripts/nixl-runtime.sh) # installs libclang-dev and g++ when missing; cached
 # UCX fails on an empty UCX_TLS; it moves host memory with CMA, and over TCP where CMA is blocked.
@@ -90,16 +114,6 @@ command -v unzip >/dev/null || {
   eval "$(CUDA13_LINK=0 ../shared/tools/cuda13-toolchain.sh)"
   cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle,nixl -- -D warnings
 )
-
-step "command-line tool: demo and multi-model run (the binary the tests built)"
-cargo run --profile "$profile" --quiet -- --backend host demo --sequences 60 --report-every 1000 >/dev/null
-# A folder that does not exist yet: the tool creates it.
-svg="$tmp/cli/plots/multi-model.svg"
-cargo run --profile "$profile" --quiet -- --backend host multi --steps 120 --svg "$svg" >/dev/null
-head -c 5 "$svg" | grep -q '^<svg' || {
-  echo "multi wrote no SVG plot to $svg" >&2
-  exit 1
-}
 
 end_step
 printf '\nall checks passed\n'

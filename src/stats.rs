@@ -217,7 +217,7 @@ mod tests {
         for (i, call) in DriverCall::ALL.into_iter().enumerate() {
             assert_eq!(s.get(call), i as u64 + 1, "{call}");
         }
-        assert_eq!(s.total(), (1..=DriverCall::ALL.len() as u64).sum());
+        assert_eq!(s.total(), (1..=DriverCall::ALL.len() as u64).sum::<u64>());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use elastic_vmm::stats::human_bytes;
 use elastic_vmm::{Allocation, Backend, DriverCall, Pool, PoolConfig};
 
-use crate::{mul, to_usize, ArgError, BoxError, DemoArgs};
+use crate::{at_least, mul, to_usize, ArgError, BoxError, DemoArgs};
 
 /// A tiny deterministic generator for the workload.
 pub struct Rng(pub u64);
@@ -52,22 +52,19 @@ impl Timing {
 }
 
 pub fn run(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
-    if a.concurrent == 0
-        || a.sequences == 0
-        || a.block_tokens == 0
-        || a.bytes_per_token == 0
-        || a.report_every == 0
-    {
-        return Err(ArgError::Invalid(format!(
-            "sequences ({}), concurrent ({}), block-tokens ({}), bytes-per-token ({}) and report-every ({}) must be positive",
-            a.sequences, a.concurrent, a.block_tokens, a.bytes_per_token, a.report_every
-        ))
-        .into());
+    for (what, v) in [
+        ("--sequences", a.sequences),
+        ("--concurrent", a.concurrent),
+        ("--block-tokens", a.block_tokens),
+        ("--bytes-per-token", a.bytes_per_token),
+        ("--report-every", a.report_every),
+    ] {
+        at_least(what, v as u64, 1)?;
     }
     if a.max_tokens / 2 < a.block_tokens {
         return Err(ArgError::Invalid(format!(
-            "max-tokens {} must be at least two blocks of {} tokens",
-            a.max_tokens, a.block_tokens
+            "--max-tokens must be at least two blocks of --block-tokens {}, got {}",
+            a.block_tokens, a.max_tokens
         ))
         .into());
     }

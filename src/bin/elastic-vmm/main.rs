@@ -118,6 +118,16 @@ pub enum ArgError {
     },
 }
 
+/// An error naming `what` unless `v` is at least `min`.
+pub fn at_least(what: &'static str, v: u64, min: u64) -> Result<(), ArgError> {
+    if v < min {
+        return Err(ArgError::Invalid(format!(
+            "{what} must be at least {min}, got {v}"
+        )));
+    }
+    Ok(())
+}
+
 /// `a * b`, or an error naming `what` when it overflows.
 pub fn mul(what: &'static str, a: u64, b: u64) -> Result<u64, ArgError> {
     a.checked_mul(b).ok_or(ArgError::Overflow { what, a, b })
@@ -185,4 +195,83 @@ fn info(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
         human_bytes(mem.total)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> Result<(), BoxError> {
+        let mut argv = vec!["elastic-vmm", "--backend", "host"];
+        argv.extend_from_slice(args);
+        run(Cli::try_parse_from(argv).expect("arguments parse"))
+    }
+
+    #[test]
+    fn bad_numbers_are_errors_that_name_them_not_panics() {
+        for (args, expect) in [
+            (
+                &["demo", "--report-every", "0"][..],
+                "--report-every must be at least 1, got 0",
+            ),
+            (&["demo", "--concurrent", "0"][..], "--concurrent"),
+            (&["demo", "--max-tokens", "31"][..], "--max-tokens"),
+            (
+                &[
+                    "demo",
+                    "--block-tokens",
+                    "4294967296",
+                    "--bytes-per-token",
+                    "4294967296",
+                    "--max-tokens",
+                    "18446744073709551615",
+                ][..],
+                "4294967296 x 4294967296 overflows",
+            ),
+            (
+                &["multi", "--steps", "1"][..],
+                "--steps must be at least 2, got 1",
+            ),
+            (&["multi", "--report-every", "0"][..], "--report-every"),
+            (
+                &["multi", "--scale-mib", "18446744073709551615"][..],
+                "overflows",
+            ),
+            (
+                &["multi", "--block-kib", "18446744073709551615"][..],
+                "overflows",
+            ),
+            (
+                &["multi", "--budget-percent", "18446744073709551615"][..],
+                "global budget",
+            ),
+        ] {
+            let err = run_args(args).expect_err("refused").to_string();
+            assert!(err.contains(expect), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn multi_writes_its_plot_into_a_folder_it_creates() {
+        let dir =
+            std::env::temp_dir().join(format!("elastic-vmm-cli-multi-{}", std::process::id()));
+        let svg = dir.join("new/folder/multi.svg");
+        let svg_arg = svg.to_str().expect("utf-8 temporary path");
+        let result = run_args(&[
+            "multi",
+            "--steps",
+            "6",
+            "--scale-mib",
+            "16",
+            "--period",
+            "3",
+            "--svg",
+            svg_arg,
+        ]);
+        let written = std::fs::read_to_string(&svg);
+        let _ = std::fs::remove_dir_all(&dir);
+        result.expect("multi runs");
+        let written = written.expect("the plot exists");
+        assert!(written.starts_with("<svg") && written.trim_end().ends_with("</svg>"));
+    }
 }

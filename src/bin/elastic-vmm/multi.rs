@@ -12,7 +12,7 @@ use elastic_vmm::{Allocation, Backend, Error, ModelConfig, SharedPool, SharedPoo
 
 use crate::output;
 use crate::plot::{self, Series};
-use crate::{mul, to_usize, ArgError, BoxError};
+use crate::{at_least, mul, to_usize, ArgError, BoxError};
 
 #[derive(clap::Args, Clone)]
 pub struct MultiArgs {
@@ -59,12 +59,14 @@ fn load(step: usize, period: usize, phase: f64) -> f64 {
 }
 
 pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
-    if a.steps < 2 || a.period == 0 || a.block_kib == 0 || a.scale_mib == 0 || a.report_every == 0 {
-        return Err(ArgError::Invalid(format!(
-            "steps ({}) must be at least 2, and period ({}), block-kib ({}), scale-mib ({}) and report-every ({}) positive",
-            a.steps, a.period, a.block_kib, a.scale_mib, a.report_every
-        ))
-        .into());
+    at_least("--steps", a.steps as u64, 2)?;
+    for (what, v) in [
+        ("--period", a.period as u64),
+        ("--block-kib", a.block_kib),
+        ("--scale-mib", a.scale_mib),
+        ("--report-every", a.report_every as u64),
+    ] {
+        at_least(what, v, 1)?;
     }
     let block = mul("block size (block-kib x 1024)", a.block_kib, 1024)?;
     let largest = mul("largest peak (scale-mib x 1 MiB)", a.scale_mib, 1 << 20)?;
