@@ -2,22 +2,85 @@
 # The project's test command (README, command 2); CI's .ci/run calls it on a clean clone.
 # On a fresh machine of this kind (Debian, 2 cores, no GPU) it installs what it needs by itself.
 #
-#   scripts/test.sh          format, lints, every host test
+#   scripts/test.sh          format, lints, every host test, NIXL, every feature, the CLI
+#
+# Everything is built and run in ONE cargo profile, `ci` (Cargo.toml): optimised like release,
+# with debug assertions and overflow checks on, so the tests catch broken invariants and
+# wrapping arithmetic at release speed, and nothing is built twice for two profiles. It lives in
+# <target dir>/ci, wherever CARGO_TARGET_DIR points; files the script writes go to a temporary
+# folder, never into ./target. Each step's wall time is printed at the end.
 #
 # GPU tests are a separate target run on a GPU machine: see README, "GPU tests".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n== %s\n' "$*"; }
+profile=ci
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-vmm-test.XXXXXX")
+
+# Step timing: microseconds from bash's EPOCHREALTIME, no external tools.
+now_us() { local t=${EPOCHREALTIME/[.,]/}; echo "$((10#$t))"; }
+script_start=$(now_us)
+step_name=""
+step_start=0
+timings=()
+end_step() {
+  [[ -n "$step_name" ]] || return 0
+  local ms=$((($(now_us) - step_start) / 1000))
+  timings+=("$(printf '%6d.%01ds  %s' $((ms / 1000)) $((ms % 1000 / 100)) "$step_name")")
+  step_name=""
+}
+step() {
+  end_step
+  step_name="$*"
+  step_start=$(now_us)
+  printf '\n== %s\n' "$*"
+}
+finish() {
+  local rc=$?
+  end_step
+  rm -rf "$tmp"
+  local ms=$((($(now_us) - script_start) / 1000))
+  printf '\nwall time per step (profile %s):\n' "$profile"
+  printf '  %s\n' "${timings[@]}"
+  printf '  %6d.%01ds  total%s\n' $((ms / 1000)) $((ms % 1000 / 100)) "$([[ $rc -ne 0 ]] && echo ", FAILED (exit $rc)")"
+}
+trap finish EXIT
 
 step "format"
 cargo fmt --all -- --check
 
 step "lint (default features, GPU targets included)"
-cargo clippy --all-targets --features gpu-tests -- -D warnings
+cargo clippy --profile "$profile" --all-targets --features gpu-tests -- -D warnings
 
-step "tests on the host backend (real memfd memory)"
-cargo test --release
+step "lint (the library alone, no default features: no clap, no tracing-subscriber)"
+cargo clippy --profile "$profile" --lib --no-default-features -- -D warnings
+
+step "tests on the host backend (real memfd memory), debug assertions and overflow checks on"
+cargo test --profile "$profile"
+
+step "command-line tool: demo and multi-model run (the binary the tests built)"
+# Not `cargo run`: without the dev-dependencies the tests pull in, some dependencies resolve
+# with other features and the tool would be built a second time. Ask cargo (nothing to build)
+# where the test build put it.
+cli=$(cargo test --profile "$profile" --no-run --quiet --message-format=json | python3 -c '
+import json, sys
+exes = [m["executable"] for m in map(json.loads, sys.stdin)
+        if m.get("reason") == "compiler-artifact" and m["target"]["kind"] == ["bin"]
+        and m["target"]["name"] == "elastic-vmm" and not m["profile"]["test"] and m["executable"]]
+print(exes[0] if exes else "")
+')
+[[ -x "$cli" ]] || {
+  echo "cargo reported no elastic-vmm binary" >&2
+  exit 1
+}
+"$cli" --backend host demo --sequences 60 --report-every 1000 >/dev/null
+# A folder that does not exist yet: the tool creates it.
+svg="$tmp/cli/plots/multi-model.svg"
+"$cli" --backend host multi --steps 120 --svg "$svg" >/dev/null
+head -c 5 "$svg" | grep -q '^<svg' || {
+  echo "multi wrote no SVG plot to $svg" >&2
+  exit 1
+}
 
 step "NIXL: the real library (PyPI wheel nixl-cu13), registration and transfers on host memory"
 nixl_libs=$(scripts/nixl-runtime.sh) # installs libclang-dev and g++ when missing; cached
@@ -39,7 +102,7 @@ then
 fi
 # A missing library fails these tests instead of skipping them.
 LD_LIBRARY_PATH="$nixl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ELASTIC_VMM_REQUIRE_NIXL=1 \
-  cargo test --release --features nixl --test nixl -- --nocapture
+  cargo test --profile "$profile" --features nixl --test nixl -- --nocapture
 
 step "every feature (candle with its CUDA backend, NIXL): build and lint, no GPU needed"
 # The CUDA 13 compiler comes from PyPI wheels (../shared/tools/cuda13-toolchain.sh, ~130 MB once,
@@ -49,11 +112,8 @@ command -v unzip >/dev/null || {
 }
 (
   eval "$(CUDA13_LINK=0 ../shared/tools/cuda13-toolchain.sh)"
-  cargo clippy --all-targets --features gpu-tests,candle,nixl -- -D warnings
+  cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle,nixl -- -D warnings
 )
 
-step "command-line tool: demo and multi-model run"
-cargo run --release --quiet -- --backend host demo --sequences 60 --report-every 1000 >/dev/null
-cargo run --release --quiet -- --backend host multi --steps 120 --svg target/multi-model.svg >/dev/null
-
+end_step
 printf '\nall checks passed\n'

@@ -37,16 +37,20 @@ impl DriverCalls {
         self.counts[call.index()]
     }
 
-    /// All calls together.
+    /// All calls together (saturating: a sum past `u64::MAX` reads `u64::MAX`).
     pub fn total(&self) -> u64 {
-        self.counts.iter().sum()
+        self.counts.iter().fold(0, |a, &c| a.saturating_add(c))
     }
 
     /// Calls made between `earlier` and `self`.
+    ///
+    /// Counts only grow, so each kind is `self - earlier`; where `earlier` is the larger (the
+    /// snapshots swapped, or taken from two different pools) that kind reads 0 rather than
+    /// wrapping or panicking.
     pub fn since(&self, earlier: &DriverCalls) -> DriverCalls {
         let mut counts = self.counts;
         for (c, e) in counts.iter_mut().zip(earlier.counts) {
-            *c -= e;
+            *c = c.saturating_sub(e);
         }
         DriverCalls { counts }
     }
@@ -157,5 +161,75 @@ impl fmt::Display for PoolStats {
             self.live_allocations,
             self.driver_calls
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn calls(pairs: &[(DriverCall, u64)]) -> DriverCalls {
+        let counters = DriverCounters::default();
+        for &(call, n) in pairs {
+            for _ in 0..n {
+                counters.bump(call);
+            }
+        }
+        counters.snapshot()
+    }
+
+    #[test]
+    fn since_subtracts_per_kind() {
+        let before = calls(&[(DriverCall::Map, 2), (DriverCall::Create, 1)]);
+        let after = calls(&[
+            (DriverCall::Map, 5),
+            (DriverCall::Create, 1),
+            (DriverCall::Unmap, 3),
+        ]);
+        let d = after.since(&before);
+        assert_eq!(d.get(DriverCall::Map), 3);
+        assert_eq!(d.get(DriverCall::Create), 0);
+        assert_eq!(d.get(DriverCall::Unmap), 3);
+        assert_eq!(d.total(), 6);
+        assert_eq!(d.to_string(), "map=3 unmap=3");
+    }
+
+    #[test]
+    fn since_with_snapshots_swapped_reads_zero_instead_of_overflowing() {
+        // With overflow checks on (scripts/test.sh's profile) this panicked before `since`
+        // saturated; in a build without them it wrapped to ~2^64.
+        let before = calls(&[(DriverCall::Map, 1)]);
+        let after = calls(&[(DriverCall::Map, 4), (DriverCall::SetAccess, 2)]);
+        let swapped = before.since(&after);
+        assert_eq!(swapped.get(DriverCall::Map), 0);
+        assert_eq!(swapped.get(DriverCall::SetAccess), 0);
+        assert_eq!(swapped.total(), 0);
+        assert_eq!(swapped.to_string(), "none");
+        assert_eq!(after.since(&after), DriverCalls::default());
+    }
+
+    #[test]
+    fn counters_count_each_kind_apart() {
+        let counters = DriverCounters::default();
+        for (i, call) in DriverCall::ALL.into_iter().enumerate() {
+            for _ in 0..=i {
+                counters.bump(call);
+            }
+        }
+        let s = counters.snapshot();
+        for (i, call) in DriverCall::ALL.into_iter().enumerate() {
+            assert_eq!(s.get(call), i as u64 + 1, "{call}");
+        }
+        assert_eq!(s.total(), (1..=DriverCall::ALL.len() as u64).sum::<u64>());
+    }
+
+    #[test]
+    fn human_bytes_uses_binary_units() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1024), "1.00 KiB");
+        assert_eq!(human_bytes(3 << 20), "3.00 MiB");
+        // PiB is the largest unit: 2^64 bytes read as 16384 PiB.
+        assert_eq!(human_bytes(u64::MAX), "16384.00 PiB");
     }
 }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::{Backend, Pool, PoolConfig};
 
-/// `(VmRSS, RssShmem)` of this process in bytes, from `/proc/self/status`.
+/// `(VmRSS, RssShmem)` of this process in bytes, from `/proc/self/status`. Differences below
+/// saturate: resident memory can move either way, and a drop where a rise was expected must fail
+/// the assertion with its message, not panic on overflow (the suite runs with overflow checks).
 fn resident() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
     let field = |key: &str| -> u64 {
@@ -19,7 +21,8 @@ fn resident() -> (u64, u64) {
             .expect("value")
             .parse::<u64>()
             .expect("number")
-            * 1024
+            .checked_mul(1024)
+            .expect("a resident size in bytes fits in u64")
     };
     (field("VmRSS:"), field("RssShmem:"))
 }
@@ -49,9 +52,9 @@ fn resident_memory_drops_after_unmap_and_trim() {
     let (rss1, shmem1) = resident();
     println!("before: VmRSS {rss0} RssShmem {shmem0}; loaded: VmRSS {rss1} RssShmem {shmem1}");
     assert!(
-        shmem1 - shmem0 >= 380 * MIB,
-        "384 MiB touched should be resident: +{} bytes",
-        shmem1 - shmem0
+        shmem1.saturating_sub(shmem0) >= 380 * MIB,
+        "384 MiB touched should be resident: {:+} bytes",
+        i128::from(shmem1) - i128::from(shmem0)
     );
     assert!(backend.physical_bytes().expect("blocks") >= 384 * MIB);
 
@@ -68,14 +71,14 @@ fn resident_memory_drops_after_unmap_and_trim() {
     let (rss2, shmem2) = resident();
     println!("after unmap + trim: VmRSS {rss2} RssShmem {shmem2}");
     assert!(
-        shmem1 - shmem2 >= 380 * MIB,
+        shmem1.saturating_sub(shmem2) >= 380 * MIB,
         "RssShmem dropped only {} bytes",
-        shmem1 - shmem2
+        i128::from(shmem1) - i128::from(shmem2)
     );
     assert!(
-        rss1 - rss2 >= 380 * MIB,
+        rss1.saturating_sub(rss2) >= 380 * MIB,
         "VmRSS dropped only {} bytes",
-        rss1 - rss2
+        i128::from(rss1) - i128::from(rss2)
     );
     assert_eq!(
         backend.physical_bytes().expect("blocks"),

@@ -5,7 +5,9 @@
 //! same semantics with `mmap` and a `memfd` on any Linux machine; the [`cuda`] backend uses the
 //! CUDA driver's VMM API. Adaptors such as [`fault::FaultInjector`] wrap any backend.
 
+pub mod counting;
 pub mod cuda;
+pub mod delay;
 pub mod fault;
 pub mod host;
 

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use elastic_vmm::stats::human_bytes;
 use elastic_vmm::{Allocation, Backend, DriverCall, Pool, PoolConfig};
 
-use crate::{BoxError, DemoArgs};
+use crate::{at_least, mul, to_usize, ArgError, BoxError, DemoArgs};
 
 /// A tiny deterministic generator for the workload.
 pub struct Rng(pub u64);
@@ -52,26 +52,43 @@ impl Timing {
 }
 
 pub fn run(backend: Arc<dyn Backend>, a: &DemoArgs) -> Result<(), BoxError> {
-    if a.concurrent == 0 || a.sequences == 0 || a.block_tokens == 0 || a.bytes_per_token == 0 {
-        return Err(
-            "sequences, concurrent, block-tokens and bytes-per-token must be positive".into(),
-        );
+    for (what, v) in [
+        ("--sequences", a.sequences),
+        ("--concurrent", a.concurrent),
+        ("--block-tokens", a.block_tokens),
+        ("--bytes-per-token", a.bytes_per_token),
+        ("--report-every", a.report_every),
+    ] {
+        at_least(what, v as u64, 1)?;
     }
-    if a.max_tokens < 2 * a.block_tokens {
-        return Err(format!(
-            "max-tokens {} must be at least two blocks of {} tokens",
-            a.max_tokens, a.block_tokens
-        )
+    if a.max_tokens / 2 < a.block_tokens {
+        return Err(ArgError::Invalid(format!(
+            "--max-tokens must be at least two blocks of --block-tokens {}, got {}",
+            a.block_tokens, a.max_tokens
+        ))
         .into());
     }
-    let block_bytes = a.block_tokens * a.bytes_per_token;
-    let blocks_per_seq = a.max_tokens.div_ceil(a.block_tokens);
-    let static_bytes = (a.concurrent * blocks_per_seq * block_bytes) as u64;
+    let block_bytes = mul(
+        "block bytes (block-tokens x bytes-per-token)",
+        a.block_tokens as u64,
+        a.bytes_per_token as u64,
+    )?;
+    let blocks_per_seq = a.max_tokens.div_ceil(a.block_tokens) as u64;
+    let static_bytes = mul(
+        "static worst case (concurrent x blocks per sequence x block bytes)",
+        mul(
+            "blocks in the static cache",
+            a.concurrent as u64,
+            blocks_per_seq,
+        )?,
+        block_bytes,
+    )?;
     // Reserve address space for twice the static worst case: virtual memory is free.
-    let capacity = (2 * static_bytes).max(1 << 30);
+    let capacity = mul("address space to reserve", 2, static_bytes)?.max(1 << 30);
+    let block_bytes = to_usize("block bytes", block_bytes)?;
     let pool = Pool::new(
         backend.clone(),
-        PoolConfig::new(capacity as usize).name("demo"),
+        PoolConfig::new(to_usize("address space to reserve", capacity)?).name("demo"),
     )?;
     let info = backend.info();
     println!(

@@ -4,10 +4,14 @@
 //! - `demo`: an elastic KV-cache workload (sequences growing block by block and finishing),
 //!   with stats as it goes and a summary against a static worst-case preallocation.
 //! - `multi`: three models with bursty, out-of-phase load sharing one budget smaller than the
-//!   sum of their peaks; per-model use over time, and an SVG plot of it.
+//!   sum of their peaks; per-model use over time, and an SVG plot of it (its folder is created
+//!   when missing).
+//!
+//! Built only with the crate's default feature `cli`, which brings clap and tracing-subscriber.
 
 mod demo;
 mod multi;
+mod output;
 mod plot;
 
 use std::process::ExitCode;
@@ -96,6 +100,45 @@ fn main() -> ExitCode {
 
 pub type BoxError = Box<dyn std::error::Error>;
 
+/// A command-line argument that cannot work, with the numbers given.
+#[derive(Debug, thiserror::Error)]
+pub enum ArgError {
+    /// The arguments are inconsistent or out of range.
+    #[error("invalid arguments: {0}")]
+    Invalid(String),
+    /// A size computed from the arguments does not fit in 64 bits.
+    #[error("arguments too large: {what} = {a} x {b} overflows")]
+    Overflow {
+        /// What was being computed.
+        what: &'static str,
+        /// The operands.
+        a: u64,
+        /// The operands.
+        b: u64,
+    },
+}
+
+/// An error naming `what` unless `v` is at least `min`.
+pub fn at_least(what: &'static str, v: u64, min: u64) -> Result<(), ArgError> {
+    if v < min {
+        return Err(ArgError::Invalid(format!(
+            "{what} must be at least {min}, got {v}"
+        )));
+    }
+    Ok(())
+}
+
+/// `a * b`, or an error naming `what` when it overflows.
+pub fn mul(what: &'static str, a: u64, b: u64) -> Result<u64, ArgError> {
+    a.checked_mul(b).ok_or(ArgError::Overflow { what, a, b })
+}
+
+/// A `u64` from the arguments as a `usize` (they are the same size on the 64-bit targets the
+/// crate supports, but the conversion is checked anyway).
+pub fn to_usize(what: &'static str, v: u64) -> Result<usize, ArgError> {
+    usize::try_from(v).map_err(|_| ArgError::Invalid(format!("{what} = {v} does not fit in usize")))
+}
+
 fn open_backend(
     choice: BackendChoice,
     device: i32,
@@ -152,4 +195,83 @@ fn info(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
         human_bytes(mem.total)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> Result<(), BoxError> {
+        let mut argv = vec!["elastic-vmm", "--backend", "host"];
+        argv.extend_from_slice(args);
+        run(Cli::try_parse_from(argv).expect("arguments parse"))
+    }
+
+    #[test]
+    fn bad_numbers_are_errors_that_name_them_not_panics() {
+        for (args, expect) in [
+            (
+                &["demo", "--report-every", "0"][..],
+                "--report-every must be at least 1, got 0",
+            ),
+            (&["demo", "--concurrent", "0"][..], "--concurrent"),
+            (&["demo", "--max-tokens", "31"][..], "--max-tokens"),
+            (
+                &[
+                    "demo",
+                    "--block-tokens",
+                    "4294967296",
+                    "--bytes-per-token",
+                    "4294967296",
+                    "--max-tokens",
+                    "18446744073709551615",
+                ][..],
+                "4294967296 x 4294967296 overflows",
+            ),
+            (
+                &["multi", "--steps", "1"][..],
+                "--steps must be at least 2, got 1",
+            ),
+            (&["multi", "--report-every", "0"][..], "--report-every"),
+            (
+                &["multi", "--scale-mib", "18446744073709551615"][..],
+                "overflows",
+            ),
+            (
+                &["multi", "--block-kib", "18446744073709551615"][..],
+                "overflows",
+            ),
+            (
+                &["multi", "--budget-percent", "18446744073709551615"][..],
+                "global budget",
+            ),
+        ] {
+            let err = run_args(args).expect_err("refused").to_string();
+            assert!(err.contains(expect), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn multi_writes_its_plot_into_a_folder_it_creates() {
+        let dir =
+            std::env::temp_dir().join(format!("elastic-vmm-cli-multi-{}", std::process::id()));
+        let svg = dir.join("new/folder/multi.svg");
+        let svg_arg = svg.to_str().expect("utf-8 temporary path");
+        let result = run_args(&[
+            "multi",
+            "--steps",
+            "6",
+            "--scale-mib",
+            "16",
+            "--period",
+            "3",
+            "--svg",
+            svg_arg,
+        ]);
+        let written = std::fs::read_to_string(&svg);
+        let _ = std::fs::remove_dir_all(&dir);
+        result.expect("multi runs");
+        let written = written.expect("the plot exists");
+        assert!(written.starts_with("<svg") && written.trim_end().ends_with("</svg>"));
+    }
 }

@@ -2,6 +2,7 @@
 //! smaller than the sum of their peaks. Each model allocates and frees KV blocks to follow its
 //! load; memory one model freed and keeps idle is reclaimed by another that needs it.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,8 +10,9 @@ use elastic_vmm::shared::SharedStats;
 use elastic_vmm::stats::human_bytes;
 use elastic_vmm::{Allocation, Backend, Error, ModelConfig, SharedPool, SharedPoolConfig};
 
+use crate::output;
 use crate::plot::{self, Series};
-use crate::BoxError;
+use crate::{at_least, mul, to_usize, ArgError, BoxError};
 
 #[derive(clap::Args, Clone)]
 pub struct MultiArgs {
@@ -32,9 +34,9 @@ pub struct MultiArgs {
     /// Print a line every this many steps.
     #[arg(long, default_value_t = 40)]
     pub report_every: usize,
-    /// Where to write the SVG plot.
+    /// Where to write the SVG plot (missing folders are created).
     #[arg(long, default_value = "multi-model.svg")]
-    pub svg: String,
+    pub svg: PathBuf,
 }
 
 struct Model {
@@ -57,18 +59,32 @@ fn load(step: usize, period: usize, phase: f64) -> f64 {
 }
 
 pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
-    if a.steps < 2 || a.period == 0 || a.block_kib == 0 || a.scale_mib == 0 {
-        return Err("steps >= 2, and period, block-kib and scale-mib > 0".into());
+    at_least("--steps", a.steps as u64, 2)?;
+    for (what, v) in [
+        ("--period", a.period as u64),
+        ("--block-kib", a.block_kib),
+        ("--scale-mib", a.scale_mib),
+        ("--report-every", a.report_every as u64),
+    ] {
+        at_least(what, v, 1)?;
     }
-    let mib = 1u64 << 20;
-    let block = a.block_kib * 1024;
+    let block = mul("block size (block-kib x 1024)", a.block_kib, 1024)?;
+    let largest = mul("largest peak (scale-mib x 1 MiB)", a.scale_mib, 1 << 20)?;
     let peaks = [
-        a.scale_mib * mib,
-        a.scale_mib * mib * 4 / 5,
-        a.scale_mib * mib * 3 / 5,
+        largest,
+        mul("second peak", largest, 4)? / 5,
+        mul("third peak", largest, 3)? / 5,
     ];
-    let sum_of_peaks: u64 = peaks.iter().sum();
-    let budget = sum_of_peaks * a.budget_percent / 100;
+    let sum_of_peaks = peaks
+        .iter()
+        .try_fold(0u64, |acc, &p| acc.checked_add(p))
+        .ok_or_else(|| {
+            ArgError::Invalid(format!(
+                "the sum of the peaks {} + {} + {} overflows",
+                peaks[0], peaks[1], peaks[2]
+            ))
+        })?;
+    let budget = mul("global budget", sum_of_peaks, a.budget_percent)? / 100;
     let shared = SharedPool::new(
         backend.clone(),
         SharedPoolConfig::new().global_limit(budget),
@@ -82,7 +98,12 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
     for (i, (name, color, phase)) in spec.into_iter().enumerate() {
         // Each model may use up to its own peak; the budget is what they must share.
         let handle = shared.register(
-            ModelConfig::new(name, (4 * peaks[i]) as usize, peaks[i]).priority(i as i32),
+            ModelConfig::new(
+                name,
+                to_usize("model capacity", mul("model capacity", 4, peaks[i])?)?,
+                peaks[i],
+            )
+            .priority(i as i32),
         )?;
         models.push(Model {
             name,
@@ -115,6 +136,7 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
         "{:>5}  {:>21}  {:>21}  {:>21}  {:>10}",
         "step", "chat in use/held", "code in use/held", "embed in use/held", "budget use"
     );
+    let block_len = to_usize("block size", block)?;
     let started = Instant::now();
     let mut peak_global = 0;
     for step in 0..a.steps {
@@ -124,7 +146,7 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
                 m.blocks.pop();
             }
             while m.blocks.len() < target {
-                match m.handle.allocate(block as usize) {
+                match m.handle.allocate(block_len) {
                     Ok(b) => m.blocks.push(b),
                     Err(Error::AdmissionRefused { .. }) => {
                         // The request waits for memory: it is retried next step.
@@ -191,8 +213,8 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
         budget,
         sum_of_peaks,
     );
-    std::fs::write(&a.svg, svg).map_err(|e| format!("writing {}: {e}", a.svg))?;
-    println!("  plot written to {}", a.svg);
+    output::write_file(&a.svg, svg.as_bytes())?;
+    println!("  plot written to {}", a.svg.display());
     Ok(())
 }
 

@@ -35,7 +35,7 @@ pub fn render(title: &str, series: &[Series], budget: u64, sum_of_peaks: u64) ->
     let top_value = series
         .iter()
         .map(|s| s.physical.iter().copied().max().unwrap_or(0))
-        .sum::<u64>()
+        .fold(0u64, u64::saturating_add)
         .max(budget)
         .max(sum_of_peaks);
     let ymax = gib(top_value) * 1.08;
@@ -103,7 +103,7 @@ pub fn render(title: &str, series: &[Series], budget: u64, sum_of_peaks: u64) ->
     for s in series {
         let mut top = base.clone();
         for (i, v) in s.physical.iter().enumerate() {
-            top[i] += v;
+            top[i] = top[i].saturating_add(*v);
         }
         let mut d = String::new();
         for (i, v) in top.iter().enumerate() {
