@@ -228,7 +228,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///   must be ordered after it, by a synchronize or an event recorded on `stream` after it);
     /// - the two ranges do not overlap;
     /// - every other use of `dst`, and every write of `src`, is ordered with `stream` (queued on
-    ///   it, or joined to it by events), so that nothing races the copy on the GPU;
+    ///   it, joined to it by events, or on a blocking stream when `stream` is the legacy one,
+    ///   which CUDA orders implicitly), so that nothing races the copy on the GPU;
     /// - `stream` is a live stream of this device's primary context, or one of the two special
     ///   handles above.
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
