@@ -337,4 +337,38 @@ impl Backend for CudaBackend {
             format!("{len} bytes at {addr:#x}"),
         ))
     }
+
+    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller guarantees both ranges are mapped with access until the copy ran,
+        // that nothing races it, and that `stream` is a stream handle of this context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, raw_stream(stream)) }.map_err(
+            driver_error(
+                "cuMemcpyDtoDAsync",
+                format!("{bytes} bytes from {src:#x} to {dst:#x} on stream {stream:#x}"),
+            ),
+        )
+    }
+
+    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: as for `copy_async`, for the one range.
+        unsafe { result::memset_d8_async(addr, byte, bytes, raw_stream(stream)) }.map_err(
+            driver_error(
+                "cuMemsetD8Async",
+                format!("{bytes} bytes at {addr:#x} to {byte:#04x} on stream {stream:#x}"),
+            ),
+        )
+    }
+}
+
+/// A stream handle passed as an integer, as the driver's `CUstream` (a handle, not memory).
+fn raw_stream(stream: u64) -> sys::CUstream {
+    std::ptr::without_provenance_mut(stream as usize)
 }

@@ -214,6 +214,54 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// As for [`Backend::write`].
     unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
+
+    /// Queue a copy of `bytes` bytes from device memory at `src` to `dst` on the GPU stream
+    /// `stream` (a raw `CUstream` handle as an integer: `1` is CUDA's legacy default stream,
+    /// `2` the calling thread's per-thread default stream), in stream order, without waiting.
+    /// `bytes == 0` queues nothing and succeeds on every backend that supports the call.
+    ///
+    /// Backends that queue no GPU work (the host backend) keep this default, which fails with
+    /// a [`crate::Error::Backend`] whose code is `UNSUPPORTED`. The `candle` module queues its
+    /// copies and zero fills through these two calls, and upholds their contracts.
+    ///
+    /// # Safety
+    /// - `src..src + bytes` and `dst..dst + bytes` lie in memory of this backend's device that
+    ///   is mapped with access, and stay mapped until the GPU has executed the copy (an unmap
+    ///   must be ordered after it, by a synchronize or an event recorded on `stream` after it);
+    /// - the two ranges do not overlap;
+    /// - every other use of `dst`, and every write of `src`, is ordered with `stream` (queued on
+    ///   it, joined to it by events, or on a blocking stream when `stream` is the legacy one,
+    ///   which CUDA orders implicitly), so that nothing races the copy on the GPU;
+    /// - `stream` is a live stream of this device's primary context, or one of the two special
+    ///   handles above.
+    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
+        let _ = (dst, src, bytes, stream);
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "copy_async",
+            "UNSUPPORTED",
+            "this backend queues no stream-ordered copies",
+        ))
+    }
+
+    /// Queue setting `bytes` bytes at `addr` to `byte` on the GPU stream `stream`, in stream
+    /// order, without waiting. Handles, zero sizes and the default as for
+    /// [`Backend::copy_async`].
+    ///
+    /// # Safety
+    /// - `addr..addr + bytes` lies in memory of this backend's device that is mapped with
+    ///   access, and stays mapped until the GPU has executed the fill;
+    /// - every other use of that range is ordered with `stream`;
+    /// - `stream` is a live stream of this device's primary context, or a special handle.
+    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
+        let _ = (addr, bytes, byte, stream);
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "fill_async",
+            "UNSUPPORTED",
+            "this backend queues no stream-ordered fills",
+        ))
+    }
 }
 
 /// The embedded default: CUDA device 0 when a CUDA driver and a VMM-capable GPU are present,

@@ -9,11 +9,12 @@
 //!   is tracked: [`ElasticKv::release`] of a block under a live view is refused (with the block
 //!   and the views named) instead of unmapping memory a tensor still points at;
 //! - [`ElasticKv::gather`], [`ElasticKv::write`] and [`ElasticKv::write_blocks`] work on the
-//!   whole tensor internally (one `index_select`, or one copy into the blocks) after checking that every block they touch is backed, and hold those
-//!   blocks against release while they queue their kernel;
+//!   whole tensor internally (one `index_select`, or one copy into the blocks on the device's
+//!   ordering stream) after checking that every block they touch is backed, and hold those
+//!   blocks against release while they queue their work;
 //! - a release waits for the GPU to finish the work queued before it, then unmaps.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
@@ -22,16 +23,11 @@ use candle_core::{DType, Device, Shape, Tensor};
 use parking_lot::Mutex;
 
 use super::orphans::{self, Orphan};
-use super::slices::{with_device_ptr, Fences, Tracker};
+use super::retire::{settle, Batch, Wait};
+use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker};
 use super::{candle_error, element_size, TensorPool};
 use crate::backing::{BackingChange, BackingStats, BlockBacking, UniformBlocks};
 use crate::error::{Error, Result};
-
-/// Whether candle 0.11 ships a copy kernel (`copy2d_*`) for `dtype`; it has none for I16 and
-/// I32, whose writes go through a copy-engine transfer instead.
-fn has_copy_kernel(dtype: DType) -> bool {
-    !matches!(dtype, DType::I16 | DType::I32)
-}
 
 /// Views are pruned on creation once they exceed twice the survivors of the last prune plus
 /// this many.
@@ -46,8 +42,9 @@ const PRUNE_SLACK: usize = 16;
 ///   is tracked: [`ElasticKv::release`] of a block under a live view is refused (with the block
 ///   and the view named) instead of unmapping memory a tensor still points at;
 /// - [`ElasticKv::gather`], [`ElasticKv::write`] and [`ElasticKv::write_blocks`] work on the
-///   whole tensor internally (one `index_select`, or one copy into the blocks) after checking that every block they touch is backed, and hold those blocks
-///   against release while they queue their kernel;
+///   whole tensor internally (one `index_select`, or one copy into the blocks on the device's
+///   ordering stream) after checking that every block they touch is backed, and hold those
+///   blocks against release while they queue their work;
 /// - a release waits for the GPU to finish the work queued before it, then unmaps.
 ///
 /// ```no_run
@@ -75,12 +72,18 @@ pub struct ElasticKv {
 
 /// Everything an elastic tensor holds. Fields drop in order: the internal tensor first, then the
 /// GPU finishes its queued work, then the pages are unmapped.
+///
+/// It holds the parts of its [`TensorPool`] it uses, not the tensor pool itself, so that
+/// dropping a core (which a non-blocking reap does) never drops a tensor pool, whose drop waits.
 struct Core {
     whole: Whole,
-    _finish: FinishGpuWork,
+    finish: FinishGpuWork,
     backing: BlockBacking<UniformBlocks>,
     book: Mutex<Book>,
-    tensors: TensorPool,
+    device: Device,
+    slices: Arc<SliceFactory>,
+    fences: Arc<Fences>,
+    queue: Queue,
     shape: Shape,
     block_shape: Vec<usize>,
     dtype: DType,
@@ -92,18 +95,29 @@ struct Core {
 struct Whole {
     /// `[max_blocks, ...block_shape]`.
     blocks: Tensor,
-    /// The same storage as `[max_blocks * block_shape[0], ...block_shape[1..]]`.
-    rows: Tensor,
-    /// Orders this module's copies on the candle device's stream.
-    tracker: Tracker,
 }
 
-/// Waits, when dropped, for the GPU to finish everything queued on the device's stream.
-struct FinishGpuWork(Arc<Fences>);
+/// Waits, when dropped, for the GPU to finish everything queued on the device's ordering stream
+/// (every kernel of the device, from any thread), unless the GPU is known to be past every use
+/// of the tensor already.
+struct FinishGpuWork {
+    fences: Arc<Fences>,
+    needed: bool,
+}
+
+impl FinishGpuWork {
+    /// The GPU has passed a fence recorded after the last use of the tensor.
+    fn passed(&mut self) {
+        self.needed = false;
+    }
+}
 
 impl Drop for FinishGpuWork {
     fn drop(&mut self) {
-        if let Err(e) = self.0.synchronize() {
+        if !self.needed {
+            return;
+        }
+        if let Err(e) = self.fences.synchronize() {
             tracing::error!(error = %e, "waiting for the GPU before unmapping an elastic tensor failed");
         }
     }
@@ -250,7 +264,7 @@ impl ElasticKv {
             .checked_mul(max_blocks as u64)
             .ok_or_else(overflow)?;
         let region = tensors.pool().reserve_region(total)?;
-        let addr = region.addr();
+        let addr = region_addr(&region);
         let backing = BlockBacking::new(
             region,
             UniformBlocks::packed(max_blocks, block_bytes),
@@ -262,14 +276,11 @@ impl ElasticKv {
         let shape = Shape::from(dims);
         let ctx = tensors.slices().take_context()?;
         // SAFETY: the region holds `max_blocks` blocks of `block_shape` elements and lives as
-        // long as this tensor (fields drop in order: the tensor, a GPU synchronize, then the
+        // long as this tensor (fields drop in order: the tensor, the GPU past its work, then the
         // backing). Parts of it are unmapped: the tensor never leaves this module, whose
         // kernels touch only blocks checked to be backed and held against release meanwhile.
-        let (blocks, tracker) =
-            unsafe { tensors.slices().tensor(ctx, addr, shape.clone(), dtype)? };
-        let mut rows_dims = vec![max_blocks * block_shape[0]];
-        rows_dims.extend_from_slice(&block_shape[1..]);
-        let rows = blocks.reshape(rows_dims).map_err(candle_error("reshape"))?;
+        // Its tracker is not needed: the tensor lives exactly as long as the core.
+        let (blocks, _) = unsafe { tensors.slices().tensor(ctx, addr, shape.clone(), dtype)? };
         tracing::debug!(
             max_blocks,
             ?block_shape,
@@ -279,19 +290,21 @@ impl ElasticKv {
         );
         Ok(ElasticKv {
             core: Arc::new(Core {
-                whole: Whole {
-                    blocks,
-                    rows,
-                    tracker,
+                whole: Whole { blocks },
+                finish: FinishGpuWork {
+                    fences: tensors.fences().clone(),
+                    needed: true,
                 },
-                _finish: FinishGpuWork(tensors.fences().clone()),
                 backing,
                 book: Mutex::new(Book {
                     pinned: vec![0; max_blocks],
                     releasing: vec![false; max_blocks],
                     ..Book::default()
                 }),
-                tensors: tensors.clone(),
+                device: tensors.device().clone(),
+                slices: tensors.slices().clone(),
+                fences: tensors.fences().clone(),
+                queue: tensors.queue().clone(),
                 shape,
                 block_shape: block_shape.to_vec(),
                 dtype,
@@ -333,7 +346,7 @@ impl ElasticKv {
 
     /// The candle device.
     pub fn device(&self) -> &Device {
-        self.core.tensors.device()
+        &self.core.device
     }
 
     /// Whether `block` is backed now.
@@ -371,8 +384,7 @@ impl ElasticKv {
         checked?;
         let result = self
             .core
-            .tensors
-            .fences()
+            .fences
             .synchronize()
             .and_then(|()| self.core.backing.release(blocks.iter().copied()));
         let mut book = self.core.book.lock();
@@ -418,11 +430,11 @@ impl ElasticKv {
                 blocks.start, blocks.end
             )));
         }
-        let slices = self.core.tensors.slices();
+        let slices = &self.core.slices;
         let ctx = slices.take_context()?;
         let mut dims = vec![blocks.len()];
         dims.extend_from_slice(&self.core.block_shape);
-        let addr = self.core.backing.region().addr() + blocks.start as u64 * self.core.block_bytes;
+        let addr = self.base_addr() + blocks.start as u64 * self.core.block_bytes;
         let (dead, absorbed, made) = {
             let mut book = self.core.book.lock();
             let (dead, absorbed) = if book.views.len() > 2 * book.survivors + PRUNE_SLACK {
@@ -484,7 +496,9 @@ impl ElasticKv {
 
     /// Write `src` (`[n, ...block_shape[1..]]`, e.g. `n` tokens of `[kv_heads, head_dim]`) into
     /// block `block` at positions `at..at + n` of its first dimension. The block must be backed;
-    /// `src` must be on this tensor's candle device.
+    /// `src` must be on this tensor's candle device. One copy on the device's ordering stream:
+    /// after every kernel queued before on the device (by any thread, so `src` may come from
+    /// another thread), before every kernel queued after.
     pub fn write(&self, block: usize, at: usize, src: &Tensor) -> Result<()> {
         let bs = self.core.block_shape[0];
         let dims = src.dims();
@@ -501,31 +515,50 @@ impl ElasticKv {
         self.check_source(src)?;
         self.check_indices([block])?;
         let blocks = [block];
-        let _pin = self.pin("write", &blocks)?;
+        let pin = self.pin("write", &blocks)?;
         let row = block * bs + at;
-        if has_copy_kernel(self.core.dtype) {
-            // One small copy kernel costs the CPU less than a copy-engine transfer.
-            let src = src.contiguous().map_err(candle_error("contiguous"))?;
-            return self
-                .core
-                .whole
-                .rows
-                .slice_set(&src, 0, row)
-                .map_err(candle_error("slice_set"));
-        }
         let row_bytes = self.core.block_bytes / bs as u64;
-        self.copy_in(row as u64 * row_bytes, src)
+        self.copy_in(&pin, row as u64 * row_bytes, src)
     }
 
-    /// Copy `src` (checked: same dtype and device, fits) to `at` bytes into the region, in
-    /// stream order: one copy-engine transfer, whatever kernels candle ships for the dtype.
-    fn copy_in(&self, at: u64, src: &Tensor) -> Result<()> {
+    /// Copy `src` (checked: same dtype and device, fits in the blocks `pin` holds) to `at` bytes
+    /// into the region: one copy on the ordering stream, whatever kernels candle ships for the
+    /// dtype (two, through candle memory, when `src` is a view of these very blocks).
+    fn copy_in(&self, _pin: &Pin<'_>, at: u64, src: &Tensor) -> Result<()> {
         let src = src.contiguous().map_err(candle_error("contiguous"))?;
         let bytes = src.elem_count() * self.core.dtype.size_in_bytes();
-        let dst = self.core.backing.region().addr() + at;
+        let dst = self.base_addr() + at;
+        let queue = &self.core.queue;
+        // SAFETY (copies below): `dst..dst + bytes` lies in blocks that `_pin` holds backed
+        // and unreleased until it drops, and a later release waits for the GPU (a synchronize
+        // on the ordering stream) before it unmaps. `src` is a live contiguous tensor of the
+        // same device, held by `with_device_ptr` until the copy is queued and freed (by candle
+        // or by a collect behind a fence) only in stream order after it. Other users of both
+        // are candle kernels of the device, which the ordering stream is in order with.
         with_device_ptr(&src, |from| {
-            self.core.whole.tracker.copy_from(dst, from, bytes)
+            let overlap = from < dst + bytes as u64 && dst < from + bytes as u64;
+            if !overlap {
+                // SAFETY: see above; the ranges are disjoint.
+                return unsafe { queue.copy(dst, from, bytes) };
+            }
+            // A view of these blocks written onto them: through a buffer of candle's own.
+            // SAFETY: every byte of the buffer is written by the first copy before it is read.
+            let buffer = unsafe { Tensor::empty(src.shape(), src.dtype(), &self.core.device) }
+                .map_err(candle_error("empty"))?;
+            with_device_ptr(&buffer, |tmp| {
+                // SAFETY: see above; the fresh buffer overlaps neither range, and candle frees
+                // it with a stream-ordered free queued after these copies.
+                unsafe {
+                    queue.copy(tmp, from, bytes)?;
+                    queue.copy(dst, tmp, bytes)
+                }
+            })
         })
+    }
+
+    /// The address of block 0.
+    fn base_addr(&self) -> u64 {
+        region_addr(self.core.backing.region())
     }
 
     /// Write whole blocks: `src` (`[n, ...block_shape]`) into blocks `first..first + n`, which
@@ -547,8 +580,8 @@ impl ElasticKv {
         }
         self.check_source(src)?;
         let blocks: Vec<usize> = (first..first + n).collect();
-        let _pin = self.pin("write_blocks", &blocks)?;
-        self.copy_in(first as u64 * self.core.block_bytes, src)
+        let pin = self.pin("write_blocks", &blocks)?;
+        self.copy_in(&pin, first as u64 * self.core.block_bytes, src)
     }
 
     /// A snapshot (dead views are pruned first).
@@ -653,12 +686,23 @@ impl ElasticKv {
 
     /// Recycle the contexts of dead views (outside the book's lock).
     fn retire(&self, dead: Vec<Tracker>, absorbed: u64) {
-        let slices = self.core.tensors.slices();
-        slices.count_absorbed(absorbed);
+        self.core.retire(dead, absorbed);
+    }
+}
+
+impl Core {
+    /// Recycle the contexts of dead views (outside the book's lock).
+    fn retire(&self, dead: Vec<Tracker>, absorbed: u64) {
+        self.slices.count_absorbed(absorbed);
         for t in dead {
-            slices.retire(t);
+            self.slices.retire(t);
         }
     }
+}
+
+/// The start of a region. One place, so that a change of the backing's accessors is one line.
+fn region_addr(region: &crate::Region) -> u64 {
+    region.addr()
 }
 
 impl Drop for ElasticKv {
@@ -678,29 +722,55 @@ impl Drop for ElasticKv {
             );
             orphans::adopt(Box::new(OrphanKv {
                 core: self.core.clone(),
+                last_use: VecDeque::new(),
             }));
         }
     }
 }
 
-/// An elastic tensor dropped while views of it live: kept whole until they are gone.
+/// An elastic tensor dropped while views of it live: kept whole until they are gone and the GPU
+/// has passed a fence recorded after that.
 struct OrphanKv {
     core: Arc<Core>,
+    /// Once no view is left: the fence after their last kernels (one batch, nothing in it).
+    last_use: VecDeque<Batch<(), Fence>>,
 }
 
 impl Orphan for OrphanKv {
-    fn reap(&mut self) -> bool {
-        let (dead, absorbed, live) = {
-            let mut book = self.core.book.lock();
-            let (dead, absorbed) = book.prune();
-            (dead, absorbed, book.views.len())
-        };
-        let slices = self.core.tensors.slices();
-        slices.count_absorbed(absorbed);
-        for t in dead {
-            slices.retire(t);
+    fn reap(&mut self, wait: Wait) -> bool {
+        if self.last_use.is_empty() {
+            let (dead, absorbed, live) = {
+                let mut book = self.core.book.lock();
+                let (dead, absorbed) = book.prune();
+                (dead, absorbed, book.views.len())
+            };
+            self.core.retire(dead, absorbed);
+            if live > 0 {
+                return false;
+            }
+            // Every kernel on the views was queued before they died, so before this fence.
+            let (batch, err) = Batch::fenced(&*self.core.fences, Vec::new(), 0);
+            if let Some(e) = err {
+                tracing::warn!(error = %e, "fencing an orphaned elastic tensor failed; a later reap retries");
+            }
+            self.last_use.push_back(batch);
         }
-        // When nothing is left, dropping `self` drops the core: synchronize, then unmap.
-        live == 0
+        let settled = settle(&*self.core.fences, std::mem::take(&mut self.last_use), wait);
+        if let Some(e) = settled.error {
+            tracing::warn!(error = %e, "checking the fence of an orphaned elastic tensor failed; its memory stays mapped for now");
+        }
+        let Some(done) = settled.passed.into_iter().next() else {
+            self.last_use = settled.waiting;
+            return false;
+        };
+        if let Some(f) = done.fence {
+            self.core.fences.recycle(f);
+        }
+        // The GPU is past every use: dropping the core (ours is the last handle once the
+        // elastic tensor's drop has finished) unmaps without waiting again.
+        if let Some(core) = Arc::get_mut(&mut self.core) {
+            core.finish.passed();
+        }
+        true
     }
 }

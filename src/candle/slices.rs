@@ -1,5 +1,6 @@
 //! Candle storage over pool memory, the private CUDA contexts that keep cudarc's failed frees
-//! away from the user's device, and fences that tell when the GPU is done with memory.
+//! away from the user's device, the stream our copies go on, and fences that tell when the GPU
+//! is done with memory.
 //!
 //! cudarc's `CudaSlice` frees its memory on drop with `cuMemFreeAsync` on the slice's stream and
 //! stores a failure as the sticky error of that stream's `CudaContext` object; the next checked
@@ -13,30 +14,60 @@
 //! - once every slice over it is gone, the context's error is absorbed (counted) and the context
 //!   is reused for the next tensor, so the steady state makes no driver call to create one.
 //!
-//! The slice's stream is a borrowed wrapper of the candle device's stream on the private context:
-//! what cudarc does through the slice's stream (host reads, `Tensor::copy`, the failed free) is
-//! in stream order with the kernels candle launches on the device's stream.
+//! The slice's stream is a borrowed wrapper of the device's *ordering stream* (see
+//! [`ordering_stream`] and the module documentation of `candle`) on the private context: what
+//! cudarc does through the slice's stream (host reads, `Tensor::copy`, the failed free) is in
+//! order with the kernels candle launches on the device, from any thread.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    result, sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DriverError,
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DriverError,
 };
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, DType, Shape, Storage, Tensor};
 use parking_lot::Mutex;
 
+use super::retire::FenceSource;
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 
 /// Idle private contexts kept for reuse; beyond this they are released.
 const MAX_IDLE_CONTEXTS: usize = 1024;
 /// Spare fence events kept for reuse.
 const MAX_SPARE_EVENTS: usize = 64;
-/// cudarc's handle for the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`),
-/// which candle's `Device::new_cuda` uses.
-const PER_THREAD_STREAM: usize = 0x2;
+/// CUDA's handle for the legacy default stream of the current context (`CU_STREAM_LEGACY`).
+pub(crate) const LEGACY_STREAM: u64 = 0x1;
+/// CUDA's handle for the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`),
+/// which candle 0.11's `Device::new_cuda` launches every kernel on
+/// (`CudaContext::per_thread_stream`).
+pub(crate) const PER_THREAD_STREAM: u64 = 0x2;
+
+/// The stream that orders our copies, fills, host reads and fences with the kernels of a candle
+/// device whose stream handle is `device_stream`, whatever thread queues them.
+///
+/// - A device of `Device::new_cuda` launches on the per-thread default stream of whichever
+///   thread runs the operation, so two threads' kernels are on two streams. The legacy default
+///   stream is the one stream ordered with all of them: work queued on it starts after all work
+///   queued before on every blocking stream of the context (every thread's per-thread stream is
+///   one), and work queued on those afterwards starts after it. So: the legacy stream.
+/// - A device on the legacy stream (handle 0 or 1): the same.
+/// - A device with a stream of its own (`Device::new_cuda_with_stream`, a non-blocking stream,
+///   which the legacy stream is *not* ordered with): every thread launches on that one stream,
+///   so that stream.
+pub(crate) fn ordering_stream(device_stream: u64) -> u64 {
+    match device_stream {
+        0 | LEGACY_STREAM | PER_THREAD_STREAM => LEGACY_STREAM,
+        own => own,
+    }
+}
+
+/// The raw stream handle of a candle CUDA device, as an integer (raw pointers are not `Send`).
+pub(crate) fn device_stream(device: &CudaDevice) -> u64 {
+    device.cuda_stream().cu_stream().addr() as u64
+}
 
 /// A driver failure as this crate's error.
 pub(crate) fn cuda_error(
@@ -124,44 +155,59 @@ impl Tracker {
             }
         }
     }
+}
 
-    /// Make the device's primary context current for a raw driver call on our stream.
-    fn bind(&self) -> Result<()> {
+/// Copies and fills in stream order on a device's ordering stream, queued through the pool's
+/// backend (the only code that calls the driver for them).
+#[derive(Debug, Clone)]
+pub(crate) struct Queue {
+    backend: Arc<dyn Backend>,
+    stream: u64,
+}
+
+impl Queue {
+    /// Copies and fills through `backend` on the ordering stream of `device`.
+    pub(crate) fn new(backend: Arc<dyn Backend>, device: &CudaDevice) -> Self {
+        Queue {
+            backend,
+            stream: ordering_stream(device_stream(device)),
+        }
+    }
+
+    /// The ordering stream's raw handle.
+    pub(crate) fn stream(&self) -> u64 {
         self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda_error("cuCtxSetCurrent", "private context"))
     }
 
-    /// Copy `bytes` from device memory at `src` to `dst` in stream order on the candle device's
-    /// stream (a plain copy engine transfer: every dtype, whatever kernels candle ships).
-    pub(crate) fn copy_from(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
+    /// Check that the backend queues stream-ordered copies and fills, with a zero-byte call of
+    /// each (no driver call on a backend that supports them).
+    pub(crate) fn check_supported(&self) -> Result<()> {
+        // SAFETY: zero bytes name no memory; the stream is the device's ordering stream.
+        unsafe {
+            self.backend.copy_async(0, 0, 0, self.stream)?;
+            self.backend.fill_async(0, 0, 0, self.stream)
         }
-        self.bind()?;
-        // SAFETY: `dst..dst + bytes` is the caller's fresh pool tensor, mapped with access;
-        // `src..src + bytes` is a live candle tensor's memory on this device, kept alive by the
-        // caller until the copy is queued; both are ordered by this one stream.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(
-            cuda_error(
-                "cuMemcpyDtoDAsync",
-                format!("{bytes} bytes from {src:#x} to {dst:#x}"),
-            ),
-        )
     }
 
-    /// Zero `bytes` at `addr` in stream order on the candle device's stream.
-    pub(crate) fn zero(&self, addr: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        // SAFETY: `addr..addr + bytes` is mapped with access (the caller's tensor lives on it)
-        // and the memset is queued on the stream every user of that tensor is ordered by.
-        unsafe { result::memset_d8_async(addr, 0, bytes, self.stream.cu_stream()) }.map_err(
-            cuda_error("cuMemsetD8Async", format!("{bytes} bytes at {addr:#x}")),
-        )
+    /// Copy `bytes` from device memory at `src` to `dst`, in order on the ordering stream.
+    ///
+    /// # Safety
+    /// Both ranges are device memory of this backend's device, mapped with access until the GPU
+    /// has run the copy (memory of live tensors, or pool memory given back only behind a fence
+    /// recorded on the ordering stream after the copy); they do not overlap; every other use of
+    /// them is a candle kernel of the device or work on the ordering stream.
+    pub(crate) unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract is the backend's, and the stream is the ordering stream.
+        unsafe { self.backend.copy_async(dst, src, bytes, self.stream) }
+    }
+
+    /// Zero `bytes` at `addr`, in order on the ordering stream.
+    ///
+    /// # Safety
+    /// As for [`Queue::copy`], for the one range.
+    pub(crate) unsafe fn zero(&self, addr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: as above.
+        unsafe { self.backend.fill_async(addr, bytes, 0, self.stream) }
     }
 }
 
@@ -169,8 +215,8 @@ impl Tracker {
 pub(crate) struct SliceFactory {
     device: CudaDevice,
     ordinal: usize,
-    /// The device's raw `CUstream` (kept as an integer: raw pointers are not `Send`).
-    stream: usize,
+    /// The ordering stream's raw handle (see [`ordering_stream`]).
+    stream: u64,
     idle: Mutex<Vec<Arc<CudaContext>>>,
     created: AtomicU64,
     absorbed: AtomicU64,
@@ -189,7 +235,7 @@ impl std::fmt::Debug for SliceFactory {
 impl SliceFactory {
     pub(crate) fn new(device: &CudaDevice, ordinal: usize) -> Self {
         SliceFactory {
-            stream: device.cuda_stream().cu_stream() as usize,
+            stream: ordering_stream(device_stream(device)),
             device: device.clone(),
             ordinal,
             idle: Mutex::new(Vec::new()),
@@ -223,9 +269,10 @@ impl SliceFactory {
             "cuDevicePrimaryCtxRetain",
             format!("private context on device {}", self.ordinal),
         ))?;
-        // SAFETY: slices on this context are used only on the candle device's one stream, in
-        // stream order (see the module documentation), so they need no cross-stream events;
-        // without them `upgrade_device_ptr` makes no driver call and cannot panic.
+        // SAFETY: slices on this context are used by candle's kernels and on the ordering
+        // stream, which are in order with each other (see `ordering_stream`), so they need no
+        // cross-stream events; without them `upgrade_device_ptr` makes no driver call and
+        // cannot panic.
         unsafe { ctx.disable_event_tracking() };
         self.created.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(ordinal = self.ordinal, "private context created");
@@ -279,10 +326,10 @@ impl SliceFactory {
         dtype: DType,
     ) -> Result<(Tensor, Tracker)> {
         let elems = shape.elem_count();
-        // SAFETY: the raw stream is the candle device's; every storage made here holds a clone
-        // of that device, and so does this factory, which keeps the stream alive while the
-        // wrapper can be used.
-        let stream = unsafe { ctx.wrap_borrowed_stream(self.stream as sys::CUstream) };
+        // SAFETY: the raw stream is the legacy stream (valid in every context) or the candle
+        // device's own; every storage made here holds a clone of that device, and so does this
+        // factory, which keeps the stream alive while the wrapper can be used.
+        let stream = unsafe { ctx.wrap_borrowed_stream(raw_stream(self.stream)) };
         macro_rules! over {
             ($variant:ident) => {
                 // SAFETY: the caller guarantees the memory (see above); the slice's failed
@@ -315,12 +362,17 @@ impl SliceFactory {
     }
 }
 
-/// A point in the candle device's stream; passed once the GPU has done everything queued before.
+/// A raw stream handle as the driver's `CUstream` (a handle, not memory).
+fn raw_stream(stream: u64) -> sys::CUstream {
+    std::ptr::without_provenance_mut(stream as usize)
+}
+
+/// A point in the ordering stream; passed once the GPU has done everything queued before.
 #[derive(Debug)]
 pub(crate) struct Fence(CudaEvent);
 
-/// Fences on one candle device's stream, recorded through a context of our own (whose error
-/// slot only these events use).
+/// Fences on one candle device's ordering stream, recorded through a context of our own (whose
+/// error slot only these events use).
 #[derive(Debug)]
 pub(crate) struct Fences {
     /// Keeps the stream of `target` alive.
@@ -335,16 +387,12 @@ impl Fences {
             "cuDevicePrimaryCtxRetain",
             format!("fence context on device {ordinal}"),
         ))?;
-        let raw = device.cuda_stream().cu_stream() as usize;
-        // Candle's default device launches on the per-thread default stream of whichever thread
-        // runs an operation; an event on the legacy default stream comes after the work of every
-        // blocking stream, all threads' per-thread streams included. Other streams get theirs.
-        let target = if raw == 0 || raw == PER_THREAD_STREAM {
-            control.default_stream()
-        } else {
-            // SAFETY: the stream is the candle device's, kept alive by `_device`.
-            unsafe { control.wrap_borrowed_stream(raw as sys::CUstream) }
-        };
+        // An event on the legacy stream comes after the work of every blocking stream, every
+        // thread's per-thread stream included; a device's own stream gets its own events.
+        let stream = ordering_stream(device_stream(device));
+        // SAFETY: the legacy stream is valid in every context; a device's own stream is kept
+        // alive by `_device`.
+        let target = unsafe { control.wrap_borrowed_stream(raw_stream(stream)) };
         Ok(Fences {
             _device: device.clone(),
             target,
@@ -352,7 +400,7 @@ impl Fences {
         })
     }
 
-    /// A fence after everything queued so far.
+    /// A fence after everything queued so far on the ordering stream. Never blocks.
     pub(crate) fn record(&self) -> Result<Fence> {
         let spare = self.spare.lock().pop();
         let event = match spare {
@@ -399,14 +447,79 @@ impl Fences {
             return;
         }
         drop(spare);
+        // Destroying the event is a driver call: outside the lock.
         drop(fence);
     }
 
-    /// Block until the GPU has done everything queued so far.
+    /// Block until the GPU has done everything queued so far on the ordering stream.
     pub(crate) fn synchronize(&self) -> Result<()> {
         let fence = self.record()?;
         let waited = self.wait(&fence);
         self.recycle(fence);
         waited
+    }
+}
+
+impl FenceSource for Fences {
+    type Fence = Fence;
+
+    fn record(&self) -> Result<Fence> {
+        Fences::record(self)
+    }
+
+    fn is_passed(&self, fence: &Fence) -> Result<bool> {
+        Fences::is_passed(self, fence)
+    }
+
+    fn wait(&self, fence: &Fence) -> Result<()> {
+        Fences::wait(self, fence)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Fences::synchronize(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_thread_and_legacy_devices_are_ordered_by_the_legacy_stream() {
+        assert_eq!(LEGACY_STREAM, 1, "CU_STREAM_LEGACY in cuda.h");
+        assert_eq!(PER_THREAD_STREAM, 2, "CU_STREAM_PER_THREAD in cuda.h");
+        for device in [0, LEGACY_STREAM, PER_THREAD_STREAM] {
+            assert_eq!(ordering_stream(device), LEGACY_STREAM, "{device:#x}");
+        }
+    }
+
+    #[test]
+    fn a_backend_that_queues_no_gpu_work_is_refused_up_front() {
+        use crate::backend::fault::FaultInjector;
+        use crate::backend::host::{HostBackend, DEFAULT_GRANULARITY};
+
+        let host: Arc<dyn Backend> = Arc::new(HostBackend::new(DEFAULT_GRANULARITY).unwrap());
+        let wrapped: Arc<dyn Backend> = Arc::new(FaultInjector::new(host.clone()));
+        for backend in [host, wrapped] {
+            let queue = Queue {
+                backend,
+                stream: LEGACY_STREAM,
+            };
+            let err = queue.check_supported().unwrap_err();
+            assert!(
+                matches!(&err, Error::Backend { call: "copy_async", code, .. } if code == "UNSUPPORTED"),
+                "{err}"
+            );
+            // SAFETY: zero bytes name no memory.
+            let fill = unsafe { queue.zero(0, 0) }.unwrap_err();
+            assert!(fill.to_string().contains("fill_async"), "{fill}");
+        }
+    }
+
+    #[test]
+    fn a_device_with_its_own_stream_is_ordered_by_that_stream() {
+        for own in [0x5555_0000_1000, 0x7f00_dead_b000, 3] {
+            assert_eq!(ordering_stream(own), own);
+        }
     }
 }

@@ -8,7 +8,8 @@ use candle_core::{DType, Device, DeviceLocation, Shape, Tensor};
 use parking_lot::Mutex;
 
 use super::orphans::{self, Orphan};
-use super::slices::{with_device_ptr, Fence, Fences, SliceFactory, Tracker};
+use super::retire::{settle, Batch, Wait};
+use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker};
 use super::{candle_error, element_size, ElasticKv};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
@@ -50,8 +51,9 @@ struct Shared {
     pool: Pool,
     device: Device,
     ordinal: usize,
-    slices: SliceFactory,
+    slices: Arc<SliceFactory>,
     fences: Arc<Fences>,
+    queue: Queue,
     state: Mutex<State>,
 }
 
@@ -62,12 +64,17 @@ struct Live {
     bytes: u64,
 }
 
-/// Memory of dead tensors waiting for the GPU to pass a fence. `fence: None`: recording one
-/// failed, only a blocking collect (which synchronizes) gives it back.
-struct Retired {
-    fence: Option<Fence>,
-    allocs: Vec<Allocation>,
-    bytes: u64,
+/// Memory of dead tensors waiting for the GPU to pass a fence (one batch per collect that found
+/// some).
+type Retired = Batch<Allocation, Fence>;
+
+/// Whether a collect looks for dead tensors or only checks the fences of those found before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scan {
+    /// Scan the live tensors for dead ones.
+    LiveTensors,
+    /// Only check fences.
+    FencesOnly,
 }
 
 #[derive(Default)]
@@ -156,15 +163,23 @@ impl TensorPool {
                 info.name
             )));
         }
+        let queue = Queue::new(pool.backend().clone(), cuda);
+        queue.check_supported()?;
         let fences = Arc::new(Fences::new(cuda, ordinal)?);
-        tracing::debug!(pool = %pool.name(), ordinal, "tensor pool ready");
+        tracing::debug!(
+            pool = %pool.name(),
+            ordinal,
+            stream = format_args!("{:#x}", queue.stream()),
+            "tensor pool ready"
+        );
         Ok(TensorPool {
             shared: Arc::new(Shared {
                 pool: pool.clone(),
                 device: device.clone(),
                 ordinal,
-                slices: SliceFactory::new(cuda, ordinal),
+                slices: Arc::new(SliceFactory::new(cuda, ordinal)),
                 fences,
+                queue,
                 state: Mutex::new(State::default()),
             }),
         })
@@ -191,14 +206,17 @@ impl TensorPool {
         self.shared.allocate(shape.into(), dtype, Init::None)
     }
 
-    /// A contiguous tensor of zeros (set in stream order on the device's stream).
+    /// A contiguous tensor of zeros (a fill queued on the device's ordering stream: in order
+    /// with every kernel on the tensor, from any thread).
     pub fn zeros(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
         self.shared.allocate(shape.into(), dtype, Init::Zero)
     }
 
     /// A pool tensor holding a copy of `src` (from any device; a host tensor goes to the GPU
-    /// first). The bytes move with one device-to-device copy in stream order, so every dtype
-    /// works, including those candle 0.11 has no copy kernel for (`I16`, `I32`).
+    /// first). The bytes move with one device-to-device copy on the device's ordering stream,
+    /// after every kernel queued before on the device by any thread (so `src` may have been
+    /// computed by another thread), and every dtype works, including those candle 0.11 has no
+    /// copy kernel for (`I16`, `I32`).
     pub fn copy_in(&self, src: &Tensor) -> Result<Tensor> {
         let src = src
             .to_device(&self.shared.device)
@@ -218,23 +236,27 @@ impl TensorPool {
         ElasticKv::new(self, max_blocks, block_shape, dtype)
     }
 
-    /// Find the tensors that are gone, put their memory behind a fence on the device's stream,
-    /// and give back the memory whose fence the GPU has passed. Never blocks.
+    /// Find the tensors that are gone, put their memory behind a fence on the device's ordering
+    /// stream, and give back the memory whose fence the GPU has passed; the same for the
+    /// remains of dropped tensor pools and elastic tensors ([`super::reap_orphans`]). Never
+    /// waits for the GPU: fences are recorded and queried, never waited for, so memory that a
+    /// kernel in flight may still use goes back at a later collect.
     pub fn collect(&self) -> Result<CollectReport> {
-        self.shared.collect(false)
+        self.shared.collect(Wait::Poll)
     }
 
-    /// As [`TensorPool::collect`], and wait for the GPU to pass every fence: afterwards the
+    /// As [`TensorPool::collect`], and wait for the GPU to pass every fence (those of dropped
+    /// tensor pools and elastic tensors too, [`super::reap_orphans_blocking`]): afterwards the
     /// memory of every tensor dropped before the call is the pool's again (except what another
     /// thread's collect, running at the same moment, has in hand: that one gives it back).
     pub fn collect_blocking(&self) -> Result<CollectReport> {
-        self.shared.collect(true)
+        self.shared.collect(Wait::Block)
     }
 
     /// A snapshot, taken after a non-blocking [`TensorPool::collect`] so that the numbers are
     /// current (a failing collect is logged, the snapshot still returned).
     pub fn stats(&self) -> TensorPoolStats {
-        if let Err(e) = self.shared.collect(false) {
+        if let Err(e) = self.shared.collect(Wait::Poll) {
             tracing::warn!(error = %e, "collect before stats failed");
         }
         self.snapshot()
@@ -254,12 +276,16 @@ impl TensorPool {
         }
     }
 
-    pub(crate) fn slices(&self) -> &SliceFactory {
+    pub(crate) fn slices(&self) -> &Arc<SliceFactory> {
         &self.shared.slices
     }
 
     pub(crate) fn fences(&self) -> &Arc<Fences> {
         &self.shared.fences
+    }
+
+    pub(crate) fn queue(&self) -> &Queue {
+        &self.shared.queue
     }
 }
 
@@ -283,9 +309,9 @@ impl Shared {
                 what: "tensor bytes",
                 detail: format!("{shape:?} of {dtype:?}"),
             })?;
-        let (scan, fences) = self.collect_due();
-        if scan || fences {
-            self.collect_with(false, scan)?;
+        if let Some(scan) = self.collect_due() {
+            orphans::reap(Wait::Poll);
+            self.collect_with(Wait::Poll, scan)?;
         }
         // An empty tensor still gets an address of its own.
         let want = bytes.max(elem);
@@ -293,7 +319,7 @@ impl Shared {
             Ok(a) => a,
             Err(e) if e.is_out_of_memory() => {
                 // Dead tensors may hold what is missing: give it back and try once more.
-                let report = self.collect(true)?;
+                let report = self.collect(Wait::Block)?;
                 if report.returned == 0 {
                     return Err(e);
                 }
@@ -309,10 +335,15 @@ impl Shared {
         let (tensor, tracker) = unsafe { self.slices.tensor(ctx, addr, shape, dtype)? };
         let zeroed = match init {
             Init::None => Ok(()),
-            Init::Zero => tracker.zero(addr, bytes),
-            Init::CopyOf(src) if bytes > 0 => {
-                with_device_ptr(src, |from| tracker.copy_from(addr, from, bytes))
-            }
+            // SAFETY: `addr..addr + bytes` is the new tensor's mapped memory, kept until a fence
+            // recorded on the ordering stream after this fill has passed; no one else has it yet.
+            Init::Zero => unsafe { self.queue.zero(addr, bytes) },
+            Init::CopyOf(src) if bytes > 0 => with_device_ptr(src, |from| {
+                // SAFETY: the destination as above; `src` is a live contiguous tensor of the
+                // same device, shape and dtype, held until the copy is queued and freed by
+                // candle only in stream order after it (a different allocation: no overlap).
+                unsafe { self.queue.copy(addr, from, bytes) }
+            }),
             Init::CopyOf(_) => Ok(()),
         };
         {
@@ -329,26 +360,33 @@ impl Shared {
         zeroed.map(|()| tensor)
     }
 
-    /// Whether the live list is due for a scan (its size or bytes doubled since the last one:
-    /// O(1) per allocation on average), and whether fences are pending (checked in order, so
-    /// that costs one query while the GPU is behind).
-    fn collect_due(&self) -> (bool, bool) {
+    /// Whether an allocation should collect first: a scan when the live list's size or bytes
+    /// doubled since the last one (O(1) per allocation on average), else a check of pending
+    /// fences (in order, so that costs one query while the GPU is behind).
+    fn collect_due(&self) -> Option<Scan> {
         let st = self.state.lock();
-        let scan = st.live.len() > 2 * st.survivors + COLLECT_SLACK_TENSORS
-            || st.live_bytes > 2 * st.survivor_bytes + COLLECT_SLACK_BYTES;
-        (scan, !st.retired.is_empty())
+        if st.live.len() > 2 * st.survivors + COLLECT_SLACK_TENSORS
+            || st.live_bytes > 2 * st.survivor_bytes + COLLECT_SLACK_BYTES
+        {
+            Some(Scan::LiveTensors)
+        } else if !st.retired.is_empty() {
+            Some(Scan::FencesOnly)
+        } else {
+            None
+        }
     }
 
-    fn collect(&self, wait: bool) -> Result<CollectReport> {
-        self.collect_with(wait, true)
+    /// Reap the remains of dropped owners, then collect this pool's dead tensors.
+    fn collect(&self, wait: Wait) -> Result<CollectReport> {
+        orphans::reap(wait);
+        self.collect_with(wait, Scan::LiveTensors)
     }
 
-    /// Scan for dead tensors (when `scan`), fence them, give back what the GPU has passed (all
-    /// of it, waiting, when `wait`).
-    fn collect_with(&self, wait: bool, scan: bool) -> Result<CollectReport> {
-        orphans::reap_orphans();
+    /// Scan for dead tensors (with [`Scan::LiveTensors`]), fence them, give back what the GPU
+    /// has passed (all of it, waiting, with [`Wait::Block`]).
+    fn collect_with(&self, wait: Wait, scan: Scan) -> Result<CollectReport> {
         let mut absorbed = 0;
-        let dead: Vec<Live> = if !scan {
+        let dead: Vec<Live> = if scan == Scan::FencesOnly {
             Vec::new()
         } else {
             let mut st = self.state.lock();
@@ -386,51 +424,24 @@ impl Shared {
                 self.slices.retire(d.tracker);
             }
             // The fence comes after every kernel queued on these tensors before they died.
-            let fence = match self.fences.record() {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    first_err = Some(e);
-                    None
-                }
-            };
-            batches.push_back(Retired {
-                fence,
-                allocs,
-                bytes,
-            });
+            let (batch, err) = Batch::fenced(&*self.fences, allocs, bytes);
+            first_err = err;
+            batches.push_back(batch);
         }
-        let mut done = Vec::new();
-        let mut kept = VecDeque::new();
-        // Fences on one stream are passed in the order they were recorded: after the first one
-        // the GPU has not reached, the later ones are not asked about.
-        let mut behind = false;
-        for b in batches {
-            let passed = match (&b.fence, wait) {
-                (Some(_), false) if behind => Ok(false),
-                (Some(f), false) => self.fences.is_passed(f),
-                (Some(f), true) => self.fences.wait(f).map(|()| true),
-                (None, false) => Ok(false),
-                (None, true) => self.fences.synchronize().map(|()| true),
-            };
-            behind |= b.fence.is_some() && matches!(passed, Ok(false));
-            match passed {
-                Ok(true) => done.push(b),
-                Ok(false) => kept.push_back(b),
-                Err(e) => {
-                    kept.push_back(b);
-                    first_err.get_or_insert(e);
-                }
-            }
+        let settled = settle(&*self.fences, batches, wait);
+        if let Some(e) = settled.error {
+            first_err.get_or_insert(e);
         }
-        let returned: usize = done.iter().map(|b| b.allocs.len()).sum();
+        let done = settled.passed;
+        let returned: usize = done.iter().map(|b| b.items.len()).sum();
         let returned_bytes: u64 = done.iter().map(|b| b.bytes).sum();
         let awaiting_gpu = {
             let mut st = self.state.lock();
             // Batches retired meanwhile by another thread are newer: ours go in front.
-            for b in kept.into_iter().rev() {
+            for b in settled.waiting.into_iter().rev() {
                 st.retired.push_front(b);
             }
-            st.retired_tensors = st.retired.iter().map(|b| b.allocs.len()).sum();
+            st.retired_tensors = st.retired.iter().map(|b| b.items.len()).sum();
             st.retired_bytes = st.retired.iter().map(|b| b.bytes).sum();
             st.returned += returned as u64;
             st.retired_tensors
@@ -440,7 +451,7 @@ impl Shared {
                 self.fences.recycle(f);
             }
             // Memory back to the pool, outside our lock.
-            drop(b.allocs);
+            drop(b.items);
         }
         if returned > 0 || found_dead > 0 {
             tracing::trace!(
@@ -465,7 +476,9 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        if let Err(e) = self.collect(true) {
+        // Dropping the last handle waits for the GPU (as dropping an elastic tensor does); no
+        // collect or reap drops one, since elastic tensors hold only the parts they use.
+        if let Err(e) = self.collect_with(Wait::Block, Scan::LiveTensors) {
             tracing::error!(error = %e, "collecting at tensor pool drop failed");
         }
         let st = self.state.get_mut();
@@ -497,7 +510,7 @@ struct OrphanTensors {
 }
 
 impl Orphan for OrphanTensors {
-    fn reap(&mut self) -> bool {
+    fn reap(&mut self, wait: Wait) -> bool {
         let mut dead = Vec::new();
         let mut i = 0;
         while i < self.live.len() {
@@ -508,23 +521,28 @@ impl Orphan for OrphanTensors {
                 i += 1;
             }
         }
-        let pending = !dead.is_empty() || self.retired.iter().any(|b| b.fence.is_none());
-        if pending {
-            if let Err(e) = self.fences.synchronize() {
-                tracing::error!(error = %e, "synchronizing for orphaned tensors failed; their memory stays mapped");
-                self.live.extend(dead);
-                return false;
+        if !dead.is_empty() {
+            let bytes = dead.iter().map(|d| d.bytes).sum();
+            // Their private contexts go with the trackers; the memory waits for a fence.
+            let allocs = dead.into_iter().map(|d| d.alloc).collect();
+            let (batch, err) = Batch::fenced(&*self.fences, allocs, bytes);
+            if let Some(e) = err {
+                tracing::warn!(error = %e, "fencing orphaned tensors failed; a later reap retries");
             }
-            for b in self.retired.iter_mut().filter(|b| b.fence.is_none()) {
-                b.allocs.clear();
-            }
+            self.retired.push_back(batch);
         }
-        // Their contexts go with the trackers; the memory goes back to its pool.
-        drop(dead);
-        self.retired.retain(|b| match &b.fence {
-            Some(f) => !matches!(self.fences.is_passed(f), Ok(true)),
-            None => !b.allocs.is_empty(),
-        });
+        let settled = settle(&*self.fences, std::mem::take(&mut self.retired), wait);
+        self.retired = settled.waiting;
+        if let Some(e) = settled.error {
+            tracing::warn!(error = %e, "checking fences of orphaned tensors failed; their memory stays mapped for now");
+        }
+        for b in settled.passed {
+            if let Some(f) = b.fence {
+                self.fences.recycle(f);
+            }
+            // The memory goes back to its pool.
+            drop(b.items);
+        }
         self.live.is_empty() && self.retired.is_empty()
     }
 }

@@ -1,15 +1,22 @@
 //! Candle tensors in elastic memory on the GPU: every dtype and shape, zeroing, memory back to
 //! the pool once every tensor sharing it is gone, 10 000 tensors created and dropped with the
 //! candle device left clean, elastic KV tensors against an ordinary candle tensor, refusals,
-//! two models under one budget, several devices, owners dropped before their tensors.
+//! two models under one budget, several devices, owners dropped before their tensors, copies and
+//! fills in order with other threads' kernels, collects that never wait for the GPU.
 
+use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use candle_core::cuda_backend::cudarc::driver::{CudaContext, DevicePtr};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, IndexOp, Storage, Tensor};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::candle::{reap_orphans, ElasticKv, TensorPool, SUPPORTED_DTYPES};
+use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::Backend;
+use elastic_vmm::candle::{
+    detached_copy, reap_orphans_blocking, ElasticKv, TensorPool, SUPPORTED_DTYPES,
+};
 use elastic_vmm::{Error, ModelConfig, Pool, SharedPool, SharedPoolConfig};
 
 use crate::suite::{GIB, MIB};
@@ -705,8 +712,9 @@ fn owners_dropped_first_keep_memory_until_tensors_go() {
     assert!(host(&t).iter().all(|&v| v == 1.0), "still readable");
     assert!(pool.stats().in_use > 0, "memory kept for the live tensor");
     drop(t);
-    // Other tests' orphans may wait too; ours go at the first reap after their tensors.
-    reap_orphans();
+    // Other tests' orphans may wait too; ours go at the first blocking reap after their
+    // tensors (a non-blocking one only fences them: see `collect_never_waits_for_the_gpu`).
+    reap_orphans_blocking();
     assert_pool_empty(&pool);
 
     // An elastic tensor dropped (with its tensor pool) while a view of it lives.
@@ -727,7 +735,7 @@ fn owners_dropped_first_keep_memory_until_tensors_go() {
         "pages kept for the live view"
     );
     drop(view);
-    reap_orphans();
+    reap_orphans_blocking();
     assert_pool_empty(&pool);
     assert_device_clean(&dev);
 }
@@ -783,4 +791,508 @@ fn indexing_a_pool_tensor_is_a_view() {
     drop(row);
     tensors.collect_blocking().expect("collect");
     assert_pool_empty(&pool);
+}
+
+// ---- ordering with other threads' kernels, and collects that never wait ----
+
+/// The legacy default stream's handle (`CU_STREAM_LEGACY`).
+const LEGACY_STREAM: u64 = 1;
+
+/// `links` elementwise kernels on the calling thread's stream (`x * 2`, `* 0.5`, ...: exact, so
+/// the result equals `x`); only their number says how long the GPU is busy. No cuBLAS, whose
+/// one handle per candle device is shared by the threads.
+fn busy_chain(x: &Tensor, links: usize) -> Tensor {
+    let mut t = x.affine(2.0, 0.0).expect("affine");
+    for i in 1..links {
+        t = t
+            .affine(if i % 2 == 1 { 0.5 } else { 2.0 }, 0.0)
+            .expect("affine");
+    }
+    if links % 2 == 1 {
+        t = t.affine(0.5, 0.0).expect("affine");
+    }
+    t
+}
+
+/// `n x n` f32 (n a power of two) of `1/n`: `x.matmul(x)` equals `x` exactly.
+fn stable_matrix(n: usize, dev: &Device) -> Tensor {
+    Tensor::full(1.0f32 / n as f32, (n, n), dev).expect("full")
+}
+
+/// `links` products `x * x * ... * x` on the calling thread's stream: every link reads `x`, and
+/// the result equals `x` (see [`stable_matrix`]).
+fn matmul_chain(x: &Tensor, links: usize) -> Tensor {
+    let mut t = x.matmul(x).expect("matmul");
+    for _ in 1..links {
+        t = t.matmul(x).expect("matmul");
+    }
+    t
+}
+
+/// How many links of `chain` on `x` keep the GPU busy for about `target` (measured here, after
+/// a warm-up), and how long that many take.
+fn links_for(
+    x: &Tensor,
+    chain: fn(&Tensor, usize) -> Tensor,
+    target: Duration,
+    max: usize,
+) -> (usize, Duration) {
+    let dev = x.device();
+    drop(chain(x, 4));
+    dev.synchronize().expect("synchronize");
+    let probe = 16;
+    let t0 = Instant::now();
+    drop(chain(x, probe));
+    dev.synchronize().expect("synchronize");
+    let per_link = t0.elapsed() / probe as u32;
+    let links = ((target.as_secs_f64() / per_link.as_secs_f64()).ceil() as usize).clamp(4, max);
+    (links, per_link * links as u32)
+}
+
+/// Every value of an f32 tensor, and how many differ from `want`.
+fn count_not(t: &Tensor, want: f32) -> (usize, usize, Option<f32>) {
+    let values = t
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("read back");
+    let first = values.iter().copied().find(|&v| v != want);
+    let bad = values.iter().filter(|&&v| v != want).count();
+    (bad, values.len(), first)
+}
+
+/// The pool's copies, fills and host reads happen in order with kernels that *other* threads
+/// queued on the same candle device (candle launches each thread's kernels on that thread's
+/// per-thread stream). Producers queue a long chain whose last kernel writes the tensor a
+/// consumer thread then copies (`copy_in`, `detached_copy`, `ElasticKv::write`/`write_blocks`)
+/// and reads: every consumer must see the final values, never what the memory held while the
+/// producer's kernels still ran. Without ordering, the copies run at once on the consumer's
+/// stream and see stale values in practically every round.
+#[test]
+fn pool_copies_are_ordered_with_kernels_of_other_threads() {
+    const ROUNDS: usize = 40;
+    const PAIRS: usize = 2;
+    let dev = device();
+    let pool = pool(8 * GIB);
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let base = Tensor::ones((4096, 4096), DType::F32, &dev).expect("ones");
+    let (links, busy) = links_for(&base, busy_chain, Duration::from_millis(10), 900);
+    println!("producer chain: {links} kernels, about {busy:?} of GPU time");
+    assert!(
+        busy >= Duration::from_millis(2),
+        "the window is too short to test anything: {busy:?}"
+    );
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let mut consumers = Vec::new();
+        for pair in 0..PAIRS {
+            let (tx, rx) = mpsc::sync_channel::<(f32, Tensor, Tensor)>(0);
+            let (ack_tx, ack_rx) = mpsc::sync_channel::<()>(0);
+            let (tensors, base) = (&tensors, &base);
+            s.spawn(move || {
+                for round in 0..ROUNDS {
+                    let v = (pair * ROUNDS + round) as f32 + 0.5;
+                    // The long chain, then the kernel that writes the tensor the other thread
+                    // reads: [64, 4096] of `v`.
+                    let src = busy_chain(base, links)
+                        .narrow(0, 0, 64)
+                        .and_then(|t| t.affine(f64::from(v), 0.0))
+                        .expect("src");
+                    // A pool tensor (zeroed by the pool) written in place by this thread's
+                    // kernel after the chain.
+                    let q = tensors.zeros((64, 4096), DType::F32).expect("zeros");
+                    q.slice_set(&src, 0, 0).expect("slice_set");
+                    if tx.send((v, src, q)).is_err() || ack_rx.recv().is_err() {
+                        return;
+                    }
+                }
+            });
+            consumers.push(s.spawn(move || {
+                let kv = tensors
+                    .elastic_kv(8, &BLOCK, DType::F32)
+                    .expect("elastic");
+                kv.ensure_backed(0..8).expect("backed");
+                let mut failures = Vec::new();
+                for (v, src, q) in rx {
+                    // Queue every copy first: each one would race the producer's chain.
+                    let p = tensors.copy_in(&src).expect("copy_in");
+                    let d = detached_copy(tensors, &src).expect("detached_copy");
+                    let rows = src.reshape((256, 8, 128)).expect("rows");
+                    kv.write(1, 3, &rows.narrow(0, 0, 13).expect("n"))
+                        .expect("write");
+                    let blocks = src
+                        .reshape((16, 16, 8, 128))
+                        .and_then(|t| t.narrow(0, 0, 4))
+                        .expect("blocks");
+                    kv.write_blocks(4, &blocks).expect("write_blocks");
+                    let checks = [
+                        ("copy_in", p),
+                        ("detached_copy", d),
+                        ("host read of a pool tensor the other thread wrote", q),
+                        (
+                            "ElasticKv::write",
+                            kv.gather(&[1])
+                                .expect("gather")
+                                .narrow(1, 3, 13)
+                                .expect("narrow"),
+                        ),
+                        (
+                            "ElasticKv::write_blocks",
+                            kv.gather(&[4, 5, 6, 7]).expect("gather"),
+                        ),
+                    ];
+                    for (what, t) in checks {
+                        let (bad, n, first) = count_not(&t, v);
+                        if bad > 0 {
+                            failures.push(format!(
+                                "pair {pair}, value {v}: {what}: {bad} of {n} values differ (e.g. {first:?})"
+                            ));
+                        }
+                    }
+                    drop(src);
+                    if ack_tx.send(()).is_err() {
+                        break;
+                    }
+                }
+                failures
+            }));
+        }
+        consumers
+            .into_iter()
+            .flat_map(|c| c.join().expect("consumer"))
+            .collect()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} of {} checks saw values from before the other thread's kernels finished:\n{}",
+        failures.len(),
+        PAIRS * ROUNDS * 5,
+        failures.join("\n")
+    );
+    tensors.collect_blocking().expect("collect");
+    assert_eq!(tensors.stats().live_tensors, 0);
+    assert_device_clean(&dev);
+}
+
+/// The other direction: a fill or copy that one thread queues on a pool tensor while its own
+/// stream is busy is seen by the kernels another thread queues on that tensor afterwards.
+/// Without ordering, the other thread's kernels run before the fill and read what the memory
+/// held before (ones, from the previous round).
+#[test]
+fn kernels_of_other_threads_see_the_pools_fills_and_copies() {
+    const ROUNDS: usize = 40;
+    let dev = device();
+    let pool = pool(8 * GIB);
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let base = Tensor::ones((4096, 4096), DType::F32, &dev).expect("ones");
+    let ones = Tensor::ones((64, 4096), DType::F32, &dev).expect("ones");
+    let (links, busy) = links_for(&base, busy_chain, Duration::from_millis(10), 900);
+    println!("chain: {links} kernels, about {busy:?} of GPU time");
+    assert!(
+        busy >= Duration::from_millis(2),
+        "window too short: {busy:?}"
+    );
+    dev.synchronize().expect("synchronize");
+    let (tx, rx) = mpsc::sync_channel::<(f32, Tensor, Tensor)>(0);
+    let (ack_tx, ack_rx) = mpsc::sync_channel::<()>(0);
+    let (failures, reused) = std::thread::scope(|s| {
+        let tensors = &tensors;
+        let (base, ones) = (&base, &ones);
+        let producer = s.spawn(move || {
+            // Where the last round's tensors were (both were left full of ones).
+            let mut last: [u64; 2] = [0; 2];
+            let mut reused = 0;
+            for round in 0..ROUNDS {
+                let v = round as f32 + 0.25;
+                let value = (ones * f64::from(v)).expect("value");
+                // This thread's stream is busy for a while; then the pool fills and copies.
+                let chain = busy_chain(base, links);
+                let z = tensors.zeros((64, 4096), DType::F32).expect("zeros");
+                let c = tensors.copy_in(&value).expect("copy_in");
+                reused += usize::from(last.contains(&device_addr(&z)));
+                last = [device_addr(&z), device_addr(&c)];
+                if tx.send((v, z, c)).is_err() || ack_rx.recv().is_err() {
+                    break;
+                }
+                drop(chain);
+                // The other thread filled the memory with ones and dropped its tensors: give
+                // the memory back so that the next round's tensors reuse it.
+                tensors.collect_blocking().expect("collect");
+            }
+            reused
+        });
+        let mut failures = Vec::new();
+        for (v, z, c) in rx {
+            let zero_sum: f32 = z
+                .sum_all()
+                .and_then(|t| t.to_scalar())
+                .expect("sum of zeros");
+            let off: f32 = c
+                .affine(1.0, -f64::from(v))
+                .and_then(|t| t.abs())
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.to_scalar())
+                .expect("distance");
+            if zero_sum != 0.0 {
+                failures.push(format!("round {v}: zeros sum to {zero_sum}"));
+            }
+            if off != 0.0 {
+                failures.push(format!("round {v}: the copy is {off} away from {v}"));
+            }
+            // Leave ones behind for the next round's tensors to start from.
+            z.slice_set(ones, 0, 0).expect("fill");
+            c.slice_set(ones, 0, 0).expect("fill");
+            dev.synchronize().expect("synchronize");
+            drop((z, c));
+            if ack_tx.send(()).is_err() {
+                break;
+            }
+        }
+        drop(ack_tx);
+        (failures, producer.join().expect("producer"))
+    });
+    println!(
+        "zeros reused the previous round's memory in {reused} of {} rounds",
+        ROUNDS - 1
+    );
+    assert!(
+        reused * 2 >= ROUNDS,
+        "premise: zeros should land on the previous round's ones in most rounds ({reused} of {ROUNDS}), else a missed fill could go unseen"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} checks saw memory before the other thread's fill or copy:\n{}",
+        failures.len(),
+        ROUNDS * 2,
+        failures.join("\n")
+    );
+    assert_device_clean(&dev);
+}
+
+/// `collect` (and `stats`, and the collects of other tensor pools that reap the remains of
+/// dropped owners) never waits for the GPU: with a long chain of kernels in flight on memory
+/// that is already dropped, every collect returns in a small fraction of the chain's time and
+/// gives nothing back; the memory goes back at a later collect, once the GPU has passed the
+/// chain, and never before. Three owners: a live tensor pool, a tensor pool dropped before its
+/// tensor, an elastic tensor dropped before its view.
+#[test]
+fn collect_never_waits_for_the_gpu() {
+    let dev = device();
+    let n = 8192;
+    let x_cpu = Tensor::full(1.0f32 / n as f32, (n, n), &Device::Cpu).expect("x");
+    let x_dev = stable_matrix(n, &dev);
+    let (links, busy) = links_for(&x_dev, matmul_chain, Duration::from_millis(500), 400);
+    drop(x_dev);
+    println!("chain: {links} matmuls of {n}x{n}, about {busy:?}");
+    assert!(
+        busy >= Duration::from_millis(200),
+        "the chain is too short to tell waiting from not waiting: {busy:?}"
+    );
+    let quick = busy / 10;
+    let collector_pool = pool(GIB);
+    let collector = TensorPool::new(&collector_pool, &dev).expect("collector");
+
+    /// Poll `collect` until `gone()` (memory back) and check every call was quick; returns
+    /// how long after `queued` the memory went back.
+    fn poll_until(
+        what: &str,
+        collect: &dyn Fn() -> elastic_vmm::candle::CollectReport,
+        gone: &dyn Fn() -> bool,
+        queued: Instant,
+        quick: Duration,
+    ) -> Duration {
+        let mut slowest = Duration::ZERO;
+        let mut polls = 0;
+        loop {
+            let t0 = Instant::now();
+            collect();
+            let took = t0.elapsed();
+            slowest = slowest.max(took);
+            polls += 1;
+            assert!(
+                took < quick,
+                "{what}: collect #{polls} took {took:?}, it waited for the GPU (limit {quick:?})"
+            );
+            if gone() {
+                let after = queued.elapsed();
+                println!("{what}: back {after:?} after the chain was queued, {polls} collects, slowest {slowest:?}");
+                return after;
+            }
+            assert!(
+                queued.elapsed() < Duration::from_secs(60),
+                "{what}: memory never came back"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    // 1. A tensor of a live tensor pool, dropped while every matmul of the chain reads it.
+    let pool_a = pool(4 * GIB);
+    let a = TensorPool::new(&pool_a, &dev).expect("tensor pool");
+    let x = a.copy_in(&x_cpu).expect("copy_in");
+    dev.synchronize().expect("synchronize");
+    let queued = Instant::now();
+    let y = matmul_chain(&x, links);
+    drop(x);
+    let t0 = Instant::now();
+    let report = a.collect().expect("collect");
+    let took = t0.elapsed();
+    println!("own tensor: first collect {took:?}: {report:?}");
+    assert!(
+        took < quick,
+        "collect took {took:?} with the chain in flight"
+    );
+    assert_eq!(
+        (report.found_dead, report.returned, report.awaiting_gpu),
+        (1, 0, 1),
+        "the dead tensor waits behind its fence: {report:?}"
+    );
+    assert!(pool_a.stats().in_use >= (n * n * 4) as u64);
+    let back = poll_until(
+        "own tensor",
+        &|| a.collect().expect("collect"),
+        &|| pool_a.stats().in_use == 0,
+        queued,
+        quick,
+    );
+    assert!(
+        back >= busy / 2,
+        "memory came back {back:?} after queuing a chain of about {busy:?}: before the GPU was done"
+    );
+    assert_eq!(
+        count_not(&y, 1.0 / n as f32).0,
+        0,
+        "the chain read good memory"
+    );
+    assert_eq!(a.stats().tensors_returned, 1);
+    drop(y);
+
+    // 2. A tensor pool dropped before its tensor: the tensor dies with the chain in flight,
+    //    and another tensor pool's collect (which reaps the remains) must not wait.
+    let pool_b = pool(4 * GIB);
+    let b = TensorPool::new(&pool_b, &dev).expect("tensor pool");
+    let x = b.copy_in(&x_cpu).expect("copy_in");
+    drop(b);
+    dev.synchronize().expect("synchronize");
+    let queued = Instant::now();
+    let y = matmul_chain(&x, links);
+    drop(x);
+    let back = poll_until(
+        "orphaned tensor",
+        &|| collector.collect().expect("collect"),
+        &|| pool_b.stats().in_use == 0,
+        queued,
+        quick,
+    );
+    assert!(
+        back >= busy / 2,
+        "orphaned tensor back after {back:?}: too early"
+    );
+    assert_eq!(count_not(&y, 1.0 / n as f32).0, 0);
+    drop(y);
+
+    // 3. An elastic tensor dropped before its view: the last kernel of the chain reads the
+    //    view; the view dies with the chain in flight.
+    let pool_c = pool(4 * GIB);
+    let c = TensorPool::new(&pool_c, &dev).expect("tensor pool");
+    let kv = c.elastic_kv(64, &BLOCK, DType::F32).expect("elastic");
+    kv.ensure_backed(0..64).expect("backed");
+    kv.write_blocks(
+        0,
+        &Tensor::ones((64, 16, 8, 128), DType::F32, &dev).expect("ones"),
+    )
+    .expect("write");
+    let view = kv.view(0..64).expect("view");
+    drop(kv);
+    drop(c);
+    let x = stable_matrix(n, &dev);
+    dev.synchronize().expect("synchronize");
+    assert!(pool_c.stats().range_mapped > 0);
+    let queued = Instant::now();
+    let y = matmul_chain(&x, links)
+        .narrow(0, 0, 128)
+        .and_then(|t| t.add(&view.reshape((128, 8192))?))
+        .expect("chain, then the view");
+    drop(view);
+    let back = poll_until(
+        "orphaned elastic tensor",
+        &|| collector.collect().expect("collect"),
+        &|| pool_c.stats().range_mapped == 0,
+        queued,
+        quick,
+    );
+    assert!(
+        back >= busy / 2,
+        "elastic tensor unmapped after {back:?}: too early"
+    );
+    assert_eq!(
+        count_not(&y, 1.0 + 1.0 / n as f32).0,
+        0,
+        "the view read good memory"
+    );
+    drop(y);
+
+    // `stats` collects too, and does not wait either.
+    let x = collector.copy_in(&x_cpu).expect("copy_in");
+    dev.synchronize().expect("synchronize");
+    let y = matmul_chain(&x, links);
+    drop(x);
+    let t0 = Instant::now();
+    let stats = collector.stats();
+    let took = t0.elapsed();
+    assert!(took < quick, "stats took {took:?}");
+    assert_eq!(
+        (stats.live_tensors, stats.awaiting_gpu),
+        (0, 1),
+        "{stats:?}"
+    );
+    // A blocking collect waits, and gives everything back.
+    let report = collector.collect_blocking().expect("collect");
+    assert_eq!(report.returned, 1, "{report:?}");
+    assert_pool_empty(&collector_pool);
+    drop(y);
+    for p in [&pool_a, &pool_b, &pool_c] {
+        assert_pool_empty(p);
+    }
+    assert_device_clean(&dev);
+}
+
+/// The CUDA backend's stream-ordered copy and fill, on the legacy stream, directly and through
+/// an adaptor; zero sizes queue nothing.
+#[test]
+fn the_cuda_backend_queues_copies_and_fills() {
+    let cuda: Arc<dyn Backend> = Arc::new(CudaBackend::new(0).expect("cuda backend"));
+    let wrapped: Arc<dyn Backend> = Arc::new(FaultInjector::new(cuda.clone()));
+    for backend in [cuda, wrapped] {
+        let pool =
+            Pool::new(backend.clone(), elastic_vmm::PoolConfig::new(GIB as usize)).expect("pool");
+        let len = (3 * MIB + 5) as usize;
+        let a = pool.allocate(len).expect("a");
+        let b = pool.allocate(len).expect("b");
+        // SAFETY: both allocations are live, mapped, disjoint and `len` bytes long; nothing
+        // else uses them; the reads below are synchronous on the legacy stream, after these.
+        unsafe {
+            backend
+                .fill_async(a.addr(), len, 0x5a, LEGACY_STREAM)
+                .expect("fill");
+            backend
+                .fill_async(b.addr(), len, 0x00, LEGACY_STREAM)
+                .expect("fill");
+            backend
+                .copy_async(b.addr() + 1, a.addr(), len - 1, LEGACY_STREAM)
+                .expect("copy");
+            backend
+                .copy_async(0, 0, 0, LEGACY_STREAM)
+                .expect("zero-size copy");
+            backend
+                .fill_async(0, 0, 0, LEGACY_STREAM)
+                .expect("zero-size fill");
+        }
+        let mut out = vec![0xffu8; len];
+        // SAFETY: `b` is live and mapped.
+        unsafe { backend.read(b.addr(), &mut out) }.expect("read");
+        assert_eq!(out[0], 0, "the copy started one byte in");
+        assert!(
+            out[1..].iter().all(|&v| v == 0x5a),
+            "copy or fill lost bytes"
+        );
+    }
 }
