@@ -236,6 +236,16 @@ impl Backend for DelayInjector {
         // SAFETY: forwarded contract.
         unsafe { self.inner.fill(addr, len, byte) }
     }
+
+    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_async(dst, src, bytes, stream) }
+    }
+
+    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.fill_async(addr, bytes, byte, stream) }
+    }
 }
 
 #[cfg(test)]
