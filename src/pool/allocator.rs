@@ -202,6 +202,7 @@ impl Inner {
         }
         st.cold.remove(cs, cs + len);
         st.in_transit += len;
+        st.growing += 1;
         Ok(Growth {
             start,
             idle,
@@ -316,6 +317,7 @@ impl Inner {
         self.in_flight
             .fetch_sub(total, std::sync::atomic::Ordering::AcqRel);
         st.in_transit -= (claim.1 - cs) + plan.idle.map_or(0, |(s, e)| e - s);
+        st.growing -= 1;
         if cs + total < claim.1 {
             st.cold.insert(cs + total, claim.1);
         }
@@ -346,6 +348,7 @@ impl Inner {
                 st.in_transit -= e - s;
             }
             st.in_transit -= ce - cs;
+            st.growing -= 1;
             let mut at = cs;
             for &(o, c) in stuck {
                 if at < o {

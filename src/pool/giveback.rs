@@ -183,7 +183,9 @@ impl Inner {
     /// Take no new memory from now on, if nothing is in use; else say what is.
     pub(crate) fn close_if_unused(&self, reason: &str) -> Result<()> {
         let mut st = self.state.lock();
-        if st.live.live() > 0 || st.ranges.total() > 0 || st.in_transit > 0 {
+        // Memory only passing through (trim, hand-over) does not keep a model busy; a growth
+        // in progress would end in an allocation or a mapped range.
+        if st.live.live() > 0 || st.ranges.total() > 0 || st.growing > 0 {
             return Err(Error::ModelBusy {
                 model: self.name.to_string(),
                 live_allocations: st.live.live(),

@@ -95,6 +95,7 @@ impl Inner {
                 Space::Pool => st.cold.remove(offset, end),
             }
             st.in_transit += len;
+            st.growing += 1;
             let c = st.cache.take_up_to(len, max_chunk as usize);
             self.take_out(c)
         };
@@ -130,6 +131,7 @@ impl Inner {
         st.mapped += len;
         self.in_flight.fetch_sub(len, Ordering::AcqRel);
         st.in_transit -= len;
+        st.growing -= 1;
         st.ranges.insert(offset, end);
         st.note_peaks();
         drop(st);
@@ -148,6 +150,7 @@ impl Inner {
         {
             let mut st = self.state.lock();
             st.in_transit -= end - offset;
+            st.growing -= 1;
             let mut at = offset;
             for &(o, c) in stuck {
                 if at < o {

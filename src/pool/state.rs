@@ -149,6 +149,8 @@ pub(crate) struct State {
     pub(crate) alloc_bytes: u64,
     pub(crate) mapped: u64,
     pub(crate) in_transit: u64,
+    /// Allocations and range mappings in progress (each holds part of `in_transit`).
+    pub(crate) growing: u32,
     pub(crate) peak_in_use: u64,
     pub(crate) peak_physical: u64,
     pub(crate) allocations: u64,

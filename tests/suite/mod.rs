@@ -7,6 +7,7 @@
 pub mod backing;
 pub mod layout;
 pub mod shared;
+pub mod soundness;
 
 /// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
 #[macro_export]
@@ -40,6 +41,24 @@ macro_rules! shared_suite {
             live_limit_changes,
             unregister_credits_everything,
             hand_over_moves_chunks,
+        );
+    };
+}
+
+/// Every soundness test (lifetimes across threads, locks, books, rollback of rollbacks), as
+/// `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! soundness_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod soundness;
+            allocations_outlive_their_pool,
+            unregister_during_refusals_does_not_deadlock,
+            charges_always_match_holdings,
+            failed_unmap_restore_never_aliases,
+            leaked_memory_stays_counted,
+            huge_numbers_are_refused_cleanly,
         );
     };
 }
