@@ -148,7 +148,7 @@ fn merged_runs() {
     bs.block_spans(9, &mut spans);
     assert_eq!(spans.len(), 8);
     assert_eq!(spans[3], (bs.region_offset(1) + (10 + 9) * 128, 128));
-    assert_eq!(BlockGeometry::extent(&bs), bs.extent());
+    assert_eq!(BlockGeometry::extent(&bs).expect("extent"), bs.extent());
     // Out of range runs are errors with the numbers.
     match fc.blocks(8, 3) {
         Err(Error::OutOfLayout { what, index, count }) => {

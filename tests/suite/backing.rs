@@ -4,9 +4,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
 use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backing::RegionInfo;
 use elastic_vmm::{
     Backend, BlockBacking, BlockGeometry, DriverCall, Error, MappingHook, ModelConfig, Pool,
-    PoolConfig, Region, SharedPool, SharedPoolConfig, UniformBlocks,
+    PoolConfig, SharedPool, SharedPoolConfig, UniformBlocks,
 };
 use parking_lot::Mutex;
 
@@ -127,7 +128,7 @@ struct Recorder {
 }
 
 impl MappingHook for Recorder {
-    fn mapped(&self, region: &Region, at: u64, len: u64) -> elastic_vmm::Result<()> {
+    fn mapped(&self, region: RegionInfo<'_>, at: u64, len: u64) -> elastic_vmm::Result<()> {
         assert!(region.is_mapped(at, len), "hook told of unmapped memory");
         if self.fail_next.swap(false, Ordering::SeqCst) {
             return Err(Error::InvalidArgument("hook refused".into()));
@@ -136,7 +137,7 @@ impl MappingHook for Recorder {
         Ok(())
     }
 
-    fn unmapping(&self, region: &Region, at: u64, len: u64) {
+    fn unmapping(&self, region: RegionInfo<'_>, at: u64, len: u64) {
         assert!(
             region.is_mapped(at, len),
             "hook told of an unmapping after it happened"
@@ -232,7 +233,7 @@ pub fn backing_shares_pages(backend: Arc<dyn Backend>) {
     // Data written across the page boundary of block 1 survives the release of block 0.
     let data: Vec<u8> = (0..3 * g / 2).map(|i| (i % 251) as u8).collect();
     // SAFETY: block 1 is backed and nothing else touches the region.
-    unsafe { big.region().write(3 * g / 2, &data) }.expect("write block 1");
+    unsafe { big.write(3 * g / 2, &data) }.expect("write block 1");
     assert_eq!(
         big.release([0]).expect("r0").bytes,
         g,
@@ -241,11 +242,11 @@ pub fn backing_shares_pages(backend: Arc<dyn Backend>) {
     assert!(big.is_range_mapped(g, 2 * g) && !big.is_range_mapped(0, g));
     let mut back = vec![0u8; data.len()];
     // SAFETY: as above.
-    unsafe { big.region().read(3 * g / 2, &mut back) }.expect("read block 1");
+    unsafe { big.read(3 * g / 2, &mut back) }.expect("read block 1");
     assert!(back == data, "block 1's data changed when block 0 went");
     // SAFETY: page 0 is unmapped now: the call must refuse, not touch it.
     assert!(matches!(
-        unsafe { big.region().read(0, &mut back[..16]) },
+        unsafe { big.read(0, &mut back[..16]) },
         Err(Error::RangeNotMapped { .. })
     ));
     assert_eq!(
@@ -392,7 +393,8 @@ pub fn backing_concurrent(backend: Arc<dyn Backend>) {
     let geometry = UniformBlocks::packed(96, 2 * g / 3 / 512 * 512);
     let b = Arc::new(
         BlockBacking::new(
-            p.reserve_region(geometry.extent()).expect("region"),
+            p.reserve_region(geometry.extent().expect("extent"))
+                .expect("region"),
             geometry,
             None,
             None,

@@ -264,13 +264,13 @@ pub fn layout_views_place_data(backend: Arc<dyn Backend>) {
                 for v in &chunks {
                     assert_eq!(
                         v.addr / g,
-                        (v.end() - 1) / g,
+                        (v.end().expect("end") - 1) / g,
                         "{what}: chunk of one granule"
                     );
                 }
             }
             // Bytes outside the layout are refused, not touched.
-            let end = regions.last().expect("a region").end();
+            let end = regions.last().expect("a region").end().expect("end");
             assert!(
                 matches!(l.put(end, &[1]), Err(Error::InvalidLayout(_))),
                 "{what}"
@@ -306,12 +306,15 @@ pub fn layout_over_caller_regions(backend: Arc<dyn Backend>) {
     };
     let base = owner.addr();
     let ranges = vec![range(base + g, 16 << 10), range(base, 16 << 10)];
-    let l = LayoutBuilder::new()
-        .config(c)
-        .layer_separate(BlockDim::Second)
-        .regions(ranges.clone())
-        .build()
-        .expect("caller layout");
+    // SAFETY: both ranges lie in `owner`, live host or device memory of the backend's kind,
+    // which outlives the layout (dropped below, before `owner`).
+    let caller = unsafe {
+        LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .regions(ranges.clone())
+    };
+    let l = caller.build().expect("caller layout");
     assert_eq!(
         l.unit(0, 0, 0).expect("unit").addr,
         base + g,
@@ -348,11 +351,15 @@ pub fn layout_over_caller_regions(backend: Arc<dyn Backend>) {
         "the caller's memory is untouched"
     );
     let build = |rs: Vec<MemoryRange>| {
-        LayoutBuilder::new()
-            .config(c)
-            .layer_separate(BlockDim::First)
-            .regions(rs)
-            .build()
+        // SAFETY: every range given lies in `owner` (alive until the end), or is refused by
+        // `build` before anything is made of it; the layouts are dropped at once.
+        unsafe {
+            LayoutBuilder::new()
+                .config(c)
+                .layer_separate(BlockDim::First)
+                .regions(rs)
+        }
+        .build()
     };
     let msg = |r: elastic_vmm::Result<Layout>| match r {
         Err(Error::InvalidLayout(m)) => m,
@@ -383,7 +390,7 @@ pub fn layout_over_caller_regions(backend: Arc<dyn Backend>) {
         },
     };
     let m = msg(build(vec![range(base, 16 << 10), other]));
-    assert!(m.contains("share one kind"), "{m}");
+    assert!(m.contains("share one storage kind"), "{m}");
     drop(owner);
     held_matches(&backend, &p);
 }
@@ -405,7 +412,7 @@ pub fn elastic_layout_backs_on_demand(backend: Arc<dyn Backend>) {
         .build()
         .expect("elastic");
     assert_eq!(l.stats().mapped_pages, 0, "nothing mapped at build");
-    assert_eq!(l.region().len(), 8 * g, "two layer regions of 4 pages");
+    assert_eq!(l.len(), 8 * g, "two layer regions of 4 pages");
     assert_eq!(
         l.physical_bytes_for([0]).expect("cost"),
         2 * g,
@@ -519,7 +526,7 @@ pub fn elastic_layout_rolls_back(backend: Arc<dyn Backend>) {
     assert_eq!(l.stats(), before, "nothing changed");
     assert!(!l.is_backed(3) && !l.is_backed(6));
     assert_eq!(
-        l.region().mapped_bytes(),
+        l.region_mapped_bytes(),
         2 * g,
         "only block 0's pages mapped"
     );
@@ -631,17 +638,21 @@ pub mod nixl {
         }
         // The same memory again with the same agent: refused, nothing added.
         let info = backend.info();
-        let again = LayoutBuilder::new()
-            .config(c)
-            .fully_contiguous()
-            .regions(vec![MemoryRange {
-                addr: base,
-                len: 5 * g / 2,
-                kind: info.memory_kind,
-                device: info.device_ordinal,
-            }])
-            .build()
-            .expect("caller layout");
+        // SAFETY: the range is the layout `r` registered above, alive until after `again` (its
+        // registration is refused below and the layout dropped with it).
+        let again = unsafe {
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .regions(vec![MemoryRange {
+                    addr: base,
+                    len: 5 * g / 2,
+                    kind: info.memory_kind,
+                    device: info.device_ordinal,
+                }])
+        }
+        .build()
+        .expect("caller layout");
         let err = a.register(again).expect_err("overlap");
         assert!(
             matches!(err, Error::InvalidArgument(ref m) if m.contains("registered already")),
@@ -694,10 +705,10 @@ pub mod nixl {
             );
             assert_eq!(a.registered_bytes(), s.mapped_bytes, "{what}");
             for (at, len) in l.backing().mapped_runs() {
-                for chunk in l.region().chunks_in(at, len) {
+                for chunk in l.chunks_in(at, len) {
                     let d = a
                         .descriptors(elastic_vmm::layout::MemoryView {
-                            addr: l.region().addr() + chunk.offset,
+                            addr: l.addr() + chunk.offset,
                             len: chunk.size,
                         })
                         .expect("every mapped chunk is registered");
@@ -987,23 +998,41 @@ pub mod nixl {
         }
     }
 
+    /// The layout a transfer moves, for test types that wrap one (`KvLayout` is sealed).
+    pub trait AsKv {
+        fn kv(&self) -> &dyn KvLayout;
+    }
+
+    impl AsKv for elastic_vmm::nixl::RegisteredLayout {
+        fn kv(&self) -> &dyn KvLayout {
+            self
+        }
+    }
+
+    impl AsKv for elastic_vmm::layout::ElasticLayout {
+        fn kv(&self) -> &dyn KvLayout {
+            self
+        }
+    }
+
     /// WRITE every block of `src` (agent `a`) into `dst` (agent `b`), then READ them all back,
     /// each verified byte for byte; prints and returns GB/s of each.
-    pub fn measure<S: Bytes + KvLayout, D: Bytes + KvLayout>(
+    pub fn measure<S: Bytes + AsKv, D: Bytes + AsKv>(
         what: &str,
         a: &NixlAgent,
         src: &S,
         b: &NixlAgent,
         dst: &D,
     ) -> (f64, f64) {
-        let all: Vec<usize> = (0..KvLayout::views(src).num_blocks()).collect();
+        let all: Vec<usize> = (0..src.kv().views().num_blocks()).collect();
         fill(src, &all, 1);
         // Warm-up (connection, metadata), then the measured passes.
-        timed(TransferOp::Write, a, src, &all[..1], b, dst, &all[..1]);
-        let w = timed(TransferOp::Write, a, src, &all, b, dst, &all);
+        let (sk, dk) = (src.kv(), dst.kv());
+        timed(TransferOp::Write, a, sk, &all[..1], b, dk, &all[..1]);
+        let w = timed(TransferOp::Write, a, sk, &all, b, dk, &all);
         check(dst, &all, &all, 1, "bandwidth WRITE");
         fill(dst, &all, 2);
-        let r = timed(TransferOp::Read, a, src, &all, b, dst, &all);
+        let r = timed(TransferOp::Read, a, sk, &all, b, dk, &all);
         check(src, &all, &all, 2, "bandwidth READ");
         let gbs = |t: &TransferReport| t.bytes as f64 / t.elapsed.as_secs_f64() / 1e9;
         println!(
