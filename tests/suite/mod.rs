@@ -56,6 +56,11 @@ macro_rules! backing_suite {
             backing_rolls_back,
             backing_respects_model_limits,
             backing_concurrent,
+            backing_pages_hold_whole_chunks,
+            backing_covers_whole_pages,
+            backing_refuses_bad_input,
+            backing_pins_hold_blocks,
+            backing_pins_concurrent,
         );
     };
 }
