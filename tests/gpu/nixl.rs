@@ -149,3 +149,12 @@ fn vram_vmm_against_cumemalloc() {
         vmm_r / ctl_r
     );
 }
+
+/// A timed-out VRAM transfer keeps its blocks pinned until NIXL reports it finished (see the
+/// suite). In one process UCX moves VMM memory in the background over TCP loopback, so a
+/// zero timeout catches it running.
+#[test]
+fn timed_out_transfer_keeps_blocks_pinned() {
+    require();
+    crate::suite::layout::nixl::timed_out_transfer_keeps_blocks_pinned(cuda());
+}

@@ -834,9 +834,7 @@ pub fn backing_pins_concurrent(backend: Arc<dyn Backend>) {
                     continue; // released right now: not backed
                 };
                 let at = blk as u64 * bytes;
-                let data: Vec<u8> = (0..bytes)
-                    .map(|i| (i as u64 ^ round ^ t as u64) as u8)
-                    .collect();
+                let data: Vec<u8> = (0..bytes).map(|i| (i ^ round ^ t as u64) as u8).collect();
                 // SAFETY: the block is pinned (backed until `pin` drops) and this thread is its
                 // only user (`used[blk]`); releasers do not touch its bytes.
                 unsafe { b.write(at, &data) }.expect("write a pinned block");

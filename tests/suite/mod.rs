@@ -76,6 +76,7 @@ macro_rules! layout_suite {
             layout_over_caller_regions,
             elastic_layout_backs_on_demand,
             elastic_layout_rolls_back,
+            elastic_layout_covers_whole_pages,
         );
     };
 }
@@ -91,6 +92,9 @@ macro_rules! nixl_suite {
             registration_lifetime_every_path,
             write_then_read_byte_exact,
             unbacked_block_refused_before_nixl,
+            transfer_pins_blocks_against_release,
+            registration_whole_pages,
+            bad_views_are_errors,
         );
     };
     (@tests $make:expr, $ready:expr; $($name:ident),* $(,)?) => {
