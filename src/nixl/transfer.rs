@@ -303,12 +303,15 @@ pub fn transfer_blocks(
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }
-            // NIXL reports the request failed: it no longer runs; request and pins go.
+            // NIXL reports the request failed: it no longer runs; the request goes, then
+            // the pins.
             Err(e) => {
+                drop(req);
+                drop(pins);
                 return Err(nixl_error(
                     "get_xfer_status",
                     format!("{e} ({} of {bytes} bytes)", op.name()),
-                ))
+                ));
             }
         }
     }
