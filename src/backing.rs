@@ -9,34 +9,64 @@
 //! unmaps the pages that go back to 0. A page shared by several blocks stays mapped while any of
 //! them is backed.
 //!
-//! Every page is one physical chunk, so it can be unmapped on its own and registered on its own
-//! (UCX exports only the first chunk of a range backed by several). A [`MappingHook`] hears of
-//! every mapping after it is made and of every unmapping before it is made: the NIXL
-//! registration hangs on it, so a registration never outlives the memory under it.
+//! # Pages
+//! A page is `page_size` bytes (a multiple of the granularity) and is made of whole physical
+//! chunks of its own: no chunk crosses a page boundary, so every page can be unmapped on its own
+//! and registered on its own (UCX exports only the first chunk of a range backed by several).
+//! The region covers whole pages ([`BlockBacking::reserve`] reserves it so; [`BlockBacking::new`]
+//! refuses a region that does not).
 //!
-//! Concurrency: `&self` everywhere. The bookkeeping lock is never held across a driver call or
-//! a hook; pages being mapped or unmapped are marked busy, and an operation that needs a busy
-//! page waits for it on a condition variable (with the lock released).
+//! A [`MappingHook`] hears of every mapping after it is made and of every unmapping before it is
+//! made: the NIXL registration hangs on it, so a registration never outlives the memory under
+//! it. The hook sees the region through a read-only [`RegionInfo`]; nothing outside this module
+//! gets a `&Region`, so nothing else can unmap pages under backed blocks.
+//!
+//! # Pins
+//! A consumer that uses the memory of some blocks (a NIXL transfer, a view) holds a
+//! [`BlockPin`] on them ([`BlockBacking::pin`]). The rules:
+//! - only backed blocks can be pinned; a block being backed right now is waited for;
+//! - a pinned block is never released: [`BlockBacking::release`] of a set holding one is an
+//!   [`Error::BlockPinned`] naming the block, its pin count and one holder, and changes nothing
+//!   (it does not wait: a pin may be held for as long as a transfer runs);
+//! - pinned blocks stay backed, so their pages stay mapped and registered;
+//! - a pin keeps the backing's memory alive: dropping the [`BlockBacking`] while pins are held
+//!   defers the teardown (hook told, pages unmapped, region returned) until the last pin goes;
+//! - pins count: a block pinned twice is released only after both pins are dropped.
+//!
+//! # Concurrency
+//! `&self` everywhere. One `parking_lot` mutex guards the bookkeeping (blocks, pages, pins); it
+//! is a leaf: it is never held across a driver call, a hook, a call into the geometry, or a
+//! drop that can run any of them, and no other lock is taken while it is held. Pages being
+//! mapped or unmapped are marked busy and blocks being backed are marked claimed; an operation
+//! that needs them waits on a condition variable (with the lock released).
+//!
+//! # Bad input
+//! Block indices, page sizes and geometries are checked with checked arithmetic: a bad one is an
+//! error with the numbers in it and changes nothing. A geometry whose spans are empty or lie
+//! outside its extent is refused at the block that has them.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
-use crate::pool::Region;
+use crate::pool::{ChunkSpan, Pool, Region};
 
 /// Where each block's bytes lie inside a region.
 pub trait BlockGeometry: Send + Sync {
     /// Number of blocks.
     fn num_blocks(&self) -> usize;
 
-    /// Bytes of the region the blocks cover, from its start.
-    fn extent(&self) -> u64;
+    /// Bytes of the region the blocks cover, from its start. An invalid geometry (a size that
+    /// overflows, an empty block) is an error with the numbers in it.
+    fn extent(&self) -> Result<u64>;
 
     /// Append to `out` the spans `(offset, len)` of `block`, relative to the region's start.
-    /// Called only with `block < num_blocks()`; spans are non-empty and lie inside `extent()`.
+    /// Called only with `block < num_blocks()`. Spans must be non-empty and lie inside
+    /// `extent()`; the backing checks, and refuses a block whose spans do not.
     fn block_spans(&self, block: usize, out: &mut Vec<(u64, u64)>);
 }
 
@@ -46,7 +76,7 @@ pub trait BlockGeometry: Send + Sync {
 pub struct UniformBlocks {
     /// Number of blocks.
     pub num_blocks: usize,
-    /// Bytes of each block.
+    /// Bytes of each block (at least 1).
     pub block_bytes: u64,
     /// Distance between the starts of consecutive blocks (at least `block_bytes`).
     pub stride: u64,
@@ -68,27 +98,101 @@ impl BlockGeometry for UniformBlocks {
         self.num_blocks
     }
 
-    fn extent(&self) -> u64 {
-        match self.num_blocks {
-            0 => 0,
-            n => (n as u64 - 1) * self.stride + self.block_bytes,
+    fn extent(&self) -> Result<u64> {
+        let (n, bytes, stride) = (self.num_blocks, self.block_bytes, self.stride);
+        if n == 0 {
+            return Ok(0);
         }
+        if bytes == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "uniform blocks of 0 bytes ({n} blocks, stride {stride}): a block holds at least one byte"
+            )));
+        }
+        if n > 1 && stride < bytes {
+            return Err(Error::InvalidArgument(format!(
+                "uniform blocks of {bytes} bytes every {stride} bytes would overlap: the stride must be at least the block size"
+            )));
+        }
+        (n as u64 - 1)
+            .checked_mul(stride)
+            .and_then(|v| v.checked_add(bytes))
+            .ok_or_else(|| Error::SizeOverflow {
+                what: "uniform blocks extent",
+                detail: format!("({n} - 1) blocks * stride {stride} + {bytes} bytes"),
+            })
     }
 
     fn block_spans(&self, block: usize, out: &mut Vec<(u64, u64)>) {
-        out.push((block as u64 * self.stride, self.block_bytes));
+        // The extent was checked when the backing was made, so this cannot overflow; saturate
+        // anyway: the backing refuses a span outside the extent.
+        out.push(((block as u64).saturating_mul(self.stride), self.block_bytes));
+    }
+}
+
+/// What a [`MappingHook`] sees of a backing's region: where it is, what memory it is, which
+/// chunks are mapped. Read-only: nothing here can map or unmap.
+#[derive(Clone, Copy)]
+pub struct RegionInfo<'a> {
+    region: &'a Region,
+}
+
+impl RegionInfo<'_> {
+    /// Address of the region's first byte (a device pointer on CUDA).
+    pub fn addr(&self) -> u64 {
+        self.region.addr()
+    }
+
+    /// Bytes in the region.
+    pub fn len(&self) -> u64 {
+        self.region.len()
+    }
+
+    /// Always false: a region has at least one granule.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The pool's mapping unit.
+    pub fn granularity(&self) -> u64 {
+        self.region.granularity()
+    }
+
+    /// Host or device memory.
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.region.pool().backend_info().memory_kind
+    }
+
+    /// The device ordinal for device memory; `None` for host memory.
+    pub fn device(&self) -> Option<i32> {
+        self.region.pool().backend_info().device_ordinal
+    }
+
+    /// Whether all of `[at, at + len)` (relative to the region) is mapped.
+    pub fn is_mapped(&self, at: u64, len: u64) -> bool {
+        self.region.is_mapped(at, len)
+    }
+
+    /// The physical chunks mapped under `[at, at + len)`, with offsets relative to the region.
+    pub fn chunks_in(&self, at: u64, len: u64) -> Vec<ChunkSpan> {
+        self.region.chunks_in(at, len)
+    }
+}
+
+impl fmt::Debug for RegionInfo<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.region.fmt(f)
     }
 }
 
 /// Told about mappings of a [`BlockBacking`]: after pages are mapped, before they are unmapped.
-/// Offsets are relative to the region's start and cover whole pages (one chunk each).
+/// Offsets are relative to the region's start and cover whole pages (each made of whole chunks).
 pub trait MappingHook: Send + Sync {
     /// `[at, at + len)` of `region` was just mapped with access. An error undoes the mapping and
     /// fails the operation that made it.
-    fn mapped(&self, region: &Region, at: u64, len: u64) -> Result<()>;
+    fn mapped(&self, region: RegionInfo<'_>, at: u64, len: u64) -> Result<()>;
 
     /// `[at, at + len)` of `region` is about to be unmapped: drop everything that refers to it.
-    fn unmapping(&self, region: &Region, at: u64, len: u64);
+    fn unmapping(&self, region: RegionInfo<'_>, at: u64, len: u64);
 }
 
 /// What one [`BlockBacking::ensure_backed`] or [`BlockBacking::release`] did.
@@ -110,7 +214,9 @@ pub struct BackingStats {
     pub blocks: usize,
     /// Blocks backed now.
     pub backed_blocks: usize,
-    /// The mapping unit of the backing (one physical chunk each).
+    /// Blocks pinned now (each counted once, however many pins it has).
+    pub pinned_blocks: usize,
+    /// The mapping unit of the backing (whole chunks of its own).
     pub page_size: u64,
     /// Pages the geometry spans.
     pub pages: usize,
@@ -120,10 +226,37 @@ pub struct BackingStats {
     pub mapped_bytes: u64,
 }
 
-#[derive(Debug, Default)]
+/// Where a block stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockState {
+    Unbacked,
+    /// An `ensure_backed` is mapping its pages: not usable yet, not releasable.
+    Claimed,
+    Backed,
+}
+
+/// Whether the hook was told of a mapping that is being undone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hooked {
+    Told,
+    NotTold,
+}
+
+/// One live pin: who holds it and on which blocks (sorted, no repeats).
+#[derive(Debug)]
+struct PinRecord {
+    holder: String,
+    blocks: Vec<usize>,
+}
+
+#[derive(Debug)]
 struct BackingState {
-    backed: Vec<bool>,
-    /// Per page: how many backed blocks touch it.
+    blocks: Vec<BlockState>,
+    /// Per block: pins held on it.
+    pins: Vec<u32>,
+    holders: BTreeMap<u64, PinRecord>,
+    next_pin: u64,
+    /// Per page: how many backed (or claimed) blocks touch it.
     refs: Vec<u32>,
     /// Per page: mapped now.
     mapped: Vec<bool>,
@@ -133,15 +266,49 @@ struct BackingState {
     mapped_pages: usize,
 }
 
-/// Blocks over a region, backed on demand; see the module documentation.
-pub struct BlockBacking<G: BlockGeometry> {
+/// The backing itself, shared by its handle and its pins (a pin keeps the memory alive).
+struct Core<G> {
     region: Region,
     geometry: G,
     page: u64,
+    extent: u64,
     hook: Option<Arc<dyn MappingHook>>,
     state: Mutex<BackingState>,
     changed: Condvar,
 }
+
+/// Blocks over a region, backed on demand; see the module documentation.
+pub struct BlockBacking<G: BlockGeometry> {
+    core: Arc<Core<G>>,
+}
+
+/// Blocks of a [`BlockBacking`] held against release, and its memory kept alive, until this is
+/// dropped; see the module documentation.
+pub struct BlockPin {
+    target: Arc<dyn PinTarget>,
+    id: u64,
+    blocks: Vec<usize>,
+}
+
+/// Lets a pin go without knowing the geometry type.
+trait PinTarget: Send + Sync {
+    fn unpin(&self, id: u64);
+}
+
+mod refused {
+    use crate::error::Error;
+
+    /// Why a pin was not taken. Public in a private module: it appears in the sealed half of
+    /// `layout::KvLayout`, which no user can name.
+    #[derive(Debug)]
+    pub enum PinRefused {
+        /// This block (the first found) has no memory under it.
+        NotBacked(usize),
+        /// Bad input (an index out of range, a bad geometry, too many pins).
+        Invalid(Error),
+    }
+}
+pub(crate) use refused::PinRefused;
 
 /// Consecutive page indices `[first, last]` folded into runs.
 fn runs(pages: &BTreeSet<usize>) -> Vec<(usize, usize)> {
@@ -155,80 +322,150 @@ fn runs(pages: &BTreeSet<usize>) -> Vec<(usize, usize)> {
     out
 }
 
+/// The page size to use and the bytes of region the blocks need (whole pages), checked.
+fn page_layout(granularity: u64, page_size: Option<u64>, extent: u64) -> Result<(u64, u64)> {
+    let page = page_size.unwrap_or(granularity);
+    if page == 0 || page % granularity != 0 {
+        return Err(Error::Misaligned {
+            what: "page size",
+            value: page,
+            alignment: granularity,
+        });
+    }
+    let pages = extent.div_ceil(page);
+    let need = pages.checked_mul(page).ok_or_else(|| Error::SizeOverflow {
+        what: "backing region",
+        detail: format!("{pages} pages of {page} bytes"),
+    })?;
+    Ok((page, need))
+}
+
 impl<G: BlockGeometry> BlockBacking<G> {
     /// Blocks laid out by `geometry` over `region`, mapped in pages of `page_size` bytes (a
-    /// multiple of the granularity; `None`: the granularity). Nothing is mapped yet.
+    /// multiple of the granularity; `None`: the granularity). The region must cover the blocks
+    /// in whole pages (see [`BlockBacking::reserve`]). Nothing is mapped yet.
     pub fn new(
         region: Region,
         geometry: G,
         page_size: Option<u64>,
         hook: Option<Arc<dyn MappingHook>>,
     ) -> Result<Self> {
-        let g = region.granularity();
-        let page = page_size.unwrap_or(g);
-        if page == 0 || page % g != 0 {
-            return Err(Error::Misaligned {
-                what: "page size",
-                value: page,
-                alignment: g,
-            });
-        }
-        let extent = geometry.extent();
-        if extent > region.len() {
+        let extent = geometry.extent()?;
+        let (page, need) = page_layout(region.granularity(), page_size, extent)?;
+        if need > region.len() {
             return Err(Error::InvalidArgument(format!(
-                "the blocks span {extent} bytes but the region has only {}",
+                "the blocks span {extent} bytes, {need} bytes in whole pages of {page}, but the region has only {} (BlockBacking::reserve reserves whole pages)",
                 region.len()
             )));
         }
-        let pages = extent.div_ceil(page) as usize;
+        let n = geometry.num_blocks();
+        if u32::try_from(n).is_err() {
+            return Err(Error::InvalidArgument(format!(
+                "{n} blocks: a backing holds at most {} blocks",
+                u32::MAX
+            )));
+        }
+        let pages = (need / page) as usize;
         let state = BackingState {
-            backed: vec![false; geometry.num_blocks()],
+            blocks: vec![BlockState::Unbacked; n],
+            pins: vec![0; n],
+            holders: BTreeMap::new(),
+            next_pin: 0,
             refs: vec![0; pages],
             mapped: vec![false; pages],
             busy: vec![false; pages],
-            ..BackingState::default()
+            backed_blocks: 0,
+            mapped_pages: 0,
         };
         Ok(BlockBacking {
-            region,
-            geometry,
-            page,
-            hook,
-            state: Mutex::new(state),
-            changed: Condvar::new(),
+            core: Arc::new(Core {
+                region,
+                geometry,
+                page,
+                extent,
+                hook,
+                state: Mutex::new(state),
+                changed: Condvar::new(),
+            }),
         })
     }
 
-    /// The region the blocks live in.
-    pub fn region(&self) -> &Region {
-        &self.region
+    /// As [`BlockBacking::new`] over a region of `pool` reserved for it, covering the blocks in
+    /// whole pages.
+    pub fn reserve(
+        pool: &Pool,
+        geometry: G,
+        page_size: Option<u64>,
+        hook: Option<Arc<dyn MappingHook>>,
+    ) -> Result<Self> {
+        let g = pool.granularity();
+        let (_, need) = page_layout(g, page_size, geometry.extent()?)?;
+        let region = pool.reserve_region(need.max(g))?;
+        Self::new(region, geometry, page_size, hook)
+    }
+
+    /// Address of the region's first byte (a device pointer on CUDA); block offsets are
+    /// relative to it.
+    pub fn addr(&self) -> u64 {
+        self.core.region.addr()
+    }
+
+    /// Bytes of address space the backing holds (whole pages, at least the geometry's extent).
+    pub fn len(&self) -> u64 {
+        self.core.region.len()
+    }
+
+    /// Always false: a backing holds at least one granule of address space.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The pool's mapping unit.
+    pub fn granularity(&self) -> u64 {
+        self.core.region.granularity()
+    }
+
+    /// The region, for `candle::kv` until it uses [`BlockBacking::addr`]; crate-private so no
+    /// user can unmap pages through it. To be removed.
+    #[cfg(feature = "candle")]
+    pub(crate) fn region(&self) -> &Region {
+        &self.core.region
     }
 
     /// Where the blocks lie.
     pub fn geometry(&self) -> &G {
-        &self.geometry
+        &self.core.geometry
     }
 
-    /// The mapping unit: every page is one physical chunk.
+    /// The mapping unit: every page is whole physical chunks of its own.
     pub fn page_size(&self) -> u64 {
-        self.page
+        self.core.page
     }
 
-    /// Whether `block` is backed now.
+    /// The physical chunks mapped under `[at, at + len)` of the region (offsets relative to it).
+    pub fn chunks_in(&self, at: u64, len: u64) -> Vec<ChunkSpan> {
+        self.core.region.chunks_in(at, len)
+    }
+
+    /// Bytes of the region mapped now as the pool sees it (equals `stats().mapped_bytes`
+    /// except while an operation is in flight).
+    pub fn region_mapped_bytes(&self) -> u64 {
+        self.core.region.mapped_bytes()
+    }
+
+    /// Whether `block` is backed now (its pages mapped, and told to the hook).
     pub fn is_backed(&self, block: usize) -> bool {
-        self.state
-            .lock()
-            .backed
-            .get(block)
-            .copied()
-            .unwrap_or(false)
+        self.core.state.lock().blocks.get(block) == Some(&BlockState::Backed)
     }
 
-    /// The first block of `blocks` that is not backed, if any (for refusing work on it).
+    /// The first block of `blocks` that is not backed, if any (for refusing work on it). To use
+    /// the blocks' memory afterwards, [`BlockBacking::pin`] them instead: a block checked here
+    /// can be released the moment after.
     pub fn first_unbacked(&self, blocks: impl IntoIterator<Item = usize>) -> Option<usize> {
-        let st = self.state.lock();
+        let st = self.core.state.lock();
         blocks
             .into_iter()
-            .find(|&b| !st.backed.get(b).copied().unwrap_or(false))
+            .find(|&b| st.blocks.get(b) != Some(&BlockState::Backed))
     }
 
     /// Whether every byte of `[at, at + len)` of the region lies in a mapped page.
@@ -239,37 +476,172 @@ impl<G: BlockGeometry> BlockBacking<G> {
         let Some(end) = at.checked_add(len) else {
             return false;
         };
-        let (first, last) = ((at / self.page) as usize, ((end - 1) / self.page) as usize);
-        let st = self.state.lock();
+        let page = self.core.page;
+        let (first, last) = ((at / page) as usize, ((end - 1) / page) as usize);
+        let st = self.core.state.lock();
         last < st.mapped.len() && st.mapped[first..=last].iter().all(|&m| m)
     }
 
-    /// A snapshot of blocks and pages.
+    /// A snapshot of blocks, pages and pins.
     pub fn stats(&self) -> BackingStats {
-        let st = self.state.lock();
+        let st = self.core.state.lock();
         BackingStats {
-            blocks: st.backed.len(),
+            blocks: st.blocks.len(),
             backed_blocks: st.backed_blocks,
-            page_size: self.page,
+            pinned_blocks: st.pins.iter().filter(|&&p| p > 0).count(),
+            page_size: self.core.page,
             pages: st.refs.len(),
             mapped_pages: st.mapped_pages,
-            mapped_bytes: st.mapped_pages as u64 * self.page,
+            mapped_bytes: st.mapped_pages as u64 * self.core.page,
         }
     }
 
     /// Physical bytes the pages under `blocks` cost, counting each page once (what they would
     /// hold mapped on their own, whatever is mapped now).
     pub fn physical_bytes_for(&self, blocks: impl IntoIterator<Item = usize>) -> Result<u64> {
-        let blocks = self.checked(blocks)?;
-        Ok(self.pages_of(&blocks).len() as u64 * self.page)
+        let blocks = self.core.checked(blocks)?;
+        Ok(self.core.pages_of(&blocks)?.len() as u64 * self.core.page)
     }
 
     /// Physical bytes backing `blocks` would map now: the pages under them not mapped yet.
     pub fn additional_bytes_for(&self, blocks: impl IntoIterator<Item = usize>) -> Result<u64> {
-        let blocks = self.checked(blocks)?;
-        let pages = self.pages_of(&blocks);
-        let st = self.state.lock();
-        Ok(pages.iter().filter(|&&p| !st.mapped[p]).count() as u64 * self.page)
+        let blocks = self.core.checked(blocks)?;
+        let pages = self.core.pages_of(&blocks)?;
+        let st = self.core.state.lock();
+        Ok(pages.iter().filter(|&&p| !st.mapped[p]).count() as u64 * self.core.page)
+    }
+
+    /// Back `blocks` with physical memory: map every page under them that is not mapped yet.
+    /// Blocks already backed are left as they are. On failure (a refused admission, a driver
+    /// error, a hook error, bad input) nothing changes: what was mapped on the way is unmapped
+    /// again.
+    pub fn ensure_backed(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+        self.core.ensure_backed(blocks)
+    }
+
+    /// Release `blocks`: unmap the pages no other backed block touches. Every block must be
+    /// backed and unpinned: releasing one twice is an error naming it, releasing a pinned one is
+    /// [`Error::BlockPinned`]; either way nothing changes. A page whose unmap fails stays mapped
+    /// (and registered) with no block on it; a later release or [`BlockBacking::unmap_unused`]
+    /// tries again.
+    pub fn release(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+        self.core.release(blocks)
+    }
+
+    /// Unmap mapped pages that no backed block touches (left behind by a failed unmap).
+    pub fn unmap_unused(&self) -> u64 {
+        let to_unmap = {
+            let mut st = self.core.state.lock();
+            let n = st.refs.len();
+            Core::<G>::claim_unused(&mut st, 0..n)
+        };
+        self.core.unmap_claimed(&to_unmap)
+    }
+
+    /// Runs of mapped pages as `(offset, len)` relative to the region.
+    pub fn mapped_runs(&self) -> Vec<(u64, u64)> {
+        self.core.mapped_runs()
+    }
+
+    /// Copy `data` into the region at `at` (host-to-device on CUDA). The bytes must be mapped.
+    ///
+    /// # Safety
+    /// Nobody else (a kernel, a transfer, another thread) may use these bytes meanwhile, and the
+    /// blocks on them must stay backed meanwhile (pin them, or release nothing).
+    pub unsafe fn write(&self, at: u64, data: &[u8]) -> Result<()> {
+        // SAFETY: forwarded; the region checks the bytes are mapped.
+        unsafe { self.core.region.write(at, data) }
+    }
+
+    /// Copy bytes of the region at `at` into `out`. The bytes must be mapped.
+    ///
+    /// # Safety
+    /// Nobody may write these bytes meanwhile, and the blocks on them must stay backed
+    /// meanwhile (pin them, or release nothing).
+    pub unsafe fn read(&self, at: u64, out: &mut [u8]) -> Result<()> {
+        // SAFETY: forwarded; the region checks the bytes are mapped.
+        unsafe { self.core.region.read(at, out) }
+    }
+}
+
+impl<G: BlockGeometry + 'static> BlockBacking<G> {
+    /// Pin `blocks` for `holder` (a name for errors, e.g. `"NIXL WRITE to agent decode"`): they
+    /// cannot be released, and the backing's memory stays, until the pin is dropped. Every
+    /// block must be backed (a block being backed now is waited for); otherwise nothing is
+    /// pinned and the error names the first block without memory.
+    pub fn pin(&self, blocks: impl IntoIterator<Item = usize>, holder: &str) -> Result<BlockPin> {
+        self.try_pin(blocks, holder).map_err(|e| match e {
+            PinRefused::NotBacked(block) => Error::InvalidArgument(format!(
+                "block {block} is not backed: pin for {holder} refused, nothing pinned"
+            )),
+            PinRefused::Invalid(e) => e,
+        })
+    }
+
+    /// [`BlockBacking::pin`] telling an unbacked block apart from bad input.
+    pub(crate) fn try_pin(
+        &self,
+        blocks: impl IntoIterator<Item = usize>,
+        holder: &str,
+    ) -> Result<BlockPin, PinRefused> {
+        let core = &self.core;
+        let blocks: Vec<usize> = core
+            .checked(blocks)
+            .map_err(PinRefused::Invalid)?
+            .into_iter()
+            .collect();
+        let id = {
+            let mut st =
+                core.wait_until(|st| blocks.iter().all(|&b| st.blocks[b] != BlockState::Claimed));
+            if let Some(&b) = blocks.iter().find(|&&b| st.blocks[b] != BlockState::Backed) {
+                return Err(PinRefused::NotBacked(b));
+            }
+            if let Some(&b) = blocks.iter().find(|&&b| st.pins[b] == u32::MAX) {
+                return Err(PinRefused::Invalid(Error::InvalidArgument(format!(
+                    "block {b} holds {} pins already: pin for {holder} refused",
+                    u32::MAX
+                ))));
+            }
+            for &b in &blocks {
+                st.pins[b] += 1;
+            }
+            let id = st.next_pin;
+            st.next_pin += 1;
+            st.holders.insert(
+                id,
+                PinRecord {
+                    holder: holder.to_owned(),
+                    blocks: blocks.clone(),
+                },
+            );
+            id
+        };
+        tracing::trace!(blocks = blocks.len(), holder, pin = id, "blocks pinned");
+        Ok(BlockPin {
+            target: core.clone(),
+            id,
+            blocks,
+        })
+    }
+}
+
+impl<G: BlockGeometry> Core<G> {
+    fn info(&self) -> RegionInfo<'_> {
+        RegionInfo {
+            region: &self.region,
+        }
+    }
+
+    /// Wait until `ready` holds; returns the lock.
+    fn wait_until(
+        &self,
+        mut ready: impl FnMut(&BackingState) -> bool,
+    ) -> MutexGuard<'_, BackingState> {
+        let mut st = self.state.lock();
+        while !ready(&st) {
+            self.changed.wait(&mut st);
+        }
+        st
     }
 
     /// Validate block indices; returns them sorted and without repeats.
@@ -287,15 +659,28 @@ impl<G: BlockGeometry> BlockBacking<G> {
         Ok(out)
     }
 
-    /// The pages each block touches, with repeats (one entry per block and page).
-    fn pages_per_block(&self, block: usize, spans: &mut Vec<(u64, u64)>, out: &mut Vec<usize>) {
+    /// The pages `block` touches, each once, appended to `out`; a span that is empty or lies
+    /// outside the extent is an error naming it (and leaves `out` as it was).
+    fn block_pages(
+        &self,
+        block: usize,
+        spans: &mut Vec<(u64, u64)>,
+        out: &mut Vec<usize>,
+    ) -> Result<()> {
         spans.clear();
         self.geometry.block_spans(block, spans);
         let start = out.len();
         for &(at, len) in spans.iter() {
-            let first = (at / self.page) as usize;
-            let last = ((at + len - 1) / self.page) as usize;
-            out.extend(first..=last);
+            let end = at.checked_add(len).filter(|&e| len > 0 && e <= self.extent);
+            let Some(end) = end else {
+                out.truncate(start);
+                return Err(Error::InvalidArgument(format!(
+                    "block {block}: its geometry gives the span [{at:#x}, +{len}), {}; a span holds at least one byte and lies within the {} bytes the blocks span",
+                    if len == 0 { "which is empty" } else { "which lies outside them" },
+                    self.extent
+                )));
+            };
+            out.extend((at / self.page) as usize..=((end - 1) / self.page) as usize);
         }
         // A block counts once per page, even when several of its spans share one.
         out[start..].sort_unstable();
@@ -307,76 +692,100 @@ impl<G: BlockGeometry> BlockBacking<G> {
             }
         }
         out.truncate(kept);
+        Ok(())
     }
 
-    fn pages_of(&self, blocks: &BTreeSet<usize>) -> BTreeSet<usize> {
+    /// Each block with the pages it touches.
+    fn pages_per_block(&self, blocks: &BTreeSet<usize>) -> Result<Vec<(usize, Vec<usize>)>> {
+        let mut spans = Vec::new();
+        blocks
+            .iter()
+            .map(|&b| {
+                let mut pages = Vec::new();
+                self.block_pages(b, &mut spans, &mut pages)?;
+                Ok((b, pages))
+            })
+            .collect()
+    }
+
+    fn pages_of(&self, blocks: &BTreeSet<usize>) -> Result<BTreeSet<usize>> {
         let mut spans = Vec::new();
         let mut pages = Vec::new();
         for &b in blocks {
-            self.pages_per_block(b, &mut spans, &mut pages);
+            self.block_pages(b, &mut spans, &mut pages)?;
         }
-        pages.into_iter().collect()
+        Ok(pages.into_iter().collect())
     }
 
-    /// Wait until none of `pages` is busy; returns the lock.
-    fn wait_idle<'a>(
-        &'a self,
-        pages: &BTreeSet<usize>,
-    ) -> parking_lot::MutexGuard<'a, BackingState> {
-        let mut st = self.state.lock();
-        while pages.iter().any(|&p| st.busy[p]) {
-            self.changed.wait(&mut st);
+    /// Map the pages `[at, at + len)` so that each is whole chunks of its own. On failure
+    /// nothing of the run stays mapped.
+    fn map_run(&self, at: u64, len: u64) -> Result<()> {
+        if self.page == self.region.granularity() {
+            // Chunks are whole granules here: none can cross a page.
+            return self.region.map_chunked(at, len, self.page);
         }
-        st
+        // Page by page: a run in one call could take cached chunks that straddle pages.
+        let mut done = 0;
+        while done < len {
+            if let Err(e) = self.region.map_chunked(at + done, self.page, self.page) {
+                if done > 0 {
+                    if let Err(u) = self.region.unmap(at, done) {
+                        tracing::error!(at, len = done, error = %u, "unmap during rollback failed");
+                    }
+                }
+                return Err(e);
+            }
+            done += self.page;
+        }
+        Ok(())
     }
 
-    /// Back `blocks` with physical memory: map every page under them that is not mapped yet.
-    /// Blocks already backed are left as they are. On failure (a refused admission, a driver
-    /// error, a hook error) nothing changes: what was mapped on the way is unmapped again.
-    pub fn ensure_backed(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+    fn ensure_backed(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
         let blocks = self.checked(blocks)?;
-        let mut per_block = Vec::new();
-        let mut spans = Vec::new();
-        for &b in &blocks {
-            let mut pages = Vec::new();
-            self.pages_per_block(b, &mut spans, &mut pages);
-            per_block.push((b, pages));
-        }
+        // The geometry is asked before the lock is taken (it is the caller's code).
+        let mut per_block = self.pages_per_block(&blocks)?;
         let all: BTreeSet<usize> = per_block
             .iter()
             .flat_map(|(_, p)| p.iter().copied())
             .collect();
-        let (claimed, to_map) = {
-            let mut st = self.wait_idle(&all);
-            per_block.retain(|(b, _)| !st.backed[*b]);
+        let to_map = {
+            let mut st = self.wait_until(|st| {
+                all.iter().all(|&p| !st.busy[p])
+                    && blocks.iter().all(|&b| st.blocks[b] != BlockState::Claimed)
+            });
+            per_block.retain(|(b, _)| st.blocks[*b] == BlockState::Unbacked);
             let mut to_map = BTreeSet::new();
             for (b, pages) in &per_block {
-                st.backed[*b] = true;
+                st.blocks[*b] = BlockState::Claimed;
                 for &p in pages {
+                    // At most one per block, and blocks fit in u32 (checked in `new`).
                     st.refs[p] += 1;
                     if !st.mapped[p] {
                         to_map.insert(p);
                     }
                 }
             }
-            st.backed_blocks += per_block.len();
             for &p in &to_map {
                 st.busy[p] = true;
             }
-            (per_block, to_map)
+            to_map
         };
+        let claimed = per_block;
+        if claimed.is_empty() {
+            return Ok(BackingChange::default());
+        }
         let mut done: Vec<(u64, u64)> = Vec::new();
         let mut failure = None;
         for (first, last) in runs(&to_map) {
             let at = first as u64 * self.page;
             let len = (last - first + 1) as u64 * self.page;
-            if let Err(e) = self.region.map_chunked(at, len, self.page) {
+            if let Err(e) = self.map_run(at, len) {
                 failure = Some(e);
                 break;
             }
             if let Some(hook) = &self.hook {
-                if let Err(e) = hook.mapped(&self.region, at, len) {
-                    self.unmap_quietly(at, len, false);
+                if let Err(e) = hook.mapped(self.info(), at, len) {
+                    self.unmap_quietly(at, len, Hooked::NotTold);
                     failure = Some(e);
                     break;
                 }
@@ -385,16 +794,15 @@ impl<G: BlockGeometry> BlockBacking<G> {
         }
         if let Some(e) = failure {
             for &(at, len) in &done {
-                self.unmap_quietly(at, len, true);
+                self.unmap_quietly(at, len, Hooked::Told);
             }
             let mut st = self.state.lock();
             for (b, pages) in &claimed {
-                st.backed[*b] = false;
+                st.blocks[*b] = BlockState::Unbacked;
                 for &p in pages {
                     st.refs[p] -= 1;
                 }
             }
-            st.backed_blocks -= claimed.len();
             for &p in &to_map {
                 st.busy[p] = false;
             }
@@ -406,6 +814,10 @@ impl<G: BlockGeometry> BlockBacking<G> {
         let bytes = to_map.len() as u64 * self.page;
         {
             let mut st = self.state.lock();
+            for (b, _) in &claimed {
+                st.blocks[*b] = BlockState::Backed;
+            }
+            st.backed_blocks += claimed.len();
             for &p in &to_map {
                 st.mapped[p] = true;
                 st.busy[p] = false;
@@ -423,10 +835,10 @@ impl<G: BlockGeometry> BlockBacking<G> {
 
     /// Unmap a run this backing mapped, telling the hook first when it knew of the mapping.
     /// Used on rollback, where the operation's own error is the one to report.
-    fn unmap_quietly(&self, at: u64, len: u64, hooked: bool) {
-        if hooked {
+    fn unmap_quietly(&self, at: u64, len: u64, hooked: Hooked) {
+        if hooked == Hooked::Told {
             if let Some(hook) = &self.hook {
-                hook.unmapping(&self.region, at, len);
+                hook.unmapping(self.info(), at, len);
             }
         }
         if let Err(e) = self.region.unmap(at, len) {
@@ -434,28 +846,40 @@ impl<G: BlockGeometry> BlockBacking<G> {
         }
     }
 
-    /// Release `blocks`: unmap the pages no other backed block touches. Every block must be
-    /// backed (releasing one twice is an error naming it, and changes nothing). A page whose
-    /// unmap fails stays mapped (and registered) with no block on it; a later release or
-    /// [`BlockBacking::unmap_unused`] tries again.
-    pub fn release(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+    fn release(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
         let blocks = self.checked(blocks)?;
-        let pages = self.pages_of(&blocks);
+        let per_block = self.pages_per_block(&blocks)?;
+        let pages: BTreeSet<usize> = per_block
+            .iter()
+            .flat_map(|(_, p)| p.iter().copied())
+            .collect();
         let to_unmap = {
-            let mut st = self.wait_idle(&pages);
-            if let Some(&b) = blocks.iter().find(|&&b| !st.backed[b]) {
+            let mut st = self.wait_until(|st| {
+                pages.iter().all(|&p| !st.busy[p])
+                    && blocks.iter().all(|&b| st.blocks[b] != BlockState::Claimed)
+            });
+            if let Some(&b) = blocks.iter().find(|&&b| st.blocks[b] != BlockState::Backed) {
                 return Err(Error::InvalidArgument(format!(
                     "block {b} is not backed: release of {} blocks refused, nothing changed",
                     blocks.len()
                 )));
             }
-            let mut spans = Vec::new();
-            let mut per = Vec::new();
-            for &b in &blocks {
-                st.backed[b] = false;
-                per.clear();
-                self.pages_per_block(b, &mut spans, &mut per);
-                for &p in &per {
+            if let Some(&b) = blocks.iter().find(|&&b| st.pins[b] > 0) {
+                let holder = st
+                    .holders
+                    .values()
+                    .find(|r| r.blocks.binary_search(&b).is_ok())
+                    .map_or_else(|| "an unknown holder".to_owned(), |r| r.holder.clone());
+                return Err(Error::BlockPinned {
+                    block: b,
+                    pins: st.pins[b] as usize,
+                    holder,
+                    blocks: blocks.len(),
+                });
+            }
+            for (b, block_pages) in &per_block {
+                st.blocks[*b] = BlockState::Unbacked;
+                for &p in block_pages {
                     st.refs[p] -= 1;
                 }
             }
@@ -468,16 +892,6 @@ impl<G: BlockGeometry> BlockBacking<G> {
             bytes,
             left_mapped: to_unmap.len() as u64 * self.page - bytes,
         })
-    }
-
-    /// Unmap mapped pages that no backed block touches (left behind by a failed unmap).
-    pub fn unmap_unused(&self) -> u64 {
-        let to_unmap = {
-            let mut st = self.state.lock();
-            let n = st.refs.len();
-            Self::claim_unused(&mut st, 0..n)
-        };
-        self.unmap_claimed(&to_unmap)
     }
 
     /// Mark busy and return the pages among `pages` that are mapped, idle and unreferenced.
@@ -498,14 +912,14 @@ impl<G: BlockGeometry> BlockBacking<G> {
             let at = first as u64 * self.page;
             let len = (last - first + 1) as u64 * self.page;
             if let Some(hook) = &self.hook {
-                hook.unmapping(&self.region, at, len);
+                hook.unmapping(self.info(), at, len);
             }
             match self.region.unmap(at, len) {
                 Ok(()) => unmapped.extend(first..=last),
                 Err(e) => {
                     tracing::error!(at, len, error = %e, "unmapping released pages failed; they stay mapped");
                     if let Some(hook) = &self.hook {
-                        if let Err(e) = hook.mapped(&self.region, at, len) {
+                        if let Err(e) = hook.mapped(self.info(), at, len) {
                             tracing::error!(at, len, error = %e, "re-registering pages that stayed mapped failed");
                         }
                     }
@@ -526,8 +940,7 @@ impl<G: BlockGeometry> BlockBacking<G> {
         unmapped.len() as u64 * self.page
     }
 
-    /// Runs of mapped pages as `(offset, len)` relative to the region.
-    pub fn mapped_runs(&self) -> Vec<(u64, u64)> {
+    fn mapped_runs(&self) -> Vec<(u64, u64)> {
         let st = self.state.lock();
         let pages: BTreeSet<usize> = (0..st.mapped.len()).filter(|&p| st.mapped[p]).collect();
         drop(st);
@@ -538,22 +951,64 @@ impl<G: BlockGeometry> BlockBacking<G> {
     }
 }
 
+impl<G: BlockGeometry> PinTarget for Core<G> {
+    fn unpin(&self, id: u64) {
+        let mut st = self.state.lock();
+        if let Some(record) = st.holders.remove(&id) {
+            for &b in &record.blocks {
+                st.pins[b] -= 1;
+            }
+        }
+    }
+}
+
+impl BlockPin {
+    /// The pinned blocks, sorted.
+    pub fn blocks(&self) -> &[usize] {
+        &self.blocks
+    }
+}
+
+impl fmt::Debug for BlockPin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockPin")
+            .field("id", &self.id)
+            .field("blocks", &self.blocks)
+            .finish()
+    }
+}
+
+impl Drop for BlockPin {
+    fn drop(&mut self) {
+        // The count goes under the lock; the backing itself (if this was its last owner) goes
+        // after, when `target` drops with no lock held.
+        self.target.unpin(self.id);
+        tracing::trace!(pin = self.id, blocks = self.blocks.len(), "blocks unpinned");
+    }
+}
+
 impl<G: BlockGeometry> fmt::Debug for BlockBacking<G> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BlockBacking")
-            .field("region", &self.region)
-            .field("page", &self.page)
+            .field("region", &self.core.region)
+            .field("page", &self.core.page)
             .field("stats", &self.stats())
             .finish()
     }
 }
 
-impl<G: BlockGeometry> Drop for BlockBacking<G> {
+impl<G> Drop for Core<G> {
     fn drop(&mut self) {
-        // The hook lets go of every mapping first; the region then unmaps it all as it drops.
+        // No handle and no pin is left. The hook lets go of every mapping first; the region
+        // then unmaps it all as it drops.
         if let Some(hook) = &self.hook {
-            for (at, len) in self.mapped_runs() {
-                hook.unmapping(&self.region, at, len);
+            let st = self.state.get_mut();
+            let pages: BTreeSet<usize> = (0..st.mapped.len()).filter(|&p| st.mapped[p]).collect();
+            let info = RegionInfo {
+                region: &self.region,
+            };
+            for (f, l) in runs(&pages) {
+                hook.unmapping(info, f as u64 * self.page, (l - f + 1) as u64 * self.page);
             }
         }
     }

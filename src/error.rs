@@ -367,6 +367,21 @@ pub enum Error {
         /// What holds it.
         detail: String,
     },
+
+    // ---- block backing ----
+    /// A block of a [`crate::BlockBacking`] (or an elastic layout) is pinned, by a transfer or
+    /// another consumer of its memory, and cannot be released; nothing was changed.
+    #[error("block {block} is pinned by {pins} user(s), one of them {holder}: release of {blocks} block(s) refused, nothing changed")]
+    BlockPinned {
+        /// The first pinned block found among those asked for.
+        block: usize,
+        /// Pins on it now.
+        pins: usize,
+        /// Who holds one of them (the name given to `pin`).
+        holder: String,
+        /// Blocks the release asked for.
+        blocks: usize,
+    },
 }
 
 impl Error {

@@ -8,9 +8,10 @@ use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::layout::{
-    BlockDim, LayoutBuilder, LayoutConfig, LayoutGeometry, LayoutKind, Span, REGION_ALIGNMENT,
+    BlockDim, LayoutBuilder, LayoutConfig, LayoutGeometry, LayoutKind, MemoryRange, MemoryView,
+    Span, REGION_ALIGNMENT,
 };
-use elastic_vmm::{Backend, BlockGeometry, Error};
+use elastic_vmm::{Backend, BlockGeometry, Error, MemoryKind};
 
 use suite::layout::{expected_place, KINDS};
 
@@ -148,7 +149,7 @@ fn merged_runs() {
     bs.block_spans(9, &mut spans);
     assert_eq!(spans.len(), 8);
     assert_eq!(spans[3], (bs.region_offset(1) + (10 + 9) * 128, 128));
-    assert_eq!(BlockGeometry::extent(&bs), bs.extent());
+    assert_eq!(BlockGeometry::extent(&bs).expect("extent"), bs.extent());
     // Out of range runs are errors with the numbers.
     match fc.blocks(8, 3) {
         Err(Error::OutOfLayout { what, index, count }) => {
@@ -267,5 +268,132 @@ fn bad_configs_are_refused_with_numbers() {
         (s.in_use, s.reserved_regions, s.mapped),
         (0, 0, 0),
         "nothing taken"
+    );
+}
+
+/// Bad runs and views are errors with the numbers in them, never a panic or a wrap-around: an
+/// empty run names its first block and the layout's size, a run past the end or past
+/// `usize::MAX` names its numbers, a view whose end passes 2^64 says so.
+#[test]
+fn bad_runs_and_views_name_their_numbers() {
+    let c = LayoutConfig::new(10, 4, 2, 16, 8, 1);
+    let g = LayoutGeometry::new(c, LayoutKind::FullyContiguous).expect("geometry");
+    match g.blocks(3, 0) {
+        Err(e @ Error::InvalidArgument(_)) => {
+            let m = e.to_string();
+            assert!(
+                m.contains("0 blocks from block 3") && m.contains("10 blocks"),
+                "{m}"
+            );
+        }
+        other => panic!("expected a refused empty run, got {other:?}"),
+    }
+    match g.blocks(5, usize::MAX) {
+        Err(e @ Error::InvalidArgument(_)) => {
+            let m = e.to_string();
+            assert!(
+                m.contains(&usize::MAX.to_string()) && m.contains("block 5"),
+                "{m}"
+            );
+        }
+        other => panic!("expected a refused run, got {other:?}"),
+    }
+    assert!(matches!(
+        g.blocks(9, 2),
+        Err(Error::OutOfLayout {
+            index: 10,
+            count: 10,
+            ..
+        })
+    ));
+    let v = MemoryView {
+        addr: u64::MAX - 10,
+        len: 100,
+    };
+    match v.end() {
+        Err(e @ Error::SizeOverflow { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("0xfffffffffffffff5") && m.contains("100"), "{m}");
+        }
+        other => panic!("expected SizeOverflow, got {other:?}"),
+    }
+    assert_eq!(
+        MemoryView {
+            addr: 512,
+            len: 100
+        }
+        .end()
+        .expect("end"),
+        612
+    );
+}
+
+/// Caller regions share one storage kind: one memory kind and device for all, a device
+/// ordinal of at least 0 for device memory, none for host memory; anything else is refused at
+/// build with the numbers.
+#[test]
+fn caller_regions_share_one_storage_kind() {
+    let pool = elastic_vmm::Pool::new(host(), elastic_vmm::PoolConfig::new(1 << 30)).expect("pool");
+    let owner = pool.allocate(4 << 20).expect("caller memory");
+    let c = LayoutConfig::new(4, 2, 1, 16, 64, 2); // layer region: 4 * 2048 = 8 KiB
+    let range = |addr: u64, kind: MemoryKind, device: Option<i32>| MemoryRange {
+        addr,
+        len: 8 << 10,
+        kind,
+        device,
+    };
+    let build = |ranges: Vec<MemoryRange>| {
+        // SAFETY: every range lies in `owner`, alive for the whole test, and `build` is the only
+        // thing done with the layout (dropped at once).
+        unsafe {
+            LayoutBuilder::new()
+                .config(c)
+                .layer_separate(BlockDim::First)
+                .regions(ranges)
+        }
+        .build()
+    };
+    let base = owner.addr();
+    let host_ok = build(vec![
+        range(base, MemoryKind::Host, None),
+        range(base + (1 << 20), MemoryKind::Host, None),
+    ])
+    .expect("host memory, no device");
+    assert_eq!(host_ok.memory_kind(), MemoryKind::Host);
+    let refused = |ranges: Vec<MemoryRange>, want: &[&str]| match build(ranges) {
+        Err(Error::InvalidLayout(m)) => {
+            for w in want {
+                assert!(m.contains(w), "{w:?} not in {m:?}");
+            }
+        }
+        other => panic!("expected InvalidLayout ({want:?}), got {other:?}"),
+    };
+    refused(
+        vec![
+            range(base, MemoryKind::Device, Some(-1)),
+            range(base + (1 << 20), MemoryKind::Device, Some(-1)),
+        ],
+        &["Device", "Some(-1)", "at least 0"],
+    );
+    refused(
+        vec![
+            range(base, MemoryKind::Host, Some(0)),
+            range(base + (1 << 20), MemoryKind::Host, Some(0)),
+        ],
+        &["Host", "Some(0)"],
+    );
+    refused(
+        vec![
+            range(base, MemoryKind::Host, None),
+            range(base + (1 << 20), MemoryKind::Device, Some(0)),
+        ],
+        &["region 1", "Device", "one storage kind"],
+    );
+    refused(
+        vec![
+            range(base, MemoryKind::Device, Some(0)),
+            range(base + (1 << 20), MemoryKind::Device, Some(1)),
+        ],
+        &["region 1", "Some(1)", "one storage kind"],
     );
 }

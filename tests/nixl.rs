@@ -61,3 +61,36 @@ fn host_transfer_bandwidth() {
         assert!(w > 0.0 && r > 0.0);
     }
 }
+
+/// A transfer that times out while NIXL still runs it keeps its blocks pinned, and its
+/// source's registrations and memory alive, until NIXL reports it finished (see the suite).
+///
+/// Over shared memory (CMA) UCX completes a host transfer inside the post call, so nothing can
+/// be caught running; over TCP it runs in the background. UCX reads `UCX_TLS` when an agent
+/// starts, so the scenario runs in a child process of this binary with `UCX_TLS=tcp`.
+#[test]
+fn timed_out_transfer_keeps_blocks_pinned() {
+    if !nixl_ready() {
+        return;
+    }
+    const CHILD: &str = "ELASTIC_VMM_NIXL_TCP_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        suite::layout::nixl::timed_out_transfer_keeps_blocks_pinned(host());
+        return;
+    }
+    let name = "timed_out_transfer_keeps_blocks_pinned";
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env("UCX_TLS", "tcp")
+        .env(CHILD, "1")
+        .output()
+        .expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("child (UCX_TLS=tcp):\n{stdout}{stderr}");
+    assert!(out.status.success(), "the child failed: {}", out.status);
+    assert!(
+        stdout.contains("1 passed"),
+        "the child did not run the scenario"
+    );
+}

@@ -139,8 +139,15 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
 
     /// Place the layout in memory the caller owns: one range per layout region (1 for fully
     /// contiguous, `num_layers` for layer separate), each 512-byte aligned, large enough, all
-    /// of one memory kind and device.
-    pub fn regions(
+    /// of one storage kind: the same memory kind and device (a device ordinal, at least 0, for
+    /// device memory; none for host memory). `build` checks all of that.
+    ///
+    /// # Safety
+    /// Each range must be memory of the kind and device it names, mapped with access, and stay
+    /// so for as long as the layout and anything made of it lives (a NIXL registration through
+    /// `NixlAgent::register`, and any transfer over it until NIXL reports it finished, after a
+    /// timeout included): NIXL and the layout's users read and write it without further checks.
+    pub unsafe fn regions(
         self,
         ranges: Vec<MemoryRange>,
     ) -> LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
@@ -257,6 +264,15 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
             )));
         }
         let first = ranges[0];
+        match (first.kind, first.device) {
+            (MemoryKind::Host, None) => {}
+            (MemoryKind::Device, Some(d)) if d >= 0 => {}
+            (kind, device) => {
+                return Err(Error::InvalidLayout(format!(
+                    "region 0 is {kind:?} memory with device {device:?}: device memory needs a device ordinal of at least 0, host memory none"
+                )))
+            }
+        }
         for (i, r) in ranges.iter().enumerate() {
             if r.addr == 0 || r.addr % REGION_ALIGNMENT != 0 {
                 return Err(Error::InvalidLayout(format!(
@@ -279,17 +295,9 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
             }
             if (r.kind, r.device) != (first.kind, first.device) {
                 return Err(Error::InvalidLayout(format!(
-                    "region {i} is {:?} memory of device {:?}, region 0 is {:?} of device {:?}: all regions of a layout share one kind",
+                    "region {i} is {:?} memory of device {:?}, region 0 is {:?} of device {:?}: all regions of a layout share one storage kind",
                     r.kind, r.device, first.kind, first.device
                 )));
-            }
-        }
-        match (first.kind, first.device) {
-            (MemoryKind::Host, None) | (MemoryKind::Device, Some(_)) => {}
-            (kind, device) => {
-                return Err(Error::InvalidLayout(format!(
-                    "{kind:?} memory with device {device:?}: device memory needs a device ordinal, host memory none"
-                )))
             }
         }
         let bases = ranges.iter().map(|r| r.addr).collect();
@@ -300,7 +308,8 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
     /// Map in pages of `bytes` (a multiple of the granularity; default: the granularity).
-    /// Each page is one physical chunk and one NIXL registration.
+    /// Each page is whole physical chunks of its own (one NIXL registration per chunk), so it
+    /// can be unmapped alone; the range reserved covers the layout in whole pages.
     pub fn page_size(mut self, bytes: u64) -> Self {
         self.memory.page_size = Some(bytes);
         self
@@ -321,10 +330,10 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
             page_size,
             hook,
         } = self.memory;
-        let region = pool.reserve_region(geometry.extent())?;
-        let views = carved(geometry, region.addr(), pool);
-        let backing = BlockBacking::new(region, geometry, page_size, hook)?;
-        tracing::debug!(kind = %geometry.kind(), addr = backing.region().addr(), bytes = backing.region().len(), page = backing.page_size(), "elastic layout reserved");
+        // Whole pages: the last page may reach past the layout's last byte.
+        let backing = BlockBacking::reserve(pool, geometry, page_size, hook)?;
+        let views = carved(geometry, backing.addr(), pool);
+        tracing::debug!(kind = %geometry.kind(), addr = backing.addr(), bytes = backing.len(), page = backing.page_size(), "elastic layout reserved");
         Ok(ElasticLayout::new(views, backing))
     }
 }

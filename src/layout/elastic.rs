@@ -5,10 +5,10 @@ use std::fmt;
 use std::ops::Deref;
 
 use super::geometry::LayoutGeometry;
-use super::view::{KvLayout, LayoutViews};
-use crate::backing::{BackingChange, BackingStats, BlockBacking};
+use super::view::{sealed, KvLayout, LayoutPin, LayoutViews};
+use crate::backing::{BackingChange, BackingStats, BlockBacking, BlockPin, PinRefused};
 use crate::error::{Error, Result};
-use crate::pool::Region;
+use crate::pool::ChunkSpan;
 
 /// A KV-cache layout whose blocks are backed on demand. Dereferences to its [`LayoutViews`]:
 /// every view can be computed, but only those of backed blocks have memory under them.
@@ -18,6 +18,51 @@ use crate::pool::Region;
 /// registration) hears of every page mapped and is told before any page is unmapped, on
 /// [`ElasticLayout::release`], on the rollback of a failed [`ElasticLayout::ensure_backed`] and
 /// on drop.
+///
+/// Blocks in use by a consumer are pinned ([`ElasticLayout::pin`]; NIXL transfers do it
+/// themselves): [`ElasticLayout::release`] of a pinned block is an [`Error::BlockPinned`], and
+/// the memory and registrations stay until the pin goes, even if the layout is dropped first.
+/// The region itself is never handed out, so nothing but `release` can unmap a page:
+///
+/// ```
+/// # use elastic_vmm::layout::{LayoutBuilder, LayoutConfig};
+/// # fn main() -> elastic_vmm::Result<()> {
+/// let pool = elastic_vmm::Pool::host(1 << 30)?;
+/// let kv = LayoutBuilder::new()
+///     .config(LayoutConfig::new(4, 1, 1, 16, 64, 2))
+///     .fully_contiguous()
+///     .elastic(&pool)
+///     .build()?;
+/// kv.ensure_backed([0])?;
+/// assert!(kv.backing().is_range_mapped(0, kv.backing().granularity()));
+/// # Ok(()) }
+/// ```
+/// ```compile_fail
+/// # use elastic_vmm::layout::{LayoutBuilder, LayoutConfig};
+/// # fn main() -> elastic_vmm::Result<()> {
+/// # let pool = elastic_vmm::Pool::host(1 << 30)?;
+/// # let kv = LayoutBuilder::new()
+/// #     .config(LayoutConfig::new(4, 1, 1, 16, 64, 2))
+/// #     .fully_contiguous()
+/// #     .elastic(&pool)
+/// #     .build()?;
+/// kv.ensure_backed([0])?;
+/// kv.region().unmap(0, kv.backing().granularity())?; // no `&Region` to unmap with
+/// # Ok(()) }
+/// ```
+/// ```compile_fail
+/// # use elastic_vmm::layout::{LayoutBuilder, LayoutConfig};
+/// # fn main() -> elastic_vmm::Result<()> {
+/// # let pool = elastic_vmm::Pool::host(1 << 30)?;
+/// # let kv = LayoutBuilder::new()
+/// #     .config(LayoutConfig::new(4, 1, 1, 16, 64, 2))
+/// #     .fully_contiguous()
+/// #     .elastic(&pool)
+/// #     .build()?;
+/// kv.ensure_backed([0])?;
+/// kv.backing().region().unmap(0, kv.backing().granularity())?; // nor from the backing
+/// # Ok(()) }
+/// ```
 pub struct ElasticLayout {
     views: LayoutViews,
     backing: BlockBacking<LayoutGeometry>,
@@ -33,14 +78,41 @@ impl ElasticLayout {
         &self.views
     }
 
-    /// The pool region the layout lies in.
-    pub fn region(&self) -> &Region {
-        self.backing.region()
+    /// Address of the first byte of the reserved range (the first layout region starts here).
+    pub fn addr(&self) -> u64 {
+        self.backing.addr()
     }
 
-    /// The block backing underneath (pages, refcounts, mapped runs).
+    /// Bytes of address space reserved for the layout (whole pages).
+    pub fn len(&self) -> u64 {
+        self.backing.len()
+    }
+
+    /// Always false: the layout reserves at least one granule.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The physical chunks mapped under `[at, at + len)` of the reserved range (offsets
+    /// relative to [`ElasticLayout::addr`]).
+    pub fn chunks_in(&self, at: u64, len: u64) -> Vec<ChunkSpan> {
+        self.backing.chunks_in(at, len)
+    }
+
+    /// Bytes of the reserved range mapped now, as the pool sees it.
+    pub fn region_mapped_bytes(&self) -> u64 {
+        self.backing.region_mapped_bytes()
+    }
+
+    /// The block backing underneath (pages, refcounts, mapped runs, pins).
     pub fn backing(&self) -> &BlockBacking<LayoutGeometry> {
         &self.backing
+    }
+
+    /// Pin `blocks` for `holder` (see [`BlockBacking::pin`]): every block must be backed; none
+    /// can be released until the pin is dropped.
+    pub fn pin(&self, blocks: impl IntoIterator<Item = usize>, holder: &str) -> Result<BlockPin> {
+        self.backing.pin(blocks, holder)
     }
 
     /// Map the pages under `blocks` that are not mapped yet. Blocks backed already stay as
@@ -49,7 +121,8 @@ impl ElasticLayout {
         self.backing.ensure_backed(blocks)
     }
 
-    /// Release `blocks` (each must be backed): unmap the pages no other backed block touches.
+    /// Release `blocks` (each must be backed and unpinned, or nothing changes): unmap the pages
+    /// no other backed block touches.
     pub fn release(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
         self.backing.release(blocks)
     }
@@ -81,7 +154,7 @@ impl ElasticLayout {
                 "[{addr:#x}, +{len}) does not lie in one region of the layout"
             )));
         }
-        Ok(addr - self.region().addr())
+        Ok(addr - self.backing.addr())
     }
 
     /// Copy `data` to `addr` (inside one region of the layout, on backed pages).
@@ -91,8 +164,8 @@ impl ElasticLayout {
     /// meanwhile.
     pub unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
         let at = self.offset_of(addr, data.len() as u64)?;
-        // SAFETY: forwarded; the region checks the bytes are mapped.
-        unsafe { self.region().write(at, data) }
+        // SAFETY: forwarded; the backing checks the bytes are mapped.
+        unsafe { self.backing.write(at, data) }
     }
 
     /// Copy the bytes at `addr` (inside one region of the layout, on backed pages) into `out`.
@@ -102,8 +175,8 @@ impl ElasticLayout {
     /// meanwhile.
     pub unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
         let at = self.offset_of(addr, out.len() as u64)?;
-        // SAFETY: forwarded; the region checks the bytes are mapped.
-        unsafe { self.region().read(at, out) }
+        // SAFETY: forwarded; the backing checks the bytes are mapped.
+        unsafe { self.backing.read(at, out) }
     }
 }
 
@@ -119,9 +192,13 @@ impl KvLayout for ElasticLayout {
     fn views(&self) -> &LayoutViews {
         &self.views
     }
+}
 
-    fn first_unbacked(&self, blocks: &[usize]) -> Option<usize> {
-        self.backing.first_unbacked(blocks.iter().copied())
+impl sealed::Sealed for ElasticLayout {
+    fn pin_blocks(&self, blocks: &[usize], holder: &str) -> Result<LayoutPin, PinRefused> {
+        self.backing
+            .try_pin(blocks.iter().copied(), holder)
+            .map(LayoutPin::blocks)
     }
 }
 

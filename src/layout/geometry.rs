@@ -135,13 +135,20 @@ impl LayoutGeometry {
     /// As [`LayoutGeometry::blocks`], appending to `out`.
     pub fn blocks_into(&self, first: usize, count: usize, out: &mut Vec<Span>) -> Result<()> {
         let c = &self.config;
-        let end = first.saturating_add(count);
         if count == 0 {
-            return Err(Error::InvalidArgument(
-                "a run of blocks must hold at least one block".into(),
-            ));
+            return Err(Error::InvalidArgument(format!(
+                "a run of 0 blocks from block {first} refused: a run holds 1 to {} blocks",
+                c.num_blocks
+            )));
         }
-        Self::check("block", end - 1, c.num_blocks)?;
+        Self::check("block", first, c.num_blocks)?;
+        let Some(last) = first.checked_add(count - 1) else {
+            return Err(Error::InvalidArgument(format!(
+                "a run of {count} blocks from block {first} ends past the last block: the layout has {}",
+                c.num_blocks
+            )));
+        };
+        Self::check("block", last, c.num_blocks)?;
         let (f, n) = (first as u64, count as u64);
         let s = &self.sizes;
         match self.kind {
@@ -178,8 +185,8 @@ impl BlockGeometry for LayoutGeometry {
         self.config.num_blocks
     }
 
-    fn extent(&self) -> u64 {
-        self.extent
+    fn extent(&self) -> Result<u64> {
+        Ok(self.extent)
     }
 
     fn block_spans(&self, block: usize, out: &mut Vec<(u64, u64)>) {

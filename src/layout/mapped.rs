@@ -4,7 +4,7 @@
 use std::fmt;
 use std::ops::Deref;
 
-use super::view::{KvLayout, LayoutViews, MemoryView};
+use super::view::{LayoutViews, MemoryView};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
 use crate::pool::{Allocation, Pool, Region};
@@ -12,7 +12,8 @@ use crate::pool::{Allocation, Pool, Region};
 /// Memory the caller owns and describes: `len` bytes at `addr` of one kind.
 ///
 /// The layout does not own it: the caller keeps it valid (mapped, with access) for as long as
-/// the layout, and any NIXL registration of the layout, lives.
+/// the layout, and any NIXL registration of the layout, lives; hence
+/// [`crate::layout::LayoutBuilder::regions`] is `unsafe`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryRange {
     /// Address of the first byte (512-byte aligned).
@@ -149,16 +150,6 @@ impl Deref for Layout {
 
     fn deref(&self) -> &LayoutViews {
         &self.views
-    }
-}
-
-impl KvLayout for Layout {
-    fn views(&self) -> &LayoutViews {
-        &self.views
-    }
-
-    fn first_unbacked(&self, _blocks: &[usize]) -> Option<usize> {
-        None
     }
 }
 

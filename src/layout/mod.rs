@@ -30,4 +30,6 @@ pub use elastic::ElasticLayout;
 pub use geometry::{LayoutGeometry, Span};
 pub use kind::{BlockDim, LayoutKind};
 pub use mapped::{Layout, MemoryRange};
-pub use view::{KvLayout, LayoutViews, MemoryView};
+#[cfg(feature = "nixl")]
+pub(crate) use view::sealed;
+pub use view::{KvLayout, LayoutPin, LayoutViews, MemoryView};

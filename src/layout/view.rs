@@ -1,11 +1,16 @@
 //! Views: where a unit, a block or a run of blocks of a layout lies in memory, as offset views
 //! of the memory the layout was placed in.
 
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
 use super::geometry::{LayoutGeometry, Span};
 use super::kind::LayoutKind;
 use super::LayoutConfig;
 use crate::backend::MemoryKind;
-use crate::error::Result;
+use crate::backing::{BlockPin, PinRefused};
+use crate::error::{Error, Result};
 
 /// A contiguous piece of memory: `len` bytes at `addr` (a device pointer for device memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -17,9 +22,14 @@ pub struct MemoryView {
 }
 
 impl MemoryView {
-    /// One past the last byte.
-    pub fn end(&self) -> u64 {
-        self.addr + self.len
+    /// One past the last byte; an error with the numbers when it does not fit in 64 bits.
+    pub fn end(&self) -> Result<u64> {
+        self.addr
+            .checked_add(self.len)
+            .ok_or_else(|| Error::SizeOverflow {
+                what: "memory view end",
+                detail: format!("{:#x} + {} bytes", self.addr, self.len),
+            })
     }
 }
 
@@ -163,12 +173,75 @@ impl LayoutViews {
     }
 }
 
-/// What a transfer needs of a layout: its views, and which blocks have memory under them.
-pub trait KvLayout: Send + Sync {
+/// What a transfer needs of a layout: its views, and pins that keep blocks' memory (and its
+/// NIXL registrations) alive while NIXL may touch it.
+///
+/// Sealed: implemented by [`crate::layout::ElasticLayout`] and, with the `nixl` feature,
+/// `nixl::RegisteredLayout`. A safe transfer trusts these implementations to pin what their
+/// views point at, so no other type may implement it.
+pub trait KvLayout: Send + Sync + sealed::Sealed {
     /// Where everything lies.
     fn views(&self) -> &LayoutViews;
 
-    /// The first of `blocks` that has no physical memory (always `None` for a fully mapped
-    /// layout).
-    fn first_unbacked(&self, blocks: &[usize]) -> Option<usize>;
+    /// Pin `blocks` for `holder` (a name for errors): none of them can be released, and the
+    /// memory under them and its registrations stay, until the pin is dropped. A block without
+    /// memory is an error naming it, and nothing is pinned.
+    fn pin(&self, blocks: &[usize], holder: &str) -> Result<LayoutPin> {
+        self.pin_blocks(blocks, holder).map_err(|e| match e {
+            PinRefused::NotBacked(block) => Error::InvalidArgument(format!(
+                "block {block} is not backed: pin of {} blocks for {holder} refused, nothing pinned",
+                blocks.len()
+            )),
+            PinRefused::Invalid(e) => e,
+        })
+    }
+}
+
+pub(crate) mod sealed {
+    use super::LayoutPin;
+    use crate::backing::PinRefused;
+
+    /// The crate-private half of [`super::KvLayout`].
+    pub trait Sealed {
+        /// Pin `blocks`, telling a block without memory apart from bad input.
+        fn pin_blocks(&self, blocks: &[usize], holder: &str) -> Result<LayoutPin, PinRefused>;
+    }
+}
+
+/// Blocks of a layout held by a consumer (see [`KvLayout::pin`]); dropping it lets them go.
+pub struct LayoutPin {
+    _held: Held,
+}
+
+/// What a pin keeps.
+enum Held {
+    /// Pinned blocks of a block backing (which they keep alive).
+    Blocks(BlockPin),
+    /// The owner of fully mapped, registered memory: nothing of it goes while this lives.
+    Owner { _owner: Arc<dyn Any + Send + Sync> },
+}
+
+impl LayoutPin {
+    pub(crate) fn blocks(pin: BlockPin) -> Self {
+        LayoutPin {
+            _held: Held::Blocks(pin),
+        }
+    }
+
+    // Used by `nixl::RegisteredLayout`.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn owner(owner: Arc<dyn Any + Send + Sync>) -> Self {
+        LayoutPin {
+            _held: Held::Owner { _owner: owner },
+        }
+    }
+}
+
+impl fmt::Debug for LayoutPin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self._held {
+            Held::Blocks(p) => f.debug_tuple("LayoutPin").field(p).finish(),
+            Held::Owner { .. } => f.write_str("LayoutPin(owner)"),
+        }
+    }
 }

@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 use super::hook::RegistrationHook;
 use super::registered::RegisteredLayout;
 use super::registry::{NixlDescriptor, Registry};
+use super::transfer::{self, Parked};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
 use crate::layout::{Layout, MemoryView};
@@ -48,6 +49,11 @@ pub(crate) fn nixl_error(call: &'static str, detail: impl fmt::Display) -> Error
 }
 
 /// What an agent shares with its hooks and registered layouts.
+///
+/// Lock order: `metadata_gate` (a `std` RwLock held across NIXL calls) before any of the
+/// `parking_lot` mutexes (`registry`, `loaded`, `pending`), which guard bookkeeping only: each is
+/// taken alone, never held across a NIXL call or a drop of a request or pin, and never while a
+/// block backing's lock is held (hooks run with no backing lock held).
 pub(crate) struct AgentShared {
     pub(crate) name: String,
     pub(crate) agent: nixl_sys::Agent,
@@ -55,9 +61,13 @@ pub(crate) struct AgentShared {
     pub(crate) registry: Mutex<Registry>,
     /// Per remote agent: the registry generation of its metadata we loaded last.
     pub(crate) loaded: Mutex<HashMap<String, u64>>,
-    /// Transfers hold it shared while NIXL uses a remote's metadata; reloading metadata takes
-    /// it exclusively. A gate for NIXL calls, not bookkeeping: hence `std`, not parking_lot.
+    /// Transfers hold it shared while NIXL uses a remote's metadata (posting, waiting, polling
+    /// parked requests); reloading metadata takes it exclusively. A gate for NIXL calls, not
+    /// bookkeeping: hence `std`, not parking_lot.
     pub(crate) metadata_gate: std::sync::RwLock<()>,
+    /// Timed-out transfers NIXL may still be running, with the pins that keep their memory
+    /// and registrations; reaped once NIXL reports them finished.
+    pub(crate) pending: Mutex<Vec<Parked>>,
 }
 
 impl AgentShared {
@@ -171,6 +181,7 @@ impl NixlAgent {
                 registry: Mutex::new(Registry::default()),
                 loaded: Mutex::new(HashMap::new()),
                 metadata_gate: std::sync::RwLock::new(()),
+                pending: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -213,11 +224,43 @@ impl NixlAgent {
     }
 
     /// NIXL descriptors for `view`: one per registration it touches (a view across two
-    /// chunks gives two), each derived from its registration. Unregistered bytes are an error.
+    /// chunks gives two), each derived from its registration. Unregistered bytes, and a view
+    /// whose end does not fit in 64 bits, are errors with the numbers.
     pub fn descriptors(&self, view: MemoryView) -> Result<Vec<NixlDescriptor>> {
         let mut out = Vec::new();
         self.shared.descriptors_into(view, &mut out)?;
         Ok(out)
+    }
+
+    /// Transfers initiated by this agent that timed out and that NIXL has not reported
+    /// finished yet. Their blocks stay pinned (and their memory and registrations alive) until
+    /// it does; see [`crate::nixl::transfer_blocks`].
+    pub fn pending_transfers(&self) -> usize {
+        self.shared.pending.lock().len()
+    }
+
+    /// Ask NIXL about every pending transfer (this also drives its progress) and let go of the
+    /// finished ones, unpinning their blocks. Returns how many are still running. Every
+    /// [`crate::nixl::transfer_blocks`] this agent initiates does this first.
+    pub fn reap_transfers(&self) -> usize {
+        if available().is_err() {
+            return self.pending_transfers();
+        }
+        transfer::reap(&self.shared)
+    }
+}
+
+impl Drop for AgentShared {
+    fn drop(&mut self) {
+        let parked = std::mem::take(self.pending.get_mut());
+        for p in parked {
+            if p.still_running(&self.agent) {
+                // NIXL cannot say it stopped: leak the request, its pins and so its memory and
+                // registrations, rather than free memory a transfer may still write.
+                tracing::error!(agent = %self.name, "{p}: still running as its agent goes; its memory is leaked");
+                std::mem::forget(p);
+            }
+        }
     }
 }
 

@@ -10,8 +10,19 @@
 //!   is owned by its [`RegisteredLayout`], which deregisters before the memory goes.
 //! - Descriptors for a view come from the registrations that contain it
 //!   ([`NixlAgent::descriptors`]), never from a second registration.
-//! - [`transfer_blocks`]: WRITE or READ blocks between two layouts of two agents, refusing
-//!   unbacked blocks before NIXL is called.
+//! - [`transfer_blocks`]: WRITE or READ blocks between two layouts of two agents. It pins the
+//!   blocks of both sides first (an unbacked block is refused before NIXL is called, a release
+//!   of a pinned one is an [`crate::Error::BlockPinned`]) and keeps the pins until NIXL reports
+//!   the request finished: after a timeout the request and its pins wait on the agent's list of
+//!   pending transfers ([`NixlAgent::pending_transfers`], [`NixlAgent::reap_transfers`]), since
+//!   NIXL cannot promise that cancelling a running request stops it.
+//! - Only this crate's layouts take part in transfers ([`crate::layout::KvLayout`] is sealed),
+//!   so every byte NIXL touches is pinned by its owner; memory the caller owns enters only
+//!   through the `unsafe` [`crate::layout::LayoutBuilder::regions`].
+//!
+//! Locks: an agent's metadata gate (held across NIXL calls that use a remote's metadata) comes
+//! before its bookkeeping mutexes (registrations, loaded metadata, pending transfers), each
+//! taken alone and never across a NIXL call; hooks run with no block backing lock held.
 //!
 //! Without the NIXL library (`libnixl_capi.so` on the library path) any NIXL call aborts the
 //! process, so every entry point checks [`available`] first and returns

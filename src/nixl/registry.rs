@@ -92,11 +92,16 @@ impl Registry {
         mem_type: MemType,
         device_id: u64,
     ) -> Result<()> {
-        if let Some((a, l)) = self.overlapping(view.addr, view.end()) {
+        let end = view.end()?;
+        if view.len == 0 {
+            return Err(Error::ZeroSize {
+                what: "NIXL registration",
+            });
+        }
+        if let Some((a, l)) = self.overlapping(view.addr, end) {
             return Err(Error::InvalidArgument(format!(
-                "[{:#x}, {:#x}) overlaps [{a:#x}, {:#x}), registered already with NIXL agent {agent:?}",
+                "[{:#x}, {end:#x}) overlaps [{a:#x}, {:#x}), registered already with NIXL agent {agent:?}",
                 view.addr,
-                view.end(),
                 a + l
             )));
         }
@@ -161,7 +166,7 @@ impl Registry {
         view: MemoryView,
         out: &mut Vec<NixlDescriptor>,
     ) -> Result<()> {
-        let end = view.end();
+        let end = view.end()?;
         let mut pos = view.addr;
         while pos < end {
             let hit = self

@@ -1,17 +1,33 @@
-//! Moving blocks between two layouts with NIXL: every block is checked to be backed before any
-//! NIXL call, descriptors come from the registrations (one per chunk touched on each side), the
-//! remote's metadata is reloaded only when its registrations changed, and completion is awaited
-//! with a timeout.
+//! Moving blocks between two layouts with NIXL: the blocks of both sides are pinned before any
+//! NIXL call (an unbacked block is refused then), descriptors come from the registrations (one
+//! per chunk touched on each side), the remote's metadata is reloaded only when its
+//! registrations changed, and completion is awaited with a timeout.
+//!
+//! # Pins and timeouts
+//! The pins hold from before the descriptors are taken until NIXL reports the request finished:
+//! neither side's blocks can be released meanwhile, and their memory and registrations stay
+//! even if a layout is dropped. On a timeout the request is *not* released: releasing a running
+//! request asks the backend to cancel it, and UCX cannot promise that a put or get already
+//! issued stops, nor can NIXL say whether it did. So the request goes, with its pins, to the
+//! initiating agent's list of pending transfers, and the pins are dropped only once NIXL
+//! reports the request finished (successfully or with an error): at the start of the agent's
+//! next `transfer_blocks`, or at [`NixlAgent::reap_transfers`]. Until then a release of those
+//! blocks is an [`Error::BlockPinned`] naming the transfer, and the remote's metadata is not
+//! reloaded (that would disconnect the running request). A request that never finishes keeps
+//! its memory for good (leaked when the agent goes), never freed under it. An error from NIXL
+//! (posting, or a failed status) is taken to mean that NIXL stopped the request.
 
+use std::fmt;
 use std::sync::RwLockReadGuard;
 use std::time::{Duration, Instant};
 
-use nixl_sys::{XferDescList, XferOp, XferStatus};
+use nixl_sys::{XferDescList, XferOp, XferRequest, XferStatus};
 
 use super::agent::{available, nixl_error, AgentShared, NixlAgent};
 use super::registry::NixlDescriptor;
+use crate::backing::PinRefused;
 use crate::error::{Error, Result};
-use crate::layout::{KvLayout, MemoryView};
+use crate::layout::{KvLayout, LayoutPin, MemoryView};
 
 /// The direction of a transfer, as the initiating (local) agent sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,13 +78,110 @@ pub struct TransferReport {
     pub metadata_loaded: bool,
 }
 
+/// A request NIXL may still be running, with the pins on the memory it touches. Fields drop in
+/// order: the request (released) before the pins.
+pub(crate) struct Parked {
+    req: XferRequest,
+    _pins: [LayoutPin; 2],
+    remote: String,
+    op: &'static str,
+    bytes: u64,
+    since: Instant,
+}
+
+impl Parked {
+    /// Whether NIXL says the request is still running (asking drives its progress).
+    pub(crate) fn still_running(&self, agent: &nixl_sys::Agent) -> bool {
+        matches!(agent.get_xfer_status(&self.req), Ok(XferStatus::InProgress))
+    }
+}
+
+impl fmt::Display for Parked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "NIXL {} of {} bytes to agent {:?}, timed out {:?} ago",
+            self.op,
+            self.bytes,
+            self.remote,
+            self.since.elapsed()
+        )
+    }
+}
+
+/// Ask NIXL about `agent`'s pending transfers and let the finished ones go (requests released,
+/// then pins dropped, with no lock held). Returns how many are still running.
+pub(crate) fn reap(agent: &AgentShared) -> usize {
+    let (finished, running) = {
+        // Shared: the remote metadata these requests use stays loaded while NIXL is asked.
+        let _gate = agent
+            .metadata_gate
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        let parked = std::mem::take(&mut *agent.pending.lock());
+        if parked.is_empty() {
+            return 0;
+        }
+        let (running, finished): (Vec<Parked>, Vec<Parked>) = parked
+            .into_iter()
+            .partition(|p| p.still_running(&agent.agent));
+        let n = running.len();
+        agent.pending.lock().extend(running);
+        (finished, n)
+    };
+    for p in &finished {
+        tracing::debug!(agent = %agent.name, "{p}: finished; its blocks are unpinned");
+    }
+    drop(finished);
+    running
+}
+
+/// Keep `req` and `pins` on `agent`'s pending list when NIXL says the request is still
+/// running; otherwise let them go.
+fn park_or_drop(
+    agent: &AgentShared,
+    req: XferRequest,
+    pins: [LayoutPin; 2],
+    remote: &str,
+    op: TransferOp,
+    bytes: u64,
+) {
+    let parked = Parked {
+        req,
+        _pins: pins,
+        remote: remote.to_owned(),
+        op: op.name(),
+        bytes,
+        since: Instant::now(),
+    };
+    if parked.still_running(&agent.agent) {
+        tracing::warn!(agent = %agent.name, "{parked}: still running; its blocks stay pinned until NIXL reports it finished");
+        agent.pending.lock().push(parked);
+    }
+}
+
+/// The error for a side whose pin was refused.
+fn pin_error(side: &'static str, blocks: usize, e: PinRefused) -> Error {
+    match e {
+        PinRefused::NotBacked(block) => Error::BlockNotBacked {
+            side,
+            block,
+            blocks,
+        },
+        PinRefused::Invalid(e) => e,
+    }
+}
+
 /// Move `local.blocks` to `remote.blocks` (WRITE) or back (READ), block `i` of one side with
 /// block `i` of the other, unit by unit (block, layer, outer index), so the two layouts may be
 /// of different kinds but must have the same layers, outer dimension and unit size. The local
 /// agent initiates. A block without memory on either side is refused before any NIXL call;
 /// bytes outside every registration are an error naming them. Waits at most `timeout`.
 ///
-/// Neither side's blocks may be released, and nobody else may use their bytes, until it returns.
+/// The blocks of both sides are pinned for the whole transfer: a concurrent release of one is
+/// an [`Error::BlockPinned`]. After a timeout ([`Error::TransferTimeout`]) they stay pinned
+/// until NIXL reports the request finished; see the module documentation. Nobody else may write
+/// the bytes the transfer reads or use the bytes it writes meanwhile.
 pub fn transfer_blocks(
     op: TransferOp,
     local: BlockSet<'_>,
@@ -97,25 +210,26 @@ pub fn transfer_blocks(
             local.agent.name()
         )));
     }
-    // Indices first (an index past the end is an error naming it), then backing.
+    // Indices first (an index past the end is an error naming it), then backing: the pins.
     let (local_units, remote_units) = (lv.units_of(local.blocks)?, rv.units_of(remote.blocks)?);
     let blocks = local.blocks.len();
-    if let Some(block) = local.layout.first_unbacked(local.blocks) {
-        return Err(Error::BlockNotBacked {
-            side: "local",
-            block,
-            blocks,
-        });
-    }
-    if let Some(block) = remote.layout.first_unbacked(remote.blocks) {
-        return Err(Error::BlockNotBacked {
-            side: "remote",
-            block,
-            blocks,
-        });
-    }
-    let pairs = merged_pairs(local_units, remote_units);
     let (ls, rs) = (&local.agent.shared, &remote.agent.shared);
+    let holder = format!(
+        "a NIXL {} of {blocks} blocks between agents {:?} and {:?}",
+        op.name(),
+        ls.name,
+        rs.name
+    );
+    let local_pin = local
+        .layout
+        .pin_blocks(local.blocks, &holder)
+        .map_err(|e| pin_error("local", blocks, e))?;
+    let remote_pin = remote
+        .layout
+        .pin_blocks(remote.blocks, &holder)
+        .map_err(|e| pin_error("remote", blocks, e))?;
+    // Pinned: the registrations under these blocks cannot go until the pins do.
+    let pairs = merged_pairs(local_units, remote_units);
     let (mut ld, mut rd) = (Vec::new(), Vec::new());
     let (mut lp, mut rp) = (Vec::new(), Vec::new());
     for (l, r) in pairs {
@@ -128,6 +242,7 @@ pub fn transfer_blocks(
     let bytes: u64 = ld.iter().map(|d| d.len).sum();
 
     available()?;
+    reap(ls);
     let (_gate, metadata_loaded) = sync_remote(ls, rs)?;
     let list = |descs: &[NixlDescriptor]| -> Result<XferDescList<'static>> {
         let mem = descs
@@ -155,25 +270,31 @@ pub fn transfer_blocks(
                 ),
             )
         })?;
+    let pins = [local_pin, remote_pin];
     let start = Instant::now();
-    let mut pending = ls.agent.post_xfer_req(&req, None).map_err(|e| {
-        nixl_error(
-            "post_xfer_req",
-            format!("{e} ({} of {bytes} bytes)", op.name()),
-        )
-    })?;
+    let mut pending = match ls.agent.post_xfer_req(&req, None) {
+        Ok(p) => p,
+        Err(e) => {
+            // Part of it may be on its way: keep the pins if NIXL says it runs.
+            park_or_drop(ls, req, pins, &rs.name, op, bytes);
+            return Err(nixl_error(
+                "post_xfer_req",
+                format!("{e} ({} of {bytes} bytes)", op.name()),
+            ));
+        }
+    };
     while pending {
         match ls.agent.get_xfer_status(&req) {
             Ok(XferStatus::Success) => pending = false,
             Ok(XferStatus::InProgress) => {
                 if start.elapsed() > timeout {
-                    // Dropping the request releases (aborts) it.
-                    drop(req);
+                    let waited_ms = start.elapsed().as_millis() as u64;
+                    park_or_drop(ls, req, pins, &rs.name, op, bytes);
                     return Err(Error::TransferTimeout {
                         op: op.name(),
                         bytes,
                         descriptors: ld.len(),
-                        waited_ms: start.elapsed().as_millis() as u64,
+                        waited_ms,
                     });
                 }
                 if start.elapsed() < Duration::from_millis(1) {
@@ -182,15 +303,22 @@ pub fn transfer_blocks(
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }
+            // NIXL reports the request failed: it no longer runs; the request goes, then
+            // the pins.
             Err(e) => {
+                drop(req);
+                drop(pins);
                 return Err(nixl_error(
                     "get_xfer_status",
                     format!("{e} ({} of {bytes} bytes)", op.name()),
-                ))
+                ));
             }
         }
     }
     let elapsed = start.elapsed();
+    // Released before the pins (declaration order is the other way round).
+    drop(req);
+    drop(pins);
     tracing::debug!(
         op = op.name(),
         bytes,
@@ -211,7 +339,8 @@ fn merged_pairs(local: Vec<MemoryView>, remote: Vec<MemoryView>) -> Vec<(MemoryV
     let mut out: Vec<(MemoryView, MemoryView)> = Vec::new();
     for (l, r) in local.into_iter().zip(remote) {
         match out.last_mut() {
-            Some((pl, pr)) if pl.end() == l.addr && pr.end() == r.addr => {
+            // Views of live layouts: their ends fit in 64 bits (checked anyway).
+            Some((pl, pr)) if pl.end().ok() == Some(l.addr) && pr.end().ok() == Some(r.addr) => {
                 pl.len += l.len;
                 pr.len += r.len;
             }
@@ -279,6 +408,25 @@ fn sync_remote<'a>(
             .unwrap_or_else(|e| e.into_inner());
         let want = remote.registry.lock().generation;
         let loaded = local.loaded.lock().get(&remote.name).copied();
+        if loaded.is_some() && loaded != Some(want) {
+            // Forgetting the remote's metadata would pull it from under requests to it that
+            // may still run (parked after a timeout).
+            let running = local
+                .pending
+                .lock()
+                .iter()
+                .filter(|p| p.remote == remote.name)
+                .count();
+            if running > 0 {
+                return Err(nixl_error(
+                    "invalidate_remote_md",
+                    format!(
+                        "{:?} must reload the metadata of {:?} (its registrations changed) but {running} timed-out transfer(s) to it may still run; NixlAgent::reap_transfers lets them go once NIXL reports them finished",
+                        local.name, remote.name
+                    ),
+                ));
+            }
+        }
         if loaded != Some(want) {
             let md = remote.agent.get_local_md().map_err(|e| {
                 nixl_error("get_local_md", format!("{e} (agent {:?})", remote.name))

@@ -17,7 +17,7 @@ use elastic_vmm::layout::{
 use elastic_vmm::nixl::{self, RegisteredLayout};
 use elastic_vmm::{Backend, MemoryKind};
 
-use crate::suite::layout::nixl::{agent, bandwidth, bandwidth_config, measure};
+use crate::suite::layout::nixl::{agent, bandwidth, bandwidth_config, measure, AsKv};
 use crate::suite::layout::Bytes;
 
 fn cuda() -> Arc<dyn Backend> {
@@ -58,12 +58,9 @@ impl Bytes for PlainDevice {
     }
 }
 
-impl KvLayout for PlainDevice {
-    fn views(&self) -> &LayoutViews {
-        KvLayout::views(&self.layout)
-    }
-    fn first_unbacked(&self, _blocks: &[usize]) -> Option<usize> {
-        None
+impl AsKv for PlainDevice {
+    fn kv(&self) -> &dyn KvLayout {
+        &self.layout
     }
 }
 
@@ -102,22 +99,25 @@ fn vram_vmm_against_cumemalloc() {
     };
     let (a, b) = (agent("ctl-a"), agent("ctl-b"));
     let layer = BYTES / c.num_layers as u64;
-    let src = LayoutBuilder::new()
-        .config(c)
-        .fully_contiguous()
-        .regions(vec![range(sp, BYTES)])
-        .build()
-        .expect("src");
-    let dst = LayoutBuilder::new()
-        .config(c)
-        .layer_separate(BlockDim::First)
-        .regions(
-            (0..c.num_layers as u64)
-                .map(|l| range(dp + l * layer, layer))
-                .collect(),
+    // SAFETY: both ranges are live cuMemAlloc buffers of device 0, freed below only after the
+    // layouts, their registrations and every transfer over them are gone.
+    let (src, dst) = unsafe {
+        (
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .regions(vec![range(sp, BYTES)]),
+            LayoutBuilder::new()
+                .config(c)
+                .layer_separate(BlockDim::First)
+                .regions(
+                    (0..c.num_layers as u64)
+                        .map(|l| range(dp + l * layer, layer))
+                        .collect(),
+                ),
         )
-        .build()
-        .expect("dst");
+    };
+    let (src, dst) = (src.build().expect("src"), dst.build().expect("dst"));
     let src = PlainDevice {
         layout: a.register(src).expect("register cuMemAlloc src as VRAM"),
     };
@@ -130,6 +130,11 @@ fn vram_vmm_against_cumemalloc() {
         b.registrations()
     );
     let (ctl_w, ctl_r) = measure(&what, &a, &src, &b, &dst);
+    assert_eq!(
+        a.reap_transfers(),
+        0,
+        "no transfer over the buffers still runs"
+    );
     drop((src, dst));
     assert_eq!((a.registrations(), b.registrations()), (0, 0));
     // SAFETY: no registration or layout refers to the buffers any more.
@@ -143,4 +148,13 @@ fn vram_vmm_against_cumemalloc() {
         vmm_w / ctl_w,
         vmm_r / ctl_r
     );
+}
+
+/// A timed-out VRAM transfer keeps its blocks pinned until NIXL reports it finished (see the
+/// suite). In one process UCX moves VMM memory in the background over TCP loopback, so a
+/// zero timeout catches it running.
+#[test]
+fn timed_out_transfer_keeps_blocks_pinned() {
+    require();
+    crate::suite::layout::nixl::timed_out_transfer_keeps_blocks_pinned(cuda());
 }

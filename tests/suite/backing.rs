@@ -4,9 +4,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
 use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backing::RegionInfo;
 use elastic_vmm::{
     Backend, BlockBacking, BlockGeometry, DriverCall, Error, MappingHook, ModelConfig, Pool,
-    PoolConfig, Region, SharedPool, SharedPoolConfig, UniformBlocks,
+    PoolConfig, SharedPool, SharedPoolConfig, UniformBlocks,
 };
 use parking_lot::Mutex;
 
@@ -127,7 +128,7 @@ struct Recorder {
 }
 
 impl MappingHook for Recorder {
-    fn mapped(&self, region: &Region, at: u64, len: u64) -> elastic_vmm::Result<()> {
+    fn mapped(&self, region: RegionInfo<'_>, at: u64, len: u64) -> elastic_vmm::Result<()> {
         assert!(region.is_mapped(at, len), "hook told of unmapped memory");
         if self.fail_next.swap(false, Ordering::SeqCst) {
             return Err(Error::InvalidArgument("hook refused".into()));
@@ -136,7 +137,7 @@ impl MappingHook for Recorder {
         Ok(())
     }
 
-    fn unmapping(&self, region: &Region, at: u64, len: u64) {
+    fn unmapping(&self, region: RegionInfo<'_>, at: u64, len: u64) {
         assert!(
             region.is_mapped(at, len),
             "hook told of an unmapping after it happened"
@@ -232,7 +233,7 @@ pub fn backing_shares_pages(backend: Arc<dyn Backend>) {
     // Data written across the page boundary of block 1 survives the release of block 0.
     let data: Vec<u8> = (0..3 * g / 2).map(|i| (i % 251) as u8).collect();
     // SAFETY: block 1 is backed and nothing else touches the region.
-    unsafe { big.region().write(3 * g / 2, &data) }.expect("write block 1");
+    unsafe { big.write(3 * g / 2, &data) }.expect("write block 1");
     assert_eq!(
         big.release([0]).expect("r0").bytes,
         g,
@@ -241,11 +242,11 @@ pub fn backing_shares_pages(backend: Arc<dyn Backend>) {
     assert!(big.is_range_mapped(g, 2 * g) && !big.is_range_mapped(0, g));
     let mut back = vec![0u8; data.len()];
     // SAFETY: as above.
-    unsafe { big.region().read(3 * g / 2, &mut back) }.expect("read block 1");
+    unsafe { big.read(3 * g / 2, &mut back) }.expect("read block 1");
     assert!(back == data, "block 1's data changed when block 0 went");
     // SAFETY: page 0 is unmapped now: the call must refuse, not touch it.
     assert!(matches!(
-        unsafe { big.region().read(0, &mut back[..16]) },
+        unsafe { big.read(0, &mut back[..16]) },
         Err(Error::RangeNotMapped { .. })
     ));
     assert_eq!(
@@ -392,7 +393,8 @@ pub fn backing_concurrent(backend: Arc<dyn Backend>) {
     let geometry = UniformBlocks::packed(96, 2 * g / 3 / 512 * 512);
     let b = Arc::new(
         BlockBacking::new(
-            p.reserve_region(geometry.extent()).expect("region"),
+            p.reserve_region(geometry.extent().expect("extent"))
+                .expect("region"),
             geometry,
             None,
             None,
@@ -461,4 +463,432 @@ pub fn backing_concurrent(backend: Arc<dyn Backend>) {
     b.release(all).expect("release all");
     assert_eq!(b.stats().mapped_pages, 0);
     check(&b);
+}
+
+/// Fill the pool's chunk cache with chunks of 2 granules and of 1, as a history of mixed
+/// mappings leaves it.
+fn mixed_cache(p: &Pool, g: u64) {
+    let scratch = p.reserve_region(12 * g).expect("scratch region");
+    scratch
+        .map_chunked(0, 8 * g, 2 * g)
+        .expect("2-granule chunks");
+    scratch.map(8 * g, 4 * g).expect("1-granule chunks");
+    scratch.unmap(0, 12 * g).expect("to the cache");
+    assert!(p.stats().cached >= 12 * g, "the cache holds them");
+    assert_eq!(p.stats().cached_chunks, 8, "four of each size");
+}
+
+/// Every chunk under `b` lies inside one page.
+fn chunks_inside_pages<G: BlockGeometry>(b: &BlockBacking<G>, what: &str) {
+    let page = b.page_size();
+    for c in b.chunks_in(0, b.len()) {
+        assert_eq!(
+            c.offset / page,
+            (c.offset + c.size - 1) / page,
+            "{what}: chunk [{:#x}, +{:#x}) crosses a page boundary (pages of {page:#x})",
+            c.offset,
+            c.size
+        );
+    }
+}
+
+/// Pages of three granules, backed in one run after a history that filled the chunk cache
+/// with 2- and 1-granule chunks: no chunk crosses a page, so each page is released alone, in
+/// full, and the hook hears of whole pages only.
+pub fn backing_pages_hold_whole_chunks(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let p = pool(&backend, 128 * g);
+    mixed_cache(&p, g);
+    let page = 3 * g;
+    let hook = Arc::new(Recorder::default());
+    let b = BlockBacking::reserve(
+        &p,
+        UniformBlocks::packed(6, page),
+        Some(page),
+        Some(hook.clone()),
+    )
+    .expect("backing");
+    assert_eq!(b.ensure_backed(0..4).expect("4 pages").bytes, 4 * page);
+    chunks_inside_pages(&b, "after backing pages 0-3 in one run");
+    for pg in 0..4 {
+        let covered: u64 = b.chunks_in(pg * page, page).iter().map(|c| c.size).sum();
+        assert_eq!(covered, page, "page {pg} is whole chunks");
+    }
+    // Page 1 alone: unmapped in full, nothing left behind, neighbours untouched.
+    let change = b.release([1]).expect("release page 1");
+    assert_eq!(
+        (change.bytes, change.left_mapped),
+        (page, 0),
+        "page 1 unmapped alone"
+    );
+    assert!(b.is_range_mapped(0, page) && !b.is_range_mapped(page, 1));
+    assert!(b.is_range_mapped(2 * page, 2 * page));
+    assert_eq!(
+        hook.events.lock().last().copied(),
+        Some(("unmapping", page, page)),
+        "the hook heard of page 1 only"
+    );
+    // Backed again (now from its own freed chunks), and the rest: still whole pages.
+    b.ensure_backed([1, 4, 5]).expect("more pages");
+    chunks_inside_pages(&b, "after backing pages 1, 4 and 5");
+    for blk in [0, 2, 4] {
+        let change = b.release([blk]).expect("release");
+        assert_eq!((change.bytes, change.left_mapped), (page, 0), "page {blk}");
+    }
+    assert_eq!(b.stats().mapped_pages, 3);
+    held_matches(&backend, &p);
+    drop(b);
+    assert_eq!(hook.live_bytes(), 0, "every page let go of");
+    p.trim().expect("trim");
+    assert_eq!(backend.physical_bytes().expect("held"), 0);
+}
+
+/// A page size that is a multiple of the granularity and does not divide the blocks' extent:
+/// `reserve` covers whole pages so the last block can be backed; `new` refuses a region that
+/// stops short of the last page, with the numbers.
+pub fn backing_covers_whole_pages(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let p = pool(&backend, 64 * g);
+    let page = 3 * g;
+    let geo = UniformBlocks::packed(5, g); // 5 granules: 2 pages of 3
+    match BlockBacking::new(
+        p.reserve_region(5 * g).expect("region"),
+        geo,
+        Some(page),
+        None,
+    ) {
+        Err(Error::InvalidArgument(m)) => assert!(
+            m.contains(&format!("{}", 5 * g))
+                && m.contains(&format!("{}", 6 * g))
+                && m.contains(&format!("pages of {page}")),
+            "{m}"
+        ),
+        other => panic!("a region short of whole pages must be refused, got {other:?}"),
+    }
+    assert_eq!(
+        p.stats().reserved_regions,
+        0,
+        "the refused region went back"
+    );
+    let b = BlockBacking::reserve(&p, geo, Some(page), None).expect("backing");
+    assert_eq!(b.len(), 6 * g, "two whole pages");
+    assert_eq!(b.physical_bytes_for(0..5).expect("cost"), 2 * page);
+    assert_eq!(b.ensure_backed([4]).expect("last block").bytes, page);
+    let data: Vec<u8> = (0..g).map(|i| (i % 253) as u8).collect();
+    // SAFETY: block 4 is backed and nothing else uses the backing.
+    unsafe { b.write(4 * g, &data) }.expect("write the last block");
+    let mut back = vec![0u8; data.len()];
+    // SAFETY: as above.
+    unsafe { b.read(4 * g, &mut back) }.expect("read the last block");
+    assert!(back == data, "the last block holds its data");
+    b.ensure_backed(0..4).expect("the rest");
+    assert_eq!(b.stats().mapped_bytes, 2 * page);
+    b.release(0..5).expect("release all");
+    assert_eq!(b.stats().mapped_pages, 0);
+    held_matches(&backend, &p);
+}
+
+/// Blocks whose spans are given by the test: `spans[b]` for block `b`.
+struct Spans {
+    spans: Vec<Vec<(u64, u64)>>,
+    extent: u64,
+}
+
+impl BlockGeometry for Spans {
+    fn num_blocks(&self) -> usize {
+        self.spans.len()
+    }
+    fn extent(&self) -> elastic_vmm::Result<u64> {
+        Ok(self.extent)
+    }
+    fn block_spans(&self, block: usize, out: &mut Vec<(u64, u64)>) {
+        out.extend_from_slice(&self.spans[block]);
+    }
+}
+
+/// Bad geometries and page sizes are errors with the numbers in them, never a panic, a wrap or
+/// a huge allocation, and change nothing: empty spans, spans past the extent or past 2^64,
+/// uniform blocks whose extent overflows, empty or overlapping uniform blocks.
+pub fn backing_refuses_bad_input(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let p = pool(&backend, 64 * g);
+    let geo = Spans {
+        spans: vec![
+            vec![(0, 0)],                  // empty, at the region's start
+            vec![(g, g)],                  // fine
+            vec![(2 * g, g), (4 * g, 0)],  // one good span, one empty
+            vec![(7 * g, 2 * g)],          // past the extent of 8 granules
+            vec![(u64::MAX - 5, 10)],      // past 2^64
+            vec![(3 * g, g), (3 * g, 10)], // two spans on one page: fine
+        ],
+        extent: 8 * g,
+    };
+    let b = BlockBacking::new(p.reserve_region(8 * g).expect("region"), geo, None, None)
+        .expect("backing");
+    let refused =
+        |r: elastic_vmm::Result<elastic_vmm::BackingChange>, block: usize, why: &str| match r {
+            Err(Error::InvalidArgument(m)) => {
+                assert!(
+                    m.contains(&format!("block {block}")) && m.contains(why),
+                    "block {block}: {m}"
+                )
+            }
+            other => panic!("block {block}: expected a refusal ({why}), got {other:?}"),
+        };
+    refused(b.ensure_backed([1, 0]), 0, "empty");
+    refused(b.ensure_backed([2]), 2, "empty");
+    refused(b.ensure_backed([3]), 3, "outside");
+    refused(b.ensure_backed([4]), 4, "outside");
+    assert!(matches!(
+        b.physical_bytes_for([0]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        b.additional_bytes_for([4]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(b.pin([0], "t"), Err(Error::InvalidArgument(_))));
+    let s = b.stats();
+    assert_eq!((s.backed_blocks, s.mapped_pages), (0, 0), "nothing changed");
+    assert_eq!(p.stats().range_mapped, 0);
+    // The good blocks work, and a refused release of a bad one changes nothing either.
+    assert_eq!(b.ensure_backed([1, 5]).expect("good blocks").bytes, 2 * g);
+    refused(b.release([1, 0]), 0, "empty");
+    assert!(b.is_backed(1), "the refused release kept block 1");
+    b.release([1, 5]).expect("release");
+    drop(b);
+
+    // Uniform blocks: overflow, empty blocks, overlapping blocks, bad pages; the regions of the
+    // refused backings go back.
+    let huge = UniformBlocks {
+        num_blocks: 1 << 40,
+        block_bytes: g,
+        stride: 1 << 40,
+    };
+    for (geo, what) in [
+        (huge, "uniform blocks extent"),
+        (UniformBlocks::packed(4, 0), "0 bytes"),
+        (
+            UniformBlocks {
+                num_blocks: 4,
+                block_bytes: 2 * g,
+                stride: g,
+            },
+            "overlap",
+        ),
+    ] {
+        let region = p.reserve_region(4 * g).expect("region");
+        match BlockBacking::new(region, geo, None, None) {
+            Err(e) => assert!(e.to_string().contains(what), "{what}: {e}"),
+            Ok(_) => panic!("{geo:?} accepted"),
+        }
+    }
+    match BlockBacking::new(p.reserve_region(4 * g).expect("region"), huge, None, None) {
+        Err(e @ Error::SizeOverflow { .. }) => {
+            let m = e.to_string();
+            assert!(
+                m.contains("1099511627776") && m.contains(&g.to_string()),
+                "{m}"
+            )
+        }
+        other => panic!("expected SizeOverflow, got {other:?}"),
+    }
+    for page in [0, g / 2, 3 * g / 2] {
+        let r = BlockBacking::reserve(&p, UniformBlocks::packed(4, g), Some(page), None);
+        assert!(
+            matches!(r, Err(Error::Misaligned { what: "page size", value, .. }) if value == page),
+            "page {page}: {r:?}"
+        );
+    }
+    assert_eq!(
+        p.stats().reserved_regions,
+        0,
+        "refused backings keep no region"
+    );
+    held_matches(&backend, &p);
+}
+
+/// Pins hold blocks against release (an error naming the block, its pins and a holder, and
+/// nothing changes), only backed blocks can be pinned, pins count, and a backing dropped while
+/// pinned keeps its memory (and its hook's registrations) until the last pin goes.
+pub fn backing_pins_hold_blocks(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let p = pool(&backend, 64 * g);
+    let hook = Arc::new(Recorder::default());
+    let b = BlockBacking::reserve(&p, UniformBlocks::packed(8, g), None, Some(hook.clone()))
+        .expect("backing");
+    b.ensure_backed(0..4).expect("back");
+    let pin = b.pin([2, 1], "a test transfer").expect("pin");
+    assert_eq!(pin.blocks(), &[1, 2]);
+    assert_eq!(b.stats().pinned_blocks, 2);
+    match b.release([0, 1]) {
+        Err(e @ Error::BlockPinned { .. }) => {
+            let m = e.to_string();
+            let Error::BlockPinned {
+                block,
+                pins,
+                holder,
+                blocks,
+            } = e
+            else {
+                unreachable!()
+            };
+            assert_eq!(
+                (block, pins, holder.as_str(), blocks),
+                (1, 1, "a test transfer", 2)
+            );
+            assert!(
+                m.contains("block 1") && m.contains("a test transfer"),
+                "{m}"
+            );
+        }
+        other => panic!("expected BlockPinned, got {other:?}"),
+    }
+    assert!(
+        b.is_backed(0) && b.is_backed(1),
+        "the refused release changed nothing"
+    );
+    assert_eq!(b.release([0]).expect("unpinned block").bytes, g);
+    match b.pin([3, 0], "late") {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("block 0 is not backed"), "{m}"),
+        other => panic!("expected a refused pin, got {other:?}"),
+    }
+    assert!(matches!(b.pin([8], "x"), Err(Error::InvalidArgument(_))));
+    assert_eq!(b.stats().pinned_blocks, 2, "refused pins pin nothing");
+    // Pins count: block 2 goes only when both are dropped.
+    let second = b.pin([2, 3], "second").expect("second pin");
+    drop(pin);
+    assert_eq!(b.release([1]).expect("pin dropped").bytes, g);
+    match b.release([2]) {
+        Err(Error::BlockPinned { pins, holder, .. }) => {
+            assert_eq!((pins, holder.as_str()), (1, "second"))
+        }
+        other => panic!("expected BlockPinned, got {other:?}"),
+    }
+    // Dropped while pinned: memory and registrations stay until the pin goes.
+    let held = p.stats().range_mapped;
+    assert_eq!(held, 2 * g);
+    drop(b);
+    assert_eq!(
+        p.stats().range_mapped,
+        held,
+        "pinned memory outlives its backing's handle"
+    );
+    assert_eq!(
+        hook.live_bytes(),
+        held as i64,
+        "and so do its registrations"
+    );
+    assert_eq!(p.stats().reserved_regions, 8 * g);
+    drop(second);
+    let s = p.stats();
+    assert_eq!(
+        (s.range_mapped, s.reserved_regions),
+        (0, 0),
+        "all given back with the pin"
+    );
+    assert_eq!(hook.live_bytes(), 0);
+    held_matches(&backend, &p);
+}
+
+/// Users pin blocks, write them, wait and read them back while other threads release and back
+/// blocks (some of them the pinned ones) as fast as they can: a pinned block is never
+/// released, so its data survives and its pages stay mapped; refused releases change nothing.
+pub fn backing_pins_concurrent(backend: Arc<dyn Backend>) {
+    const USERS: usize = 4;
+    const RELEASERS: usize = 3;
+    const BLOCKS: usize = 24;
+    let g = backend.info().granularity as u64;
+    // No chunk cache: memory released under a user would come back as other memory (zeros).
+    let p = Pool::new(
+        backend.clone(),
+        PoolConfig::new(256 * g as usize)
+            .growth_divisor(0)
+            .max_cached(0),
+    )
+    .expect("pool");
+    // A page per block: releasing one unmaps its page.
+    let bytes = g;
+    let b = Arc::new(
+        BlockBacking::reserve(&p, UniformBlocks::packed(BLOCKS, bytes), None, None)
+            .expect("backing"),
+    );
+    b.ensure_backed(0..BLOCKS).expect("back");
+    // One user at a time per block (users write the bytes; releasers never touch them).
+    let used: Arc<Vec<Mutex<()>>> = Arc::new((0..BLOCKS).map(|_| Mutex::new(())).collect());
+    let uses = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let barrier = Arc::new(Barrier::new(USERS + RELEASERS));
+    let mut handles = Vec::new();
+    for t in 0..USERS {
+        let (b, used, uses, barrier) = (b.clone(), used.clone(), uses.clone(), barrier.clone());
+        handles.push(std::thread::spawn(move || {
+            let mut rng = Rng::new(1000 + t as u64);
+            barrier.wait();
+            for round in 0..60u64 {
+                let blk = rng.below(BLOCKS as u64) as usize;
+                let Some(_mine) = used[blk].try_lock() else {
+                    continue;
+                };
+                let Ok(pin) = b.pin([blk], "a user") else {
+                    continue; // released right now: not backed
+                };
+                let at = blk as u64 * bytes;
+                let data: Vec<u8> = (0..bytes).map(|i| (i ^ round ^ t as u64) as u8).collect();
+                // SAFETY: the block is pinned (backed until `pin` drops) and this thread is its
+                // only user (`used[blk]`); releasers do not touch its bytes.
+                unsafe { b.write(at, &data) }.expect("write a pinned block");
+                std::thread::sleep(std::time::Duration::from_micros(rng.below(300)));
+                assert!(b.is_range_mapped(at, bytes), "pinned block {blk} unmapped");
+                let mut back = vec![0u8; bytes as usize];
+                // SAFETY: as above.
+                unsafe { b.read(at, &mut back) }.expect("read a pinned block");
+                assert!(back == data, "pinned block {blk} lost its data");
+                drop(pin);
+                uses.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in 0..RELEASERS {
+        let (b, refused, barrier) = (b.clone(), refused.clone(), barrier.clone());
+        handles.push(std::thread::spawn(move || {
+            let mut rng = Rng::new(2000 + t as u64);
+            barrier.wait();
+            for _ in 0..300 {
+                let blk = rng.below(BLOCKS as u64) as usize;
+                match b.release([blk]) {
+                    Ok(_) => {
+                        b.ensure_backed([blk]).expect("back again");
+                    }
+                    Err(Error::BlockPinned { block, .. }) => {
+                        assert_eq!(block, blk);
+                        refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Another releaser has it right now.
+                    Err(Error::InvalidArgument(m)) => assert!(m.contains("not backed"), "{m}"),
+                    Err(e) => panic!("release: {e}"),
+                }
+                if rng.below(4) == 0 {
+                    std::thread::yield_now();
+                }
+            }
+        }));
+    }
+    for h in handles {
+        h.join().expect("thread");
+    }
+    let s = b.stats();
+    assert_eq!(s.pinned_blocks, 0, "every pin went");
+    assert!(uses.load(Ordering::Relaxed) > 0, "users got their blocks");
+    println!(
+        "{} uses of pinned blocks, {} releases refused by a pin",
+        uses.load(Ordering::Relaxed),
+        refused.load(Ordering::Relaxed)
+    );
+    let backed: Vec<usize> = (0..BLOCKS).filter(|&i| b.is_backed(i)).collect();
+    assert_eq!(s.backed_blocks, backed.len());
+    b.release(backed).expect("release all");
+    assert_eq!(b.stats().mapped_pages, 0);
+    assert_eq!(p.stats().range_mapped, 0);
+    held_matches(&backend, &p);
 }

@@ -264,13 +264,13 @@ pub fn layout_views_place_data(backend: Arc<dyn Backend>) {
                 for v in &chunks {
                     assert_eq!(
                         v.addr / g,
-                        (v.end() - 1) / g,
+                        (v.end().expect("end") - 1) / g,
                         "{what}: chunk of one granule"
                     );
                 }
             }
             // Bytes outside the layout are refused, not touched.
-            let end = regions.last().expect("a region").end();
+            let end = regions.last().expect("a region").end().expect("end");
             assert!(
                 matches!(l.put(end, &[1]), Err(Error::InvalidLayout(_))),
                 "{what}"
@@ -306,12 +306,15 @@ pub fn layout_over_caller_regions(backend: Arc<dyn Backend>) {
     };
     let base = owner.addr();
     let ranges = vec![range(base + g, 16 << 10), range(base, 16 << 10)];
-    let l = LayoutBuilder::new()
-        .config(c)
-        .layer_separate(BlockDim::Second)
-        .regions(ranges.clone())
-        .build()
-        .expect("caller layout");
+    // SAFETY: both ranges lie in `owner`, live host or device memory of the backend's kind,
+    // which outlives the layout (dropped below, before `owner`).
+    let caller = unsafe {
+        LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .regions(ranges.clone())
+    };
+    let l = caller.build().expect("caller layout");
     assert_eq!(
         l.unit(0, 0, 0).expect("unit").addr,
         base + g,
@@ -348,11 +351,15 @@ pub fn layout_over_caller_regions(backend: Arc<dyn Backend>) {
         "the caller's memory is untouched"
     );
     let build = |rs: Vec<MemoryRange>| {
-        LayoutBuilder::new()
-            .config(c)
-            .layer_separate(BlockDim::First)
-            .regions(rs)
-            .build()
+        // SAFETY: every range given lies in `owner` (alive until the end), or is refused by
+        // `build` before anything is made of it; the layouts are dropped at once.
+        unsafe {
+            LayoutBuilder::new()
+                .config(c)
+                .layer_separate(BlockDim::First)
+                .regions(rs)
+        }
+        .build()
     };
     let msg = |r: elastic_vmm::Result<Layout>| match r {
         Err(Error::InvalidLayout(m)) => m,
@@ -383,7 +390,7 @@ pub fn layout_over_caller_regions(backend: Arc<dyn Backend>) {
         },
     };
     let m = msg(build(vec![range(base, 16 << 10), other]));
-    assert!(m.contains("share one kind"), "{m}");
+    assert!(m.contains("share one storage kind"), "{m}");
     drop(owner);
     held_matches(&backend, &p);
 }
@@ -405,7 +412,7 @@ pub fn elastic_layout_backs_on_demand(backend: Arc<dyn Backend>) {
         .build()
         .expect("elastic");
     assert_eq!(l.stats().mapped_pages, 0, "nothing mapped at build");
-    assert_eq!(l.region().len(), 8 * g, "two layer regions of 4 pages");
+    assert_eq!(l.len(), 8 * g, "two layer regions of 4 pages");
     assert_eq!(
         l.physical_bytes_for([0]).expect("cost"),
         2 * g,
@@ -519,7 +526,7 @@ pub fn elastic_layout_rolls_back(backend: Arc<dyn Backend>) {
     assert_eq!(l.stats(), before, "nothing changed");
     assert!(!l.is_backed(3) && !l.is_backed(6));
     assert_eq!(
-        l.region().mapped_bytes(),
+        l.region_mapped_bytes(),
         2 * g,
         "only block 0's pages mapped"
     );
@@ -533,12 +540,62 @@ pub fn elastic_layout_rolls_back(backend: Arc<dyn Backend>) {
     assert_eq!(backend.physical_bytes().expect("held"), 0);
 }
 
+/// Pages of three granules that do not divide the layout: every kind reserves whole pages, so
+/// its last blocks can be backed; data round-trips in every block; a pinned block is not
+/// released; each page goes back whole.
+pub fn elastic_layout_covers_whole_pages(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let p = pool(&backend, 256 * g);
+    // A unit of g/2, a block of 2g (2 layers x K/V): 10 granules of data, 4 pages of 3.
+    let c = LayoutConfig::new(5, 2, 2, 16, (g / 64) as usize, 2);
+    assert_eq!(c.sizes().expect("sizes").unit, g / 2);
+    let page = 3 * g;
+    let all: Vec<usize> = (0..5).collect();
+    for kind in KINDS {
+        let l = LayoutBuilder::new()
+            .config(c)
+            .kind(kind)
+            .elastic(&p)
+            .page_size(page)
+            .build()
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        assert_eq!(l.len(), 4 * page, "{kind}: whole pages reserved");
+        l.ensure_backed([4])
+            .unwrap_or_else(|e| panic!("{kind}: the last block: {e}"));
+        l.ensure_backed(0..5).expect("every block");
+        fill(&l, &all, 21);
+        check(&l, &all, &all, 21, &format!("{kind}, pages of 3 granules"));
+        for c in l.chunks_in(0, l.len()) {
+            assert_eq!(
+                c.offset / page,
+                (c.offset + c.size - 1) / page,
+                "{kind}: {c:?}"
+            );
+        }
+        let pin = l.pin([4], "a reader").expect("pin");
+        assert!(
+            matches!(l.release(0..5), Err(Error::BlockPinned { block: 4, .. })),
+            "{kind}: a pinned block is not released"
+        );
+        assert_eq!(l.stats().backed_blocks, 5, "{kind}: nothing changed");
+        drop(pin);
+        let change = l.release(0..5).expect("release");
+        assert_eq!(
+            (change.bytes, change.left_mapped),
+            (4 * page, 0),
+            "{kind}: every page unmapped whole"
+        );
+        assert_eq!(l.region_mapped_bytes(), 0);
+    }
+    held_matches(&backend, &p);
+}
+
 #[cfg(feature = "nixl")]
 pub mod nixl {
     //! NIXL registration and transfers over layouts, generic over the backend.
 
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
+    use std::sync::{Arc, Barrier};
     use std::time::{Duration, Instant};
 
     use elastic_vmm::backend::fault::FaultInjector;
@@ -548,7 +605,7 @@ pub mod nixl {
     };
     use elastic_vmm::{Backend, DriverCall, Error, MemoryKind};
 
-    use super::{check, fill, held_matches, pool, Bytes};
+    use super::{check, fill, held_matches, pool, Bytes, Rng};
 
     static AGENTS: AtomicU64 = AtomicU64::new(0);
 
@@ -631,17 +688,21 @@ pub mod nixl {
         }
         // The same memory again with the same agent: refused, nothing added.
         let info = backend.info();
-        let again = LayoutBuilder::new()
-            .config(c)
-            .fully_contiguous()
-            .regions(vec![MemoryRange {
-                addr: base,
-                len: 5 * g / 2,
-                kind: info.memory_kind,
-                device: info.device_ordinal,
-            }])
-            .build()
-            .expect("caller layout");
+        // SAFETY: the range is the layout `r` registered above, alive until after `again` (its
+        // registration is refused below and the layout dropped with it).
+        let again = unsafe {
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .regions(vec![MemoryRange {
+                    addr: base,
+                    len: 5 * g / 2,
+                    kind: info.memory_kind,
+                    device: info.device_ordinal,
+                }])
+        }
+        .build()
+        .expect("caller layout");
         let err = a.register(again).expect_err("overlap");
         assert!(
             matches!(err, Error::InvalidArgument(ref m) if m.contains("registered already")),
@@ -694,10 +755,10 @@ pub mod nixl {
             );
             assert_eq!(a.registered_bytes(), s.mapped_bytes, "{what}");
             for (at, len) in l.backing().mapped_runs() {
-                for chunk in l.region().chunks_in(at, len) {
+                for chunk in l.chunks_in(at, len) {
                     let d = a
                         .descriptors(elastic_vmm::layout::MemoryView {
-                            addr: l.region().addr() + chunk.offset,
+                            addr: l.addr() + chunk.offset,
                             len: chunk.size,
                         })
                         .expect("every mapped chunk is registered");
@@ -987,23 +1048,41 @@ pub mod nixl {
         }
     }
 
+    /// The layout a transfer moves, for test types that wrap one (`KvLayout` is sealed).
+    pub trait AsKv {
+        fn kv(&self) -> &dyn KvLayout;
+    }
+
+    impl AsKv for elastic_vmm::nixl::RegisteredLayout {
+        fn kv(&self) -> &dyn KvLayout {
+            self
+        }
+    }
+
+    impl AsKv for elastic_vmm::layout::ElasticLayout {
+        fn kv(&self) -> &dyn KvLayout {
+            self
+        }
+    }
+
     /// WRITE every block of `src` (agent `a`) into `dst` (agent `b`), then READ them all back,
     /// each verified byte for byte; prints and returns GB/s of each.
-    pub fn measure<S: Bytes + KvLayout, D: Bytes + KvLayout>(
+    pub fn measure<S: Bytes + AsKv, D: Bytes + AsKv>(
         what: &str,
         a: &NixlAgent,
         src: &S,
         b: &NixlAgent,
         dst: &D,
     ) -> (f64, f64) {
-        let all: Vec<usize> = (0..KvLayout::views(src).num_blocks()).collect();
+        let all: Vec<usize> = (0..src.kv().views().num_blocks()).collect();
         fill(src, &all, 1);
         // Warm-up (connection, metadata), then the measured passes.
-        timed(TransferOp::Write, a, src, &all[..1], b, dst, &all[..1]);
-        let w = timed(TransferOp::Write, a, src, &all, b, dst, &all);
+        let (sk, dk) = (src.kv(), dst.kv());
+        timed(TransferOp::Write, a, sk, &all[..1], b, dk, &all[..1]);
+        let w = timed(TransferOp::Write, a, sk, &all, b, dk, &all);
         check(dst, &all, &all, 1, "bandwidth WRITE");
         fill(dst, &all, 2);
-        let r = timed(TransferOp::Read, a, src, &all, b, dst, &all);
+        let r = timed(TransferOp::Read, a, sk, &all, b, dk, &all);
         check(src, &all, &all, 2, "bandwidth READ");
         let gbs = |t: &TransferReport| t.bytes as f64 / t.elapsed.as_secs_f64() / 1e9;
         println!(
@@ -1056,5 +1135,327 @@ pub mod nixl {
             b.registrations()
         );
         measure(&what, &a, &src, &b, &dst)
+    }
+
+    /// Blocks are pinned for the whole of a transfer: a release that lands while NIXL moves
+    /// them is refused with an error naming the transfer, and changes nothing. Each round, a
+    /// thread tries to release a block at a random moment of a 32 MiB WRITE (and backs it again
+    /// if it could). The pins certainly cover `[t1 - elapsed, t0 + elapsed]` (posting starts
+    /// after `t0`, completion is seen before `t1`): a release that succeeded wholly inside it
+    /// went through a pin.
+    pub fn transfer_pins_blocks_against_release(backend: Arc<dyn Backend>) {
+        const ROUNDS: usize = 24;
+        let g = backend.info().granularity as u64;
+        let p = pool(&backend, 128 * g.max(1 << 20));
+        let (a, b) = (agent("pins-a"), agent("pins-b"));
+        // Units of 1 MiB, blocks of 4 MiB, 32 MiB per transfer.
+        let c = LayoutConfig::new(8, 2, 2, 16, 32768, 2);
+        let src = a
+            .register(
+                LayoutBuilder::new()
+                    .config(c)
+                    .fully_contiguous()
+                    .map_region(&p)
+                    .build()
+                    .expect("src"),
+            )
+            .expect("register src");
+        let dst = LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::First)
+            .elastic(&p)
+            .hook(b.mapping_hook())
+            .build()
+            .expect("dst");
+        let blocks: Vec<usize> = (0..8).collect();
+        dst.ensure_backed(0..8).expect("back");
+        fill(&*src, &blocks, 77);
+        let go = || {
+            transfer_blocks(
+                TransferOp::Write,
+                BlockSet {
+                    agent: &a,
+                    layout: &src,
+                    blocks: &blocks,
+                },
+                BlockSet {
+                    agent: &b,
+                    layout: &dst,
+                    blocks: &blocks,
+                },
+                Duration::from_secs(60),
+            )
+        };
+        go().expect("warm-up transfer (connects, loads metadata)");
+        let warm = Instant::now();
+        go().expect("warm transfer");
+        // Release attempts spread over twice a warm transfer's time.
+        let spread = (2 * warm.elapsed().as_micros() as u64).max(2000);
+        let base = Instant::now();
+        let (start, end) = (Barrier::new(2), Barrier::new(2));
+        let mut transfers = Vec::new();
+        let releases = std::thread::scope(|s| {
+            let releaser = s.spawn(|| {
+                let mut rng = Rng::new(99);
+                let mut out = Vec::new();
+                for round in 0..ROUNDS {
+                    start.wait();
+                    std::thread::sleep(Duration::from_micros(rng.below(spread)));
+                    let blk = round % 8;
+                    let r0 = base.elapsed();
+                    let r = dst.release([blk]);
+                    let r1 = base.elapsed();
+                    if r.is_ok() {
+                        dst.ensure_backed([blk]).expect("back again");
+                    }
+                    out.push((r0, r1, r));
+                    end.wait();
+                }
+                out
+            });
+            for _ in 0..ROUNDS {
+                start.wait();
+                let t0 = base.elapsed();
+                let r = go();
+                transfers.push((t0, base.elapsed(), r));
+                end.wait();
+            }
+            releaser.join().expect("releaser")
+        });
+        let (mut inside, mut refused, mut moved) = (0, 0, 0);
+        for ((t0, t1, t), (r0, r1, r)) in transfers.iter().zip(&releases) {
+            match t {
+                Ok(_) => moved += 1,
+                // The release came first: refused before any NIXL call.
+                Err(Error::BlockNotBacked { side: "remote", .. }) => {}
+                Err(e) => panic!("a transfer failed: {e}"),
+            }
+            match r {
+                Ok(_) => {}
+                Err(Error::BlockPinned { holder, .. }) => {
+                    assert!(holder.contains("NIXL WRITE"), "{holder}");
+                    refused += 1;
+                }
+                Err(e) => panic!("release: {e}"),
+            }
+            if let Ok(report) = t {
+                let (lo, hi) = (t1.saturating_sub(report.elapsed), *t0 + report.elapsed);
+                if *r0 >= lo && *r1 <= hi {
+                    inside += 1;
+                    assert!(
+                        r.is_err(),
+                        "a block was released at [{r0:?}, {r1:?}], while the transfer held it over [{lo:?}, {hi:?}]"
+                    );
+                }
+            }
+        }
+        println!(
+            "{ROUNDS} rounds: {moved} transfers, {refused} releases refused by their pins, {inside} releases inside a transfer"
+        );
+        assert!(
+            inside > 0,
+            "no release landed inside a transfer in {ROUNDS} rounds: the race was not exercised"
+        );
+        go().expect("after the race");
+        check(&dst, &blocks, &blocks, 77, "after the race");
+        assert_eq!(dst.stats().pinned_blocks, 0, "every pin went");
+        drop(dst);
+        drop(src);
+        assert_eq!((a.registrations(), b.registrations()), (0, 0));
+        held_matches(&backend, &p);
+    }
+
+    /// Every mapped chunk is registered and every registration lies in one page, also with
+    /// pages of 3 granules backed in one run after a history that left chunks of 2 granules in
+    /// the cache: a page released alone is deregistered and unmapped whole, with no
+    /// unregistered hole left in its neighbours.
+    pub fn registration_whole_pages(backend: Arc<dyn Backend>) {
+        let g = backend.info().granularity as u64;
+        let p = pool(&backend, 128 * g);
+        let scratch = p.reserve_region(12 * g).expect("scratch");
+        scratch
+            .map_chunked(0, 8 * g, 2 * g)
+            .expect("2-granule chunks");
+        scratch.map(8 * g, 4 * g).expect("1-granule chunks");
+        scratch.unmap(0, 12 * g).expect("to the cache");
+        drop(scratch);
+        let a = agent("pages");
+        let c = LayoutConfig::new(12, 1, 1, 16, (g / 32) as usize, 2); // a block is g
+        let page = 3 * g;
+        let l = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .elastic(&p)
+            .page_size(page)
+            .hook(a.mapping_hook())
+            .build()
+            .expect("elastic");
+        let agree = |what: &str| {
+            let mut chunks = 0;
+            for (at, len) in l.backing().mapped_runs() {
+                for chunk in l.chunks_in(at, len) {
+                    assert_eq!(
+                        chunk.offset / page,
+                        (chunk.offset + chunk.size - 1) / page,
+                        "{what}: {chunk:?} crosses a page"
+                    );
+                    let d = a
+                        .descriptors(elastic_vmm::layout::MemoryView {
+                            addr: l.addr() + chunk.offset,
+                            len: chunk.size,
+                        })
+                        .unwrap_or_else(|e| {
+                            panic!("{what}: a mapped chunk is not registered: {e}")
+                        });
+                    assert_eq!(d.len(), 1, "{what}: one registration per chunk");
+                    chunks += 1;
+                }
+            }
+            assert_eq!(
+                a.registrations(),
+                chunks,
+                "{what}: registrations == mapped chunks"
+            );
+            assert_eq!(a.registered_bytes(), l.stats().mapped_bytes, "{what}");
+        };
+        l.ensure_backed(0..12).expect("4 pages in one run");
+        agree("backed");
+        let change = l.release(3..6).expect("page 1");
+        assert_eq!(
+            (change.bytes, change.left_mapped),
+            (page, 0),
+            "page 1 went whole"
+        );
+        agree("page 1 released");
+        assert!(matches!(
+            a.descriptors(elastic_vmm::layout::MemoryView {
+                addr: l.addr() + page,
+                len: page
+            }),
+            Err(Error::NotRegistered { .. })
+        ));
+        l.release(9..12).expect("page 3");
+        agree("page 3 released");
+        drop(l);
+        assert_eq!(a.registrations(), 0);
+        held_matches(&backend, &p);
+    }
+
+    /// A view whose end passes 2^64 is an error with its numbers, not a panic or a wrap.
+    pub fn bad_views_are_errors(_backend: Arc<dyn Backend>) {
+        let a = agent("views");
+        match a.descriptors(elastic_vmm::layout::MemoryView {
+            addr: u64::MAX - 10,
+            len: 100,
+        }) {
+            Err(e @ Error::SizeOverflow { .. }) => {
+                let m = e.to_string();
+                assert!(m.contains("0xfffffffffffffff5") && m.contains("100"), "{m}");
+            }
+            other => panic!("expected SizeOverflow, got {other:?}"),
+        }
+        assert!(a
+            .descriptors(elastic_vmm::layout::MemoryView { addr: 4096, len: 0 })
+            .expect("empty view")
+            .is_empty());
+    }
+
+    /// A transfer that times out while NIXL still runs it keeps both sides pinned: a release is
+    /// refused (naming the transfer), and the source's registrations and memory outlive its
+    /// handle, until NIXL reports the request finished; then the data is there, byte-exact,
+    /// and everything goes. Needs transfers that run after the post call returns (UCX over
+    /// TCP; the host target runs it in a child process with `UCX_TLS=tcp`).
+    pub fn timed_out_transfer_keeps_blocks_pinned(backend: Arc<dyn Backend>) {
+        let g = backend.info().granularity as u64;
+        let p = pool(&backend, 256 * g.max(1 << 20));
+        let (a, b) = (agent("timeout-a"), agent("timeout-b"));
+        let c = LayoutConfig::new(64, 2, 2, 16, 8192, 2); // blocks of 1 MiB, 64 MiB
+        let src = a
+            .register(
+                LayoutBuilder::new()
+                    .config(c)
+                    .fully_contiguous()
+                    .map_region(&p)
+                    .build()
+                    .expect("src"),
+            )
+            .expect("register src");
+        let dst = LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .elastic(&p)
+            .hook(b.mapping_hook())
+            .build()
+            .expect("dst");
+        let all: Vec<usize> = (0..64).collect();
+        dst.ensure_backed(0..64).expect("back");
+        fill(&*src, &all, 31);
+        let mut parked = false;
+        for _ in 0..10 {
+            match transfer_blocks(
+                TransferOp::Write,
+                BlockSet {
+                    agent: &a,
+                    layout: &src,
+                    blocks: &all,
+                },
+                BlockSet {
+                    agent: &b,
+                    layout: &dst,
+                    blocks: &all,
+                },
+                Duration::ZERO,
+            ) {
+                Err(Error::TransferTimeout { bytes, .. }) => {
+                    assert_eq!(bytes, 64 << 20);
+                    if a.pending_transfers() == 1 {
+                        parked = true;
+                        break;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => panic!("transfer: {e}"),
+            }
+        }
+        assert!(
+            parked,
+            "no transfer was still running after its post: this scenario needs UCX over TCP"
+        );
+        match dst.release([0]) {
+            Err(Error::BlockPinned { block, holder, .. }) => {
+                assert_eq!(block, 0);
+                assert!(holder.contains("NIXL WRITE"), "{holder}");
+            }
+            other => panic!("a block under a running transfer must not be released, got {other:?}"),
+        }
+        assert_eq!(
+            dst.stats().backed_blocks,
+            64,
+            "the refused release changed nothing"
+        );
+        let regs = a.registrations();
+        assert!(regs > 0);
+        drop(src);
+        assert_eq!(
+            a.registrations(),
+            regs,
+            "the source stays registered while the transfer may run"
+        );
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while a.reap_transfers() > 0 {
+            assert!(Instant::now() < deadline, "the transfer never finished");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(a.pending_transfers(), 0);
+        assert_eq!(
+            a.registrations(),
+            0,
+            "the source went with the finished transfer"
+        );
+        check(&dst, &all, &all, 31, "after the timed-out WRITE finished");
+        dst.release(0..64).expect("unpinned");
+        drop(dst);
+        assert_eq!(b.registrations(), 0);
+        held_matches(&backend, &p);
     }
 }

@@ -75,6 +75,11 @@ macro_rules! backing_suite {
             backing_rolls_back,
             backing_respects_model_limits,
             backing_concurrent,
+            backing_pages_hold_whole_chunks,
+            backing_covers_whole_pages,
+            backing_refuses_bad_input,
+            backing_pins_hold_blocks,
+            backing_pins_concurrent,
         );
     };
 }
@@ -90,6 +95,7 @@ macro_rules! layout_suite {
             layout_over_caller_regions,
             elastic_layout_backs_on_demand,
             elastic_layout_rolls_back,
+            elastic_layout_covers_whole_pages,
         );
     };
 }
@@ -105,6 +111,9 @@ macro_rules! nixl_suite {
             registration_lifetime_every_path,
             write_then_read_byte_exact,
             unbacked_block_refused_before_nixl,
+            transfer_pins_blocks_against_release,
+            registration_whole_pages,
+            bad_views_are_errors,
         );
     };
     (@tests $make:expr, $ready:expr; $($name:ident),* $(,)?) => {
