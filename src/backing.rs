@@ -425,13 +425,6 @@ impl<G: BlockGeometry> BlockBacking<G> {
         self.core.region.granularity()
     }
 
-    /// The region, for `candle::kv` until it uses [`BlockBacking::addr`]; crate-private so no
-    /// user can unmap pages through it. To be removed.
-    #[cfg(feature = "candle")]
-    pub(crate) fn region(&self) -> &Region {
-        &self.core.region
-    }
-
     /// Where the blocks lie.
     pub fn geometry(&self) -> &G {
         &self.core.geometry

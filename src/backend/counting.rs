@@ -227,6 +227,14 @@ mod tests {
     }
 
     impl tracing::Subscriber for Capture {
+        // Tests on other threads run without this subscriber: a cached "never" interest for a
+        // call site would hide its events here, so interest is decided per event.
+        fn register_callsite(
+            &self,
+            _: &'static Metadata<'static>,
+        ) -> tracing::subscriber::Interest {
+            tracing::subscriber::Interest::sometimes()
+        }
         fn enabled(&self, _: &Metadata<'_>) -> bool {
             true
         }

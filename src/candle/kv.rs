@@ -264,7 +264,7 @@ impl ElasticKv {
             .checked_mul(max_blocks as u64)
             .ok_or_else(overflow)?;
         let region = tensors.pool().reserve_region(total)?;
-        let addr = region_addr(&region);
+        let addr = region.addr();
         let backing = BlockBacking::new(
             region,
             UniformBlocks::packed(max_blocks, block_bytes),
@@ -558,7 +558,7 @@ impl ElasticKv {
 
     /// The address of block 0.
     fn base_addr(&self) -> u64 {
-        region_addr(self.core.backing.region())
+        self.core.backing.addr()
     }
 
     /// Write whole blocks: `src` (`[n, ...block_shape]`) into blocks `first..first + n`, which
@@ -698,11 +698,6 @@ impl Core {
             self.slices.retire(t);
         }
     }
-}
-
-/// The start of a region. One place, so that a change of the backing's accessors is one line.
-fn region_addr(region: &crate::Region) -> u64 {
-    region.addr()
 }
 
 impl Drop for ElasticKv {
