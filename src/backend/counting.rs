@@ -211,8 +211,26 @@ mod tests {
     type Events = Arc<Mutex<Vec<BTreeMap<String, String>>>>;
 
     /// A minimal subscriber that keeps this module's events (no tracing-subscriber: it is a
-    /// dependency of the command-line tool only).
-    struct Capture(Events);
+    /// dependency of the command-line tool only). Installed once as the global default, so
+    /// tests on other threads cannot change which call sites are enabled (scoped defaults
+    /// race there); each test collects its own thread's events through [`capture`].
+    struct Capture;
+
+    thread_local! {
+        static SINK: std::cell::RefCell<Option<Events>> = const { std::cell::RefCell::new(None) };
+    }
+
+    /// Run `f`, keeping this thread's events of this module in `events`.
+    fn capture<T>(events: Events, f: impl FnOnce() -> T) -> T {
+        static INSTALL: std::sync::Once = std::sync::Once::new();
+        INSTALL.call_once(|| {
+            let _ = tracing::subscriber::set_global_default(Capture);
+        });
+        SINK.with(|s| *s.borrow_mut() = Some(events));
+        let out = f();
+        SINK.with(|s| *s.borrow_mut() = None);
+        out
+    }
 
     struct Fields<'a>(&'a mut BTreeMap<String, String>);
 
@@ -227,14 +245,6 @@ mod tests {
     }
 
     impl tracing::Subscriber for Capture {
-        // Tests on other threads run without this subscriber: a cached "never" interest for a
-        // call site would hide its events here, so interest is decided per event.
-        fn register_callsite(
-            &self,
-            _: &'static Metadata<'static>,
-        ) -> tracing::subscriber::Interest {
-            tracing::subscriber::Interest::sometimes()
-        }
         fn enabled(&self, _: &Metadata<'_>) -> bool {
             true
         }
@@ -247,9 +257,13 @@ mod tests {
             if event.metadata().target() != module_path!().trim_end_matches("::tests") {
                 return;
             }
-            let mut fields = BTreeMap::new();
-            event.record(&mut Fields(&mut fields));
-            self.0.lock().push(fields);
+            SINK.with(|s| {
+                if let Some(events) = &*s.borrow() {
+                    let mut fields = BTreeMap::new();
+                    event.record(&mut Fields(&mut fields));
+                    events.lock().push(fields);
+                }
+            });
         }
         fn enter(&self, _: &Id) {}
         fn exit(&self, _: &Id) {}
@@ -348,7 +362,7 @@ mod tests {
     fn each_call_is_traced_with_its_arguments() {
         let events: Events = Arc::default();
         let c = Counting::new(Arc::new(FaultInjector::new(host())));
-        let (base, handle) = tracing::subscriber::with_default(Capture(events.clone()), || {
+        let (base, handle) = capture(events.clone(), || {
             let base = c.reserve(2 * GRAN, GRAN).expect("reserve");
             let chunk = c.create(GRAN).expect("create");
             // SAFETY: fresh reservation, our unmapped chunk.
@@ -396,7 +410,7 @@ mod tests {
         let faults = Arc::new(FaultInjector::new(host()));
         let c = Counting::new(faults.clone());
         faults.fail_nth(DriverCall::Reserve, 1);
-        tracing::subscriber::with_default(Capture(events.clone()), || {
+        capture(events.clone(), || {
             c.reserve(GRAN, GRAN).expect_err("injected");
         });
         let events = events.lock();

@@ -317,8 +317,9 @@ impl Shared {
         let want = bytes.max(elem);
         let alloc = match self.pool.allocate(want) {
             Ok(a) => a,
-            Err(e) if e.is_out_of_memory() => {
-                // Dead tensors may hold what is missing: give it back and try once more.
+            Err(e) if e.is_out_of_memory() || matches!(e, Error::OutOfAddressSpace { .. }) => {
+                // Dead tensors may hold what is missing (memory, or address space when tensors
+                // die faster than the GPU passes their fences): give it back, try once more.
                 let report = self.collect(Wait::Block)?;
                 if report.returned == 0 {
                     return Err(e);

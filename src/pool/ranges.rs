@@ -113,7 +113,15 @@ impl Inner {
         };
         reusable.splice(0..0, cached);
         let chunks: Vec<PhysicalChunk> = reusable.iter().chain(&created).copied().collect();
-        debug_assert_eq!(bytes_of(&chunks), len, "chunks obtained for a range");
+        let got = bytes_of(&chunks);
+        if got != len {
+            // Sources must fit the room they were given; never map past the claim.
+            tracing::error!(pool = %self.name, offset, len, got, "chunk sources overshot a range");
+            self.undo_range(offset, end, reusable, created, &[]);
+            return Err(Error::InvalidArgument(format!(
+                "chunk sources returned {got} bytes for a range of {len} bytes at {offset:#x}"
+            )));
+        }
         // SAFETY: the range is claimed (in transit) and unmapped; the chunks are ours.
         if let Err(f) = unsafe { self.map_run(offset, &chunks) } {
             let stuck: Vec<PhysicalChunk> = f.stuck.iter().map(|&(_, c)| c).collect();

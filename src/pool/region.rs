@@ -156,12 +156,10 @@ impl Region {
     /// # Safety
     /// Nobody else (a kernel, a transfer, another thread) may use these bytes meanwhile.
     pub unsafe fn write(&self, at: u64, data: &[u8]) -> Result<()> {
-        let abs = self.pinned_span(at, data.len() as u64)?;
-        // SAFETY: mapped with access and pinned against unmapping (above); exclusive use is the
-        // caller's promise.
-        let done = unsafe { self.pool.backend().write(self.pool.base() + abs, data) };
-        self.unpin(abs, data.len() as u64);
-        done
+        let pin = self.pinned_span(at, data.len() as u64)?;
+        // SAFETY: mapped with access and pinned against unmapping while `pin` lives; exclusive
+        // use is the caller's promise.
+        unsafe { self.pool.backend().write(self.pool.base() + pin.abs, data) }
     }
 
     /// Copy bytes of the region at `at` into `out`. The range must be mapped; it stays mapped
@@ -170,23 +168,15 @@ impl Region {
     /// # Safety
     /// Nobody may write these bytes meanwhile.
     pub unsafe fn read(&self, at: u64, out: &mut [u8]) -> Result<()> {
-        let abs = self.pinned_span(at, out.len() as u64)?;
-        // SAFETY: mapped with access and pinned against unmapping (above); no writer is the
-        // caller's promise.
-        let done = unsafe { self.pool.backend().read(self.pool.base() + abs, out) };
-        self.unpin(abs, out.len() as u64);
-        done
-    }
-
-    fn unpin(&self, abs: u64, len: u64) {
-        if len > 0 {
-            self.pool.inner().unpin(abs, len);
-        }
+        let pin = self.pinned_span(at, out.len() as u64)?;
+        // SAFETY: mapped with access and pinned against unmapping while `pin` lives; no writer
+        // is the caller's promise.
+        unsafe { self.pool.backend().read(self.pool.base() + pin.abs, out) }
     }
 
     /// `[at, at + len)` checked to lie in the region and be mapped, and pinned against
     /// unmapping (when not empty); its reservation offset.
-    fn pinned_span(&self, at: u64, len: u64) -> Result<u64> {
+    fn pinned_span(&self, at: u64, len: u64) -> Result<SpanPin<'_>> {
         let abs = self.absolute(at, len)?;
         if len > 0 {
             self.pool.inner().pin(abs, len).map_err(|e| match e {
@@ -203,7 +193,11 @@ impl Region {
                 other => other,
             })?;
         }
-        Ok(abs)
+        Ok(SpanPin {
+            region: self,
+            abs,
+            len,
+        })
     }
 
     /// Bytes of the region mapped now. O(number of mapped ranges in it).
@@ -215,6 +209,21 @@ impl Region {
             .filter(|&(s, e)| s < end && e > self.offset)
             .map(|(s, e)| e.min(end) - s.max(self.offset))
             .sum()
+    }
+}
+
+/// A range of a region pinned against unmapping for one copy; unpinned on drop, panics too.
+struct SpanPin<'a> {
+    region: &'a Region,
+    abs: u64,
+    len: u64,
+}
+
+impl Drop for SpanPin<'_> {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            self.region.pool.inner().unpin(self.abs, self.len);
+        }
     }
 }
 

@@ -58,6 +58,11 @@ impl Inner {
                     self.stash(donated);
                     return Err(release);
                 }
+                // What was handed over already takes room: the rest must fit what is left.
+                let fit = Fit {
+                    room: fit.room.saturating_sub(have),
+                    ..fit
+                };
                 let again = self.acquire(bytes.saturating_sub(have), urgency, fit);
                 donated.extend(again.donated);
                 match again.charged {

@@ -524,7 +524,16 @@ impl SharedPool {
             .inner()
             .close_if_unused("the model was unregistered")?;
         // The registry's handle is dropped after the registry's lock (it may close the pool).
-        let removed = { self.inner.models.lock().remove(id) };
+        // Only this registration goes: the id may have been unregistered and registered again.
+        let removed = {
+            let mut models = self.inner.models.lock();
+            if models.get(id).map(|s| s.key) != Some(slot.key) {
+                return Err(Error::UnknownModel {
+                    model: id.to_string(),
+                });
+            }
+            models.remove(id)
+        };
         self.inner.ledger.lock().retire(slot.key);
         let trimmed = slot.pool.trim();
         drop(removed);
@@ -562,6 +571,7 @@ impl SharedPool {
             let used = m.used;
             if used <= limit {
                 l.set_limit(key, limit);
+                drop(l);
                 tracing::info!(model = %id, limit, "limit changed");
                 return Ok(ChangeReport {
                     used,
@@ -602,6 +612,7 @@ impl SharedPool {
         report.used = used;
         if used <= limit {
             l.set_limit(key, limit);
+            drop(l);
             tracing::info!(model = %id, limit, reclaimed, "limit lowered");
             return result.map(|()| report);
         }
@@ -764,6 +775,8 @@ impl SharedPool {
                 .models
                 .iter()
                 .any(|(k, m)| m.used > 0 && (m.retired || !refs.iter().any(|r| r.key == *k)));
+            // The backend is asked under the ledger's lock on purpose: it must not change between
+            // the two numbers (it is a count or an `fstat`, not a driver call that maps memory).
             if in_flight == 0 && !unseen {
                 let held = self
                     .inner
@@ -941,7 +954,8 @@ impl SharedInner {
             if max_size == 0 {
                 break;
             }
-            let cap = spare.min(room - got);
+            // Never more than the recipient can take: what it cannot is released for nothing.
+            let cap = spare.min(room - got).min(headroom);
             let chunks = donor.pool.take_spare(want - got, max_size, cap);
             if chunks.is_empty() {
                 continue;
