@@ -24,7 +24,8 @@ pub struct Region {
 impl Pool {
     /// Set aside `len` bytes (rounded up to the granularity) of this pool's address space as a
     /// [`Region`]. Nothing is mapped. The range is taken from the top of the largest free
-    /// address space, away from where the allocator grows.
+    /// address space, away from where the allocator grows; when idle mapped memory holds the
+    /// address space, it is unmapped first.
     pub fn reserve_region(&self, len: u64) -> Result<Region> {
         if len == 0 {
             return Err(Error::ZeroSize {
@@ -33,23 +34,14 @@ impl Pool {
         }
         let inner = self.inner();
         let len = round_up("region length", len, inner.gran)?;
-        let offset = {
-            let mut st = inner.state.lock();
-            if let Some(reason) = &st.refusing {
-                return Err(inner.refusal(reason));
+        let offset = match inner.claim_region(len) {
+            Err(Error::OutOfAddressSpace { .. }) if self.stats().idle() > 0 => {
+                // Idle mapped memory holds address space nobody uses: unmap it (its chunks are
+                // released) and look once more.
+                inner.trim(u64::MAX, super::TrimScope::IdleOnly)?;
+                inner.claim_region(len)?
             }
-            let Some((_, e)) = st.cold.iter().filter(|(s, e)| e - s >= len).last() else {
-                return Err(Error::OutOfAddressSpace {
-                    requested: len,
-                    largest_free: st.cold.iter().map(|(s, e)| e - s).max().unwrap_or(0),
-                    capacity: inner.capacity,
-                });
-            };
-            let offset = e - len;
-            st.cold.remove(offset, e);
-            st.regions.insert(offset, e);
-            st.held.insert(offset, e);
-            offset
+            other => other?,
         };
         tracing::debug!(pool = %inner.name, offset, len, "region reserved");
         Ok(Region {
@@ -57,6 +49,28 @@ impl Pool {
             offset,
             len,
         })
+    }
+}
+
+impl super::Inner {
+    /// Take `len` bytes from the top of the largest free address space as a region.
+    fn claim_region(&self, len: u64) -> Result<u64> {
+        let mut st = self.state.lock();
+        if let Some(reason) = &st.refusing {
+            return Err(self.refusal(reason));
+        }
+        let Some((_, e)) = st.cold.iter().filter(|(s, e)| e - s >= len).last() else {
+            return Err(Error::OutOfAddressSpace {
+                requested: len,
+                largest_free: st.cold.iter().map(|(s, e)| e - s).max().unwrap_or(0),
+                capacity: self.capacity,
+            });
+        };
+        let offset = e - len;
+        st.cold.remove(offset, e);
+        st.regions.insert(offset, e);
+        st.held.insert(offset, e);
+        Ok(offset)
     }
 }
 
