@@ -55,6 +55,7 @@ pub mod nixl;
 mod pool;
 pub mod shared;
 pub mod stats;
+mod tag;
 
 pub use backend::{Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk};
 pub use backing::{
@@ -67,3 +68,4 @@ pub use pool::{
 };
 pub use shared::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig};
 pub use stats::{DriverCalls, PoolStats};
+pub use tag::Tag;
