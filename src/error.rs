@@ -196,6 +196,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// Routing was asked for in a binary that does not define the hooks.
+    #[error("CUDA allocation routing is not installed in this binary: invoke elastic_vmm::route_cuda_allocations!() once at the top level of the binary crate (main.rs, or the test target's root)")]
+    RoutingNotInstalled,
+
     /// Admission refused a physical growth, before any driver call.
     #[error(
         "model {model:?} asked for {requested} more bytes and was refused: {cause}; model uses {model_used} of its limit {model_limit}, the device budget has {global_used} of {global_limit} in use and {reserved_for_others} reserved for other models' guarantees"

@@ -20,6 +20,8 @@
 //!   physical chunk, and block transfers between layouts.
 //! - `candle` (feature `candle`): candle tensors in pool memory, and elastic KV tensors whose
 //!   blocks are backed on demand.
+//! - [`route`]: every CUDA allocation of a thread (candle's own) in a model's pool, opted into
+//!   once per binary with [`route_cuda_allocations!`], per-tag stats, stream-ordered reuse.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -53,6 +55,7 @@ pub mod layout;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod pool;
+pub mod route;
 pub mod shared;
 pub mod stats;
 mod tag;

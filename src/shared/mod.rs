@@ -520,6 +520,8 @@ impl SharedPool {
     /// memory, and its line disappears when the last handle is gone.
     pub fn unregister(&self, id: &str) -> Result<()> {
         let slot = self.slot(id)?;
+        // Blocks routing keeps for the model's reuse are not the model's use.
+        crate::route::flush(&slot.pool);
         slot.pool
             .inner()
             .close_if_unused("the model was unregistered")?;
@@ -583,6 +585,8 @@ impl SharedPool {
             used
         };
         let mut report = ChangeReport::default();
+        // Freed blocks routing keeps for reuse go back to the pool first, where they are idle.
+        crate::route::flush(&slot.pool);
         let mut result = slot
             .pool
             .inner()
