@@ -112,7 +112,7 @@ command -v unzip >/dev/null || {
 }
 (
   eval "$(CUDA13_LINK=0 ../shared/tools/cuda13-toolchain.sh)"
-  cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle,nixl -- -D warnings
+  cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle-example,nixl -- -D warnings
 )
 
 end_step

@@ -84,6 +84,9 @@ fn routes_to_the_pool_with_tags_and_nesting() {
     let sa = route::stats(&a).unwrap();
     let w = sa.tag(&Tag::Weights).unwrap();
     assert_eq!((w.live_blocks, w.live_bytes), (2, (3 << 20) + 5000));
+    // The first allocation grew the pool: create, map, set access at least.
+    assert!(w.driver_calls >= 3, "{w:?}");
+    assert!(sa.driver_calls >= w.driver_calls);
     let sb = route::stats(&b).unwrap();
     assert_eq!(sb.tag(&Tag::named("draft")).unwrap().live_bytes, 1000);
     let report = route::report(&a, 1).unwrap();
@@ -156,7 +159,10 @@ fn per_thread_streams_are_different_streams() {
     })
     .join()
     .unwrap();
-    assert_ne!(p, q, "another thread's per-thread stream reused a block without a fence");
+    assert_ne!(
+        p, q,
+        "another thread's per-thread stream reused a block without a fence"
+    );
     route::flush(&pool);
     assert_eq!(pool.stats().in_use, 0);
 }
@@ -174,12 +180,22 @@ fn out_of_memory_at_the_limit_refuses_with_numbers_and_keeps_nothing() {
     let before = shared.stats();
     assert_eq!(alloc(8 << 20, S1), Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
     let r = route::last_refusal().expect("refusal kept");
-    assert_eq!((r.model.as_str(), r.asked, r.tag.clone()), ("small", 8 << 20, Tag::Weights));
+    assert_eq!(
+        (r.model.as_str(), r.asked, r.tag.clone()),
+        ("small", 8 << 20, Tag::Weights)
+    );
     assert_eq!(r.routed_live, 12 << 20);
     assert!(r.reason.contains("limit"), "{r}");
     assert!(route::last_refusal().is_none());
     assert_eq!(route::stats(&m).unwrap().last_refusal, Some(r));
-    assert_eq!(route::stats(&m).unwrap().tag(&Tag::Weights).unwrap().refusals, 1);
+    assert_eq!(
+        route::stats(&m)
+            .unwrap()
+            .tag(&Tag::Weights)
+            .unwrap()
+            .refusals,
+        1
+    );
     // Nothing held for the refused allocation.
     assert_eq!(shared.stats().models[0].used, before.models[0].used);
     // Freed blocks the model keeps for reuse go back to its pool before a refusal.
@@ -187,7 +203,10 @@ fn out_of_memory_at_the_limit_refuses_with_numbers_and_keeps_nothing() {
     let big = alloc(14 << 20, S2).expect("cached blocks flushed on out of memory");
     assert_eq!(free(big, S2), CUresult::CUDA_SUCCESS);
     // A size that cannot be rounded is refused, not a panic.
-    assert_eq!(alloc(usize::MAX, S1), Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+    assert_eq!(
+        alloc(usize::MAX, S1),
+        Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    );
     assert!(route::last_refusal().unwrap().reason.contains("overflow"));
     route::flush(&m);
     assert_eq!(m.stats().in_use, 0);
@@ -220,7 +239,10 @@ fn default_route_and_forwarding() {
     let q = alloc(4096, S1).unwrap();
     let mut r: CUdeviceptr = 0;
     // SAFETY: valid out-pointer.
-    assert_eq!(unsafe { cuMemAlloc_v2(&mut r, 8192) }, CUresult::CUDA_SUCCESS);
+    assert_eq!(
+        unsafe { cuMemAlloc_v2(&mut r, 8192) },
+        CUresult::CUDA_SUCCESS
+    );
     touch(r, 8192, 7);
     let st = route::stats(&pool).unwrap();
     assert_eq!(st.tag(&Tag::named("unrouted")).unwrap().live_blocks, 2);
@@ -265,8 +287,9 @@ fn concurrent_allocate_and_cross_thread_free() {
     route::set_stream_cache_limit(&pool, 8 << 20); // fence often: exercise every path
     const THREADS: usize = 8;
     const ROUNDS: usize = 300;
-    let inbox: Arc<Vec<Mutex<Vec<(u64, usize, u8)>>>> =
-        Arc::new((0..THREADS).map(|_| Mutex::new(Vec::new())).collect());
+    /// Blocks handed to a thread to check and free: address, bytes written, pattern.
+    type Inbox = Mutex<Vec<(u64, usize, u8)>>;
+    let inbox: Arc<Vec<Inbox>> = Arc::new((0..THREADS).map(|_| Mutex::new(Vec::new())).collect());
     let barrier = Arc::new(Barrier::new(THREADS));
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
@@ -281,13 +304,18 @@ fn concurrent_allocate_and_cross_thread_free() {
                     let p = alloc(bytes, PER_THREAD).unwrap();
                     touch(p, bytes.min(4096), seed);
                     seen.insert(p);
-                    inbox[(t + 1 + i) % THREADS].lock().push((p, bytes.min(4096), seed));
+                    inbox[(t + 1 + i) % THREADS]
+                        .lock()
+                        .push((p, bytes.min(4096), seed));
                     let mine = std::mem::take(&mut *inbox[t].lock());
                     for (q, n, s) in mine {
                         // SAFETY: the block is live (only its receiver frees it) and this many
                         // bytes were written with `s`.
                         let got = unsafe { std::slice::from_raw_parts(q as *const u8, n) };
-                        assert!(got.iter().all(|&b| b == s), "block {q:#x} overwritten while live");
+                        assert!(
+                            got.iter().all(|&b| b == s),
+                            "block {q:#x} overwritten while live"
+                        );
                         assert_eq!(free(q, PER_THREAD), CUresult::CUDA_SUCCESS);
                     }
                 }
@@ -360,7 +388,10 @@ fn dropping_the_pool_gives_cached_and_later_freed_blocks_back() {
         // Any routed call gives back fenced blocks that have passed.
         let _r = route::route(&other, Tag::Kv).unwrap();
         // SAFETY: valid out-pointer.
-        assert_eq!(unsafe { cuMemAllocAsync(&mut p, 512, S1 as CUstream) }, CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            unsafe { cuMemAllocAsync(&mut p, 512, S1 as CUstream) },
+            CUresult::CUDA_SUCCESS
+        );
         assert_eq!(free(p, S1), CUresult::CUDA_SUCCESS);
     }
     assert_eq!(backend.physical_bytes().unwrap(), 0);

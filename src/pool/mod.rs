@@ -207,6 +207,11 @@ impl Pool {
         })
     }
 
+    /// Driver calls this pool made so far, all kinds together.
+    pub(crate) fn driver_call_total(&self) -> u64 {
+        self.inner().drivers.total()
+    }
+
     /// What identifies this pool while it is open (the same for all its clones).
     pub(crate) fn identity(&self) -> usize {
         Arc::as_ptr(self.inner()) as usize

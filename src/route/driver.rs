@@ -80,30 +80,30 @@ fn load() -> Option<Driver> {
         (!p.is_null()).then_some(p)
     };
     macro_rules! get {
-        ($name:literal) => {{
+        ($name:literal as $ty:ty) => {{
             let p = sym($name)?;
             // SAFETY: the driver exports this symbol with exactly the signature of the type it
             // is cast to (cudarc's bindings of the same CUDA 13 header).
-            unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+            unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
         }};
     }
     Some(Driver {
-        mem_alloc_async: get!(c"cuMemAllocAsync"),
-        mem_free_async: get!(c"cuMemFreeAsync"),
-        mem_alloc: get!(c"cuMemAlloc_v2"),
-        mem_free: get!(c"cuMemFree_v2"),
-        stream_begin_capture: get!(c"cuStreamBeginCapture_v2"),
-        stream_end_capture: get!(c"cuStreamEndCapture"),
-        stream_destroy: get!(c"cuStreamDestroy_v2"),
-        stream_is_capturing: get!(c"cuStreamIsCapturing"),
-        ctx_get_current: get!(c"cuCtxGetCurrent"),
-        ctx_set_current: get!(c"cuCtxSetCurrent"),
-        ctx_get_device: get!(c"cuCtxGetDevice"),
-        event_create: get!(c"cuEventCreate"),
-        event_record: get!(c"cuEventRecord"),
-        event_query: get!(c"cuEventQuery"),
-        event_synchronize: get!(c"cuEventSynchronize"),
-        event_destroy: get!(c"cuEventDestroy_v2"),
+        mem_alloc_async: get!(c"cuMemAllocAsync" as AllocAsync),
+        mem_free_async: get!(c"cuMemFreeAsync" as FreeAsync),
+        mem_alloc: get!(c"cuMemAlloc_v2" as Alloc),
+        mem_free: get!(c"cuMemFree_v2" as Free),
+        stream_begin_capture: get!(c"cuStreamBeginCapture_v2" as BeginCapture),
+        stream_end_capture: get!(c"cuStreamEndCapture" as EndCapture),
+        stream_destroy: get!(c"cuStreamDestroy_v2" as StreamDestroy),
+        stream_is_capturing: get!(c"cuStreamIsCapturing" as IsCapturing),
+        ctx_get_current: get!(c"cuCtxGetCurrent" as CtxGetCurrent),
+        ctx_set_current: get!(c"cuCtxSetCurrent" as CtxSetCurrent),
+        ctx_get_device: get!(c"cuCtxGetDevice" as CtxGetDevice),
+        event_create: get!(c"cuEventCreate" as EventCreate),
+        event_record: get!(c"cuEventRecord" as EventRecord),
+        event_query: get!(c"cuEventQuery" as EventQuery),
+        event_synchronize: get!(c"cuEventSynchronize" as EventSync),
+        event_destroy: get!(c"cuEventDestroy_v2" as EventDestroy),
     })
 }
 

@@ -16,10 +16,29 @@ use super::driver::{driver, Driver, EVENT_DISABLE_TIMING, STREAM_LEGACY, STREAM_
 /// Stream captures in progress anywhere in the process (counted by the capture hooks). While
 /// one is, routing makes no call that could disturb it: no event query or synchronize, and no
 /// use of the legacy stream.
-pub(crate) static ACTIVE_CAPTURES: AtomicUsize = AtomicUsize::new(0);
+static ACTIVE_CAPTURES: AtomicUsize = AtomicUsize::new(0);
+/// The streams being captured (a capture ends at `cuStreamEndCapture` or with its stream).
+static CAPTURING: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 pub(crate) fn capture_active() -> bool {
     ACTIVE_CAPTURES.load(Ordering::Acquire) > 0
+}
+
+/// A capture on `stream` is about to begin (counted before it starts: no moment where one runs
+/// uncounted).
+pub(crate) fn capture_begins(stream: usize) {
+    let mut c = CAPTURING.lock();
+    c.push(stream);
+    ACTIVE_CAPTURES.store(c.len(), Ordering::Release);
+}
+
+/// The capture on `stream` ended (or never began).
+pub(crate) fn capture_ends(stream: usize) {
+    let mut c = CAPTURING.lock();
+    if let Some(i) = c.iter().position(|&s| s == stream) {
+        c.swap_remove(i);
+    }
+    ACTIVE_CAPTURES.store(c.len(), Ordering::Release);
 }
 
 /// A small number per thread, cheaper to get than `std::thread::current().id()`.

@@ -8,12 +8,10 @@ use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-pub use cudarc::driver::sys::{
-    CUdeviceptr, CUgraph, CUresult, CUstream, CUstreamCaptureMode,
-};
+pub use cudarc::driver::sys::{CUdeviceptr, CUgraph, CUresult, CUstream, CUstreamCaptureMode};
 
 use super::driver::{self, driver};
-use super::fence::{capture_active, StreamKey, ACTIVE_CAPTURES};
+use super::fence::{capture_active, capture_begins, capture_ends, StreamKey};
 use super::stack::current_route;
 use super::stats::Refusal;
 use super::table::{self, Block, Origin};
@@ -48,14 +46,19 @@ fn guarded(f: impl FnOnce() -> CUresult) -> CUresult {
 const NO_DRIVER: CUresult = CUresult::CUDA_ERROR_NOT_INITIALIZED;
 
 /// Size classes: a block freed on a stream serves any later request of its class there.
-/// Up to 4 KiB: multiples of 512 bytes; above: eight classes per power of two (at most 12.5%
-/// more than asked).
+/// Up to 4 KiB: multiples of 512 bytes; below 1 MiB: eight classes per power of two (at most
+/// 12.5% more than asked, 128 KiB at most); from 1 MiB: 64 per power of two (at most 1.6%, so
+/// weights and other large tensors cost hardly more than asked).
 pub(crate) fn size_class(bytes: usize) -> Option<usize> {
     if bytes <= 4096 {
         return Some(bytes.max(1).div_ceil(512) * 512);
     }
     let top = usize::BITS - 1 - bytes.leading_zeros();
-    let step = 1usize << (top - 3);
+    let step = if bytes < 1 << 20 {
+        1usize << (top - 3)
+    } else {
+        1usize << (top - 6)
+    };
     bytes.div_ceil(step).checked_mul(step)
 }
 
@@ -84,7 +87,8 @@ fn routed_alloc(bytes: usize, stream: CUstream) -> Outcome {
     target::reap_pending();
     let t = &entry.target;
     t.note_context(ctx);
-    let capturing = capture_active() && driver().is_some_and(|d| driver::stream_capturing(d, stream));
+    let capturing =
+        capture_active() && driver().is_some_and(|d| driver::stream_capturing(d, stream));
     let key = StreamKey::of(stream);
     let refuse = |reason: String| {
         let r = Refusal {
@@ -102,8 +106,11 @@ fn routed_alloc(bytes: usize, stream: CUstream) -> Outcome {
         Outcome::Refused
     };
     let Some(class) = size_class(bytes) else {
-        return refuse(format!("{bytes} bytes cannot be rounded to a size class without overflow"));
+        return refuse(format!(
+            "{bytes} bytes cannot be rounded to a size class without overflow"
+        ));
     };
+    let calls_before = entry.pool.driver_call_total();
     let (memory, reused, origin) = if capturing {
         match entry.pool.allocate(class) {
             Ok(m) => (m, false, Origin::Captured),
@@ -129,6 +136,9 @@ fn routed_alloc(bytes: usize, stream: CUstream) -> Outcome {
     };
     if !reused {
         t.pool_allocations.fetch_add(1, Ordering::Relaxed);
+        entry
+            .tag
+            .drove(entry.pool.driver_call_total().saturating_sub(calls_before));
     }
     if origin == Origin::Captured {
         t.captured_allocations.fetch_add(1, Ordering::Relaxed);
@@ -271,12 +281,11 @@ pub unsafe fn mem_free(ptr: CUdeviceptr) -> CUresult {
 pub unsafe fn stream_begin_capture(stream: CUstream, mode: CUstreamCaptureMode) -> CUresult {
     guarded(|| {
         let Some(d) = driver() else { return NO_DRIVER };
-        // Counted before the capture starts: no moment where one runs uncounted.
-        ACTIVE_CAPTURES.fetch_add(1, Ordering::AcqRel);
+        capture_begins(stream as usize);
         // SAFETY: the caller's arguments, passed on unchanged.
         let r = unsafe { (d.stream_begin_capture)(stream, mode) };
         if r != CUresult::CUDA_SUCCESS {
-            ACTIVE_CAPTURES.fetch_sub(1, Ordering::AcqRel);
+            capture_ends(stream as usize);
         }
         r
     })
@@ -289,12 +298,12 @@ pub unsafe fn stream_begin_capture(stream: CUstream, mode: CUstreamCaptureMode) 
 pub unsafe fn stream_end_capture(stream: CUstream, graph: *mut CUgraph) -> CUresult {
     guarded(|| {
         let Some(d) = driver() else { return NO_DRIVER };
-        let was_capturing = driver::stream_capturing(d, stream);
         // SAFETY: the caller's arguments, passed on unchanged.
         let r = unsafe { (d.stream_end_capture)(stream, graph) };
-        if was_capturing {
-            // The capture is over whatever the result (an invalidated one ends with an error).
-            ACTIVE_CAPTURES.fetch_sub(1, Ordering::AcqRel);
+        // The capture is over whatever the result (an invalidated one ends with an error), unless
+        // the stream is still capturing (a call from the wrong thread in thread-local mode).
+        if !driver::stream_capturing(d, stream) {
+            capture_ends(stream as usize);
         }
         r
     })
@@ -306,6 +315,8 @@ pub unsafe fn stream_end_capture(stream: CUstream, graph: *mut CUgraph) -> CUres
 /// As the driver's.
 pub unsafe fn stream_destroy(stream: CUstream) -> CUresult {
     guarded(|| {
+        // A capture abandoned on this stream ends with it.
+        capture_ends(stream as usize);
         target::stream_destroyed(StreamKey::of(stream));
         let Some(d) = driver() else { return NO_DRIVER };
         // SAFETY: the caller's argument, passed on unchanged.

@@ -24,7 +24,7 @@
 //! A block freed on stream S is reusable at once by later allocations on S (stream order keeps
 //! the new user behind the old one), and by other streams only after an event recorded on S at
 //! or after the free has completed. Routing keeps freed blocks per stream and size class
-//! (eight classes per power of two) and serves later allocations on the same stream from them
+//! (eight classes per power of two below 1 MiB, 64 above) and serves later allocations on the same stream from them
 //! without touching the pool or the driver. When a model's freed blocks pass
 //! [`DEFAULT_STREAM_CACHE`] bytes (see [`set_stream_cache_limit`]), or it runs out of memory,
 //! or on [`flush`], they are *fenced*: one event per stream, and they go back to the pool,
@@ -135,7 +135,11 @@ pub fn is_installed() -> bool {
 
 /// Routing's counters for `pool` (`None` if nothing was ever routed to it).
 pub fn stats(pool: &Pool) -> Option<RouteStats> {
-    stack::existing_target(pool).map(|t| t.stats())
+    stack::existing_target(pool).map(|t| {
+        let mut s = t.stats();
+        s.driver_calls = pool.driver_call_total().saturating_add(s.fences);
+        s
+    })
 }
 
 /// The `n` largest live routed allocations of `pool`, with totals.
@@ -313,11 +317,17 @@ mod tests {
         assert_eq!(size_class(4096), Some(4096));
         assert_eq!(size_class(4097), Some(4608));
         assert_eq!(size_class(1 << 20), Some(1 << 20));
-        assert_eq!(size_class((1 << 20) + 1), Some((1 << 20) + (1 << 17)));
+        assert_eq!(size_class((1 << 20) + 1), Some((1 << 20) + (1 << 14)));
+        // A 62.5 MiB weight costs what it asks.
+        assert_eq!(size_class(65_536_000), Some(65_536_000));
         assert_eq!(size_class(usize::MAX), None);
-        for n in [5000usize, 77_777, 3 << 20, (1 << 30) + 12345] {
+        for n in [5000usize, 77_777, 1_000_000] {
             let c = size_class(n).unwrap();
             assert!(c >= n && c - n <= n / 8, "{n} -> {c}");
+        }
+        for n in [3usize << 20, 65_536_001, (1 << 30) + 12345] {
+            let c = size_class(n).unwrap();
+            assert!(c >= n && c - n <= n / 64, "{n} -> {c}");
         }
     }
 }

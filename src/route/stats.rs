@@ -23,6 +23,9 @@ pub struct TagStats {
     pub reused: u64,
     /// Allocations refused (out of memory at the model's limit, or no room).
     pub refusals: u64,
+    /// Driver calls the pool made while serving this tag's allocations (growth: create, map,
+    /// set access). A concurrent growth of the same pool for another tag can land in either.
+    pub driver_calls: u64,
 }
 
 /// Routing's view of one model (one pool).
@@ -48,6 +51,9 @@ pub struct RouteStats {
     pub fences: u64,
     /// Allocations made while their stream was captured into a graph.
     pub captured_allocations: u64,
+    /// Driver calls for this model: every call its pool made (growth, trims, releases: see
+    /// [`crate::Pool::stats`] by kind) plus the fences routing recorded.
+    pub driver_calls: u64,
     /// The last refusal, if any.
     pub last_refusal: Option<Refusal>,
 }

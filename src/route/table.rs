@@ -55,7 +55,8 @@ type Shard = Mutex<HashMap<u64, Block, BuildHasherDefault<AddrHasher>>>;
 
 const SHARDS: usize = 16;
 
-static TABLE: [Shard; SHARDS] = [const { Mutex::new(HashMap::with_hasher(BuildHasherDefault::new())) }; SHARDS];
+static TABLE: [Shard; SHARDS] =
+    [const { Mutex::new(HashMap::with_hasher(BuildHasherDefault::new())) }; SHARDS];
 
 fn shard(addr: u64) -> &'static Shard {
     &TABLE[((addr >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize % SHARDS]

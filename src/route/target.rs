@@ -37,6 +37,7 @@ pub(crate) struct TagCounters {
     frees: AtomicU64,
     reused: AtomicU64,
     refusals: AtomicU64,
+    driver_calls: AtomicU64,
 }
 
 impl TagCounters {
@@ -50,6 +51,7 @@ impl TagCounters {
             frees: AtomicU64::new(0),
             reused: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
+            driver_calls: AtomicU64::new(0),
         }
     }
 
@@ -69,6 +71,12 @@ impl TagCounters {
         self.frees.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn drove(&self, calls: u64) {
+        if calls > 0 {
+            self.driver_calls.fetch_add(calls, Ordering::Relaxed);
+        }
+    }
+
     pub(crate) fn refused(&self) {
         self.refusals.fetch_add(1, Ordering::Relaxed);
     }
@@ -83,6 +91,7 @@ impl TagCounters {
             frees: self.frees.load(Ordering::Relaxed),
             reused: self.reused.load(Ordering::Relaxed),
             refusals: self.refusals.load(Ordering::Relaxed),
+            driver_calls: self.driver_calls.load(Ordering::Relaxed),
         }
     }
 }
@@ -386,6 +395,7 @@ impl Target {
             pool_allocations: self.pool_allocations.load(Ordering::Relaxed),
             fences: self.fences.load(Ordering::Relaxed),
             captured_allocations: self.captured_allocations.load(Ordering::Relaxed),
+            driver_calls: 0,
             last_refusal: self.refusal.lock().clone(),
         }
     }
