@@ -396,3 +396,32 @@ fn dropping_the_pool_gives_cached_and_later_freed_blocks_back() {
     }
     assert_eq!(backend.physical_bytes().unwrap(), 0);
 }
+
+/// What one model freed through routing (cached for its own reuse) is idle memory another model
+/// can get: donation measures it only after it went back to its pool.
+#[test]
+fn another_model_gets_what_a_model_freed_through_routing() {
+    let _s = SERIAL.lock();
+    let b: Arc<dyn Backend> = Arc::new(HostBackend::new(2 << 20).unwrap());
+    let shared = SharedPool::new(b, SharedPoolConfig::new().global_limit(64 << 20)).unwrap();
+    let a = shared
+        .register(ModelConfig::new("a", 1 << 30, 64 << 20))
+        .unwrap();
+    let m = shared
+        .register(ModelConfig::new("b", 1 << 30, 64 << 20))
+        .unwrap();
+    {
+        let _r = route::route(&a, Tag::Kv).unwrap();
+        let p = alloc(48 << 20, S1).unwrap();
+        assert_eq!(free(p, S1), CUresult::CUDA_SUCCESS);
+    }
+    assert_eq!(route::stats(&a).unwrap().cached_bytes, 48 << 20);
+    let _r = route::route(&m, Tag::Kv).unwrap();
+    let q = alloc(48 << 20, S1).expect("a's freed blocks handed over");
+    assert_eq!(route::stats(&a).unwrap().cached_bytes, 0);
+    assert_eq!(free(q, S1), CUresult::CUDA_SUCCESS);
+    route::flush(&m);
+    let st = shared.stats();
+    assert!(st.global.used <= 64 << 20);
+    assert_eq!(st.global.in_use, 0);
+}

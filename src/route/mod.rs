@@ -169,6 +169,17 @@ pub fn flush(pool: &Pool) {
     }
 }
 
+/// [`flush`], when `pool` keeps freed blocks (cheap otherwise): for the shared pool's donation
+/// and reclaim, which count them as the model's idle memory.
+/// `pool_id` is the pool's identity (`Pool::identity`).
+pub(crate) fn flush_if_cached(pool_id: usize) {
+    if let Some(t) = stack::target_by_identity(pool_id) {
+        if t.cached_bytes() > 0 {
+            t.flush(Wait::Yes);
+        }
+    }
+}
+
 /// Set how many bytes of freed blocks `pool` keeps for same-stream reuse before fencing them
 /// back (default [`DEFAULT_STREAM_CACHE`]; 0 fences every free at once).
 pub fn set_stream_cache_limit(pool: &Pool, bytes: u64) {

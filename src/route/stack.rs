@@ -59,10 +59,12 @@ pub(crate) fn target_of(pool: &Pool) -> Arc<Target> {
 
 /// The routing state of `pool` if it has one.
 pub(crate) fn existing_target(pool: &Pool) -> Option<Arc<Target>> {
-    TARGETS
-        .lock()
-        .as_ref()
-        .and_then(|m| m.get(&pool.identity()).cloned())
+    target_by_identity(pool.identity())
+}
+
+/// The routing state of the pool with this identity, if it has one.
+pub(crate) fn target_by_identity(id: usize) -> Option<Arc<Target>> {
+    TARGETS.lock().as_ref().and_then(|m| m.get(&id).cloned())
 }
 
 /// The pool with identity `id` has closed (its last handle is gone): its freed blocks go back

@@ -248,6 +248,11 @@ impl Target {
         }
     }
 
+    /// Bytes of freed blocks cached for same-stream reuse.
+    pub(crate) fn cached_bytes(&self) -> u64 {
+        self.cache.lock().bytes
+    }
+
     pub(crate) fn set_cache_limit(&self, bytes: u64) {
         self.cache_limit.store(bytes, Ordering::Relaxed);
     }

@@ -602,6 +602,8 @@ impl SharedPool {
                 let want = over(self);
                 tracing::info!(model = %id, bytes = want, "asking the model to free memory");
                 cb(want);
+                // What the callback freed through routing is cached for reuse: give it back.
+                crate::route::flush(&slot.pool);
                 result = slot
                     .pool
                     .inner()
@@ -913,6 +915,12 @@ impl SharedInner {
     /// `(spare bytes, model)`, in reclaim order: lowest priority first, then most spare.
     fn donors(&self, for_key: Option<u64>) -> Vec<(u64, ModelRef)> {
         let refs = self.model_refs(for_key);
+        // Freed blocks routing keeps for a model's same-stream reuse are idle memory too: they
+        // go back to their pools (behind fences) before the models' spare memory is measured.
+        // No lock is held here.
+        for r in &refs {
+            crate::route::flush_if_cached(Arc::as_ptr(&r.pool) as usize);
+        }
         let spare: Vec<Option<(i32, u64)>> = {
             let l = self.ledger.lock();
             refs.iter()
