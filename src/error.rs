@@ -172,6 +172,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// A message between processes could not be sent or received: a socket error, a closed
+    /// connection, or a malformed or oversized frame.
+    #[error("ipc: {op}: {detail}")]
+    Ipc {
+        /// What was being done.
+        op: &'static str,
+        /// What went wrong, with the numbers.
+        detail: String,
+    },
+
     // ---- shared pool ----
     /// A model id is registered already.
     #[error("model {model:?} is already registered")]

@@ -20,6 +20,8 @@
 //!   physical chunk, and block transfers between layouts.
 //! - `candle` (feature `candle`): candle tensors in pool memory, and elastic KV tensors whose
 //!   blocks are backed on demand.
+//! - [`ipc`]: framed messages over Unix sockets with descriptors attached (`SCM_RIGHTS`): how
+//!   chunks exported as POSIX descriptors travel between processes.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -49,6 +51,7 @@ pub mod backing;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod error;
+pub mod ipc;
 pub mod layout;
 #[cfg(feature = "nixl")]
 pub mod nixl;
