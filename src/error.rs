@@ -182,6 +182,16 @@ pub enum Error {
         detail: String,
     },
 
+    /// The broker refused a request (other than a growth, which is
+    /// [`Error::AdmissionRefused`]).
+    #[error("broker: {kind}: {message}")]
+    Broker {
+        /// What kind of failure (`Unknown`, `Duplicate`, `NotReached`, ...).
+        kind: String,
+        /// Why, with the numbers.
+        message: String,
+    },
+
     // ---- shared pool ----
     /// A model id is registered already.
     #[error("model {model:?} is already registered")]

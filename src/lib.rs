@@ -20,6 +20,8 @@
 //!   physical chunk, and block transfers between layouts.
 //! - `candle` (feature `candle`): candle tensors in pool memory, and elastic KV tensors whose
 //!   blocks are backed on demand.
+//! - `broker` (feature `broker`): one device's memory shared by engine processes through a
+//!   daemon that owns every chunk, with quotas, hand-over and crash safety.
 //! - [`ipc`]: framed messages over Unix sockets with descriptors attached (`SCM_RIGHTS`): how
 //!   chunks exported as POSIX descriptors travel between processes.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
@@ -48,6 +50,8 @@
 
 pub mod backend;
 pub mod backing;
+#[cfg(feature = "broker")]
+pub mod broker;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod error;

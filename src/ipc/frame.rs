@@ -35,9 +35,22 @@ pub(crate) fn ipc_error(op: &'static str, detail: impl Into<String>) -> Error {
     }
 }
 
+/// The `op` of errors that mean the peer went away (closed, reset, killed), as opposed to a
+/// peer that sent something wrong: see [`is_disconnect`].
+pub const DISCONNECTED: &str = "peer disconnected";
+
+/// Whether `e` says the peer went away (the connection closed or was reset, even mid-frame)
+/// rather than sent something malformed.
+pub fn is_disconnect(e: &Error) -> bool {
+    matches!(e, Error::Ipc { op, .. } if *op == DISCONNECTED)
+}
+
 fn errno_error(op: &'static str, e: Errno) -> Error {
     if e == Errno::AGAIN {
         return ipc_error(op, "timed out (EAGAIN)");
+    }
+    if e == Errno::CONNRESET || e == Errno::PIPE {
+        return ipc_error(DISCONNECTED, format!("{op}: {e}"));
     }
     ipc_error(op, format!("{} ({})", e, e.raw_os_error()))
 }

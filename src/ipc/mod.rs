@@ -23,6 +23,6 @@ pub mod peer;
 pub mod writer;
 
 pub use codec::{decode, encode};
-pub use frame::{recv_frame, send_frame, Frame, MAX_FDS, MAX_FRAME};
+pub use frame::{is_disconnect, recv_frame, send_frame, Frame, DISCONNECTED, MAX_FDS, MAX_FRAME};
 pub use peer::{peer_credentials, PeerCredentials};
 pub use writer::{FrameWriter, Outgoing};

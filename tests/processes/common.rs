@@ -17,6 +17,19 @@ pub fn spawn(role: &str, vars: &[(&str, String)]) -> Child {
     cmd.spawn().expect("spawn child process")
 }
 
+/// Spawn this binary as `role` with stdin and stdout piped (the parent drives it line by line).
+pub fn spawn_piped(role: &str, vars: &[(&str, String)]) -> Child {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = Command::new(exe);
+    cmd.env(ROLE_VAR, role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn child process")
+}
+
 /// A variable the parent set for a child.
 pub fn var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("child needs {name}"))
@@ -54,7 +67,7 @@ pub fn wait_for(mut child: Child, secs: u64) -> std::process::ExitStatus {
 
 /// Run a child role; its panics become a failing exit status.
 pub fn run_child(role: &str) -> ExitCode {
-    let f: fn() = match super::chunks::role(role) {
+    let f: fn() = match super::chunks::role(role).or_else(|| super::broker::role(role)) {
         Some(f) => f,
         None => {
             eprintln!("unknown child role {role:?}");
@@ -64,5 +77,15 @@ pub fn run_child(role: &str) -> ExitCode {
     match std::panic::catch_unwind(f) {
         Ok(()) => ExitCode::SUCCESS,
         Err(_) => ExitCode::FAILURE,
+    }
+}
+
+/// A child killed (SIGKILL) and reaped when dropped, so a failing test leaves no process behind.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

@@ -5,6 +5,7 @@
 //! runs every test whose name contains one of the arguments (all when there is none), one after
 //! the other, and fails when any failed.
 
+mod broker;
 mod chunks;
 mod common;
 
@@ -15,6 +16,7 @@ type Test = (&'static str, fn());
 fn tests() -> Vec<Test> {
     let mut t: Vec<Test> = Vec::new();
     t.extend(chunks::TESTS);
+    t.extend(broker::TESTS);
     t
 }
 
