@@ -386,13 +386,15 @@ impl Book {
         out
     }
 
-    /// Models other than `except` holding memory above their guarantees, lowest priority first,
-    /// with how much each could give back; at most `bytes` asked in all.
-    pub(crate) fn reclaim_plan(&self, except: u64, bytes: u64) -> Vec<(u64, u64, u64)> {
+    /// Models of connections other than `asking` holding memory above their guarantees, lowest
+    /// priority first, with how much each could give back; at most `bytes` asked in all. The
+    /// asking connection's own models are left out: its requests are served one at a time, so
+    /// what they gave back would only arrive after the growth waiting for it.
+    pub(crate) fn reclaim_plan(&self, asking: u64, bytes: u64) -> Vec<(u64, u64, u64)> {
         let mut candidates: Vec<(i32, u64, u64, u64)> = self
             .models
             .iter()
-            .filter(|(&k, _)| k != except)
+            .filter(|(_, m)| m.conn != asking)
             .filter_map(|(&k, m)| {
                 let b = self.ledger.models.get(&k)?;
                 let spare = b.used.saturating_sub(b.guarantee);
@@ -564,10 +566,12 @@ mod tests {
         let mut b = Book::new(1000);
         let lo = b.register(1, "lo", 500, 100, -1).unwrap();
         let hi = b.register(2, "hi", 500, 0, 5).unwrap();
-        let me = b.register(3, "me", 500, 0, 0).unwrap();
+        let mine = b.register(3, "mine", 500, 0, -9).unwrap();
+        b.register(3, "me", 500, 0, 0).unwrap();
         b.charge(lo, 300).unwrap();
         b.charge(hi, 300).unwrap();
-        let plan = b.reclaim_plan(me, 250);
+        b.charge(mine, 300).unwrap();
+        let plan = b.reclaim_plan(3, 250);
         assert_eq!(plan, vec![(lo, 1, 200), (hi, 2, 50)]);
     }
 }

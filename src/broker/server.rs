@@ -315,7 +315,14 @@ fn book_error(e: BookError) -> Reply {
 }
 
 fn send(writer: &FrameWriter, id: u64, reply: Reply, fd: Option<OwnedFd>) -> Result<()> {
-    let payload = ipc::encode(&FromBroker::Reply { id, reply })?;
+    let payload = match ipc::encode(&FromBroker::Reply { id, reply }) {
+        Ok(p) => p,
+        // Too large for one frame (metrics of very many models): say so instead.
+        Err(e) => ipc::encode(&FromBroker::Reply {
+            id,
+            reply: error_reply(ErrorKind::InvalidArgument, format!("reply not sent: {e}")),
+        })?,
+    };
     writer.send(Outgoing {
         payload,
         fds: fd.into_iter().collect(),
@@ -731,7 +738,7 @@ impl Shared {
                             Next::ReleaseIdle(book.take_idle(short))
                         }
                         Err(why @ LedgerRefusal::Global { short }) if !reclaim_asked => {
-                            let plan = book.reclaim_plan(model, short);
+                            let plan = book.reclaim_plan(conn, short);
                             if plan.is_empty() {
                                 book.counters.refusals += 1;
                                 return (Reply::Refused(book.refusal(model, size, why)), None);

@@ -26,6 +26,10 @@ pub const TESTS: &[(&str, fn())] = &[
         bursty_engines_never_overshoot,
     ),
     (
+        "broker::startup_race_cannot_overcommit_guarantees",
+        startup_race_cannot_overcommit_guarantees,
+    ),
+    (
         "broker::hand_over_without_create_or_release",
         hand_over_without_create_or_release,
     ),
@@ -58,6 +62,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "engine-bursty" => Some(engine_bursty),
         "engine-scripted" => Some(engine_scripted),
         "engine-grow-forever" => Some(engine_grow_forever),
+        "engine-size-at-start" => Some(engine_size_at_start),
         _ => None,
     }
 }
@@ -314,6 +319,56 @@ fn bursty_engines_never_overshoot() {
         s.physical, s.idle,
         "physical memory is what the broker holds idle"
     );
+}
+
+/// Six engine processes start at the same instant (released together through a pipe), each
+/// registering a model with a 40 MiB guarantee and sizing itself to it at once, on a budget
+/// of 100 MiB: exactly two get their guarantee, the others are refused with the numbers, and
+/// the memory granted never exceeds the budget.
+fn startup_race_cannot_overcommit_guarantees() {
+    let broker = BrokerProc::start("race", 100 * MIB, &[]);
+    let mut engines: Vec<Script> = (0..6)
+        .map(|i| {
+            Script::new(common::spawn_piped(
+                "engine-size-at-start",
+                &engine_vars(&broker.socket, &format!("racer{i}"), 64 * MIB, 40 * MIB, 0),
+            ))
+        })
+        .collect();
+    // Every child is connected and waits for the word; then all go at once.
+    for e in &mut engines {
+        assert_eq!(e.ask("ready?"), "ready");
+    }
+    for e in &mut engines {
+        writeln!(e.stdin, "go").unwrap();
+        e.stdin.flush().unwrap();
+    }
+    let mut answers = Vec::new();
+    for e in &mut engines {
+        let mut line = String::new();
+        e.stdout.read_line(&mut line).unwrap();
+        answers.push(line.trim().to_string());
+    }
+    let s = broker.control().snapshot().unwrap();
+    check_books(&s);
+    let sized = answers.iter().filter(|a| *a == "sized 40").count();
+    eprintln!(
+        "  answers {answers:?}; global use {} MiB",
+        s.global_used / MIB
+    );
+    assert_eq!(sized, 2, "{answers:?}");
+    assert!(
+        answers
+            .iter()
+            .filter(|a| a.starts_with("refused"))
+            .all(|a| a.contains("does not fit")),
+        "{answers:?}"
+    );
+    assert_eq!(s.models.len(), 2);
+    assert_eq!(s.global_used, 80 * MIB);
+    for e in engines {
+        e.finish();
+    }
 }
 
 /// Engine A maps four 16 MiB chunks, writes them, unmaps them (cached in its pool) and stays.
@@ -1133,6 +1188,37 @@ fn write_mapped(model: &elastic_vmm::broker::RemoteModel, data: &[u8]) {
 fn read_mapped(model: &elastic_vmm::broker::RemoteModel, out: &mut [u8]) {
     // SAFETY: as for `write_mapped`; the range is mapped by an earlier `map`.
     unsafe { model.backend().read(model.base(), out).unwrap() };
+}
+
+/// Connects, says "ready", waits for "go", then registers with its guarantee and grows to it
+/// at once; answers "sized <MiB>" or "refused: <why>", then waits for stdin to close.
+fn engine_size_at_start() {
+    let client = BrokerClient::connect(common::var("EVMM_SOCKET"), "racer").unwrap();
+    let mut lines = std::io::stdin().lock().lines();
+    let mut out = std::io::stdout();
+    assert_eq!(lines.next().unwrap().unwrap(), "ready?");
+    writeln!(out, "ready").unwrap();
+    out.flush().unwrap();
+    assert_eq!(lines.next().unwrap().unwrap(), "go");
+    let guarantee = num("EVMM_GUARANTEE");
+    let config = ModelConfig::new(common::var("EVMM_MODEL"), 1 << 30, num("EVMM_LIMIT"))
+        .guarantee(guarantee)
+        .pool_config(PoolConfig::new(1 << 30).growth_divisor(0));
+    let mut held = Vec::new();
+    let (model, answer) = match client.register(config) {
+        Ok(model) => {
+            for _ in 0..guarantee / MIB {
+                held.push(model.allocate(1 << 20).expect("the guarantee is there"));
+            }
+            (Some(model), format!("sized {}", guarantee / MIB))
+        }
+        Err(e) => (None, format!("refused: {e}")),
+    };
+    writeln!(out, "{answer}").unwrap();
+    out.flush().unwrap();
+    for _ in lines {}
+    drop(held);
+    drop(model);
 }
 
 /// Grows 4 MiB at a time, writing each allocation, until killed.
