@@ -35,6 +35,13 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 
 type Waiter = Sender<(Reply, Vec<OwnedFd>)>;
 
+/// Callers waiting for replies, and whether the connection is gone (then nobody may wait).
+#[derive(Default)]
+struct Pending {
+    waiters: HashMap<u64, Waiter>,
+    closed: bool,
+}
+
 /// What the reclaim worker and the reporter need to reach a model.
 pub(crate) struct ModelLink {
     pub(crate) pool: Weak<PoolInner>,
@@ -52,7 +59,7 @@ pub struct BrokerClient {
 pub(crate) struct ClientInner {
     stream: UnixStream,
     writer: FrameWriter,
-    pending: Arc<Mutex<HashMap<u64, Waiter>>>,
+    pending: Arc<Mutex<Pending>>,
     next_id: AtomicU64,
     pub(crate) links: Links,
     welcome: Welcome,
@@ -129,7 +136,7 @@ impl BrokerClient {
             })
         };
         let (writer, _) = FrameWriter::spawn(clone(&stream)?, 1024, "broker-client")?;
-        let pending: Arc<Mutex<HashMap<u64, Waiter>>> = Arc::default();
+        let pending: Arc<Mutex<Pending>> = Arc::default();
         let links: Links = Arc::default();
         let (push_tx, push_rx) = channel::<Push>();
         {
@@ -253,7 +260,16 @@ impl ClientInner {
     pub(crate) fn request(&self, request: Request) -> Result<(Reply, Vec<OwnedFd>)> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = channel();
-        self.pending.lock().insert(id, tx);
+        {
+            let mut p = self.pending.lock();
+            if p.closed {
+                return Err(Error::Ipc {
+                    op: "broker request",
+                    detail: "the connection to the broker is closed".into(),
+                });
+            }
+            p.waiters.insert(id, tx);
+        }
         let sent = ipc::encode(&ToBroker { id, request }).and_then(|payload| {
             self.writer.send(Outgoing {
                 payload,
@@ -261,13 +277,13 @@ impl ClientInner {
             })
         });
         if let Err(e) = sent {
-            self.pending.lock().remove(&id);
+            self.pending.lock().waiters.remove(&id);
             return Err(e);
         }
         match rx.recv_timeout(REPLY_TIMEOUT) {
             Ok(r) => Ok(r),
             Err(RecvTimeoutError::Timeout) => {
-                self.pending.lock().remove(&id);
+                self.pending.lock().waiters.remove(&id);
                 Err(Error::Ipc {
                     op: "broker reply",
                     detail: format!("no reply within {} s", REPLY_TIMEOUT.as_secs()),
@@ -299,7 +315,7 @@ impl ClientInner {
     }
 }
 
-fn read_loop(stream: UnixStream, pending: Arc<Mutex<HashMap<u64, Waiter>>>, pushes: Sender<Push>) {
+fn read_loop(stream: UnixStream, pending: Arc<Mutex<Pending>>, pushes: Sender<Push>) {
     loop {
         let frame = match ipc::recv_frame(&stream, ipc::MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -317,7 +333,7 @@ fn read_loop(stream: UnixStream, pending: Arc<Mutex<HashMap<u64, Waiter>>>, push
                     }
                     continue;
                 }
-                let waiter = pending.lock().remove(&id);
+                let waiter = pending.lock().waiters.remove(&id);
                 match waiter {
                     Some(w) => {
                         let _ = w.send((reply, frame.fds));
@@ -339,8 +355,14 @@ fn read_loop(stream: UnixStream, pending: Arc<Mutex<HashMap<u64, Waiter>>>, push
         }
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
-    // Every waiter learns the connection is gone (their senders drop here).
-    pending.lock().clear();
+    // Every waiter learns the connection is gone (their senders drop here), and no new one
+    // starts waiting.
+    let waiters = {
+        let mut p = pending.lock();
+        p.closed = true;
+        std::mem::take(&mut p.waiters)
+    };
+    drop(waiters);
 }
 
 fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {

@@ -350,3 +350,57 @@ impl Backend for ModelBackend {
         unsafe { self.local.fill_async(addr, bytes, byte, stream) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+    use crate::broker::{Broker, BrokerConfig};
+
+    fn socket(tag: &str) -> std::path::PathBuf {
+        std::env::temp_dir()
+            .join(format!("evmm-unit-{tag}-{}", std::process::id()))
+            .join("b.sock")
+    }
+
+    #[test]
+    fn a_remote_model_is_a_pool_and_fails_fast_when_the_broker_goes() {
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker =
+            Broker::start(Arc::new(host), BrokerConfig::new(socket("gone"), 64 << 20)).unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let model = client
+            .register(ModelConfig::new("m", 1 << 30, 32 << 20).guarantee(4 << 20))
+            .unwrap();
+        let mut a = model.allocate(3 << 20).unwrap();
+        a.write(0, b"remote").unwrap();
+        let mut back = [0u8; 6];
+        a.read(0, &mut back).unwrap();
+        assert_eq!(&back, b"remote");
+        // The broker's refusal carries its numbers.
+        let e = model.allocate(40 << 20).unwrap_err();
+        assert!(
+            matches!(e, Error::AdmissionRefused { model_limit, .. } if model_limit == 32 << 20),
+            "{e}"
+        );
+        let view = model.broker_view().unwrap();
+        assert_eq!((view.guarantee, view.limit), (4 << 20, 32 << 20));
+        assert!(view.used >= 3 << 20);
+        // A duplicate name is refused.
+        let dup = client
+            .register(ModelConfig::new("m", 1 << 30, 1 << 20))
+            .unwrap_err();
+        assert!(dup.to_string().contains("already registered"), "{dup}");
+        broker.shutdown();
+        // The connection is gone: growth fails at once instead of waiting for a reply.
+        let t = Instant::now();
+        assert!(model.allocate(16 << 20).is_err());
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // Memory already mapped stays valid for the allocations that hold it.
+        a.read(0, &mut back).unwrap();
+        assert_eq!(&back, b"remote");
+    }
+}
