@@ -49,8 +49,8 @@ pub fn run() -> Result<(), BoxError> {
     }
     let dir = std::env::temp_dir().join(format!("evmm-bench-broker-{}", std::process::id()));
     let socket = dir.join("cuda0.sock");
-    // Room for the 40 GiB once, plus a granule: B can only grow with A's memory.
-    let broker = Broker::start(cuda.clone(), BrokerConfig::new(&socket, SPAN + CHUNK))?;
+    // Room for the 40 GiB once: B can only grow with A's memory.
+    let broker = Broker::start(cuda.clone(), BrokerConfig::new(&socket, SPAN))?;
     let a_client = BrokerClient::connect(&socket, "engine-a")?;
     let a = model(&a_client, "a", SPAN)?;
     let mut child = Command::new(std::env::current_exe()?)
