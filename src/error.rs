@@ -172,6 +172,26 @@ pub enum Error {
         reason: String,
     },
 
+    /// A message between processes could not be sent or received: a socket error, a closed
+    /// connection, or a malformed or oversized frame.
+    #[error("ipc: {op}: {detail}")]
+    Ipc {
+        /// What was being done.
+        op: &'static str,
+        /// What went wrong, with the numbers.
+        detail: String,
+    },
+
+    /// The broker refused a request (other than a growth, which is
+    /// [`Error::AdmissionRefused`]).
+    #[error("broker: {kind}: {message}")]
+    Broker {
+        /// What kind of failure (`Unknown`, `Duplicate`, `NotReached`, ...).
+        kind: String,
+        /// Why, with the numbers.
+        message: String,
+    },
+
     // ---- shared pool ----
     /// A model id is registered already.
     #[error("model {model:?} is already registered")]

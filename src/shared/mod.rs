@@ -26,7 +26,7 @@
 //! margin) when the budget must be the device's truth. The default global limit is the
 //! device's free memory when the shared pool is created, less a margin.
 
-mod ledger;
+pub(crate) mod ledger;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -141,6 +141,32 @@ impl ModelConfig {
         self.pool = Some(config);
         self
     }
+
+    /// Every setting, for registries other than [`SharedPool`] (the broker's engine side).
+    #[cfg(feature = "broker")]
+    pub(crate) fn parts(&self) -> ModelParts<'_> {
+        ModelParts {
+            id: &self.id,
+            virtual_capacity: self.virtual_capacity,
+            limit: self.limit,
+            guarantee: self.guarantee,
+            priority: self.priority,
+            reclaim: self.reclaim.clone(),
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+/// A [`ModelConfig`]'s settings, borrowed.
+#[cfg(feature = "broker")]
+pub(crate) struct ModelParts<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) virtual_capacity: usize,
+    pub(crate) limit: u64,
+    pub(crate) guarantee: u64,
+    pub(crate) priority: i32,
+    pub(crate) reclaim: Option<ReclaimCallback>,
+    pub(crate) pool: Option<PoolConfig>,
 }
 
 /// One device's physical memory shared by several models. Cheap to clone.

@@ -6,6 +6,7 @@
 mod suite;
 
 mod backing;
+mod broker;
 mod layout;
 mod pool;
 mod shared;
