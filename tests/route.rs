@@ -344,7 +344,8 @@ fn concurrent_allocate_and_cross_thread_free() {
 #[test]
 fn routing_refuses_a_dead_route_target_cleanly() {
     let _s = SERIAL.lock();
-    // A route to a pool whose limit is zero: every allocation refused, nothing panics.
+    // A route to a plain pool with a 2 MiB physical limit: what does not fit is refused,
+    // nothing panics, nothing is held for the refusal.
     let b: Arc<dyn Backend> = Arc::new(HostBackend::new(2 << 20).unwrap());
     let pool = Pool::new(
         b,
@@ -360,6 +361,8 @@ fn routing_refuses_a_dead_route_target_cleanly() {
         route::stats(&pool).unwrap().last_refusal,
         Some(ref x) if x.asked == 4 << 20
     ));
+    assert_eq!(pool.stats().in_use, 1 << 20);
+    pool.audit().unwrap();
 }
 
 #[test]
@@ -424,4 +427,27 @@ fn another_model_gets_what_a_model_freed_through_routing() {
     let st = shared.stats();
     assert!(st.global.used <= 64 << 20);
     assert_eq!(st.global.in_use, 0);
+}
+
+/// A synchronous allocation may be used on any stream at once: it never gets a block freed on
+/// a stream (which only that stream may reuse before a fence).
+#[test]
+fn synchronous_allocations_never_take_stream_cached_blocks() {
+    let _s = SERIAL.lock();
+    let pool = host_pool("sync");
+    let _r = route::route(&pool, Tag::Scratch).unwrap();
+    let p = alloc(8192, 0x1).unwrap();
+    assert_eq!(free(p, 0x1), CUresult::CUDA_SUCCESS);
+    let mut q: CUdeviceptr = 0;
+    // SAFETY: valid out-pointer.
+    assert_eq!(
+        unsafe { cuMemAlloc_v2(&mut q, 8192) },
+        CUresult::CUDA_SUCCESS
+    );
+    assert_ne!(q, p);
+    // SAFETY: a routed block.
+    assert_eq!(unsafe { cuMemFree_v2(q) }, CUresult::CUDA_SUCCESS);
+    // A synchronous free is a free on the legacy stream: an async allocation there reuses it.
+    assert_eq!(alloc(8192, 0x1).unwrap(), q);
+    route::flush(&pool);
 }

@@ -31,6 +31,8 @@ type EventRecord = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;
 type EventQuery = unsafe extern "C" fn(CUevent) -> CUresult;
 type EventSync = unsafe extern "C" fn(CUevent) -> CUresult;
 type EventDestroy = unsafe extern "C" fn(CUevent) -> CUresult;
+type StreamSync = unsafe extern "C" fn(CUstream) -> CUresult;
+type CtxSync = unsafe extern "C" fn() -> CUresult;
 
 /// The driver's own functions, resolved once.
 pub(crate) struct Driver {
@@ -50,6 +52,8 @@ pub(crate) struct Driver {
     pub(crate) event_query: EventQuery,
     pub(crate) event_synchronize: EventSync,
     pub(crate) event_destroy: EventDestroy,
+    pub(crate) stream_synchronize: StreamSync,
+    pub(crate) ctx_synchronize: CtxSync,
 }
 
 /// `CU_EVENT_DISABLE_TIMING`: fences need no timestamps, and untimed events are cheaper.
@@ -104,6 +108,8 @@ fn load() -> Option<Driver> {
         event_query: get!(c"cuEventQuery" as EventQuery),
         event_synchronize: get!(c"cuEventSynchronize" as EventSync),
         event_destroy: get!(c"cuEventDestroy_v2" as EventDestroy),
+        stream_synchronize: get!(c"cuStreamSynchronize" as StreamSync),
+        ctx_synchronize: get!(c"cuCtxSynchronize" as CtxSync),
     })
 }
 

@@ -9,9 +9,11 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use cudarc::driver::sys::{CUcontext, CUevent, CUresult, CUstream};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
-use super::driver::{driver, Driver, EVENT_DISABLE_TIMING, STREAM_LEGACY, STREAM_PER_THREAD};
+use super::driver::{
+    driver, stream_capturing, Driver, EVENT_DISABLE_TIMING, STREAM_LEGACY, STREAM_PER_THREAD,
+};
 
 /// Stream captures in progress anywhere in the process (counted by the capture hooks). While
 /// one is, routing makes no call that could disturb it: no event query or synchronize, and no
@@ -45,12 +47,14 @@ pub(crate) fn capture_ends(stream: usize) {
 pub(crate) fn thread_number() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     thread_local! { static ME: Cell<u64> = const { Cell::new(0) }; }
-    ME.with(|me| {
+    // During thread teardown the number is gone: such a thread names no stream of its own.
+    ME.try_with(|me| {
         if me.get() == 0 {
             me.set(NEXT.fetch_add(1, Ordering::Relaxed));
         }
         me.get()
     })
+    .unwrap_or(u64::MAX)
 }
 
 /// Which stream a block was freed on. `CU_STREAM_PER_THREAD` names a different stream on every
@@ -88,18 +92,24 @@ impl StreamKey {
     }
 }
 
-/// Fences made, passed and waited for, process-wide (also counted per target).
+/// Fences recorded, process-wide (also counted per target).
 pub(crate) static FENCE_RECORDS: AtomicU64 = AtomicU64::new(0);
 
-/// Events kept for reuse, with the context they belong to: creating an event is a driver call.
-static SPARE_EVENTS: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// Keeps stream handles valid while fences are recorded on them: fencing holds it shared from
+/// taking blocks out of a cache until their fences are recorded; the stream-destroy hook holds
+/// it exclusively while it fences the dying stream's blocks, before the driver destroys it.
+/// The one lock held across driver calls (`cuEventRecord`, and `cuStreamSynchronize` in the
+/// destroy hook): nothing taken under it waits for another routing lock's holder.
+/// Lock order: `STREAM_LIFE` -> a target's `cache` / `fenced`.
+pub(crate) static STREAM_LIFE: RwLock<()> = RwLock::new(());
 
 /// A point in a stream.
 #[derive(Debug)]
 pub(crate) enum Fence {
-    /// Already passed (nothing was queued on a GPU).
+    /// Already passed (nothing was queued on a GPU, or the stream was synchronized).
     Passed,
-    /// A CUDA event recorded on the stream.
+    /// A CUDA event recorded on the stream. It lives no longer than the blocks it guards, which
+    /// keep their pool and with it the device's context alive.
     Event { event: usize, ctx: usize },
 }
 
@@ -120,8 +130,8 @@ fn in_context<R>(d: &Driver, ctx: CUcontext, f: impl FnOnce() -> R) -> R {
     if prev == ctx {
         return f();
     }
-    // SAFETY: `ctx` is a context the caller saw current during a routed allocation; primary
-    // contexts stay alive while any memory of theirs (our pool's backend holds one) is in use.
+    // SAFETY: `ctx` is the context a routed allocation or free ran in; it stays alive while
+    // pool memory of its device is in use (the pool's backend holds it).
     unsafe { (d.ctx_set_current)(ctx) };
     let r = f();
     // SAFETY: restoring what was current (possibly none).
@@ -131,49 +141,60 @@ fn in_context<R>(d: &Driver, ctx: CUcontext, f: impl FnOnce() -> R) -> R {
 
 impl Fence {
     /// A fence at the end of what is queued on `key` now, in context `ctx` (`None` for host
-    /// memory). `None` back when it cannot be recorded now (a capture in progress forbids the
-    /// legacy stream) or the driver refused: the caller keeps the blocks where they were.
+    /// memory). `None` back when it cannot be recorded now (during a capture the legacy stream
+    /// and capturing streams are off limits: a record there would join the graph) or the
+    /// driver refused: the caller keeps the blocks where they were. The caller holds
+    /// [`STREAM_LIFE`] (shared or exclusive) for a [`StreamKey::Stream`].
     pub(crate) fn record(ctx: Option<usize>, key: StreamKey) -> Option<Fence> {
         let Some(ctx) = ctx else {
             return Some(Fence::Passed);
         };
         let d = driver()?;
         let handle = key.record_handle();
-        if handle == STREAM_LEGACY && capture_active() {
+        if capture_active() && (handle == STREAM_LEGACY || stream_capturing(d, handle as CUstream))
+        {
             return None;
         }
-        let ctx_ptr = ctx as CUcontext;
-        in_context(d, ctx_ptr, || {
-            let spare = {
-                let mut spare = SPARE_EVENTS.lock();
-                spare
-                    .iter()
-                    .position(|&(c, _)| c == ctx)
-                    .map(|i| spare.swap_remove(i).1)
-            };
-            let event = match spare {
-                Some(e) => e,
-                None => {
-                    let mut e: CUevent = std::ptr::null_mut();
-                    // SAFETY: valid out-pointer; the context is current.
-                    let r = unsafe { (d.event_create)(&mut e, EVENT_DISABLE_TIMING) };
-                    if r != CUresult::CUDA_SUCCESS {
-                        tracing::warn!(?r, "routing: cuEventCreate failed; blocks stay cached");
-                        return None;
-                    }
-                    e as usize
-                }
-            };
+        in_context(d, ctx as CUcontext, || {
+            let mut e: CUevent = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the context is current.
+            let r = unsafe { (d.event_create)(&mut e, EVENT_DISABLE_TIMING) };
+            if r != CUresult::CUDA_SUCCESS {
+                tracing::warn!(?r, "routing: cuEventCreate failed; blocks stay cached");
+                return None;
+            }
             // SAFETY: a live event of this context; `handle` is a special handle or a stream
-            // that is alive (streams are fenced by the destroy hook before they go).
-            let r = unsafe { (d.event_record)(event as CUevent, handle as CUstream) };
+            // kept alive by `STREAM_LIFE` (the destroy hook fences before it goes).
+            let r = unsafe { (d.event_record)(e, handle as CUstream) };
             if r != CUresult::CUDA_SUCCESS {
                 tracing::warn!(?r, "routing: cuEventRecord failed; blocks stay cached");
-                SPARE_EVENTS.lock().push((ctx, event));
+                // SAFETY: the event just made, used by nothing.
+                unsafe { (d.event_destroy)(e) };
                 return None;
             }
             FENCE_RECORDS.fetch_add(1, Ordering::Relaxed);
-            Some(Fence::Event { event, ctx })
+            Some(Fence::Event {
+                event: e as usize,
+                ctx,
+            })
+        })
+    }
+
+    /// A fence for a stream about to be destroyed when no event can be recorded on it: wait
+    /// for the stream instead (not during a capture).
+    pub(crate) fn by_synchronizing(ctx: Option<usize>, key: StreamKey) -> Option<Fence> {
+        let Some(ctx) = ctx else {
+            return Some(Fence::Passed);
+        };
+        let d = driver()?;
+        let handle = key.record_handle();
+        if capture_active() {
+            return None;
+        }
+        in_context(d, ctx as CUcontext, || {
+            // SAFETY: the stream is alive (its destroy hook is running, holding STREAM_LIFE).
+            let r = unsafe { (d.stream_synchronize)(handle as CUstream) };
+            (r == CUresult::CUDA_SUCCESS).then_some(Fence::Passed)
         })
     }
 
@@ -191,6 +212,7 @@ impl Fence {
                 // SAFETY: a live event.
                 match unsafe { (d.event_query)(event as CUevent) } {
                     CUresult::CUDA_SUCCESS => FenceState::Passed,
+                    // Not ready, or an error: `wait` settles errors.
                     _ => FenceState::Pending,
                 }
             }
@@ -198,7 +220,8 @@ impl Fence {
     }
 
     /// Wait until the GPU has passed the fence (not while a capture is in progress: then it
-    /// stays pending).
+    /// stays pending). An event that cannot be waited for is settled by synchronizing its
+    /// whole context.
     pub(crate) fn wait(&self) -> FenceState {
         match *self {
             Fence::Passed => FenceState::Passed,
@@ -214,8 +237,15 @@ impl Fence {
                     match unsafe { (d.event_synchronize)(event as CUevent) } {
                         CUresult::CUDA_SUCCESS => FenceState::Passed,
                         r => {
-                            tracing::error!(?r, "routing: cuEventSynchronize failed");
-                            FenceState::Pending
+                            tracing::warn!(
+                                ?r,
+                                "routing: cuEventSynchronize failed; synchronizing the context"
+                            );
+                            // SAFETY: the context is current; no capture is in progress.
+                            match unsafe { (d.ctx_synchronize)() } {
+                                CUresult::CUDA_SUCCESS => FenceState::Passed,
+                                _ => FenceState::Pending,
+                            }
                         }
                     }
                 })
@@ -224,18 +254,25 @@ impl Fence {
     }
 }
 
+/// Wait for all work of context `ctx` (no-op success for host memory).
+pub(crate) fn synchronize_context(ctx: Option<usize>) -> bool {
+    let Some(ctx) = ctx else {
+        return true;
+    };
+    let Some(d) = driver() else {
+        return false;
+    };
+    in_context(d, ctx as CUcontext, || {
+        // SAFETY: the context is current; the caller checked no capture is in progress.
+        unsafe { (d.ctx_synchronize)() == CUresult::CUDA_SUCCESS }
+    })
+}
+
 impl Drop for Fence {
     fn drop(&mut self) {
-        if let Fence::Event { event, ctx } = *self {
-            // Kept for the next fence of the same context (at most a few dozen are ever live).
-            let mut spare = SPARE_EVENTS.lock();
-            if spare.len() < 256 {
-                spare.push((ctx, event));
-                return;
-            }
-            drop(spare);
+        if let Fence::Event { event, .. } = *self {
             if let Some(d) = driver() {
-                // SAFETY: a live event nobody else refers to.
+                // SAFETY: a live event nobody else refers to (its context is alive: see above).
                 unsafe { (d.event_destroy)(event as CUevent) };
             }
         }

@@ -68,6 +68,18 @@ enum Outcome {
     Refused,
 }
 
+/// The model's use and limit from an admission refusal.
+fn limit_of(e: &Error) -> Option<(u64, u64)> {
+    match e {
+        Error::AdmissionRefused {
+            model_used,
+            model_limit,
+            ..
+        } => Some((*model_used, *model_limit)),
+        _ => None,
+    }
+}
+
 fn is_out_of_memory(e: &Error) -> bool {
     matches!(
         e,
@@ -77,7 +89,16 @@ fn is_out_of_memory(e: &Error) -> bool {
     )
 }
 
-fn routed_alloc(bytes: usize, stream: CUstream) -> Outcome {
+/// How the memory of an allocation may be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Use {
+    /// Stream-ordered (`cuMemAllocAsync`): a block freed on the same stream may serve it.
+    OnStream,
+    /// Synchronous (`cuMemAlloc_v2`): usable on any stream at once, so never a cached block.
+    Anywhere,
+}
+
+fn routed_alloc(bytes: usize, stream: CUstream, usage: Use) -> Outcome {
     if bytes == 0 {
         return Outcome::Forward; // exactly the driver's answer for an empty allocation
     }
@@ -90,33 +111,39 @@ fn routed_alloc(bytes: usize, stream: CUstream) -> Outcome {
     let capturing =
         capture_active() && driver().is_some_and(|d| driver::stream_capturing(d, stream));
     let key = StreamKey::of(stream);
-    let refuse = |reason: String| {
+    let refuse = |reason: String, limit: Option<(u64, u64)>| {
         let r = Refusal {
             model: t.name.to_string(),
             tag: entry.tag.tag.clone(),
             asked: bytes as u64,
             routed_live: t.stats().live_bytes(),
             physical: entry.pool.stats().physical(),
+            model_used: limit.map(|l| l.0),
+            model_limit: limit.map(|l| l.1),
             reason,
         };
         tracing::warn!(refusal = %r, "routing: allocation refused");
         entry.tag.refused();
         t.set_refusal(r.clone());
-        LAST_REFUSAL.with(|l| *l.borrow_mut() = Some(r));
+        let _ = LAST_REFUSAL.try_with(|l| *l.borrow_mut() = Some(r));
         Outcome::Refused
     };
     let Some(class) = size_class(bytes) else {
-        return refuse(format!(
-            "{bytes} bytes cannot be rounded to a size class without overflow"
-        ));
+        return refuse(
+            format!("{bytes} bytes cannot be rounded to a size class without overflow"),
+            None,
+        );
     };
     let calls_before = entry.pool.driver_call_total();
     let (memory, reused, origin) = if capturing {
         match entry.pool.allocate(class) {
             Ok(m) => (m, false, Origin::Captured),
-            Err(e) => return refuse(e.to_string()),
+            Err(e) => return refuse(e.to_string(), limit_of(&e)),
         }
-    } else if let Some(m) = t.take_cached(key, class) {
+    } else if let Some(m) = (usage == Use::OnStream)
+        .then(|| t.take_cached(key, class))
+        .flatten()
+    {
         (m, true, Origin::Eager)
     } else {
         let m = match entry.pool.allocate(class) {
@@ -127,10 +154,10 @@ fn routed_alloc(bytes: usize, stream: CUstream) -> Outcome {
                 t.flush(Wait::Yes);
                 match entry.pool.allocate(class) {
                     Ok(m) => m,
-                    Err(e) => return refuse(e.to_string()),
+                    Err(e) => return refuse(e.to_string(), limit_of(&e)),
                 }
             }
-            Err(e) => return refuse(e.to_string()),
+            Err(e) => return refuse(e.to_string(), limit_of(&e)),
         };
         (m, false, Origin::Eager)
     };
@@ -179,8 +206,11 @@ fn routed_free(ptr: u64, stream: Option<CUstream>) -> bool {
         target.park(memory);
     } else {
         let key = stream.map_or(StreamKey::Legacy, StreamKey::of);
-        target.put_cached(key, class, memory);
+        let ctx = driver::current_context().map(|c| c as usize);
+        target.put_cached(key, class, memory, ctx);
     }
+    drop(target);
+    target::reap_pending();
     true
 }
 
@@ -191,7 +221,7 @@ fn routed_free(ptr: u64, stream: Option<CUstream>) -> bool {
 pub unsafe fn mem_alloc_async(dptr: *mut CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult {
     guarded(|| {
         if !dptr.is_null() {
-            match routed_alloc(bytes, stream) {
+            match routed_alloc(bytes, stream, Use::OnStream) {
                 // SAFETY: the caller's out-pointer.
                 Outcome::Served(addr) => return unsafe { served(dptr, addr) },
                 Outcome::Refused => return CUresult::CUDA_ERROR_OUT_OF_MEMORY,
@@ -213,7 +243,7 @@ pub unsafe fn mem_alloc_async(dptr: *mut CUdeviceptr, bytes: usize, stream: CUst
 pub unsafe fn mem_alloc(dptr: *mut CUdeviceptr, bytes: usize) -> CUresult {
     guarded(|| {
         if !dptr.is_null() {
-            match routed_alloc(bytes, driver::STREAM_LEGACY as CUstream) {
+            match routed_alloc(bytes, driver::STREAM_LEGACY as CUstream, Use::Anywhere) {
                 // SAFETY: the caller's out-pointer.
                 Outcome::Served(addr) => return unsafe { served(dptr, addr) },
                 Outcome::Refused => return CUresult::CUDA_ERROR_OUT_OF_MEMORY,

@@ -32,7 +32,12 @@
 //! for) by later routed allocations; an out-of-memory retry and [`flush`] wait. `CU_STREAM_PER_THREAD`
 //! is a different stream on every thread and is keyed by thread; a fence for another thread's
 //! per-thread stream is recorded on the legacy stream, which follows every blocking stream.
-//! Before a stream is destroyed, the blocks freed on it are fenced.
+//! Before a stream is destroyed, the blocks freed on it are fenced (or, where no event can be
+//! recorded, the stream is synchronized). When the cache passes its limit every stream's
+//! blocks are fenced, so blocks of exited threads and idle streams do not linger. The shared
+//! pool counts a model's freed blocks as idle memory: donation, reclaim and limit changes flush
+//! them first (waiting for their fences, so under memory pressure an allocation of one model
+//! may wait for another model's queued kernels up to its frees).
 //!
 //! # CUDA graphs
 //! Routing counts stream captures. An allocation on a stream being captured comes from the
@@ -42,7 +47,10 @@
 //! block on a capturing stream, *parks* the block: it stays charged to the model and counted
 //! in [`RouteStats::parked_bytes`] until [`release_captured`] (unsafe: the caller vouches the
 //! graphs that use it are gone). While any capture is in progress routing queries no event and
-//! touches no legacy stream, so a capture in global mode is not disturbed.
+//! touches no legacy stream and no capturing stream, so a capture in global mode is not
+//! disturbed. Only captures begun through the hooked `cuStreamBeginCapture_v2` are seen (as
+//! cudarc and candle begin them); a capture begun through the runtime API or a pointer from
+//! `cuGetProcAddress` is not, and routing inside one is unsupported.
 //!
 //! # Out of memory
 //! At the model's limit (after its freed blocks went back to its pool and the shared pool's
@@ -157,7 +165,10 @@ pub fn report(pool: &Pool, n: usize) -> Option<Report> {
 /// The last refusal of a routed allocation on this thread, taken (the next call returns `None`
 /// until another refusal).
 pub fn last_refusal() -> Option<Refusal> {
-    hooks::LAST_REFUSAL.with(|l| l.borrow_mut().take())
+    hooks::LAST_REFUSAL
+        .try_with(|l| l.borrow_mut().take())
+        .ok()
+        .flatten()
 }
 
 /// Give `pool`'s freed blocks (kept for same-stream reuse) back to the pool, waiting for the
@@ -174,7 +185,7 @@ pub fn flush(pool: &Pool) {
 /// `pool_id` is the pool's identity (`Pool::identity`).
 pub(crate) fn flush_if_cached(pool_id: usize) {
     if let Some(t) = stack::target_by_identity(pool_id) {
-        if t.cached_bytes() > 0 {
+        if t.cached_bytes() > 0 || t.fenced_bytes() > 0 {
             t.flush(Wait::Yes);
         }
     }

@@ -115,12 +115,16 @@ impl Drop for RouteGuard {
     fn drop(&mut self) {
         // Guards normally end innermost first; one dropped out of order still removes exactly
         // its own route. The entry (and the pool handle in it) is dropped after the borrow.
-        let entry = STACK.with(|s| {
-            let mut s = s.borrow_mut();
-            s.iter().rposition(|e| e.id == self.id).map(|i| s.remove(i))
-        });
+        // During thread teardown the stack may be gone already: nothing left to remove.
+        let entry = STACK
+            .try_with(|s| {
+                let mut s = s.borrow_mut();
+                s.iter().rposition(|e| e.id == self.id).map(|i| s.remove(i))
+            })
+            .ok()
+            .flatten();
         if entry.is_some() {
-            DEPTH.with(|d| d.set(d.get() - 1));
+            let _ = DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
         }
         drop(entry);
     }
@@ -145,13 +149,13 @@ pub(crate) fn current_place() -> (Place, Option<usize>) {
         return (Place::Host, None);
     };
     let ctx = ctx as usize;
-    let (seen, dev) = PLACE.with(Cell::get);
+    let (seen, dev) = PLACE.try_with(Cell::get).unwrap_or((0, 0));
     if seen == ctx {
         return (Place::Cuda(dev), Some(ctx));
     }
     match driver::current_device(d) {
         Some(dev) => {
-            PLACE.with(|p| p.set((ctx, dev)));
+            let _ = PLACE.try_with(|p| p.set((ctx, dev)));
             (Place::Cuda(dev), Some(ctx))
         }
         None => (Place::Host, None),
@@ -161,19 +165,22 @@ pub(crate) fn current_place() -> (Place, Option<usize>) {
 /// The route for an allocation made now on this thread: the innermost route of this thread to
 /// a pool on the calling thread's device, else the default if it is on that device.
 pub(crate) fn current_route() -> Option<(Entry, Option<usize>)> {
-    let routed = DEPTH.with(Cell::get) > 0;
+    let routed = DEPTH.try_with(Cell::get).unwrap_or(0) > 0;
     if !routed && !HAS_DEFAULT.load(Ordering::Acquire) {
         return None;
     }
     let (place, ctx) = current_place();
     if routed {
-        let found = STACK.with(|s| {
-            s.borrow()
-                .iter()
-                .rev()
-                .find(|e| e.target.place == place)
-                .cloned()
-        });
+        let found = STACK
+            .try_with(|s| {
+                s.borrow()
+                    .iter()
+                    .rev()
+                    .find(|e| e.target.place == place)
+                    .cloned()
+            })
+            .ok()
+            .flatten();
         if let Some(e) = found {
             return Some((e, ctx));
         }

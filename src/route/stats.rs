@@ -85,7 +85,11 @@ pub struct Refusal {
     pub routed_live: u64,
     /// Physical bytes the model's pool held (mapped and cached).
     pub physical: u64,
-    /// The pool's error, which carries the limit and use (e.g. an admission refusal).
+    /// The model's physical use when admission refused (`None` for other refusals).
+    pub model_used: Option<u64>,
+    /// The model's limit when admission refused.
+    pub model_limit: Option<u64>,
+    /// The pool's error, with every number it has (e.g. the global budget's).
     pub reason: String,
 }
 

@@ -3,8 +3,8 @@
 //!
 //! Locks here guard bookkeeping only and are never held while an [`Allocation`] is dropped
 //! (the last one of a closed pool gives memory back to the driver) or a driver call is made.
-//! Lock order: `PENDING` -> `ALL`; a target's own locks (`tags`, `cache`, `fenced`, `parked`,
-//! `refusal`) are each taken alone.
+//! Lock order: `STREAM_LIFE` -> a target's `cache` / `fenced` -> `PENDING`; `ALL`, `ORPHANS`
+//! and a target's other locks (`tags`, `parked`, `refusal`) are each taken alone.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -12,7 +12,7 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
-use super::fence::{Fence, FenceState, StreamKey};
+use super::fence::{capture_active, Fence, FenceState, StreamKey, STREAM_LIFE};
 use super::stats::{Refusal, RouteStats, TagStats};
 use crate::pool::Allocation;
 use crate::Tag;
@@ -101,6 +101,8 @@ impl TagCounters {
 struct StreamFree {
     by_class: HashMap<usize, Vec<Allocation>>,
     bytes: u64,
+    /// The CUDA context the blocks were freed in (their fence is recorded there).
+    ctx: Option<usize>,
 }
 
 impl StreamFree {
@@ -137,6 +139,8 @@ pub(crate) enum Wait {
 /// Routing's state for one pool.
 #[derive(Debug)]
 pub(crate) struct Target {
+    /// Itself, for the pending list.
+    me: Weak<Target>,
     pub(crate) name: Arc<str>,
     pub(crate) place: Place,
     /// Bytes of freed blocks kept per target for same-stream reuse before they are fenced.
@@ -163,7 +167,8 @@ static ALL: Mutex<Vec<Weak<Target>>> = Mutex::new(Vec::new());
 
 impl Target {
     pub(crate) fn new(name: Arc<str>, place: Place, cache_limit: u64) -> Arc<Target> {
-        let t = Arc::new(Target {
+        let t = Arc::new_cyclic(|me| Target {
+            me: me.clone(),
             name,
             place,
             cache_limit: AtomicU64::new(cache_limit),
@@ -205,10 +210,15 @@ impl Target {
         }
     }
 
-    fn fence_context(&self) -> Option<usize> {
+    /// The context to fence blocks freed in `freed_in`: `Ok(None)` for host memory (nothing to
+    /// wait for), `Err(())` when a device context is not known yet.
+    fn fence_context(&self, freed_in: Option<usize>) -> Result<Option<usize>, ()> {
         match self.place {
-            Place::Host => None,
-            Place::Cuda(_) => Some(self.ctx.load(Ordering::Relaxed)).filter(|&c| c != 0),
+            Place::Host => Ok(None),
+            Place::Cuda(_) => freed_in
+                .or(Some(self.ctx.load(Ordering::Relaxed)).filter(|&c| c != 0))
+                .map(Some)
+                .ok_or(()),
         }
     }
 
@@ -225,26 +235,169 @@ impl Target {
         Some(a)
     }
 
-    /// Keep a block freed on `key` for reuse on that stream. When the cache grows past its
-    /// limit, that stream's blocks are fenced and go back to the pool once the GPU passed.
-    pub(crate) fn put_cached(&self, key: StreamKey, class: usize, block: Allocation) {
-        let over = {
+    /// Keep a block freed on `key` (in context `ctx`) for reuse on that stream. When the cache
+    /// grows past its limit (or the pool closed), every stream's blocks are fenced and go back
+    /// to the pool once the GPU passed: dead threads' and streams' blocks do not linger.
+    pub(crate) fn put_cached(
+        &self,
+        key: StreamKey,
+        class: usize,
+        block: Allocation,
+        ctx: Option<usize>,
+    ) {
+        let evict = {
             let mut cache = self.cache.lock();
             let bytes = block.footprint();
             let s = cache.streams.entry(key).or_default();
             s.by_class.entry(class).or_default().push(block);
             s.bytes += bytes;
-            cache.bytes += bytes;
-            if cache.closed || cache.bytes > self.cache_limit.load(Ordering::Relaxed) {
-                let s = cache.streams.remove(&key).unwrap_or_default();
-                cache.bytes -= s.bytes;
-                Some(s)
-            } else {
-                None
+            if s.ctx.is_none() {
+                s.ctx = ctx;
             }
+            cache.bytes += bytes;
+            cache.closed || cache.bytes > self.cache_limit.load(Ordering::Relaxed)
         };
-        if let Some(s) = over.filter(|s| s.bytes > 0) {
+        if evict {
+            self.fence_all();
+        }
+    }
+
+    /// Take every stream's blocks out of the cache and fence them, keeping the stream handles
+    /// alive meanwhile.
+    fn fence_all(&self) {
+        let _life = STREAM_LIFE.read();
+        let streams = {
+            let mut cache = self.cache.lock();
+            cache.bytes = 0;
+            std::mem::take(&mut cache.streams)
+        };
+        for (key, s) in streams.into_iter().filter(|(_, s)| s.bytes > 0) {
             self.fence_stream(key, s);
+        }
+    }
+
+    /// Fence one stream's freed blocks; if that cannot be done now they go back to the cache.
+    /// The caller holds `STREAM_LIFE`.
+    fn fence_stream(&self, key: StreamKey, s: StreamFree) {
+        let bytes = s.bytes;
+        let fence = self
+            .fence_context(s.ctx)
+            .ok()
+            .and_then(|ctx| Fence::record(ctx, key));
+        match fence {
+            Some(fence) => {
+                self.fences.fetch_add(1, Ordering::Relaxed);
+                self.push_fenced(fence, s.into_blocks(), bytes);
+            }
+            None => {
+                let mut cache = self.cache.lock();
+                let dst = cache.streams.entry(key).or_default();
+                for (class, blocks) in s.by_class {
+                    dst.by_class.entry(class).or_default().extend(blocks);
+                }
+                dst.bytes += bytes;
+                dst.ctx = dst.ctx.or(s.ctx);
+                cache.bytes += bytes;
+            }
+        }
+    }
+
+    fn push_fenced(&self, fence: Fence, blocks: Vec<Allocation>, bytes: u64) {
+        self.fenced_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.fenced.lock().push(Fenced {
+            fence,
+            blocks,
+            bytes,
+        });
+        if let Some(me) = self.me.upgrade() {
+            let mut pending = PENDING.lock();
+            if !pending.iter().any(|t| Arc::ptr_eq(t, &me)) {
+                pending.push(me);
+                PENDING_COUNT.store(pending.len(), Ordering::Release);
+                return;
+            }
+            drop(pending);
+            // `me` is not the last reference (the caller holds one): dropping it here runs no
+            // target's drop under a lock.
+        }
+    }
+
+    /// Give back to the pool the fenced blocks the GPU has passed (with [`Wait::Yes`], wait for
+    /// all of them, including fences another thread is looking at meanwhile, unless a capture
+    /// is in progress).
+    pub(crate) fn reap(&self, wait: Wait) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            self.reap_once(wait);
+            if wait == Wait::No
+                || self.fenced_bytes.load(Ordering::Acquire) == 0
+                || capture_active()
+                || std::time::Instant::now() > deadline
+            {
+                return;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn reap_once(&self, wait: Wait) {
+        let fenced = std::mem::take(&mut *self.fenced.lock());
+        let mut keep = Vec::new();
+        let mut done: Vec<Allocation> = Vec::new();
+        for f in fenced {
+            let state = match wait {
+                Wait::Yes => f.fence.wait(),
+                Wait::No => f.fence.poll(),
+            };
+            if state == FenceState::Passed {
+                self.fenced_bytes.fetch_sub(f.bytes, Ordering::Release);
+                done.extend(f.blocks);
+            } else {
+                keep.push(f);
+            }
+        }
+        if !keep.is_empty() {
+            self.fenced.lock().extend(keep);
+        }
+        drop(done); // outside every lock: the memory is the pool's again
+    }
+
+    /// Fence every stream's cached blocks, then give back what has passed (or wait).
+    pub(crate) fn flush(&self, wait: Wait) {
+        self.fence_all();
+        self.reap(wait);
+    }
+
+    /// Fence the blocks freed on a stream about to be destroyed (its handle is valid only
+    /// until then). The caller holds `STREAM_LIFE` exclusively. Where no event can be
+    /// recorded, the stream is synchronized; during a capture even that is impossible, and the
+    /// blocks wait for a whole-context synchronize (orphans).
+    pub(crate) fn stream_destroyed(&self, key: StreamKey) {
+        let s = {
+            let mut cache = self.cache.lock();
+            let s = cache.streams.remove(&key);
+            if let Some(s) = &s {
+                cache.bytes -= s.bytes;
+            }
+            s
+        };
+        let Some(s) = s.filter(|s| s.bytes > 0) else {
+            return;
+        };
+        let bytes = s.bytes;
+        let ctx = self.fence_context(s.ctx).ok().flatten();
+        let fence = Fence::record(ctx, key).or_else(|| Fence::by_synchronizing(ctx, key));
+        match fence {
+            Some(fence) => {
+                self.fences.fetch_add(1, Ordering::Relaxed);
+                self.push_fenced(fence, s.into_blocks(), bytes);
+            }
+            None => orphan(Orphan {
+                key: None,
+                ctx,
+                fence: None,
+                blocks: s.into_blocks(),
+            }),
         }
     }
 
@@ -262,99 +415,8 @@ impl Target {
         self.cache.lock().closed = true;
     }
 
-    /// Fence one stream's freed blocks; if that cannot be done now they go back to the cache.
-    fn fence_stream(self: &Target, key: StreamKey, s: StreamFree) {
-        let bytes = s.bytes;
-        match Fence::record(self.fence_context(), key) {
-            Some(fence) => {
-                self.fences.fetch_add(1, Ordering::Relaxed);
-                self.fenced_bytes.fetch_add(bytes, Ordering::Relaxed);
-                self.fenced.lock().push(Fenced {
-                    fence,
-                    blocks: s.into_blocks(),
-                    bytes,
-                });
-                self.mark_pending();
-            }
-            None => {
-                let mut cache = self.cache.lock();
-                let dst = cache.streams.entry(key).or_default();
-                for (class, blocks) in s.by_class {
-                    dst.by_class.entry(class).or_default().extend(blocks);
-                }
-                dst.bytes += bytes;
-                cache.bytes += bytes;
-            }
-        }
-    }
-
-    fn mark_pending(&self) {
-        // Found by address: the target is alive (we are in a method of it).
-        let mut pending = PENDING.lock();
-        if !pending.iter().any(|t| std::ptr::eq(&**t, self)) {
-            if let Some(me) = ALL
-                .lock()
-                .iter()
-                .filter_map(Weak::upgrade)
-                .find(|t| std::ptr::eq(&**t, self))
-            {
-                pending.push(me);
-                PENDING_COUNT.store(pending.len(), Ordering::Release);
-            }
-        }
-    }
-
-    /// Give back to the pool the fenced blocks the GPU has passed (all of them, waiting,
-    /// with [`Wait::Yes`]).
-    pub(crate) fn reap(&self, wait: Wait) {
-        let fenced = std::mem::take(&mut *self.fenced.lock());
-        let mut keep = Vec::new();
-        let mut done: Vec<Allocation> = Vec::new();
-        for f in fenced {
-            let state = match wait {
-                Wait::Yes => f.fence.wait(),
-                Wait::No => f.fence.poll(),
-            };
-            if state == FenceState::Passed {
-                self.fenced_bytes.fetch_sub(f.bytes, Ordering::Relaxed);
-                done.extend(f.blocks);
-            } else {
-                keep.push(f);
-            }
-        }
-        if !keep.is_empty() {
-            self.fenced.lock().extend(keep);
-        }
-        drop(done); // outside every lock: the memory is the pool's again
-    }
-
-    /// Fence every stream's cached blocks, then give back what has passed (or wait).
-    pub(crate) fn flush(&self, wait: Wait) {
-        let streams = {
-            let mut cache = self.cache.lock();
-            cache.bytes = 0;
-            std::mem::take(&mut cache.streams)
-        };
-        for (key, s) in streams.into_iter().filter(|(_, s)| s.bytes > 0) {
-            self.fence_stream(key, s);
-        }
-        self.reap(wait);
-    }
-
-    /// Fence the blocks freed on a stream about to be destroyed (its handle is valid only
-    /// until then).
-    pub(crate) fn stream_destroyed(&self, key: StreamKey) {
-        let s = {
-            let mut cache = self.cache.lock();
-            let s = cache.streams.remove(&key);
-            if let Some(s) = &s {
-                cache.bytes -= s.bytes;
-            }
-            s
-        };
-        if let Some(s) = s.filter(|s| s.bytes > 0) {
-            self.fence_stream(key, s);
-        }
+    pub(crate) fn fenced_bytes(&self) -> u64 {
+        self.fenced_bytes.load(Ordering::Acquire)
     }
 
     /// Keep a block a CUDA graph may still use until [`Target::release_parked`].
@@ -409,32 +471,101 @@ impl Target {
 impl Drop for Target {
     fn drop(&mut self) {
         // Normally empty: a closed target caches nothing and stays pending until its fences
-        // passed. Anything left is fenced and waited for here rather than handed back early.
+        // passed. Whatever is left goes to the orphans, fenced where possible now, never handed
+        // back early and never waited for here.
         let streams = std::mem::take(&mut self.cache.get_mut().streams);
-        let mut fenced = std::mem::take(self.fenced.get_mut());
-        for (key, s) in streams {
-            if let Some(fence) = Fence::record(self.fence_context(), key) {
-                fenced.push(Fenced {
-                    fence,
-                    bytes: s.bytes,
-                    blocks: s.into_blocks(),
-                });
-            } else {
-                tracing::error!(model = %self.name, bytes = s.bytes, "routing: freed blocks of a dropped target kept forever: no fence could be recorded");
-                std::mem::forget(s);
-            }
-        }
+        let fenced = std::mem::take(self.fenced.get_mut());
         for f in fenced {
-            if f.fence.wait() != FenceState::Passed {
-                tracing::error!(model = %self.name, bytes = f.bytes, "routing: fenced blocks of a dropped target kept forever: the fence did not pass");
-                std::mem::forget(f.blocks);
-            }
+            orphan(Orphan {
+                key: None,
+                ctx: None,
+                fence: Some(f.fence),
+                blocks: f.blocks,
+            });
+        }
+        if streams.is_empty() {
+            return;
+        }
+        let _life = STREAM_LIFE.read();
+        for (key, s) in streams {
+            let ctx = self.fence_context(s.ctx).ok().flatten();
+            let fence = Fence::record(ctx, key);
+            orphan(Orphan {
+                key: Some(key),
+                ctx,
+                fence,
+                blocks: s.into_blocks(),
+            });
         }
     }
 }
 
-/// Give back fenced blocks the GPU has passed, for every target (cheap when there are none).
+/// Blocks whose target is gone (or whose stream was destroyed during a capture), waiting for
+/// the GPU. Without a fence they wait for a synchronize of their whole context.
+#[derive(Debug)]
+struct Orphan {
+    /// The stream they were freed on, if it can still be named.
+    key: Option<StreamKey>,
+    ctx: Option<usize>,
+    fence: Option<Fence>,
+    blocks: Vec<Allocation>,
+}
+
+static ORPHANS: Mutex<Vec<Orphan>> = Mutex::new(Vec::new());
+static ORPHAN_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn orphan(o: Orphan) {
+    if o.ctx.is_none() && o.fence.is_none() {
+        // Host memory: nothing queued on a GPU.
+        drop(o);
+        return;
+    }
+    let mut orphans = ORPHANS.lock();
+    orphans.push(o);
+    ORPHAN_COUNT.store(orphans.len(), Ordering::Release);
+}
+
+/// Give back orphans the GPU has passed (fences polled; unfenced ones by a context
+/// synchronize, outside any capture).
+fn reap_orphans() {
+    if ORPHAN_COUNT.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    let list = std::mem::take(&mut *ORPHANS.lock());
+    let mut keep = Vec::new();
+    let mut done = Vec::new();
+    for mut o in list {
+        if o.fence.is_none() && !capture_active() {
+            o.fence = match o.key {
+                Some(key) => {
+                    let _life = STREAM_LIFE.read();
+                    Fence::record(o.ctx, key)
+                }
+                None => None,
+            };
+        }
+        let passed = match &o.fence {
+            Some(f) => f.poll() == FenceState::Passed,
+            None => !capture_active() && super::fence::synchronize_context(o.ctx),
+        };
+        if passed {
+            done.extend(o.blocks);
+        } else {
+            keep.push(o);
+        }
+    }
+    {
+        let mut orphans = ORPHANS.lock();
+        orphans.extend(keep);
+        ORPHAN_COUNT.store(orphans.len(), Ordering::Release);
+    }
+    drop(done); // outside the lock
+}
+
+/// Give back fenced blocks the GPU has passed, for every target and orphan (cheap when there
+/// are none).
 pub(crate) fn reap_pending() {
+    reap_orphans();
     if PENDING_COUNT.load(Ordering::Acquire) == 0 {
         return;
     }
@@ -442,23 +573,27 @@ pub(crate) fn reap_pending() {
     for t in &targets {
         t.reap(Wait::No);
     }
-    drop(targets);
     let done: Vec<Arc<Target>> = {
         let mut pending = PENDING.lock();
         let (keep, done) = std::mem::take(&mut *pending)
             .into_iter()
-            .partition(|t| t.fenced_bytes.load(Ordering::Relaxed) > 0);
+            .partition(|t| t.fenced_bytes() > 0);
         *pending = keep;
         PENDING_COUNT.store(pending.len(), Ordering::Release);
         done
     };
-    drop(done); // a closed target may end here, outside the lock
+    drop(done);
+    drop(targets); // a closed target may end here, outside every lock
 }
 
 /// Fence, on every target, the blocks freed on `key` (a stream about to be destroyed).
 pub(crate) fn stream_destroyed(key: StreamKey) {
     let all: Vec<Arc<Target>> = ALL.lock().iter().filter_map(Weak::upgrade).collect();
-    for t in all {
-        t.stream_destroyed(key);
+    {
+        let _life = STREAM_LIFE.write();
+        for t in &all {
+            t.stream_destroyed(key);
+        }
     }
+    drop(all); // a target ending here takes STREAM_LIFE itself
 }

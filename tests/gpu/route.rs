@@ -276,3 +276,66 @@ fn ten_thousand_routed_tensors_then_ordinary_candle_work() {
     assert_eq!(m.stats().in_use, 0);
     m.audit().unwrap();
 }
+
+/// With no cache, a block freed while a long kernel still writes it is fenced at once: another
+/// stream cannot get it before the GPU passed the fence; afterwards it is the pool's again.
+#[test]
+fn a_pending_fence_keeps_memory_from_other_streams() {
+    let d1 = Device::new_cuda_with_stream(0).unwrap();
+    let d2 = Device::new_cuda_with_stream(0).unwrap();
+    let (_gpu, m) = model(4 * GIB);
+    route::set_stream_cache_limit(&m, 0);
+    let _r = route::route(&m, Tag::Scratch).unwrap();
+    let n = 8192usize;
+    let a = Tensor::randn(0f32, 1.0, (n, n), &d1).unwrap();
+    d1.synchronize().unwrap();
+    let mut seen_pending = false;
+    for _ in 0..4 {
+        let big = a.matmul(&a).unwrap(); // ~10 ms of work queued on stream 1
+        let freed = addr(&big);
+        drop(big); // fenced at once (limit 0)
+        seen_pending |= route::stats(&m).unwrap().fenced_bytes > 0;
+        let y = Tensor::ones((n, n), DType::F32, &d2).unwrap();
+        let same = addr(&y) == freed;
+        d2.synchronize().unwrap();
+        d1.synchronize().unwrap();
+        assert_eq!(
+            y.sum_all().unwrap().to_scalar::<f32>().unwrap(),
+            (n * n) as f32
+        );
+        if same {
+            // Only possible once the fence had passed, i.e. the matmul had finished.
+            assert!(!seen_pending || route::stats(&m).unwrap().fenced_bytes == 0);
+        }
+        drop(y);
+    }
+    assert!(
+        seen_pending,
+        "no fence was ever pending behind a 10 ms kernel"
+    );
+    drop(a);
+    d1.synchronize().unwrap();
+    route::flush(&m);
+    assert_eq!(route::stats(&m).unwrap().fenced_bytes, 0);
+    assert_eq!(m.stats().in_use, 0);
+}
+
+/// Blocks freed on a stream are fenced before the stream is destroyed (candle's device with a
+/// stream of its own destroys it when dropped).
+#[test]
+fn a_destroyed_stream_fences_its_blocks_first() {
+    let (_gpu, m) = model(GIB);
+    {
+        let d = Device::new_cuda_with_stream(0).unwrap();
+        let _r = route::route(&m, Tag::Kv).unwrap();
+        let t = Tensor::ones(1 << 20, DType::F32, &d).unwrap();
+        drop(t);
+        d.synchronize().unwrap();
+        assert!(route::stats(&m).unwrap().cached_bytes > 0);
+    }
+    // The device, its stream and every slice are gone: the blocks were fenced on the way.
+    let st = route::stats(&m).unwrap();
+    assert_eq!(st.cached_bytes, 0, "{st:?}");
+    route::flush(&m);
+    assert_eq!(m.stats().in_use, 0);
+}
