@@ -440,6 +440,30 @@ impl<G: BlockGeometry> BlockBacking<G> {
         self.core.region.chunks_in(at, len)
     }
 
+    /// The chunks mapped under `[at, at + len)` of the region with their handles (offsets
+    /// relative to the region), for export to another process ([`crate::p2p`]).
+    pub(crate) fn placed_chunks_in(
+        &self,
+        at: u64,
+        len: u64,
+    ) -> Vec<(u64, crate::backend::PhysicalChunk)> {
+        let region = &self.core.region;
+        let Some(end) = at.checked_add(len).filter(|&e| e <= region.len()) else {
+            return Vec::new();
+        };
+        region
+            .pool()
+            .placed_chunks_in(region.offset() + at, end - at)
+            .into_iter()
+            .map(|(o, c)| (o - region.offset(), c))
+            .collect()
+    }
+
+    /// The pool the region lies in.
+    pub(crate) fn pool(&self) -> &Pool {
+        self.core.region.pool()
+    }
+
     /// Bytes of the region mapped now as the pool sees it (equals `stats().mapped_bytes`
     /// except while an operation is in flight).
     pub fn region_mapped_bytes(&self) -> u64 {

@@ -370,6 +370,27 @@ impl Backend for CudaBackend {
             ))
     }
 
+    unsafe fn set_access_mode(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+    ) -> Result<()> {
+        self.bind()?;
+        let mut desc = self.access_desc();
+        if mode == super::AccessMode::ReadOnly {
+            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
+        }
+        // SAFETY: the caller guarantees the range is made of our mapped chunks. For a chunk of
+        // another device (imported), this grants this device peer access to it.
+        unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }
+            .result()
+            .map_err(driver_error(
+                "cuMemSetAccess",
+                format!("{size} bytes at {addr:#x} ({mode:?})"),
+            ))
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: the caller guarantees the range is made of whole chunks nothing uses.
@@ -435,6 +456,17 @@ impl Backend for CudaBackend {
                 format!("{bytes} bytes from {src:#x} to {dst:#x} on stream {stream:#x}"),
             ),
         )
+    }
+
+    fn synchronize(&self, stream: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a stream handle is an opaque driver value; an invalid one is an error.
+        unsafe { sys::cuStreamSynchronize(raw_stream(stream)) }
+            .result()
+            .map_err(driver_error(
+                "cuStreamSynchronize",
+                format!("stream {stream:#x}"),
+            ))
     }
 
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {

@@ -31,6 +31,7 @@ mod allocation;
 mod allocator;
 mod cache;
 mod config;
+mod export;
 mod giveback;
 mod intervals;
 mod mapper;

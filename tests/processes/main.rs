@@ -7,6 +7,7 @@
 
 mod chunks;
 mod common;
+mod p2p;
 
 use std::process::ExitCode;
 
@@ -15,6 +16,7 @@ type Test = (&'static str, fn());
 fn tests() -> Vec<Test> {
     let mut t: Vec<Test> = Vec::new();
     t.extend(chunks::TESTS);
+    t.extend(p2p::TESTS);
     t
 }
 

@@ -1,0 +1,292 @@
+//! The sending side: grant a peer access to blocks of a layout. The blocks are pinned, the
+//! chunks under them exported as descriptors and sent with the layout's shape; the pins stay
+//! until the receiver says it let go (or its process exited).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::link::{send, GrantStatus, LinkShared, OutGrant, PeerLink};
+use super::wire::{Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
+use crate::backend::{AccessMode, PhysicalChunk};
+use crate::backing::BlockGeometry;
+use crate::error::{Error, Result};
+use crate::ipc::{FrameWriter, MAX_FDS};
+use crate::layout::ElasticLayout;
+
+/// A grant as its sender holds it. Dropping the handle does not end the grant: the blocks stay
+/// pinned until the receiver lets go (or exits).
+pub struct Grant {
+    link: Arc<LinkShared>,
+    writer: FrameWriter,
+    id: u64,
+    bytes: u64,
+    chunks: usize,
+    blocks: usize,
+}
+
+impl PeerLink {
+    /// Grant the peer `access` to `blocks` of `layout`: pin them, export the chunks under them
+    /// (POSIX descriptors) and send them with the layout's shape. The receiver takes it with
+    /// [`PeerLink::recv_grant`] and copies the blocks into its own layout.
+    ///
+    /// Refused before anything is pinned, exported or sent: a link that is closed, no blocks or
+    /// more than [`MAX_GRANT_BLOCKS`], a layout whose memory cannot be exported (host: a backend
+    /// without [`crate::backend::host::ChunkFiles::PerChunk`]) or is not the kind the peer maps,
+    /// a block out of range or not backed.
+    ///
+    /// The chunks are whole pages: a page shared with a block not granted is readable by the
+    /// peer too. The sender must not write granted blocks until the grant is final
+    /// ([`Grant::wait_released`], [`Grant::revoke`]): the receiver reads them meanwhile.
+    pub fn grant(
+        &self,
+        layout: &ElasticLayout,
+        blocks: &[usize],
+        access: AccessMode,
+    ) -> Result<Grant> {
+        let link = self.shared();
+        if let Some(why) = link.state.lock().closed.clone() {
+            return Err(link.peer_error("grant", format!("link closed: {why}")));
+        }
+        if blocks.is_empty() || blocks.len() > MAX_GRANT_BLOCKS {
+            return Err(Error::InvalidArgument(format!(
+                "a grant holds 1 to {MAX_GRANT_BLOCKS} blocks, {} given",
+                blocks.len()
+            )));
+        }
+        let backing = layout.backing();
+        let pool = backing.pool();
+        let info = pool.backend_info();
+        if !info.posix_fd_exportable {
+            return Err(Error::InvalidArgument(format!(
+                "the layout's memory ({} backend, {}) cannot be exported as POSIX descriptors: {}",
+                info.name,
+                info.device_name,
+                if info.name == "host" {
+                    "create the host backend with ChunkFiles::PerChunk"
+                } else {
+                    "the device has no POSIX-fd handles; move blocks with NIXL"
+                }
+            )));
+        }
+        if info.memory_kind != link.peer.endpoint.memory {
+            return Err(link.peer_error(
+                "grant",
+                format!(
+                    "the layout holds {:?} memory, the peer maps {:?} memory ({})",
+                    info.memory_kind, link.peer.endpoint.memory, link.path.reason
+                ),
+            ));
+        }
+        let id = {
+            let mut st = link.state.lock();
+            st.next_grant += 1;
+            st.next_grant
+        };
+        let holder = format!("p2p grant {id} to {}", link.peer.name);
+        let pin = layout.pin(blocks.iter().copied(), &holder)?;
+        // The chunks under every span of every block, each once, in address order.
+        let geometry = backing.geometry();
+        let mut chunks: BTreeMap<u64, PhysicalChunk> = BTreeMap::new();
+        let mut spans = Vec::new();
+        for &b in blocks {
+            spans.clear();
+            geometry.block_spans(b, &mut spans);
+            for &(at, len) in &spans {
+                let under = backing.placed_chunks_in(at, len);
+                let covered: u64 = under
+                    .iter()
+                    .map(|(o, c)| (o + c.size as u64).min(at + len) - (*o).max(at))
+                    .sum();
+                if covered != len {
+                    return Err(Error::InvalidArgument(format!(
+                        "block {b}: its span [{at:#x}, +{len}) has only {covered} bytes mapped although the block is pinned"
+                    )));
+                }
+                chunks.extend(under);
+            }
+        }
+        if chunks.len() > MAX_GRANT_CHUNKS {
+            return Err(Error::InvalidArgument(format!(
+                "the {} blocks lie on {} chunks; a grant holds at most {MAX_GRANT_CHUNKS}: grant fewer blocks at a time",
+                blocks.len(),
+                chunks.len()
+            )));
+        }
+        let backend = pool.backend();
+        let mut fds: Vec<(u64, u64, OwnedFd)> = Vec::with_capacity(chunks.len());
+        for (&off, &c) in &chunks {
+            fds.push((off, c.size as u64, backend.export_chunk(c)?));
+        }
+        let bytes: u64 = chunks.values().map(|c| c.size as u64).sum();
+        let count = fds.len();
+        link.state.lock().out.insert(
+            id,
+            OutGrant {
+                pin: Some(pin),
+                bytes,
+                status: GrantStatus::Held,
+                detached: false,
+            },
+        );
+        let layout_desc = WireLayout::of(layout.config(), layout.kind());
+        let wire_blocks: Vec<u64> = blocks.iter().map(|&b| b as u64).collect();
+        if let Err(e) = send_grant(self.writer(), id, access, layout_desc, wire_blocks, fds) {
+            // Some chunks may have reached the peer: the pins stay until it lets go or exits.
+            // Shutting the link down makes a conforming peer drop what it got.
+            tracing::error!(peer = %link.peer.name, grant = id, error = %e, "sending a grant failed; closing the link");
+            link.shutdown();
+            return Err(e);
+        }
+        tracing::debug!(peer = %link.peer.name, grant = id, blocks = blocks.len(), chunks = count, bytes, ?access, path = %link.path.path, "blocks granted");
+        Ok(Grant {
+            link: link.clone(),
+            writer: self.writer().clone(),
+            id,
+            bytes,
+            chunks: count,
+            blocks: blocks.len(),
+        })
+    }
+}
+
+fn send_grant(
+    writer: &FrameWriter,
+    id: u64,
+    access: AccessMode,
+    layout: WireLayout,
+    blocks: Vec<u64>,
+    fds: Vec<(u64, u64, OwnedFd)>,
+) -> Result<()> {
+    let chunks = fds.len() as u64;
+    let mut it = fds.into_iter().peekable();
+    while it.peek().is_some() {
+        let batch: Vec<_> = it.by_ref().take(MAX_FDS).collect();
+        let (mut offsets, mut sizes, mut out) = (Vec::new(), Vec::new(), Vec::new());
+        for (o, s, fd) in batch {
+            offsets.push(o);
+            sizes.push(s);
+            out.push(fd);
+        }
+        send(
+            writer,
+            Msg::Chunks {
+                grant: id,
+                offsets,
+                sizes,
+            },
+            out,
+        )?;
+    }
+    send(
+        writer,
+        Msg::Grant {
+            grant: id,
+            access,
+            layout,
+            blocks,
+            chunks,
+        },
+        Vec::new(),
+    )
+}
+
+impl Grant {
+    /// The grant's number on its link.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Bytes of the chunks exported (whole pages under the blocks).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Chunks exported.
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+
+    /// Blocks granted.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Where the grant stands now.
+    pub fn status(&self) -> GrantStatus {
+        self.link
+            .state
+            .lock()
+            .out
+            .get(&self.id)
+            .map_or(GrantStatus::Released, |g| g.status.clone())
+    }
+
+    /// Wait up to `timeout` for the receiver to let go (it released the grant, refused it, or
+    /// exited); the blocks are unpinned then. A timeout is an error and changes nothing.
+    pub fn wait_released(&self, timeout: Duration) -> Result<GrantStatus> {
+        let deadline = Instant::now() + timeout;
+        let (st, ok) = self.link.wait_until(deadline, |st| {
+            st.out.get(&self.id).is_none_or(|g| g.status.is_final())
+        });
+        let status = st
+            .out
+            .get(&self.id)
+            .map_or(GrantStatus::Released, |g| g.status.clone());
+        drop(st);
+        if !ok {
+            return Err(self.link.peer_error(
+                "wait for release",
+                format!(
+                    "grant {} ({} bytes) still held after {timeout:?}: {status:?}",
+                    self.id, self.bytes
+                ),
+            ));
+        }
+        Ok(status)
+    }
+
+    /// Ask the receiver to let go, and wait up to `timeout` until it has (its mapping is gone:
+    /// only then may the blocks be released and their chunks reused). A grant the receiver is
+    /// still copying from is let go when the copy completed and the receiver dropped it.
+    pub fn revoke(&self, timeout: Duration) -> Result<GrantStatus> {
+        {
+            let mut st = self.link.state.lock();
+            match st.out.get_mut(&self.id) {
+                Some(g) if !g.status.is_final() => g.status = GrantStatus::Revoking,
+                _ => return self.wait_released(Duration::ZERO),
+            }
+        }
+        if let Err(e) = send(&self.writer, Msg::Revoke { grant: self.id }, Vec::new()) {
+            tracing::warn!(grant = self.id, error = %e, "revoke not sent; waiting for the peer to release or exit");
+        }
+        self.wait_released(timeout)
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let mut st = self.link.state.lock();
+        if let Some(g) = st.out.get_mut(&self.id) {
+            if g.status.is_final() {
+                st.out.remove(&self.id);
+            } else {
+                g.detached = true;
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Grant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Grant")
+            .field("id", &self.id)
+            .field("peer", &self.link.peer.name)
+            .field("blocks", &self.blocks)
+            .field("chunks", &self.chunks)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
