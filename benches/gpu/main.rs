@@ -1,10 +1,12 @@
 //! GPU benchmark binary: elastic-vmm against the driver's allocators and its peers, measured in
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
-//! machine. Arguments name the sections to run (`pool`, `shared`, `candle`); none runs all.
+//! machine. Arguments name the sections to run (`pool`, `shared`, `p2p`, `candle`); none runs
+//! all.
 
 #[cfg(feature = "candle")]
 mod candle;
+mod p2p;
 mod pool;
 mod shared;
 
@@ -35,13 +37,31 @@ pub fn human(bytes: u64) -> String {
 }
 
 fn main() -> ExitCode {
+    // The other process of a two-process section.
+    if let Ok(role) = std::env::var(p2p::ROLE_VAR) {
+        let r = match role.as_str() {
+            "p2p-decode" => p2p::decode(),
+            other => Err(format!("unknown role {other}").into()),
+        };
+        return match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{role} failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
     let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
     #[cfg_attr(not(feature = "candle"), allow(unused_mut))]
-    let mut sections: Vec<Section> = vec![("pool", pool::run), ("shared", shared::run)];
+    let mut sections: Vec<Section> = vec![
+        ("pool", pool::run),
+        ("shared", shared::run),
+        ("p2p", p2p::run),
+    ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));
     let mut failed = false;

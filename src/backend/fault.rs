@@ -182,6 +182,11 @@ impl Backend for FaultInjector {
         unsafe { self.inner.copy_async(dst, src, bytes, stream) }
     }
 
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_batch_async(copies, stream) }
+    }
+
     fn synchronize(&self, stream: u64) -> Result<()> {
         self.inner.synchronize(stream)
     }

@@ -314,6 +314,22 @@ pub trait Backend: Send + Sync + fmt::Debug {
         ))
     }
 
+    /// Queue every copy of `copies` (`(dst, src, bytes)`) on `stream`, in stream order, as
+    /// [`Backend::copy_async`] would one after the other; a backend may submit them as one
+    /// batch (CUDA: `cuMemcpyBatchAsync` where the driver has it). This default queues them
+    /// one by one.
+    ///
+    /// # Safety
+    /// As for [`Backend::copy_async`], for every copy; no destination overlaps another copy's
+    /// source or destination.
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        for &(dst, src, bytes) in copies {
+            // SAFETY: forwarded contract, copy by copy.
+            unsafe { self.copy_async(dst, src, bytes, stream) }?;
+        }
+        Ok(())
+    }
+
     /// Wait until every piece of work queued on the GPU stream `stream` (a raw `CUstream` or one
     /// of the special handles of [`Backend::copy_async`]) has run.
     ///

@@ -2,10 +2,12 @@
 //! completion to wait on. Runs of consecutive bytes on both sides are merged, so a layer-
 //! separate layout's many small spans per block become as few copies as the two layouts allow.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use super::import::{ImportMapping, ImportedGrant};
 use super::path::TransferPath;
@@ -13,6 +15,39 @@ use crate::backend::{Backend, MemoryKind};
 use crate::backing::BlockPin;
 use crate::error::{Error, Result};
 use crate::layout::{ElasticLayout, LayoutConfig};
+
+/// Destination blocks some copy is writing now, by layout (its reservation's address, which
+/// stays its own while the copy's pin keeps the layout's memory) and block. Two copies into one
+/// block at once would race; the second is refused. A leaf lock: bookkeeping only.
+static WRITING: Mutex<BTreeSet<(u64, usize)>> = Mutex::new(BTreeSet::new());
+
+/// Blocks claimed in [`WRITING`] for one copy, let go on drop.
+struct WriteClaim {
+    keys: Vec<(u64, usize)>,
+}
+
+impl WriteClaim {
+    fn take(layout: u64, blocks: &[usize]) -> Result<WriteClaim> {
+        let keys: Vec<(u64, usize)> = blocks.iter().map(|&b| (layout, b)).collect();
+        let mut w = WRITING.lock();
+        if let Some(&(_, b)) = keys.iter().find(|k| w.contains(k)) {
+            return Err(Error::InvalidArgument(format!(
+                "destination block {b} is being written by another p2p copy: wait for its completion first"
+            )));
+        }
+        w.extend(keys.iter().copied());
+        Ok(WriteClaim { keys })
+    }
+}
+
+impl Drop for WriteClaim {
+    fn drop(&mut self) {
+        let mut w = WRITING.lock();
+        for k in &self.keys {
+            w.remove(k);
+        }
+    }
+}
 
 /// The GPU stream copies are queued on (ignored on the host backend, which copies at once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +99,7 @@ pub struct Completion {
     backend: Arc<dyn Backend>,
     stream: u64,
     memory: MemoryKind,
-    held: Option<(Arc<ImportMapping>, BlockPin)>,
+    held: Option<(Arc<ImportMapping>, BlockPin, WriteClaim)>,
     report: CopyReport,
     started: Instant,
 }
@@ -167,6 +202,7 @@ impl ImportedGrant {
         }
         let holder = format!("p2p copy of grant {} from {}", self.id, link.peer.name);
         let pin = dst.pin(dst_blocks.iter().copied(), &holder)?;
+        let claim = WriteClaim::take(dst.addr(), dst_blocks)?;
         // (dst, src, len), merged where both sides continue.
         let mut ops: Vec<(u64, u64, u64)> = Vec::new();
         let mut spans = 0usize;
@@ -216,7 +252,7 @@ impl ImportedGrant {
             backend: backend.clone(),
             stream: stream.raw(),
             memory,
-            held: Some((self.mapping.clone(), pin)),
+            held: Some((self.mapping.clone(), pin, claim)),
             report: CopyReport {
                 bytes,
                 blocks: dst_blocks.len(),
@@ -228,29 +264,33 @@ impl ImportedGrant {
             },
             started,
         };
-        for &(d, s, len) in &ops {
-            let len = len as usize;
-            match memory {
-                MemoryKind::Host => {
-                    // SAFETY: `s..s + len` lies in the grant's mapping (located when it was
-                    // imported), readable and kept mapped by `completion`; `d..d + len` lies in
-                    // pinned, backed blocks of `dst`, mapped read-write; the two are different
-                    // mappings so they do not overlap. Other use of the destination is excluded
-                    // by the contracts of the layout's unsafe reads and writes.
-                    unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len) };
-                }
-                MemoryKind::Device => {
-                    // SAFETY: both ranges are mapped with access on this device and stay so
-                    // until `completion` has synchronized the stream; they do not overlap
-                    // (different mappings); the stream is the legacy one or one the caller
-                    // vouched for in `CopyStream::from_raw`.
-                    if let Err(e) = unsafe { backend.copy_async(d, s, len, stream.raw()) } {
-                        // Copies queued before must run before the pins go: `completion`
-                        // waits for them as it drops.
-                        drop(completion);
-                        return Err(e);
-                    }
-                }
+        if memory == MemoryKind::Device {
+            let batch: Vec<(u64, u64, usize)> = ops
+                .iter()
+                .map(|&(d, s, len)| (d, s, len as usize))
+                .collect();
+            // SAFETY: every range is mapped with access on this device and stays so until
+            // `completion` has synchronized the stream; sources and destinations lie in
+            // different mappings, and destinations are distinct blocks (checked), so nothing
+            // overlaps; the stream is the legacy one or one the caller vouched for in
+            // `CopyStream::from_raw`.
+            if let Err(e) = unsafe { backend.copy_batch_async(&batch, stream.raw()) } {
+                // Copies queued before must run before the pins go: `completion` waits for
+                // them as it drops.
+                drop(completion);
+                return Err(e);
+            }
+        }
+        if memory == MemoryKind::Host {
+            for &(d, s, len) in &ops {
+                // SAFETY: `s..s + len` lies in the grant's mapping (located when it was
+                // imported), readable and kept mapped by `completion`; `d..d + len` lies in
+                // pinned, backed blocks of `dst`, mapped read-write; the two are different
+                // mappings so they do not overlap. Other use of the destination is excluded by
+                // the contracts of the layout's unsafe reads and writes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len as usize)
+                };
             }
         }
         if memory == MemoryKind::Host {

@@ -318,6 +318,16 @@ impl ImportedGrant {
         self.spans.get(i).map(Vec::as_slice)
     }
 
+    /// The whole reservation the grant's chunks are mapped into here, back to back in the
+    /// sender's address order (`len` is whole chunks).
+    pub fn mapped_range(&self) -> MemoryView {
+        let m = self.mapping.mapped.as_ref().expect("mapped until drop");
+        MemoryView {
+            addr: m.base,
+            len: m.len,
+        }
+    }
+
     /// Copy bytes of the mapping at `addr` into `out` (a host read; on CUDA device to host).
     ///
     /// # Safety

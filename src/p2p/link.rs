@@ -270,17 +270,18 @@ impl PeerLink {
         ipc::send_frame(&stream, &ipc::encode(&Msg::Hello(hello))?, &[])?;
         let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
             .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
-        let theirs =
-            match ipc::decode::<Msg>(&frame.payload)? {
-                Msg::Hello(h) if frame.fds.is_empty() => h,
-                other => return Err(ipc::frame::ipc_error(
+        let theirs = match ipc::decode::<Msg>(&frame.payload)? {
+            Msg::Hello(h) if frame.fds.is_empty() => h,
+            other => {
+                return Err(ipc::frame::ipc_error(
                     "hello",
                     format!(
                         "expected a hello without descriptors, got {other:?} with {} descriptors",
                         frame.fds.len()
                     ),
-                )),
-            };
+                ))
+            }
+        };
         if theirs.version != VERSION {
             return Err(Error::Peer {
                 peer: theirs.name,

@@ -55,3 +55,6 @@ pub use import::ImportedGrant;
 pub use link::{listen, GrantStatus, LinkStats, PeerInfo, PeerLink, Peers};
 pub use path::{boot_id, choose_path, Endpoint, PathChoice, TransferPath};
 pub use wire::{MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
+
+#[cfg(test)]
+mod tests;

@@ -7,6 +7,7 @@ mod suite;
 
 mod backing;
 mod layout;
+mod p2p;
 mod pool;
 mod shared;
 mod soundness;
