@@ -195,3 +195,193 @@ fn grant_races_release() {
     eprintln!("{granted} grants won, {released} releases won");
     assert_eq!(p.stats().grants_out, 0);
 }
+
+/// Blocks of 2 MiB (whole pages): what a hand-off moves.
+fn page_blocks(pool: &Pool) -> ElasticLayout {
+    LayoutBuilder::new()
+        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
+        .fully_contiguous()
+        .elastic(pool)
+        .build()
+        .unwrap()
+}
+
+fn fill(kv: &ElasticLayout, b: usize, byte: u8) {
+    let v = kv.block(b).unwrap()[0];
+    // SAFETY: backed, nobody else uses it.
+    unsafe { kv.write(v.addr, &vec![byte; v.len as usize]).unwrap() };
+}
+
+fn bytes_of(kv: &ElasticLayout, b: usize) -> Vec<u8> {
+    let v = kv.block(b).unwrap()[0];
+    let mut out = vec![0u8; v.len as usize];
+    // SAFETY: backed, nobody writes it meanwhile.
+    unsafe { kv.read(v.addr, &mut out).unwrap() };
+    out
+}
+
+#[test]
+fn hand_off_moves_memory_without_a_copy() {
+    let (s, r) = (exportable(), exportable());
+    let (p, d) = pair(s.clone(), r.clone());
+    let src_pool = Pool::new(s.clone(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    src.ensure_backed([1, 2]).unwrap();
+    fill(&src, 1, 0x11);
+    fill(&src, 2, 0x22);
+    // Blocks that share pages cannot be handed off alone.
+    let (small_pool, small) = kv(s.clone(), 8);
+    small.ensure_backed([0]).unwrap();
+    let e = p.hand_off(&small, &[0]).unwrap_err().to_string();
+    assert!(e.contains("whole pages"), "{e}");
+    drop((small, small_pool));
+
+    // A receiver whose limit cannot take the memory: refused, the sender keeps its blocks.
+    let tight = Pool::new(
+        r.clone(),
+        PoolConfig::new(1 << 30)
+            .name("tight")
+            .physical_limit(2 << 20),
+    )
+    .unwrap();
+    let tight_kv = page_blocks(&tight);
+    let g = p.hand_off(&src, &[1, 2]).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let e = imp.adopt_into(&tight_kv, &[0, 1]).unwrap_err().to_string();
+    assert!(e.contains("out of physical memory"), "{e}");
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    assert_eq!(tight.stats().mapped, 0);
+    assert!(bytes_of(&src, 1).iter().all(|&b| b == 0x11));
+
+    // A copy grant cannot be adopted; a layout on another backend cannot adopt.
+    let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let dst_pool = Pool::new(r.clone(), PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    let e = imp.adopt_into(&dst, &[5]).unwrap_err().to_string();
+    assert!(e.contains("use copy_into"), "{e}");
+    g.wait_released(Duration::from_secs(5)).unwrap();
+
+    let g = p.hand_off(&src, &[1, 2]).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let other_pool = Pool::new(exportable(), PoolConfig::new(1 << 30)).unwrap();
+    let other = page_blocks(&other_pool);
+    // (The grant is consumed by a refusal: the sender gets it back.)
+    let e = imp.adopt_into(&other, &[5, 6]).unwrap_err().to_string();
+    assert!(e.contains("same backend"), "{e}");
+    g.wait_released(Duration::from_secs(5)).unwrap();
+
+    // The hand-off: no copy, the receiver's pool is charged, the sender lets go.
+    let created = src_pool.stats().driver_calls;
+    let g = p.hand_off(&src, &[1, 2]).unwrap();
+    assert_eq!(g.bytes(), 4 << 20);
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.mode(), elastic_vmm::p2p::GrantMode::HandOff);
+    let dst_calls = dst_pool.stats().driver_calls;
+    let change = imp.adopt_into(&dst, &[5, 6]).unwrap();
+    assert_eq!(
+        dst_pool
+            .stats()
+            .driver_calls
+            .since(&dst_calls)
+            .get(DriverCall::Create),
+        0,
+        "adopted, not created"
+    );
+    assert_eq!((change.blocks, change.bytes), (2, 4 << 20));
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::HandedOff
+    );
+    assert!(!src.is_backed(1) && !src.is_backed(2));
+    let ss = src_pool.stats();
+    assert_eq!(
+        (ss.mapped, ss.cached),
+        (0, 0),
+        "handed-off chunks are not kept: {ss:?}"
+    );
+    assert_eq!(
+        s.physical_bytes().unwrap(),
+        0,
+        "the sender holds none of it"
+    );
+    assert_eq!(
+        src_pool
+            .stats()
+            .driver_calls
+            .since(&created)
+            .get(DriverCall::Create),
+        0
+    );
+    let ds = dst_pool.stats();
+    assert_eq!(ds.mapped, 4 << 20, "{ds:?}");
+    assert!(bytes_of(&dst, 5).iter().all(|&b| b == 0x11));
+    assert!(bytes_of(&dst, 6).iter().all(|&b| b == 0x22));
+    assert_eq!(d.stats().imports, 0);
+    assert_eq!(p.stats().grants_out, 0);
+    // Ours now: written, released to the cache, trimmed.
+    fill(&dst, 5, 0x55);
+    assert!(bytes_of(&dst, 5).iter().all(|&b| b == 0x55));
+    dst.release([5, 6]).unwrap();
+    dst_pool.trim().unwrap();
+    assert_eq!(dst_pool.stats().mapped + dst_pool.stats().cached, 0);
+}
+
+/// Threads keep trying to release handed-off blocks while the hand-off completes (slowed
+/// unmaps widen the window): none ever succeeds in caching a handed-off chunk, which the
+/// receiver owns from then on.
+#[test]
+fn hand_off_races_release() {
+    let delay = Arc::new(DelayInjector::new(exportable()));
+    delay.set_delay(DriverCall::Unmap, Duration::from_micros(300));
+    let s: Arc<dyn Backend> = delay.clone();
+    let r = exportable();
+    let (p, d) = pair(s.clone(), r.clone());
+    let src_pool = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    let dst_pool = Pool::new(r, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    let mut refused = 0u64;
+    for round in 0..20u8 {
+        src.ensure_backed([3, 4]).unwrap();
+        fill(&src, 3, round);
+        let g = p.hand_off(&src, &[3, 4]).unwrap();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            let hammer: Vec<_> = (0..4)
+                .map(|_| {
+                    sc.spawn(|| {
+                        let mut n = 0u64;
+                        while !done.load(std::sync::atomic::Ordering::Acquire) {
+                            match src.release([3]) {
+                                Err(Error::BlockPinned { .. }) => n += 1,
+                                Err(e) => assert!(e.to_string().contains("not backed"), "{e}"),
+                                Ok(c) => panic!("a handed-off block was released: {c:?}"),
+                            }
+                        }
+                        n
+                    })
+                })
+                .collect();
+            let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+            imp.adopt_into(&dst, &[0, 1]).unwrap();
+            assert_eq!(
+                g.wait_released(Duration::from_secs(5)).unwrap(),
+                GrantStatus::HandedOff
+            );
+            done.store(true, std::sync::atomic::Ordering::Release);
+            refused += hammer.into_iter().map(|h| h.join().unwrap()).sum::<u64>();
+        });
+        assert_eq!(
+            src_pool.stats().cached,
+            0,
+            "round {round}: a handed-off chunk was cached"
+        );
+        assert!(bytes_of(&dst, 0).iter().all(|&b| b == round));
+        dst.release([0, 1]).unwrap();
+    }
+    assert!(refused > 0);
+}

@@ -546,8 +546,19 @@ fn batch_copies_available() -> bool {
     static HAVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     !BATCH_BROKEN.load(Ordering::Relaxed)
         && *HAVE.get_or_init(|| {
-            // SAFETY: looking a symbol up loads nothing new and calls nothing.
-            unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2") }.is_ok()
+            // The driver library is loaded already (a backend exists): NOLOAD finds it however
+            // cudarc loaded or linked it, and the lookup calls nothing.
+            // SAFETY: valid nul-terminated strings; the handle is closed once.
+            unsafe {
+                let lib =
+                    libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+                if lib.is_null() {
+                    return false;
+                }
+                let found = !libc::dlsym(lib, c"cuMemcpyBatchAsync_v2".as_ptr()).is_null();
+                libc::dlclose(lib);
+                found
+            }
         })
 }
 

@@ -2,7 +2,7 @@
 //! completion to wait on. Runs of consecutive bytes on both sides are merged, so a layer-
 //! separate layout's many small spans per block become as few copies as the two layouts allow.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -105,7 +105,7 @@ pub struct Completion {
 }
 
 /// The block sizes of two configs that must match for a copy, or the difference in words.
-fn mismatch(src: &LayoutConfig, dst: &LayoutConfig) -> Option<String> {
+pub(crate) fn mismatch(src: &LayoutConfig, dst: &LayoutConfig) -> Option<String> {
     let dims = |c: &LayoutConfig| {
         [
             c.num_layers,
@@ -144,51 +144,8 @@ impl ImportedGrant {
         stream: CopyStream,
     ) -> Result<Completion> {
         let link = &self.mapping.link;
-        {
-            let st = link.state.lock();
-            if let Some(why) = &st.closed {
-                return Err(link.peer_error(
-                    "copy",
-                    format!(
-                        "the sender is gone ({why}): drop grant {} to release its imports",
-                        self.id
-                    ),
-                ));
-            }
-            if st.revoked_in.contains(&self.id) {
-                return Err(link.peer_error(
-                    "copy",
-                    format!("grant {} was revoked by its sender", self.id),
-                ));
-            }
-        }
-        if let Some(detail) = mismatch(&self.config, dst.config()) {
-            return Err(Error::LayoutMismatch { detail });
-        }
-        if self.kind != dst.kind() {
-            return Err(Error::LayoutMismatch {
-                detail: format!(
-                    "sender layout is {}, receiver layout is {}",
-                    self.kind,
-                    dst.kind()
-                ),
-            });
-        }
-        if dst_blocks.len() != self.blocks.len() {
-            return Err(Error::LayoutMismatch {
-                detail: format!(
-                    "{} blocks granted, {} destination blocks given",
-                    self.blocks.len(),
-                    dst_blocks.len()
-                ),
-            });
-        }
-        let mut seen = HashSet::with_capacity(dst_blocks.len());
-        if let Some(b) = dst_blocks.iter().find(|&&b| !seen.insert(b)) {
-            return Err(Error::InvalidArgument(format!(
-                "destination block {b} is listed twice"
-            )));
-        }
+        self.check_usable("copy")?;
+        self.check_shape(dst, dst_blocks)?;
         let src_backend = self.mapping.backend();
         let src_info = src_backend.info();
         if dst.memory_kind() != src_info.memory_kind || dst.device() != src_info.device_ordinal {

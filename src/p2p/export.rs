@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::link::{send, GrantStatus, LinkShared, OutGrant, PeerLink};
-use super::wire::{Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
+use super::wire::{GrantMode, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
 use crate::backend::{AccessMode, PhysicalChunk};
 use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
@@ -45,6 +45,50 @@ impl PeerLink {
         layout: &ElasticLayout,
         blocks: &[usize],
         access: AccessMode,
+    ) -> Result<Grant> {
+        self.grant_as(layout, blocks, access, GrantMode::Copy)
+    }
+
+    /// Hand `blocks` of `layout` over to the peer without a copy: as [`PeerLink::grant`]
+    /// (read-write), and once the receiver took the chunks into its own layout
+    /// ([`crate::p2p::ImportedGrant::adopt_into`], charged to its pool there), the blocks are
+    /// released here and their chunks let go at once, never reused here
+    /// ([`GrantStatus::HandedOff`]). If the receiver copies or drops the grant instead, the
+    /// blocks stay here as after any grant.
+    ///
+    /// Each block must own whole pages: every span of it starts and ends on a page boundary
+    /// of the layout's backing (else an error before anything is pinned).
+    pub fn hand_off(&self, layout: &ElasticLayout, blocks: &[usize]) -> Result<Grant> {
+        let page = layout.backing().page_size();
+        let geometry = layout.backing().geometry();
+        let n = geometry.num_blocks();
+        let mut spans = Vec::new();
+        for &b in blocks {
+            if b >= n {
+                return Err(Error::InvalidArgument(format!(
+                    "block {b} does not exist: the layout has {n} blocks"
+                )));
+            }
+            spans.clear();
+            geometry.block_spans(b, &mut spans);
+            if let Some(&(at, len)) = spans
+                .iter()
+                .find(|(at, len)| at % page != 0 || len % page != 0)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "block {b}: its span [{at:#x}, +{len}) does not cover whole pages of {page} bytes, so its memory cannot be handed off alone: copy it instead"
+                )));
+            }
+        }
+        self.grant_as(layout, blocks, AccessMode::ReadWrite, GrantMode::HandOff)
+    }
+
+    fn grant_as(
+        &self,
+        layout: &ElasticLayout,
+        blocks: &[usize],
+        access: AccessMode,
+        mode: GrantMode,
     ) -> Result<Grant> {
         let link = self.shared();
         if let Some(why) = link.state.lock().closed.clone() {
@@ -133,7 +177,15 @@ impl PeerLink {
         );
         let layout_desc = WireLayout::of(layout.config(), layout.kind());
         let wire_blocks: Vec<u64> = blocks.iter().map(|&b| b as u64).collect();
-        if let Err(e) = send_grant(self.writer(), id, access, layout_desc, wire_blocks, fds) {
+        if let Err(e) = send_grant(
+            self.writer(),
+            id,
+            mode,
+            access,
+            layout_desc,
+            wire_blocks,
+            fds,
+        ) {
             // Some chunks may have reached the peer: the pins stay until it lets go or exits.
             // Shutting the link down makes a conforming peer drop what it got.
             tracing::error!(peer = %link.peer.name, grant = id, error = %e, "sending a grant failed; closing the link");
@@ -155,6 +207,7 @@ impl PeerLink {
 fn send_grant(
     writer: &FrameWriter,
     id: u64,
+    mode: GrantMode,
     access: AccessMode,
     layout: WireLayout,
     blocks: Vec<u64>,
@@ -184,6 +237,7 @@ fn send_grant(
         writer,
         Msg::Grant {
             grant: id,
+            mode,
             access,
             layout,
             blocks,
@@ -270,7 +324,10 @@ impl Drop for Grant {
     fn drop(&mut self) {
         let mut st = self.link.state.lock();
         if let Some(g) = st.out.get_mut(&self.id) {
-            if g.status.is_final() {
+            if matches!(g.status, GrantStatus::HandOffStuck(_)) {
+                // Its chunks belong to the receiver now: the pin stays, for good.
+                g.detached = true;
+            } else if g.status.is_final() {
                 st.out.remove(&self.id);
             } else {
                 g.detached = true;

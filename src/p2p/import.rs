@@ -5,12 +5,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use super::link::{send, InChunk, LinkShared, ReadyGrant};
-use super::wire::Msg;
+use super::wire::{GrantMode, Msg};
 use crate::backend::{AccessMode, Backend, PhysicalChunk};
+use crate::backing::BackingChange;
 use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
 use crate::ipc::FrameWriter;
-use crate::layout::{LayoutConfig, LayoutGeometry, LayoutKind, MemoryView};
+use crate::layout::{ElasticLayout, LayoutConfig, LayoutGeometry, LayoutKind, MemoryView};
 
 /// A run of the sender's chunks that lie back to back there, and where it is mapped here.
 #[derive(Debug, Clone, Copy)]
@@ -166,10 +167,21 @@ impl Drop for Mapped {
     }
 }
 
+/// How a grant ended here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Unmapped: the sender may reuse its blocks.
+    Released,
+    /// Taken over into a layout here: the sender releases its blocks.
+    Adopted,
+}
+
 /// The mapping of one grant, shared by the grant and the copies from it: torn down when the
 /// last of them goes, then the sender is told.
 pub(crate) struct ImportMapping {
     mapped: Option<Mapped>,
+    /// What the sender is told when the mapping goes.
+    outcome: Outcome,
     pub(crate) link: Arc<LinkShared>,
     writer: FrameWriter,
     grant: u64,
@@ -191,11 +203,11 @@ impl Drop for ImportMapping {
         }
         self.link.changed.notify_all();
         if self.link.state.lock().closed.is_none() {
-            if let Err(e) = send(
-                &self.writer,
-                Msg::Released { grant: self.grant },
-                Vec::new(),
-            ) {
+            let msg = match self.outcome {
+                Outcome::Released => Msg::Released { grant: self.grant },
+                Outcome::Adopted => Msg::Adopted { grant: self.grant },
+            };
+            if let Err(e) = send(&self.writer, msg, Vec::new()) {
                 tracing::debug!(grant = self.grant, error = %e, "release not sent");
             }
         }
@@ -213,6 +225,9 @@ pub struct ImportedGrant {
     pub(crate) blocks: Vec<usize>,
     /// Per granted block, where its spans are mapped here, in the layout's span order.
     pub(crate) spans: Vec<Vec<MemoryView>>,
+    /// Per granted block, its spans as offsets in the sender's layout range.
+    src_spans: Vec<Vec<(u64, u64)>>,
+    pub(crate) mode: GrantMode,
     pub(crate) mapping: Arc<ImportMapping>,
     access: AccessMode,
     bytes: u64,
@@ -242,9 +257,9 @@ impl ImportedGrant {
         let chunks = ready.chunks.len();
         let mapped = Mapped::build(link.backend.clone(), ready.chunks, ready.access)?;
         let mut spans = Vec::with_capacity(blocks.len());
-        let mut raw = Vec::new();
+        let mut src_spans = Vec::with_capacity(blocks.len());
         for &b in &blocks {
-            raw.clear();
+            let mut raw = Vec::new();
             geometry.block_spans(b, &mut raw);
             let mut views = Vec::with_capacity(raw.len());
             for &(src, len) in &raw {
@@ -256,6 +271,7 @@ impl ImportedGrant {
                 views.push(MemoryView { addr, len });
             }
             spans.push(views);
+            src_spans.push(raw);
         }
         let bytes = mapped.bytes();
         let access = mapped.access;
@@ -267,8 +283,11 @@ impl ImportedGrant {
             kind,
             blocks,
             spans,
+            src_spans,
+            mode: ready.mode,
             mapping: Arc::new(ImportMapping {
                 mapped: Some(mapped),
+                outcome: Outcome::Released,
                 link,
                 writer,
                 grant: ready.id,
@@ -276,6 +295,182 @@ impl ImportedGrant {
             access,
             bytes,
         })
+    }
+
+    /// How the sender granted the blocks: to copy, or to take over.
+    pub fn mode(&self) -> GrantMode {
+        self.mode
+    }
+
+    /// Take the chunks of a hand-off ([`crate::p2p::PeerLink::hand_off`]) over without a
+    /// copy: they are unmapped here and mapped under `dst_blocks` of `dst` (paired by
+    /// position), charged to `dst`'s pool as if created here; the sender then releases its
+    /// blocks and lets go of the chunks. `dst` must be on the link's backend, its blocks
+    /// unbacked and owning whole pages of the same size.
+    ///
+    /// Refused before anything changes: a copy grant, a sender gone or revoking, a layout
+    /// mismatch, copies from this grant still in flight, another backend. A failure while
+    /// mapping releases the chunks here (the sender keeps its blocks, as after a copy).
+    pub fn adopt_into(
+        mut self,
+        dst: &ElasticLayout,
+        dst_blocks: &[usize],
+    ) -> Result<BackingChange> {
+        if self.mode != GrantMode::HandOff {
+            return Err(Error::InvalidArgument(format!(
+                "grant {} was granted for copying (the sender keeps its blocks): use copy_into",
+                self.id
+            )));
+        }
+        self.check_usable("adopt")?;
+        self.check_shape(dst, dst_blocks)?;
+        let link = self.mapping.link.clone();
+        let pool_backend = dst.backing().pool().backend();
+        if !std::ptr::addr_eq(Arc::as_ptr(pool_backend), Arc::as_ptr(&link.backend)) {
+            return Err(Error::InvalidArgument(
+                "adopted chunks are the link's backend's: build the layout's pool on the same backend (Arc) as the link".into(),
+            ));
+        }
+        let id = self.id;
+        let Some(mapping) = Arc::get_mut(&mut self.mapping) else {
+            return Err(Error::InvalidArgument(format!(
+                "copies from grant {id} are still in flight: wait for their completions first"
+            )));
+        };
+        let m = mapping.mapped.as_mut().expect("mapped until drop");
+        // Each imported chunk's offset in the sender's range.
+        let src_of = |addr: u64| {
+            m.segments
+                .iter()
+                .find(|s| addr >= s.addr && addr < s.addr + s.len)
+                .map(|s| s.src + (addr - s.addr))
+        };
+        let mut by_src = std::collections::BTreeMap::new();
+        for (i, &(addr, c)) in m.placed.iter().enumerate() {
+            if let Some(src) = src_of(addr) {
+                by_src.insert(src, (i, c.size as u64));
+            }
+        }
+        let base = dst.addr();
+        let mut wanted: Vec<(u64, usize)> = Vec::new();
+        for (k, &b) in dst_blocks.iter().enumerate() {
+            let views = dst.views().block(b)?;
+            for (d, &(src, len)) in views.iter().zip(&self.src_spans[k]) {
+                let mut at = src;
+                for (&o, &(i, size)) in by_src.range(src..src + len) {
+                    if o != at || o + size > src + len {
+                        return Err(Error::InvalidArgument(format!(
+                            "granted block {}: its span [{src:#x}, +{len}) is not made of whole chunks (one at {o:#x} of {size} bytes)",
+                            self.blocks[k]
+                        )));
+                    }
+                    wanted.push((d.addr - base + (o - src), i));
+                    at += size;
+                }
+                if at != src + len {
+                    return Err(Error::InvalidArgument(format!(
+                        "granted block {}: its span [{src:#x}, +{len}) is not covered by the chunks sent",
+                        self.blocks[k]
+                    )));
+                }
+            }
+        }
+        wanted.sort_unstable();
+        let mut taken: Vec<bool> = vec![false; m.placed.len()];
+        for &(_, i) in &wanted {
+            if std::mem::replace(&mut taken[i], true) {
+                return Err(Error::InvalidArgument(
+                    "a chunk lies under two adopted spans".into(),
+                ));
+            }
+        }
+        // Unmap the chunks from the import reservation; they stay imported (ours to map).
+        let mut placed = Vec::with_capacity(wanted.len());
+        let mut gone = vec![false; m.placed.len()];
+        let mut failure = None;
+        for &(off, i) in &wanted {
+            let (addr, c) = m.placed[i];
+            // SAFETY: mapped there by us; no copy uses it (the mapping is not shared).
+            match unsafe { m.backend.unmap(addr, c.size) } {
+                Ok(()) => {
+                    gone[i] = true;
+                    placed.push((off, c));
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut k = 0;
+        m.placed.retain(|_| {
+            k += 1;
+            !gone[k - 1]
+        });
+        if let Some(e) = failure {
+            for (_, c) in placed {
+                // SAFETY: unmapped above, imported by us, released once.
+                if let Err(r) = unsafe { m.backend.release(c) } {
+                    tracing::error!(error = %r, "releasing an imported chunk failed");
+                }
+            }
+            return Err(e);
+        }
+        let change = dst.backing().adopt(dst_blocks, placed)?;
+        mapping.outcome = Outcome::Adopted;
+        tracing::debug!(peer = %link.peer.name, grant = id, blocks = change.blocks, bytes = change.bytes, "hand-off adopted");
+        Ok(change)
+    }
+
+    /// Refuse use of a grant whose sender is gone or revoked it.
+    pub(crate) fn check_usable(&self, op: &'static str) -> Result<()> {
+        let link = &self.mapping.link;
+        let st = link.state.lock();
+        if let Some(why) = &st.closed {
+            return Err(link.peer_error(
+                op,
+                format!(
+                    "the sender is gone ({why}): drop grant {} to release its imports",
+                    self.id
+                ),
+            ));
+        }
+        if st.revoked_in.contains(&self.id) {
+            return Err(link.peer_error(op, format!("grant {} was revoked by its sender", self.id)));
+        }
+        Ok(())
+    }
+
+    /// Refuse a destination of another shape, or block lists that do not pair up.
+    pub(crate) fn check_shape(&self, dst: &ElasticLayout, dst_blocks: &[usize]) -> Result<()> {
+        if let Some(detail) = super::copy::mismatch(&self.config, dst.config()) {
+            return Err(Error::LayoutMismatch { detail });
+        }
+        if self.kind != dst.kind() {
+            return Err(Error::LayoutMismatch {
+                detail: format!(
+                    "sender layout is {}, receiver layout is {}",
+                    self.kind,
+                    dst.kind()
+                ),
+            });
+        }
+        if dst_blocks.len() != self.blocks.len() {
+            return Err(Error::LayoutMismatch {
+                detail: format!(
+                    "{} blocks granted, {} destination blocks given",
+                    self.blocks.len(),
+                    dst_blocks.len()
+                ),
+            });
+        }
+        let mut seen = std::collections::HashSet::with_capacity(dst_blocks.len());
+        if let Some(b) = dst_blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(Error::InvalidArgument(format!(
+                "destination block {b} is listed twice"
+            )));
+        }
+        Ok(())
     }
 
     /// The grant's number on its link.

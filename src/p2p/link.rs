@@ -58,15 +58,18 @@ pub enum GrantStatus {
     Refused(String),
     /// The receiver's process exited: whatever it mapped is gone with it; pins dropped.
     PeerExited,
+    /// A hand-off: the receiver took the chunks over; the blocks were released here and their
+    /// chunks let go (never reused here).
+    HandedOff,
+    /// A hand-off the receiver took over, but releasing the blocks here failed (logged): they
+    /// stay pinned for good, so their chunks are never reused here.
+    HandOffStuck(String),
 }
 
 impl GrantStatus {
     /// Whether the blocks are free again (the receiver can no longer touch them).
     pub fn is_final(&self) -> bool {
-        matches!(
-            self,
-            GrantStatus::Released | GrantStatus::Refused(_) | GrantStatus::PeerExited
-        )
+        !matches!(self, GrantStatus::Held | GrantStatus::Revoking)
     }
 }
 
@@ -103,6 +106,7 @@ pub(crate) struct InChunk {
 #[derive(Debug)]
 pub(crate) struct ReadyGrant {
     pub(crate) id: u64,
+    pub(crate) mode: super::wire::GrantMode,
     pub(crate) access: AccessMode,
     pub(crate) layout: WireLayout,
     pub(crate) blocks: Vec<u64>,
@@ -177,6 +181,41 @@ impl LinkShared {
                 return (st, ok);
             }
         }
+    }
+
+    /// The receiver took hand-off `id` over: release its blocks here with the pin dropped in
+    /// the same step, their chunks released at once (the receiver owns the memory now).
+    fn finish_hand_off(&self, id: u64) {
+        let pin = {
+            let mut st = self.state.lock();
+            st.out.get_mut(&id).and_then(|g| g.pin.take())
+        };
+        let Some(pin) = pin else {
+            tracing::warn!(peer = %self.peer.name, grant = id, "adoption of an unknown grant ignored");
+            return;
+        };
+        // Driver calls, with no lock held.
+        let (status, keep) = match pin.release_as(crate::pool::ChunkFate::Release) {
+            Ok(change) => {
+                tracing::debug!(peer = %self.peer.name, grant = id, blocks = change.blocks, bytes = change.bytes, "blocks handed off");
+                (GrantStatus::HandedOff, None)
+            }
+            Err(refused) => {
+                let (e, pin) = *refused;
+                tracing::error!(peer = %self.peer.name, grant = id, error = %e, "releasing handed-off blocks failed; they stay pinned");
+                (GrantStatus::HandOffStuck(e.to_string()), Some(pin))
+            }
+        };
+        let mut st = self.state.lock();
+        if let Some(g) = st.out.get_mut(&id) {
+            g.status = status;
+            g.pin = keep;
+            if g.detached && g.pin.is_none() {
+                st.out.remove(&id);
+            }
+        }
+        drop(st);
+        self.changed.notify_all();
     }
 
     /// The receiver let go of grant `id` (or refused it): its pins go.
@@ -527,6 +566,7 @@ impl Reader {
             }
             Msg::Grant {
                 grant,
+                mode,
                 access,
                 layout,
                 blocks,
@@ -550,6 +590,7 @@ impl Reader {
                 }
                 st.ready.push_back(ReadyGrant {
                     id: grant,
+                    mode,
                     access,
                     layout,
                     blocks,
@@ -584,6 +625,7 @@ impl Reader {
                 }
             }
             Msg::Released { grant } => self.shared.finish_out(grant, GrantStatus::Released),
+            Msg::Adopted { grant } => self.shared.finish_hand_off(grant),
             Msg::Refused { grant, reason } => {
                 tracing::warn!(peer = %self.shared.peer.name, grant, %reason, "peer refused a grant");
                 self.shared.finish_out(grant, GrantStatus::Refused(reason))
@@ -626,12 +668,15 @@ impl Reader {
             let mut st = self.shared.state.lock();
             let mut pins = Vec::new();
             for g in st.out.values_mut() {
+                if matches!(g.status, GrantStatus::HandOffStuck(_)) {
+                    continue;
+                }
                 if let Some(p) = g.pin.take() {
                     g.status = GrantStatus::PeerExited;
                     pins.push(p);
                 }
             }
-            st.out.retain(|_, g| !g.detached);
+            st.out.retain(|_, g| !g.detached || g.pin.is_some());
             pins
         };
         tracing::info!(peer = %self.shared.peer.name, grants = pins.len(), "peer exited; its grants are unpinned");

@@ -18,6 +18,10 @@
 //! grant.wait_released(timeout)               (pins dropped)
 //! ```
 //!
+//! Ownership hand-off ([`PeerLink::hand_off`], [`ImportedGrant::adopt_into`]): the chunks
+//! become the receiver's, mapped under its blocks and charged to its pool; the sender releases
+//! its blocks and lets go of the chunks without caching them.
+//!
 //! # Safety and books
 //! - The sender's granted blocks are pinned ([`crate::BlockBacking::pin`]) from before any
 //!   export until the receiver says it let go ([`GrantStatus::Released`]), refused the grant,
@@ -54,7 +58,7 @@ pub use export::Grant;
 pub use import::ImportedGrant;
 pub use link::{listen, GrantStatus, LinkStats, PeerInfo, PeerLink, Peers};
 pub use path::{boot_id, choose_path, Endpoint, PathChoice, TransferPath};
-pub use wire::{MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
+pub use wire::{GrantMode, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
 
 #[cfg(test)]
 mod tests;

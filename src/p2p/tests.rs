@@ -78,6 +78,7 @@ fn malformed_and_inconsistent_messages_close_the_link() {
     // A grant announcing more chunks than arrived.
     let (l, raw) = link();
     let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
         grant: 1,
         access: AccessMode::ReadOnly,
         layout: layout(),
@@ -103,6 +104,7 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
     };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
     let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
         grant: 7,
         access: AccessMode::ReadOnly,
         layout: layout(),
@@ -136,6 +138,7 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
     };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
     let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
         grant: 8,
         access: AccessMode::ReadOnly,
         layout: layout(),

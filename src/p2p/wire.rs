@@ -118,6 +118,16 @@ impl WireLayout {
     }
 }
 
+/// What the receiver may do with a grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GrantMode {
+    /// Map and copy; the sender keeps its blocks.
+    Copy,
+    /// Take the chunks over without a copy: the receiver maps them into its own layout, the
+    /// sender releases its blocks and lets go of the chunks.
+    HandOff,
+}
+
 /// One message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Msg {
@@ -132,6 +142,7 @@ pub(crate) enum Msg {
     /// The grant is complete: `chunks` chunks were sent before it.
     Grant {
         grant: u64,
+        mode: GrantMode,
         access: AccessMode,
         layout: WireLayout,
         blocks: Vec<u64>,
@@ -143,6 +154,11 @@ pub(crate) enum Msg {
     },
     /// The receiver holds nothing of the grant any more (unmapped, descriptors closed).
     Released {
+        grant: u64,
+    },
+    /// The receiver took the chunks of a hand-off over: the sender releases its blocks and
+    /// lets go of them (they must never be reused there).
+    Adopted {
         grant: u64,
     },
     /// The receiver could not import the grant; it holds nothing of it.

@@ -27,6 +27,7 @@
 //! the teardown and its driver calls).
 
 mod admission;
+mod adopt;
 mod allocation;
 mod allocator;
 mod cache;
@@ -51,7 +52,7 @@ pub use region::Region;
 
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
 pub(crate) use giveback::TrimScope;
-pub(crate) use ranges::Space;
+pub(crate) use ranges::{ChunkFate, Space};
 use state::State;
 
 use crate::backend::{Backend, BackendInfo, DriverCall};

@@ -215,3 +215,53 @@ pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
     }
     assert_eq!(link.stats().transfers, KINDS.len() as u64);
 }
+
+/// Blocks of 2 MiB (whole pages of the default granularity): 4 layers, K and V, 16 tokens of
+/// 8192 2-byte elements.
+pub fn page_config(num_blocks: usize) -> LayoutConfig {
+    LayoutConfig::new(num_blocks, 4, 2, 16, 8192, 2)
+}
+
+/// Hand-off, sending side: blocks 2 and 5 go to the peer without a copy; afterwards they are
+/// released here, their chunks let go (not cached), and nothing was created on the way.
+pub fn hand_off_sender(link: &PeerLink, backend: Arc<dyn Backend>) {
+    let pool = pool(backend, "prefill");
+    let kv = layout(&pool, LayoutKind::FullyContiguous, page_config(8));
+    kv.ensure_backed([2, 5]).expect("back");
+    fill(&kv, 2, 7);
+    fill(&kv, 5, 7);
+    let g = link.hand_off(&kv, &[2, 5]).expect("hand off");
+    assert_eq!(
+        g.wait_released(WAIT).expect("adopted"),
+        GrantStatus::HandedOff
+    );
+    assert!(!kv.is_backed(2) && !kv.is_backed(5));
+    let st = pool.stats();
+    assert_eq!((st.mapped, st.cached), (0, 0), "{st:?}");
+    assert_eq!(link.stats().grants_out, 0);
+}
+
+/// Hand-off, receiving side: the chunks become blocks 0 and 1 here, charged to this pool,
+/// every byte as the sender wrote it, no chunk created.
+pub fn hand_off_receiver(link: &PeerLink, backend: Arc<dyn Backend>) {
+    let pool = pool(backend, "decode");
+    let kv = layout(&pool, LayoutKind::FullyContiguous, page_config(4));
+    let g = link.recv_grant(WAIT).expect("grant");
+    let before = pool.stats().driver_calls;
+    let change = g.adopt_into(&kv, &[0, 1]).expect("adopt");
+    assert_eq!(change.blocks, 2);
+    assert_eq!(
+        pool.stats()
+            .driver_calls
+            .since(&before)
+            .get(elastic_vmm::DriverCall::Create),
+        0
+    );
+    assert!(pool.stats().mapped >= 4 << 20);
+    for (s, d) in [(2, 0), (5, 1)] {
+        let got = contents(&kv, d);
+        assert!(got == pattern(7, s, got.len()), "block {s} -> {d} differs");
+    }
+    assert_eq!(link.stats().imports, 0);
+    kv.release([0, 1]).expect("release");
+}

@@ -94,6 +94,7 @@ fn child_role() {
     let link = PeerLink::connect(var("EVMM_SOCKET"), "decode", backend.clone()).unwrap();
     match role.as_str() {
         "decode" => scenario::decode(&link, backend, INNER),
+        "adopt" => scenario::hand_off_receiver(&link, backend),
         "copy-loop" => {
             let pool = scenario::pool(backend, "decode");
             let kv = scenario::layout(
@@ -200,4 +201,17 @@ fn p2p_one_gpu_receiver_killed_mid_transfer() {
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_receiver_killed_mid_transfer() {
     receiver_killed(1);
+}
+
+/// Ownership hand-off between two processes on GPU 0: no copy, the memory changes hands.
+#[test]
+fn p2p_one_gpu_hand_off() {
+    let dir = temp_dir();
+    let listener = p2p::listen(dir.join("s")).unwrap();
+    let child = spawn("adopt", &dir, 0);
+    let backend = cuda(0);
+    let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
+    scenario::hand_off_sender(&link, backend);
+    assert!(wait_child(child, 120).success(), "adopting process failed");
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -33,6 +33,10 @@ pub const TESTS: &[(&str, fn())] = &[
         "p2p::sender_killed_mid_transfer",
         sender_killed_mid_transfer,
     ),
+    (
+        "p2p::hand_off_between_processes",
+        hand_off_between_processes,
+    ),
 ];
 
 pub fn role(name: &str) -> Option<fn()> {
@@ -41,6 +45,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "p2p-decode-rounds" => Some(decode_rounds_role),
         "p2p-copy-loop" => Some(copy_loop_role),
         "p2p-grant-and-hang" => Some(grant_and_hang_role),
+        "p2p-adopt" => Some(adopt_role),
         _ => None,
     }
 }
@@ -383,4 +388,24 @@ fn grant_and_hang_role() {
     let _a = link.grant(&kv, &SRC_BLOCKS, AccessMode::ReadOnly).unwrap();
     let _b = link.grant(&kv, &[0, 1, 2], AccessMode::ReadOnly).unwrap();
     std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Ownership hand-off: the blocks' memory moves to the other process without a copy.
+fn hand_off_between_processes() {
+    let s = start("p2p-adopt");
+    let backend = exportable();
+    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    scenario::hand_off_sender(&link, backend.clone());
+    assert!(
+        common::wait_for(s.child, 60).success(),
+        "adopting process failed"
+    );
+    assert_eq!(backend.physical_bytes().unwrap(), 0);
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn adopt_role() {
+    let backend = exportable();
+    let link = child_link("decode", backend.clone());
+    scenario::hand_off_receiver(&link, backend);
 }
