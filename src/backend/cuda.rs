@@ -467,7 +467,8 @@ impl Backend for CudaBackend {
             Ok(())
         };
         let copies: Vec<_> = copies.iter().copied().filter(|c| c.2 > 0).collect();
-        if copies.len() < 2 || !batch_copies_available() {
+        // The batch call takes no legacy default stream (handles 0 and 1): one by one there.
+        if copies.len() < 2 || stream <= 1 || !batch_copies_available() {
             return one_by_one(&copies);
         }
         self.bind()?;

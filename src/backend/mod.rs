@@ -316,8 +316,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Queue every copy of `copies` (`(dst, src, bytes)`) on `stream`, in stream order, as
     /// [`Backend::copy_async`] would one after the other; a backend may submit them as one
-    /// batch (CUDA: `cuMemcpyBatchAsync` where the driver has it). This default queues them
-    /// one by one.
+    /// batch (CUDA: `cuMemcpyBatchAsync` where the driver has it, on streams other than the
+    /// legacy default one). This default queues them one by one.
     ///
     /// # Safety
     /// As for [`Backend::copy_async`], for every copy; no destination overlaps another copy's

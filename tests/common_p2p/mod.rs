@@ -139,8 +139,8 @@ pub fn prefill(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
 }
 
 /// Decode: for every kind, refuse bad input before any copy, then copy the granted blocks into
-/// its own layout (fewer blocks, other indices) and check every byte.
-pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
+/// its own layout (fewer blocks, other indices) on `stream` and check every byte.
+pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize, stream: CopyStream) {
     assert_eq!(
         link.path().path,
         TransferPath::PeerImport,
@@ -156,7 +156,7 @@ pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
         let kv = layout(&pool, kind, config(DST_COUNT, inner));
         // Destination blocks not backed: refused, nothing copied.
         let e = g
-            .copy_into(&kv, &DST_BLOCKS, CopyStream::LEGACY)
+            .copy_into(&kv, &DST_BLOCKS, stream)
             .unwrap_err()
             .to_string();
         assert!(e.contains("is not backed"), "{e}");
@@ -166,24 +166,22 @@ pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
         // Another block size, another kind, another count: refused before any copy.
         let other = layout(&pool, kind, config(DST_COUNT, inner * 2));
         other.ensure_backed(DST_BLOCKS).expect("back");
-        match g.copy_into(&other, &DST_BLOCKS, CopyStream::LEGACY) {
+        match g.copy_into(&other, &DST_BLOCKS, stream) {
             Err(Error::LayoutMismatch { detail }) => assert!(detail.contains("bytes"), "{detail}"),
             other => panic!("block size mismatch: {other:?}"),
         }
         let other_kind = layout(&pool, KINDS[(round + 1) % 3], config(DST_COUNT, inner));
         other_kind.ensure_backed(DST_BLOCKS).expect("back");
         assert!(matches!(
-            g.copy_into(&other_kind, &DST_BLOCKS, CopyStream::LEGACY),
+            g.copy_into(&other_kind, &DST_BLOCKS, stream),
             Err(Error::LayoutMismatch { .. })
         ));
         assert!(matches!(
-            g.copy_into(&kv, &DST_BLOCKS[..5], CopyStream::LEGACY),
+            g.copy_into(&kv, &DST_BLOCKS[..5], stream),
             Err(Error::LayoutMismatch { .. })
         ));
         let len = contents(&kv, DST_BLOCKS[0]).len();
-        let done = g
-            .copy_into(&kv, &DST_BLOCKS, CopyStream::LEGACY)
-            .expect("copy");
+        let done = g.copy_into(&kv, &DST_BLOCKS, stream).expect("copy");
         // The destination is pinned until the copy completed.
         assert!(matches!(
             kv.release([DST_BLOCKS[1]]),

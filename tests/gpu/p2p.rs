@@ -93,7 +93,15 @@ fn child_role() {
     let backend = cuda(device);
     let link = PeerLink::connect(var("EVMM_SOCKET"), "decode", backend.clone()).unwrap();
     match role.as_str() {
-        "decode" => scenario::decode(&link, backend, INNER),
+        "decode" => {
+            // A stream of our own, so the copies go as one batch where the driver can.
+            let ctx = cudarc::driver::CudaContext::new(device as usize).unwrap();
+            let s = ctx.new_stream().unwrap();
+            // SAFETY: `s` outlives every completion of the scenario.
+            let stream = unsafe { CopyStream::from_raw(s.cu_stream() as u64) };
+            scenario::decode(&link, backend, INNER, stream);
+            s.synchronize().unwrap();
+        }
         "adopt" => scenario::hand_off_receiver(&link, backend),
         "copy-loop" => {
             let pool = scenario::pool(backend, "decode");
