@@ -281,7 +281,8 @@ impl Grant {
     /// Wait up to `timeout` for the receiver to let go (it released the grant, refused it, or
     /// exited); the blocks are unpinned then. A timeout is an error and changes nothing.
     pub fn wait_released(&self, timeout: Duration) -> Result<GrantStatus> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too long to add to now waits for good.
+        let deadline = Instant::now().checked_add(timeout);
         let (st, ok) = self.link.wait_until(deadline, |st| {
             st.out.get(&self.id).is_none_or(|g| g.status.is_final())
         });

@@ -164,11 +164,11 @@ impl LinkShared {
         }
     }
 
-    /// Wait on the condition variable until `ready` holds or `deadline` passes; returns the
-    /// lock and whether `ready` holds.
+    /// Wait on the condition variable until `ready` holds or `deadline` passes (`None`: no
+    /// deadline); returns the lock and whether `ready` holds.
     pub(crate) fn wait_until(
         &self,
-        deadline: Instant,
+        deadline: Option<Instant>,
         mut ready: impl FnMut(&LinkState) -> bool,
     ) -> (MutexGuard<'_, LinkState>, bool) {
         let mut st = self.state.lock();
@@ -176,9 +176,14 @@ impl LinkShared {
             if ready(&st) {
                 return (st, true);
             }
-            if self.changed.wait_until(&mut st, deadline).timed_out() {
-                let ok = ready(&st);
-                return (st, ok);
+            match deadline {
+                Some(d) => {
+                    if self.changed.wait_until(&mut st, d).timed_out() {
+                        let ok = ready(&st);
+                        return (st, ok);
+                    }
+                }
+                None => self.changed.wait(&mut st),
             }
         }
     }
@@ -427,7 +432,8 @@ impl PeerLink {
     /// chunks here (read-only where the backend allows). A grant that cannot be imported is
     /// refused back to the sender (which unpins its blocks) and the error comes back here.
     pub fn recv_grant(&self, timeout: Duration) -> Result<super::ImportedGrant> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too long to add to now waits for good.
+        let deadline = Instant::now().checked_add(timeout);
         let ready = {
             let (mut st, ok) = self
                 .shared
