@@ -305,8 +305,9 @@ impl ImportedGrant {
     /// Take the chunks of a hand-off ([`crate::p2p::PeerLink::hand_off`]) over without a
     /// copy: they are unmapped here and mapped under `dst_blocks` of `dst` (paired by
     /// position), charged to `dst`'s pool as if created here; the sender then releases its
-    /// blocks and lets go of the chunks. `dst` must be on the link's backend, its blocks
-    /// unbacked and owning whole pages of the same size.
+    /// blocks and lets go of the chunks. `dst` must be on the link's backend and the sender's
+    /// device, its blocks unbacked and owning whole pages of the same size. The grant is
+    /// consumed either way: after a refusal the sender keeps its blocks.
     ///
     /// Refused before anything changes: a copy grant, a sender gone or revoking, a layout
     /// mismatch, copies from this grant still in flight, another backend. A failure while
@@ -330,6 +331,13 @@ impl ImportedGrant {
             return Err(Error::InvalidArgument(
                 "adopted chunks are the link's backend's: build the layout's pool on the same backend (Arc) as the link".into(),
             ));
+        }
+        if link.peer.endpoint.device != dst.device() {
+            return Err(Error::InvalidArgument(format!(
+                "the chunks live on device {:?}, the layout on device {:?}: a hand-off stays on one device (copy across devices instead)",
+                link.peer.endpoint.device,
+                dst.device()
+            )));
         }
         let id = self.id;
         let Some(mapping) = Arc::get_mut(&mut self.mapping) else {
