@@ -4,11 +4,13 @@
 //! layout. Against a raw device copy of the same imported memory between the same two
 //! processes (one `cuMemcpyDtoDAsync` of the whole mapping: the floor; target >= 0.9x), on one
 //! GPU and, when there are two, from GPU 0 to GPU 1 (peer access on the imports). Block sizes
-//! 64 KiB to 16 MiB; layouts fully contiguous and layer separate (32 layers, K and V: 64 spans
-//! per block), the latter also with scattered destinations, where no run merges and every
+//! 64 KiB to 16 MiB; layouts fully contiguous and layer separate (32 layers, block first: 32
+//! spans per block), the latter also with scattered destinations, where no run merges and every
 //! span is its own copy (batched with `cuMemcpyBatchAsync` where the driver has it).
 //!
-//! NIXL is not measured here: with the `nixl` feature, `gpu-tests --test-threads=1 nixl::` and
+//! NIXL is not measured here: with the `nixl` feature,
+//! `gpu-tests --test-threads=1 --nocapture nixl::vram_vmm_against_cumemalloc` (two agents, one
+//! process, VMM blocks against `cuMemAlloc` memory) and
 //! `../shared/tools/nixl_2proc_probe.py` give its figures on the same machine (0.5 GB/s for VMM
 //! memory between processes, 1378 GB/s for plain memory on the H100).
 

@@ -38,7 +38,9 @@ impl PeerLink {
     /// a block out of range or not backed.
     ///
     /// The chunks are whole pages: a page shared with a block not granted is readable by the
-    /// peer too. The sender must not write granted blocks until the grant is final
+    /// peer too. The blocks' bytes must be complete when granting (on a GPU: synchronize the
+    /// streams that wrote them; a host-to-device copy from pageable memory may return before
+    /// its DMA landed), and the sender must not write granted blocks until the grant is final
     /// ([`Grant::wait_released`], [`Grant::revoke`]): the receiver reads them meanwhile.
     pub fn grant(
         &self,

@@ -78,6 +78,14 @@ pub fn fill(kv: &ElasticLayout, block: usize, seed: u64) {
     }
 }
 
+/// Wait until writes queued on the device have landed (a host-to-device copy from pageable
+/// memory may return before its DMA finished): a grant promises complete bytes.
+pub fn settle(backend: &Arc<dyn Backend>) {
+    if backend.info().memory_kind == elastic_vmm::MemoryKind::Device {
+        backend.synchronize(1).expect("synchronize");
+    }
+}
+
 /// The bytes of `block`, spans in order.
 pub fn contents(kv: &ElasticLayout, block: usize) -> Vec<u8> {
     let mut out = vec![0u8; block_len(kv, block)];
@@ -99,7 +107,7 @@ pub fn prefill(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
         "{:?}",
         link.path()
     );
-    let pool = pool(backend, "prefill");
+    let pool = pool(backend.clone(), "prefill");
     for (round, kind) in KINDS.into_iter().enumerate() {
         let kv = layout(&pool, kind, config(SRC_COUNT, inner));
         // An unbacked block is refused before anything is exported or sent.
@@ -113,6 +121,7 @@ pub fn prefill(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
         for b in SRC_BLOCKS {
             fill(&kv, b, round as u64);
         }
+        settle(&backend);
         let g = link
             .grant(&kv, &SRC_BLOCKS, AccessMode::ReadOnly)
             .expect("grant");
@@ -223,11 +232,12 @@ pub fn page_config(num_blocks: usize) -> LayoutConfig {
 /// Hand-off, sending side: blocks 2 and 5 go to the peer without a copy; afterwards they are
 /// released here, their chunks let go (not cached), and nothing was created on the way.
 pub fn hand_off_sender(link: &PeerLink, backend: Arc<dyn Backend>) {
-    let pool = pool(backend, "prefill");
+    let pool = pool(backend.clone(), "prefill");
     let kv = layout(&pool, LayoutKind::FullyContiguous, page_config(8));
     kv.ensure_backed([2, 5]).expect("back");
     fill(&kv, 2, 7);
     fill(&kv, 5, 7);
+    settle(&backend);
     let g = link.hand_off(&kv, &[2, 5]).expect("hand off");
     assert_eq!(
         g.wait_released(WAIT).expect("adopted"),
