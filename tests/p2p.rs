@@ -136,7 +136,7 @@ fn revoke_before_and_after_import() {
         .copy_into(&dst, &[5, 6], CopyStream::LEGACY)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("block 6 is being written"), "{e}");
+    assert!(e.contains("another p2p copy is writing"), "{e}");
     first.wait().unwrap();
     i3.copy_into(&dst, &[5, 6], CopyStream::LEGACY)
         .unwrap()
@@ -382,4 +382,66 @@ fn hand_off_races_release() {
         dst.release([0, 1]).unwrap();
     }
     assert!(refused > 0);
+}
+
+/// Any mapped range of a pool (here a region's) granted, copied into a range of the
+/// receiver's pool; unmapping either while in use is refused.
+#[test]
+fn ranges_are_granted_and_copied() {
+    const G: u64 = DEFAULT_GRANULARITY as u64;
+    let (s, r) = (exportable(), exportable());
+    let (p, d) = pair(s.clone(), r.clone());
+    let sp = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let rp = Pool::new(r, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let region = sp.reserve_region(8 * G).unwrap();
+    region.map(G, 3 * G).unwrap();
+    let data: Vec<u8> = (0..3 * G).map(|i| (i % 251) as u8).collect();
+    // SAFETY: mapped above; nothing else uses it.
+    unsafe { region.write(G, &data).unwrap() };
+    // Unmapped, or cutting a chunk: refused before anything is pinned or sent.
+    let e = p
+        .grant_range(&sp, region.offset(), G, AccessMode::ReadOnly)
+        .unwrap_err();
+    assert!(matches!(e, Error::RangeNotMapped { .. }), "{e}");
+    region.map_chunked(5 * G, 2 * G, 2 * G).unwrap();
+    let e = p
+        .grant_range(&sp, region.offset() + 5 * G, G, AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("whole chunks"), "{e}");
+    assert_eq!(p.stats().grants_out, 0);
+    let g = p
+        .grant_range(&sp, region.offset() + G, 3 * G, AccessMode::ReadOnly)
+        .unwrap();
+    // Pinned for the peer.
+    assert!(matches!(region.unmap(G, G), Err(Error::RangeInUse { .. })));
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks(), &[0]);
+    rp.map(0, 6 * G).unwrap();
+    let done = imp.copy_to(&rp, G, CopyStream::LEGACY).unwrap();
+    // Overlapping destinations at once: refused; the destination is pinned meanwhile.
+    let e = imp
+        .copy_to(&rp, 0, CopyStream::LEGACY)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another p2p copy is writing"), "{e}");
+    assert!(matches!(rp.unmap(G, G), Err(Error::RangeInUse { .. })));
+    let report = done.wait().unwrap();
+    assert_eq!((report.bytes, report.copies), (3 * G, 1));
+    let mut got = vec![0u8; (3 * G) as usize];
+    // SAFETY: mapped above, the copy completed, nobody writes it.
+    unsafe { rp.backend().read(rp.base() + G, &mut got).unwrap() };
+    assert!(got == data, "the range arrived byte for byte");
+    // A range beyond what is mapped here: refused.
+    assert!(matches!(
+        imp.copy_to(&rp, 4 * G, CopyStream::LEGACY),
+        Err(Error::RangeNotMapped { .. })
+    ));
+    drop(imp);
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    region.unmap(G, 3 * G).unwrap();
+    rp.unmap(0, 6 * G).unwrap();
 }

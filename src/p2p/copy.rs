@@ -2,7 +2,7 @@
 //! completion to wait on. Runs of consecutive bytes on both sides are merged, so a layer-
 //! separate layout's many small spans per block become as few copies as the two layouts allow.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,38 +15,55 @@ use crate::backend::{Backend, MemoryKind};
 use crate::backing::BlockPin;
 use crate::error::{Error, Result};
 use crate::layout::{ElasticLayout, LayoutConfig};
+use crate::pool::RangePin;
+use crate::Pool;
 
-/// Destination blocks some copy is writing now, by layout (its reservation's address, which
-/// stays its own while the copy's pin keeps the layout's memory) and block. Two copies into one
-/// block at once would race; the second is refused. A leaf lock: bookkeeping only.
-static WRITING: Mutex<BTreeSet<(u64, usize)>> = Mutex::new(BTreeSet::new());
+/// Destination bytes some copy is writing now, as address intervals (`start -> end`), which
+/// stay the copy's own while its pin keeps the memory. Two copies into overlapping bytes at
+/// once would race; the second is refused. A leaf lock: bookkeeping only.
+static WRITING: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
 
-/// Blocks claimed in [`WRITING`] for one copy, let go on drop.
+/// Destination intervals claimed in [`WRITING`] for one copy, let go on drop.
 struct WriteClaim {
-    keys: Vec<(u64, usize)>,
+    starts: Vec<u64>,
 }
 
 impl WriteClaim {
-    fn take(layout: u64, blocks: &[usize]) -> Result<WriteClaim> {
-        let keys: Vec<(u64, usize)> = blocks.iter().map(|&b| (layout, b)).collect();
+    /// Claim `ops`' destinations (sorted by destination, not overlapping one another).
+    fn take(ops: &[(u64, u64, u64)]) -> Result<WriteClaim> {
         let mut w = WRITING.lock();
-        if let Some(&(_, b)) = keys.iter().find(|k| w.contains(k)) {
-            return Err(Error::InvalidArgument(format!(
-                "destination block {b} is being written by another p2p copy: wait for its completion first"
-            )));
+        for &(d, _, len) in ops {
+            let end = d + len;
+            if let Some((&s, &e)) = w.range(..end).next_back() {
+                if e > d {
+                    return Err(Error::InvalidArgument(format!(
+                        "destination bytes [{d:#x}, {end:#x}) overlap [{s:#x}, {e:#x}), which another p2p copy is writing: wait for its completion first"
+                    )));
+                }
+            }
         }
-        w.extend(keys.iter().copied());
-        Ok(WriteClaim { keys })
+        for &(d, _, len) in ops {
+            w.insert(d, d + len);
+        }
+        Ok(WriteClaim {
+            starts: ops.iter().map(|o| o.0).collect(),
+        })
     }
 }
 
 impl Drop for WriteClaim {
     fn drop(&mut self) {
         let mut w = WRITING.lock();
-        for k in &self.keys {
-            w.remove(k);
+        for s in &self.starts {
+            w.remove(s);
         }
     }
+}
+
+/// What a copy holds on its destination until the copies ran.
+enum DstPin {
+    Blocks { _pin: BlockPin },
+    Range { _pin: RangePin },
 }
 
 /// The GPU stream copies are queued on (ignored on the host backend, which copies at once).
@@ -99,7 +116,7 @@ pub struct Completion {
     backend: Arc<dyn Backend>,
     stream: u64,
     memory: MemoryKind,
-    held: Option<(Arc<ImportMapping>, BlockPin, WriteClaim)>,
+    held: Option<(Arc<ImportMapping>, DstPin, WriteClaim)>,
     report: CopyReport,
     started: Instant,
 }
@@ -159,7 +176,6 @@ impl ImportedGrant {
         }
         let holder = format!("p2p copy of grant {} from {}", self.id, link.peer.name);
         let pin = dst.pin(dst_blocks.iter().copied(), &holder)?;
-        let claim = WriteClaim::take(dst.addr(), dst_blocks)?;
         // (dst, src, len), merged where both sides continue.
         let mut ops: Vec<(u64, u64, u64)> = Vec::new();
         let mut spans = 0usize;
@@ -191,6 +207,65 @@ impl ImportedGrant {
                 ops.push((d.addr, s.addr, d.len));
             }
         }
+        let backend = dst.backing().pool().backend().clone();
+        self.launch(
+            backend,
+            dst.memory_kind(),
+            stream,
+            DstPin::Blocks { _pin: pin },
+            ops,
+            (dst_blocks.len(), spans, bytes),
+        )
+    }
+
+    /// Copy every granted byte, block after block and span after span, packed into
+    /// `[offset, offset + bytes)` of `pool`'s reservation, which must be mapped through the
+    /// range API (the pool's own, or a [`crate::Region`]'s at its offset plus the offset in
+    /// it): the grant of a range ([`crate::p2p::PeerLink::grant_range`]) lands as it was. The
+    /// range is pinned against unmapping until the copies ran; queued on `stream` as for
+    /// [`ImportedGrant::copy_into`].
+    pub fn copy_to(&self, pool: &Pool, offset: u64, stream: CopyStream) -> Result<Completion> {
+        self.check_usable("copy")?;
+        let bytes: u64 = self.spans.iter().flatten().map(|v| v.len).sum();
+        let src_info = self.mapping.backend().info();
+        let info = pool.backend_info();
+        if info.memory_kind != src_info.memory_kind
+            || info.device_ordinal != src_info.device_ordinal
+        {
+            return Err(Error::InvalidArgument(format!(
+                "the grant is mapped for {:?} memory of device {:?}, the pool holds {:?} memory of device {:?}",
+                src_info.memory_kind, src_info.device_ordinal, info.memory_kind, info.device_ordinal
+            )));
+        }
+        let pin = pool.pin_range(offset, bytes)?;
+        let mut ops = Vec::new();
+        let mut at = pool.base() + offset;
+        let mut spans = 0;
+        for s in self.spans.iter().flatten() {
+            ops.push((at, s.addr, s.len));
+            at += s.len;
+            spans += 1;
+        }
+        self.launch(
+            pool.backend().clone(),
+            info.memory_kind,
+            stream,
+            DstPin::Range { _pin: pin },
+            ops,
+            (self.blocks.len(), spans, bytes),
+        )
+    }
+
+    /// Merge, claim and queue `ops` (`(dst, src, len)`), the destination held by `pin`.
+    fn launch(
+        &self,
+        backend: Arc<dyn Backend>,
+        memory: MemoryKind,
+        stream: CopyStream,
+        pin: DstPin,
+        mut ops: Vec<(u64, u64, u64)>,
+        (blocks, spans, bytes): (usize, usize, u64),
+    ) -> Result<Completion> {
         // In destination order, runs that continue on both sides become one copy (a
         // layer-separate layout's spans of consecutive blocks, layer by layer).
         ops.sort_unstable();
@@ -202,8 +277,8 @@ impl ImportedGrant {
             }
         }
         let ops = merged;
-        let backend = dst.backing().pool().backend().clone();
-        let memory = dst.memory_kind();
+        let claim = WriteClaim::take(&ops)?;
+        let link = &self.mapping.link;
         let started = Instant::now();
         let mut completion = Completion {
             backend: backend.clone(),
@@ -212,7 +287,7 @@ impl ImportedGrant {
             held: Some((self.mapping.clone(), pin, claim)),
             report: CopyReport {
                 bytes,
-                blocks: dst_blocks.len(),
+                blocks,
                 spans,
                 copies: ops.len(),
                 path: TransferPath::PeerImport,
@@ -228,7 +303,7 @@ impl ImportedGrant {
                 .collect();
             // SAFETY: every range is mapped with access on this device and stays so until
             // `completion` has synchronized the stream; sources and destinations lie in
-            // different mappings, and destinations are distinct blocks (checked), so nothing
+            // different mappings, and destinations do not overlap (claimed), so nothing
             // overlaps; the stream is the legacy one or one the caller vouched for in
             // `CopyStream::from_raw`.
             if let Err(e) = unsafe { backend.copy_batch_async(&batch, stream.raw()) } {
@@ -242,7 +317,7 @@ impl ImportedGrant {
             for &(d, s, len) in &ops {
                 // SAFETY: `s..s + len` lies in the grant's mapping (located when it was
                 // imported), readable and kept mapped by `completion`; `d..d + len` lies in
-                // pinned, backed blocks of `dst`, mapped read-write; the two are different
+                // pinned destination memory, mapped read-write; the two are different
                 // mappings so they do not overlap. Other use of the destination is excluded by
                 // the contracts of the layout's unsafe reads and writes.
                 unsafe {
@@ -253,7 +328,7 @@ impl ImportedGrant {
         if memory == MemoryKind::Host {
             completion.report.elapsed = started.elapsed();
         }
-        tracing::debug!(peer = %link.peer.name, grant = self.id, blocks = dst_blocks.len(), spans, copies = ops.len(), bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
+        tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies = ops.len(), bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
         Ok(completion)
     }
 }

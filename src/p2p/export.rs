@@ -8,13 +8,14 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::link::{send, GrantStatus, LinkShared, OutGrant, PeerLink};
+use super::link::{send, GrantPin, GrantStatus, LinkShared, OutGrant, PeerLink};
 use super::wire::{GrantMode, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
 use crate::backend::{AccessMode, PhysicalChunk};
 use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
 use crate::ipc::{FrameWriter, MAX_FDS};
-use crate::layout::ElasticLayout;
+use crate::layout::{ElasticLayout, LayoutConfig, LayoutKind};
+use crate::Pool;
 
 /// A grant as its sender holds it. Dropping the handle does not end the grant: the blocks stay
 /// pinned until the receiver lets go (or exits).
@@ -93,9 +94,6 @@ impl PeerLink {
         mode: GrantMode,
     ) -> Result<Grant> {
         let link = self.shared();
-        if let Some(why) = link.state.lock().closed.clone() {
-            return Err(link.peer_error("grant", format!("link closed: {why}")));
-        }
         if blocks.is_empty() || blocks.len() > MAX_GRANT_BLOCKS {
             return Err(Error::InvalidArgument(format!(
                 "a grant holds 1 to {MAX_GRANT_BLOCKS} blocks, {} given",
@@ -104,28 +102,7 @@ impl PeerLink {
         }
         let backing = layout.backing();
         let pool = backing.pool();
-        let info = pool.backend_info();
-        if !info.posix_fd_exportable {
-            return Err(Error::InvalidArgument(format!(
-                "the layout's memory ({} backend, {}) cannot be exported as POSIX descriptors: {}",
-                info.name,
-                info.device_name,
-                if info.name == "host" {
-                    "create the host backend with ChunkFiles::PerChunk"
-                } else {
-                    "the device has no POSIX-fd handles; move blocks with NIXL"
-                }
-            )));
-        }
-        if info.memory_kind != link.peer.endpoint.memory {
-            return Err(link.peer_error(
-                "grant",
-                format!(
-                    "the layout holds {:?} memory, the peer maps {:?} memory ({})",
-                    info.memory_kind, link.peer.endpoint.memory, link.path.reason
-                ),
-            ));
-        }
+        self.check_exportable(pool)?;
         let id = {
             let mut st = link.state.lock();
             st.next_grant += 1;
@@ -154,10 +131,118 @@ impl PeerLink {
                 chunks.extend(under);
             }
         }
+        let layout_desc = WireLayout::of(layout.config(), layout.kind());
+        let wire_blocks: Vec<u64> = blocks.iter().map(|&b| b as u64).collect();
+        self.send_out(
+            id,
+            GrantPin::Blocks(pin),
+            pool,
+            chunks,
+            (mode, access),
+            layout_desc,
+            wire_blocks,
+        )
+    }
+
+    /// Grant the peer `access` to `[offset, offset + len)` of `pool`'s reservation, mapped
+    /// through the range API (the pool's own [`Pool::map`], or a [`crate::Region`]'s: its
+    /// [`crate::Region::offset`] plus the offset in it) and made of whole chunks: the range is
+    /// pinned against unmapping until the receiver lets go. The receiver sees it as one block
+    /// of `len` bytes (a fully contiguous layout of one block, one layer, `len` one-byte
+    /// elements) and copies it with [`crate::p2p::ImportedGrant::copy_to`].
+    pub fn grant_range(
+        &self,
+        pool: &Pool,
+        offset: u64,
+        len: u64,
+        access: AccessMode,
+    ) -> Result<Grant> {
+        self.check_exportable(pool)?;
+        let inner = usize::try_from(len)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or(Error::ZeroSize {
+                what: "granted range",
+            })?;
+        let link = self.shared();
+        let id = {
+            let mut st = link.state.lock();
+            st.next_grant += 1;
+            st.next_grant
+        };
+        let pin = pool.pin_range(offset, len)?;
+        let end = offset + len;
+        let under = pool.placed_chunks_in(offset, len);
+        let first = under.first().map_or(offset, |(o, _)| *o);
+        let last = under.last().map_or(offset, |(o, c)| o + c.size as u64);
+        if first != offset || last != end {
+            return Err(Error::InvalidArgument(format!(
+                "[{offset:#x}, {end:#x}) is not made of whole chunks: the chunks under it span [{first:#x}, {last:#x}); grant whole chunks"
+            )));
+        }
+        let chunks: BTreeMap<u64, PhysicalChunk> =
+            under.into_iter().map(|(o, c)| (o - offset, c)).collect();
+        let shape = LayoutConfig::new(1, 1, 1, 1, inner, 1);
+        self.send_out(
+            id,
+            GrantPin::Range(pin),
+            pool,
+            chunks,
+            (GrantMode::Copy, access),
+            WireLayout::of(&shape, LayoutKind::FullyContiguous),
+            vec![0],
+        )
+    }
+
+    /// Refuse memory that cannot go to this peer: a closed link, memory that cannot be
+    /// exported, or of another kind than the peer maps.
+    fn check_exportable(&self, pool: &Pool) -> Result<()> {
+        let link = self.shared();
+        if let Some(why) = link.state.lock().closed.clone() {
+            return Err(link.peer_error("grant", format!("link closed: {why}")));
+        }
+        let info = pool.backend_info();
+        if !info.posix_fd_exportable {
+            return Err(Error::InvalidArgument(format!(
+                "the layout's memory ({} backend, {}) cannot be exported as POSIX descriptors: {}",
+                info.name,
+                info.device_name,
+                if info.name == "host" {
+                    "create the host backend with ChunkFiles::PerChunk"
+                } else {
+                    "the device has no POSIX-fd handles; move blocks with NIXL"
+                }
+            )));
+        }
+        if info.memory_kind != link.peer.endpoint.memory {
+            return Err(link.peer_error(
+                "grant",
+                format!(
+                    "the layout holds {:?} memory, the peer maps {:?} memory ({})",
+                    info.memory_kind, link.peer.endpoint.memory, link.path.reason
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Export `chunks` (offsets relative to the granted range's origin), record the grant
+    /// with its pin, and send it.
+    #[allow(clippy::too_many_arguments)]
+    fn send_out(
+        &self,
+        id: u64,
+        pin: GrantPin,
+        pool: &Pool,
+        chunks: BTreeMap<u64, PhysicalChunk>,
+        (mode, access): (GrantMode, AccessMode),
+        layout_desc: WireLayout,
+        wire_blocks: Vec<u64>,
+    ) -> Result<Grant> {
+        let link = self.shared();
         if chunks.len() > MAX_GRANT_CHUNKS {
             return Err(Error::InvalidArgument(format!(
-                "the {} blocks lie on {} chunks; a grant holds at most {MAX_GRANT_CHUNKS}: grant fewer blocks at a time",
-                blocks.len(),
+                "the memory granted lies on {} chunks; a grant holds at most {MAX_GRANT_CHUNKS}: grant less at a time",
                 chunks.len()
             )));
         }
@@ -168,6 +253,7 @@ impl PeerLink {
         }
         let bytes: u64 = chunks.values().map(|c| c.size as u64).sum();
         let count = fds.len();
+        let blocks = wire_blocks.len();
         link.state.lock().out.insert(
             id,
             OutGrant {
@@ -177,8 +263,6 @@ impl PeerLink {
                 detached: false,
             },
         );
-        let layout_desc = WireLayout::of(layout.config(), layout.kind());
-        let wire_blocks: Vec<u64> = blocks.iter().map(|&b| b as u64).collect();
         if let Err(e) = send_grant(
             self.writer(),
             id,
@@ -194,14 +278,14 @@ impl PeerLink {
             link.shutdown();
             return Err(e);
         }
-        tracing::debug!(peer = %link.peer.name, grant = id, blocks = blocks.len(), chunks = count, bytes, ?access, path = %link.path.path, "blocks granted");
+        tracing::debug!(peer = %link.peer.name, grant = id, blocks, chunks = count, bytes, ?access, ?mode, path = %link.path.path, "granted");
         Ok(Grant {
             link: link.clone(),
             writer: self.writer().clone(),
             id,
             bytes,
             chunks: count,
-            blocks: blocks.len(),
+            blocks,
         })
     }
 }

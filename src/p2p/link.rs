@@ -24,6 +24,7 @@ use crate::backend::{AccessMode, Backend};
 use crate::backing::BlockPin;
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials};
+use crate::pool::RangePin;
 
 /// How long the hello may take.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -113,9 +114,17 @@ pub(crate) struct ReadyGrant {
     pub(crate) chunks: Vec<InChunk>,
 }
 
+/// What a grant holds on the sender's memory.
+pub(crate) enum GrantPin {
+    /// Blocks of a layout.
+    Blocks(BlockPin),
+    /// A mapped range of a pool.
+    Range(RangePin),
+}
+
 /// A grant sent: the pins on its blocks until the receiver lets go.
 pub(crate) struct OutGrant {
-    pub(crate) pin: Option<BlockPin>,
+    pub(crate) pin: Option<GrantPin>,
     pub(crate) bytes: u64,
     pub(crate) status: GrantStatus,
     /// The [`crate::p2p::Grant`] handle is gone: forget the entry once final.
@@ -200,6 +209,21 @@ impl LinkShared {
             return;
         };
         // Driver calls, with no lock held.
+        let pin = match pin {
+            GrantPin::Blocks(p) => p,
+            GrantPin::Range(p) => {
+                // Only blocks are handed off: a peer saying otherwise gets the range back.
+                tracing::warn!(peer = %self.peer.name, grant = id, "adoption of a range grant ignored");
+                let mut st = self.state.lock();
+                if let Some(g) = st.out.get_mut(&id) {
+                    g.status = GrantStatus::Released;
+                }
+                drop(st);
+                drop(p);
+                self.changed.notify_all();
+                return;
+            }
+        };
         let (status, keep) = match pin.release_as(crate::pool::ChunkFate::Release) {
             Ok(change) => {
                 tracing::debug!(peer = %self.peer.name, grant = id, blocks = change.blocks, bytes = change.bytes, "blocks handed off");
@@ -208,7 +232,10 @@ impl LinkShared {
             Err(refused) => {
                 let (e, pin) = *refused;
                 tracing::error!(peer = %self.peer.name, grant = id, error = %e, "releasing handed-off blocks failed; they stay pinned");
-                (GrantStatus::HandOffStuck(e.to_string()), Some(pin))
+                (
+                    GrantStatus::HandOffStuck(e.to_string()),
+                    Some(GrantPin::Blocks(pin)),
+                )
             }
         };
         let mut st = self.state.lock();
@@ -670,7 +697,7 @@ impl Reader {
         };
         tracing::info!(peer = %self.shared.peer.name, pid = self.shared.peer.credentials.pid, "waiting for the peer's process to exit before unpinning its grants");
         wait_exit(pidfd);
-        let pins: Vec<BlockPin> = {
+        let pins: Vec<GrantPin> = {
             let mut st = self.shared.state.lock();
             let mut pins = Vec::new();
             for g in st.out.values_mut() {

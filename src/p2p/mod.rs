@@ -18,6 +18,9 @@
 //! grant.wait_released(timeout)               (pins dropped)
 //! ```
 //!
+//! Any mapped range of a pool goes the same way ([`PeerLink::grant_range`],
+//! [`ImportedGrant::copy_to`]).
+//!
 //! Ownership hand-off ([`PeerLink::hand_off`], [`ImportedGrant::adopt_into`]): the chunks
 //! become the receiver's, mapped under its blocks and charged to its pool; the sender releases
 //! its blocks and lets go of the chunks without caching them.

@@ -23,3 +23,40 @@ impl Pool {
             .collect()
     }
 }
+
+/// A range of a pool pinned against unmapping (the range API's pins, as a copy through a
+/// [`crate::Region`] takes them) for as long as it lives; it keeps the pool alive.
+pub(crate) struct RangePin {
+    pool: Pool,
+    offset: u64,
+    len: u64,
+}
+
+impl Pool {
+    /// Pin `[offset, offset + len)` of the reservation, which must be mapped through the range
+    /// API (a [`crate::Region`]'s or the pool's own), against unmapping.
+    pub(crate) fn pin_range(&self, offset: u64, len: u64) -> crate::Result<RangePin> {
+        self.inner().pin(offset, len)?;
+        Ok(RangePin {
+            pool: self.clone(),
+            offset,
+            len,
+        })
+    }
+}
+
+impl Drop for RangePin {
+    fn drop(&mut self) {
+        self.pool.inner().unpin(self.offset, self.len);
+    }
+}
+
+impl std::fmt::Debug for RangePin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RangePin")
+            .field("pool", &self.pool.name())
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}

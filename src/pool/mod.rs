@@ -51,6 +51,7 @@ pub use config::{PoolConfig, DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_
 pub use region::Region;
 
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
+pub(crate) use export::RangePin;
 pub(crate) use giveback::TrimScope;
 pub(crate) use ranges::{ChunkFate, Space};
 use state::State;
