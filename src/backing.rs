@@ -52,8 +52,9 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::backend::MemoryKind;
+use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
-use crate::pool::{ChunkSpan, Pool, Region};
+use crate::pool::{ChunkFate, ChunkSpan, Pool, Region};
 
 /// Where each block's bytes lie inside a region.
 pub trait BlockGeometry: Send + Sync {
@@ -293,6 +294,10 @@ pub struct BlockPin {
 /// Lets a pin go without knowing the geometry type.
 trait PinTarget: Send + Sync {
     fn unpin(&self, id: u64);
+
+    /// Release the pin's blocks (pinned by it alone) and drop the pin in one critical section;
+    /// unmapped chunks go where `fate` says.
+    fn release_pinned(&self, id: u64, blocks: &[usize], fate: ChunkFate) -> Result<BackingChange>;
 }
 
 mod refused {
@@ -440,6 +445,30 @@ impl<G: BlockGeometry> BlockBacking<G> {
         self.core.region.chunks_in(at, len)
     }
 
+    /// The chunks mapped under `[at, at + len)` of the region with their handles (offsets
+    /// relative to the region), for export to another process ([`crate::p2p`]).
+    pub(crate) fn placed_chunks_in(
+        &self,
+        at: u64,
+        len: u64,
+    ) -> Vec<(u64, crate::backend::PhysicalChunk)> {
+        let region = &self.core.region;
+        let Some(end) = at.checked_add(len).filter(|&e| e <= region.len()) else {
+            return Vec::new();
+        };
+        region
+            .pool()
+            .placed_chunks_in(region.offset() + at, end - at)
+            .into_iter()
+            .map(|(o, c)| (o - region.offset(), c))
+            .collect()
+    }
+
+    /// The pool the region lies in.
+    pub(crate) fn pool(&self) -> &Pool {
+        self.core.region.pool()
+    }
+
     /// Bytes of the region mapped now as the pool sees it (equals `stats().mapped_bytes`
     /// except while an operation is in flight).
     pub fn region_mapped_bytes(&self) -> u64 {
@@ -521,6 +550,19 @@ impl<G: BlockGeometry> BlockBacking<G> {
         self.core.release(blocks)
     }
 
+    /// Back `blocks` with chunks imported from another process instead of new ones:
+    /// `placed` are `(offset in the region, chunk)` tiling exactly the pages under the blocks,
+    /// which must be unbacked and touch no page any other backed block uses. The chunks are
+    /// charged to the pool as if created here, and consumed whatever happens: on failure
+    /// nothing changes and every chunk is released by this process.
+    pub(crate) fn adopt(
+        &self,
+        blocks: &[usize],
+        placed: Vec<(u64, PhysicalChunk)>,
+    ) -> Result<BackingChange> {
+        self.core.adopt(blocks, placed)
+    }
+
     /// Unmap mapped pages that no backed block touches (left behind by a failed unmap).
     pub fn unmap_unused(&self) -> u64 {
         let to_unmap = {
@@ -528,7 +570,7 @@ impl<G: BlockGeometry> BlockBacking<G> {
             let n = st.refs.len();
             Core::<G>::claim_unused(&mut st, 0..n)
         };
-        self.core.unmap_claimed(&to_unmap)
+        self.core.unmap_claimed(&to_unmap, ChunkFate::Cache)
     }
 
     /// Runs of mapped pages as `(offset, len)` relative to the region.
@@ -826,6 +868,175 @@ impl<G: BlockGeometry> Core<G> {
         })
     }
 
+    fn adopt(&self, blocks: &[usize], placed: Vec<(u64, PhysicalChunk)>) -> Result<BackingChange> {
+        let backend = self.region.pool().backend().clone();
+        let release = |chunks: &mut dyn Iterator<Item = PhysicalChunk>| {
+            for c in chunks {
+                // SAFETY: imported chunks handed to us, mapped nowhere, not taken by the pool.
+                if let Err(e) = unsafe { backend.release(c) } {
+                    tracing::error!(error = %e, "releasing an imported chunk failed");
+                }
+            }
+        };
+        let checked = self.checked(blocks.iter().copied()).and_then(|set| {
+            if set.len() != blocks.len() {
+                return Err(Error::InvalidArgument(
+                    "a block is listed twice for adoption".into(),
+                ));
+            }
+            let per_block = self.pages_per_block(&set)?;
+            Ok((set, per_block))
+        });
+        let (set, per_block) = match checked {
+            Ok(v) => v,
+            Err(e) => {
+                release(&mut placed.into_iter().map(|(_, c)| c));
+                return Err(e);
+            }
+        };
+        let pages: BTreeSet<usize> = per_block
+            .iter()
+            .flat_map(|(_, p)| p.iter().copied())
+            .collect();
+        // The chunks must tile the pages exactly, none crossing a page boundary.
+        let mut runs_of: Vec<(u64, Vec<PhysicalChunk>)> = Vec::new();
+        let mut it = placed.iter().peekable();
+        let mut tiling = Ok(());
+        for (first, last) in runs(&pages) {
+            let (start, end) = (first as u64 * self.page, (last as u64 + 1) * self.page);
+            let mut at = start;
+            let mut chunks = Vec::new();
+            while at < end {
+                match it.next() {
+                    Some(&(o, c)) if o == at && (o % self.page) + c.size as u64 <= self.page => {
+                        chunks.push(c);
+                        at += c.size as u64;
+                    }
+                    other => {
+                        tiling = Err(Error::InvalidArgument(format!(
+                            "adopted chunks do not tile the pages under the blocks: at region offset {at:#x} (pages of {} bytes) came {other:?}",
+                            self.page
+                        )));
+                        break;
+                    }
+                }
+            }
+            if tiling.is_err() {
+                break;
+            }
+            runs_of.push((start, chunks));
+        }
+        if tiling.is_ok() && it.peek().is_some() {
+            tiling = Err(Error::InvalidArgument(format!(
+                "{} adopted chunks lie outside the pages under the blocks",
+                it.count()
+            )));
+        }
+        if let Err(e) = tiling {
+            release(&mut placed.into_iter().map(|(_, c)| c));
+            return Err(e);
+        }
+        drop(placed);
+        {
+            let mut st = self.wait_until(|st| {
+                pages.iter().all(|&p| !st.busy[p])
+                    && set.iter().all(|&b| st.blocks[b] != BlockState::Claimed)
+            });
+            let refused = if let Some(&b) =
+                set.iter().find(|&&b| st.blocks[b] != BlockState::Unbacked)
+            {
+                Some(format!(
+                    "block {b} is backed already: its memory cannot be adopted"
+                ))
+            } else {
+                pages.iter().find(|&&p| st.refs[p] > 0 || st.mapped[p]).map(|&p| {
+                    format!("page {p} under the blocks is mapped or used by another block: adopt whole pages of the blocks' own")
+                })
+            };
+            if let Some(why) = refused {
+                drop(st);
+                release(&mut runs_of.into_iter().flat_map(|(_, c)| c));
+                return Err(Error::InvalidArgument(why));
+            }
+            for (b, block_pages) in &per_block {
+                st.blocks[*b] = BlockState::Claimed;
+                for &p in block_pages {
+                    st.refs[p] += 1;
+                }
+            }
+            for &p in &pages {
+                st.busy[p] = true;
+            }
+        }
+        let mut done: Vec<(u64, u64)> = Vec::new();
+        let mut failure = None;
+        let mut runs_left = runs_of.into_iter();
+        for (at, chunks) in runs_left.by_ref() {
+            let len: u64 = chunks.iter().map(|c| c.size as u64).sum();
+            if let Err(e) = self.region.adopt(at, chunks) {
+                failure = Some(e);
+                break;
+            }
+            if let Some(hook) = &self.hook {
+                if let Err(e) = hook.mapped(self.info(), at, len) {
+                    if let Err(u) = self.region.unmap_releasing(at, len) {
+                        tracing::error!(at, len, error = %u, "unmap during rollback failed");
+                    }
+                    failure = Some(e);
+                    break;
+                }
+            }
+            done.push((at, len));
+        }
+        if let Some(e) = failure {
+            release(&mut runs_left.flat_map(|(_, c)| c));
+            for &(at, len) in &done {
+                if let Some(hook) = &self.hook {
+                    hook.unmapping(self.info(), at, len);
+                }
+                if let Err(u) = self.region.unmap_releasing(at, len) {
+                    tracing::error!(at, len, error = %u, "unmap during rollback failed");
+                }
+            }
+            let mut st = self.state.lock();
+            for (b, block_pages) in &per_block {
+                st.blocks[*b] = BlockState::Unbacked;
+                for &p in block_pages {
+                    st.refs[p] -= 1;
+                }
+            }
+            for &p in &pages {
+                st.busy[p] = false;
+            }
+            drop(st);
+            self.changed.notify_all();
+            return Err(e);
+        }
+        {
+            let mut st = self.state.lock();
+            for (b, _) in &per_block {
+                st.blocks[*b] = BlockState::Backed;
+            }
+            st.backed_blocks += per_block.len();
+            for &p in &pages {
+                st.mapped[p] = true;
+                st.busy[p] = false;
+            }
+            st.mapped_pages += pages.len();
+        }
+        self.changed.notify_all();
+        tracing::debug!(
+            blocks = per_block.len(),
+            pages = pages.len(),
+            "blocks adopted"
+        );
+        Ok(BackingChange {
+            blocks: per_block.len(),
+            bytes: pages.len() as u64 * self.page,
+            left_mapped: 0,
+        })
+    }
+
     /// Unmap a run this backing mapped, telling the hook first when it knew of the mapping.
     /// Used on rollback, where the operation's own error is the one to report.
     fn unmap_quietly(&self, at: u64, len: u64, hooked: Hooked) {
@@ -841,6 +1052,18 @@ impl<G: BlockGeometry> Core<G> {
 
     fn release(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
         let blocks = self.checked(blocks)?;
+        self.release_checked(blocks, None, ChunkFate::Cache)
+    }
+
+    /// Release `blocks` (checked), which must be backed and pinned by nobody but pin `mine`
+    /// (whose record goes in the same critical section); unmapped chunks go where `fate` says.
+    /// On a refusal nothing changes (`mine` stays).
+    fn release_checked(
+        &self,
+        blocks: BTreeSet<usize>,
+        mine: Option<u64>,
+        fate: ChunkFate,
+    ) -> Result<BackingChange> {
         let per_block = self.pages_per_block(&blocks)?;
         let pages: BTreeSet<usize> = per_block
             .iter()
@@ -857,7 +1080,11 @@ impl<G: BlockGeometry> Core<G> {
                     blocks.len()
                 )));
             }
-            if let Some(&b) = blocks.iter().find(|&&b| st.pins[b] > 0) {
+            let own = |b: usize| match mine.and_then(|id| st.holders.get(&id)) {
+                Some(r) if r.blocks.binary_search(&b).is_ok() => 1,
+                _ => 0,
+            };
+            if let Some(&b) = blocks.iter().find(|&&b| st.pins[b] > own(b)) {
                 let holder = st
                     .holders
                     .values()
@@ -870,6 +1097,11 @@ impl<G: BlockGeometry> Core<G> {
                     blocks: blocks.len(),
                 });
             }
+            if let Some(record) = mine.and_then(|id| st.holders.remove(&id)) {
+                for &b in &record.blocks {
+                    st.pins[b] -= 1;
+                }
+            }
             for (b, block_pages) in &per_block {
                 st.blocks[*b] = BlockState::Unbacked;
                 for &p in block_pages {
@@ -879,7 +1111,7 @@ impl<G: BlockGeometry> Core<G> {
             st.backed_blocks -= blocks.len();
             Self::claim_unused(&mut st, pages.iter().copied())
         };
-        let bytes = self.unmap_claimed(&to_unmap);
+        let bytes = self.unmap_claimed(&to_unmap, fate);
         Ok(BackingChange {
             blocks: blocks.len(),
             bytes,
@@ -899,7 +1131,7 @@ impl<G: BlockGeometry> Core<G> {
     }
 
     /// Unmap claimed pages run by run, hook first; returns the bytes unmapped.
-    fn unmap_claimed(&self, pages: &BTreeSet<usize>) -> u64 {
+    fn unmap_claimed(&self, pages: &BTreeSet<usize>, fate: ChunkFate) -> u64 {
         let mut unmapped = BTreeSet::new();
         for (first, last) in runs(pages) {
             let at = first as u64 * self.page;
@@ -907,7 +1139,11 @@ impl<G: BlockGeometry> Core<G> {
             if let Some(hook) = &self.hook {
                 hook.unmapping(self.info(), at, len);
             }
-            match self.region.unmap(at, len) {
+            let r = match fate {
+                ChunkFate::Cache => self.region.unmap(at, len),
+                ChunkFate::Release => self.region.unmap_releasing(at, len),
+            };
+            match r {
                 Ok(()) => unmapped.extend(first..=last),
                 Err(e) => {
                     tracing::error!(at, len, error = %e, "unmapping released pages failed; they stay mapped");
@@ -945,6 +1181,11 @@ impl<G: BlockGeometry> Core<G> {
 }
 
 impl<G: BlockGeometry> PinTarget for Core<G> {
+    fn release_pinned(&self, id: u64, blocks: &[usize], fate: ChunkFate) -> Result<BackingChange> {
+        let blocks = self.checked(blocks.iter().copied())?;
+        self.release_checked(blocks, Some(id), fate)
+    }
+
     fn unpin(&self, id: u64) {
         let mut st = self.state.lock();
         if let Some(record) = st.holders.remove(&id) {
@@ -959,6 +1200,20 @@ impl BlockPin {
     /// The pinned blocks, sorted.
     pub fn blocks(&self) -> &[usize] {
         &self.blocks
+    }
+
+    /// Release the pinned blocks, which no other pin may hold, with the pin dropped in the same
+    /// critical section (so no release in between can cache their chunks); the chunks unmapped
+    /// go where `fate` says. On a refusal the pin comes back, nothing changed.
+    pub(crate) fn release_as(
+        self,
+        fate: ChunkFate,
+    ) -> std::result::Result<BackingChange, Box<(Error, BlockPin)>> {
+        match self.target.release_pinned(self.id, &self.blocks, fate) {
+            // The record is gone: dropping the pin finds nothing to undo.
+            Ok(change) => Ok(change),
+            Err(e) => Err(Box::new((e, self))),
+        }
     }
 }
 

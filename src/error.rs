@@ -192,6 +192,35 @@ pub enum Error {
         message: String,
     },
 
+    /// Blocks moving between processes ([`crate::p2p`]): the peer refused, broke the protocol,
+    /// or is gone.
+    #[error("peer {peer:?}: {op}: {detail}")]
+    Peer {
+        /// The peer's name (from its hello), or its socket when not known yet.
+        peer: String,
+        /// What was being done.
+        op: &'static str,
+        /// What went wrong, with the numbers.
+        detail: String,
+    },
+
+    /// No peer of this name is connected.
+    #[error("no peer {name:?} is connected (connected: {known:?})")]
+    UnknownPeer {
+        /// The name asked for.
+        name: String,
+        /// The peers connected now.
+        known: Vec<String>,
+    },
+
+    /// Two layouts whose blocks cannot be copied one onto the other (block size or kind
+    /// differ), or block lists that do not pair up.
+    #[error("layout mismatch: {detail}")]
+    LayoutMismatch {
+        /// What differs, with both sides' numbers.
+        detail: String,
+    },
+
     // ---- shared pool ----
     /// A model id is registered already.
     #[error("model {model:?} is already registered")]

@@ -26,6 +26,8 @@
 //!   daemon that owns every chunk, with quotas, hand-over and crash safety.
 //! - [`ipc`]: framed messages over Unix sockets with descriptors attached (`SCM_RIGHTS`): how
 //!   chunks exported as POSIX descriptors travel between processes.
+//! - [`p2p`]: KV blocks moving between engine processes on one node: chunks granted as
+//!   descriptors, imported and copied by the receiver at device speed.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -61,13 +63,16 @@ pub mod ipc;
 pub mod layout;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+pub mod p2p;
 mod pool;
 pub mod route;
 pub mod shared;
 pub mod stats;
 mod tag;
 
-pub use backend::{Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk};
+pub use backend::{
+    AccessMode, Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk,
+};
 pub use backing::{
     BackingChange, BackingStats, BlockBacking, BlockGeometry, MappingHook, UniformBlocks,
 };

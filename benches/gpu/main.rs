@@ -1,11 +1,13 @@
 //! GPU benchmark binary: elastic-vmm against the driver's allocators and its peers, measured in
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
-//! machine. Arguments name the sections to run (`pool`, `shared`, `broker`, `candle`); none runs all.
+//! machine. Arguments name the sections to run (`pool`, `shared`, `broker`, `p2p`, `candle`);
+//! none runs all.
 
 mod broker;
 #[cfg(feature = "candle")]
 mod candle;
+mod p2p;
 mod pool;
 mod shared;
 
@@ -45,6 +47,20 @@ fn main() -> ExitCode {
             }
         };
     }
+    // The other process of a two-process section.
+    if let Ok(role) = std::env::var(p2p::ROLE_VAR) {
+        let r = match role.as_str() {
+            "p2p-decode" => p2p::decode(),
+            other => Err(format!("unknown role {other}").into()),
+        };
+        return match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("{role} failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
@@ -55,6 +71,7 @@ fn main() -> ExitCode {
         ("pool", pool::run),
         ("shared", shared::run),
         ("broker", broker::run),
+        ("p2p", p2p::run),
     ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));

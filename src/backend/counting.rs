@@ -139,6 +139,19 @@ impl Backend for Counting {
         r
     }
 
+    unsafe fn set_access_mode(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+    ) -> Result<()> {
+        self.counters.bump(DriverCall::SetAccess);
+        // SAFETY: forwarded contract.
+        let r = unsafe { self.inner.set_access_mode(addr, size, mode) };
+        tracing::trace!(call = "set_access_mode", addr = %hex(addr), size, ?mode, outcome = %Outcome(&r), "driver call");
+        r
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.counters.bump(DriverCall::Unmap);
         // SAFETY: forwarded contract.
@@ -191,6 +204,15 @@ impl Backend for Counting {
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.copy_async(dst, src, bytes, stream) }
+    }
+
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_batch_async(copies, stream) }
+    }
+
+    fn synchronize(&self, stream: u64) -> Result<()> {
+        self.inner.synchronize(stream)
     }
 
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {

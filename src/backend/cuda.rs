@@ -370,6 +370,27 @@ impl Backend for CudaBackend {
             ))
     }
 
+    unsafe fn set_access_mode(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+    ) -> Result<()> {
+        self.bind()?;
+        let mut desc = self.access_desc();
+        if mode == super::AccessMode::ReadOnly {
+            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
+        }
+        // SAFETY: the caller guarantees the range is made of our mapped chunks. For a chunk of
+        // another device (imported), this grants this device peer access to it.
+        unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }
+            .result()
+            .map_err(driver_error(
+                "cuMemSetAccess",
+                format!("{size} bytes at {addr:#x} ({mode:?})"),
+            ))
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.bind()?;
         // SAFETY: the caller guarantees the range is made of whole chunks nothing uses.
@@ -437,6 +458,68 @@ impl Backend for CudaBackend {
         )
     }
 
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        let one_by_one = |copies: &[(u64, u64, usize)]| -> Result<()> {
+            for &(dst, src, bytes) in copies {
+                // SAFETY: forwarded contract, copy by copy.
+                unsafe { self.copy_async(dst, src, bytes, stream) }?;
+            }
+            Ok(())
+        };
+        let copies: Vec<_> = copies.iter().copied().filter(|c| c.2 > 0).collect();
+        // The batch call takes no legacy default stream (handles 0 and 1): one by one there.
+        if copies.len() < 2 || stream <= 1 || !batch_copies_available() {
+            return one_by_one(&copies);
+        }
+        self.bind()?;
+        for part in copies.chunks(MAX_BATCH) {
+            let mut dsts: Vec<sys::CUdeviceptr> = part.iter().map(|c| c.0).collect();
+            let mut srcs: Vec<sys::CUdeviceptr> = part.iter().map(|c| c.1).collect();
+            let mut sizes: Vec<usize> = part.iter().map(|c| c.2).collect();
+            // SAFETY: plain data; all-zero is a valid starting value.
+            let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            let here = self.access_desc().location;
+            attr.srcLocHint = here;
+            attr.dstLocHint = here;
+            let mut index = [0usize];
+            // SAFETY: three arrays of `part.len()` entries and one attribute applying from
+            // copy 0, valid for the call; the ranges obey the caller's contract.
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    part.len(),
+                    &mut attr,
+                    index.as_mut_ptr(),
+                    1,
+                    raw_stream(stream),
+                )
+            }
+            .result();
+            if let Err(e) = r {
+                // Copies of this part may or may not be queued: queue them again one by one
+                // (the same bytes again, in stream order), and stop batching.
+                BATCH_BROKEN.store(true, Ordering::Relaxed);
+                tracing::warn!(error = ?e.0, copies = part.len(), "cuMemcpyBatchAsync failed; copying one by one from now on");
+                one_by_one(part)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, stream: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: a stream handle is an opaque driver value; an invalid one is an error.
+        unsafe { sys::cuStreamSynchronize(raw_stream(stream)) }
+            .result()
+            .map_err(driver_error(
+                "cuStreamSynchronize",
+                format!("stream {stream:#x}"),
+            ))
+    }
+
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
         if bytes == 0 {
             return Ok(());
@@ -450,6 +533,34 @@ impl Backend for CudaBackend {
             ),
         )
     }
+}
+
+/// Most copies in one `cuMemcpyBatchAsync`.
+const MAX_BATCH: usize = 4096;
+
+/// Set once a batch copy failed: copies go one by one from then on.
+static BATCH_BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13), looked up without the panic a
+/// missing symbol would cause in cudarc's loader.
+fn batch_copies_available() -> bool {
+    static HAVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !BATCH_BROKEN.load(Ordering::Relaxed)
+        && *HAVE.get_or_init(|| {
+            // The driver library is loaded already (a backend exists): NOLOAD finds it however
+            // cudarc loaded or linked it, and the lookup calls nothing.
+            // SAFETY: valid nul-terminated strings; the handle is closed once.
+            unsafe {
+                let lib =
+                    libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+                if lib.is_null() {
+                    return false;
+                }
+                let found = !libc::dlsym(lib, c"cuMemcpyBatchAsync_v2".as_ptr()).is_null();
+                libc::dlclose(lib);
+                found
+            }
+        })
 }
 
 /// A stream handle passed as an integer, as the driver's `CUstream` (a handle, not memory).

@@ -129,6 +129,17 @@ impl Backend for FaultInjector {
         unsafe { self.inner.set_access(addr, size) }
     }
 
+    unsafe fn set_access_mode(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+    ) -> Result<()> {
+        self.check(DriverCall::SetAccess)?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.set_access_mode(addr, size, mode) }
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.check(DriverCall::Unmap)?;
         // SAFETY: forwarded contract.
@@ -169,6 +180,15 @@ impl Backend for FaultInjector {
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.copy_async(dst, src, bytes, stream) }
+    }
+
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_batch_async(copies, stream) }
+    }
+
+    fn synchronize(&self, stream: u64) -> Result<()> {
+        self.inner.synchronize(stream)
     }
 
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {

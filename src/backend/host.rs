@@ -460,6 +460,26 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    unsafe fn set_access_mode(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+    ) -> Result<()> {
+        let prot = match mode {
+            super::AccessMode::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
+            super::AccessMode::ReadOnly => libc::PROT_READ,
+        };
+        // SAFETY: the caller guarantees the range is made of our mapped chunks.
+        if unsafe { libc::mprotect(addr as *mut libc::c_void, size, prot) } != 0 {
+            return Err(os_error(
+                "mprotect",
+                format!("{size} bytes at {addr:#x} ({mode:?})"),
+            ));
+        }
+        Ok(())
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         // SAFETY: the caller guarantees the range is made of our mapped chunks that nothing uses;
         // MAP_FIXED atomically turns it back into an inaccessible reservation.

@@ -74,6 +74,15 @@ impl PhysicalChunk {
     }
 }
 
+/// What a mapping lets the owning device do: what [`Backend::set_access_mode`] grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum AccessMode {
+    /// Read and write (what [`Backend::set_access`] grants).
+    ReadWrite,
+    /// Read only: a write through the mapping faults (host) or is refused by the device.
+    ReadOnly,
+}
+
 /// Free and total memory as the driver (or the kernel) reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -187,6 +196,26 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// `addr..addr + size` must be made of chunks this backend mapped.
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()>;
 
+    /// Grant `mode` access to the owning device over a mapped range. [`AccessMode::ReadWrite`]
+    /// is [`Backend::set_access`]; backends that cannot map read-only keep this default, which
+    /// fails for [`AccessMode::ReadOnly`] with a [`crate::Error::Backend`] whose code is
+    /// `UNSUPPORTED` (the caller may then fall back to read-write).
+    ///
+    /// # Safety
+    /// As for [`Backend::set_access`].
+    unsafe fn set_access_mode(&self, addr: u64, size: usize, mode: AccessMode) -> Result<()> {
+        match mode {
+            // SAFETY: forwarded contract.
+            AccessMode::ReadWrite => unsafe { self.set_access(addr, size) },
+            AccessMode::ReadOnly => Err(crate::error::Error::backend(
+                self.info().name,
+                "set_access_mode",
+                "UNSUPPORTED",
+                "this backend cannot map memory read-only",
+            )),
+        }
+    }
+
     /// Unmap a range made of whole mapped chunks; the range returns to the reservation.
     ///
     /// # Safety
@@ -282,6 +311,36 @@ pub trait Backend: Send + Sync + fmt::Debug {
             "copy_async",
             "UNSUPPORTED",
             "this backend queues no stream-ordered copies",
+        ))
+    }
+
+    /// Queue every copy of `copies` (`(dst, src, bytes)`) on `stream`, in stream order, as
+    /// [`Backend::copy_async`] would one after the other; a backend may submit them as one
+    /// batch (CUDA: `cuMemcpyBatchAsync` where the driver has it, on streams other than the
+    /// legacy default one). This default queues them one by one.
+    ///
+    /// # Safety
+    /// As for [`Backend::copy_async`], for every copy; no destination overlaps another copy's
+    /// source or destination.
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        for &(dst, src, bytes) in copies {
+            // SAFETY: forwarded contract, copy by copy.
+            unsafe { self.copy_async(dst, src, bytes, stream) }?;
+        }
+        Ok(())
+    }
+
+    /// Wait until every piece of work queued on the GPU stream `stream` (a raw `CUstream` or one
+    /// of the special handles of [`Backend::copy_async`]) has run.
+    ///
+    /// Backends that queue no GPU work keep this default, which fails with code `UNSUPPORTED`.
+    fn synchronize(&self, stream: u64) -> Result<()> {
+        let _ = stream;
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "synchronize",
+            "UNSUPPORTED",
+            "this backend queues no GPU work",
         ))
     }
 

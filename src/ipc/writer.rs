@@ -4,8 +4,11 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use super::frame::{ipc_error, send_frame};
 use crate::error::Result;
@@ -25,6 +28,10 @@ pub struct Outgoing {
 #[derive(Debug, Clone)]
 pub struct FrameWriter {
     queue: SyncSender<Outgoing>,
+    /// Frames queued, and frames the thread is done with (written, or dropped after a failed
+    /// write), for [`FrameWriter::flush`]. `u64::MAX` in `done` once the thread has ended.
+    queued: Arc<AtomicU64>,
+    done: Arc<AtomicU64>,
 }
 
 impl FrameWriter {
@@ -36,6 +43,8 @@ impl FrameWriter {
         name: &str,
     ) -> Result<(FrameWriter, JoinHandle<()>)> {
         let (queue, rx) = sync_channel::<Outgoing>(depth.max(1));
+        let done = Arc::new(AtomicU64::new(0));
+        let finished = done.clone();
         let thread = std::thread::Builder::new()
             .name(format!("{name}-writer"))
             .spawn(move || {
@@ -44,26 +53,61 @@ impl FrameWriter {
                     if let Err(e) = send_frame(&stream, &out.payload, &fds) {
                         tracing::debug!(error = %e, "connection write failed; shutting it down");
                         let _ = stream.shutdown(std::net::Shutdown::Both);
-                        return;
+                        break;
                     }
+                    finished.fetch_add(1, Ordering::AcqRel);
                 }
+                finished.store(u64::MAX, Ordering::Release);
             })
             .map_err(|e| ipc_error("spawn writer", e.to_string()))?;
-        Ok((FrameWriter { queue }, thread))
+        Ok((
+            FrameWriter {
+                queue,
+                queued: Arc::new(AtomicU64::new(0)),
+                done,
+            },
+            thread,
+        ))
     }
 
     /// Queue a frame. Fails when the connection is closed or its queue is full (a peer that
     /// does not read).
     pub fn send(&self, out: Outgoing) -> Result<()> {
+        // Counted before the thread can finish it, so `done` never passes `queued`.
+        self.queued.fetch_add(1, Ordering::AcqRel);
         match self.queue.try_send(out) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(ipc_error(
-                "queue frame",
-                "the peer is not reading (send queue full)",
-            )),
+            Err(TrySendError::Full(_)) => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                Err(ipc_error(
+                    "queue frame",
+                    "the peer is not reading (send queue full)",
+                ))
+            }
             Err(TrySendError::Disconnected(_)) => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
                 Err(ipc_error("queue frame", "connection closed"))
             }
+        }
+    }
+
+    /// Wait up to `timeout` until every frame queued so far (through any clone) has been
+    /// written, or the connection failed. Returns whether they all went out.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let target = self.queued.load(Ordering::Acquire);
+        let end = Instant::now() + timeout;
+        loop {
+            let done = self.done.load(Ordering::Acquire);
+            if done == u64::MAX {
+                return false;
+            }
+            if done >= target {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }

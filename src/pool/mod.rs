@@ -27,10 +27,12 @@
 //! the teardown and its driver calls).
 
 mod admission;
+mod adopt;
 mod allocation;
 mod allocator;
 mod cache;
 mod config;
+mod export;
 mod giveback;
 mod intervals;
 mod mapper;
@@ -49,8 +51,9 @@ pub use config::{PoolConfig, DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_
 pub use region::Region;
 
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
+pub(crate) use export::RangePin;
 pub(crate) use giveback::TrimScope;
-pub(crate) use ranges::Space;
+pub(crate) use ranges::{ChunkFate, Space};
 use state::State;
 
 use crate::backend::{Backend, BackendInfo, DriverCall};

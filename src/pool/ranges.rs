@@ -9,6 +9,16 @@ use super::Inner;
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
 
+/// Where chunks go once unmapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ChunkFate {
+    /// To the pool's cache, for reuse.
+    Cache,
+    /// Back to the driver at once, never reused here (chunks another process still maps:
+    /// handed off to it, or adopted from it and rolled back).
+    Release,
+}
+
 /// Which address space a range-API call works in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Space {
@@ -147,7 +157,7 @@ impl Inner {
         Ok(())
     }
 
-    fn undo_range(
+    pub(super) fn undo_range(
         &self,
         offset: u64,
         end: u64,
@@ -182,6 +192,17 @@ impl Inner {
     /// a [`crate::Region`] read or write is copying any byte of it. If an unmap fails, what was
     /// already unmapped is mapped back, so the range is as before and the error is returned.
     pub(crate) fn unmap_range(&self, offset: u64, len: u64, space: Space) -> Result<()> {
+        self.unmap_range_as(offset, len, space, ChunkFate::Cache)
+    }
+
+    /// As [`Inner::unmap_range`], the chunks unmapped going where `fate` says.
+    pub(crate) fn unmap_range_as(
+        &self,
+        offset: u64,
+        len: u64,
+        space: Space,
+        fate: ChunkFate,
+    ) -> Result<()> {
         let end = self.check_range(offset, len)?;
         let victims: Vec<Placed> = {
             let mut st = self.state.lock();
@@ -276,7 +297,7 @@ impl Inner {
             if !back.unmapped.is_empty() || !back.stuck.is_empty() {
                 tracing::error!(pool = %self.name, offset, len, "unmap failed and could not be rolled back fully");
             }
-            self.stash(back.unmapped.into_iter().map(|(_, c)| c).collect());
+            self.put_away(back.unmapped.into_iter().map(|(_, c)| c).collect(), fate);
             return Err(error);
         }
         {
@@ -285,7 +306,7 @@ impl Inner {
             st.unmapped_home(offset, end).insert(offset, end);
         }
         tracing::debug!(pool = %self.name, offset, len, chunks = victims.len(), "range unmapped");
-        self.stash(victims.into_iter().map(|(_, c)| c).collect());
+        self.put_away(victims.into_iter().map(|(_, c)| c).collect(), fate);
         Ok(())
     }
 

@@ -99,7 +99,7 @@ impl Inner {
         Ok(Obtained { donated, created })
     }
 
-    fn acquire(&self, bytes: u64, urgency: Urgency, fit: Fit) -> Acquired {
+    pub(super) fn acquire(&self, bytes: u64, urgency: Urgency, fit: Fit) -> Acquired {
         match &self.admission {
             Some(a) => a.acquire(bytes, urgency, fit, &self.in_flight),
             None => {
@@ -113,7 +113,7 @@ impl Inner {
     }
 
     /// Give back `bytes` charged but not held (released, or never created).
-    fn credit(&self, bytes: u64) {
+    pub(super) fn credit(&self, bytes: u64) {
         match &self.admission {
             Some(a) => a.credit(bytes, &self.in_flight),
             None => {

@@ -8,6 +8,7 @@ mod suite;
 mod backing;
 mod broker;
 mod layout;
+mod p2p;
 mod pool;
 mod shared;
 mod soundness;

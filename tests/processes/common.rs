@@ -67,7 +67,10 @@ pub fn wait_for(mut child: Child, secs: u64) -> std::process::ExitStatus {
 
 /// Run a child role; its panics become a failing exit status.
 pub fn run_child(role: &str) -> ExitCode {
-    let f: fn() = match super::chunks::role(role).or_else(|| super::broker::role(role)) {
+    let f: fn() = match super::chunks::role(role)
+        .or_else(|| super::broker::role(role))
+        .or_else(|| super::p2p::role(role))
+    {
         Some(f) => f,
         None => {
             eprintln!("unknown child role {role:?}");

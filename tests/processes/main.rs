@@ -8,6 +8,7 @@
 mod broker;
 mod chunks;
 mod common;
+mod p2p;
 
 use std::process::ExitCode;
 
@@ -17,6 +18,7 @@ fn tests() -> Vec<Test> {
     let mut t: Vec<Test> = Vec::new();
     t.extend(chunks::TESTS);
     t.extend(broker::TESTS);
+    t.extend(p2p::TESTS);
     t
 }
 

@@ -1,0 +1,248 @@
+//! KV blocks from a prefill process to a decode process on one node (`gpu-bench p2p`): the
+//! prefill process backs and writes N blocks and grants them; the decode process (this binary
+//! again, `EVMM_BENCH_ROLE=p2p-decode`) imports the chunks and copies the blocks into its own
+//! layout. Against a raw device copy of the same imported memory between the same two
+//! processes (one `cuMemcpyDtoDAsync` of the whole mapping: the floor; target >= 0.9x), on one
+//! GPU and, when there are two, from GPU 0 to GPU 1 (peer access on the imports). Block sizes
+//! 64 KiB to 16 MiB; layouts fully contiguous and layer separate (32 layers, block first: 32
+//! spans per block), the latter also with scattered destinations, where no run merges and every
+//! span is its own copy (batched with `cuMemcpyBatchAsync` where the driver has it).
+//!
+//! NIXL is not measured here: with the `nixl` feature,
+//! `gpu-tests --test-threads=1 --nocapture nixl::vram_vmm_against_cumemalloc` (two agents, one
+//! process, VMM blocks against `cuMemAlloc` memory) and
+//! `../shared/tools/nixl_2proc_probe.py` give its figures on the same machine (0.5 GB/s for VMM
+//! memory between processes, 1378 GB/s for plain memory on the H100).
+
+use std::os::unix::net::UnixListener;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use elastic_vmm::backend::cuda::CudaBackend;
+use elastic_vmm::layout::{BlockDim, ElasticLayout, LayoutBuilder, LayoutConfig, LayoutKind};
+use elastic_vmm::p2p::{self, CopyStream, PeerLink};
+use elastic_vmm::{AccessMode, Backend, Pool, PoolConfig};
+
+use crate::{median, BoxError, GIB, MIB};
+
+/// The variable that makes this binary the decode process.
+pub const ROLE_VAR: &str = "EVMM_BENCH_ROLE";
+const LAYERS: usize = 32;
+const BLOCK_SIZES: [u64; 5] = [64 << 10, 256 << 10, MIB, 4 * MIB, 16 * MIB];
+const RUNS: usize = 5;
+const WAIT: Duration = Duration::from_secs(120);
+
+/// One measured case, walked in the same order by both processes.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    kind: LayoutKind,
+    block: u64,
+    scattered: bool,
+}
+
+fn cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    for block in BLOCK_SIZES {
+        v.push(Case {
+            kind: LayoutKind::FullyContiguous,
+            block,
+            scattered: false,
+        });
+        for scattered in [false, true] {
+            v.push(Case {
+                kind: LayoutKind::LayerSeparate(BlockDim::First),
+                block,
+                scattered,
+            });
+        }
+    }
+    v
+}
+
+/// Blocks per case: about 1 GiB, at most a grant's limit.
+fn blocks_for(block: u64) -> usize {
+    ((GIB / block) as usize).min(p2p::MAX_GRANT_BLOCKS)
+}
+
+/// 32 layers, K and V, 16 tokens of 2-byte elements: `block` bytes per block.
+fn config(block: u64, num_blocks: usize) -> LayoutConfig {
+    let inner = (block / (LAYERS as u64 * 2 * 16 * 2)) as usize;
+    LayoutConfig::new(num_blocks, LAYERS, 2, 16, inner, 2)
+}
+
+fn layout(pool: &Pool, case: Case, n: usize) -> Result<ElasticLayout, BoxError> {
+    Ok(LayoutBuilder::new()
+        .config(config(case.block, n))
+        .kind(case.kind)
+        .elastic(pool)
+        .build()?)
+}
+
+fn device_count() -> i32 {
+    cudarc::driver::result::device::get_count().unwrap_or(1)
+}
+
+pub fn run() -> Result<(), BoxError> {
+    let mut pairs = vec![(0, 0)];
+    // The backend initialises the driver before the device count is asked.
+    let first = CudaBackend::new(0)?;
+    if device_count() >= 2 {
+        pairs.push((0, 1));
+    }
+    println!(
+        "== p2p: KV blocks from a prefill process to a decode process ({}) ==",
+        first.info().device_name
+    );
+    drop(first);
+    for (src, dst) in pairs {
+        prefill(src, dst)?;
+    }
+    Ok(())
+}
+
+fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
+    let dir = std::env::temp_dir().join(format!("evmm-bench-p2p-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let sock = dir.join("s");
+    let _ = std::fs::remove_file(&sock);
+    let listener: UnixListener = p2p::listen(&sock)?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .env(ROLE_VAR, "p2p-decode")
+        .env("EVMM_SOCKET", &sock)
+        .env("EVMM_DEVICE", decode_device.to_string())
+        .stdin(Stdio::null())
+        .spawn()?;
+    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(device)?);
+    let link = PeerLink::accept(&listener, "prefill", backend.clone())?;
+    println!(
+        "-- GPU {device} -> GPU {decode_device}: path {} ({})",
+        link.path().path,
+        link.path().reason
+    );
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig::new((64 * GIB) as usize).name("prefill"),
+    )?;
+    for case in cases() {
+        let n = blocks_for(case.block);
+        let kv = layout(&pool, case, n)?;
+        kv.ensure_backed(0..n)?;
+        for r in kv.regions() {
+            // SAFETY: the layout's regions are mapped (every block backed) and nothing else
+            // uses them; the legacy stream is synchronized right after.
+            unsafe { backend.fill_async(r.addr, r.len as usize, 0x5a, 1)? };
+        }
+        backend.synchronize(1)?;
+        let blocks: Vec<usize> = (0..n).collect();
+        let g = link.grant(&kv, &blocks, AccessMode::ReadOnly)?;
+        g.wait_released(WAIT)?;
+        kv.release(0..n)?;
+    }
+    drop(link);
+    let st = child.wait()?;
+    let _ = std::fs::remove_dir_all(dir);
+    if !st.success() {
+        return Err(format!("decode process failed: {st}").into());
+    }
+    Ok(())
+}
+
+/// The decode process: per case, import, copy RUNS times with our path and with one raw copy
+/// of the whole mapping, print the figures.
+pub fn decode() -> Result<(), BoxError> {
+    let device: i32 = std::env::var("EVMM_DEVICE")?.parse()?;
+    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(device)?);
+    let link = PeerLink::connect(std::env::var("EVMM_SOCKET")?, "decode", backend.clone())?;
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig::new((64 * GIB) as usize).name("decode"),
+    )?;
+    // A stream of our own (the batch copy takes no legacy stream), on the device's primary
+    // context, which the backend uses too.
+    let ctx = cudarc::driver::CudaContext::new(device as usize)?;
+    let cu_stream = ctx.new_stream()?;
+    let raw_stream = cu_stream.cu_stream() as u64;
+    // SAFETY: `cu_stream` lives until the end of this function, after every completion.
+    let stream = unsafe { CopyStream::from_raw(raw_stream) };
+    println!(
+        "{:>9} {:<32} {:>6} {:>9} {:>10} {:>11} {:>11} {:>7}",
+        "block", "layout", "blocks", "copies", "import ms", "ours GB/s", "raw GB/s", "ratio"
+    );
+    for case in cases() {
+        let n = blocks_for(case.block);
+        let t = Instant::now();
+        let g = link.recv_grant(WAIT)?;
+        let import_ms = t.elapsed().as_secs_f64() * 1e3;
+        let kv = layout(&pool, case, n)?;
+        kv.ensure_backed(0..n)?;
+        // Scattered: block i lands in block (i * 7919) mod n (a permutation: 7919 is prime
+        // and no block count here is a multiple of it), so no run of blocks merges.
+        let dst: Vec<usize> = if case.scattered {
+            (0..n).map(|i| (i * 7919) % n).collect()
+        } else {
+            (0..n).collect()
+        };
+        let mut copies = 0;
+        let mut bytes = 0;
+        // Warm-up, then the median of RUNS.
+        g.copy_into(&kv, &dst, stream)?.wait()?;
+        let ours = median(RUNS, || {
+            let t = Instant::now();
+            let r = g
+                .copy_into(&kv, &dst, stream)
+                .and_then(|c| c.wait())
+                .expect("copy");
+            copies = r.copies;
+            bytes = r.bytes;
+            t.elapsed().as_secs_f64()
+        });
+        let range = g.mapped_range();
+        let raw_dst = pool.allocate(range.len as usize)?;
+        let raw = median(RUNS, || {
+            let t = Instant::now();
+            // SAFETY: the grant's mapping and our allocation are mapped with access on this
+            // device for the whole call, do not overlap, and the stream is synchronized
+            // before either goes.
+            unsafe {
+                backend
+                    .copy_async(raw_dst.addr(), range.addr, range.len as usize, raw_stream)
+                    .expect("raw copy");
+            }
+            backend.synchronize(raw_stream).expect("synchronize");
+            t.elapsed().as_secs_f64()
+        });
+        let ours_bw = bytes as f64 / ours / 1e9;
+        let raw_bw = range.len as f64 / raw / 1e9;
+        let label = format!(
+            "{}{}",
+            match case.kind {
+                LayoutKind::FullyContiguous => "fully contiguous",
+                _ => "layer separate (32 layers, K/V)",
+            },
+            if case.scattered { ", scattered" } else { "" }
+        );
+        println!(
+            "{:>9} {:<32} {:>6} {:>9} {:>10.2} {:>11.1} {:>11.1} {:>6.2}x",
+            crate::human(case.block),
+            label,
+            n,
+            copies,
+            import_ms,
+            ours_bw,
+            raw_bw,
+            ours_bw / raw_bw
+        );
+        drop(raw_dst);
+        drop(g);
+        kv.release(0..n)?;
+    }
+    let st = link.stats();
+    println!(
+        "decode link: {} transfers, {} copied, imports left {}",
+        st.transfers,
+        crate::human(st.bytes_copied),
+        st.imports
+    );
+    Ok(())
+}

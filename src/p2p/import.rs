@@ -1,0 +1,568 @@
+//! The receiving side: a grant's chunks imported, mapped (read-only where the backend allows)
+//! into a reservation of this process, and the granted blocks' spans located in it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::link::{send, InChunk, LinkShared, ReadyGrant};
+use super::wire::{GrantMode, Msg};
+use crate::backend::{AccessMode, Backend, PhysicalChunk};
+use crate::backing::BackingChange;
+use crate::backing::BlockGeometry;
+use crate::error::{Error, Result};
+use crate::ipc::FrameWriter;
+use crate::layout::{ElasticLayout, LayoutConfig, LayoutGeometry, LayoutKind, MemoryView};
+
+/// A run of the sender's chunks that lie back to back there, and where it is mapped here.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    /// Offset in the sender's layout range.
+    src: u64,
+    len: u64,
+    /// Address here.
+    addr: u64,
+}
+
+/// Imported chunks mapped into a reservation of ours. Dropping it unmaps them, releases the
+/// imports and frees the reservation; a step that fails leaves the rest in place (leaked and
+/// logged, never released while mapped).
+struct Mapped {
+    backend: Arc<dyn Backend>,
+    base: u64,
+    len: u64,
+    placed: Vec<(u64, PhysicalChunk)>,
+    segments: Vec<Segment>,
+    access: AccessMode,
+}
+
+impl Mapped {
+    fn build(
+        backend: Arc<dyn Backend>,
+        chunks: Vec<InChunk>,
+        access: AccessMode,
+    ) -> Result<Mapped> {
+        let gran = backend.info().granularity as u64;
+        let mut total = 0u64;
+        let mut prev_end = 0u64;
+        for (i, c) in chunks.iter().enumerate() {
+            let end = c.offset.checked_add(c.size);
+            let ok = c.size > 0 && c.size % gran == 0 && (i == 0 || c.offset >= prev_end);
+            let Some(end) = end.filter(|_| ok) else {
+                return Err(Error::InvalidArgument(format!(
+                    "granted chunk {i} of {} bytes at offset {:#x}: chunks are non-empty multiples of this backend's granularity {gran} in ascending, non-overlapping order (previous ended at {prev_end:#x})",
+                    c.size, c.offset
+                )));
+            };
+            prev_end = end;
+            total = total
+                .checked_add(c.size)
+                .ok_or_else(|| Error::SizeOverflow {
+                    what: "granted chunks",
+                    detail: format!("{total} + {}", c.size),
+                })?;
+        }
+        let len = usize::try_from(total).map_err(|_| Error::SizeOverflow {
+            what: "granted chunks",
+            detail: format!("{total} bytes"),
+        })?;
+        let base = backend.reserve(len.max(gran as usize), gran as usize)?;
+        let mut m = Mapped {
+            backend,
+            base,
+            len: total.max(gran),
+            placed: Vec::with_capacity(chunks.len()),
+            segments: Vec::new(),
+            access,
+        };
+        let mut at = base;
+        for c in chunks {
+            let size = c.size as usize;
+            let chunk = m.backend.import_chunk(c.fd, size)?;
+            // SAFETY: `[at, at + size)` lies in the reservation made above and is unmapped (each
+            // chunk gets its own part); the chunk was just imported and is mapped nowhere.
+            if let Err(e) = unsafe { m.backend.map(at, chunk) } {
+                // SAFETY: imported above, mapped nowhere, released once.
+                if let Err(r) = unsafe { m.backend.release(chunk) } {
+                    tracing::error!(error = %r, "releasing an imported chunk after a failed map failed");
+                }
+                return Err(e);
+            }
+            m.placed.push((at, chunk));
+            match m.segments.last_mut() {
+                Some(s) if s.src + s.len == c.offset => s.len += c.size,
+                _ => m.segments.push(Segment {
+                    src: c.offset,
+                    len: c.size,
+                    addr: at,
+                }),
+            }
+            at += c.size;
+        }
+        let mut effective = access;
+        for s in m.segments.clone() {
+            // SAFETY: the segment is made of chunks mapped just above.
+            let r = unsafe { m.backend.set_access_mode(s.addr, s.len as usize, effective) };
+            if let Err(e) = r {
+                if effective == AccessMode::ReadWrite {
+                    return Err(e);
+                }
+                tracing::info!(error = %e, "read-only mapping not available; mapping imports read-write");
+                effective = AccessMode::ReadWrite;
+                // SAFETY: as above.
+                unsafe { m.backend.set_access_mode(s.addr, s.len as usize, effective) }?;
+            }
+        }
+        if effective != access {
+            // Segments done before the fallback keep read-only access: make them all alike.
+            for s in m.segments.clone() {
+                // SAFETY: as above.
+                unsafe { m.backend.set_access_mode(s.addr, s.len as usize, effective) }?;
+            }
+        }
+        m.access = effective;
+        Ok(m)
+    }
+
+    /// Where `[src, src + len)` of the sender's range is mapped here, if the grant covers it.
+    fn locate(&self, src: u64, len: u64) -> Option<u64> {
+        let i = self
+            .segments
+            .partition_point(|s| s.src <= src)
+            .checked_sub(1)?;
+        let s = self.segments[i];
+        let end = src.checked_add(len)?;
+        (end <= s.src + s.len).then(|| s.addr + (src - s.src))
+    }
+
+    fn bytes(&self) -> u64 {
+        self.placed.iter().map(|(_, c)| c.size as u64).sum()
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        let mut clean = true;
+        for &(addr, chunk) in &self.placed {
+            // SAFETY: the chunk is mapped there by us; nothing uses it any more (every copy
+            // from it completed: completions hold the mapping until then).
+            match unsafe { self.backend.unmap(addr, chunk.size) } {
+                // SAFETY: imported by us, unmapped just now, released once.
+                Ok(()) => {
+                    if let Err(e) = unsafe { self.backend.release(chunk) } {
+                        tracing::error!(error = %e, "releasing an imported chunk failed");
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(addr, size = chunk.size, error = %e, "unmapping an imported chunk failed; it stays mapped");
+                    clean = false;
+                }
+            }
+        }
+        if clean {
+            // SAFETY: our reservation, nothing mapped in it any more.
+            if let Err(e) = unsafe { self.backend.free_reservation(self.base, self.len as usize) } {
+                tracing::error!(error = %e, "freeing the import reservation failed");
+            }
+        }
+    }
+}
+
+/// How a grant ended here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Unmapped: the sender may reuse its blocks.
+    Released,
+    /// Taken over into a layout here: the sender releases its blocks.
+    Adopted,
+}
+
+/// The mapping of one grant, shared by the grant and the copies from it: torn down when the
+/// last of them goes, then the sender is told.
+pub(crate) struct ImportMapping {
+    mapped: Option<Mapped>,
+    /// What the sender is told when the mapping goes.
+    outcome: Outcome,
+    pub(crate) link: Arc<LinkShared>,
+    writer: FrameWriter,
+    grant: u64,
+}
+
+impl ImportMapping {
+    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
+        &self.mapped.as_ref().expect("mapped until drop").backend
+    }
+}
+
+impl Drop for ImportMapping {
+    fn drop(&mut self) {
+        drop(self.mapped.take());
+        {
+            let mut st = self.link.state.lock();
+            st.live_in.remove(&self.grant);
+            st.revoked_in.remove(&self.grant);
+        }
+        self.link.changed.notify_all();
+        if self.link.state.lock().closed.is_none() {
+            let msg = match self.outcome {
+                Outcome::Released => Msg::Released { grant: self.grant },
+                Outcome::Adopted => Msg::Adopted { grant: self.grant },
+            };
+            if let Err(e) = send(&self.writer, msg, Vec::new()) {
+                tracing::debug!(grant = self.grant, error = %e, "release not sent");
+            }
+        }
+        tracing::debug!(peer = %self.link.peer.name, grant = self.grant, "import unmapped and released");
+    }
+}
+
+/// A grant received from a peer, its chunks mapped here. Copy its blocks into a layout of
+/// this process with [`ImportedGrant::copy_into`]; drop it to unmap them and tell the sender
+/// (after every copy from it completed).
+pub struct ImportedGrant {
+    pub(crate) id: u64,
+    pub(crate) config: LayoutConfig,
+    pub(crate) kind: LayoutKind,
+    pub(crate) blocks: Vec<usize>,
+    /// Per granted block, where its spans are mapped here, in the layout's span order.
+    pub(crate) spans: Vec<Vec<MemoryView>>,
+    /// Per granted block, its spans as offsets in the sender's layout range.
+    src_spans: Vec<Vec<(u64, u64)>>,
+    pub(crate) mode: GrantMode,
+    pub(crate) mapping: Arc<ImportMapping>,
+    access: AccessMode,
+    bytes: u64,
+}
+
+impl ImportedGrant {
+    pub(crate) fn build(
+        link: Arc<LinkShared>,
+        writer: FrameWriter,
+        ready: ReadyGrant,
+    ) -> Result<ImportedGrant> {
+        let config = ready.layout.config()?;
+        let kind: LayoutKind = ready.layout.kind.into();
+        let geometry = LayoutGeometry::new(config, kind)?;
+        let mut blocks = Vec::with_capacity(ready.blocks.len());
+        for &b in &ready.blocks {
+            match usize::try_from(b) {
+                Ok(b) if b < config.num_blocks => blocks.push(b),
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "granted block {b} does not exist: the sender's layout has {} blocks",
+                        config.num_blocks
+                    )))
+                }
+            }
+        }
+        let chunks = ready.chunks.len();
+        let mapped = Mapped::build(link.backend.clone(), ready.chunks, ready.access)?;
+        let mut spans = Vec::with_capacity(blocks.len());
+        let mut src_spans = Vec::with_capacity(blocks.len());
+        for &b in &blocks {
+            let mut raw = Vec::new();
+            geometry.block_spans(b, &mut raw);
+            let mut views = Vec::with_capacity(raw.len());
+            for &(src, len) in &raw {
+                let Some(addr) = mapped.locate(src, len) else {
+                    return Err(Error::InvalidArgument(format!(
+                        "granted block {b}: its span [{src:#x}, +{len}) is not covered by the {chunks} chunks sent"
+                    )));
+                };
+                views.push(MemoryView { addr, len });
+            }
+            spans.push(views);
+            src_spans.push(raw);
+        }
+        let bytes = mapped.bytes();
+        let access = mapped.access;
+        link.state.lock().live_in.insert(ready.id, (bytes, chunks));
+        tracing::debug!(peer = %link.peer.name, grant = ready.id, blocks = blocks.len(), chunks, bytes, ?access, "grant imported");
+        Ok(ImportedGrant {
+            id: ready.id,
+            config,
+            kind,
+            blocks,
+            spans,
+            src_spans,
+            mode: ready.mode,
+            mapping: Arc::new(ImportMapping {
+                mapped: Some(mapped),
+                outcome: Outcome::Released,
+                link,
+                writer,
+                grant: ready.id,
+            }),
+            access,
+            bytes,
+        })
+    }
+
+    /// How the sender granted the blocks: to copy, or to take over.
+    pub fn mode(&self) -> GrantMode {
+        self.mode
+    }
+
+    /// Take the chunks of a hand-off ([`crate::p2p::PeerLink::hand_off`]) over without a
+    /// copy: they are unmapped here and mapped under `dst_blocks` of `dst` (paired by
+    /// position), charged to `dst`'s pool as if created here; the sender then releases its
+    /// blocks and lets go of the chunks. `dst` must be on the link's backend and the sender's
+    /// device, its blocks unbacked and owning whole pages of the same size. The grant is
+    /// consumed either way: after a refusal the sender keeps its blocks.
+    ///
+    /// Refused before anything changes: a copy grant, a sender gone or revoking, a layout
+    /// mismatch, copies from this grant still in flight, another backend. A failure while
+    /// mapping releases the chunks here (the sender keeps its blocks, as after a copy).
+    pub fn adopt_into(
+        mut self,
+        dst: &ElasticLayout,
+        dst_blocks: &[usize],
+    ) -> Result<BackingChange> {
+        if self.mode != GrantMode::HandOff {
+            return Err(Error::InvalidArgument(format!(
+                "grant {} was granted for copying (the sender keeps its blocks): use copy_into",
+                self.id
+            )));
+        }
+        self.check_usable("adopt")?;
+        self.check_shape(dst, dst_blocks)?;
+        let link = self.mapping.link.clone();
+        let pool_backend = dst.backing().pool().backend();
+        if !std::ptr::addr_eq(Arc::as_ptr(pool_backend), Arc::as_ptr(&link.backend)) {
+            return Err(Error::InvalidArgument(
+                "adopted chunks are the link's backend's: build the layout's pool on the same backend (Arc) as the link".into(),
+            ));
+        }
+        if link.peer.endpoint.device != dst.device() {
+            return Err(Error::InvalidArgument(format!(
+                "the chunks live on device {:?}, the layout on device {:?}: a hand-off stays on one device (copy across devices instead)",
+                link.peer.endpoint.device,
+                dst.device()
+            )));
+        }
+        let id = self.id;
+        let Some(mapping) = Arc::get_mut(&mut self.mapping) else {
+            return Err(Error::InvalidArgument(format!(
+                "copies from grant {id} are still in flight: wait for their completions first"
+            )));
+        };
+        let m = mapping.mapped.as_mut().expect("mapped until drop");
+        // Each imported chunk's offset in the sender's range.
+        let src_of = |addr: u64| {
+            m.segments
+                .iter()
+                .find(|s| addr >= s.addr && addr < s.addr + s.len)
+                .map(|s| s.src + (addr - s.addr))
+        };
+        let mut by_src = std::collections::BTreeMap::new();
+        for (i, &(addr, c)) in m.placed.iter().enumerate() {
+            if let Some(src) = src_of(addr) {
+                by_src.insert(src, (i, c.size as u64));
+            }
+        }
+        let base = dst.addr();
+        let mut wanted: Vec<(u64, usize)> = Vec::new();
+        for (k, &b) in dst_blocks.iter().enumerate() {
+            let views = dst.views().block(b)?;
+            for (d, &(src, len)) in views.iter().zip(&self.src_spans[k]) {
+                let mut at = src;
+                for (&o, &(i, size)) in by_src.range(src..src + len) {
+                    if o != at || o + size > src + len {
+                        return Err(Error::InvalidArgument(format!(
+                            "granted block {}: its span [{src:#x}, +{len}) is not made of whole chunks (one at {o:#x} of {size} bytes)",
+                            self.blocks[k]
+                        )));
+                    }
+                    wanted.push((d.addr - base + (o - src), i));
+                    at += size;
+                }
+                if at != src + len {
+                    return Err(Error::InvalidArgument(format!(
+                        "granted block {}: its span [{src:#x}, +{len}) is not covered by the chunks sent",
+                        self.blocks[k]
+                    )));
+                }
+            }
+        }
+        wanted.sort_unstable();
+        let mut taken: Vec<bool> = vec![false; m.placed.len()];
+        for &(_, i) in &wanted {
+            if std::mem::replace(&mut taken[i], true) {
+                return Err(Error::InvalidArgument(
+                    "a chunk lies under two adopted spans".into(),
+                ));
+            }
+        }
+        // Unmap the chunks from the import reservation; they stay imported (ours to map).
+        let mut placed = Vec::with_capacity(wanted.len());
+        let mut gone = vec![false; m.placed.len()];
+        let mut failure = None;
+        for &(off, i) in &wanted {
+            let (addr, c) = m.placed[i];
+            // SAFETY: mapped there by us; no copy uses it (the mapping is not shared).
+            match unsafe { m.backend.unmap(addr, c.size) } {
+                Ok(()) => {
+                    gone[i] = true;
+                    placed.push((off, c));
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut k = 0;
+        m.placed.retain(|_| {
+            k += 1;
+            !gone[k - 1]
+        });
+        if let Some(e) = failure {
+            for (_, c) in placed {
+                // SAFETY: unmapped above, imported by us, released once.
+                if let Err(r) = unsafe { m.backend.release(c) } {
+                    tracing::error!(error = %r, "releasing an imported chunk failed");
+                }
+            }
+            return Err(e);
+        }
+        let change = dst.backing().adopt(dst_blocks, placed)?;
+        mapping.outcome = Outcome::Adopted;
+        tracing::debug!(peer = %link.peer.name, grant = id, blocks = change.blocks, bytes = change.bytes, "hand-off adopted");
+        Ok(change)
+    }
+
+    /// Refuse use of a grant whose sender is gone or revoked it.
+    pub(crate) fn check_usable(&self, op: &'static str) -> Result<()> {
+        let link = &self.mapping.link;
+        let st = link.state.lock();
+        if let Some(why) = &st.closed {
+            return Err(link.peer_error(
+                op,
+                format!(
+                    "the sender is gone ({why}): drop grant {} to release its imports",
+                    self.id
+                ),
+            ));
+        }
+        if st.revoked_in.contains(&self.id) {
+            return Err(link.peer_error(op, format!("grant {} was revoked by its sender", self.id)));
+        }
+        Ok(())
+    }
+
+    /// Refuse a destination of another shape, or block lists that do not pair up.
+    pub(crate) fn check_shape(&self, dst: &ElasticLayout, dst_blocks: &[usize]) -> Result<()> {
+        if let Some(detail) = super::copy::mismatch(&self.config, dst.config()) {
+            return Err(Error::LayoutMismatch { detail });
+        }
+        if self.kind != dst.kind() {
+            return Err(Error::LayoutMismatch {
+                detail: format!(
+                    "sender layout is {}, receiver layout is {}",
+                    self.kind,
+                    dst.kind()
+                ),
+            });
+        }
+        if dst_blocks.len() != self.blocks.len() {
+            return Err(Error::LayoutMismatch {
+                detail: format!(
+                    "{} blocks granted, {} destination blocks given",
+                    self.blocks.len(),
+                    dst_blocks.len()
+                ),
+            });
+        }
+        let mut seen = std::collections::HashSet::with_capacity(dst_blocks.len());
+        if let Some(b) = dst_blocks.iter().find(|&&b| !seen.insert(b)) {
+            return Err(Error::InvalidArgument(format!(
+                "destination block {b} is listed twice"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The grant's number on its link.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The sender's name.
+    pub fn peer(&self) -> &str {
+        &self.mapping.link.peer.name
+    }
+
+    /// The sender's block indices, in the order they pair with a copy's destination blocks.
+    pub fn blocks(&self) -> &[usize] {
+        &self.blocks
+    }
+
+    /// The sender's layout dimensions.
+    pub fn config(&self) -> &LayoutConfig {
+        &self.config
+    }
+
+    /// The sender's layout kind.
+    pub fn kind(&self) -> LayoutKind {
+        self.kind
+    }
+
+    /// How the chunks are mapped here (read-write where read-only is not available).
+    pub fn access(&self) -> AccessMode {
+        self.access
+    }
+
+    /// Bytes mapped here (whole chunks).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Where the spans of the `i`-th granted block are mapped in this process.
+    pub fn block_views(&self, i: usize) -> Option<&[MemoryView]> {
+        self.spans.get(i).map(Vec::as_slice)
+    }
+
+    /// The whole reservation the grant's chunks are mapped into here, back to back in the
+    /// sender's address order (`len` is whole chunks).
+    pub fn mapped_range(&self) -> MemoryView {
+        let m = self.mapping.mapped.as_ref().expect("mapped until drop");
+        MemoryView {
+            addr: m.base,
+            len: m.len,
+        }
+    }
+
+    /// Copy bytes of the mapping at `addr` into `out` (a host read; on CUDA device to host).
+    ///
+    /// # Safety
+    /// The sender must not write those bytes meanwhile.
+    pub unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        let m = self.mapping.mapped.as_ref().expect("mapped until drop");
+        let inside = addr >= m.base
+            && (addr - m.base)
+                .checked_add(out.len() as u64)
+                .is_some_and(|e| e <= m.len);
+        if !inside {
+            return Err(Error::InvalidArgument(format!(
+                "[{addr:#x}, +{}) is outside the grant's mapping [{:#x}, +{})",
+                out.len(),
+                m.base,
+                m.len
+            )));
+        }
+        // SAFETY: inside our mapping (checked), which lives as long as `self`; no writer is the
+        // caller's promise.
+        unsafe { m.backend.read(addr, out) }
+    }
+}
+
+impl fmt::Debug for ImportedGrant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ImportedGrant")
+            .field("id", &self.id)
+            .field("peer", &self.peer())
+            .field("blocks", &self.blocks.len())
+            .field("bytes", &self.bytes)
+            .field("access", &self.access)
+            .finish()
+    }
+}

@@ -1,0 +1,792 @@
+//! A link between two engines over a Unix stream socket: the hello, a reader thread that takes
+//! the peer's messages, a writer thread ([`crate::ipc::FrameWriter`]) for ours, and the
+//! bookkeeping of grants both ways.
+//!
+//! Lock order: a link's `state` mutex is a leaf. It guards bookkeeping only: no driver call, no
+//! socket write, no drop of a pin, a mapping or a descriptor happens under it (they are taken
+//! out under the lock and dropped after it is released).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use super::path::{choose_path, Endpoint, PathChoice};
+use super::wire::{
+    Hello, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS, MAX_PARTIAL_GRANTS, VERSION,
+};
+use crate::backend::{AccessMode, Backend};
+use crate::backing::BlockPin;
+use crate::error::{Error, Result};
+use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials};
+use crate::pool::RangePin;
+
+/// How long the hello may take.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long dropping a link waits for its queued frames to go out.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Frames the writer queue holds (a grant of [`MAX_GRANT_CHUNKS`] chunks takes 1025).
+const WRITER_DEPTH: usize = 4096;
+
+/// What a link knows of the engine at the other end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The name it gave in its hello.
+    pub name: String,
+    /// Its process, user and group as the kernel recorded them (`SO_PEERCRED`).
+    pub credentials: PeerCredentials,
+    /// Its node, memory and whether it can import chunks.
+    pub endpoint: Endpoint,
+    /// Its backend's mapping unit.
+    pub granularity: u64,
+}
+
+/// Where a grant stands, as its sender sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrantStatus {
+    /// The receiver may hold the chunks: the blocks stay pinned.
+    Held,
+    /// A revoke was sent; the blocks stay pinned until the receiver has let go.
+    Revoking,
+    /// The receiver unmapped everything and closed its descriptors: pins dropped.
+    Released,
+    /// The receiver could not import the grant and holds nothing of it: pins dropped.
+    Refused(String),
+    /// The receiver's process exited: whatever it mapped is gone with it; pins dropped.
+    PeerExited,
+    /// A hand-off: the receiver took the chunks over; the blocks were released here and their
+    /// chunks let go (never reused here).
+    HandedOff,
+    /// A hand-off the receiver took over, but releasing the blocks here failed (logged): they
+    /// stay pinned for good, so their chunks are never reused here.
+    HandOffStuck(String),
+}
+
+impl GrantStatus {
+    /// Whether the blocks are free again (the receiver can no longer touch them).
+    pub fn is_final(&self) -> bool {
+        !matches!(self, GrantStatus::Held | GrantStatus::Revoking)
+    }
+}
+
+/// A snapshot of a link's books.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Grants sent whose receiver may still hold chunks (blocks pinned here).
+    pub grants_out: usize,
+    /// Bytes of chunks exported in those grants: memory of ours the peer can still map.
+    pub granted_bytes: u64,
+    /// Grants received and mapped here now.
+    pub imports: usize,
+    /// Bytes of the peer's chunks mapped here now.
+    pub imported_bytes: u64,
+    /// Chunks of the peer's mapped here now.
+    pub imported_chunks: usize,
+    /// Grants received, not taken yet ([`PeerLink::recv_grant`]).
+    pub queued_grants: usize,
+    /// Copies finished ([`crate::p2p::Completion::wait`]).
+    pub transfers: u64,
+    /// Bytes those copies moved.
+    pub bytes_copied: u64,
+}
+
+/// A chunk received: where it lies in the sender's layout range, its size, its descriptor.
+#[derive(Debug)]
+pub(crate) struct InChunk {
+    pub(crate) offset: u64,
+    pub(crate) size: u64,
+    pub(crate) fd: OwnedFd,
+}
+
+/// A grant received whole, not imported yet.
+#[derive(Debug)]
+pub(crate) struct ReadyGrant {
+    pub(crate) id: u64,
+    pub(crate) mode: super::wire::GrantMode,
+    pub(crate) access: AccessMode,
+    pub(crate) layout: WireLayout,
+    pub(crate) blocks: Vec<u64>,
+    pub(crate) chunks: Vec<InChunk>,
+}
+
+/// What a grant holds on the sender's memory.
+pub(crate) enum GrantPin {
+    /// Blocks of a layout.
+    Blocks(BlockPin),
+    /// A mapped range of a pool.
+    Range(RangePin),
+}
+
+/// A grant sent: the pins on its blocks until the receiver lets go.
+pub(crate) struct OutGrant {
+    pub(crate) pin: Option<GrantPin>,
+    pub(crate) bytes: u64,
+    pub(crate) status: GrantStatus,
+    /// The [`crate::p2p::Grant`] handle is gone: forget the entry once final.
+    pub(crate) detached: bool,
+}
+
+#[derive(Default)]
+pub(crate) struct LinkState {
+    /// Set when the connection ended: why.
+    pub(crate) closed: Option<String>,
+    pub(crate) next_grant: u64,
+    pub(crate) out: HashMap<u64, OutGrant>,
+    partial: HashMap<u64, Vec<InChunk>>,
+    ready: VecDeque<ReadyGrant>,
+    /// Grants received and mapped here: id to (bytes, chunks).
+    pub(crate) live_in: HashMap<u64, (u64, usize)>,
+    /// Grants the peer asked back (no new copy from them).
+    pub(crate) revoked_in: HashSet<u64>,
+    pub(crate) transfers: u64,
+    pub(crate) bytes_copied: u64,
+}
+
+/// What a link's handle, its reader thread, its grants and its imports share.
+pub(crate) struct LinkShared {
+    pub(crate) name: String,
+    pub(crate) peer: PeerInfo,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) path: PathChoice,
+    pub(crate) state: Mutex<LinkState>,
+    pub(crate) changed: Condvar,
+    /// A handle on the connection, to shut it down.
+    socket: UnixStream,
+}
+
+impl LinkShared {
+    /// End the connection (the reader then settles the books).
+    pub(crate) fn shutdown(&self) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+    }
+
+    pub(crate) fn peer_error(&self, op: &'static str, detail: impl Into<String>) -> Error {
+        Error::Peer {
+            peer: self.peer.name.clone(),
+            op,
+            detail: detail.into(),
+        }
+    }
+
+    /// Wait on the condition variable until `ready` holds or `deadline` passes (`None`: no
+    /// deadline); returns the lock and whether `ready` holds.
+    pub(crate) fn wait_until(
+        &self,
+        deadline: Option<Instant>,
+        mut ready: impl FnMut(&LinkState) -> bool,
+    ) -> (MutexGuard<'_, LinkState>, bool) {
+        let mut st = self.state.lock();
+        loop {
+            if ready(&st) {
+                return (st, true);
+            }
+            match deadline {
+                Some(d) => {
+                    if self.changed.wait_until(&mut st, d).timed_out() {
+                        let ok = ready(&st);
+                        return (st, ok);
+                    }
+                }
+                None => self.changed.wait(&mut st),
+            }
+        }
+    }
+
+    /// The receiver took hand-off `id` over: release its blocks here with the pin dropped in
+    /// the same step, their chunks released at once (the receiver owns the memory now).
+    fn finish_hand_off(&self, id: u64) {
+        let pin = {
+            let mut st = self.state.lock();
+            st.out.get_mut(&id).and_then(|g| g.pin.take())
+        };
+        let Some(pin) = pin else {
+            tracing::warn!(peer = %self.peer.name, grant = id, "adoption of an unknown grant ignored");
+            return;
+        };
+        // Driver calls, with no lock held.
+        let pin = match pin {
+            GrantPin::Blocks(p) => p,
+            GrantPin::Range(p) => {
+                // Only blocks are handed off: a peer saying otherwise gets the range back.
+                tracing::warn!(peer = %self.peer.name, grant = id, "adoption of a range grant ignored");
+                let mut st = self.state.lock();
+                if let Some(g) = st.out.get_mut(&id) {
+                    g.status = GrantStatus::Released;
+                }
+                drop(st);
+                drop(p);
+                self.changed.notify_all();
+                return;
+            }
+        };
+        let (status, keep) = match pin.release_as(crate::pool::ChunkFate::Release) {
+            Ok(change) => {
+                tracing::debug!(peer = %self.peer.name, grant = id, blocks = change.blocks, bytes = change.bytes, "blocks handed off");
+                (GrantStatus::HandedOff, None)
+            }
+            Err(refused) => {
+                let (e, pin) = *refused;
+                tracing::error!(peer = %self.peer.name, grant = id, error = %e, "releasing handed-off blocks failed; they stay pinned");
+                (
+                    GrantStatus::HandOffStuck(e.to_string()),
+                    Some(GrantPin::Blocks(pin)),
+                )
+            }
+        };
+        let mut st = self.state.lock();
+        if let Some(g) = st.out.get_mut(&id) {
+            g.status = status;
+            g.pin = keep;
+            if g.detached && g.pin.is_none() {
+                st.out.remove(&id);
+            }
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// The receiver let go of grant `id` (or refused it): its pins go.
+    fn finish_out(&self, id: u64, status: GrantStatus) {
+        let pin = {
+            let mut st = self.state.lock();
+            let Some(g) = st.out.get_mut(&id) else {
+                tracing::debug!(peer = %self.peer.name, grant = id, "release of an unknown grant ignored");
+                return;
+            };
+            g.status = status;
+            let pin = g.pin.take();
+            if g.detached {
+                st.out.remove(&id);
+            }
+            pin
+        };
+        // The pin drops here, with no lock held (it may tear a backing down).
+        drop(pin);
+        self.changed.notify_all();
+        tracing::debug!(peer = %self.peer.name, grant = id, "grant released; blocks unpinned");
+    }
+}
+
+/// A link to one other engine on this node; see the module documentation of [`crate::p2p`].
+///
+/// Dropping it shuts the connection down. Grants the peer still holds keep their blocks pinned
+/// until the peer's process exits; imports held here stay valid until dropped.
+pub struct PeerLink {
+    shared: Arc<LinkShared>,
+    writer: FrameWriter,
+    stream: UnixStream,
+}
+
+/// A listening socket for peers at `path`, readable and writable by this user only (mode 0600).
+pub fn listen(path: impl AsRef<Path>) -> Result<UnixListener> {
+    let path = path.as_ref();
+    let l = UnixListener::bind(path)
+        .map_err(|e| ipc::frame::ipc_error("bind", format!("{}: {e}", path.display())))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| ipc::frame::ipc_error("chmod 0600", format!("{}: {e}", path.display())))?;
+    Ok(l)
+}
+
+impl PeerLink {
+    /// Connect to the engine listening at `path`, introducing ourselves as `name`. `backend` is
+    /// the backend of this engine's layouts: imports are mapped through it.
+    pub fn connect(
+        path: impl AsRef<Path>,
+        name: &str,
+        backend: Arc<dyn Backend>,
+    ) -> Result<PeerLink> {
+        let path = path.as_ref();
+        let s = UnixStream::connect(path)
+            .map_err(|e| ipc::frame::ipc_error("connect", format!("{}: {e}", path.display())))?;
+        Self::over(s, name, backend)
+    }
+
+    /// Accept one engine on `listener`.
+    pub fn accept(
+        listener: &UnixListener,
+        name: &str,
+        backend: Arc<dyn Backend>,
+    ) -> Result<PeerLink> {
+        let (s, _) = listener
+            .accept()
+            .map_err(|e| ipc::frame::ipc_error("accept", e.to_string()))?;
+        Self::over(s, name, backend)
+    }
+
+    /// A link over a connected stream (either end of a `UnixStream::pair` works too).
+    pub fn over(stream: UnixStream, name: &str, backend: Arc<dyn Backend>) -> Result<PeerLink> {
+        let credentials = ipc::peer_credentials(&stream)?;
+        let info = backend.info();
+        let local = Endpoint::local(info);
+        let hello = Hello {
+            version: VERSION,
+            name: name.to_owned(),
+            boot_id: local.boot_id.clone(),
+            memory: info.memory_kind.into(),
+            device: info.device_ordinal,
+            granularity: info.granularity as u64,
+            exportable: info.posix_fd_exportable,
+        };
+        let io =
+            |op: &'static str| move |e: std::io::Error| ipc::frame::ipc_error(op, e.to_string());
+        stream
+            .set_read_timeout(Some(HELLO_TIMEOUT))
+            .map_err(io("set timeout"))?;
+        ipc::send_frame(&stream, &ipc::encode(&Msg::Hello(hello))?, &[])?;
+        let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
+            .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
+        let theirs = match ipc::decode::<Msg>(&frame.payload)? {
+            Msg::Hello(h) if frame.fds.is_empty() => h,
+            other => {
+                return Err(ipc::frame::ipc_error(
+                    "hello",
+                    format!(
+                        "expected a hello without descriptors, got {other:?} with {} descriptors",
+                        frame.fds.len()
+                    ),
+                ))
+            }
+        };
+        if theirs.version != VERSION {
+            return Err(Error::Peer {
+                peer: theirs.name,
+                op: "hello",
+                detail: format!("protocol version {} (ours is {VERSION})", theirs.version),
+            });
+        }
+        stream.set_read_timeout(None).map_err(io("set timeout"))?;
+        let endpoint = Endpoint {
+            boot_id: theirs.boot_id,
+            memory: theirs.memory.into(),
+            device: theirs.device,
+            exportable: theirs.exportable,
+        };
+        let path = choose_path(&local, &endpoint);
+        let peer = PeerInfo {
+            name: theirs.name,
+            credentials,
+            endpoint,
+            granularity: theirs.granularity,
+        };
+        // Whether the peer's process is gone decides when pins of grants it never released
+        // can go; a pidfd says so without any race on reused process ids.
+        let pidfd = rustix::process::Pid::from_raw(credentials.pid).and_then(|pid| {
+            rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+        });
+        if pidfd.is_none() {
+            tracing::warn!(peer = %peer.name, pid = credentials.pid, "no pidfd for the peer: grants it never releases stay pinned for good");
+        }
+        tracing::info!(peer = %peer.name, pid = credentials.pid, uid = credentials.uid, path = %path.path, reason = %path.reason, "p2p link open");
+        let clone = |s: &UnixStream| s.try_clone().map_err(io("dup socket"));
+        let shared = Arc::new(LinkShared {
+            socket: clone(&stream)?,
+            name: name.to_owned(),
+            peer,
+            backend,
+            path,
+            state: Mutex::new(LinkState::default()),
+            changed: Condvar::new(),
+        });
+        let (writer, _) = FrameWriter::spawn(clone(&stream)?, WRITER_DEPTH, "p2p")?;
+        let reader = Reader {
+            shared: shared.clone(),
+            writer: writer.clone(),
+            stream: clone(&stream)?,
+            pidfd,
+        };
+        std::thread::Builder::new()
+            .name(format!("p2p-{}-reader", shared.peer.name))
+            .spawn(move || reader.run())
+            .map_err(|e| ipc::frame::ipc_error("spawn reader", e.to_string()))?;
+        Ok(PeerLink {
+            shared,
+            writer,
+            stream,
+        })
+    }
+
+    /// Our name on this link.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The engine at the other end.
+    pub fn peer(&self) -> &PeerInfo {
+        &self.shared.peer
+    }
+
+    /// How blocks move over this link and why (decided at hello, logged then).
+    pub fn path(&self) -> &PathChoice {
+        &self.shared.path
+    }
+
+    /// Why the connection ended, once it has.
+    pub fn closed(&self) -> Option<String> {
+        self.shared.state.lock().closed.clone()
+    }
+
+    /// The link's books now.
+    pub fn stats(&self) -> LinkStats {
+        let st = self.shared.state.lock();
+        let out = st.out.values().filter(|g| g.pin.is_some());
+        LinkStats {
+            grants_out: out.clone().count(),
+            granted_bytes: out.map(|g| g.bytes).sum(),
+            imports: st.live_in.len(),
+            imported_bytes: st.live_in.values().map(|v| v.0).sum(),
+            imported_chunks: st.live_in.values().map(|v| v.1).sum(),
+            queued_grants: st.ready.len(),
+            transfers: st.transfers,
+            bytes_copied: st.bytes_copied,
+        }
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<LinkShared> {
+        &self.shared
+    }
+
+    pub(crate) fn writer(&self) -> &FrameWriter {
+        &self.writer
+    }
+
+    /// Take the next grant the peer sent, waiting up to `timeout`, and import and map its
+    /// chunks here (read-only where the backend allows). A grant that cannot be imported is
+    /// refused back to the sender (which unpins its blocks) and the error comes back here.
+    pub fn recv_grant(&self, timeout: Duration) -> Result<super::ImportedGrant> {
+        // A timeout too long to add to now waits for good.
+        let deadline = Instant::now().checked_add(timeout);
+        let ready = {
+            let (mut st, ok) = self
+                .shared
+                .wait_until(deadline, |st| !st.ready.is_empty() || st.closed.is_some());
+            if !ok {
+                return Err(self
+                    .shared
+                    .peer_error("receive grant", format!("no grant within {timeout:?}")));
+            }
+            match st.ready.pop_front() {
+                Some(g) => {
+                    st.live_in.insert(g.id, (0, 0));
+                    g
+                }
+                None => {
+                    let why = st.closed.clone().unwrap_or_default();
+                    return Err(self
+                        .shared
+                        .peer_error("receive grant", format!("link closed: {why}")));
+                }
+            }
+        };
+        let id = ready.id;
+        match super::import::ImportedGrant::build(self.shared.clone(), self.writer.clone(), ready) {
+            Ok(g) => Ok(g),
+            Err(e) => {
+                self.shared.state.lock().live_in.remove(&id);
+                let reason = e.to_string();
+                tracing::warn!(peer = %self.shared.peer.name, grant = id, error = %reason, "grant refused");
+                let _ = send(&self.writer, Msg::Refused { grant: id, reason }, Vec::new());
+                Err(e)
+            }
+        }
+    }
+}
+
+impl fmt::Debug for PeerLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerLink")
+            .field("name", &self.shared.name)
+            .field("peer", &self.shared.peer)
+            .field("path", &self.shared.path)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Drop for PeerLink {
+    fn drop(&mut self) {
+        // What we queued (releases of imports dropped just before) goes out first, so the
+        // peer unpins on our word rather than on our exit.
+        if !self.writer.flush(FLUSH_TIMEOUT) {
+            tracing::debug!(peer = %self.shared.peer.name, "frames not flushed before the link closed");
+        }
+        // The reader sees the end and settles the books (see `Reader::close`).
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Queue one message with descriptors on a link's writer.
+pub(crate) fn send(writer: &FrameWriter, msg: Msg, fds: Vec<OwnedFd>) -> Result<()> {
+    writer.send(Outgoing {
+        payload: ipc::encode(&msg)?,
+        fds,
+    })
+}
+
+/// The reader thread of a link.
+struct Reader {
+    shared: Arc<LinkShared>,
+    writer: FrameWriter,
+    stream: UnixStream,
+    pidfd: Option<OwnedFd>,
+}
+
+impl Reader {
+    fn run(self) {
+        let reason = loop {
+            match ipc::recv_frame(&self.stream, ipc::MAX_FRAME) {
+                Ok(Some(frame)) => {
+                    let msg = match ipc::decode::<Msg>(&frame.payload) {
+                        Ok(m) => m,
+                        Err(e) => break format!("malformed message: {e}"),
+                    };
+                    if let Err(e) = self.handle(msg, frame.fds) {
+                        break format!("protocol error: {e}");
+                    }
+                }
+                Ok(None) => break "the peer closed the connection".to_owned(),
+                Err(e) => break e.to_string(),
+            }
+        };
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.close(reason);
+    }
+
+    fn handle(&self, msg: Msg, fds: Vec<OwnedFd>) -> Result<()> {
+        let bad = |d: String| self.shared.peer_error("receive", d);
+        match msg {
+            Msg::Hello(_) => return Err(bad("a second hello".into())),
+            Msg::Chunks {
+                grant,
+                offsets,
+                sizes,
+            } => {
+                if offsets.len() != fds.len() || sizes.len() != fds.len() || fds.is_empty() {
+                    return Err(bad(format!(
+                        "chunks of grant {grant}: {} offsets, {} sizes, {} descriptors",
+                        offsets.len(),
+                        sizes.len(),
+                        fds.len()
+                    )));
+                }
+                let mut st = self.shared.state.lock();
+                if st.live_in.contains_key(&grant) || st.ready.iter().any(|g| g.id == grant) {
+                    return Err(bad(format!("chunks for grant {grant}, which is complete")));
+                }
+                if !st.partial.contains_key(&grant) && st.partial.len() >= MAX_PARTIAL_GRANTS {
+                    return Err(bad(format!(
+                        "more than {MAX_PARTIAL_GRANTS} grants half sent"
+                    )));
+                }
+                let part = st.partial.entry(grant).or_default();
+                if part.len() + fds.len() > MAX_GRANT_CHUNKS {
+                    return Err(bad(format!(
+                        "grant {grant} has more than {MAX_GRANT_CHUNKS} chunks"
+                    )));
+                }
+                part.extend(
+                    offsets
+                        .into_iter()
+                        .zip(sizes)
+                        .zip(fds)
+                        .map(|((offset, size), fd)| InChunk { offset, size, fd }),
+                );
+            }
+            Msg::Grant {
+                grant,
+                mode,
+                access,
+                layout,
+                blocks,
+                chunks,
+            } => {
+                if !fds.is_empty() {
+                    return Err(bad(format!("{} descriptors on a grant message", fds.len())));
+                }
+                let mut st = self.shared.state.lock();
+                let got = st.partial.remove(&grant).unwrap_or_default();
+                if got.len() as u64 != chunks
+                    || blocks.is_empty()
+                    || blocks.len() > MAX_GRANT_BLOCKS
+                {
+                    drop(st);
+                    return Err(bad(format!(
+                        "grant {grant} announces {chunks} chunks ({} arrived) and {} blocks (1 to {MAX_GRANT_BLOCKS} allowed)",
+                        got.len(),
+                        blocks.len()
+                    )));
+                }
+                st.ready.push_back(ReadyGrant {
+                    id: grant,
+                    mode,
+                    access,
+                    layout,
+                    blocks,
+                    chunks: got,
+                });
+                drop(st);
+                self.shared.changed.notify_all();
+            }
+            Msg::Revoke { grant } => {
+                // Not taken yet: drop it now. Mapped here: no new copy from it, and the release
+                // goes out when its last holder lets go.
+                let dropped = {
+                    let mut st = self.shared.state.lock();
+                    let queued = st
+                        .ready
+                        .iter()
+                        .position(|g| g.id == grant)
+                        .and_then(|i| st.ready.remove(i))
+                        .map(|g| g.chunks);
+                    let partial = st.partial.remove(&grant);
+                    if st.live_in.contains_key(&grant) {
+                        st.revoked_in.insert(grant);
+                        None
+                    } else {
+                        Some((queued, partial))
+                    }
+                };
+                self.shared.changed.notify_all();
+                if let Some(d) = dropped {
+                    drop(d);
+                    send(&self.writer, Msg::Released { grant }, Vec::new())?;
+                }
+            }
+            Msg::Released { grant } => self.shared.finish_out(grant, GrantStatus::Released),
+            Msg::Adopted { grant } => self.shared.finish_hand_off(grant),
+            Msg::Refused { grant, reason } => {
+                tracing::warn!(peer = %self.shared.peer.name, grant, %reason, "peer refused a grant");
+                self.shared.finish_out(grant, GrantStatus::Refused(reason))
+            }
+        }
+        Ok(())
+    }
+
+    /// The connection ended: grants not taken are dropped (descriptors closed); pins of grants
+    /// the peer never released go once its process has exited.
+    fn close(self, reason: String) {
+        tracing::info!(peer = %self.shared.peer.name, %reason, "p2p link closed");
+        let dropped = {
+            let mut st = self.shared.state.lock();
+            st.closed = Some(reason);
+            (
+                std::mem::take(&mut st.partial),
+                std::mem::take(&mut st.ready),
+            )
+        };
+        drop(dropped);
+        self.shared.changed.notify_all();
+        let outstanding = self
+            .shared
+            .state
+            .lock()
+            .out
+            .values()
+            .any(|g| g.pin.is_some());
+        if !outstanding {
+            return;
+        }
+        let Some(pidfd) = &self.pidfd else {
+            tracing::error!(peer = %self.shared.peer.name, "the peer may still map granted chunks and its exit cannot be watched: their blocks stay pinned");
+            return;
+        };
+        tracing::info!(peer = %self.shared.peer.name, pid = self.shared.peer.credentials.pid, "waiting for the peer's process to exit before unpinning its grants");
+        wait_exit(pidfd);
+        let pins: Vec<GrantPin> = {
+            let mut st = self.shared.state.lock();
+            let mut pins = Vec::new();
+            for g in st.out.values_mut() {
+                if matches!(g.status, GrantStatus::HandOffStuck(_)) {
+                    continue;
+                }
+                if let Some(p) = g.pin.take() {
+                    g.status = GrantStatus::PeerExited;
+                    pins.push(p);
+                }
+            }
+            st.out.retain(|_, g| !g.detached || g.pin.is_some());
+            pins
+        };
+        tracing::info!(peer = %self.shared.peer.name, grants = pins.len(), "peer exited; its grants are unpinned");
+        drop(pins);
+        self.shared.changed.notify_all();
+    }
+}
+
+/// Block until the process behind `pidfd` has exited.
+fn wait_exit(pidfd: &OwnedFd) {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_fd().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `p` is one valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut p, 1, -1) };
+        if rc > 0 {
+            return;
+        }
+        if rc < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            tracing::error!(error = %std::io::Error::last_os_error(), "poll on a pidfd failed");
+            return;
+        }
+    }
+}
+
+/// Links to several peers by name: a grant names its receiver.
+#[derive(Debug, Default)]
+pub struct Peers {
+    links: Vec<PeerLink>,
+}
+
+impl Peers {
+    /// No peers.
+    pub fn new() -> Self {
+        Peers::default()
+    }
+
+    /// Add a link; a second link to a peer of the same name is refused.
+    pub fn add(&mut self, link: PeerLink) -> Result<()> {
+        if self.links.iter().any(|l| l.peer().name == link.peer().name) {
+            return Err(Error::InvalidArgument(format!(
+                "a peer named {:?} is connected already",
+                link.peer().name
+            )));
+        }
+        self.links.push(link);
+        Ok(())
+    }
+
+    /// The names of the peers connected.
+    pub fn names(&self) -> Vec<String> {
+        self.links.iter().map(|l| l.peer().name.clone()).collect()
+    }
+
+    /// The link to `name`, or [`Error::UnknownPeer`].
+    pub fn get(&self, name: &str) -> Result<&PeerLink> {
+        self.links
+            .iter()
+            .find(|l| l.peer().name == name)
+            .ok_or_else(|| Error::UnknownPeer {
+                name: name.to_owned(),
+                known: self.names(),
+            })
+    }
+
+    /// Grant `peer` access to `blocks` of `layout` (see [`PeerLink::grant`]); an unknown peer
+    /// is an error before anything is pinned or exported.
+    pub fn grant(
+        &self,
+        peer: &str,
+        layout: &crate::layout::ElasticLayout,
+        blocks: &[usize],
+        access: AccessMode,
+    ) -> Result<super::Grant> {
+        self.get(peer)?.grant(layout, blocks, access)
+    }
+}

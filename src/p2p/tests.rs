@@ -1,0 +1,157 @@
+//! The link against a hand-written peer: malformed or inconsistent messages close the link or
+//! refuse the grant, never crash or map what was not granted.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::link::PeerLink;
+use super::wire::{Hello, Msg, WireLayout, VERSION};
+use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use crate::backend::{AccessMode, Backend};
+use crate::ipc;
+use crate::layout::{LayoutConfig, LayoutKind};
+
+fn backend() -> Arc<dyn Backend> {
+    Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
+}
+
+/// A link whose peer is `raw`, after the hello.
+fn link() -> (PeerLink, UnixStream) {
+    let (x, raw) = UnixStream::pair().unwrap();
+    let hello = Msg::Hello(Hello {
+        version: VERSION,
+        name: "raw".into(),
+        boot_id: super::boot_id(),
+        memory: crate::MemoryKind::Host.into(),
+        device: None,
+        granularity: DEFAULT_GRANULARITY as u64,
+        exportable: true,
+    });
+    ipc::send_frame(&raw, &ipc::encode(&hello).unwrap(), &[]).unwrap();
+    let l = PeerLink::over(x, "engine", backend()).unwrap();
+    let theirs = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
+    assert!(matches!(
+        ipc::decode::<Msg>(&theirs.payload).unwrap(),
+        Msg::Hello(_)
+    ));
+    (l, raw)
+}
+
+fn closed_with(l: &PeerLink, what: &str) {
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(why) = l.closed() {
+            assert!(why.contains(what), "{why}");
+            return;
+        }
+        assert!(Instant::now() < end, "link still open");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn layout() -> WireLayout {
+    WireLayout::of(
+        &LayoutConfig::new(64, 1, 1, 16, 4096, 2),
+        LayoutKind::FullyContiguous,
+    )
+}
+
+#[test]
+fn malformed_and_inconsistent_messages_close_the_link() {
+    let (l, raw) = link();
+    ipc::send_frame(&raw, &[0xff, 0xff, 0xff], &[]).unwrap();
+    closed_with(&l, "malformed");
+
+    // Descriptors that do not match the chunks announced.
+    let (l, raw) = link();
+    let (a, _b) = UnixStream::pair().unwrap();
+    let m = Msg::Chunks {
+        grant: 1,
+        offsets: vec![0, 1 << 21],
+        sizes: vec![1 << 21, 1 << 21],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
+    closed_with(&l, "2 offsets, 2 sizes, 1 descriptors");
+
+    // A grant announcing more chunks than arrived.
+    let (l, raw) = link();
+    let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 1,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![0],
+        chunks: 3,
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    closed_with(&l, "announces 3 chunks (0 arrived)");
+    assert!(l.recv_grant(Duration::from_millis(10)).is_err());
+}
+
+#[test]
+fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
+    let exporter = backend();
+    let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
+    let fd = exporter.export_chunk(chunk).unwrap();
+    // One 2 MiB chunk at offset 0; block 40 (128 KiB blocks) lies at 5 MiB: not covered.
+    let (l, raw) = link();
+    let m = Msg::Chunks {
+        grant: 7,
+        offsets: vec![0],
+        sizes: vec![DEFAULT_GRANULARITY as u64],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
+    let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 7,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![1, 40],
+        chunks: 1,
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    let e = l
+        .recv_grant(Duration::from_secs(5))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("block 40") && e.contains("not covered"), "{e}");
+    let r = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
+    match ipc::decode::<Msg>(&r.payload).unwrap() {
+        Msg::Refused { grant: 7, reason } => assert!(reason.contains("not covered"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    let s = l.stats();
+    assert_eq!(
+        (s.imports, s.imported_bytes),
+        (0, 0),
+        "nothing stays mapped"
+    );
+
+    // A descriptor that is no chunk (a socket): refused, link still usable.
+    let (a, _b) = UnixStream::pair().unwrap();
+    let m = Msg::Chunks {
+        grant: 8,
+        offsets: vec![0],
+        sizes: vec![DEFAULT_GRANULARITY as u64],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
+    let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 8,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![1],
+        chunks: 1,
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    let e = l
+        .recv_grant(Duration::from_secs(5))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a memory file"), "{e}");
+    assert!(l.closed().is_none());
+    // SAFETY: created above, mapped nowhere.
+    unsafe { exporter.release(chunk).unwrap() };
+}

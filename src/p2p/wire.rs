@@ -1,0 +1,169 @@
+//! The protocol between two engines: `postcard` messages in frames ([`crate::ipc`]), chunks as
+//! descriptors attached to `Chunks` frames. Every number from the wire is checked by the
+//! receiving side before use.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{AccessMode, MemoryKind};
+use crate::error::{Error, Result};
+use crate::layout::{BlockDim, LayoutConfig, LayoutKind};
+
+/// Protocol version; a peer with another one is refused at hello.
+pub(crate) const VERSION: u32 = 1;
+/// Most blocks in one grant (the grant message must fit one frame).
+pub const MAX_GRANT_BLOCKS: usize = 4096;
+/// Most chunks in one grant (sent [`crate::ipc::MAX_FDS`] to a frame).
+pub const MAX_GRANT_CHUNKS: usize = 16 * 1024;
+/// Most grants a peer may have half sent at once.
+pub(crate) const MAX_PARTIAL_GRANTS: usize = 64;
+
+/// Host or device memory, on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum WireMemory {
+    Host,
+    Device,
+}
+
+impl From<MemoryKind> for WireMemory {
+    fn from(k: MemoryKind) -> Self {
+        match k {
+            MemoryKind::Host => WireMemory::Host,
+            MemoryKind::Device => WireMemory::Device,
+        }
+    }
+}
+
+impl From<WireMemory> for MemoryKind {
+    fn from(k: WireMemory) -> Self {
+        match k {
+            WireMemory::Host => MemoryKind::Host,
+            WireMemory::Device => MemoryKind::Device,
+        }
+    }
+}
+
+/// What each side says of itself when the link opens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    pub(crate) version: u32,
+    pub(crate) name: String,
+    /// The kernel's boot id: two processes with the same one run on the same node.
+    pub(crate) boot_id: String,
+    pub(crate) memory: WireMemory,
+    pub(crate) device: Option<i32>,
+    pub(crate) granularity: u64,
+    /// Whether this side's backend can export and import chunks as POSIX descriptors.
+    pub(crate) exportable: bool,
+}
+
+/// The order of a layout's dimensions, on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum WireKind {
+    FullyContiguous,
+    LayerSeparateBlockFirst,
+    LayerSeparateBlockSecond,
+}
+
+impl From<LayoutKind> for WireKind {
+    fn from(k: LayoutKind) -> Self {
+        match k {
+            LayoutKind::FullyContiguous => WireKind::FullyContiguous,
+            LayoutKind::LayerSeparate(BlockDim::First) => WireKind::LayerSeparateBlockFirst,
+            LayoutKind::LayerSeparate(BlockDim::Second) => WireKind::LayerSeparateBlockSecond,
+        }
+    }
+}
+
+impl From<WireKind> for LayoutKind {
+    fn from(k: WireKind) -> Self {
+        match k {
+            WireKind::FullyContiguous => LayoutKind::FullyContiguous,
+            WireKind::LayerSeparateBlockFirst => LayoutKind::LayerSeparate(BlockDim::First),
+            WireKind::LayerSeparateBlockSecond => LayoutKind::LayerSeparate(BlockDim::Second),
+        }
+    }
+}
+
+/// A layout's dimensions and kind, on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct WireLayout {
+    pub(crate) dims: [u64; 6],
+    pub(crate) kind: WireKind,
+}
+
+impl WireLayout {
+    pub(crate) fn of(config: &LayoutConfig, kind: LayoutKind) -> Self {
+        WireLayout {
+            dims: [
+                config.num_blocks as u64,
+                config.num_layers as u64,
+                config.outer_dim as u64,
+                config.page_size as u64,
+                config.inner_dim as u64,
+                config.dtype_width_bytes as u64,
+            ],
+            kind: kind.into(),
+        }
+    }
+
+    /// The config, each dimension checked to fit this machine's `usize`.
+    pub(crate) fn config(&self) -> Result<LayoutConfig> {
+        let mut d = [0usize; 6];
+        for (i, (&v, out)) in self.dims.iter().zip(d.iter_mut()).enumerate() {
+            *out = usize::try_from(v).map_err(|_| {
+                Error::InvalidArgument(format!("layout dimension {i} of {v} does not fit usize"))
+            })?;
+        }
+        Ok(LayoutConfig::new(d[0], d[1], d[2], d[3], d[4], d[5]))
+    }
+}
+
+/// What the receiver may do with a grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GrantMode {
+    /// Map and copy; the sender keeps its blocks.
+    Copy,
+    /// Take the chunks over without a copy: the receiver maps them into its own layout, the
+    /// sender releases its blocks and lets go of the chunks.
+    HandOff,
+}
+
+/// One message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Msg {
+    Hello(Hello),
+    /// Chunks of grant `grant`, one descriptor attached per chunk, in order: each chunk's
+    /// offset in the sender's layout range and its size.
+    Chunks {
+        grant: u64,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+    },
+    /// The grant is complete: `chunks` chunks were sent before it.
+    Grant {
+        grant: u64,
+        mode: GrantMode,
+        access: AccessMode,
+        layout: WireLayout,
+        blocks: Vec<u64>,
+        chunks: u64,
+    },
+    /// The sender asks the receiver to let go of a grant.
+    Revoke {
+        grant: u64,
+    },
+    /// The receiver holds nothing of the grant any more (unmapped, descriptors closed).
+    Released {
+        grant: u64,
+    },
+    /// The receiver took the chunks of a hand-off over: the sender releases its blocks and
+    /// lets go of them (they must never be reused there).
+    Adopted {
+        grant: u64,
+    },
+    /// The receiver could not import the grant; it holds nothing of it.
+    Refused {
+        grant: u64,
+        reason: String,
+    },
+}

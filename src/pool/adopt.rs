@@ -1,0 +1,172 @@
+//! Chunks that change hands between processes ([`crate::p2p`] hand-off): a range mapped with
+//! chunks imported from another process, charged to this pool as if created here, and ranges
+//! unmapped with their chunks released at once rather than cached.
+
+use std::sync::atomic::Ordering;
+
+use super::admission::{Fit, Urgency};
+use super::mapper::bytes_of;
+use super::ranges::{ChunkFate, Space};
+use super::{Inner, Region};
+use crate::backend::PhysicalChunk;
+use crate::error::{Error, Result};
+
+impl Inner {
+    /// Put chunks just unmapped (in flight) where `fate` says.
+    pub(super) fn put_away(&self, chunks: Vec<PhysicalChunk>, fate: ChunkFate) {
+        match fate {
+            ChunkFate::Cache => self.stash(chunks),
+            ChunkFate::Release => {
+                if let (_, Some(e)) = self.release_chunks(chunks) {
+                    tracing::error!(pool = %self.name, error = %e, "releasing chunks that changed hands failed; they stay cached");
+                }
+            }
+        }
+    }
+
+    /// Map `chunks` (this backend's, imported from another process, mapped nowhere) back to
+    /// back from `offset` of `space`, charged to admission like created memory (no donation:
+    /// the memory exists already). From then on the pool owns them. On failure nothing stays
+    /// mapped or charged here and every chunk is released (this process lets go of it).
+    pub(crate) fn adopt_range(
+        &self,
+        offset: u64,
+        chunks: Vec<PhysicalChunk>,
+        space: Space,
+    ) -> Result<()> {
+        let len = bytes_of(&chunks);
+        let release_all = |chunks: &[PhysicalChunk]| {
+            for &c in chunks {
+                // SAFETY: the caller's chunks, mapped nowhere, not taken by the pool.
+                if let Err(e) = unsafe { self.call_release(c) } {
+                    tracing::error!(pool = %self.name, error = %e, "releasing an imported chunk failed");
+                }
+            }
+        };
+        let end = match self.check_range(offset, len) {
+            Ok(end) => end,
+            Err(e) => {
+                release_all(&chunks);
+                return Err(e);
+            }
+        };
+        let claimed = {
+            let mut st = self.state.lock();
+            let free = match space {
+                Space::Region => &st.held,
+                Space::Pool => &st.cold,
+            };
+            if let Some(reason) = st.refusing.clone() {
+                Err(self.refusal(&reason))
+            } else if let Some((s, e)) = free.first_gap(offset, end) {
+                Err(Error::RangeInUse {
+                    offset,
+                    len,
+                    busy_offset: s,
+                    busy_len: e - s,
+                })
+            } else {
+                match space {
+                    Space::Region => st.held.remove(offset, end),
+                    Space::Pool => st.cold.remove(offset, end),
+                }
+                st.in_transit += len;
+                st.growing += 1;
+                Ok(())
+            }
+        };
+        if let Err(e) = claimed {
+            release_all(&chunks);
+            return Err(e);
+        }
+        // A pure charge: `max_chunk` 0 takes no other model's chunks (it may reclaim idle ones).
+        let got = self.acquire(
+            len,
+            Urgency::Required,
+            Fit {
+                max_chunk: 0,
+                room: len,
+            },
+        );
+        self.stash(got.donated);
+        match got.charged {
+            Ok(n) if n == len => {}
+            other => {
+                if let Ok(n) = other {
+                    self.credit(n);
+                }
+                self.undo_range(offset, end, Vec::new(), Vec::new(), &[]);
+                release_all(&chunks);
+                return Err(match other {
+                    Err(e) => e,
+                    Ok(n) => Error::InvalidArgument(format!(
+                        "admission charged {n} of {len} bytes for adopted chunks"
+                    )),
+                });
+            }
+        }
+        // Charged and counted in flight, like created chunks: the rollback releases them.
+        // SAFETY: the range is claimed (in transit) and unmapped; the chunks are ours now.
+        if let Err(f) = unsafe { self.map_run(offset, &chunks) } {
+            let stuck: Vec<PhysicalChunk> = f.stuck.iter().map(|&(_, c)| c).collect();
+            let rest = chunks.into_iter().filter(|c| !stuck.contains(c)).collect();
+            self.undo_range(offset, end, Vec::new(), rest, &f.stuck);
+            return Err(f.error);
+        }
+        let mut st = self.state.lock();
+        let mut at = offset;
+        for c in &chunks {
+            st.chunks.insert(at, *c);
+            at += c.size as u64;
+        }
+        st.mapped += len;
+        self.in_flight.fetch_sub(len, Ordering::AcqRel);
+        st.in_transit -= len;
+        st.growing -= 1;
+        st.ranges.insert(offset, end);
+        st.note_peaks();
+        drop(st);
+        tracing::debug!(pool = %self.name, offset, len, chunks = chunks.len(), "imported chunks adopted");
+        Ok(())
+    }
+}
+
+impl Region {
+    /// Map `chunks` (imported, mapped nowhere) back to back from `at`, which must be unmapped;
+    /// see [`Inner::adopt_range`]. The chunks are consumed either way.
+    pub(crate) fn adopt(&self, at: u64, chunks: Vec<PhysicalChunk>) -> Result<()> {
+        let len = bytes_of(&chunks);
+        let inner = self.pool().inner();
+        match at.checked_add(len).filter(|&e| e <= self.len()) {
+            Some(_) => inner.adopt_range(self.offset() + at, chunks, Space::Region),
+            None => {
+                for c in chunks {
+                    // SAFETY: the caller's chunks, mapped nowhere.
+                    let _ = unsafe { inner.call_release(c) };
+                }
+                Err(Error::RangeOutOfBounds {
+                    offset: at,
+                    len,
+                    capacity: self.len(),
+                })
+            }
+        }
+    }
+
+    /// As [`Region::unmap`], releasing the chunks at once (they must never be reused here).
+    pub(crate) fn unmap_releasing(&self, at: u64, len: u64) -> Result<()> {
+        let abs = match at.checked_add(len).filter(|&e| e <= self.len()) {
+            Some(_) => self.offset() + at,
+            None => {
+                return Err(Error::RangeOutOfBounds {
+                    offset: at,
+                    len,
+                    capacity: self.len(),
+                })
+            }
+        };
+        self.pool()
+            .inner()
+            .unmap_range_as(abs, len, Space::Region, ChunkFate::Release)
+    }
+}

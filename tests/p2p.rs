@@ -1,0 +1,447 @@
+//! Blocks granted between two links of one process over a socket pair (real memfd chunks,
+//! exported, imported and mapped again): bad input, revokes, and grants racing releases.
+
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use elastic_vmm::backend::delay::DelayInjector;
+use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::layout::{ElasticLayout, LayoutBuilder, LayoutConfig};
+use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, Peers, TransferPath};
+use elastic_vmm::{AccessMode, Backend, DriverCall, Error, Pool, PoolConfig};
+
+fn exportable() -> Arc<dyn Backend> {
+    Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
+}
+
+/// Two links of one process: (sender "prefill", receiver "decode").
+fn pair(a: Arc<dyn Backend>, b: Arc<dyn Backend>) -> (PeerLink, PeerLink) {
+    let (x, y) = UnixStream::pair().unwrap();
+    let t = std::thread::spawn(move || PeerLink::over(y, "decode", b).unwrap());
+    let p = PeerLink::over(x, "prefill", a).unwrap();
+    (p, t.join().unwrap())
+}
+
+fn kv(backend: Arc<dyn Backend>, blocks: usize) -> (Pool, ElasticLayout) {
+    let pool = Pool::new(backend, PoolConfig::new(1 << 30).name("p2p")).unwrap();
+    let kv = LayoutBuilder::new()
+        .config(LayoutConfig::new(blocks, 2, 2, 16, 256, 2))
+        .fully_contiguous()
+        .elastic(&pool)
+        .build()
+        .unwrap();
+    (pool, kv)
+}
+
+#[test]
+fn unknown_peer_and_unexportable_memory_are_refused() {
+    let (p, d) = pair(exportable(), exportable());
+    assert_eq!(p.path().path, TransferPath::PeerImport);
+    let mut peers = Peers::new();
+    peers.add(p).unwrap();
+    let (_pool, layout) = kv(exportable(), 8);
+    layout.ensure_backed([0, 1]).unwrap();
+    match peers.grant("nobody", &layout, &[0], AccessMode::ReadOnly) {
+        Err(Error::UnknownPeer { name, known }) => {
+            assert_eq!(name, "nobody");
+            assert_eq!(known, vec!["decode".to_string()]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(layout.stats().pinned_blocks, 0, "nothing pinned");
+    let g = peers
+        .grant("decode", &layout, &[0, 1], AccessMode::ReadOnly)
+        .unwrap();
+    assert_eq!(g.blocks(), 2);
+    // Out of range and empty: refused, nothing pinned beyond the grant's own.
+    let e = peers
+        .grant("decode", &layout, &[8], AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("block 8 does not exist"), "{e}");
+    assert!(peers
+        .grant("decode", &layout, &[], AccessMode::ReadOnly)
+        .is_err());
+    drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+
+    // A backend whose chunks share one memfd cannot export; the path choice says so too.
+    let shared: Arc<dyn Backend> = Arc::new(HostBackend::new(DEFAULT_GRANULARITY).unwrap());
+    let (p, _d) = pair(shared.clone(), exportable());
+    assert_eq!(p.path().path, TransferPath::Nixl);
+    assert!(
+        p.path().reason.contains("sender's backend"),
+        "{:?}",
+        p.path()
+    );
+    let (_pool, layout) = kv(shared, 8);
+    layout.ensure_backed([0]).unwrap();
+    let e = p
+        .grant(&layout, &[0], AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("PerChunk"), "{e}");
+    assert_eq!(layout.stats().pinned_blocks, 0);
+}
+
+#[test]
+fn revoke_before_and_after_import() {
+    let (p, d) = pair(exportable(), exportable());
+    let (_pool, src) = kv(exportable(), 8);
+    let (_pool2, dst) = kv(exportable(), 8);
+    src.ensure_backed(0..8).unwrap();
+    dst.ensure_backed(0..8).unwrap();
+    // Not taken yet: the receiver drops it at once.
+    let g1 = p.grant(&src, &[1, 2], AccessMode::ReadOnly).unwrap();
+    // A timeout past what an instant can hold waits without a deadline.
+    assert_eq!(g1.revoke(Duration::MAX).unwrap(), GrantStatus::Released);
+    assert_eq!(d.stats().queued_grants, 0);
+    src.release([1, 2]).unwrap();
+    src.ensure_backed([1, 2]).unwrap();
+    // Taken and mapped: the revoke waits for the receiver to drop it; no copy meanwhile.
+    let g2 = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
+    let imported = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imported.access(), AccessMode::ReadOnly);
+    assert!(d.stats().imported_bytes > 0);
+    assert!(p.stats().granted_bytes > 0);
+    let e = g2
+        .revoke(Duration::from_millis(100))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("still held"), "{e}");
+    assert_eq!(g2.status(), GrantStatus::Revoking);
+    assert!(matches!(src.release([3]), Err(Error::BlockPinned { .. })));
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    let e = loop {
+        let e = imported
+            .copy_into(&dst, &[0], CopyStream::LEGACY)
+            .map(|c| c.wait());
+        match e {
+            Err(e) if e.to_string().contains("revoked") => break e,
+            _ if std::time::Instant::now() < end => std::thread::sleep(Duration::from_millis(5)),
+            other => panic!("copy after revoke: {other:?}"),
+        }
+    };
+    assert!(e.to_string().contains("revoked"));
+    drop(imported);
+    // Two copies into the same destination block at once: the second is refused.
+    let g3 = p.grant(&src, &[4, 5], AccessMode::ReadOnly).unwrap();
+    let i3 = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let first = i3.copy_into(&dst, &[6, 7], CopyStream::LEGACY).unwrap();
+    let e = i3
+        .copy_into(&dst, &[5, 6], CopyStream::LEGACY)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another p2p copy is writing"), "{e}");
+    first.wait().unwrap();
+    i3.copy_into(&dst, &[5, 6], CopyStream::LEGACY)
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop(i3);
+    g3.wait_released(Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        g2.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    src.release([3]).unwrap();
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!((ps.grants_out, ps.granted_bytes), (0, 0));
+    assert_eq!(
+        (ds.imports, ds.imported_bytes, ds.imported_chunks),
+        (0, 0, 0)
+    );
+}
+
+/// A grant and a release of the same block race, round after round (slowed unmaps and maps
+/// widen the window): exactly one of them wins, never both.
+#[test]
+fn grant_races_release() {
+    let delay = Arc::new(DelayInjector::new(exportable()));
+    delay.set_delay(DriverCall::Unmap, Duration::from_micros(200));
+    let sender: Arc<dyn Backend> = delay.clone();
+    let (p, d) = pair(sender.clone(), exportable());
+    let (_pool, src) = kv(sender, 64);
+    let (mut granted, mut released) = (0, 0);
+    for round in 0..200usize {
+        let b = round % 64;
+        src.ensure_backed([b]).unwrap();
+        let (g, r) = std::thread::scope(|s| {
+            let g = s.spawn(|| p.grant(&src, &[b], AccessMode::ReadOnly));
+            let r = s.spawn(|| src.release([b]));
+            (g.join().unwrap(), r.join().unwrap())
+        });
+        match (g, r) {
+            (Ok(g), Err(Error::BlockPinned { .. })) => {
+                granted += 1;
+                drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+                g.wait_released(Duration::from_secs(5)).unwrap();
+                src.release([b]).unwrap();
+            }
+            (Err(e), Ok(_)) => {
+                assert!(e.to_string().contains("not backed"), "{e}");
+                released += 1;
+            }
+            other => panic!("round {round}: both or neither won: {other:?}"),
+        }
+    }
+    assert_eq!(granted + released, 200);
+    eprintln!("{granted} grants won, {released} releases won");
+    assert_eq!(p.stats().grants_out, 0);
+}
+
+/// Blocks of 2 MiB (whole pages): what a hand-off moves.
+fn page_blocks(pool: &Pool) -> ElasticLayout {
+    LayoutBuilder::new()
+        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
+        .fully_contiguous()
+        .elastic(pool)
+        .build()
+        .unwrap()
+}
+
+fn fill(kv: &ElasticLayout, b: usize, byte: u8) {
+    let v = kv.block(b).unwrap()[0];
+    // SAFETY: backed, nobody else uses it.
+    unsafe { kv.write(v.addr, &vec![byte; v.len as usize]).unwrap() };
+}
+
+fn bytes_of(kv: &ElasticLayout, b: usize) -> Vec<u8> {
+    let v = kv.block(b).unwrap()[0];
+    let mut out = vec![0u8; v.len as usize];
+    // SAFETY: backed, nobody writes it meanwhile.
+    unsafe { kv.read(v.addr, &mut out).unwrap() };
+    out
+}
+
+#[test]
+fn hand_off_moves_memory_without_a_copy() {
+    let (s, r) = (exportable(), exportable());
+    let (p, d) = pair(s.clone(), r.clone());
+    let src_pool = Pool::new(s.clone(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    src.ensure_backed([1, 2]).unwrap();
+    fill(&src, 1, 0x11);
+    fill(&src, 2, 0x22);
+    // Blocks that share pages cannot be handed off alone.
+    let (small_pool, small) = kv(s.clone(), 8);
+    small.ensure_backed([0]).unwrap();
+    let e = p.hand_off(&small, &[0]).unwrap_err().to_string();
+    assert!(e.contains("whole pages"), "{e}");
+    drop((small, small_pool));
+
+    // A receiver whose limit cannot take the memory: refused, the sender keeps its blocks.
+    let tight = Pool::new(
+        r.clone(),
+        PoolConfig::new(1 << 30)
+            .name("tight")
+            .physical_limit(2 << 20),
+    )
+    .unwrap();
+    let tight_kv = page_blocks(&tight);
+    let g = p.hand_off(&src, &[1, 2]).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let e = imp.adopt_into(&tight_kv, &[0, 1]).unwrap_err().to_string();
+    assert!(e.contains("out of physical memory"), "{e}");
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    assert_eq!(tight.stats().mapped, 0);
+    assert!(bytes_of(&src, 1).iter().all(|&b| b == 0x11));
+
+    // A copy grant cannot be adopted; a layout on another backend cannot adopt.
+    let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let dst_pool = Pool::new(r.clone(), PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    let e = imp.adopt_into(&dst, &[5]).unwrap_err().to_string();
+    assert!(e.contains("use copy_into"), "{e}");
+    g.wait_released(Duration::from_secs(5)).unwrap();
+
+    let g = p.hand_off(&src, &[1, 2]).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let other_pool = Pool::new(exportable(), PoolConfig::new(1 << 30)).unwrap();
+    let other = page_blocks(&other_pool);
+    // (The grant is consumed by a refusal: the sender gets it back.)
+    let e = imp.adopt_into(&other, &[5, 6]).unwrap_err().to_string();
+    assert!(e.contains("same backend"), "{e}");
+    g.wait_released(Duration::from_secs(5)).unwrap();
+
+    // The hand-off: no copy, the receiver's pool is charged, the sender lets go.
+    let created = src_pool.stats().driver_calls;
+    let g = p.hand_off(&src, &[1, 2]).unwrap();
+    assert_eq!(g.bytes(), 4 << 20);
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.mode(), elastic_vmm::p2p::GrantMode::HandOff);
+    let dst_calls = dst_pool.stats().driver_calls;
+    let change = imp.adopt_into(&dst, &[5, 6]).unwrap();
+    assert_eq!(
+        dst_pool
+            .stats()
+            .driver_calls
+            .since(&dst_calls)
+            .get(DriverCall::Create),
+        0,
+        "adopted, not created"
+    );
+    assert_eq!((change.blocks, change.bytes), (2, 4 << 20));
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::HandedOff
+    );
+    assert!(!src.is_backed(1) && !src.is_backed(2));
+    let ss = src_pool.stats();
+    assert_eq!(
+        (ss.mapped, ss.cached),
+        (0, 0),
+        "handed-off chunks are not kept: {ss:?}"
+    );
+    assert_eq!(
+        s.physical_bytes().unwrap(),
+        0,
+        "the sender holds none of it"
+    );
+    assert_eq!(
+        src_pool
+            .stats()
+            .driver_calls
+            .since(&created)
+            .get(DriverCall::Create),
+        0
+    );
+    let ds = dst_pool.stats();
+    assert_eq!(ds.mapped, 4 << 20, "{ds:?}");
+    assert!(bytes_of(&dst, 5).iter().all(|&b| b == 0x11));
+    assert!(bytes_of(&dst, 6).iter().all(|&b| b == 0x22));
+    assert_eq!(d.stats().imports, 0);
+    assert_eq!(p.stats().grants_out, 0);
+    // Ours now: written, released to the cache, trimmed.
+    fill(&dst, 5, 0x55);
+    assert!(bytes_of(&dst, 5).iter().all(|&b| b == 0x55));
+    dst.release([5, 6]).unwrap();
+    dst_pool.trim().unwrap();
+    assert_eq!(dst_pool.stats().mapped + dst_pool.stats().cached, 0);
+}
+
+/// Threads keep trying to release handed-off blocks while the hand-off completes (slowed
+/// unmaps widen the window): none ever succeeds in caching a handed-off chunk, which the
+/// receiver owns from then on.
+#[test]
+fn hand_off_races_release() {
+    let delay = Arc::new(DelayInjector::new(exportable()));
+    delay.set_delay(DriverCall::Unmap, Duration::from_micros(300));
+    let s: Arc<dyn Backend> = delay.clone();
+    let r = exportable();
+    let (p, d) = pair(s.clone(), r.clone());
+    let src_pool = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    let dst_pool = Pool::new(r, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    let mut refused = 0u64;
+    for round in 0..20u8 {
+        src.ensure_backed([3, 4]).unwrap();
+        fill(&src, 3, round);
+        let g = p.hand_off(&src, &[3, 4]).unwrap();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            let hammer: Vec<_> = (0..4)
+                .map(|_| {
+                    sc.spawn(|| {
+                        let mut n = 0u64;
+                        while !done.load(std::sync::atomic::Ordering::Acquire) {
+                            match src.release([3]) {
+                                Err(Error::BlockPinned { .. }) => n += 1,
+                                Err(e) => assert!(e.to_string().contains("not backed"), "{e}"),
+                                Ok(c) => panic!("a handed-off block was released: {c:?}"),
+                            }
+                        }
+                        n
+                    })
+                })
+                .collect();
+            let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+            imp.adopt_into(&dst, &[0, 1]).unwrap();
+            assert_eq!(
+                g.wait_released(Duration::from_secs(5)).unwrap(),
+                GrantStatus::HandedOff
+            );
+            done.store(true, std::sync::atomic::Ordering::Release);
+            refused += hammer.into_iter().map(|h| h.join().unwrap()).sum::<u64>();
+        });
+        assert_eq!(
+            src_pool.stats().cached,
+            0,
+            "round {round}: a handed-off chunk was cached"
+        );
+        assert!(bytes_of(&dst, 0).iter().all(|&b| b == round));
+        dst.release([0, 1]).unwrap();
+    }
+    assert!(refused > 0);
+}
+
+/// Any mapped range of a pool (here a region's) granted, copied into a range of the
+/// receiver's pool; unmapping either while in use is refused.
+#[test]
+fn ranges_are_granted_and_copied() {
+    const G: u64 = DEFAULT_GRANULARITY as u64;
+    let (s, r) = (exportable(), exportable());
+    let (p, d) = pair(s.clone(), r.clone());
+    let sp = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let rp = Pool::new(r, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let region = sp.reserve_region(8 * G).unwrap();
+    region.map(G, 3 * G).unwrap();
+    let data: Vec<u8> = (0..3 * G).map(|i| (i % 251) as u8).collect();
+    // SAFETY: mapped above; nothing else uses it.
+    unsafe { region.write(G, &data).unwrap() };
+    // Unmapped, or cutting a chunk: refused before anything is pinned or sent.
+    let e = p
+        .grant_range(&sp, region.offset(), G, AccessMode::ReadOnly)
+        .unwrap_err();
+    assert!(matches!(e, Error::RangeNotMapped { .. }), "{e}");
+    region.map_chunked(5 * G, 2 * G, 2 * G).unwrap();
+    let e = p
+        .grant_range(&sp, region.offset() + 5 * G, G, AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("whole chunks"), "{e}");
+    assert_eq!(p.stats().grants_out, 0);
+    let g = p
+        .grant_range(&sp, region.offset() + G, 3 * G, AccessMode::ReadOnly)
+        .unwrap();
+    // Pinned for the peer.
+    assert!(matches!(region.unmap(G, G), Err(Error::RangeInUse { .. })));
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks(), &[0]);
+    rp.map(0, 6 * G).unwrap();
+    let done = imp.copy_to(&rp, G, CopyStream::LEGACY).unwrap();
+    // Overlapping destinations at once: refused; the destination is pinned meanwhile.
+    let e = imp
+        .copy_to(&rp, 0, CopyStream::LEGACY)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another p2p copy is writing"), "{e}");
+    assert!(matches!(rp.unmap(G, G), Err(Error::RangeInUse { .. })));
+    let report = done.wait().unwrap();
+    assert_eq!((report.bytes, report.copies), (3 * G, 1));
+    let mut got = vec![0u8; (3 * G) as usize];
+    // SAFETY: mapped above, the copy completed, nobody writes it.
+    unsafe { rp.backend().read(rp.base() + G, &mut got).unwrap() };
+    assert!(got == data, "the range arrived byte for byte");
+    // A range beyond what is mapped here: refused.
+    assert!(matches!(
+        imp.copy_to(&rp, 4 * G, CopyStream::LEGACY),
+        Err(Error::RangeNotMapped { .. })
+    ));
+    drop(imp);
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    region.unmap(G, 3 * G).unwrap();
+    rp.unmap(0, 6 * G).unwrap();
+}

@@ -1,0 +1,411 @@
+//! KV blocks moving between two real processes over the host backend: chunks are per-chunk
+//! memfds exported as descriptors, imported and mapped by the other process, copied there.
+
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use elastic_vmm::backend::delay::DelayInjector;
+use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::layout::LayoutKind;
+use elastic_vmm::p2p::{self, CopyStream, GrantStatus, PeerLink};
+use elastic_vmm::{AccessMode, Backend, DriverCall, Error};
+
+#[path = "../common_p2p/mod.rs"]
+mod scenario;
+
+use super::common;
+use scenario::{DST_BLOCKS, SRC_BLOCKS, WAIT};
+
+pub const TESTS: &[(&str, fn())] = &[
+    ("p2p::blocks_move_byte_exact", blocks_move_byte_exact),
+    (
+        "p2p::pins_hold_under_concurrent_release",
+        pins_hold_under_concurrent_release,
+    ),
+    (
+        "p2p::receiver_killed_mid_transfer",
+        receiver_killed_mid_transfer,
+    ),
+    (
+        "p2p::sender_killed_mid_transfer",
+        sender_killed_mid_transfer,
+    ),
+    (
+        "p2p::hand_off_between_processes",
+        hand_off_between_processes,
+    ),
+];
+
+pub fn role(name: &str) -> Option<fn()> {
+    match name {
+        "p2p-decode" => Some(decode_role),
+        "p2p-decode-rounds" => Some(decode_rounds_role),
+        "p2p-copy-loop" => Some(copy_loop_role),
+        "p2p-grant-and-hang" => Some(grant_and_hang_role),
+        "p2p-adopt" => Some(adopt_role),
+        _ => None,
+    }
+}
+
+const INNER: usize = 512;
+const ROUNDS: usize = 6;
+
+fn exportable() -> Arc<dyn Backend> {
+    Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
+}
+
+/// Descriptors of chunk memfds this process holds open.
+fn chunk_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_string_lossy().contains("elastic-vmm-chunk"))
+        .count()
+}
+
+fn wait_for_file(path: &Path) {
+    let end = Instant::now() + WAIT;
+    while !path.exists() {
+        assert!(Instant::now() < end, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+struct Setup {
+    dir: PathBuf,
+    listener: UnixListener,
+    child: std::process::Child,
+}
+
+fn start(role: &str) -> Setup {
+    let dir = common::temp_dir("p2p");
+    let listener = p2p::listen(dir.join("s")).unwrap();
+    let child = common::spawn(
+        role,
+        &[
+            ("EVMM_SOCKET", dir.join("s").display().to_string()),
+            ("EVMM_DIR", dir.display().to_string()),
+        ],
+    );
+    Setup {
+        dir,
+        listener,
+        child,
+    }
+}
+
+fn child_link(name: &str, backend: Arc<dyn Backend>) -> PeerLink {
+    PeerLink::connect(common::var("EVMM_SOCKET"), name, backend).unwrap()
+}
+
+/// Three layout kinds, bad input refused on both sides, every byte checked by the receiver.
+fn blocks_move_byte_exact() {
+    let s = start("p2p-decode");
+    let backend = exportable();
+    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    assert_eq!(link.peer().name, "decode");
+    assert_eq!(link.peer().credentials.pid as u32, s.child.id());
+    assert!(
+        link.path().reason.contains("same node"),
+        "{:?}",
+        link.path()
+    );
+    scenario::prefill(&link, backend.clone(), INNER);
+    assert!(
+        common::wait_for(s.child, 60).success(),
+        "decode process failed"
+    );
+    assert_eq!(
+        backend.physical_bytes().unwrap(),
+        0,
+        "prefill's pool is gone"
+    );
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn decode_role() {
+    let link = child_link("decode", exportable());
+    scenario::decode(&link, exportable(), INNER, CopyStream::LEGACY);
+}
+
+/// While the receiver copies, threads of the sender release and re-back other blocks and try
+/// to release the granted ones (slowed unmaps widen the windows): granted blocks are never
+/// released, the receiver sees every byte, and once it let go they release.
+fn pins_hold_under_concurrent_release() {
+    let s = start("p2p-decode-rounds");
+    let delay = Arc::new(DelayInjector::new(exportable()));
+    delay.set_delay(DriverCall::Unmap, Duration::from_micros(300));
+    let backend: Arc<dyn Backend> = delay.clone();
+    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let pool = scenario::pool(backend.clone(), "prefill");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::FullyContiguous,
+        scenario::config(scenario::SRC_COUNT, INNER),
+    );
+    let refused = AtomicU64::new(0);
+    let churned = AtomicU64::new(0);
+    for round in 0..ROUNDS {
+        kv.ensure_backed(SRC_BLOCKS).unwrap();
+        for b in SRC_BLOCKS {
+            scenario::fill(&kv, b, round as u64);
+        }
+        let g = link.grant(&kv, &SRC_BLOCKS, AccessMode::ReadOnly).unwrap();
+        let done = AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            // Blocks that share pages with the granted ones, and blocks on pages of their own.
+            for t in 0..4usize {
+                let (kv, done, churned) = (&kv, &done, &churned);
+                sc.spawn(move || {
+                    let mine: Vec<usize> = (0..scenario::SRC_COUNT)
+                        .filter(|b| !SRC_BLOCKS.contains(b) && b % 4 == t)
+                        .collect();
+                    while !done.load(Ordering::Acquire) {
+                        kv.ensure_backed(mine.iter().copied()).unwrap();
+                        kv.release(mine.iter().copied()).unwrap();
+                        churned.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+            for _ in 0..4 {
+                let (kv, done, refused, g) = (&kv, &done, &refused, &g);
+                sc.spawn(move || {
+                    while !done.load(Ordering::Acquire) {
+                        for b in SRC_BLOCKS {
+                            match kv.release([b]) {
+                                Err(Error::BlockPinned { .. }) => {
+                                    refused.fetch_add(1, Ordering::Relaxed);
+                                }
+                                // Only once the receiver let go (the status is final before
+                                // the pins drop); the main thread re-backs for the next round.
+                                other => {
+                                    assert!(
+                                        g.status().is_final(),
+                                        "granted block {b} released while held: {other:?}"
+                                    );
+                                    return;
+                                }
+                            }
+                        }
+                        std::thread::yield_now();
+                    }
+                });
+            }
+            let status = g.wait_released(WAIT).unwrap();
+            done.store(true, Ordering::Release);
+            assert_eq!(status, GrantStatus::Released);
+        });
+        // Whatever the hammering threads released after the grant ended, release the rest.
+        let backed: Vec<usize> = SRC_BLOCKS
+            .into_iter()
+            .filter(|&b| kv.is_backed(b))
+            .collect();
+        kv.release(backed).unwrap();
+    }
+    assert!(refused.load(Ordering::Relaxed) > 0);
+    assert!(churned.load(Ordering::Relaxed) > 0);
+    assert!(
+        common::wait_for(s.child, 60).success(),
+        "decode process failed"
+    );
+    assert_eq!(link.stats().grants_out, 0);
+    eprintln!(
+        "  {} releases of granted blocks refused, {} churn cycles, {} unmaps delayed",
+        refused.load(Ordering::Relaxed),
+        churned.load(Ordering::Relaxed),
+        delay.calls(DriverCall::Unmap)
+    );
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn decode_rounds_role() {
+    let backend = exportable();
+    let link = child_link("decode", backend.clone());
+    let pool = scenario::pool(backend, "decode");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::FullyContiguous,
+        scenario::config(scenario::DST_COUNT, INNER),
+    );
+    kv.ensure_backed(DST_BLOCKS).unwrap();
+    for round in 0..ROUNDS {
+        let g = link.recv_grant(WAIT).unwrap();
+        let done = g.copy_into(&kv, &DST_BLOCKS, CopyStream::LEGACY).unwrap();
+        // Hold the grant a while: the sender's threads hammer its blocks meanwhile.
+        std::thread::sleep(Duration::from_millis(40));
+        done.wait().unwrap();
+        for (s, d) in SRC_BLOCKS.into_iter().zip(DST_BLOCKS) {
+            let got = scenario::contents(&kv, d);
+            assert!(
+                got == scenario::pattern(round as u64, s, got.len()),
+                "round {round}: block {s} -> {d} differs"
+            );
+        }
+        drop(g);
+    }
+}
+
+/// The receiver is killed while it copies from the grant in a loop: the sender sees its
+/// process exit, unpins, and every byte of memory goes back.
+fn receiver_killed_mid_transfer() {
+    let mut s = start("p2p-copy-loop");
+    let backend = exportable();
+    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let pool = scenario::pool(backend.clone(), "prefill");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::LayerSeparate(elastic_vmm::layout::BlockDim::Second),
+        scenario::config(scenario::SRC_COUNT, INNER),
+    );
+    kv.ensure_backed(SRC_BLOCKS).unwrap();
+    let g = link.grant(&kv, &SRC_BLOCKS, AccessMode::ReadOnly).unwrap();
+    wait_for_file(&s.dir.join("copying"));
+    s.child.kill().unwrap();
+    let st = s.child.wait().unwrap();
+    assert!(!st.success());
+    assert_eq!(g.wait_released(WAIT).unwrap(), GrantStatus::PeerExited);
+    assert!(link.closed().is_some());
+    let stats = link.stats();
+    assert_eq!((stats.grants_out, stats.granted_bytes), (0, 0), "{stats:?}");
+    kv.release(SRC_BLOCKS).unwrap();
+    drop(kv);
+    pool.trim().unwrap();
+    assert_eq!(backend.physical_bytes().unwrap(), 0);
+    drop(pool);
+    assert_eq!(chunk_fds(), 0, "every chunk file is closed");
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn copy_loop_role() {
+    let backend = exportable();
+    let link = child_link("decode", backend.clone());
+    let pool = scenario::pool(backend, "decode");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::LayerSeparate(elastic_vmm::layout::BlockDim::Second),
+        scenario::config(scenario::DST_COUNT, INNER),
+    );
+    kv.ensure_backed(DST_BLOCKS).unwrap();
+    let g = link.recv_grant(WAIT).unwrap();
+    let marker = PathBuf::from(common::var("EVMM_DIR")).join("copying");
+    for i in 0.. {
+        g.copy_into(&kv, &DST_BLOCKS, CopyStream::LEGACY)
+            .unwrap()
+            .wait()
+            .unwrap();
+        if i == 0 {
+            std::fs::write(&marker, b"").unwrap();
+        }
+    }
+}
+
+/// The sender is killed while the receiver imports and maps its grant (slowed maps): the
+/// mapping completes and stays sound, new copies from it are refused, a second grant still
+/// queued is dropped, and dropping the first unmaps it: no descriptor of the dead peer's
+/// chunks stays open.
+fn sender_killed_mid_transfer() {
+    let mut s = start("p2p-grant-and-hang");
+    let delay = Arc::new(DelayInjector::new(exportable()));
+    let backend: Arc<dyn Backend> = delay.clone();
+    let pool = scenario::pool(backend.clone(), "decode");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::FullyContiguous,
+        scenario::config(scenario::DST_COUNT, INNER),
+    );
+    kv.ensure_backed(DST_BLOCKS).unwrap();
+    // Before the link exists: nothing of the peer's is open yet.
+    let baseline = chunk_fds();
+    let link = PeerLink::accept(&s.listener, "decode", backend.clone()).unwrap();
+    // Both grants queued before the import starts.
+    let end = Instant::now() + WAIT;
+    while link.stats().queued_grants < 2 {
+        assert!(Instant::now() < end, "two grants never arrived");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    delay.set_delay(DriverCall::Map, Duration::from_millis(30));
+    let maps0 = delay.calls(DriverCall::Map);
+    let child = &mut s.child;
+    let g = std::thread::scope(|sc| {
+        let killer = sc.spawn(|| {
+            while delay.calls(DriverCall::Map) == maps0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            child.kill().unwrap();
+            child.wait().unwrap()
+        });
+        let g = link
+            .recv_grant(WAIT)
+            .expect("the import completes without its sender");
+        assert!(!killer.join().unwrap().success());
+        g
+    });
+    delay.clear();
+    let end = Instant::now() + WAIT;
+    while link.closed().is_none() {
+        assert!(Instant::now() < end, "the link never saw the sender go");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        link.stats().queued_grants,
+        0,
+        "the queued grant was dropped"
+    );
+    let e = g
+        .copy_into(&kv, &DST_BLOCKS, CopyStream::LEGACY)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sender is gone"), "{e}");
+    assert!(link.stats().imported_bytes > 0);
+    drop(g);
+    assert_eq!(link.stats().imports, 0);
+    assert_eq!(
+        chunk_fds(),
+        baseline,
+        "no chunk of the dead sender stays open"
+    );
+    let e = link
+        .recv_grant(Duration::from_millis(10))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("link closed"), "{e}");
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn grant_and_hang_role() {
+    let backend = exportable();
+    let link = child_link("prefill", backend.clone());
+    let pool = scenario::pool(backend, "prefill");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::FullyContiguous,
+        scenario::config(scenario::SRC_COUNT, INNER),
+    );
+    kv.ensure_backed(0..scenario::SRC_COUNT).unwrap();
+    let _a = link.grant(&kv, &SRC_BLOCKS, AccessMode::ReadOnly).unwrap();
+    let _b = link.grant(&kv, &[0, 1, 2], AccessMode::ReadOnly).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Ownership hand-off: the blocks' memory moves to the other process without a copy.
+fn hand_off_between_processes() {
+    let s = start("p2p-adopt");
+    let backend = exportable();
+    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    scenario::hand_off_sender(&link, backend.clone());
+    assert!(
+        common::wait_for(s.child, 60).success(),
+        "adopting process failed"
+    );
+    assert_eq!(backend.physical_bytes().unwrap(), 0);
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn adopt_role() {
+    let backend = exportable();
+    let link = child_link("decode", backend.clone());
+    scenario::hand_off_receiver(&link, backend);
+}
