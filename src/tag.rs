@@ -71,7 +71,13 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for t in [Tag::Weights, Tag::Kv, Tag::Activations, Tag::Scratch, Tag::named("lora")] {
+        for t in [
+            Tag::Weights,
+            Tag::Kv,
+            Tag::Activations,
+            Tag::Scratch,
+            Tag::named("lora"),
+        ] {
             assert_eq!(Tag::named(t.as_str()), t);
             assert_eq!(t.to_string(), t.as_str());
         }
