@@ -9,6 +9,7 @@ mod backing;
 mod layout;
 mod pool;
 mod shared;
+mod sleep;
 mod soundness;
 
 #[cfg(feature = "candle")]

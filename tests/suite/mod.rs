@@ -7,6 +7,7 @@
 pub mod backing;
 pub mod layout;
 pub mod shared;
+pub mod sleep;
 pub mod soundness;
 
 /// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
@@ -81,6 +82,23 @@ macro_rules! backing_suite {
             backing_refuses_bad_input,
             backing_pins_hold_blocks,
             backing_pins_concurrent,
+        );
+    };
+}
+
+/// Every sleep and wake test, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! sleep_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod sleep;
+            offload_round_trip,
+            mixed_tags,
+            failures_roll_back,
+            wake_goes_through_admission,
+            concurrent_refusals,
+            backing_hears_sleep,
         );
     };
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{AfterWake, HostStaging, SleepAction, SleepPolicy, SleepReport, SleepStatus};
 use super::{SleepWatcher, Slot, Staging, WakeReport};
@@ -20,6 +20,10 @@ use crate::tag::Tag;
 /// followed by a marker, so that unmapping the chunks of one piece overlaps the copy of the
 /// next; big enough that per-copy overheads vanish.
 const PIECE: u64 = 256 << 20;
+
+/// How long a sleep waits for operations under way (allocations, maps, copies) to finish
+/// before it gives up; new ones are refused meanwhile.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
 
 /// A chunk claimed by a sleep: its slot and the chunk itself.
 #[derive(Clone, Copy)]
@@ -114,25 +118,34 @@ impl Inner {
                 let s = st.sleep.status.name();
                 return Err(self.sleep_refused("sleep", format!("the pool is {s}")));
             }
-            if st.growing > 0 || st.in_transit > 0 {
-                let (g, t) = (st.growing, st.in_transit);
-                return Err(self.sleep_refused("sleep", format!("{g} allocation(s) or map(s) under way, {t} bytes of address space in transit; retry when they are done")));
-            }
-            if let Some(&(s, e)) = st.pins.first() {
-                return Err(self.sleep_refused(
-                    "sleep",
-                    format!(
-                        "[{s:#x}, {e:#x}) is being read or written ({} copies)",
-                        st.pins.len()
-                    ),
-                ));
-            }
+            // From here every new use is refused; those under way are waited for below.
             st.sleep.status = SleepStatus::FallingAsleep;
         }
+        self.drain_for_sleep()?;
         let watchers = self.watchers();
         let result = self.sleep_frozen(policy, &watchers, t0);
         drop(watchers);
         result
+    }
+
+    /// Wait (polling, no lock held between looks) until no allocation, map, unmap, trim or
+    /// copy of the pool is under way; give up after [`DRAIN_LIMIT`] and go back to awake.
+    fn drain_for_sleep(&self) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            {
+                let mut st = self.state.lock();
+                if st.growing == 0 && st.in_transit == 0 && st.pins.is_empty() {
+                    return Ok(());
+                }
+                if t0.elapsed() >= DRAIN_LIMIT {
+                    let (g, t, p) = (st.growing, st.in_transit, st.pins.len());
+                    st.sleep.status = SleepStatus::Awake;
+                    return Err(self.sleep_refused("sleep", format!("after {} ms, {g} allocation(s) or map(s) are still under way, {t} bytes of address space in transit and {p} copies running", DRAIN_LIMIT.as_millis())));
+                }
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
 
     /// Sleep with the phase held: freeze the watchers, then the rest; thaw and go back to
