@@ -190,13 +190,11 @@ impl Inner {
             let claimed = self.claim_for_sleep(&mut st, policy);
             (claimed, st.sleep.staging_needed(), st.sleep.staging.take())
         };
-        let staging = match self.staging_for(host_needed, staging, policy.staging) {
-            Ok(s) => s,
-            Err((e, held)) => {
-                self.unclaim(&claimed, held);
-                return Err(e);
-            }
-        };
+        let mut staging = staging;
+        if let Err(e) = self.staging_for(host_needed, &mut staging, policy.staging) {
+            self.unclaim(&claimed, staging);
+            return Err(e);
+        }
         let mut pieces = Pieces::new();
         if let Err(e) = self.queue_sleep_copies(&claimed, staging.as_ref(), &mut pieces) {
             let _ = pieces.drain(self);
@@ -387,35 +385,35 @@ impl Inner {
         }
     }
 
-    /// A staging buffer of at least `needed` bytes: the one held if big enough, else a new one
-    /// when the policy allows it. On refusal the buffer held comes back with the error.
-    #[allow(clippy::type_complexity)]
+    /// Make `staging` at least `needed` bytes: keep it if big enough, else replace it when the
+    /// policy allows; on refusal it is left as it was.
     fn staging_for(
         &self,
         needed: u64,
-        held: Option<Staging>,
+        staging: &mut Option<Staging>,
         mode: HostStaging,
-    ) -> Result<Option<Staging>, (Error, Option<Staging>)> {
-        if needed == 0 || held.as_ref().is_some_and(|s| s.bytes() >= needed) {
-            return Ok(held);
+    ) -> Result<()> {
+        if needed == 0 || staging.as_ref().is_some_and(|s| s.bytes() >= needed) {
+            return Ok(());
         }
-        let have = held.as_ref().map_or(0, Staging::bytes);
+        let have = staging.as_ref().map_or(0, Staging::bytes);
         if mode == HostStaging::Reserved {
-            let e = self.sleep_refused(
+            return Err(self.sleep_refused(
                 "sleep",
                 format!("{needed} bytes to offload, {have} bytes of host staging reserved (Pool::reserve_host_staging)"),
-            );
-            return Err((e, held));
+            ));
         }
-        drop(held);
+        // The old buffer goes first (no lock held): both at once may not fit in host memory.
+        drop(staging.take());
         self.state.lock().sleep.staging_bytes = 0;
         let t = Instant::now();
-        let s = Staging::new(&self.backend, needed);
+        let made = Staging::new(&self.backend, needed);
         let ms = t.elapsed().as_secs_f64() * 1e3;
         tracing::warn!(pool = %self.name, bytes = needed, had = have, ms, "allocated host staging on the sleep path; reserve it ahead with Pool::reserve_host_staging");
-        let s = s.map_err(|e| (e, None))?;
+        let s = made?;
         self.state.lock().sleep.staging_bytes = s.bytes();
-        Ok(Some(s))
+        *staging = Some(s);
+        Ok(())
     }
 
     /// Queue the copies of every offloaded chunk, in pieces, each followed by a marker.
