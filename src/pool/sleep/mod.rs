@@ -245,6 +245,8 @@ pub(crate) struct SleepBook {
     pub(crate) staging: Option<Staging>,
     /// Its size, also while an operation holds it.
     pub(crate) staging_bytes: u64,
+    /// A [`Pool::reserve_host_staging`] is making a buffer (with no lock held): sleeps wait.
+    pub(crate) staging_busy: bool,
     pub(crate) last_sleep: Option<Duration>,
     pub(crate) last_wake: Option<Duration>,
     pub(crate) sleeps: u64,
@@ -330,8 +332,10 @@ impl Pool {
     }
 
     /// Allocate (pin, on CUDA) `bytes` of host staging memory now, off the sleep path, for
-    /// later sleeps to reuse. Replaces a smaller buffer; keeps a larger one. Refused while a
-    /// sleep is under way or the pool is asleep (its copies live there).
+    /// later sleeps to reuse. Replaces a smaller buffer; keeps a larger one. Allocations and
+    /// maps go on meanwhile (call it from a background thread: pinning takes about 0.6 s per
+    /// GiB on CUDA); a sleep is refused until it is done. Refused while the pool is not awake
+    /// (its copies live in the buffer).
     pub fn reserve_host_staging(&self, bytes: u64) -> Result<()> {
         self.inner().reserve_staging(bytes)
     }

@@ -118,6 +118,12 @@ impl Inner {
                 let s = st.sleep.status.name();
                 return Err(self.sleep_refused("sleep", format!("the pool is {s}")));
             }
+            if st.sleep.staging_busy {
+                return Err(self.sleep_refused(
+                    "sleep",
+                    "host staging is being reserved (Pool::reserve_host_staging); retry when it is done".into(),
+                ));
+            }
             // From here every new use is refused; those under way are waited for below.
             st.sleep.status = SleepStatus::FallingAsleep;
         }
@@ -701,9 +707,12 @@ impl Inner {
     pub(crate) fn reserve_staging(&self, bytes: u64) -> Result<()> {
         let old = {
             let mut st = self.state.lock();
-            if st.sleep.status != SleepStatus::Awake {
+            if st.sleep.status != SleepStatus::Awake || st.sleep.staging_busy {
                 let s = st.sleep.status.name();
-                return Err(self.sleep_refused("reserve_host_staging", format!("the pool is {s}")));
+                return Err(self.sleep_refused(
+                    "reserve_host_staging",
+                    format!("the pool is {s}, or another reservation is under way"),
+                ));
             }
             if st
                 .sleep
@@ -713,15 +722,16 @@ impl Inner {
             {
                 return Ok(());
             }
-            // Marked as held while the new buffer is made, so no sleep starts meanwhile.
-            st.sleep.status = SleepStatus::FallingAsleep;
+            // Marked busy while the new buffer is made (pinning takes seconds): no sleep starts
+            // meanwhile, but allocations and maps go on.
+            st.sleep.staging_busy = true;
             st.sleep.staging_bytes = 0;
             st.sleep.staging.take()
         };
         drop(old);
         let made = Staging::new(&self.backend, bytes);
         let mut st = self.state.lock();
-        st.sleep.status = SleepStatus::Awake;
+        st.sleep.staging_busy = false;
         let s = made?;
         st.sleep.staging_bytes = s.bytes();
         st.sleep.staging = Some(s);
@@ -731,9 +741,12 @@ impl Inner {
     pub(crate) fn release_staging(&self) -> Result<u64> {
         let old = {
             let mut st = self.state.lock();
-            if st.sleep.status != SleepStatus::Awake {
+            if st.sleep.status != SleepStatus::Awake || st.sleep.staging_busy {
                 let s = st.sleep.status.name();
-                return Err(self.sleep_refused("release_host_staging", format!("the pool is {s}")));
+                return Err(self.sleep_refused(
+                    "release_host_staging",
+                    format!("the pool is {s}, or a reservation is under way"),
+                ));
             }
             st.sleep.staging_bytes = 0;
             st.sleep.staging.take()
