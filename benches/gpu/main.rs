@@ -1,12 +1,13 @@
 //! GPU benchmark binary: elastic-vmm against the driver's allocators and its peers, measured in
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
-//! machine. Arguments name the sections to run (`pool`, `shared`, `candle`); none runs all.
+//! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `candle`); none runs all.
 
 #[cfg(feature = "candle")]
 mod candle;
 mod pool;
 mod shared;
+mod sleep;
 
 use std::process::ExitCode;
 
@@ -41,7 +42,11 @@ fn main() -> ExitCode {
         .collect();
     let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
     #[cfg_attr(not(feature = "candle"), allow(unused_mut))]
-    let mut sections: Vec<Section> = vec![("pool", pool::run), ("shared", shared::run)];
+    let mut sections: Vec<Section> = vec![
+        ("pool", pool::run),
+        ("shared", shared::run),
+        ("sleep", sleep::run),
+    ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));
     let mut failed = false;

@@ -133,6 +133,7 @@ macro_rules! nixl_suite {
             transfer_pins_blocks_against_release,
             registration_whole_pages,
             bad_views_are_errors,
+            sleep_renews_registrations,
         );
     };
     (@tests $make:expr, $ready:expr; $($name:ident),* $(,)?) => {

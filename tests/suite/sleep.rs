@@ -517,6 +517,8 @@ pub fn concurrent_refusals(backend: Arc<dyn Backend>) {
 struct Hook {
     mapped: AtomicU64,
     unmapped: AtomicU64,
+    /// Refuse the next mapping (as a failed NIXL registration would).
+    refuse: AtomicBool,
 }
 
 impl MappingHook for Hook {
@@ -526,6 +528,9 @@ impl MappingHook for Hook {
         _: u64,
         len: u64,
     ) -> elastic_vmm::Result<()> {
+        if self.refuse.swap(false, Ordering::SeqCst) {
+            return Err(Error::InvalidArgument("hook refused on purpose".into()));
+        }
         self.mapped.fetch_add(len, Ordering::SeqCst);
         Ok(())
     }

@@ -586,25 +586,14 @@ impl Inner {
                 failure = Some((e, Vec::new()));
             }
         }
-        // 3. The hooks hear of the mappings; one refusing undoes the wake.
-        if failure.is_none() {
-            for (i, w) in watchers.iter().enumerate() {
-                if let Err(e) = w.mapped_all() {
-                    watchers[..i].iter().for_each(|w| w.unmapping_all());
-                    failure = Some((e, Vec::new()));
-                    break;
-                }
-            }
-        }
         if let Some((error, stuck)) = failure {
             self.undo_wake(placed, unplaced, &stuck, staging);
             return Err(error);
         }
-        // 4. Commit.
+        // 3. The chunks enter the books (hooks look them up), still under the waking phase;
+        // the hooks hear of the mappings, and one refusing undoes the wake.
         let mapped = bytes_of(placed.iter().map(|(_, c)| c));
-        let chunks = placed.len();
-        let duration = t0.elapsed();
-        let freed = {
+        {
             let mut st = self.state.lock();
             for &(o, c) in &placed {
                 st.chunks.insert(o, c);
@@ -613,6 +602,29 @@ impl Inner {
             self.in_flight.fetch_sub(mapped, Ordering::AcqRel);
             st.sleep.slots.clear();
             st.sleep.asleep = 0;
+        }
+        for (i, w) in watchers.iter().enumerate() {
+            if let Err(e) = w.mapped_all() {
+                watchers[..i].iter().for_each(|w| w.unmapping_all());
+                {
+                    let mut st = self.state.lock();
+                    for &(o, _) in &placed {
+                        st.chunks.remove(&o);
+                    }
+                    st.mapped -= mapped;
+                    self.in_flight.fetch_add(mapped, Ordering::AcqRel);
+                    st.sleep.slots = slots.to_vec();
+                    st.sleep.asleep = asked;
+                }
+                self.undo_wake(placed, unplaced, &[], staging);
+                return Err(e);
+            }
+        }
+        // 4. Commit.
+        let chunks = placed.len();
+        let duration = t0.elapsed();
+        let freed = {
+            let mut st = self.state.lock();
             st.sleep.by_tag.clear();
             st.sleep.offloaded = 0;
             st.sleep.status = SleepStatus::Awake;
