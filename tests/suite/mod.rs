@@ -99,6 +99,7 @@ macro_rules! sleep_suite {
             wake_goes_through_admission,
             concurrent_refusals,
             backing_hears_sleep,
+            async_copies_are_waited_for,
         );
     };
 }

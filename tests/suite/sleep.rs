@@ -585,3 +585,181 @@ pub fn backing_hears_sleep(backend: Arc<dyn Backend>) {
     b.release(0..4).expect("release");
     p.audit().expect("audit");
 }
+
+/// A backend whose staging copies really are asynchronous: each is queued and runs only when
+/// a marker recorded after it is waited for, and unmapping memory a queued copy still reads or
+/// writes fails the test. On the host backend copies are synchronous, so this is what shows
+/// that sleep waits for each piece before unmapping its chunks, and wake before it is done.
+#[derive(Debug)]
+struct DeferredCopies {
+    inner: Arc<dyn Backend>,
+    /// Queued copies `(dst, src, len, to_host)`, addresses as integers, and markers as the
+    /// number of copies ever queued when each was recorded.
+    queue: parking_lot::Mutex<(Vec<(usize, usize, usize, bool)>, Vec<usize>)>,
+    ran: AtomicU64,
+}
+
+impl DeferredCopies {
+    fn new(inner: Arc<dyn Backend>) -> Self {
+        DeferredCopies {
+            inner,
+            queue: parking_lot::Mutex::new((Vec::new(), Vec::new())),
+            ran: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Backend for DeferredCopies {
+    fn info(&self) -> &elastic_vmm::BackendInfo {
+        self.inner.info()
+    }
+    fn reserve(&self, size: usize, alignment: usize) -> elastic_vmm::Result<u64> {
+        self.inner.reserve(size, alignment)
+    }
+    unsafe fn free_reservation(&self, base: u64, size: usize) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.free_reservation(base, size) }
+    }
+    fn create(&self, size: usize) -> elastic_vmm::Result<elastic_vmm::PhysicalChunk> {
+        self.inner.create(size)
+    }
+    unsafe fn release(&self, chunk: elastic_vmm::PhysicalChunk) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.release(chunk) }
+    }
+    unsafe fn map(&self, addr: u64, chunk: elastic_vmm::PhysicalChunk) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.map(addr, chunk) }
+    }
+    unsafe fn set_access(&self, addr: u64, size: usize) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.set_access(addr, size) }
+    }
+    unsafe fn unmap(&self, addr: u64, size: usize) -> elastic_vmm::Result<()> {
+        let (start, end) = (addr as usize, addr as usize + size);
+        for &(dst, src, len, to_host) in &self.queue.lock().0 {
+            let dev = if to_host { src } else { dst };
+            assert!(
+                dev + len <= start || end <= dev,
+                "unmap of [{start:#x}, {end:#x}) while a queued copy still uses [{dev:#x}, {:#x})",
+                dev + len
+            );
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.unmap(addr, size) }
+    }
+    fn memory_info(&self) -> elastic_vmm::Result<elastic_vmm::MemoryInfo> {
+        self.inner.memory_info()
+    }
+    fn physical_bytes(&self) -> elastic_vmm::Result<u64> {
+        self.inner.physical_bytes()
+    }
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.write(addr, data) }
+    }
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.read(addr, out) }
+    }
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> elastic_vmm::Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.fill(addr, len, byte) }
+    }
+    fn staging_alloc(&self, bytes: usize) -> elastic_vmm::Result<*mut u8> {
+        self.inner.staging_alloc(bytes)
+    }
+    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> elastic_vmm::Result<()> {
+        assert!(
+            self.queue.lock().0.is_empty(),
+            "staging freed under queued copies"
+        );
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.staging_free(ptr, bytes) }
+    }
+    unsafe fn copy_to_host_async(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+        _stream: u64,
+    ) -> elastic_vmm::Result<()> {
+        self.queue
+            .lock()
+            .0
+            .push((dst as usize, src as usize, bytes, true));
+        Ok(())
+    }
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+        _stream: u64,
+    ) -> elastic_vmm::Result<()> {
+        self.queue
+            .lock()
+            .0
+            .push((dst as usize, src as usize, bytes, false));
+        Ok(())
+    }
+    unsafe fn marker_record(&self, _stream: u64) -> elastic_vmm::Result<u64> {
+        let mut q = self.queue.lock();
+        // Counted from the first copy ever queued (run ones included).
+        let at = self.ran.load(Ordering::SeqCst) as usize + q.0.len();
+        q.1.push(at);
+        Ok(q.1.len() as u64 - 1)
+    }
+    unsafe fn marker_wait(&self, marker: u64) -> elastic_vmm::Result<()> {
+        // Markers are waited in order by sleep and wake: run every copy queued before it.
+        let run: Vec<(usize, usize, usize, bool)> = {
+            let mut q = self.queue.lock();
+            let upto =
+                q.1[marker as usize].saturating_sub(self.ran.load(Ordering::SeqCst) as usize);
+            let upto = upto.min(q.0.len());
+            q.0.drain(..upto).collect()
+        };
+        for (dst, src, len, to_host) in run {
+            self.ran.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: the caller of the queued copy promised both ranges stay valid until this
+            // marker is waited for; `unmap` above checks the device side.
+            unsafe {
+                if to_host {
+                    self.inner.read(
+                        src as u64,
+                        std::slice::from_raw_parts_mut(dst as *mut u8, len),
+                    )?;
+                } else {
+                    self.inner.write(
+                        dst as u64,
+                        std::slice::from_raw_parts(src as *const u8, len),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sleep and wake over truly asynchronous copies: no chunk is unmapped under a queued copy,
+/// and the contents are exact (so every copy ran after its map and before its unmap).
+pub fn async_copies_are_waited_for(backend: Arc<dyn Backend>) {
+    let deferred: Arc<dyn Backend> = Arc::new(DeferredCopies::new(backend));
+    // One-granule chunks: a 256 MiB piece holds many chunks, the first unmapped long before
+    // the piece's end.
+    let g = deferred.info().granularity;
+    let p = Pool::new(deferred, PoolConfig::new(8 << 30).max_chunk(g)).expect("pool");
+    let l = load(
+        &p,
+        &[40 * MIB as usize, 300 * MIB as usize],
+        Tag::Weights,
+        31,
+    );
+    for round in 0..2 {
+        let r = p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+        assert!(r.chunks > 100, "{r:?}");
+        p.wake(AfterWake::KeepHostMemory).expect("wake");
+        check(&l, &format!("round {round}"));
+    }
+    p.audit().expect("audit");
+}

@@ -34,7 +34,7 @@ struct Claimed {
 
 /// Queued copies and their markers, in order; every marker is waited for exactly once.
 struct Pieces {
-    /// (end offset in the reservation of the last chunk of the piece, marker)
+    /// (offset of the piece's first byte in the reservation, marker)
     markers: Vec<(u64, u64)>,
     waited: usize,
 }
@@ -47,10 +47,11 @@ impl Pieces {
         }
     }
 
-    /// Wait for every piece whose chunks end at or before `end`.
+    /// Wait for every piece that starts before `end` (so every piece holding a byte below it:
+    /// pieces are queued in address order and never overlap).
     fn wait_through(&mut self, inner: &Inner, end: u64) -> Result<()> {
-        while let Some(&(e, m)) = self.markers.get(self.waited) {
-            if e > end {
+        while let Some(&(start, m)) = self.markers.get(self.waited) {
+            if start >= end {
                 break;
             }
             self.waited += 1;
@@ -465,7 +466,7 @@ impl Inner {
                 s.stream(),
             )?;
             let m = self.backend.marker_record(s.stream())?;
-            pieces.markers.push((r.offset + r.len, m));
+            pieces.markers.push((r.offset, m));
         }
         Ok(())
     }
@@ -555,9 +556,7 @@ impl Inner {
             }
             let Some(h) = s.host else { continue };
             restored += s.size;
-            let extended = run
-                .as_mut()
-                .is_some_and(|r| r.len < PIECE && r.extend(s.offset, h, s.size));
+            let extended = run.as_mut().is_some_and(|r| r.extend(s.offset, h, s.size));
             if !extended {
                 if let Some(r) = run.take() {
                     if let Err(e) = self.copy_in(r, staging.as_ref(), &mut pieces) {
@@ -570,6 +569,12 @@ impl Inner {
                     host: h,
                     len: s.size,
                 });
+            }
+            // A full piece goes to the GPU at once: its copy overlaps the next maps.
+            if let Some(r) = run.take_if(|r| r.len >= PIECE) {
+                if let Err(e) = self.copy_in(r, staging.as_ref(), &mut pieces) {
+                    failure = Some((e, Vec::new()));
+                }
             }
         }
         if failure.is_none() {
@@ -668,7 +673,7 @@ impl Inner {
                 s.stream(),
             )?;
             let m = self.backend.marker_record(s.stream())?;
-            pieces.markers.push((r.offset + r.len, m));
+            pieces.markers.push((r.offset, m));
         }
         Ok(())
     }
