@@ -8,7 +8,9 @@ use crate::backend::BackendInfo;
 use crate::error::{Error, Result};
 use crate::tag::Tag;
 
-/// Memory from a pool, backed by physical memory for as long as this value lives.
+/// Memory from a pool, backed by physical memory for as long as this value lives, except while
+/// the pool sleeps ([`crate::Pool::sleep`]): the address stays reserved and the contents come
+/// back with the wake, but `read`, `write` and `fill` are refused meanwhile.
 ///
 /// Dropping it returns the memory to the pool's idle set (no driver call). The allocation owns a
 /// reference to the pool's internals, so its address stays valid even if every [`crate::Pool`]

@@ -12,7 +12,9 @@
 //! - `sources.rs`: where chunks come from (cache, admission with donation, backend) and go;
 //! - `mapper.rs`: the only code that calls the backend; map, access, unmap and the rollback;
 //! - `allocator.rs` (plan and grow), `ranges.rs` (range API), `region.rs` (regions),
-//!   `giveback.rs` (trim, reclaim, hand-over, close, teardown).
+//!   `giveback.rs` (trim, reclaim, hand-over, close, teardown);
+//! - `sleep/`: sleep and wake at the same addresses (claim, copy to host staging, unmap and
+//!   release; obtain, map, copy back), with `tags.rs` saying what each range holds.
 //!
 //! Ownership: every [`Allocation`] holds an `Arc` of the pool's internals, so the reservation
 //! and the bookkeeping outlive the last allocation whatever thread drops what when. Dropping the

@@ -586,6 +586,9 @@ pub fn backing_hears_sleep(backend: Arc<dyn Backend>) {
     p.audit().expect("audit");
 }
 
+/// `(dst, src, len, to_host)` of a queued copy.
+type QueuedCopy = (usize, usize, usize, bool);
+
 /// A backend whose staging copies really are asynchronous: each is queued and runs only when
 /// a marker recorded after it is waited for, and unmapping memory a queued copy still reads or
 /// writes fails the test. On the host backend copies are synchronous, so this is what shows
@@ -595,7 +598,7 @@ struct DeferredCopies {
     inner: Arc<dyn Backend>,
     /// Queued copies `(dst, src, len, to_host)`, addresses as integers, and markers as the
     /// number of copies ever queued when each was recorded.
-    queue: parking_lot::Mutex<(Vec<(usize, usize, usize, bool)>, Vec<usize>)>,
+    queue: parking_lot::Mutex<(Vec<QueuedCopy>, Vec<usize>)>,
     ran: AtomicU64,
 }
 
@@ -712,7 +715,7 @@ impl Backend for DeferredCopies {
     }
     unsafe fn marker_wait(&self, marker: u64) -> elastic_vmm::Result<()> {
         // Markers are waited in order by sleep and wake: run every copy queued before it.
-        let run: Vec<(usize, usize, usize, bool)> = {
+        let run: Vec<QueuedCopy> = {
             let mut q = self.queue.lock();
             let upto =
                 q.1[marker as usize].saturating_sub(self.ran.load(Ordering::SeqCst) as usize);

@@ -316,10 +316,12 @@ impl SleepBook {
 
 impl Pool {
     /// Put the pool to sleep: give back idle and cached memory, copy to host what `policy`
-    /// offloads, unmap and release every chunk; addresses stay reserved. All or nothing; see
-    /// the module documentation of `sleep` in the README. Refused (nothing changed) when the
-    /// pool is not awake, while an allocation or map is under way, while a region copy runs,
-    /// or while a block of a backing on the pool is pinned.
+    /// offloads, unmap and release every chunk; addresses stay reserved; the charge is
+    /// credited. All or nothing (README, "Sleep and wake"). Operations under way are waited
+    /// for (up to 5 s) while new ones are refused. Refused, nothing changed, when the pool is
+    /// not awake, while a block of a backing on the pool is pinned, or while a
+    /// `RegisteredLayout` holds NIXL registrations of its memory. The caller makes sure no
+    /// kernel still uses the memory.
     pub fn sleep(&self, policy: &SleepPolicy) -> Result<SleepReport> {
         self.inner().sleep(policy)
     }
