@@ -100,6 +100,7 @@ macro_rules! sleep_suite {
             concurrent_refusals,
             backing_hears_sleep,
             async_copies_are_waited_for,
+            reserving_staging_does_not_block,
         );
     };
 }

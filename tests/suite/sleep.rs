@@ -600,6 +600,9 @@ struct DeferredCopies {
     /// number of copies ever queued when each was recorded.
     queue: parking_lot::Mutex<(Vec<QueuedCopy>, Vec<usize>)>,
     ran: AtomicU64,
+    /// How long `staging_alloc` takes (as pinning does on CUDA), and whether one is running.
+    staging_delay: Duration,
+    in_staging_alloc: AtomicBool,
 }
 
 impl DeferredCopies {
@@ -608,6 +611,8 @@ impl DeferredCopies {
             inner,
             queue: parking_lot::Mutex::new((Vec::new(), Vec::new())),
             ran: AtomicU64::new(0),
+            staging_delay: Duration::ZERO,
+            in_staging_alloc: AtomicBool::new(false),
         }
     }
 }
@@ -670,7 +675,11 @@ impl Backend for DeferredCopies {
         unsafe { self.inner.fill(addr, len, byte) }
     }
     fn staging_alloc(&self, bytes: usize) -> elastic_vmm::Result<*mut u8> {
-        self.inner.staging_alloc(bytes)
+        self.in_staging_alloc.store(true, Ordering::SeqCst);
+        thread::sleep(self.staging_delay);
+        let r = self.inner.staging_alloc(bytes);
+        self.in_staging_alloc.store(false, Ordering::SeqCst);
+        r
     }
     unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> elastic_vmm::Result<()> {
         assert!(
@@ -764,5 +773,53 @@ pub fn async_copies_are_waited_for(backend: Arc<dyn Backend>) {
         p.wake(AfterWake::KeepHostMemory).expect("wake");
         check(&l, &format!("round {round}"));
     }
+    p.audit().expect("audit");
+}
+
+/// Reserving host staging takes long (pinning: ~0.6 s per GiB on CUDA; widened here with a
+/// slow `staging_alloc`): allocations, writes and maps go on meanwhile, a sleep is refused
+/// cleanly until it is done, and then sleeps into the reserved buffer.
+pub fn reserving_staging_does_not_block(backend: Arc<dyn Backend>) {
+    let mut slow = DeferredCopies::new(backend);
+    slow.staging_delay = Duration::from_millis(300);
+    let slow = Arc::new(slow);
+    let sb: Arc<dyn Backend> = slow.clone();
+    let p = Pool::new(sb, PoolConfig::new(4 << 30)).expect("pool");
+    let l = load(&p, &[8 * MIB as usize], Tag::Weights, 41);
+    let reserver = {
+        let p = p.clone();
+        thread::spawn(move || p.reserve_host_staging(32 * MIB))
+    };
+    let t0 = std::time::Instant::now();
+    while !slow.in_staging_alloc.load(Ordering::SeqCst) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the reservation never started"
+        );
+        thread::yield_now();
+    }
+    // Mid-reservation: the pool works, a sleep is refused, nothing changes.
+    let mut a = p
+        .allocate_tagged(2 * MIB as usize, Tag::Kv)
+        .expect("allocate while pinning");
+    a.fill(9).expect("write while pinning");
+    p.map(1 << 30, 2 * MIB).expect("map while pinning");
+    let e = p
+        .sleep(&SleepPolicy::offload_all())
+        .expect_err("sleep while pinning");
+    assert!(
+        matches!(&e, Error::SleepRefused { reason, .. } if reason.contains("being reserved")),
+        "{e}"
+    );
+    assert!(
+        slow.in_staging_alloc.load(Ordering::SeqCst),
+        "the window closed too early"
+    );
+    reserver.join().expect("reserver").expect("reserve");
+    assert_eq!(p.stats().host_staging, 32 * MIB);
+    let policy = SleepPolicy::offload_all().staging(HostStaging::Reserved);
+    p.sleep(&policy).expect("sleep into the reserved staging");
+    p.wake(AfterWake::KeepHostMemory).expect("wake");
+    check(&l, "after sleeping into reserved staging");
     p.audit().expect("audit");
 }
