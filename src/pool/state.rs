@@ -215,6 +215,9 @@ impl State {
     /// returns them as `(offset, chunk)`. The caller unmaps them and then returns the ranges to
     /// `cold` (or, on failure, puts them back).
     pub(crate) fn take_idle_chunks(&mut self, limit: u64) -> Vec<(u64, PhysicalChunk)> {
+        if !self.sleep.idle_chunks_movable() {
+            return Vec::new();
+        }
         self.flush_quick();
         let mut out = Vec::new();
         let mut taken = 0u64;

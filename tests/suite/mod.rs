@@ -101,6 +101,7 @@ macro_rules! sleep_suite {
             backing_hears_sleep,
             async_copies_are_waited_for,
             reserving_staging_does_not_block,
+            trim_during_undone_wake,
         );
     };
 }

@@ -519,6 +519,9 @@ struct Hook {
     unmapped: AtomicU64,
     /// Refuse the next mapping (as a failed NIXL registration would).
     refuse: AtomicBool,
+    /// Milliseconds each mapping takes (to widen race windows), and whether one runs now.
+    delay_ms: AtomicU64,
+    in_mapped: AtomicBool,
 }
 
 impl MappingHook for Hook {
@@ -528,6 +531,9 @@ impl MappingHook for Hook {
         _: u64,
         len: u64,
     ) -> elastic_vmm::Result<()> {
+        self.in_mapped.store(true, Ordering::SeqCst);
+        thread::sleep(Duration::from_millis(self.delay_ms.load(Ordering::SeqCst)));
+        self.in_mapped.store(false, Ordering::SeqCst);
         if self.refuse.swap(false, Ordering::SeqCst) {
             return Err(Error::InvalidArgument("hook refused on purpose".into()));
         }
@@ -821,5 +827,55 @@ pub fn reserving_staging_does_not_block(backend: Arc<dyn Backend>) {
     p.sleep(&policy).expect("sleep into the reserved staging");
     p.wake(AfterWake::KeepHostMemory).expect("wake");
     check(&l, "after sleeping into reserved staging");
+    p.audit().expect("audit");
+}
+
+/// A trim racing a wake that is undone (its hook refuses, slowly): the trim must not take the
+/// idle chunks the wake just mapped, or the undo would unmap them twice. Books hold, the pool
+/// stays asleep, and the next wake brings the contents back.
+pub fn trim_during_undone_wake(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity;
+    let p = Pool::new(backend, PoolConfig::new(4 << 30).max_chunk(g)).expect("pool");
+    let hook = Arc::new(Hook::default());
+    let h: Arc<dyn MappingHook> = hook.clone();
+    let b = BlockBacking::reserve(&p, UniformBlocks::packed(4, g as u64), None, Some(h))
+        .expect("backing");
+    b.ensure_backed(0..2).expect("back");
+    let keep = load(&p, &[g, g], Tag::Weights, 51);
+    let gone = p.allocate(g).expect("allocate");
+    p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    // Freed while asleep: its chunk wakes as wholly idle memory, what trim takes.
+    drop(gone);
+    hook.delay_ms.store(300, Ordering::SeqCst);
+    hook.refuse.store(true, Ordering::SeqCst);
+    let waker = {
+        let p = p.clone();
+        thread::spawn(move || p.wake(AfterWake::KeepHostMemory))
+    };
+    let t0 = std::time::Instant::now();
+    while !hook.in_mapped.load(Ordering::SeqCst) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the wake never reached its hook"
+        );
+        thread::yield_now();
+    }
+    let trimmed = p.trim().expect("trim during the wake");
+    assert_eq!(
+        trimmed.unmapped, 0,
+        "idle chunks of a waking pool stay put: {trimmed:?}"
+    );
+    assert!(
+        hook.in_mapped.load(Ordering::SeqCst),
+        "the window closed too early"
+    );
+    let e = waker.join().expect("waker").expect_err("hook refused");
+    assert!(e.to_string().contains("on purpose"), "{e}");
+    assert!(p.is_asleep());
+    p.audit().expect("audit after the undone wake");
+    hook.delay_ms.store(0, Ordering::SeqCst);
+    p.wake(AfterWake::KeepHostMemory).expect("wake");
+    check(&keep, "after the undone wake");
+    p.trim().expect("trim when awake");
     p.audit().expect("audit");
 }

@@ -260,6 +260,12 @@ impl SleepBook {
         self.asleep
     }
 
+    /// Whether trim and hand-over may take idle mapped chunks now: not while a wake holds the
+    /// chunks it mapped (its rollback unmaps exactly those).
+    pub(crate) fn idle_chunks_movable(&self) -> bool {
+        self.status != SleepStatus::Waking
+    }
+
     /// `Ok` when awake, else the [`Error::Asleep`] refusing `op`.
     pub(crate) fn refuse_unless_awake(&self, pool: &str, op: &'static str) -> Result<()> {
         match self.status {
