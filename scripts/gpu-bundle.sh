@@ -2,7 +2,7 @@
 # Build the GPU test target, the GPU benchmark, the command-line tool and (with candle) the
 # example in release mode, strip them and pack them into .carry/bundle.tar.xz for the GPU
 # machine (which has no Rust); with nixl, also the NIXL runtime (.carry/nixl-runtime.tar.xz).
-# Usage: scripts/gpu-bundle.sh [extra features, e.g. candle,nixl]
+# Usage: scripts/gpu-bundle.sh [extra features, e.g. candle-example,nixl]
 # With candle, set up the CUDA toolchain first: eval "$(../shared/tools/cuda13-toolchain.sh)".
 #
 # On the GPU machine (carry .carry/bundle.tar.xz and .carry/nixl-runtime.tar.xz):
@@ -16,8 +16,11 @@ out=.carry/bundle
 rm -rf "$out" && mkdir -p "$out"
 json=$(mktemp)
 cargo build --release --features "$features" --test gpu --bench gpu --bins --message-format=json-render-diagnostics >"$json"
-if [[ ",$features," == *",candle,"* ]]; then
+if [[ ",$features," == *",candle,"* || ",$features," == *",candle-example,"* ]]; then
   cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
+fi
+if [[ ",$features," == *",candle-example,"* ]]; then
+  cargo build --release --features "$features" --example routed_llama --message-format=json-render-diagnostics >>"$json"
 fi
 python3 - "$json" "$out" <<'PY'
 import json, shutil, sys

@@ -56,6 +56,10 @@ step "lint (the library alone, no default features: no clap, no tracing-subscrib
 cargo clippy --profile "$profile" --lib --no-default-features -- -D warnings
 
 step "tests on the host backend (real memfd memory), debug assertions and overflow checks on"
+# The broker's process tests drive `elastic-vmm top` in a real terminal: tmux.
+command -v tmux >/dev/null || {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tmux
+}
 cargo test --profile "$profile"
 
 step "command-line tool: demo and multi-model run (the binary the tests built)"
@@ -112,7 +116,7 @@ command -v unzip >/dev/null || {
 }
 (
   eval "$(CUDA13_LINK=0 ../shared/tools/cuda13-toolchain.sh)"
-  cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle,nixl -- -D warnings
+  cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle-example,nixl -- -D warnings
 )
 
 end_step

@@ -212,6 +212,26 @@ pub enum Error {
         reason: String,
     },
 
+    /// A message between processes could not be sent or received: a socket error, a closed
+    /// connection, or a malformed or oversized frame.
+    #[error("ipc: {op}: {detail}")]
+    Ipc {
+        /// What was being done.
+        op: &'static str,
+        /// What went wrong, with the numbers.
+        detail: String,
+    },
+
+    /// The broker refused a request (other than a growth, which is
+    /// [`Error::AdmissionRefused`]).
+    #[error("broker: {kind}: {message}")]
+    Broker {
+        /// What kind of failure (`Unknown`, `Duplicate`, `NotReached`, ...).
+        kind: String,
+        /// Why, with the numbers.
+        message: String,
+    },
+
     // ---- shared pool ----
     /// A model id is registered already.
     #[error("model {model:?} is already registered")]
@@ -235,6 +255,10 @@ pub enum Error {
         /// What is wrong, with the numbers.
         reason: String,
     },
+
+    /// Routing was asked for in a binary that does not define the hooks.
+    #[error("CUDA allocation routing is not installed in this binary: invoke elastic_vmm::route_cuda_allocations!() once at the top level of the binary crate (main.rs, or the test target's root)")]
+    RoutingNotInstalled,
 
     /// Admission refused a physical growth, before any driver call.
     #[error(

@@ -23,6 +23,12 @@
 //! - Sleep and wake ([`Pool::sleep`], [`Pool::wake`]): a pool (a model) gives its physical
 //!   memory back, offloading what its [`SleepPolicy`] keeps (by [`Tag`]) to host memory, and
 //!   gets it back at the same virtual addresses.
+//! - [`route`]: every CUDA allocation of a thread (candle's own) in a model's pool, opted into
+//!   once per binary with [`route_cuda_allocations!`], per-tag stats, stream-ordered reuse.
+//! - `broker` (feature `broker`): one device's memory shared by engine processes through a
+//!   daemon that owns every chunk, with quotas, hand-over and crash safety.
+//! - [`ipc`]: framed messages over Unix sockets with descriptors attached (`SCM_RIGHTS`): how
+//!   chunks exported as POSIX descriptors travel between processes.
 //! - [`stats`]: O(1) snapshots of memory and driver calls.
 //!
 //! ## Zeroing
@@ -49,13 +55,17 @@
 
 pub mod backend;
 pub mod backing;
+#[cfg(feature = "broker")]
+pub mod broker;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod error;
+pub mod ipc;
 pub mod layout;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod pool;
+pub mod route;
 pub mod shared;
 pub mod stats;
 mod tag;

@@ -16,6 +16,13 @@ impl DriverCounters {
         self.counts[call.index()].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Every call so far, of any kind (cheap: a few atomic loads).
+    pub(crate) fn total(&self) -> u64 {
+        self.counts
+            .iter()
+            .fold(0u64, |a, c| a.saturating_add(c.load(Ordering::Relaxed)))
+    }
+
     pub(crate) fn snapshot(&self) -> DriverCalls {
         let mut counts = [0u64; DriverCall::ALL.len()];
         for (dst, src) in counts.iter_mut().zip(&self.counts) {

@@ -1,8 +1,10 @@
 //! GPU benchmark binary: elastic-vmm against the driver's allocators and its peers, measured in
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
-//! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `candle`); none runs all.
+//! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `candle`);
+//! none runs all.
 
+mod broker;
 #[cfg(feature = "candle")]
 mod candle;
 mod pool;
@@ -36,6 +38,15 @@ pub fn human(bytes: u64) -> String {
 }
 
 fn main() -> ExitCode {
+    if std::env::var(broker::ROLE).as_deref() == Ok("broker-engine-b") {
+        return match broker::engine_b() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("engine B failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
@@ -46,6 +57,7 @@ fn main() -> ExitCode {
         ("pool", pool::run),
         ("shared", shared::run),
         ("sleep", sleep::run),
+        ("broker", broker::run),
     ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));

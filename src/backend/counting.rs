@@ -176,6 +176,18 @@ impl Backend for Counting {
         r
     }
 
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<std::os::fd::OwnedFd> {
+        let r = self.inner.export_chunk(chunk);
+        tracing::trace!(call = "export_chunk", handle = chunk.raw, size = chunk.size, outcome = %Outcome(&r), "driver call");
+        r
+    }
+
+    fn import_chunk(&self, fd: std::os::fd::OwnedFd, size: usize) -> Result<PhysicalChunk> {
+        let r = self.inner.import_chunk(fd, size);
+        tracing::trace!(call = "import_chunk", size, handle = r.as_ref().map_or(0, |c| c.raw), outcome = %Outcome(&r), "driver call");
+        r
+    }
+
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.copy_async(dst, src, bytes, stream) }

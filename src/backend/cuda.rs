@@ -5,7 +5,11 @@
 //! works. Every call binds the device's primary context to the calling thread first (a no-op when
 //! it is already current), so pools can be used from any thread.
 
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
@@ -23,6 +27,9 @@ pub struct CudaBackend {
     ctx: sys::CUcontext,
     prop: Prop,
     physical: AtomicU64,
+    /// Handles imported from other processes (not counted in `physical`). Bookkeeping only:
+    /// never held across a driver call.
+    imported: Mutex<HashSet<u64>>,
 }
 
 /// `CUmemAllocationProp` holds a (null) raw pointer; it is plain data we never share mutably.
@@ -140,6 +147,7 @@ impl CudaBackend {
             ctx,
             prop: Prop(prop),
             physical: AtomicU64::new(0),
+            imported: Mutex::new(HashSet::new()),
         };
         backend.bind()?;
         let query = |flag| -> Result<usize> {
@@ -258,9 +266,85 @@ impl Backend for CudaBackend {
                 "cuMemRelease",
                 format!("{} bytes", chunk.size),
             ))?;
-        self.physical
-            .fetch_sub(chunk.size as u64, Ordering::Relaxed);
+        if !self.imported.lock().remove(&chunk.raw) {
+            self.physical
+                .fetch_sub(chunk.size as u64, Ordering::Relaxed);
+        }
         Ok(())
+    }
+
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+        if !self.info.posix_fd_exportable {
+            return Err(Error::backend(
+                NAME,
+                "cuMemExportToShareableHandle",
+                "UNSUPPORTED",
+                format!(
+                    "device {} does not support POSIX file descriptor handles",
+                    self.info.device_ordinal.unwrap_or(0)
+                ),
+            ));
+        }
+        self.bind()?;
+        let mut fd: libc::c_int = -1;
+        // SAFETY: `fd` is valid for writing an int, which is what the POSIX-fd handle type
+        // writes; the caller's chunk is a live handle of ours (a wrong one is an error).
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut libc::c_int).cast(),
+                chunk.raw,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        }
+        .result()
+        .map_err(driver_error(
+            "cuMemExportToShareableHandle",
+            format!("{} bytes", chunk.size),
+        ))?;
+        if fd < 0 {
+            return Err(Error::backend(
+                NAME,
+                "cuMemExportToShareableHandle",
+                "EBADF",
+                format!("driver returned descriptor {fd}"),
+            ));
+        }
+        // SAFETY: the driver just created this descriptor for us and owns no reference to it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn import_chunk(&self, fd: OwnedFd, size: usize) -> Result<PhysicalChunk> {
+        let g = self.info.granularity;
+        if size == 0 || size % g != 0 {
+            return Err(Error::Misaligned {
+                what: "imported chunk size",
+                value: size as u64,
+                alignment: g as u64,
+            });
+        }
+        self.bind()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `handle` is valid for writing; for the POSIX-fd type the driver reads the
+        // descriptor's value from the pointer argument itself and does not take ownership of
+        // it (we close it when `fd` drops). A descriptor that is no exported chunk is an error.
+        unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                std::ptr::without_provenance_mut(fd.as_raw_fd() as usize),
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        }
+        .result()
+        .map_err(driver_error(
+            "cuMemImportFromShareableHandle",
+            format!("{size} bytes from descriptor {}", fd.as_raw_fd()),
+        ))?;
+        drop(fd);
+        // The size is checked by the driver when the chunk is mapped: mapping more than the
+        // allocation holds fails (CUDA_ERROR_INVALID_VALUE) and maps nothing.
+        self.imported.lock().insert(handle);
+        Ok(PhysicalChunk { raw: handle, size })
     }
 
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {

@@ -193,6 +193,14 @@ impl Backend for FaultInjector {
         unsafe { self.inner.fill(addr, len, byte) }
     }
 
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<std::os::fd::OwnedFd> {
+        self.inner.export_chunk(chunk)
+    }
+
+    fn import_chunk(&self, fd: std::os::fd::OwnedFd, size: usize) -> Result<PhysicalChunk> {
+        self.inner.import_chunk(fd, size)
+    }
+
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.copy_async(dst, src, bytes, stream) }

@@ -7,11 +7,19 @@
 //! - map: `mmap(MAP_FIXED | MAP_SHARED)` of the chunk's file range, `PROT_NONE` until
 //!   `set_access` (`mprotect` read-write), as CUDA maps without access until `cuMemSetAccess`.
 //! - unmap: the range is replaced by a fresh `PROT_NONE` reservation.
+//!
+//! Sharing between processes ([`ChunkFiles::PerChunk`]): each chunk is a memfd of its own
+//! (sealed against shrinking and growing), so exporting a chunk hands out a descriptor of that
+//! chunk only, never of the process's other memory. An imported chunk maps the same way
+//! (`MAP_SHARED | MAP_FIXED`), so both processes see one set of pages; they go back to the
+//! kernel when the last descriptor and the last mapping of them are gone. The default
+//! ([`ChunkFiles::Shared`]) keeps every created chunk in one memfd, which costs one descriptor
+//! whatever the number of chunks, and cannot export (imports work in both modes).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use parking_lot::Mutex;
 
@@ -26,12 +34,54 @@ const MEMFD_SPAN: u64 = 1 << 46;
 
 const NAME: &str = "host";
 
+/// Raw handles with this bit set name a chunk with a file of its own (created in
+/// [`ChunkFiles::PerChunk`] mode, or imported); the others are offsets in the shared memfd,
+/// which stay below [`MEMFD_SPAN`].
+const OWN_FILE: u64 = 1 << 63;
+
+/// Seals every chunk file carries, so that no holder can shrink it under another's mapping
+/// (which would turn reads into `SIGBUS`).
+const CHUNK_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// Where created chunks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkFiles {
+    /// Every chunk is a range of one memfd: one descriptor in all; chunks cannot be exported.
+    Shared,
+    /// Every chunk is a sealed memfd of its own: one descriptor per chunk; chunks can be
+    /// exported to other processes ([`Backend::export_chunk`]).
+    PerChunk,
+}
+
+/// Whether a chunk with a file of its own was made here or came from another process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FileOrigin {
+    Created,
+    Imported,
+}
+
+#[derive(Debug)]
+struct ChunkFile {
+    fd: OwnedFd,
+    origin: FileOrigin,
+}
+
+/// Chunks with a file of their own, by raw handle.
+#[derive(Debug, Default)]
+struct ChunkFileTable {
+    next: u64,
+    files: HashMap<u64, ChunkFile>,
+}
+
 /// The host backend. See the module documentation.
 #[derive(Debug)]
 pub struct HostBackend {
     info: BackendInfo,
     memfd: OwnedFd,
+    chunk_files: ChunkFiles,
     offsets: Mutex<FileRanges>,
+    /// Lock order: taken alone (never with `offsets`), for bookkeeping only.
+    own_files: Mutex<ChunkFileTable>,
 }
 
 /// Which ranges of the memfd belong to live chunks: a bump pointer plus a coalescing free list.
@@ -119,8 +169,15 @@ fn read_meminfo() -> Result<MemoryInfo> {
 }
 
 impl HostBackend {
-    /// A host backend with the given granularity (a power of two, at least the 4 KiB page).
+    /// A host backend with the given granularity (a power of two, at least the 4 KiB page),
+    /// every chunk in one shared memfd ([`ChunkFiles::Shared`]).
     pub fn new(granularity: usize) -> Result<Self> {
+        Self::with_chunk_files(granularity, ChunkFiles::Shared)
+    }
+
+    /// A host backend whose chunks live as `chunk_files` says: [`ChunkFiles::PerChunk`] for a
+    /// backend whose chunks other processes import (the broker's).
+    pub fn with_chunk_files(granularity: usize, chunk_files: ChunkFiles) -> Result<Self> {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
         if !granularity.is_power_of_two() || granularity < page {
@@ -154,12 +211,81 @@ impl HostBackend {
                 min_granularity: page,
                 vmm_supported: true,
                 rdma_capable: false,
-                posix_fd_exportable: true,
+                posix_fd_exportable: chunk_files == ChunkFiles::PerChunk,
                 total_memory: total,
             },
             memfd,
+            chunk_files,
             offsets: Mutex::new(FileRanges::default()),
+            own_files: Mutex::new(ChunkFileTable::default()),
         })
+    }
+
+    /// Where this backend creates its chunks.
+    pub fn chunk_files(&self) -> ChunkFiles {
+        self.chunk_files
+    }
+
+    /// Remember a chunk file; returns its chunk.
+    fn adopt_file(&self, fd: OwnedFd, origin: FileOrigin, size: usize) -> PhysicalChunk {
+        let mut t = self.own_files.lock();
+        t.next += 1;
+        let raw = OWN_FILE | t.next;
+        t.files.insert(raw, ChunkFile { fd, origin });
+        PhysicalChunk { raw, size }
+    }
+
+    /// The descriptor and file offset a chunk maps from. The returned raw descriptor stays
+    /// valid while the chunk is live (the caller's contract keeps it from being released).
+    fn file_of(&self, chunk: PhysicalChunk) -> Result<(RawFd, u64)> {
+        if chunk.raw & OWN_FILE == 0 {
+            return Ok((self.memfd.as_raw_fd(), chunk.raw));
+        }
+        match self.own_files.lock().files.get(&chunk.raw) {
+            Some(f) => Ok((f.fd.as_raw_fd(), 0)),
+            None => Err(Error::backend(
+                NAME,
+                "lookup chunk",
+                "EBADF",
+                format!("no live chunk with handle {:#x}", chunk.raw),
+            )),
+        }
+    }
+
+    /// A fresh sealed memfd of `size` committed bytes.
+    fn create_chunk_file(&self, size: usize) -> Result<OwnedFd> {
+        let name: &CStr = c"elastic-vmm-chunk";
+        // SAFETY: `name` is a valid nul-terminated string; flags are valid.
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
+        if fd < 0 {
+            return Err(os_error("memfd_create", format!("chunk of {size} bytes")));
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        let file = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: `file` is a valid descriptor of a file nobody maps yet.
+        if unsafe { libc::ftruncate(file.as_raw_fd(), size as libc::off_t) } != 0 {
+            return Err(os_error(
+                "ftruncate",
+                format!("chunk memfd to {size} bytes"),
+            ));
+        }
+        // SAFETY: as above; committing pages of our own file touches no memory of the process.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, size as libc::off_t) } != 0 {
+            return Err(os_error(
+                "fallocate",
+                format!("chunk memfd of {size} bytes"),
+            ));
+        }
+        // SAFETY: plain fcntl on a valid descriptor.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, CHUNK_SEALS) } != 0 {
+            return Err(os_error(
+                "fcntl(F_ADD_SEALS)",
+                format!("chunk memfd of {size} bytes"),
+            ));
+        }
+        Ok(file)
     }
 
     fn check_granular(&self, what: &'static str, value: u64) -> Result<()> {
@@ -236,6 +362,10 @@ impl Backend for HostBackend {
 
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
         self.check_granular("chunk size", size as u64)?;
+        if self.chunk_files == ChunkFiles::PerChunk {
+            let fd = self.create_chunk_file(size)?;
+            return Ok(self.adopt_file(fd, FileOrigin::Created, size));
+        }
         let off = self.offsets.lock().take(size as u64).ok_or_else(|| {
             Error::backend(
                 NAME,
@@ -266,6 +396,20 @@ impl Backend for HostBackend {
     }
 
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
+        if chunk.raw & OWN_FILE != 0 {
+            let file = self.own_files.lock().files.remove(&chunk.raw);
+            // The descriptor closes here, outside the lock: the pages go back to the kernel
+            // once no other process holds or maps the file.
+            return match file {
+                Some(_) => Ok(()),
+                None => Err(Error::backend(
+                    NAME,
+                    "release",
+                    "EBADF",
+                    format!("no live chunk with handle {:#x}", chunk.raw),
+                )),
+            };
+        }
         // SAFETY: the caller guarantees the chunk is ours, live and mapped nowhere.
         if unsafe { punch_hole(self.memfd.as_raw_fd(), chunk.raw, chunk.size) } != 0 {
             return Err(os_error(
@@ -278,16 +422,18 @@ impl Backend for HostBackend {
     }
 
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
+        let (fd, offset) = self.file_of(chunk)?;
         // SAFETY: the caller guarantees [addr, addr + size) is an unmapped part of one of our
-        // reservations, so MAP_FIXED replaces only our own PROT_NONE placeholder.
+        // reservations, so MAP_FIXED replaces only our own PROT_NONE placeholder; `fd` stays
+        // open while the chunk is live, and a chunk file is sealed at least `size` long.
         let ptr = unsafe {
             libc::mmap(
                 addr as *mut libc::c_void,
                 chunk.size,
                 libc::PROT_NONE,
                 libc::MAP_SHARED | libc::MAP_FIXED,
-                self.memfd.as_raw_fd(),
-                chunk.raw as libc::off_t,
+                fd,
+                offset as libc::off_t,
             )
         };
         if ptr == libc::MAP_FAILED {
@@ -341,13 +487,81 @@ impl Backend for HostBackend {
     }
 
     fn physical_bytes(&self) -> Result<u64> {
-        // SAFETY: `st` is a plain struct fstat fills; the descriptor is valid.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(self.memfd.as_raw_fd(), &mut st) } != 0 {
-            return Err(os_error("fstat", "memfd".into()));
+        let mut total = file_stat(self.memfd.as_raw_fd())?.st_blocks as u64 * 512;
+        // Chunks created here with files of their own; imported ones are counted by the
+        // process that created them.
+        let t = self.own_files.lock();
+        for f in t.files.values().filter(|f| f.origin == FileOrigin::Created) {
+            total += file_stat(f.fd.as_raw_fd())?.st_blocks as u64 * 512;
         }
-        Ok(st.st_blocks as u64 * 512)
+        Ok(total)
+    }
+
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+        if chunk.raw & OWN_FILE == 0 {
+            return Err(Error::backend(
+                NAME,
+                "export_chunk",
+                "UNSUPPORTED",
+                format!(
+                    "chunk {:#x} lives in the backend's shared memfd, which holds other chunks too; create the backend with ChunkFiles::PerChunk to export",
+                    chunk.raw
+                ),
+            ));
+        }
+        let t = self.own_files.lock();
+        let Some(f) = t.files.get(&chunk.raw) else {
+            return Err(Error::backend(
+                NAME,
+                "export_chunk",
+                "EBADF",
+                format!("no live chunk with handle {:#x}", chunk.raw),
+            ));
+        };
+        f.fd.try_clone().map_err(|e| {
+            Error::backend(
+                NAME,
+                "export_chunk(dup)",
+                errno_name(&e),
+                format!("chunk {:#x}", chunk.raw),
+            )
+        })
+    }
+
+    fn import_chunk(&self, fd: OwnedFd, size: usize) -> Result<PhysicalChunk> {
+        self.check_granular("imported chunk size", size as u64)?;
+        let st = file_stat(fd.as_raw_fd())?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(Error::backend(
+                NAME,
+                "import_chunk",
+                "EINVAL",
+                format!("descriptor is not a memory file (mode {:#o})", st.st_mode),
+            ));
+        }
+        let len = u64::try_from(st.st_size).unwrap_or(0);
+        if len < size as u64 {
+            return Err(Error::backend(
+                NAME,
+                "import_chunk",
+                "EINVAL",
+                format!("chunk file holds {len} bytes, {size} asked for"),
+            ));
+        }
+        // A file that could still shrink would turn an access through our mapping into SIGBUS.
+        // SAFETY: plain fcntl on a valid descriptor.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::backend(
+                NAME,
+                "import_chunk",
+                "EINVAL",
+                format!(
+                    "chunk file of {len} bytes is not sealed against shrinking (seals {seals:#x})"
+                ),
+            ));
+        }
+        Ok(self.adopt_file(fd, FileOrigin::Imported, size))
     }
 
     unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
@@ -367,6 +581,16 @@ impl Backend for HostBackend {
         unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len) };
         Ok(())
     }
+}
+
+fn file_stat(fd: RawFd) -> Result<libc::stat> {
+    // SAFETY: `st` is a plain struct fstat fills.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is a descriptor the caller holds open; `st` is valid for writing.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(os_error("fstat", format!("descriptor {fd}")));
+    }
+    Ok(st)
 }
 
 /// Give the pages of a file range back to the kernel.

@@ -12,6 +12,7 @@ pub mod fault;
 pub mod host;
 
 use std::fmt;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use crate::error::Result;
@@ -164,17 +165,20 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Create a physical chunk of `size` bytes.
     fn create(&self, size: usize) -> Result<PhysicalChunk>;
 
-    /// Give a physical chunk back to the driver.
+    /// Give a physical chunk back to the driver (for an imported chunk: this process's reference
+    /// to it; the memory lives on while another process holds one).
     ///
     /// # Safety
-    /// `chunk` must come from this backend's `create`, be released once, and be mapped nowhere.
+    /// `chunk` must come from this backend's `create` or `import_chunk`, be released once, and
+    /// be mapped nowhere.
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()>;
 
     /// Map `chunk` at `addr`, with no access yet.
     ///
     /// # Safety
     /// `addr..addr + chunk.size` must lie in a reservation of this backend and be unmapped;
-    /// `chunk` must come from this backend and be mapped nowhere else.
+    /// `chunk` must come from this backend (`create` or `import_chunk`), be live, and be mapped
+    /// nowhere else in this process.
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()>;
 
     /// Grant read-write access to the owning device over a mapped range.
@@ -214,6 +218,43 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// As for [`Backend::write`].
     unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
+
+    /// Export `chunk` as a POSIX file descriptor another process can import with
+    /// [`Backend::import_chunk`] (sent over a Unix socket with `SCM_RIGHTS`, see
+    /// [`crate::ipc`]). The descriptor gives access to this chunk only, and keeps its memory
+    /// alive until every process that holds it (or an import of it) has let go, whatever this
+    /// process does with its own handle afterwards.
+    ///
+    /// Backends that cannot export keep this default, which fails with a
+    /// [`crate::Error::Backend`] whose code is `UNSUPPORTED`; [`BackendInfo::posix_fd_exportable`]
+    /// says which.
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+        let _ = chunk;
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "export_chunk",
+            "UNSUPPORTED",
+            "this backend cannot export chunks as POSIX file descriptors",
+        ))
+    }
+
+    /// Import a chunk of `size` bytes exported by another process (or this one) with
+    /// [`Backend::export_chunk`] of the same kind of backend. The chunk behaves like a created
+    /// one: map it, grant access, unmap it, and [`Backend::release`] it once; the memory is
+    /// shared with every other holder. The descriptor is consumed. A descriptor that is not an
+    /// exported chunk, or one smaller than `size`, is an error, never a mapping of memory that
+    /// does not exist.
+    ///
+    /// Backends that cannot import keep this default, which fails with code `UNSUPPORTED`.
+    fn import_chunk(&self, fd: OwnedFd, size: usize) -> Result<PhysicalChunk> {
+        let _ = (fd, size);
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "import_chunk",
+            "UNSUPPORTED",
+            "this backend cannot import chunks from POSIX file descriptors",
+        ))
+    }
 
     /// Queue a copy of `bytes` bytes from device memory at `src` to `dst` on the GPU stream
     /// `stream` (a raw `CUstream` handle as an integer: `1` is CUDA's legacy default stream,

@@ -86,6 +86,8 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        // Blocks routing keeps for same-stream reuse go back behind fences first.
+        crate::route::pool_closed(Arc::as_ptr(&self.inner) as usize);
         self.inner.close();
     }
 }
@@ -215,6 +217,16 @@ impl Pool {
         })
     }
 
+    /// Driver calls this pool made so far, all kinds together.
+    pub(crate) fn driver_call_total(&self) -> u64 {
+        self.inner().drivers.total()
+    }
+
+    /// What identifies this pool while it is open (the same for all its clones).
+    pub(crate) fn identity(&self) -> usize {
+        Arc::as_ptr(self.inner()) as usize
+    }
+
     pub(crate) fn inner(&self) -> &Arc<Inner> {
         &self.handle.inner
     }
@@ -340,6 +352,9 @@ impl Pool {
 
     /// Give idle mapped memory and every cached chunk back to the driver.
     pub fn trim(&self) -> Result<TrimReport> {
+        // Freed blocks routing keeps for same-stream reuse are idle too (waits for the GPU to
+        // pass a fence on their streams).
+        crate::route::flush(self);
         self.inner().trim(u64::MAX, TrimScope::IdleAndCache)
     }
 

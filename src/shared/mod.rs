@@ -26,7 +26,7 @@
 //! margin) when the budget must be the device's truth. The default global limit is the
 //! device's free memory when the shared pool is created, less a margin.
 
-mod ledger;
+pub(crate) mod ledger;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -141,6 +141,32 @@ impl ModelConfig {
         self.pool = Some(config);
         self
     }
+
+    /// Every setting, for registries other than [`SharedPool`] (the broker's engine side).
+    #[cfg(feature = "broker")]
+    pub(crate) fn parts(&self) -> ModelParts<'_> {
+        ModelParts {
+            id: &self.id,
+            virtual_capacity: self.virtual_capacity,
+            limit: self.limit,
+            guarantee: self.guarantee,
+            priority: self.priority,
+            reclaim: self.reclaim.clone(),
+            pool: self.pool.clone(),
+        }
+    }
+}
+
+/// A [`ModelConfig`]'s settings, borrowed.
+#[cfg(feature = "broker")]
+pub(crate) struct ModelParts<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) virtual_capacity: usize,
+    pub(crate) limit: u64,
+    pub(crate) guarantee: u64,
+    pub(crate) priority: i32,
+    pub(crate) reclaim: Option<ReclaimCallback>,
+    pub(crate) pool: Option<PoolConfig>,
 }
 
 /// One device's physical memory shared by several models. Cheap to clone.
@@ -541,6 +567,8 @@ impl SharedPool {
     /// memory, and its line disappears when the last handle is gone.
     pub fn unregister(&self, id: &str) -> Result<()> {
         let slot = self.slot(id)?;
+        // Blocks routing keeps for the model's reuse are not the model's use.
+        crate::route::flush(&slot.pool);
         slot.pool
             .inner()
             .close_if_unused("the model was unregistered")?;
@@ -604,6 +632,8 @@ impl SharedPool {
             used
         };
         let mut report = ChangeReport::default();
+        // Freed blocks routing keeps for reuse go back to the pool first, where they are idle.
+        crate::route::flush(&slot.pool);
         let mut result = slot
             .pool
             .inner()
@@ -619,6 +649,8 @@ impl SharedPool {
                 let want = over(self);
                 tracing::info!(model = %id, bytes = want, "asking the model to free memory");
                 cb(want);
+                // What the callback freed through routing is cached for reuse: give it back.
+                crate::route::flush(&slot.pool);
                 result = slot
                     .pool
                     .inner()
@@ -932,6 +964,12 @@ impl SharedInner {
     /// `(spare bytes, model)`, in reclaim order: lowest priority first, then most spare.
     fn donors(&self, for_key: Option<u64>) -> Vec<(u64, ModelRef)> {
         let refs = self.model_refs(for_key);
+        // Freed blocks routing keeps for a model's same-stream reuse are idle memory too: they
+        // go back to their pools (behind fences) before the models' spare memory is measured.
+        // No lock is held here.
+        for r in &refs {
+            crate::route::flush_if_cached(Arc::as_ptr(&r.pool) as usize);
+        }
         let spare: Vec<Option<(i32, u64)>> = {
             let l = self.ledger.lock();
             refs.iter()

@@ -6,6 +6,7 @@
 mod suite;
 
 mod backing;
+mod broker;
 mod layout;
 mod pool;
 mod shared;
@@ -14,5 +15,11 @@ mod soundness;
 
 #[cfg(feature = "candle")]
 mod candle;
+#[cfg(feature = "candle")]
+mod route;
+
+// Candle's allocations in this binary go through routing's hooks (forwarded to the driver
+// outside a route), as in an application that opts in.
+elastic_vmm::route_cuda_allocations!();
 #[cfg(feature = "nixl")]
 mod nixl;

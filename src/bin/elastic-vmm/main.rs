@@ -7,12 +7,18 @@
 //!   sum of their peaks; per-model use over time, and an SVG plot of it (its folder is created
 //!   when missing).
 //!
+//! - `broker`: the daemon that shares one device's memory between engine processes.
+//! - `ctl`: list engines and models, change limits and guarantees, stats, metrics (`--json`).
+//! - `top`: a live terminal view of the broker.
+//!
 //! Built only with the crate's default feature `cli`, which brings clap and tracing-subscriber.
 
 mod demo;
 mod multi;
+mod ops;
 mod output;
 mod plot;
+mod top;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -40,7 +46,7 @@ struct Cli {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum BackendChoice {
+pub enum BackendChoice {
     Auto,
     Host,
     Cuda,
@@ -54,6 +60,12 @@ enum Command {
     Demo(DemoArgs),
     /// Three models with bursty, out-of-phase load on one budget; writes an SVG plot.
     Multi(multi::MultiArgs),
+    /// The broker daemon: one device's memory shared by engine processes, with quotas.
+    Broker(ops::BrokerArgs),
+    /// Talk to a running broker: list, stats, set limits and guarantees, trim, metrics.
+    Ctl(ops::CtlArgs),
+    /// A live terminal view of a running broker.
+    Top(top::TopArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -161,6 +173,18 @@ fn open_backend(
 }
 
 fn run(cli: Cli) -> Result<(), BoxError> {
+    match &cli.command {
+        Command::Broker(args) => return ops::run_broker(cli.backend, cli.device, args),
+        Command::Ctl(args) => {
+            let socket = ops::socket_path(args.socket.clone(), cli.backend, cli.device);
+            return ops::run_ctl(socket, args);
+        }
+        Command::Top(args) => {
+            let socket = ops::socket_path(args.socket.clone(), cli.backend, cli.device);
+            return top::run(socket, args);
+        }
+        _ => {}
+    }
     let (backend, why_not_cuda) = open_backend(cli.backend, cli.device)?;
     if let Some(why) = &why_not_cuda {
         println!("CUDA not used: {why}");
@@ -170,6 +194,7 @@ fn run(cli: Cli) -> Result<(), BoxError> {
         Command::Info => info(&backend),
         Command::Demo(args) => demo::run(backend, &args),
         Command::Multi(args) => multi::run(backend, &args),
+        Command::Broker(_) | Command::Ctl(_) | Command::Top(_) => unreachable!("served above"),
     }
 }
 

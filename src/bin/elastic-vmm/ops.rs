@@ -1,0 +1,320 @@
+//! `broker` and `ctl`: the broker daemon and the operator's command line.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use elastic_vmm::backend::cuda::CudaBackend;
+use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::broker::protocol::{Reply, Request};
+use elastic_vmm::broker::{self, Broker, BrokerClient, BrokerConfig, Snapshot};
+use elastic_vmm::stats::human_bytes;
+use elastic_vmm::Backend;
+
+use super::{ArgError, BackendChoice, BoxError};
+
+/// Where the broker's socket is: `--socket`, else `$ELASTIC_VMM_BROKER`, else the default for
+/// the chosen backend (with `auto`: the CUDA device's when that socket exists, else the host's).
+pub fn socket_path(given: Option<PathBuf>, backend: BackendChoice, device: i32) -> PathBuf {
+    if let Some(p) = given {
+        return p;
+    }
+    match backend {
+        BackendChoice::Host => broker::default_socket("host", None),
+        BackendChoice::Cuda => broker::default_socket("cuda", Some(device)),
+        BackendChoice::Auto => {
+            let cuda = broker::default_socket("cuda", Some(device));
+            if cuda.exists() {
+                cuda
+            } else {
+                broker::default_socket("host", None)
+            }
+        }
+    }
+}
+
+/// A size: plain bytes, or with a suffix K/KiB, M/MiB, G/GiB, T/TiB (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (bytes, or a number with K, M, G or T)"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" | "kb" => 10,
+        "m" | "mib" | "mb" => 20,
+        "g" | "gib" | "gb" => 30,
+        "t" | "tib" | "tb" => 40,
+        other => return Err(format!("unknown unit {other:?} in {s:?}")),
+    };
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} overflows 64 bits"))
+}
+
+#[derive(clap::Args, Clone)]
+pub struct BrokerArgs {
+    /// The socket (default: see `ctl --help`).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Global budget (bytes, or with K/M/G/T). Default: free memory less the margin.
+    #[arg(long, value_parser = parse_size)]
+    pub global_limit: Option<u64>,
+    /// Kept free when the budget is taken from the free memory.
+    #[arg(long, value_parser = parse_size, default_value = "1G")]
+    pub margin: u64,
+    /// Let this group id connect engines too (socket mode 0660 instead of 0600).
+    #[arg(long)]
+    pub group: Option<u32>,
+    /// How long a growth waits for other engines to give memory back, in ms.
+    #[arg(long, default_value_t = 2000)]
+    pub reclaim_wait_ms: u64,
+    /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Result<(), BoxError> {
+    let backend: Arc<dyn Backend> = match choice {
+        BackendChoice::Host => Arc::new(HostBackend::with_chunk_files(
+            DEFAULT_GRANULARITY,
+            ChunkFiles::PerChunk,
+        )?),
+        BackendChoice::Cuda => Arc::new(CudaBackend::new(device)?),
+        BackendChoice::Auto => match CudaBackend::new(device) {
+            Ok(b) => Arc::new(b),
+            Err(e) => {
+                eprintln!("CUDA not used ({e}); brokering host memory");
+                Arc::new(HostBackend::with_chunk_files(
+                    DEFAULT_GRANULARITY,
+                    ChunkFiles::PerChunk,
+                )?)
+            }
+        },
+    };
+    let info = backend.info().clone();
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| broker::default_socket(info.name, info.device_ordinal));
+    let global_limit = match args.global_limit {
+        Some(l) => l,
+        None => {
+            let free = backend.memory_info()?.free;
+            free.checked_sub(args.margin).ok_or_else(|| {
+                ArgError::Invalid(format!(
+                    "--margin {} is more than the {} bytes free",
+                    args.margin, free
+                ))
+            })?
+        }
+    };
+    let config = BrokerConfig::new(&socket, global_limit)
+        .reclaim_wait(Duration::from_millis(args.reclaim_wait_ms));
+    let config = match args.group {
+        Some(g) => config.group(g),
+        None => config,
+    };
+    let broker = Broker::start(backend, config)?;
+    if let Some(addr) = args.metrics_addr {
+        let b = Arc::new(broker::BrokerClient::connect_control(&socket, "metrics")?);
+        let text = Arc::new(move || match b.request(Request::Metrics) {
+            Ok((Reply::Metrics(t), _)) => t,
+            Ok((other, _)) => format!("# broker answered {other:?}\n"),
+            Err(e) => format!("# {e}\n"),
+        });
+        let bound = broker::metrics::serve_metrics(addr, text)?;
+        println!("metrics on http://{bound}/metrics");
+    }
+    println!(
+        "broker pid {} on {} ({} {}, budget {})",
+        std::process::id(),
+        socket.display(),
+        info.name,
+        info.device_name,
+        human_bytes(global_limit)
+    );
+    broker.wait();
+    Ok(())
+}
+
+#[derive(clap::Args, Clone)]
+pub struct CtlArgs {
+    /// The broker's socket: --socket, else $ELASTIC_VMM_BROKER, else
+    /// /tmp/elastic-vmm-<uid>/cuda<device>.sock or host.sock.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(clap::Subcommand, Clone)]
+pub enum CtlCommand {
+    /// Engines and models: use, limit, guarantee.
+    List,
+    /// Everything the broker knows, counters included.
+    Stats,
+    /// Change a model's limit; lowering it asks the engine to give memory back.
+    SetLimit {
+        /// The model.
+        model: String,
+        /// The new limit (bytes, or with K/M/G/T).
+        #[arg(value_parser = parse_size)]
+        limit: u64,
+        /// How long the engine has, in ms.
+        #[arg(long, default_value_t = 5000)]
+        deadline_ms: u64,
+    },
+    /// Change a model's guarantee.
+    SetGuarantee {
+        /// The model.
+        model: String,
+        /// The new guarantee (bytes, or with K/M/G/T).
+        #[arg(value_parser = parse_size)]
+        guarantee: u64,
+    },
+    /// Release the broker's idle chunks.
+    Trim,
+    /// Prometheus text exposition.
+    Metrics,
+}
+
+pub fn run_ctl(socket: PathBuf, args: &CtlArgs) -> Result<(), BoxError> {
+    let client = BrokerClient::connect_control(&socket, "ctl")?;
+    let json = args.json;
+    let answer = |r: Reply| -> Result<Reply, BoxError> {
+        match r {
+            Reply::Error { kind, message } => Err(format!("{kind:?}: {message}").into()),
+            other => Ok(other),
+        }
+    };
+    match &args.command {
+        CtlCommand::List | CtlCommand::Stats => {
+            let snap = client.snapshot()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&snap)?);
+            } else {
+                print!(
+                    "{}",
+                    table(&snap, matches!(args.command, CtlCommand::Stats))
+                );
+            }
+        }
+        CtlCommand::SetLimit {
+            model,
+            limit,
+            deadline_ms,
+        } => {
+            let r = answer(
+                client
+                    .request(Request::SetLimit {
+                        model: model.clone(),
+                        limit: *limit,
+                        deadline_ms: *deadline_ms,
+                    })?
+                    .0,
+            )?;
+            print_change(r, json)?;
+        }
+        CtlCommand::SetGuarantee { model, guarantee } => {
+            let r = answer(
+                client
+                    .request(Request::SetGuarantee {
+                        model: model.clone(),
+                        guarantee: *guarantee,
+                    })?
+                    .0,
+            )?;
+            print_change(r, json)?;
+        }
+        CtlCommand::Trim => match answer(client.request(Request::Trim)?.0)? {
+            Reply::Trimmed { released } if json => println!("{{\"released\": {released}}}"),
+            Reply::Trimmed { released } => println!("released {}", human_bytes(released)),
+            other => return Err(format!("unexpected answer {other:?}").into()),
+        },
+        CtlCommand::Metrics => match answer(client.request(Request::Metrics)?.0)? {
+            Reply::Metrics(t) => print!("{t}"),
+            other => return Err(format!("unexpected answer {other:?}").into()),
+        },
+    }
+    Ok(())
+}
+
+fn print_change(r: Reply, json: bool) -> Result<(), BoxError> {
+    match r {
+        Reply::Changed(c) if json => println!("{}", serde_json::to_string_pretty(&c)?),
+        Reply::Changed(c) => println!(
+            "{}: limit {}, guarantee {}, uses {} (gave back {})",
+            c.model,
+            human_bytes(c.limit),
+            human_bytes(c.guarantee),
+            human_bytes(c.used),
+            human_bytes(c.reclaimed)
+        ),
+        other => return Err(format!("unexpected answer {other:?}").into()),
+    }
+    Ok(())
+}
+
+/// The `list` / `stats` table.
+pub fn table(s: &Snapshot, counters: bool) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "broker pid {}  {} ({})  used {} of {}  idle {}  physical {}",
+        s.broker_pid,
+        s.backend.name,
+        s.backend.device_name,
+        human_bytes(s.global_used),
+        human_bytes(s.global_limit),
+        human_bytes(s.idle),
+        human_bytes(s.physical)
+    );
+    let _ = writeln!(
+        out,
+        "{:<20} {:>8} {:>11} {:>11} {:>11} {:>5} {:>11} {:>11} {:>7} {:>8}",
+        "MODEL", "PID", "USED", "LIMIT", "GUARANTEE", "PRIO", "IN USE", "IDLE", "CHUNKS", "REFUSED"
+    );
+    for m in &s.models {
+        let pid = s
+            .engines
+            .iter()
+            .find(|e| e.id == m.engine)
+            .map_or(0, |e| e.peer.pid);
+        let _ = writeln!(
+            out,
+            "{:<20} {:>8} {:>11} {:>11} {:>11} {:>5} {:>11} {:>11} {:>7} {:>8}",
+            m.name,
+            pid,
+            human_bytes(m.used),
+            human_bytes(m.limit),
+            human_bytes(m.guarantee),
+            m.priority,
+            human_bytes(m.in_use),
+            human_bytes(m.idle + m.cached),
+            m.chunks,
+            m.refusals
+        );
+    }
+    if counters {
+        let _ = writeln!(out, "engines: {}", s.engines.len());
+        for e in &s.engines {
+            let _ = writeln!(
+                out,
+                "  {:>4} {:<20} {:?} pid {} uid {}",
+                e.id, e.name, e.role, e.peer.pid, e.peer.uid
+            );
+        }
+        let _ = writeln!(out, "counters: {:?}", s.counters);
+        if let Some(a) = &s.audit {
+            let _ = writeln!(out, "AUDIT FAILED: {a}");
+        }
+    }
+    out
+}

@@ -1,0 +1,577 @@
+//! The broker's books: which chunk is where, which model is whose, what each is charged.
+//! Pure bookkeeping under one lock, no driver call, no socket write (see `server.rs` for who
+//! calls what without it).
+//!
+//! Every chunk the broker made is in exactly one place: held by a model (granted, charged to
+//! it), idle (given back, charged to the broker's own line [`IDLE`], waiting to be handed over),
+//! or moving (taken out by a thread that is releasing or exporting it without the lock; its
+//! charge is settled by that thread). The ledger's rules (`crate::shared::ledger`) hold at every
+//! instant: no model above its limit, no charge above the global budget less the other models'
+//! unused guarantees.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use super::protocol::{
+    BrokerCounters, EngineInfo, ModelInfo, Refusal, RefusalCause, Role, MAX_MODELS, MAX_NAME,
+};
+use crate::backend::PhysicalChunk;
+use crate::ipc::{FrameWriter, PeerCredentials};
+use crate::shared::ledger::{Ledger, ModelBook, Refusal as LedgerRefusal};
+
+/// The ledger line of the broker's idle chunks.
+pub(crate) const IDLE: u64 = 0;
+
+/// Where a chunk is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Holder {
+    /// Granted to a model.
+    Model(u64),
+    /// Given back, waiting for a hand-over.
+    Idle,
+    /// Taken out by a thread working without the lock.
+    Moving,
+}
+
+#[derive(Debug)]
+pub(crate) struct ChunkEntry {
+    pub(crate) chunk: PhysicalChunk,
+    pub(crate) holder: Holder,
+}
+
+#[derive(Debug)]
+pub(crate) struct ModelEntry {
+    pub(crate) name: Arc<str>,
+    pub(crate) conn: u64,
+    pub(crate) chunks: BTreeSet<u64>,
+    pub(crate) in_use: u64,
+    pub(crate) idle: u64,
+    pub(crate) cached: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct ConnEntry {
+    pub(crate) name: String,
+    pub(crate) role: Role,
+    pub(crate) peer: PeerCredentials,
+    pub(crate) writer: FrameWriter,
+    /// Kept to shut the connection down when the broker stops.
+    pub(crate) stream: std::os::unix::net::UnixStream,
+}
+
+/// An outstanding reclaim request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ticket {
+    pub(crate) conn: u64,
+    pub(crate) model: u64,
+}
+
+/// Everything under the broker's lock.
+#[derive(Debug)]
+pub(crate) struct Book {
+    pub(crate) ledger: Ledger,
+    pub(crate) models: BTreeMap<u64, ModelEntry>,
+    pub(crate) names: HashMap<Arc<str>, u64>,
+    pub(crate) chunks: HashMap<u64, ChunkEntry>,
+    /// Idle chunk ids by size.
+    idle: BTreeMap<u64, Vec<u64>>,
+    pub(crate) idle_bytes: u64,
+    pub(crate) conns: BTreeMap<u64, ConnEntry>,
+    pub(crate) tickets: HashMap<u64, Ticket>,
+    pub(crate) counters: BrokerCounters,
+    next_id: u64,
+}
+
+/// Why an engine's request about a model or chunk cannot be served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BookError {
+    Unknown(String),
+    Invalid(String),
+    Duplicate(String),
+}
+
+impl Book {
+    pub(crate) fn new(global_limit: u64) -> Book {
+        let mut ledger = Ledger::new(global_limit);
+        let idle = ModelBook {
+            id: "(broker idle)".into(),
+            limit: u64::MAX,
+            cap: u64::MAX,
+            guarantee: 0,
+            priority: i32::MIN,
+            used: 0,
+            peak: 0,
+            refusals: 0,
+            reclaimed: 0,
+            retired: false,
+        };
+        ledger
+            .add(IDLE, idle)
+            .expect("a line without guarantee always fits");
+        Book {
+            ledger,
+            models: BTreeMap::new(),
+            names: HashMap::new(),
+            chunks: HashMap::new(),
+            idle: BTreeMap::new(),
+            idle_bytes: 0,
+            conns: BTreeMap::new(),
+            tickets: HashMap::new(),
+            counters: BrokerCounters::default(),
+            next_id: 0,
+        }
+    }
+
+    /// A fresh id (models, chunks, connections and tickets share one sequence; never 0).
+    pub(crate) fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// The model `model` if connection `conn` owns it. Another engine's model is "unknown":
+    /// an engine cannot even learn that it exists.
+    pub(crate) fn own_model(&self, conn: u64, model: u64) -> Result<&ModelEntry, BookError> {
+        match self.models.get(&model) {
+            Some(m) if m.conn == conn => Ok(m),
+            _ => Err(BookError::Unknown(format!(
+                "no model {model} registered by this connection"
+            ))),
+        }
+    }
+
+    pub(crate) fn register(
+        &mut self,
+        conn: u64,
+        name: &str,
+        limit: u64,
+        guarantee: u64,
+        priority: i32,
+    ) -> Result<u64, BookError> {
+        check_name("model name", name)?;
+        if limit == 0 {
+            return Err(BookError::Invalid(format!(
+                "model {name:?}: limit must be at least 1 byte, got 0"
+            )));
+        }
+        if guarantee > limit {
+            return Err(BookError::Invalid(format!(
+                "model {name:?}: guarantee {guarantee} is above its limit {limit}"
+            )));
+        }
+        if self.names.contains_key(name) {
+            return Err(BookError::Duplicate(format!(
+                "model {name:?} is already registered"
+            )));
+        }
+        if self.models.len() >= MAX_MODELS {
+            return Err(BookError::Invalid(format!(
+                "{} models registered, {MAX_MODELS} allowed",
+                self.models.len()
+            )));
+        }
+        let id = self.next_id();
+        let name: Arc<str> = name.into();
+        let book = ModelBook {
+            id: name.clone(),
+            limit,
+            cap: limit,
+            guarantee,
+            priority,
+            used: 0,
+            peak: 0,
+            refusals: 0,
+            reclaimed: 0,
+            retired: false,
+        };
+        self.ledger.add(id, book).map_err(|room| {
+            BookError::Invalid(format!(
+                "model {name:?}: guarantee {guarantee} does not fit: {room} bytes of the global budget {} are neither used nor promised",
+                self.ledger.global_limit
+            ))
+        })?;
+        self.names.insert(name.clone(), id);
+        self.models.insert(
+            id,
+            ModelEntry {
+                name,
+                conn,
+                chunks: BTreeSet::new(),
+                in_use: 0,
+                idle: 0,
+                cached: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Remove a model; returns its chunks, now moving, their charges credited.
+    pub(crate) fn unregister(&mut self, model: u64) -> Vec<(u64, PhysicalChunk)> {
+        let Some(m) = self.models.remove(&model) else {
+            return Vec::new();
+        };
+        self.names.remove(&m.name);
+        let mut out = Vec::new();
+        for cid in m.chunks {
+            if let Some(e) = self.chunks.get_mut(&cid) {
+                self.ledger.credit(model, e.chunk.size as u64);
+                e.holder = Holder::Moving;
+                out.push((cid, e.chunk));
+            }
+        }
+        self.ledger.remove(model);
+        out
+    }
+
+    /// Hand an idle chunk of exactly `size` bytes to `model`, if there is one and the model's
+    /// limit allows; the chunk is then held by the model.
+    pub(crate) fn hand_over(&mut self, model: u64, size: u64) -> Option<(u64, PhysicalChunk)> {
+        let list = self.idle.get_mut(&size)?;
+        let &cid = list.last()?;
+        if !self.ledger.transfer(IDLE, model, size) {
+            return None;
+        }
+        list.pop();
+        if list.is_empty() {
+            self.idle.remove(&size);
+        }
+        self.idle_bytes -= size;
+        let e = self
+            .chunks
+            .get_mut(&cid)
+            .expect("idle chunks are in the table");
+        e.holder = Holder::Model(model);
+        self.models
+            .get_mut(&model)
+            .expect("caller checked the model")
+            .chunks
+            .insert(cid);
+        self.counters.handovers += 1;
+        self.counters.grants += 1;
+        Some((cid, e.chunk))
+    }
+
+    /// Charge `size` to `model` for a chunk about to be created.
+    pub(crate) fn charge(&mut self, model: u64, size: u64) -> Result<(), LedgerRefusal> {
+        let r = self.ledger.try_charge(model, size);
+        if r.is_err() {
+            self.ledger.note_refusal(model);
+        }
+        r
+    }
+
+    /// Record a chunk created for `model` (charged before).
+    pub(crate) fn add_created(&mut self, model: u64, chunk: PhysicalChunk) -> u64 {
+        let cid = self.next_id();
+        self.chunks.insert(
+            cid,
+            ChunkEntry {
+                chunk,
+                holder: Holder::Model(model),
+            },
+        );
+        if let Some(m) = self.models.get_mut(&model) {
+            m.chunks.insert(cid);
+        }
+        self.counters.creates += 1;
+        self.counters.grants += 1;
+        cid
+    }
+
+    /// A chunk held by `model` comes back. It stays idle (for hand-over) if the budget lets the
+    /// broker hold it; otherwise it is returned moving, for release.
+    pub(crate) fn give_back(
+        &mut self,
+        conn: u64,
+        model: u64,
+        cid: u64,
+    ) -> Result<Option<PhysicalChunk>, BookError> {
+        self.own_model(conn, model)?;
+        let Some(e) = self
+            .chunks
+            .get_mut(&cid)
+            .filter(|e| e.holder == Holder::Model(model))
+        else {
+            return Err(BookError::Unknown(format!(
+                "model {model} holds no chunk {cid}"
+            )));
+        };
+        let size = e.chunk.size as u64;
+        self.ledger.credit(model, size);
+        if let Some(m) = self.models.get_mut(&model) {
+            m.chunks.remove(&cid);
+        }
+        self.counters.give_backs += 1;
+        if self.ledger.try_charge(IDLE, size).is_ok() {
+            e.holder = Holder::Idle;
+            self.idle.entry(size).or_default().push(cid);
+            self.idle_bytes += size;
+            Ok(None)
+        } else {
+            e.holder = Holder::Moving;
+            Ok(Some(e.chunk))
+        }
+    }
+
+    /// Take idle chunks out (moving) until at least `bytes` are taken or none is left; their
+    /// charges stay on the idle line until [`Book::released`].
+    pub(crate) fn take_idle(&mut self, bytes: u64) -> Vec<(u64, PhysicalChunk)> {
+        let mut out = Vec::new();
+        let mut got = 0u64;
+        while got < bytes {
+            // Largest first: fewest driver calls.
+            let Some(mut entry) = self.idle.last_entry() else {
+                break;
+            };
+            let cid = entry.get_mut().pop().expect("no empty lists are kept");
+            if entry.get().is_empty() {
+                entry.remove();
+            }
+            let e = self
+                .chunks
+                .get_mut(&cid)
+                .expect("idle chunks are in the table");
+            e.holder = Holder::Moving;
+            let size = e.chunk.size as u64;
+            self.idle_bytes -= size;
+            got += size;
+            out.push((cid, e.chunk));
+        }
+        out
+    }
+
+    /// A moving chunk was released to the driver: forget it; `charged_to` is the line still
+    /// charged for it (the idle line), if any.
+    pub(crate) fn released(&mut self, cid: u64, charged_to: Option<u64>) {
+        if let Some(e) = self.chunks.remove(&cid) {
+            debug_assert_eq!(e.holder, Holder::Moving);
+            if let Some(line) = charged_to {
+                self.ledger.credit(line, e.chunk.size as u64);
+            }
+            self.counters.releases += 1;
+        }
+    }
+
+    /// A moving chunk whose release failed: it still exists, so it stays counted (leaked on
+    /// the idle line, never handed out again).
+    pub(crate) fn release_failed(&mut self, cid: u64, charged_to: Option<u64>) {
+        if let Some(e) = self.chunks.remove(&cid) {
+            let size = e.chunk.size as u64;
+            if charged_to.is_some() {
+                self.ledger.credit(IDLE, size);
+            }
+            self.ledger.leaked += size;
+            self.ledger.used += size;
+        }
+    }
+
+    /// A connection ended: every model it registered goes, with every chunk (returned moving,
+    /// charges credited), and its reclaim tickets.
+    pub(crate) fn drop_conn(&mut self, conn: u64) -> Vec<(u64, PhysicalChunk)> {
+        self.conns.remove(&conn);
+        self.tickets.retain(|_, t| t.conn != conn);
+        let models: Vec<u64> = self
+            .models
+            .iter()
+            .filter(|(_, m)| m.conn == conn)
+            .map(|(&k, _)| k)
+            .collect();
+        let mut out = Vec::new();
+        for m in models {
+            out.extend(self.unregister(m));
+        }
+        if !out.is_empty() {
+            self.counters.dead_engines += 1;
+            self.counters.chunks_recovered += out.len() as u64;
+        }
+        out
+    }
+
+    /// Models of connections other than `asking` holding memory above their guarantees, lowest
+    /// priority first, with how much each could give back; at most `bytes` asked in all. The
+    /// asking connection's own models are left out: its requests are served one at a time, so
+    /// what they gave back would only arrive after the growth waiting for it.
+    pub(crate) fn reclaim_plan(&self, asking: u64, bytes: u64) -> Vec<(u64, u64, u64)> {
+        let mut candidates: Vec<(i32, u64, u64, u64)> = self
+            .models
+            .iter()
+            .filter(|(_, m)| m.conn != asking)
+            .filter_map(|(&k, m)| {
+                let b = self.ledger.models.get(&k)?;
+                let spare = b.used.saturating_sub(b.guarantee);
+                (spare > 0).then_some((b.priority, k, m.conn, spare))
+            })
+            .collect();
+        candidates.sort_by_key(|&(p, k, _, spare)| (p, std::cmp::Reverse(spare), k));
+        let mut left = bytes;
+        let mut plan = Vec::new();
+        for (_, k, conn, spare) in candidates {
+            if left == 0 {
+                break;
+            }
+            let ask = spare.min(left);
+            left -= ask;
+            plan.push((k, conn, ask));
+        }
+        plan
+    }
+
+    pub(crate) fn refusal(&self, model: u64, bytes: u64, why: LedgerRefusal) -> Refusal {
+        let b = self.ledger.models.get(&model);
+        Refusal {
+            model: b.map_or_else(String::new, |m| m.id.to_string()),
+            requested: bytes,
+            cause: match why {
+                LedgerRefusal::ModelLimit => RefusalCause::ModelLimit,
+                LedgerRefusal::Global { .. } => RefusalCause::Global,
+                LedgerRefusal::Retired => RefusalCause::Retired,
+            },
+            model_used: b.map_or(0, |m| m.used),
+            model_limit: b.map_or(0, |m| m.limit.min(m.cap)),
+            global_used: self.ledger.used,
+            global_limit: self.ledger.global_limit,
+            reserved_for_others: self.ledger.reserved_for_others(model),
+        }
+    }
+
+    /// Engines and models; an engine connection sees itself and its own models only.
+    pub(crate) fn view(&self, viewer: Option<u64>) -> (Vec<EngineInfo>, Vec<ModelInfo>) {
+        let engines = self
+            .conns
+            .iter()
+            .filter(|(&id, _)| viewer.is_none_or(|v| v == id))
+            .map(|(&id, c)| EngineInfo {
+                id,
+                name: c.name.clone(),
+                role: c.role,
+                peer: c.peer,
+            })
+            .collect();
+        let models = self
+            .models
+            .iter()
+            .filter(|(_, m)| viewer.is_none_or(|v| v == m.conn))
+            .filter_map(|(&id, m)| {
+                let b = self.ledger.models.get(&id)?;
+                Some(ModelInfo {
+                    id,
+                    name: m.name.to_string(),
+                    engine: m.conn,
+                    limit: b.limit,
+                    guarantee: b.guarantee,
+                    priority: b.priority,
+                    used: b.used,
+                    peak: b.peak,
+                    chunks: m.chunks.len() as u64,
+                    refusals: b.refusals,
+                    reclaimed: b.reclaimed,
+                    in_use: m.in_use,
+                    idle: m.idle,
+                    cached: m.cached,
+                })
+            })
+            .collect();
+        (engines, models)
+    }
+
+    /// The books against themselves: the ledger's rules, and every charge against the chunks.
+    pub(crate) fn audit(&self) -> Result<(), String> {
+        self.ledger.audit()?;
+        let idle_line = self.ledger.models.get(&IDLE).map_or(0, |m| m.used);
+        for (&k, m) in &self.models {
+            let held: u64 = m
+                .chunks
+                .iter()
+                .filter_map(|c| self.chunks.get(c))
+                .map(|e| e.chunk.size as u64)
+                .sum();
+            let charged = self.ledger.models.get(&k).map_or(0, |b| b.used);
+            // A charge may run ahead of its chunk only while that chunk is being created.
+            if held > charged {
+                return Err(format!(
+                    "model {} holds {held} bytes of chunks but is charged {charged}",
+                    m.name
+                ));
+            }
+        }
+        if self.idle_bytes > idle_line {
+            return Err(format!(
+                "idle chunks hold {} bytes, the idle line is charged {idle_line}",
+                self.idle_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Names: 1 to [`MAX_NAME`] bytes, printable, no whitespace.
+pub(crate) fn check_name(what: &str, name: &str) -> Result<(), BookError> {
+    if name.is_empty()
+        || name.len() > MAX_NAME
+        || name.chars().any(|c| c.is_control() || c.is_whitespace())
+    {
+        return Err(BookError::Invalid(format!(
+            "{what} {name:?} must be 1 to {MAX_NAME} bytes of printable characters without spaces ({} bytes given)",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(raw: u64, size: usize) -> PhysicalChunk {
+        PhysicalChunk { raw, size }
+    }
+
+    #[test]
+    fn hand_over_moves_charge_without_touching_the_global_use() {
+        let mut b = Book::new(100);
+        let a = b.register(1, "a", 60, 0, 0).unwrap();
+        let c = b.register(2, "c", 60, 0, 0).unwrap();
+        b.charge(a, 40).unwrap();
+        let cid = b.add_created(a, chunk(7, 40));
+        assert_eq!(
+            b.give_back(2, a, cid),
+            Err(BookError::Unknown(format!(
+                "no model {a} registered by this connection"
+            )))
+        );
+        assert_eq!(b.give_back(1, a, cid).unwrap(), None);
+        assert_eq!(b.idle_bytes, 40);
+        let used = b.ledger.used;
+        let (got, ch) = b.hand_over(c, 40).unwrap();
+        assert_eq!((got, ch.raw), (cid, 7));
+        assert_eq!(b.ledger.used, used);
+        assert_eq!(b.counters.handovers, 1);
+        b.audit().unwrap();
+        // The other model's limit still holds for handed-over chunks.
+        b.charge(c, 20).unwrap();
+        assert_eq!(b.charge(c, 1), Err(LedgerRefusal::ModelLimit));
+        let gone = b.drop_conn(2);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(b.ledger.models[&IDLE].used, 0);
+        assert!(b.register(3, "a b", 1, 0, 0).is_err());
+        assert!(b.register(3, "", 1, 0, 0).is_err());
+        assert!(b.register(3, "x", 1, 2, 0).is_err());
+        assert!(matches!(
+            b.register(3, "a", 1, 0, 0),
+            Err(BookError::Duplicate(_))
+        ));
+    }
+
+    #[test]
+    fn reclaim_plan_takes_lowest_priority_first_and_spares_guarantees() {
+        let mut b = Book::new(1000);
+        let lo = b.register(1, "lo", 500, 100, -1).unwrap();
+        let hi = b.register(2, "hi", 500, 0, 5).unwrap();
+        let mine = b.register(3, "mine", 500, 0, -9).unwrap();
+        b.register(3, "me", 500, 0, 0).unwrap();
+        b.charge(lo, 300).unwrap();
+        b.charge(hi, 300).unwrap();
+        b.charge(mine, 300).unwrap();
+        let plan = b.reclaim_plan(3, 250);
+        assert_eq!(plan, vec![(lo, 1, 200), (hi, 2, 50)]);
+    }
+}

@@ -1,0 +1,448 @@
+//! An engine's (or an operator's) connection to the broker.
+//!
+//! Threads: a reader (replies to their waiting callers, pushes to the reclaim worker), a writer
+//! ([`FrameWriter`]), a reclaim worker (gives memory back when the broker asks: trims the
+//! model's pool, then asks its reclaim callback) and, for engines, a reporter (the models'
+//! pool stats every 250 ms, for the operator's view). None holds the client itself: dropping
+//! the last [`BrokerClient`] shuts the socket down and every thread ends.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::protocol::{
+    BackendDesc, ErrorKind, FromBroker, Push, Reply, Request, Role, Snapshot, ToBroker,
+    PROTOCOL_VERSION,
+};
+use crate::error::{Error, Result};
+use crate::ipc::{self, FrameWriter, Outgoing};
+use crate::pool::{Inner as PoolInner, TrimScope};
+use crate::shared::ReclaimCallback;
+
+/// The id of requests whose reply nobody waits for (reports, reclaim answers, unregister on
+/// drop).
+pub(crate) const NOTIFY_ID: u64 = u64::MAX;
+
+/// How long a request waits for its reply (a growth may wait for other engines' reclaims).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
+
+type Waiter = Sender<(Reply, Vec<OwnedFd>)>;
+
+/// Callers waiting for replies, and whether the connection is gone (then nobody may wait).
+#[derive(Default)]
+struct Pending {
+    waiters: HashMap<u64, Waiter>,
+    closed: bool,
+}
+
+/// What the reclaim worker and the reporter need to reach a model.
+pub(crate) struct ModelLink {
+    pub(crate) pool: Weak<PoolInner>,
+    pub(crate) reclaim: Option<ReclaimCallback>,
+}
+
+type Links = Arc<Mutex<HashMap<u64, ModelLink>>>;
+
+/// A connection to a broker. Cheap to clone; `Send + Sync`.
+#[derive(Clone, Debug)]
+pub struct BrokerClient {
+    inner: Arc<ClientInner>,
+}
+
+pub(crate) struct ClientInner {
+    stream: UnixStream,
+    writer: FrameWriter,
+    pending: Arc<Mutex<Pending>>,
+    next_id: AtomicU64,
+    pub(crate) links: Links,
+    welcome: Welcome,
+    /// The backend chunks are imported and mapped with (see `remote.rs`).
+    pub(crate) local: std::sync::OnceLock<Arc<dyn crate::backend::Backend>>,
+    /// Dropped with the client: ends the reporter.
+    _stop: Sender<()>,
+}
+
+impl std::fmt::Debug for ClientInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerClient")
+            .field("engine", &self.welcome.engine)
+            .field("broker_pid", &self.welcome.broker_pid)
+            .finish()
+    }
+}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// What the broker said at hello.
+#[derive(Debug, Clone)]
+pub struct Welcome {
+    /// The broker's process id.
+    pub broker_pid: u32,
+    /// Its backend: engines map chunks with the same kind.
+    pub backend: BackendDesc,
+    /// The global budget.
+    pub global_limit: u64,
+    /// This connection's id.
+    pub engine: u64,
+}
+
+/// Turn an error reply into the crate's error.
+pub(crate) fn reply_error(kind: ErrorKind, message: String) -> Error {
+    match kind {
+        ErrorKind::Malformed => Error::Ipc {
+            op: "broker refused a message",
+            detail: message,
+        },
+        _ => Error::Broker {
+            kind: format!("{kind:?}"),
+            message,
+        },
+    }
+}
+
+impl BrokerClient {
+    /// Connect to the broker at `socket` as an engine called `name`.
+    pub fn connect(socket: impl AsRef<Path>, name: &str) -> Result<BrokerClient> {
+        Self::connect_as(socket, name, Role::Engine)
+    }
+
+    /// Connect for operator's work (`ctl`, `top`): read everything, change limits; no memory.
+    pub fn connect_control(socket: impl AsRef<Path>, name: &str) -> Result<BrokerClient> {
+        Self::connect_as(socket, name, Role::Control)
+    }
+
+    fn connect_as(socket: impl AsRef<Path>, name: &str, role: Role) -> Result<BrokerClient> {
+        let path = socket.as_ref();
+        let stream = UnixStream::connect(path).map_err(|e| Error::Ipc {
+            op: "connect to broker",
+            detail: format!("{}: {e}", path.display()),
+        })?;
+        super::server::raise_fd_limit();
+        let clone = |s: &UnixStream| {
+            s.try_clone().map_err(|e| Error::Ipc {
+                op: "clone socket",
+                detail: e.to_string(),
+            })
+        };
+        let (writer, _) = FrameWriter::spawn(clone(&stream)?, 1024, "broker-client")?;
+        let pending: Arc<Mutex<Pending>> = Arc::default();
+        let links: Links = Arc::default();
+        let (push_tx, push_rx) = channel::<Push>();
+        {
+            let stream = clone(&stream)?;
+            let pending = pending.clone();
+            std::thread::Builder::new()
+                .name("broker-client-reader".into())
+                .spawn(move || read_loop(stream, pending, push_tx))
+                .map_err(|e| Error::Ipc {
+                    op: "spawn reader",
+                    detail: e.to_string(),
+                })?;
+        }
+        {
+            let writer = writer.clone();
+            let links = links.clone();
+            std::thread::Builder::new()
+                .name("broker-client-reclaim".into())
+                .spawn(move || reclaim_worker(push_rx, writer, links))
+                .map_err(|e| Error::Ipc {
+                    op: "spawn reclaim worker",
+                    detail: e.to_string(),
+                })?;
+        }
+        let (stop_tx, stop_rx) = channel::<()>();
+        if role == Role::Engine {
+            let writer = writer.clone();
+            let links = links.clone();
+            std::thread::Builder::new()
+                .name("broker-client-reporter".into())
+                .spawn(move || reporter(stop_rx, writer, links))
+                .map_err(|e| Error::Ipc {
+                    op: "spawn reporter",
+                    detail: e.to_string(),
+                })?;
+        }
+        let mut inner = ClientInner {
+            stream,
+            writer,
+            pending,
+            next_id: AtomicU64::new(1),
+            links,
+            welcome: Welcome {
+                broker_pid: 0,
+                backend: BackendDesc {
+                    name: String::new(),
+                    device_ordinal: None,
+                    granularity: 0,
+                    device_name: String::new(),
+                },
+                global_limit: 0,
+                engine: 0,
+            },
+            local: std::sync::OnceLock::new(),
+            _stop: stop_tx,
+        };
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            role,
+            name: name.to_string(),
+        };
+        match inner.request(hello)? {
+            (
+                Reply::Welcome {
+                    broker_pid,
+                    backend,
+                    global_limit,
+                    engine,
+                },
+                _,
+            ) => {
+                inner.welcome = Welcome {
+                    broker_pid,
+                    backend,
+                    global_limit,
+                    engine,
+                };
+            }
+            (other, _) => return Err(unexpected("hello", &other)),
+        }
+        Ok(BrokerClient {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// What the broker said at hello.
+    pub fn welcome(&self) -> &Welcome {
+        &self.inner.welcome
+    }
+
+    /// Send `request` and wait for its reply (and the descriptors attached to it). Error
+    /// replies come back as `Ok(Reply::Error {..})`; use the typed helpers to get errors.
+    pub fn request(&self, request: Request) -> Result<(Reply, Vec<OwnedFd>)> {
+        self.inner.request(request)
+    }
+
+    /// Every engine and model (a control connection), or this engine's own.
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        match self.request(Request::Snapshot)?.0 {
+            Reply::Snapshot(s) => Ok(*s),
+            other => Err(unexpected("snapshot", &other)),
+        }
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<ClientInner> {
+        &self.inner
+    }
+}
+
+pub(crate) fn unexpected(what: &str, reply: &Reply) -> Error {
+    match reply {
+        Reply::Error { kind, message } => reply_error(*kind, message.clone()),
+        other => Error::Ipc {
+            op: "broker reply",
+            detail: format!("unexpected answer to {what}: {other:?}"),
+        },
+    }
+}
+
+impl ClientInner {
+    pub(crate) fn request(&self, request: Request) -> Result<(Reply, Vec<OwnedFd>)> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = channel();
+        {
+            let mut p = self.pending.lock();
+            if p.closed {
+                return Err(Error::Ipc {
+                    op: "broker request",
+                    detail: "the connection to the broker is closed".into(),
+                });
+            }
+            p.waiters.insert(id, tx);
+        }
+        let sent = ipc::encode(&ToBroker { id, request }).and_then(|payload| {
+            self.writer.send(Outgoing {
+                payload,
+                fds: Vec::new(),
+            })
+        });
+        if let Err(e) = sent {
+            self.pending.lock().waiters.remove(&id);
+            return Err(e);
+        }
+        match rx.recv_timeout(REPLY_TIMEOUT) {
+            Ok(r) => Ok(r),
+            Err(RecvTimeoutError::Timeout) => {
+                self.pending.lock().waiters.remove(&id);
+                Err(Error::Ipc {
+                    op: "broker reply",
+                    detail: format!("no reply within {} s", REPLY_TIMEOUT.as_secs()),
+                })
+            }
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Ipc {
+                op: "broker reply",
+                detail: "the broker closed the connection".into(),
+            }),
+        }
+    }
+
+    /// Queue a request whose reply nobody waits for.
+    pub(crate) fn notify(&self, request: Request) {
+        let id = NOTIFY_ID;
+        let sent = ipc::encode(&ToBroker { id, request }).and_then(|payload| {
+            self.writer.send(Outgoing {
+                payload,
+                fds: Vec::new(),
+            })
+        });
+        if let Err(e) = sent {
+            tracing::debug!(error = %e, "notification to the broker not sent");
+        }
+    }
+
+    pub(crate) fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+}
+
+fn read_loop(stream: UnixStream, pending: Arc<Mutex<Pending>>, pushes: Sender<Push>) {
+    loop {
+        let frame = match ipc::recv_frame(&stream, ipc::MAX_FRAME) {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "broker connection failed");
+                break;
+            }
+        };
+        match ipc::decode::<FromBroker>(&frame.payload) {
+            Ok(FromBroker::Reply { id, reply }) => {
+                if id == NOTIFY_ID {
+                    if let Reply::Error { kind, message } = reply {
+                        tracing::warn!(?kind, %message, "the broker refused a notification");
+                    }
+                    continue;
+                }
+                let waiter = pending.lock().waiters.remove(&id);
+                match waiter {
+                    Some(w) => {
+                        let _ = w.send((reply, frame.fds));
+                    }
+                    None if id == 0 => {
+                        // The broker's last word before closing (an error about this connection).
+                        tracing::warn!(?reply, "broker closed the connection");
+                    }
+                    None => tracing::debug!(id, "reply nobody waits for (timed out)"),
+                }
+            }
+            Ok(FromBroker::Push(p)) => {
+                let _ = pushes.send(p);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "malformed message from the broker; closing");
+                break;
+            }
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    // Every waiter learns the connection is gone (their senders drop here), and no new one
+    // starts waiting.
+    let waiters = {
+        let mut p = pending.lock();
+        p.closed = true;
+        std::mem::take(&mut p.waiters)
+    };
+    drop(waiters);
+}
+
+fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {
+    for push in pushes {
+        let Push::Reclaim {
+            ticket,
+            model,
+            bytes,
+            ..
+        } = push;
+        let (pool, callback) = {
+            let l = links.lock();
+            match l.get(&model) {
+                Some(link) => (link.pool.upgrade(), link.reclaim.clone()),
+                None => (None, None),
+            }
+        };
+        let mut freed = 0u64;
+        if let Some(pool) = &pool {
+            freed += pool
+                .trim(bytes, TrimScope::IdleAndCache)
+                .map_or(0, |r| r.released);
+            if freed < bytes {
+                if let Some(cb) = &callback {
+                    cb(bytes - freed);
+                    freed += pool
+                        .trim(bytes - freed, TrimScope::IdleAndCache)
+                        .map_or(0, |r| r.released);
+                }
+            }
+        }
+        drop(pool);
+        tracing::debug!(ticket, model, bytes, freed, "reclaim request served");
+        let done = ToBroker {
+            id: NOTIFY_ID,
+            request: Request::ReclaimDone { ticket, freed },
+        };
+        if let Ok(payload) = ipc::encode(&done) {
+            let _ = writer.send(Outgoing {
+                payload,
+                fds: Vec::new(),
+            });
+        }
+    }
+}
+
+fn reporter(stop: Receiver<()>, writer: FrameWriter, links: Links) {
+    loop {
+        match stop.recv_timeout(Duration::from_millis(250)) {
+            Err(RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        let pools: Vec<(u64, Arc<PoolInner>)> = links
+            .lock()
+            .iter()
+            .filter_map(|(&k, l)| Some((k, l.pool.upgrade()?)))
+            .collect();
+        for (model, pool) in pools {
+            let s = pool.stats();
+            let report = ToBroker {
+                id: NOTIFY_ID,
+                request: Request::Report {
+                    model,
+                    in_use: s.in_use,
+                    idle: s.mapped.saturating_sub(s.in_use),
+                    cached: s.cached,
+                },
+            };
+            drop(pool);
+            if let Ok(payload) = ipc::encode(&report) {
+                if writer
+                    .send(Outgoing {
+                        payload,
+                        fds: Vec::new(),
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
+}

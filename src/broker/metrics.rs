@@ -1,0 +1,209 @@
+//! Prometheus metrics of the broker (prometheus-client, text exposition): bytes per model and
+//! state, refusals, driver calls, grant latency. Served over the socket ([`super::Request::Metrics`],
+//! `elastic-vmm ctl metrics`) and, when asked, on a localhost TCP port.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use super::protocol::Snapshot;
+use crate::backend::DriverCall;
+use crate::error::{Error, Result};
+use crate::stats::DriverCalls;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelState {
+    model: String,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabel {
+    model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabel {
+    call: &'static str,
+}
+
+/// What persists between scrapes: the grant-latency histogram. Everything else is read from a
+/// snapshot at each scrape.
+#[derive(Debug)]
+pub(crate) struct Metrics {
+    grant_seconds: Histogram,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Metrics {
+        Metrics {
+            // 10 µs to ~160 ms.
+            grant_seconds: Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(1e-5, 2.0, 15),
+            ),
+        }
+    }
+
+    pub(crate) fn observe_grant(&self, d: Duration) {
+        self.grant_seconds.observe(d.as_secs_f64());
+    }
+
+    /// The text exposition for `snap` and the broker's driver calls.
+    pub(crate) fn render(&self, snap: &Snapshot, calls: &DriverCalls) -> String {
+        let mut reg = Registry::with_prefix("elastic_vmm_broker");
+        let bytes = Family::<ModelState, Gauge>::default();
+        let limit = Family::<ModelLabel, Gauge>::default();
+        let guarantee = Family::<ModelLabel, Gauge>::default();
+        let refusals = Family::<ModelLabel, Counter>::default();
+        for m in &snap.models {
+            let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            for (state, v) in [
+                ("charged", m.used),
+                ("in_use", m.in_use),
+                ("idle", m.idle),
+                ("cached", m.cached),
+            ] {
+                bytes
+                    .get_or_create(&ModelState {
+                        model: m.name.clone(),
+                        state,
+                    })
+                    .set(g(v));
+            }
+            let l = ModelLabel {
+                model: m.name.clone(),
+            };
+            limit.get_or_create(&l).set(g(m.limit));
+            guarantee.get_or_create(&l).set(g(m.guarantee));
+            refusals.get_or_create(&l).inc_by(m.refusals);
+        }
+        reg.register("model_bytes", "Bytes per model and state", bytes);
+        reg.register("model_limit_bytes", "Physical limit per model", limit);
+        reg.register("model_guarantee_bytes", "Guarantee per model", guarantee);
+        reg.register("model_refusals", "Growths refused per model", refusals);
+        let gauge = |v: u64| {
+            let g = Gauge::<i64>::default();
+            g.set(i64::try_from(v).unwrap_or(i64::MAX));
+            g
+        };
+        reg.register(
+            "global_limit_bytes",
+            "Global budget",
+            gauge(snap.global_limit),
+        );
+        reg.register(
+            "global_used_bytes",
+            "Bytes charged in all",
+            gauge(snap.global_used),
+        );
+        reg.register(
+            "idle_bytes",
+            "Idle chunks held for hand-over",
+            gauge(snap.idle),
+        );
+        reg.register(
+            "physical_bytes",
+            "Physical bytes of the broker's chunks",
+            gauge(snap.physical),
+        );
+        reg.register("engines", "Connections", gauge(snap.engines.len() as u64));
+        let c = &snap.counters;
+        let counter = |v: u64| {
+            let k = Counter::<u64>::default();
+            k.inc_by(v);
+            k
+        };
+        reg.register("grants", "Chunks granted", counter(c.grants));
+        reg.register(
+            "handovers",
+            "Chunks handed over without create",
+            counter(c.handovers),
+        );
+        reg.register(
+            "give_backs",
+            "Chunks given back by engines",
+            counter(c.give_backs),
+        );
+        reg.register("refusals", "Growths refused", counter(c.refusals));
+        reg.register(
+            "reclaim_requests",
+            "Reclaim requests pushed to engines",
+            counter(c.reclaim_requests),
+        );
+        reg.register(
+            "dead_engines",
+            "Connections closed with memory held",
+            counter(c.dead_engines),
+        );
+        reg.register("malformed", "Malformed messages", counter(c.malformed));
+        let driver = Family::<CallLabel, Counter>::default();
+        for call in DriverCall::ALL {
+            driver
+                .get_or_create(&CallLabel { call: call.name() })
+                .inc_by(calls.get(call));
+        }
+        reg.register("driver_calls", "Driver calls by kind", driver);
+        reg.register(
+            "grant_seconds",
+            "Time to serve a growth (charge, create or hand over, export)",
+            self.grant_seconds.clone(),
+        );
+        let mut out = String::new();
+        if encode(&mut out, &reg).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Serve `text()` as Prometheus text on `addr`, which must be a loopback address, on a thread of
+/// its own. Every request gets the exposition.
+pub fn serve_metrics(
+    addr: SocketAddr,
+    text: Arc<dyn Fn() -> String + Send + Sync>,
+) -> Result<SocketAddr> {
+    if !addr.ip().is_loopback() {
+        return Err(Error::InvalidArgument(format!(
+            "metrics address {addr} is not a loopback address; the broker's metrics stay on this host"
+        )));
+    }
+    let listener = TcpListener::bind(addr).map_err(|e| Error::Ipc {
+        op: "bind metrics port",
+        detail: format!("{addr}: {e}"),
+    })?;
+    let bound = listener.local_addr().map_err(|e| Error::Ipc {
+        op: "bind metrics port",
+        detail: e.to_string(),
+    })?;
+    std::thread::Builder::new()
+        .name("broker-metrics".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let mut stream = stream;
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+                let mut buf = [0u8; 1024];
+                let _ = stream.read(&mut buf);
+                let body = text();
+                let _ = write!(
+                    stream,
+                    "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        })
+        .map_err(|e| Error::Ipc {
+            op: "spawn metrics thread",
+            detail: e.to_string(),
+        })?;
+    Ok(bound)
+}

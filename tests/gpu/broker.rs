@@ -1,0 +1,92 @@
+//! The broker on CUDA VMM: chunks created by the broker, exported as POSIX descriptors,
+//! imported and mapped by engines; a hand-over between two engines with no create and no
+//! release; the device's free memory back when an engine's connection goes. (Separate engine
+//! processes on CUDA: `gpu-bench broker`; on the host backend: the `processes` test target.)
+
+use std::sync::Arc;
+
+use elastic_vmm::backend::cuda::CudaBackend;
+use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
+use elastic_vmm::{Backend, ModelConfig, PoolConfig};
+
+use crate::suite::{GIB, MIB};
+
+fn socket(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir()
+        .join(format!("evmm-gpu-{tag}-{}", std::process::id()))
+        .join("b.sock")
+}
+
+#[test]
+fn chunks_travel_between_engines_without_create_or_release() {
+    let cuda = Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"));
+    assert!(cuda.info().posix_fd_exportable, "POSIX-fd export supported");
+    let broker = Broker::start(cuda.clone(), BrokerConfig::new(socket("handover"), 2 * GIB))
+        .expect("broker");
+    let cfg = || PoolConfig::new((8 * GIB) as usize).max_chunk((64 * MIB) as usize);
+    let ca = BrokerClient::connect(broker.socket(), "a").unwrap();
+    let cb = BrokerClient::connect(broker.socket(), "b").unwrap();
+    let a = ca
+        .register(ModelConfig::new("a", (8 * GIB) as usize, 2 * GIB).pool_config(cfg()))
+        .unwrap();
+    let b = cb
+        .register(ModelConfig::new("b", (8 * GIB) as usize, 2 * GIB).pool_config(cfg()))
+        .unwrap();
+    a.map_chunked(0, GIB, 64 * MIB).unwrap();
+    // SAFETY: [0, 1 GiB) was just mapped with access and nothing else uses it.
+    unsafe { a.backend().fill(a.base(), GIB as usize, 0x3c).unwrap() };
+    a.unmap(0, GIB).unwrap();
+    a.trim().unwrap();
+    let before = broker.snapshot().counters;
+    let t = std::time::Instant::now();
+    b.map_chunked(0, GIB, 64 * MIB).unwrap();
+    let took = t.elapsed();
+    let after = broker.snapshot().counters;
+    let mut byte = [0u8; 1];
+    // SAFETY: mapped with access just above.
+    unsafe { b.backend().read(b.base() + GIB - 1, &mut byte).unwrap() };
+    println!("1 GiB handed over in {took:.2?}; {after:?}");
+    assert_eq!(byte[0], 0x3c, "B sees A's bytes: the same device memory");
+    assert_eq!(after.creates, before.creates);
+    assert_eq!(after.releases, before.releases);
+    assert_eq!(after.handovers - before.handovers, 16);
+    // Refusals carry the numbers.
+    let e = b
+        .map_chunked(GIB, 2 * GIB, 64 * MIB)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("limit"), "{e}");
+    b.unmap(0, GIB).unwrap();
+}
+
+#[test]
+fn memory_goes_back_to_the_device_when_an_engine_leaves() {
+    let cuda = Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"));
+    let broker =
+        Broker::start(cuda.clone(), BrokerConfig::new(socket("leave"), 8 * GIB)).expect("broker");
+    let free = || cuda.memory_info().unwrap().free;
+    let f0 = free();
+    {
+        let c = BrokerClient::connect(broker.socket(), "e").unwrap();
+        let m = c
+            .register(ModelConfig::new("m", (16 * GIB) as usize, 8 * GIB))
+            .unwrap();
+        let held: Vec<_> = (0..16)
+            .map(|_| m.allocate((256 * MIB) as usize).unwrap())
+            .collect();
+        assert!(f0 - free() >= 4 * GIB, "4 GiB on the device");
+        drop(held);
+    }
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !broker.snapshot().models.is_empty() && std::time::Instant::now() < end {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let s = broker.snapshot();
+    assert!(s.models.is_empty(), "{s:?}");
+    assert_eq!(s.global_used, s.idle, "only idle chunks stay charged");
+    // Idle chunks released: the device's memory is back (within 256 MiB of other users).
+    let c = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
+    c.request(elastic_vmm::broker::protocol::Request::Trim)
+        .unwrap();
+    assert!(free() + 256 * MIB >= f0, "free {} of {} before", free(), f0);
+}
