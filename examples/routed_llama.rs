@@ -9,6 +9,8 @@
 //! ```text
 //! routed_llama [--steps N] [--dir FOLDER]     two models, routed, checked against unrouted
 //! routed_llama --bench [--steps N] [--rounds R]  decode step: routed against candle's default
+//! routed_llama --switch [--steps N] [--rounds R] two models that do not fit together take
+//!                                                turns: sleep one, wake the other, generate
 //! ```
 //! Needs a CUDA GPU. Exit status 0 only when every check passed.
 
@@ -21,7 +23,9 @@ use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::route::{self, RouteStats};
-use elastic_vmm::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
+use elastic_vmm::{
+    AfterWake, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, SleepPolicy, Tag,
+};
 
 elastic_vmm::route_cuda_allocations!();
 
@@ -165,7 +169,131 @@ fn main() -> Res<()> {
         let rounds: usize = arg(&args, "--rounds").map_or(Ok(3), |s| s.parse())?;
         return bench(&weights[0], &cfg, &device, steps, rounds);
     }
+    if args.iter().any(|a| a == "--switch") {
+        let rounds: usize = arg(&args, "--rounds").map_or(Ok(4), |s| s.parse())?;
+        return switch(&weights, &cfg, &device, steps, rounds, file_bytes);
+    }
     two_models(&weights, &cfg, &device, steps, file_bytes)
+}
+
+/// Two models whose limits together exceed the budget take turns on the GPU: the one that runs
+/// next is woken (at the same addresses: its weights, KV cache and every candle tensor stay
+/// valid), the other put to sleep (weights and KV offloaded to pinned host memory). Each turn
+/// generates `steps` tokens; every logit must equal an unrouted run of that model alone that
+/// never slept.
+fn switch(
+    weights: &[PathBuf; 2],
+    cfg: &Config,
+    device: &Device,
+    steps: usize,
+    rounds: usize,
+    file_bytes: u64,
+) -> Res<()> {
+    let total = steps * rounds;
+    let mut reference = Vec::new();
+    for w in weights {
+        let mut s = Session::new(w, cfg, device)?;
+        let logits: Vec<Vec<f32>> = (0..total).map(|_| s.step()).collect::<Res<_>>()?;
+        reference.push(logits);
+    }
+    device.synchronize()?;
+    let limit = file_bytes * 3 / 2;
+    let budget = file_bytes * 7 / 4; // one model resident at a time
+    let backend = Arc::new(CudaBackend::new(0)?);
+    let gpu = SharedPool::new(backend, SharedPoolConfig::new().global_limit(budget))?;
+    let models: Vec<ModelHandle> = ["switch-a", "switch-b"]
+        .iter()
+        .map(|id| gpu.register(ModelConfig::new(*id, 64 << 30, limit)))
+        .collect::<Result<_, _>>()?;
+    println!(
+        "budget {:.0} MiB: two models of {:.0} MiB of weights do not fit together",
+        mib(budget),
+        mib(file_bytes)
+    );
+    // Pinned host memory for each model's sleeps, made once, off the switch path.
+    for m in &models {
+        m.reserve_host_staging(limit)?;
+    }
+    let policy = SleepPolicy::offload_all();
+    let mut sessions: Vec<Option<Session>> = vec![None, None];
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(), Vec::new()];
+    let mut switch_ms = Vec::new();
+    println!("turn  model     sleep ms  wake ms  GB/s out  GB/s in  tokens");
+    for turn in 0..2 * rounds {
+        let (i, other) = (turn % 2, 1 - turn % 2);
+        let t0 = Instant::now();
+        let mut sleep_line = (0.0, 0.0);
+        if sessions[other].is_some() {
+            device.synchronize()?;
+            let r = models[other].sleep(&policy)?;
+            sleep_line = (
+                r.duration.as_secs_f64() * 1e3,
+                r.offloaded as f64 / r.duration.as_secs_f64() / 1e9,
+            );
+        }
+        let mut wake_line = (0.0, 0.0);
+        if sessions[i].is_some() {
+            let r = models[i].wake(AfterWake::KeepHostMemory)?;
+            wake_line = (
+                r.duration.as_secs_f64() * 1e3,
+                r.restored as f64 / r.duration.as_secs_f64() / 1e9,
+            );
+        } else {
+            let s = route::with_route(&models[i], Tag::Weights, || {
+                Session::new(&weights[i], cfg, device)
+            })??;
+            sessions[i] = Some(s);
+        }
+        if turn > 1 {
+            switch_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let s = sessions[i].as_mut().ok_or("no session")?;
+        for _ in 0..steps {
+            let l = route::with_route(&models[i], Tag::Activations, || s.step())??;
+            logits[i].push(l);
+        }
+        println!(
+            "{turn:>4}  {:<8}  {:>8.1}  {:>7.1}  {:>8.1}  {:>7.1}  {}",
+            models[i].id(),
+            sleep_line.0,
+            wake_line.0,
+            sleep_line.1,
+            wake_line.1,
+            logits[i].len()
+        );
+        let g = gpu.stats().global;
+        if g.used > budget {
+            return Err(format!("global use {} over the budget {budget}", g.used).into());
+        }
+    }
+    device.synchronize()?;
+    let mut ok = true;
+    for i in 0..2 {
+        let equal = logits[i]
+            .iter()
+            .zip(&reference[i])
+            .filter(|(a, b)| same_bits(a, b))
+            .count();
+        println!(
+            "{}: {equal}/{total} steps with logits equal bit for bit to a run that never slept",
+            models[i].id()
+        );
+        ok &= equal == total;
+    }
+    switch_ms.sort_by(f64::total_cmp);
+    println!(
+        "switch (sleep one model + wake the other, {:.0} MiB each way): median {:.1} ms over {} switches",
+        mib(file_bytes),
+        switch_ms.get(switch_ms.len() / 2).copied().unwrap_or(0.0),
+        switch_ms.len()
+    );
+    drop(sessions);
+    if ok {
+        println!("PASS");
+        Ok(())
+    } else {
+        Err("a model's logits changed across sleep and wake".into())
+    }
 }
 
 fn two_models(

@@ -54,7 +54,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::backend::MemoryKind;
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
-use crate::pool::{ChunkFate, ChunkSpan, Pool, Region};
+use crate::pool::{ChunkFate, ChunkSpan, Pool, Region, SleepWatcher};
 
 /// Where each block's bytes lie inside a region.
 pub trait BlockGeometry: Send + Sync {
@@ -265,6 +265,8 @@ struct BackingState {
     busy: Vec<bool>,
     backed_blocks: usize,
     mapped_pages: usize,
+    /// The pool sleeps (or is falling asleep, or waking): no pin is taken.
+    asleep: bool,
 }
 
 /// The backing itself, shared by its handle and its pins (a pin keeps the memory alive).
@@ -276,6 +278,8 @@ struct Core<G> {
     hook: Option<Arc<dyn MappingHook>>,
     state: Mutex<BackingState>,
     changed: Condvar,
+    /// Its registration as a sleep watcher of the pool.
+    watcher: u64,
 }
 
 /// Blocks over a region, backed on demand; see the module documentation.
@@ -345,7 +349,7 @@ fn page_layout(granularity: u64, page_size: Option<u64>, extent: u64) -> Result<
     Ok((page, need))
 }
 
-impl<G: BlockGeometry> BlockBacking<G> {
+impl<G: BlockGeometry + 'static> BlockBacking<G> {
     /// Blocks laid out by `geometry` over `region`, mapped in pages of `page_size` bytes (a
     /// multiple of the granularity; `None`: the granularity). The region must cover the blocks
     /// in whole pages (see [`BlockBacking::reserve`]). Nothing is mapped yet.
@@ -381,9 +385,14 @@ impl<G: BlockGeometry> BlockBacking<G> {
             busy: vec![false; pages],
             backed_blocks: 0,
             mapped_pages: 0,
+            asleep: false,
         };
-        Ok(BlockBacking {
-            core: Arc::new(Core {
+        let pool = region.pool().inner().clone();
+        // The pool tells the backing of sleep and wake (pins refused, hook told); the
+        // registration is weak and goes when the core does.
+        let core = Arc::new_cyclic(|weak: &std::sync::Weak<Core<G>>| {
+            let watcher: std::sync::Weak<dyn SleepWatcher> = weak.clone();
+            Core {
                 region,
                 geometry,
                 page,
@@ -391,8 +400,10 @@ impl<G: BlockGeometry> BlockBacking<G> {
                 hook,
                 state: Mutex::new(state),
                 changed: Condvar::new(),
-            }),
-        })
+                watcher: pool.add_watcher(watcher),
+            }
+        });
+        Ok(BlockBacking { core })
     }
 
     /// As [`BlockBacking::new`] over a region of `pool` reserved for it, covering the blocks in
@@ -408,7 +419,9 @@ impl<G: BlockGeometry> BlockBacking<G> {
         let region = pool.reserve_region(need.max(g))?;
         Self::new(region, geometry, page_size, hook)
     }
+}
 
+impl<G: BlockGeometry> BlockBacking<G> {
     /// Address of the region's first byte (a device pointer on CUDA); block offsets are
     /// relative to it.
     pub fn addr(&self) -> u64 {
@@ -628,6 +641,13 @@ impl<G: BlockGeometry + 'static> BlockBacking<G> {
         let id = {
             let mut st =
                 core.wait_until(|st| blocks.iter().all(|&b| st.blocks[b] != BlockState::Claimed));
+            if st.asleep {
+                return Err(PinRefused::Invalid(Error::Asleep {
+                    pool: core.region.pool().name().to_string(),
+                    op: "pin",
+                    state: "asleep",
+                }));
+            }
             if let Some(&b) = blocks.iter().find(|&&b| st.blocks[b] != BlockState::Backed) {
                 return Err(PinRefused::NotBacked(b));
             }
@@ -1245,8 +1265,79 @@ impl<G: BlockGeometry> fmt::Debug for BlockBacking<G> {
     }
 }
 
+impl<G: BlockGeometry> Core<G> {
+    /// Mapped pages as `(offset, len)` runs relative to the region.
+    fn mapped_runs_now(&self) -> Vec<(u64, u64)> {
+        let st = self.state.lock();
+        let pages: BTreeSet<usize> = (0..st.mapped.len()).filter(|&p| st.mapped[p]).collect();
+        drop(st);
+        runs(&pages)
+            .into_iter()
+            .map(|(f, l)| (f as u64 * self.page, (l - f + 1) as u64 * self.page))
+            .collect()
+    }
+}
+
+/// Sleep and wake of the pool under the backing: pins are refused while it sleeps, and the
+/// hook lets go of every mapping before sleep and hears of them again after wake. Called with
+/// no lock held; the backing's lock is taken only for bookkeeping.
+impl<G: BlockGeometry> SleepWatcher for Core<G> {
+    fn freeze(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        if let Some(rec) = st.holders.values().next() {
+            let (holder, b) = (rec.holder.clone(), rec.blocks.first().copied().unwrap_or(0));
+            let pins = st.holders.len();
+            return Err(Error::SleepRefused {
+                pool: self.region.pool().name().to_string(),
+                op: "sleep",
+                reason: format!(
+                    "block {b} of a backing is pinned by {holder} ({pins} pin(s) held)"
+                ),
+            });
+        }
+        if let Some(p) = st.busy.iter().position(|&b| b) {
+            return Err(Error::SleepRefused {
+                pool: self.region.pool().name().to_string(),
+                op: "sleep",
+                reason: format!("page {p} of a backing is being mapped or unmapped"),
+            });
+        }
+        st.asleep = true;
+        Ok(())
+    }
+
+    fn thaw(&self) {
+        self.state.lock().asleep = false;
+    }
+
+    fn unmapping_all(&self) {
+        if let Some(hook) = &self.hook {
+            for (at, len) in self.mapped_runs_now() {
+                hook.unmapping(self.info(), at, len);
+            }
+        }
+    }
+
+    fn mapped_all(&self) -> Result<()> {
+        let Some(hook) = &self.hook else {
+            return Ok(());
+        };
+        let runs = self.mapped_runs_now();
+        for (i, &(at, len)) in runs.iter().enumerate() {
+            if let Err(e) = hook.mapped(self.info(), at, len) {
+                for &(a, l) in &runs[..i] {
+                    hook.unmapping(self.info(), a, l);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<G> Drop for Core<G> {
     fn drop(&mut self) {
+        self.region.pool().inner().remove_watcher(self.watcher);
         // No handle and no pin is left. The hook lets go of every mapping first; the region
         // then unmaps it all as it drops.
         if let Some(hook) = &self.hook {

@@ -172,6 +172,46 @@ pub enum Error {
         reason: String,
     },
 
+    // ---- sleep and wake ----
+    /// An operation that needs the pool's memory mapped was refused: the pool is asleep, or
+    /// falling asleep, or waking. Wake it first ([`crate::Pool::wake`]).
+    #[error("pool {pool} is {state}: {op} refused until it is awake (wake it first)")]
+    Asleep {
+        /// The pool's name.
+        pool: String,
+        /// What was refused: `allocate`, `map`, `unmap`, `read`, `write`...
+        op: &'static str,
+        /// `asleep`, `falling asleep` or `waking`.
+        state: &'static str,
+    },
+
+    /// A sleep or wake was refused before it changed anything: another one is under way, the
+    /// pool is not in the state it needs, or memory it would unmap is in use right now.
+    #[error("pool {pool}: {op} refused, nothing changed: {reason}")]
+    SleepRefused {
+        /// The pool's name.
+        pool: String,
+        /// `sleep` or `wake`.
+        op: &'static str,
+        /// Why, with the numbers.
+        reason: String,
+    },
+
+    /// Waking found no room for the pool's memory; the pool stays asleep with its contents.
+    #[error("pool {pool} cannot wake: asked for {asked} bytes, {free} bytes free under a limit of {limit} ({reason}); it stays asleep, nothing lost")]
+    WakeRefused {
+        /// The pool's name.
+        pool: String,
+        /// Bytes of physical memory waking needs.
+        asked: u64,
+        /// Bytes it could have now (the admission's headroom, or the device's free memory).
+        free: u64,
+        /// The limit that applies (the model's, the pool's, or the device's total).
+        limit: u64,
+        /// What refused it.
+        reason: String,
+    },
+
     /// A message between processes could not be sent or received: a socket error, a closed
     /// connection, or a malformed or oversized frame.
     #[error("ipc: {op}: {detail}")]

@@ -20,6 +20,9 @@
 //!   physical chunk, and block transfers between layouts.
 //! - `candle` (feature `candle`): candle tensors in pool memory, and elastic KV tensors whose
 //!   blocks are backed on demand.
+//! - Sleep and wake ([`Pool::sleep`], [`Pool::wake`]): a pool (a model) gives its physical
+//!   memory back, offloading what its [`SleepPolicy`] keeps (by [`Tag`]) to host memory, and
+//!   gets it back at the same virtual addresses.
 //! - [`route`]: every CUDA allocation of a thread (candle's own) in a model's pool, opted into
 //!   once per binary with [`route_cuda_allocations!`], per-tag stats, stream-ordered reuse.
 //! - `broker` (feature `broker`): one device's memory shared by engine processes through a
@@ -78,8 +81,9 @@ pub use backing::{
 };
 pub use error::{Error, Result};
 pub use pool::{
-    Allocation, ChunkSpan, LiveAllocation, Pool, PoolConfig, Region, TrimReport, DEFAULT_ALIGNMENT,
-    DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK,
+    AfterWake, Allocation, ChunkSpan, HostStaging, LiveAllocation, Pool, PoolConfig, Region,
+    SleepAction, SleepPolicy, SleepReport, SleepStats, SleepStatus, TrimReport, WakeReport,
+    DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK,
 };
 pub use shared::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig};
 pub use stats::{DriverCalls, PoolStats};

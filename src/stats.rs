@@ -124,6 +124,11 @@ pub struct PoolStats {
     pub cached_chunks: u64,
     /// Driver calls made, by kind.
     pub driver_calls: DriverCalls,
+    /// Bytes of address space whose physical memory sleeps ([`crate::Pool::sleep`]); not
+    /// counted in `mapped`.
+    pub asleep: u64,
+    /// Bytes of host staging memory the pool holds for sleep (allocated once, reused).
+    pub host_staging: u64,
 }
 
 impl PoolStats {

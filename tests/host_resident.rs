@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
-use elastic_vmm::{Backend, Pool, PoolConfig};
+use elastic_vmm::{AfterWake, Backend, Pool, PoolConfig, SleepPolicy, Tag};
 
 /// `(VmRSS, RssShmem)` of this process in bytes, from `/proc/self/status`. Differences below
 /// saturate: resident memory can move either way, and a drop where a rise was expected must fail
@@ -29,6 +29,7 @@ fn resident() -> (u64, u64) {
 
 #[test]
 fn resident_memory_drops_after_unmap_and_trim() {
+    let _alone = ALONE.lock();
     const MIB: u64 = 1 << 20;
     let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(2 << 20).expect("host"));
     let pool = Pool::new(backend.clone(), PoolConfig::new(8 << 30)).expect("pool");
@@ -86,4 +87,55 @@ fn resident_memory_drops_after_unmap_and_trim() {
         "the memfd holds no blocks any more"
     );
     assert_eq!(pool.stats().physical(), 0);
+}
+
+/// `RssShmem` of this process in bytes (memfd pages resident), from `/proc/self/status`.
+fn shmem() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("RssShmem:"))
+        .expect("RssShmem");
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .expect("value")
+        .parse()
+        .expect("number");
+    kib.checked_mul(1024).expect("fits")
+}
+
+/// Two tests in this binary: each holds this while it measures, so neither moves the other's
+/// numbers.
+static ALONE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+#[test]
+fn resident_memory_follows_sleep_and_wake() {
+    const MIB: u64 = 1 << 20;
+    let _alone = ALONE.lock();
+    let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(2 << 20).expect("host"));
+    let pool = Pool::new(backend.clone(), PoolConfig::new(4 << 30)).expect("pool");
+    let mut a = pool
+        .allocate_tagged((256 * MIB) as usize, Tag::Weights)
+        .expect("allocate");
+    a.fill(0x5a).expect("touch every page");
+    let loaded = shmem();
+    pool.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    let asleep = shmem();
+    println!("loaded {loaded}, asleep {asleep}");
+    assert!(
+        loaded.saturating_sub(asleep) >= 240 * MIB,
+        "sleep should drop ~256 MiB of resident memfd pages: {loaded} -> {asleep}"
+    );
+    assert_eq!(backend.physical_bytes().expect("blocks"), 0);
+    pool.wake(AfterWake::FreeHostMemory).expect("wake");
+    let woken = shmem();
+    println!("woken {woken}");
+    assert!(
+        woken.saturating_sub(asleep) >= 240 * MIB,
+        "wake should bring ~256 MiB back: {asleep} -> {woken}"
+    );
+    let mut out = vec![0u8; (256 * MIB) as usize];
+    a.read(0, &mut out).expect("read");
+    assert!(out.iter().all(|&b| b == 0x5a), "contents differ after wake");
 }

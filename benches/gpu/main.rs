@@ -1,8 +1,8 @@
 //! GPU benchmark binary: elastic-vmm against the driver's allocators and its peers, measured in
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
-//! machine. Arguments name the sections to run (`pool`, `shared`, `broker`, `p2p`, `candle`);
-//! none runs all.
+//! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `p2p`,
+//! `candle`); none runs all.
 
 mod broker;
 #[cfg(feature = "candle")]
@@ -10,6 +10,7 @@ mod candle;
 mod p2p;
 mod pool;
 mod shared;
+mod sleep;
 
 use std::process::ExitCode;
 
@@ -70,6 +71,7 @@ fn main() -> ExitCode {
     let mut sections: Vec<Section> = vec![
         ("pool", pool::run),
         ("shared", shared::run),
+        ("sleep", sleep::run),
         ("broker", broker::run),
         ("p2p", p2p::run),
     ];

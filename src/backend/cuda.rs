@@ -533,6 +533,101 @@ impl Backend for CudaBackend {
             ),
         )
     }
+    fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
+        self.bind()?;
+        // SAFETY: a fresh page-locked allocation touches no existing memory; its contents are
+        // unspecified, which is what the contract says. Portable: usable from any context.
+        let ptr = unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(driver_error(
+                "cuMemHostAlloc",
+                format!("{bytes} bytes of page-locked host memory"),
+            ))?;
+        Ok(ptr.cast())
+    }
+
+    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `ptr` came from `staging_alloc` and nothing uses it.
+        unsafe { result::free_host(ptr.cast()) }.map_err(driver_error(
+            "cuMemFreeHost",
+            format!("{bytes} bytes at {ptr:p}"),
+        ))
+    }
+
+    fn copy_stream_create(&self) -> Result<u64> {
+        self.bind()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(driver_error("cuStreamCreate", "non-blocking copy stream"))?;
+        Ok(stream as usize as u64)
+    }
+
+    unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees the stream is ours and idle.
+        unsafe { result::stream::destroy(raw_stream(stream)) }.map_err(driver_error(
+            "cuStreamDestroy",
+            format!("stream {stream:#x}"),
+        ))
+    }
+
+    unsafe fn copy_to_host_async(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees both ranges stay valid until the copy ran and that
+        // `dst` is page-locked staging memory (so the copy is truly asynchronous).
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, raw_stream(stream)) }
+            .result()
+            .map_err(driver_error(
+                "cuMemcpyDtoHAsync",
+                format!("{bytes} bytes from {src:#x} on stream {stream:#x}"),
+            ))
+    }
+
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: as for `copy_to_host_async`, the other way.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, raw_stream(stream)) }
+            .result()
+            .map_err(driver_error(
+                "cuMemcpyHtoDAsync",
+                format!("{bytes} bytes to {dst:#x} on stream {stream:#x}"),
+            ))
+    }
+
+    unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
+        self.bind()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(driver_error("cuEventCreate", "copy marker"))?;
+        // SAFETY: the event was just created; the caller guarantees the stream is ours.
+        if let Err(e) = unsafe { result::event::record(event, raw_stream(stream)) } {
+            // SAFETY: the event was never recorded and is ours.
+            let _ = unsafe { result::event::destroy(event) };
+            return Err(driver_error("cuEventRecord", format!("stream {stream:#x}"))(e));
+        }
+        Ok(event as usize as u64)
+    }
+
+    unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
+        self.bind()?;
+        let event: sys::CUevent = std::ptr::without_provenance_mut(marker as usize);
+        // SAFETY: the caller guarantees the marker is a live event of ours, waited for once.
+        let waited = unsafe { result::event::synchronize(event) };
+        // SAFETY: as above; destroyed once, after the wait.
+        let destroyed = unsafe { result::event::destroy(event) };
+        waited.map_err(driver_error("cuEventSynchronize", "copy marker"))?;
+        destroyed.map_err(driver_error("cuEventDestroy", "copy marker"))
+    }
 }
 
 /// Most copies in one `cuMemcpyBatchAsync`.

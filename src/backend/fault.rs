@@ -15,6 +15,9 @@ pub struct FaultInjector {
     inner: Arc<dyn Backend>,
     calls: [AtomicU64; DriverCall::ALL.len()],
     plans: Mutex<Vec<Plan>>,
+    /// Staging copies (to or from host memory) seen, and the counts at which one fails.
+    copies: AtomicU64,
+    copy_plans: Mutex<Vec<u64>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +36,8 @@ impl FaultInjector {
             inner,
             calls: Default::default(),
             plans: Mutex::new(Vec::new()),
+            copies: AtomicU64::new(0),
+            copy_plans: Mutex::new(Vec::new()),
         }
     }
 
@@ -59,6 +64,36 @@ impl FaultInjector {
     /// Disarm every planned failure.
     pub fn clear(&self) {
         self.plans.lock().clear();
+        self.copy_plans.lock().clear();
+    }
+
+    /// Fail the `n`-th staging copy (1-based; to or from host memory, as sleep and wake make
+    /// them) made from now on.
+    pub fn fail_copy_nth(&self, n: u64) {
+        let at = self.copies.load(Ordering::SeqCst) + n.max(1);
+        self.copy_plans.lock().push(at);
+    }
+
+    /// How many staging copies went through this adaptor (failed ones included).
+    pub fn copies(&self) -> u64 {
+        self.copies.load(Ordering::SeqCst)
+    }
+
+    fn check_copy(&self) -> Result<()> {
+        let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut plans = self.copy_plans.lock();
+        if let Some(i) = plans.iter().position(|&at| at == n) {
+            plans.remove(i);
+            drop(plans);
+            tracing::debug!(n, "injecting a staging copy failure");
+            return Err(Error::backend(
+                self.inner.info().name,
+                "staging copy",
+                "FAULT_INJECTED",
+                format!("staging copy #{n} failed on purpose"),
+            ));
+        }
+        Ok(())
     }
 
     /// How many calls of `call` went through this adaptor (failed ones included).
@@ -194,5 +229,57 @@ impl Backend for FaultInjector {
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.fill_async(addr, bytes, byte, stream) }
+    }
+
+    fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
+        self.inner.staging_alloc(bytes)
+    }
+
+    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.staging_free(ptr, bytes) }
+    }
+
+    fn copy_stream_create(&self) -> Result<u64> {
+        self.inner.copy_stream_create()
+    }
+
+    unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_stream_destroy(stream) }
+    }
+
+    unsafe fn copy_to_host_async(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<()> {
+        self.check_copy()?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_to_host_async(dst, src, bytes, stream) }
+    }
+
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<()> {
+        self.check_copy()?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.copy_from_host_async(dst, src, bytes, stream) }
+    }
+
+    unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.marker_record(stream) }
+    }
+
+    unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.marker_wait(marker) }
     }
 }

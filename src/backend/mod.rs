@@ -362,6 +362,128 @@ pub trait Backend: Send + Sync + fmt::Debug {
             "this backend queues no stream-ordered fills",
         ))
     }
+
+    // ---- host staging for sleep and wake (see `crate::SleepPolicy`) ----
+    //
+    // A pool that sleeps copies its memory into one host staging buffer, allocated once (ahead
+    // of the sleep: pinning is slow) and reused. Copies go through a copy stream of the backend
+    // and are awaited through markers, so that unmapping a piece overlaps the copy of the next.
+    // The defaults are synchronous and fit every backend whose memory the CPU reaches (the host
+    // backend): ordinary memory, no stream, each copy done when the call returns.
+
+    /// Allocate `bytes` of host memory for staging copies (CUDA: page-locked with
+    /// `cuMemHostAlloc`, which costs about 0.6 s per GiB; host: ordinary memory). The memory's
+    /// contents are unspecified; it is given back with [`Backend::staging_free`].
+    fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
+        let layout = staging_layout(bytes)?;
+        // SAFETY: the layout has a non-zero size (checked by `staging_layout`).
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            return Err(crate::error::Error::backend(
+                self.info().name,
+                "staging_alloc",
+                "ENOMEM",
+                format!("{bytes} bytes of host memory"),
+            ));
+        }
+        Ok(ptr)
+    }
+
+    /// Give back staging memory.
+    ///
+    /// # Safety
+    /// `ptr` and `bytes` come from one [`Backend::staging_alloc`] of this backend, freed once,
+    /// with no copy on it still queued.
+    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        let layout = staging_layout(bytes)?;
+        // SAFETY: forwarded from the caller: `ptr` came from `alloc` with this layout.
+        unsafe { std::alloc::dealloc(ptr, layout) };
+        Ok(())
+    }
+
+    /// A stream for staging copies (CUDA: a non-blocking stream of the device's primary
+    /// context). The default has no stream and returns 0.
+    fn copy_stream_create(&self) -> Result<u64> {
+        Ok(0)
+    }
+
+    /// Destroy a stream from [`Backend::copy_stream_create`].
+    ///
+    /// # Safety
+    /// `stream` came from this backend's `copy_stream_create`, is destroyed once, and nothing
+    /// queued on it is still needed (synchronize it first).
+    unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
+        let _ = stream;
+        Ok(())
+    }
+
+    /// Queue a copy of `bytes` bytes of memory at `src` to host memory at `dst` on `stream`
+    /// (default: copied before the call returns).
+    ///
+    /// # Safety
+    /// `src..src + bytes` is mapped with access and stays mapped until the copy ran (wait for a
+    /// marker recorded after it); `dst..dst + bytes` is staging memory of this backend that
+    /// nothing else reads or writes until then; `stream` came from `copy_stream_create`.
+    unsafe fn copy_to_host_async(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<()> {
+        let _ = stream;
+        // SAFETY: forwarded from the caller; the staging range is valid for `bytes` writes.
+        unsafe { self.read(src, std::slice::from_raw_parts_mut(dst, bytes)) }
+    }
+
+    /// Queue a copy of `bytes` bytes of host memory at `src` to memory at `dst` on `stream`
+    /// (default: copied before the call returns).
+    ///
+    /// # Safety
+    /// `dst..dst + bytes` is mapped with access, stays mapped until the copy ran, and nothing
+    /// else uses it meanwhile; `src..src + bytes` is staging memory of this backend, unchanged
+    /// until then; `stream` came from `copy_stream_create`.
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: u64,
+        src: *const u8,
+        bytes: usize,
+        stream: u64,
+    ) -> Result<()> {
+        let _ = stream;
+        // SAFETY: forwarded from the caller; the staging range is valid for `bytes` reads.
+        unsafe { self.write(dst, std::slice::from_raw_parts(src, bytes)) }
+    }
+
+    /// Record a marker on `stream` after everything queued so far (CUDA: an event); the default
+    /// queues nothing and returns 0.
+    ///
+    /// # Safety
+    /// `stream` came from `copy_stream_create`.
+    unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
+        let _ = stream;
+        Ok(0)
+    }
+
+    /// Wait until the work before a marker ran, then destroy the marker. A failed copy before
+    /// it reports its error here.
+    ///
+    /// # Safety
+    /// `marker` came from `marker_record` and is waited for once.
+    unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
+        let _ = marker;
+        Ok(())
+    }
+}
+
+/// The layout of default staging memory: page aligned, at least one byte.
+fn staging_layout(bytes: usize) -> Result<std::alloc::Layout> {
+    std::alloc::Layout::from_size_align(bytes.max(1), 4096).map_err(|_| {
+        crate::error::Error::SizeOverflow {
+            what: "staging buffer",
+            detail: format!("{bytes} bytes aligned to 4096"),
+        }
+    })
 }
 
 /// The embedded default: CUDA device 0 when a CUDA driver and a VMM-capable GPU are present,

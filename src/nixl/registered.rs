@@ -9,6 +9,7 @@ use super::agent::{AgentShared, NixlAgent};
 use crate::backing::PinRefused;
 use crate::error::Result;
 use crate::layout::{KvLayout, Layout, LayoutPin, LayoutViews, MemoryView};
+use crate::pool::SleepWatcher;
 
 /// A [`Layout`] whose chunks are registered with one agent. Dereferences to the layout.
 /// Dropping it deregisters every chunk, then drops the layout (and gives its memory back); while
@@ -22,16 +23,53 @@ pub struct RegisteredLayout {
 struct Registered {
     agent: Arc<AgentShared>,
     chunks: Vec<MemoryView>,
+    /// Keeps the layout's pool from sleeping under the registrations (`None`: caller memory).
+    sleep_guard: Option<(crate::Pool, Arc<dyn SleepWatcher>, u64)>,
     layout: Layout,
+}
+
+/// Refuses every sleep of a pool while a [`RegisteredLayout`] holds registrations of its
+/// memory: NIXL would keep pointing at released memory. Elastic layouts, whose hook lets go of
+/// and renews registrations, sleep fine.
+struct RefuseSleep {
+    pool: String,
+    agent: String,
+}
+
+impl SleepWatcher for RefuseSleep {
+    fn freeze(&self) -> Result<()> {
+        Err(crate::Error::SleepRefused {
+            pool: self.pool.clone(),
+            op: "sleep",
+            reason: format!(
+                "a RegisteredLayout holds NIXL registrations of its memory for agent {:?}; drop it first (elastic layouts re-register through their hook)",
+                self.agent
+            ),
+        })
+    }
+    fn thaw(&self) {}
+    fn unmapping_all(&self) {}
+    fn mapped_all(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl RegisteredLayout {
     pub(crate) fn new(agent: Arc<AgentShared>, layout: Layout) -> Result<Self> {
         let chunks = layout.chunks();
         let (kind, device) = (layout.memory_kind(), layout.device());
+        let sleep_guard = layout.pool().map(|pool| {
+            let w: Arc<dyn SleepWatcher> = Arc::new(RefuseSleep {
+                pool: pool.name().to_string(),
+                agent: agent.name.to_string(),
+            });
+            let id = pool.inner().add_watcher(Arc::downgrade(&w));
+            (pool.clone(), w, id)
+        });
         let mut this = Registered {
             agent,
             chunks: Vec::with_capacity(chunks.len()),
+            sleep_guard,
             layout,
         };
         for c in chunks {
@@ -84,6 +122,9 @@ impl Drop for Registered {
         // Registrations first, then (as the fields drop) the memory under them.
         for c in self.chunks.drain(..) {
             self.agent.deregister_range(c.addr, c.len);
+        }
+        if let Some((pool, _, id)) = &self.sleep_guard {
+            pool.inner().remove_watcher(*id);
         }
     }
 }

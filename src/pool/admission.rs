@@ -52,6 +52,10 @@ pub(crate) trait Admission: Send + Sync + fmt::Debug {
     /// Give back `bytes` charged earlier (released, or never created), taking them out of
     /// `in_flight` in the same critical section.
     fn credit(&self, bytes: u64, in_flight: &AtomicU64);
+
+    /// Bytes that could be charged now without reclaiming, and the limit that applies (for the
+    /// numbers of a refusal).
+    fn room(&self) -> (u64, u64);
 }
 
 /// A plain physical limit for one pool.
@@ -107,5 +111,10 @@ impl Admission for PhysicalLimit {
     fn credit(&self, bytes: u64, in_flight: &AtomicU64) {
         self.used.fetch_sub(bytes, Ordering::AcqRel);
         in_flight.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    fn room(&self) -> (u64, u64) {
+        let used = self.used.load(Ordering::Acquire);
+        (self.limit.saturating_sub(used), self.limit)
     }
 }

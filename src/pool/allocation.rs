@@ -6,8 +6,11 @@ use std::sync::Arc;
 use super::Inner;
 use crate::backend::BackendInfo;
 use crate::error::{Error, Result};
+use crate::tag::Tag;
 
-/// Memory from a pool, backed by physical memory for as long as this value lives.
+/// Memory from a pool, backed by physical memory for as long as this value lives, except while
+/// the pool sleeps ([`crate::Pool::sleep`]): the address stays reserved and the contents come
+/// back with the wake, but `read`, `write` and `fill` are refused meanwhile.
 ///
 /// Dropping it returns the memory to the pool's idle set (no driver call). The allocation owns a
 /// reference to the pool's internals, so its address stays valid even if every [`crate::Pool`]
@@ -70,6 +73,14 @@ impl Allocation {
             .and_then(|r| r.name.as_deref().map(str::to_owned))
     }
 
+    /// What the memory holds ([`crate::Pool::allocate_tagged`]; untagged: [`Tag::Scratch`]).
+    pub fn tag(&self) -> Tag {
+        let st = self.inner().state.lock();
+        st.live
+            .get(self.slot)
+            .map_or_else(Tag::default, |r| r.tag.clone())
+    }
+
     /// The backend the memory lives on.
     pub fn backend_info(&self) -> &BackendInfo {
         self.inner().backend.info()
@@ -86,25 +97,57 @@ impl Allocation {
         Ok(())
     }
 
-    /// Copy `data` into the allocation at byte `at` (host-to-device on CUDA).
+    /// Copy `data` into the allocation at byte `at` (host-to-device on CUDA). Refused
+    /// ([`Error::Asleep`]) while the pool sleeps.
     pub fn write(&mut self, at: usize, data: &[u8]) -> Result<()> {
         self.check(at, data.len())?;
-        // SAFETY: the range lies inside this allocation, which is mapped with access for as
-        // long as it lives; `&mut self` rules out concurrent use through this handle.
+        let _pin = CopyPin::new(self, "write")?;
+        // SAFETY: the range lies inside this allocation, which is mapped with access while it
+        // lives and the pool is awake (the pin keeps a sleep from starting meanwhile);
+        // `&mut self` rules out concurrent use through this handle.
         unsafe { self.inner().backend.write(self.addr() + at as u64, data) }
     }
 
-    /// Copy bytes from the allocation at byte `at` into `out`.
+    /// Copy bytes from the allocation at byte `at` into `out`. Refused while the pool sleeps.
     pub fn read(&self, at: usize, out: &mut [u8]) -> Result<()> {
         self.check(at, out.len())?;
-        // SAFETY: the range lies inside this mapped allocation.
+        let _pin = CopyPin::new(self, "read")?;
+        // SAFETY: the range lies inside this allocation, mapped while the pin holds.
         unsafe { self.inner().backend.read(self.addr() + at as u64, out) }
     }
 
-    /// Set every byte of the allocation to `byte`.
+    /// Set every byte of the allocation to `byte`. Refused while the pool sleeps.
     pub fn fill(&mut self, byte: u8) -> Result<()> {
-        // SAFETY: the whole allocation is mapped with access; `&mut self` as in `write`.
+        let _pin = CopyPin::new(self, "fill")?;
+        // SAFETY: the whole allocation is mapped with access while the pin holds; `&mut self`
+        // as in `write`.
         unsafe { self.inner().backend.fill(self.addr(), self.size, byte) }
+    }
+}
+
+/// An allocation's range held against sleep while the CPU copies through it.
+struct CopyPin<'a> {
+    pool: &'a Inner,
+    range: (u64, u64),
+}
+
+impl<'a> CopyPin<'a> {
+    fn new(a: &'a Allocation, op: &'static str) -> Result<Self> {
+        let pool = a.inner();
+        let range = (a.offset, a.offset + a.footprint);
+        let mut st = pool.state.lock();
+        st.sleep.refuse_unless_awake(pool.name(), op)?;
+        st.pins.push(range);
+        Ok(CopyPin { pool, range })
+    }
+}
+
+impl Drop for CopyPin<'_> {
+    fn drop(&mut self) {
+        let mut st = self.pool.state.lock();
+        if let Some(i) = st.pins.iter().position(|&p| p == self.range) {
+            st.pins.swap_remove(i);
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use super::state::{LiveRecord, State};
 use super::Inner;
 use crate::backend::PhysicalChunk;
 use crate::error::{round_up, Error, Result};
+use crate::tag::Tag;
 
 /// How often a growth is planned again when a racing growth took the address space it meant
 /// to extend into. Each round keeps its chunks (in the cache), so rounds cost no driver calls.
@@ -90,6 +91,7 @@ impl Inner {
         self: &Arc<Self>,
         bytes: usize,
         name: Option<Arc<str>>,
+        tag: Tag,
     ) -> Result<Allocation> {
         let footprint = self.footprint(bytes)?;
         for _ in 0..MAX_ROUNDS {
@@ -98,6 +100,8 @@ impl Inner {
                 if let Some(reason) = &st.refusing {
                     return Err(self.refusal(reason));
                 }
+                // Idle memory of a sleeping pool is unmapped: nothing may be handed out.
+                st.sleep.refuse_unless_awake(&self.name, "allocate")?;
                 let warm = match st.take_warm(footprint) {
                     // Hot path: warm memory, no driver call.
                     Some(off) => Some(off),
@@ -107,13 +111,13 @@ impl Inner {
                     }
                 };
                 if let Some(off) = warm {
-                    let slot = record(&mut st, off, footprint, name);
+                    let slot = record(&mut st, off, footprint, name, tag);
                     drop(st);
                     return Ok(Allocation::new(self.clone(), off, bytes, footprint, slot));
                 }
                 self.plan_growth(&mut st, footprint)?
             };
-            if let Some((off, slot)) = self.grow(growth, footprint, &name)? {
+            if let Some((off, slot)) = self.grow(growth, footprint, &name, &tag)? {
                 return Ok(Allocation::new(self.clone(), off, bytes, footprint, slot));
             }
         }
@@ -221,6 +225,7 @@ impl Inner {
         plan: Growth,
         footprint: u64,
         name: &Option<Arc<str>>,
+        tag: &Tag,
     ) -> Result<Option<(u64, u32)>> {
         let (cs, claimed_end) = plan.cold;
         let mut chunks = Gathered {
@@ -325,7 +330,7 @@ impl Inner {
         if end < cs + total {
             st.idle.insert(end, cs + total);
         }
-        let slot = record(&mut st, plan.start, footprint, name.clone());
+        let slot = record(&mut st, plan.start, footprint, name.clone(), tag.clone());
         drop(st);
         tracing::debug!(pool = %self.name, offset = cs, mapped = total, chunks = order.len(), "grew");
         Ok(Some((plan.start, slot)))
@@ -389,7 +394,7 @@ impl Inner {
     }
 }
 
-fn record(st: &mut State, offset: u64, footprint: u64, name: Option<Arc<str>>) -> u32 {
+fn record(st: &mut State, offset: u64, footprint: u64, name: Option<Arc<str>>, tag: Tag) -> u32 {
     st.alloc_bytes += footprint;
     st.allocations += 1;
     st.note_peaks();
@@ -397,5 +402,6 @@ fn record(st: &mut State, offset: u64, footprint: u64, name: Option<Arc<str>>) -
         offset,
         footprint,
         name,
+        tag,
     })
 }

@@ -121,7 +121,7 @@ impl Inner {
                 }
             }
             let mut idle = Vec::new();
-            if got < want {
+            if got < want && st.sleep.idle_chunks_movable() {
                 st.flush_quick();
                 let mut candidates: Vec<Placed> = st
                     .chunks

@@ -12,7 +12,9 @@
 //! - `sources.rs`: where chunks come from (cache, admission with donation, backend) and go;
 //! - `mapper.rs`: the only code that calls the backend; map, access, unmap and the rollback;
 //! - `allocator.rs` (plan and grow), `ranges.rs` (range API), `region.rs` (regions),
-//!   `giveback.rs` (trim, reclaim, hand-over, close, teardown).
+//!   `giveback.rs` (trim, reclaim, hand-over, close, teardown);
+//! - `sleep/`: sleep and wake at the same addresses (claim, copy to host staging, unmap and
+//!   release; obtain, map, copy back), with `tags.rs` saying what each range holds.
 //!
 //! Ownership: every [`Allocation`] holds an `Arc` of the pool's internals, so the reservation
 //! and the bookkeeping outlive the last allocation whatever thread drops what when. Dropping the
@@ -38,8 +40,10 @@ mod intervals;
 mod mapper;
 mod ranges;
 mod region;
+mod sleep;
 mod sources;
 mod state;
+mod tags;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -49,6 +53,11 @@ use parking_lot::Mutex;
 pub use allocation::Allocation;
 pub use config::{PoolConfig, DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK};
 pub use region::Region;
+pub(crate) use sleep::SleepWatcher;
+pub use sleep::{
+    AfterWake, HostStaging, SleepAction, SleepPolicy, SleepReport, SleepStats, SleepStatus,
+    WakeReport,
+};
 
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
 pub(crate) use export::RangePin;
@@ -59,6 +68,7 @@ use state::State;
 use crate::backend::{Backend, BackendInfo, DriverCall};
 use crate::error::Result;
 use crate::stats::{DriverCounters, PoolStats};
+use crate::tag::Tag;
 
 /// A pool of elastic memory. Cheap to clone (all clones are the same pool), `Send + Sync`,
 /// every method takes `&self`.
@@ -256,18 +266,31 @@ impl Pool {
 
     /// Allocate `bytes` backed by physical memory; contents are unspecified (see the crate
     /// documentation on zeroing). Dropping the [`Allocation`] frees it.
+    /// The allocation is tagged [`Tag::Scratch`]; see [`Pool::allocate_tagged`].
     pub fn allocate(&self, bytes: usize) -> Result<Allocation> {
-        self.inner().allocate(bytes, None)
+        self.inner().allocate(bytes, None, Tag::default())
+    }
+
+    /// As [`Pool::allocate`], with a [`Tag`] saying what the memory holds: sleep policies
+    /// ([`Pool::sleep`]) and per-tag stats go by it.
+    pub fn allocate_tagged(&self, bytes: usize, tag: Tag) -> Result<Allocation> {
+        self.inner().allocate(bytes, None, tag)
     }
 
     /// As [`Pool::allocate`], with a name that shows in reports and leak warnings.
     pub fn allocate_named(&self, bytes: usize, name: &str) -> Result<Allocation> {
-        self.inner().allocate(bytes, Some(name.into()))
+        self.inner()
+            .allocate(bytes, Some(name.into()), Tag::default())
+    }
+
+    /// As [`Pool::allocate_named`], with a [`Tag`].
+    pub fn allocate_named_tagged(&self, bytes: usize, name: &str, tag: Tag) -> Result<Allocation> {
+        self.inner().allocate(bytes, Some(name.into()), tag)
     }
 
     /// As [`Pool::allocate`], with every byte set to zero.
     pub fn allocate_zeroed(&self, bytes: usize) -> Result<Allocation> {
-        let mut a = self.inner().allocate(bytes, None)?;
+        let mut a = self.inner().allocate(bytes, None, Tag::default())?;
         a.fill(0)?;
         Ok(a)
     }
@@ -275,16 +298,23 @@ impl Pool {
     /// Back `[offset, offset + len)` of the reservation with physical memory (range API).
     /// Both must be multiples of the granularity; the range must be unmapped and used neither by
     /// the allocator nor by a [`Region`]. Physical chunks are at most the configured range chunk (default: one granule).
+    /// The mapping is tagged [`Tag::Scratch`]; see [`Pool::map_tagged`].
     pub fn map(&self, offset: u64, len: u64) -> Result<()> {
+        self.map_tagged(offset, len, Tag::default())
+    }
+
+    /// As [`Pool::map`], with a [`Tag`] saying what the range holds (sleep policies and stats).
+    pub fn map_tagged(&self, offset: u64, len: u64, tag: Tag) -> Result<()> {
         self.inner()
-            .map_range(offset, len, self.inner().range_chunk, Space::Pool)
+            .map_range(offset, len, self.inner().range_chunk, Space::Pool, tag)
     }
 
     /// As [`Pool::map`] with chunks of up to `max_chunk` bytes: fewer driver calls, but
     /// [`Pool::unmap`] must then cover whole chunks.
     pub fn map_chunked(&self, offset: u64, len: u64, max_chunk: u64) -> Result<()> {
         self.inner().check_chunk_size(max_chunk)?;
-        self.inner().map_range(offset, len, max_chunk, Space::Pool)
+        self.inner()
+            .map_range(offset, len, max_chunk, Space::Pool, Tag::default())
     }
 
     /// Give back the physical memory under `[offset, offset + len)`, which must be mapped through
@@ -397,6 +427,8 @@ impl Inner {
             mapped_chunks: st.chunks.len() as u64,
             cached_chunks: st.cache.len() as u64,
             driver_calls: self.drivers.snapshot(),
+            asleep: st.sleep.asleep_bytes(),
+            host_staging: st.sleep.staging_bytes,
         }
     }
 }

@@ -8,6 +8,7 @@ use super::mapper::{bytes_of, Placed};
 use super::Inner;
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
+use crate::tag::Tag;
 
 /// Where chunks go once unmapped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +74,7 @@ impl Inner {
         len: u64,
         max_chunk: u64,
         space: Space,
+        tag: Tag,
     ) -> Result<()> {
         let end = self.check_range(offset, len)?;
         let cached = {
@@ -80,6 +82,7 @@ impl Inner {
             if let Some(reason) = &st.refusing {
                 return Err(self.refusal(reason));
             }
+            st.sleep.refuse_unless_awake(&self.name, "map")?;
             let free = match space {
                 Space::Region => &st.held,
                 Space::Pool => &st.cold,
@@ -151,6 +154,7 @@ impl Inner {
         st.in_transit -= len;
         st.growing -= 1;
         st.ranges.insert(offset, end);
+        st.range_tags.insert(offset, end, tag);
         st.note_peaks();
         drop(st);
         tracing::debug!(pool = %self.name, offset, len, chunks = chunks.len(), "range mapped");
@@ -206,6 +210,7 @@ impl Inner {
         let end = self.check_range(offset, len)?;
         let victims: Vec<Placed> = {
             let mut st = self.state.lock();
+            st.sleep.refuse_unless_awake(&self.name, "unmap")?;
             if space == Space::Pool {
                 if let Some((s, e)) = st.regions.first_overlap(offset, end) {
                     return Err(Error::RangeInUse {
@@ -319,6 +324,7 @@ impl Inner {
             capacity: self.capacity,
         })?;
         let mut st = self.state.lock();
+        st.sleep.refuse_unless_awake(&self.name, "copy")?;
         if let Some((s, e)) = st.ranges.first_gap(offset, end) {
             return Err(Error::RangeNotMapped {
                 offset,

@@ -11,6 +11,7 @@ use std::fmt;
 
 use super::{ChunkSpan, Pool, Space};
 use crate::error::{round_up, Error, Result};
+use crate::tag::Tag;
 
 /// A contiguous part of a pool's reservation owned by one user; see the module documentation.
 ///
@@ -19,6 +20,8 @@ pub struct Region {
     pool: Pool,
     offset: u64,
     len: u64,
+    /// What its mappings hold (for sleep policies and stats).
+    tag: Tag,
 }
 
 impl Pool {
@@ -27,6 +30,12 @@ impl Pool {
     /// address space, away from where the allocator grows; when idle mapped memory holds the
     /// address space, it is unmapped first.
     pub fn reserve_region(&self, len: u64) -> Result<Region> {
+        self.reserve_region_tagged(len, Tag::default())
+    }
+
+    /// As [`Pool::reserve_region`], with the [`Tag`] every mapping of the region carries (for
+    /// sleep policies and stats; [`Pool::reserve_region`] tags [`Tag::Scratch`]).
+    pub fn reserve_region_tagged(&self, len: u64, tag: Tag) -> Result<Region> {
         if len == 0 {
             return Err(Error::ZeroSize {
                 what: "region length",
@@ -48,6 +57,7 @@ impl Pool {
             pool: self.clone(),
             offset,
             len,
+            tag,
         })
     }
 }
@@ -78,6 +88,11 @@ impl Region {
     /// The pool the region belongs to.
     pub fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    /// The tag every mapping of the region carries.
+    pub fn tag(&self) -> &Tag {
+        &self.tag
     }
 
     /// Offset of the region's first byte in the pool's reservation.
@@ -123,7 +138,7 @@ impl Region {
     pub fn map(&self, at: u64, len: u64) -> Result<()> {
         let inner = self.pool.inner();
         let abs = self.absolute(at, len)?;
-        inner.map_range(abs, len, inner.range_chunk, Space::Region)
+        inner.map_range(abs, len, inner.range_chunk, Space::Region, self.tag.clone())
     }
 
     /// As [`Region::map`] with physical chunks of up to `max_chunk` bytes; [`Region::unmap`]
@@ -132,7 +147,7 @@ impl Region {
         let inner = self.pool.inner();
         inner.check_chunk_size(max_chunk)?;
         let abs = self.absolute(at, len)?;
-        inner.map_range(abs, len, max_chunk, Space::Region)
+        inner.map_range(abs, len, max_chunk, Space::Region, self.tag.clone())
     }
 
     /// Give back the physical memory under `[at, at + len)`: mapped, made of whole chunks.

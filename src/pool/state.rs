@@ -17,7 +17,10 @@ use std::sync::Arc;
 
 use super::cache::ChunkCache;
 use super::intervals::{FreeRanges, Intervals};
+use super::sleep::SleepBook;
+use super::tags::TagMap;
 use crate::backend::PhysicalChunk;
+use crate::tag::Tag;
 
 /// Exact-size lists of recently freed ranges, so that allocate/free of the same size does not
 /// walk the coalescing structures. Flushed into `idle` before growing and when trimming.
@@ -78,6 +81,7 @@ pub(crate) struct LiveRecord {
     pub(crate) offset: u64,
     pub(crate) footprint: u64,
     pub(crate) name: Option<Arc<str>>,
+    pub(crate) tag: Tag,
 }
 
 /// Live allocations in O(1) slots.
@@ -131,6 +135,10 @@ pub(crate) struct State {
     pub(crate) idle: FreeRanges,
     pub(crate) quick: QuickBins,
     pub(crate) ranges: Intervals,
+    /// The tag of each range-API mapping (read where `ranges` says mapped).
+    pub(crate) range_tags: TagMap,
+    /// Sleep and wake: the pool's phase, its sleeping chunks and host copies.
+    pub(crate) sleep: SleepBook,
     /// Address ranges set aside as [`crate::Region`]s: the allocator and [`crate::Pool::map`]
     /// never use them. Mapped parts are in `ranges`, unmapped parts in `held`.
     pub(crate) regions: Intervals,
@@ -207,6 +215,9 @@ impl State {
     /// returns them as `(offset, chunk)`. The caller unmaps them and then returns the ranges to
     /// `cold` (or, on failure, puts them back).
     pub(crate) fn take_idle_chunks(&mut self, limit: u64) -> Vec<(u64, PhysicalChunk)> {
+        if !self.sleep.idle_chunks_movable() {
+            return Vec::new();
+        }
         self.flush_quick();
         let mut out = Vec::new();
         let mut taken = 0u64;
@@ -288,9 +299,11 @@ impl State {
             + self.alloc_bytes
             + self.ranges.total()
             + self.stuck.total();
-        if self.in_transit == 0 && mapped_parts != self.mapped {
+        // Memory whose chunks sleep keeps its place in the books (allocations, ranges, idle).
+        let asleep = self.sleep.asleep_bytes();
+        if self.in_transit == 0 && mapped_parts != self.mapped + asleep {
             return Err(format!(
-                "idle {} + quick {} + allocations {} + ranges {} = {mapped_parts}, but {} mapped",
+                "idle {} + quick {} + allocations {} + ranges {} = {mapped_parts}, but {} mapped and {asleep} asleep",
                 self.idle.total(),
                 self.quick.bytes(),
                 self.alloc_bytes,
@@ -298,6 +311,7 @@ impl State {
                 self.mapped
             ));
         }
+        self.sleep.audit(&self.chunks)?;
         let all = mapped_parts + self.cold.total() + self.held.total() + self.in_transit;
         if all != capacity {
             return Err(format!(

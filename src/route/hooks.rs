@@ -136,7 +136,7 @@ fn routed_alloc(bytes: usize, stream: CUstream, usage: Use) -> Outcome {
     };
     let calls_before = entry.pool.driver_call_total();
     let (memory, reused, origin) = if capturing {
-        match entry.pool.allocate(class) {
+        match entry.pool.allocate_tagged(class, entry.tag.tag.clone()) {
             Ok(m) => (m, false, Origin::Captured),
             Err(e) => return refuse(e.to_string(), limit_of(&e)),
         }
@@ -146,13 +146,13 @@ fn routed_alloc(bytes: usize, stream: CUstream, usage: Use) -> Outcome {
     {
         (m, true, Origin::Eager)
     } else {
-        let m = match entry.pool.allocate(class) {
+        let m = match entry.pool.allocate_tagged(class, entry.tag.tag.clone()) {
             Ok(m) => m,
             Err(e) if is_out_of_memory(&e) && !capture_active() => {
                 // Blocks this model keeps for reuse go back to its pool first (waiting for
                 // the GPU to finish with them), then one more try.
                 t.flush(Wait::Yes);
-                match entry.pool.allocate(class) {
+                match entry.pool.allocate_tagged(class, entry.tag.tag.clone()) {
                     Ok(m) => m,
                     Err(e) => return refuse(e.to_string(), limit_of(&e)),
                 }

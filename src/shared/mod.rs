@@ -290,6 +290,23 @@ impl Admission for ModelAdmission {
             }
         }
     }
+
+    fn room(&self) -> (u64, u64) {
+        self.room_of()
+    }
+}
+
+impl ModelAdmission {
+    fn room_of(&self) -> (u64, u64) {
+        match self.shared.upgrade() {
+            Some(s) => {
+                let l = s.ledger.lock();
+                let limit = l.models.get(&self.key).map_or(0, |m| m.limit.min(m.cap));
+                (l.headroom(self.key), limit)
+            }
+            None => (0, 0),
+        }
+    }
 }
 
 impl Drop for ModelAdmission {
@@ -346,6 +363,10 @@ pub struct ModelStats {
     pub refusals: u64,
     /// Bytes reclaimed from it (for other models or by limit changes).
     pub reclaimed: u64,
+    /// Bytes of its address space whose physical memory sleeps (not charged).
+    pub asleep: u64,
+    /// Bytes of host staging memory it holds for sleep.
+    pub host_staging: u64,
 }
 
 /// The device-wide line of a [`SharedStats`] snapshot.
@@ -751,6 +772,8 @@ impl SharedPool {
                     live_allocations: ps.live_allocations,
                     refusals: m.refusals,
                     reclaimed: m.reclaimed,
+                    asleep: ps.asleep,
+                    host_staging: ps.host_staging,
                 });
             }
             drop(guards);

@@ -11,6 +11,7 @@ mod layout;
 mod p2p;
 mod pool;
 mod shared;
+mod sleep;
 mod soundness;
 
 #[cfg(feature = "candle")]

@@ -730,6 +730,56 @@ pub mod nixl {
     /// Registrations follow the mapping of an elastic layout on every path: backing, release
     /// (shared pages stay registered), rollback of a failed backing, drop, and drop after the
     /// pool handle went.
+    /// Sleep and NIXL: a fully mapped registered layout refuses its pool's sleep (NIXL would
+    /// point at released memory); an elastic layout's registrations go before the sleep unmaps
+    /// and come back, one per chunk, after the wake maps again.
+    pub fn sleep_renews_registrations(backend: Arc<dyn Backend>) {
+        use elastic_vmm::{AfterWake, SleepPolicy};
+        let g = backend.info().granularity as u64;
+        let p = pool(&backend, 64 * g);
+        let a = agent("sleep");
+        let c = LayoutConfig::new(8, 2, 2, (g / 2048) as usize, 256, 2);
+        let fixed = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .map_region(&p)
+            .build()
+            .expect("layout");
+        let r = a.register(fixed).expect("register");
+        let e = p
+            .sleep(&SleepPolicy::offload_all())
+            .expect_err("registered memory refuses sleep");
+        assert!(matches!(e, Error::SleepRefused { .. }), "{e}");
+        assert!(e.to_string().contains("RegisteredLayout"), "{e}");
+        assert!(!p.is_asleep());
+        drop(r);
+        assert_eq!(a.registrations(), 0);
+        let l = LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .elastic(&p)
+            .hook(a.mapping_hook())
+            .build()
+            .expect("elastic");
+        l.ensure_backed([0, 1, 4]).expect("back");
+        let before = (a.registrations(), a.registered_bytes());
+        assert!(before.0 > 0);
+        p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+        assert_eq!(
+            a.registrations(),
+            0,
+            "every registration went before the unmap"
+        );
+        p.wake(AfterWake::KeepHostMemory).expect("wake");
+        assert_eq!(
+            (a.registrations(), a.registered_bytes()),
+            before,
+            "registrations renewed after wake"
+        );
+        l.release([0, 1, 4]).expect("release");
+        assert_eq!(a.registrations(), 0);
+    }
+
     pub fn registration_lifetime_every_path(backend: Arc<dyn Backend>) {
         let g = backend.info().granularity as u64;
         let fault = Arc::new(FaultInjector::new(backend.clone()));

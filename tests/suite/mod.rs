@@ -7,6 +7,7 @@
 pub mod backing;
 pub mod layout;
 pub mod shared;
+pub mod sleep;
 pub mod soundness;
 
 /// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
@@ -85,6 +86,26 @@ macro_rules! backing_suite {
     };
 }
 
+/// Every sleep and wake test, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! sleep_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod sleep;
+            offload_round_trip,
+            mixed_tags,
+            failures_roll_back,
+            wake_goes_through_admission,
+            concurrent_refusals,
+            backing_hears_sleep,
+            async_copies_are_waited_for,
+            reserving_staging_does_not_block,
+            trim_during_undone_wake,
+        );
+    };
+}
+
 /// Every test of the layout suite, as `#[test]` functions over `$make()`.
 #[macro_export]
 macro_rules! layout_suite {
@@ -115,6 +136,7 @@ macro_rules! nixl_suite {
             transfer_pins_blocks_against_release,
             registration_whole_pages,
             bad_views_are_errors,
+            sleep_renews_registrations,
         );
     };
     (@tests $make:expr, $ready:expr; $($name:ident),* $(,)?) => {

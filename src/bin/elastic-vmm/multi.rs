@@ -1,6 +1,9 @@
 //! `multi`: three models with bursty, out-of-phase load share one device under a global budget
 //! smaller than the sum of their peaks. Each model allocates and frees KV blocks to follow its
-//! load; memory one model freed and keeps idle is reclaimed by another that needs it.
+//! load; memory one model freed and keeps idle is reclaimed by another that needs it. Each
+//! model also holds weights; when its load falls quiet it sleeps (KV blocks dropped, weights
+//! offloaded to host memory, its whole charge free for the others) and wakes, at the same
+//! addresses, when load comes back; the weights are checked after every wake.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,7 +11,10 @@ use std::time::Instant;
 
 use elastic_vmm::shared::SharedStats;
 use elastic_vmm::stats::human_bytes;
-use elastic_vmm::{Allocation, Backend, Error, ModelConfig, SharedPool, SharedPoolConfig};
+use elastic_vmm::{
+    AfterWake, Allocation, Backend, Error, ModelConfig, SharedPool, SharedPoolConfig, SleepAction,
+    SleepPolicy, Tag,
+};
 
 use crate::output;
 use crate::plot::{self, Series};
@@ -34,6 +40,13 @@ pub struct MultiArgs {
     /// Print a line every this many steps.
     #[arg(long, default_value_t = 40)]
     pub report_every: usize,
+    /// A model whose load falls below this percentage of its peak sleeps (KV dropped, weights
+    /// offloaded) and wakes when the load rises above it again; 0 keeps every model awake.
+    #[arg(long, default_value_t = 12)]
+    pub sleep_below: u64,
+    /// Share of each model's peak held by its weights, in percent (at most 90).
+    #[arg(long, default_value_t = 25)]
+    pub weights_percent: u64,
     /// Where to write the SVG plot (missing folders are created).
     #[arg(long, default_value = "multi-model.svg")]
     pub svg: PathBuf,
@@ -44,9 +57,33 @@ struct Model {
     peak: u64,
     phase: f64,
     handle: elastic_vmm::ModelHandle,
+    weights: Option<(Allocation, u8)>,
     blocks: Vec<Allocation>,
     refused: u64,
+    asleep: bool,
+    sleeps: u64,
+    wake_refused: u64,
     series: Series,
+}
+
+impl Model {
+    /// The weights' first and last pages must hold their byte (after every wake).
+    fn check_weights(&self) -> Result<(), BoxError> {
+        let Some((w, byte)) = &self.weights else {
+            return Ok(());
+        };
+        let n = w.size().min(4096);
+        let mut buf = vec![0u8; n];
+        for at in [0, w.size() - n] {
+            w.read(at, &mut buf)?;
+            if buf.iter().any(|b| b != byte) {
+                return Err(
+                    format!("{}: weights changed across sleep at byte {at}", self.name).into(),
+                );
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Load in [0, 1]: a quiet base and a burst once per period, shifted by `phase`.
@@ -67,6 +104,20 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
         ("--report-every", a.report_every as u64),
     ] {
         at_least(what, v, 1)?;
+    }
+    if a.weights_percent > 90 {
+        return Err(ArgError::Invalid(format!(
+            "--weights-percent {} leaves no room for KV blocks (at most 90)",
+            a.weights_percent
+        ))
+        .into());
+    }
+    if a.sleep_below > 100 {
+        return Err(ArgError::Invalid(format!(
+            "--sleep-below {} is a percentage (at most 100)",
+            a.sleep_below
+        ))
+        .into());
     }
     let block = mul("block size (block-kib x 1024)", a.block_kib, 1024)?;
     let largest = mul("largest peak (scale-mib x 1 MiB)", a.scale_mib, 1 << 20)?;
@@ -110,13 +161,18 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
             peak: peaks[i],
             phase,
             handle,
+            weights: None,
             blocks: Vec::new(),
             refused: 0,
+            asleep: false,
+            sleeps: 0,
+            wake_refused: 0,
             series: Series {
                 name: name.to_string(),
                 color,
                 physical: Vec::new(),
                 in_use: Vec::new(),
+                asleep: Vec::new(),
             },
         });
     }
@@ -137,16 +193,53 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
         "step", "chat in use/held", "code in use/held", "embed in use/held", "budget use"
     );
     let block_len = to_usize("block size", block)?;
+    // Weights: loaded once, tagged, checked after every wake.
+    for (i, m) in models.iter_mut().enumerate() {
+        let bytes = mul("weights", m.peak, a.weights_percent)? / 100;
+        if bytes > 0 {
+            let mut w = m
+                .handle
+                .allocate_tagged(to_usize("weights", bytes)?, Tag::Weights)?;
+            let byte = 0x41 + i as u8;
+            w.fill(byte)?;
+            m.weights = Some((w, byte));
+        }
+    }
+    let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
+    let threshold = a.sleep_below as f64 / 100.0;
     let started = Instant::now();
     let mut peak_global = 0;
     for step in 0..a.steps {
         for m in &mut models {
-            let target = ((load(step, a.period, m.phase) * m.peak as f64) as u64 / block) as usize;
+            let l = load(step, a.period, m.phase);
+            if l < threshold && !m.asleep {
+                // Quiet: the engine drops its KV cache and the model sleeps.
+                m.blocks.clear();
+                m.handle.sleep(&policy)?;
+                m.asleep = true;
+                m.sleeps += 1;
+            } else if l >= threshold && m.asleep {
+                match m.handle.wake(AfterWake::KeepHostMemory) {
+                    Ok(_) => {
+                        m.asleep = false;
+                        m.check_weights()?;
+                    }
+                    // No room yet: it stays asleep and tries again next step.
+                    Err(Error::WakeRefused { .. }) => m.wake_refused += 1,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if m.asleep {
+                continue;
+            }
+            let weights = m.weights.as_ref().map_or(0, |(w, _)| w.footprint());
+            let kv_peak = m.peak.saturating_sub(weights);
+            let target = ((l * kv_peak as f64) as u64 / block) as usize;
             while m.blocks.len() > target {
                 m.blocks.pop();
             }
             while m.blocks.len() < target {
-                match m.handle.allocate(block_len) {
+                match m.handle.allocate_tagged(block_len, Tag::Kv) {
                     Ok(b) => m.blocks.push(b),
                     Err(Error::AdmissionRefused { .. }) => {
                         // The request waits for memory: it is retried next step.
@@ -166,7 +259,9 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
                 .find(|x| x.id == m.name)
                 .ok_or("model missing from stats")?;
             m.series.physical.push(ms.used);
-            m.series.in_use.push(ms.in_use);
+            // Asleep, nothing is in use on the device (the books keep the allocations).
+            m.series.in_use.push(if m.asleep { 0 } else { ms.in_use });
+            m.series.asleep.push(m.asleep);
         }
         if step % a.report_every == 0 || step + 1 == a.steps {
             print_row(step, &st);
@@ -184,6 +279,17 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
             .iter()
             .find(|x| x.id == m.name)
             .ok_or("model missing from stats")?;
+        let ss = m.handle.sleep_stats();
+        let ms_of = |d: Option<std::time::Duration>| d.map_or(0.0, |d| d.as_secs_f64() * 1e3);
+        println!(
+            "  {:<6} slept {} times (last sleep {:.2} ms, last wake {:.2} ms), {} wakes waited for room, host staging {}",
+            m.name,
+            m.sleeps,
+            ms_of(ss.last_sleep),
+            ms_of(ss.last_wake),
+            m.wake_refused,
+            human_bytes(ss.host_bytes)
+        );
         println!(
             "  {:<6} peak in use {:>10}, peak held {:>10}, limit {:>10}; {} block requests waited for memory; {} reclaimed from it for others",
             m.name,
@@ -224,7 +330,11 @@ fn print_row(step: usize, st: &SharedStats) {
             .iter()
             .find(|m| m.id == id)
             .map_or_else(String::new, |m| {
-                format!("{} / {}", human_bytes(m.in_use), human_bytes(m.used))
+                if m.asleep > 0 && m.used == 0 {
+                    format!("asleep ({})", human_bytes(m.asleep))
+                } else {
+                    format!("{} / {}", human_bytes(m.in_use), human_bytes(m.used))
+                }
             })
     };
     println!(

@@ -11,6 +11,8 @@ pub struct Series {
     pub physical: Vec<u64>,
     /// Bytes in use at each step.
     pub in_use: Vec<u64>,
+    /// Whether the model was asleep at each step (drawn as a band under the chart).
+    pub asleep: Vec<bool>,
 }
 
 const W: f64 = 960.0;
@@ -140,6 +142,30 @@ pub fn render(title: &str, series: &[Series], budget: u64, sum_of_peaks: u64) ->
             s.color
         );
     }
+    // Sleep bands: one row per model along the bottom of the chart, filled where it slept.
+    for (k, s) in series.iter().enumerate() {
+        let yy = TOP + ph - 7.0 * (k as f64 + 1.0);
+        let mut i = 0;
+        while i < s.asleep.len() {
+            if !s.asleep[i] {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < s.asleep.len() && s.asleep[i] {
+                i += 1;
+            }
+            let x0 = x(start);
+            let x1 = x(i.min(steps - 1)).max(x0 + 1.0);
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{x0:.1}" y="{yy:.1}" width="{:.1}" height="5" fill="{}"><title>{} asleep</title></rect>"#,
+                x1 - x0,
+                s.color,
+                escape(&s.name)
+            );
+        }
+    }
     // Budget and sum of peaks.
     for (v, label, color) in [
         (budget, "global budget", "#c0392b"),
@@ -191,7 +217,23 @@ pub fn render(title: &str, series: &[Series], budget: u64, sum_of_peaks: u64) ->
             lx + 20.0,
             escape(&s.name)
         );
-        ly += 24.0;
+        ly += 18.0;
+        if s.asleep.iter().any(|&a| a) {
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{lx:.1}" y="{:.1}" width="14" height="5" fill="{}"/>"#,
+                ly - 7.0,
+                s.color
+            );
+            let _ = writeln!(
+                svg,
+                r#"<text x="{:.1}" y="{ly:.1}">{} asleep (band)</text>"#,
+                lx + 20.0,
+                escape(&s.name)
+            );
+            ly += 18.0;
+        }
+        ly += 6.0;
     }
     let _ = writeln!(svg, "</svg>");
     svg

@@ -1,0 +1,89 @@
+//! The host staging buffer a pool sleeps into: allocated once (pinned on CUDA, which is slow),
+//! reused by every later sleep, with the copy stream beside it.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::Result;
+
+/// Host memory and a copy stream of one backend. Dropping it frees both: it runs driver calls,
+/// so it is never dropped under a lock (the pool takes it out of its state first).
+pub(crate) struct Staging {
+    backend: Arc<dyn Backend>,
+    ptr: *mut u8,
+    bytes: u64,
+    stream: u64,
+}
+
+// SAFETY: the buffer is owned by this value alone (no alias outlives it) and only the sleep or
+// wake that holds the pool's phase touches it; the stream handle is a process-wide driver object.
+unsafe impl Send for Staging {}
+// SAFETY: as above: `&Staging` only reads the handle values.
+unsafe impl Sync for Staging {}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging")
+            .field("bytes", &self.bytes)
+            .field("stream", &format_args!("{:#x}", self.stream))
+            .finish()
+    }
+}
+
+impl Staging {
+    /// Allocate `bytes` of staging memory and a copy stream.
+    pub(crate) fn new(backend: &Arc<dyn Backend>, bytes: u64) -> Result<Staging> {
+        let len = usize::try_from(bytes).map_err(|_| crate::error::Error::SizeOverflow {
+            what: "staging buffer",
+            detail: format!("{bytes} bytes do not fit in usize"),
+        })?;
+        let ptr = backend.staging_alloc(len)?;
+        let stream = match backend.copy_stream_create() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: the buffer was just allocated by this backend and nothing uses it.
+                let _ = unsafe { backend.staging_free(ptr, len) };
+                return Err(e);
+            }
+        };
+        Ok(Staging {
+            backend: backend.clone(),
+            ptr,
+            bytes,
+            stream,
+        })
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub(crate) fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    /// The host address `at` bytes into the buffer; `at + len` must lie within it.
+    pub(crate) fn at(&self, at: u64, len: u64) -> *mut u8 {
+        assert!(
+            at.checked_add(len).is_some_and(|e| e <= self.bytes),
+            "staging range {at}+{len} outside a buffer of {} bytes",
+            self.bytes
+        );
+        // SAFETY: checked just above to lie within the allocation.
+        unsafe { self.ptr.add(at as usize) }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: the stream is ours; every copy on it was waited for by the operation that
+        // queued it (sleep and wake wait for all their markers, also when they fail).
+        if let Err(e) = unsafe { self.backend.copy_stream_destroy(self.stream) } {
+            tracing::warn!(error = %e, "destroying the staging copy stream failed");
+        }
+        // SAFETY: allocated by this backend with this size; no copy on it is queued any more.
+        if let Err(e) = unsafe { self.backend.staging_free(self.ptr, self.bytes as usize) } {
+            tracing::warn!(error = %e, bytes = self.bytes, "freeing the staging buffer failed");
+        }
+    }
+}
