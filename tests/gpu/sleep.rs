@@ -27,11 +27,19 @@ fn large_offload_through_pinned_staging() {
         stripes.push(a);
     }
     let addrs: Vec<u64> = stripes.iter().map(|a| a.addr()).collect();
+    let mut staging = 0;
     for round in 0..2 {
         let r = p.sleep(&SleepPolicy::offload_all()).expect("sleep");
         assert!(r.offloaded >= 2 << 30, "{r:?}");
         assert_eq!(p.stats().mapped, 0);
-        assert_eq!(p.stats().host_staging, 2 << 30, "staging reused");
+        // Whole chunks are copied (growth maps ahead, so a little more than 2 GiB); the second
+        // sleep reuses the first one's staging.
+        let now = p.stats().host_staging;
+        assert!(now >= r.offloaded, "{now} < {}", r.offloaded);
+        if round == 1 {
+            assert_eq!(now, staging, "staging reused");
+        }
+        staging = now;
         let w = p.wake(AfterWake::KeepHostMemory).expect("wake");
         println!(
             "round {round}: sleep {:.1} ms, wake {:.1} ms for {} bytes",
