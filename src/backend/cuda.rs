@@ -182,6 +182,15 @@ impl CudaBackend {
     }
 
     /// Make the device's primary context current on this thread.
+    /// Wait for the legacy stream, on which the synchronous copy and memset calls run.
+    fn wait_legacy(&self, after: &'static str) -> Result<()> {
+        // SAFETY: the null handle is the legacy stream of the current (our) context.
+        unsafe { result::stream::synchronize(std::ptr::null_mut()) }.map_err(driver_error(
+            "cuStreamSynchronize",
+            format!("after {after}"),
+        ))
+    }
+
     fn bind(&self) -> Result<()> {
         let current = result::ctx::get_current().map_err(driver_error("cuCtxGetCurrent", ""))?;
         if current != Some(self.ctx) {
@@ -421,7 +430,11 @@ impl Backend for CudaBackend {
         unsafe { result::memcpy_htod_sync(addr, data) }.map_err(driver_error(
             "cuMemcpyHtoD",
             format!("{} bytes to {addr:#x}", data.len()),
-        ))
+        ))?;
+        // From pageable memory `cuMemcpyHtoD` returns once the bytes are staged, before the DMA
+        // has landed: wait, so the caller may unmap (or hand the chunk to another process) as
+        // soon as this returns.
+        self.wait_legacy("cuMemcpyHtoD")
     }
 
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
@@ -440,7 +453,12 @@ impl Backend for CudaBackend {
         unsafe { result::memset_d8_sync(addr, byte, len) }.map_err(driver_error(
             "cuMemsetD8",
             format!("{len} bytes at {addr:#x}"),
-        ))
+        ))?;
+        // `cuMemsetD8` on device memory is asynchronous with respect to the host (it runs on
+        // the legacy stream): without this wait a fill followed by an unmap faulted on the H100
+        // (the broker's hand-over test), and a chunk handed to another process could still be
+        // in the middle of being written.
+        self.wait_legacy("cuMemsetD8")
     }
 
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {

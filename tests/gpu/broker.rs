@@ -18,7 +18,6 @@ fn socket(tag: &str) -> std::path::PathBuf {
 }
 
 #[test]
-#[ignore = "on the H100 engine B's mapping of handed-over chunks faults or reads other bytes: issue 12 stays open"]
 fn chunks_travel_between_engines_without_create_or_release() {
     let cuda = Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"));
     assert!(cuda.info().posix_fd_exportable, "POSIX-fd export supported");
@@ -61,7 +60,6 @@ fn chunks_travel_between_engines_without_create_or_release() {
 }
 
 #[test]
-#[ignore = "on the H100 engine B's mapping of handed-over chunks faults or reads other bytes: issue 12 stays open"]
 fn memory_goes_back_to_the_device_when_an_engine_leaves() {
     let cuda = Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"));
     let broker =
