@@ -225,29 +225,36 @@ impl Book {
     /// Hand an idle chunk of exactly `size` bytes to `model`, if there is one and the model's
     /// limit allows; the chunk is then held by the model.
     pub(crate) fn hand_over(&mut self, model: u64, size: u64) -> Option<(u64, PhysicalChunk)> {
-        let list = self.idle.get_mut(&size)?;
-        let &cid = list.last()?;
+        let &cid = self.idle.get(&size)?.last()?;
+        // Both are invariants (idle chunks are in the table; the caller checked the model); if
+        // one were broken the request is served by a new chunk instead of a broker panic.
+        if !self.chunks.contains_key(&cid) || !self.models.contains_key(&model) {
+            tracing::error!(
+                chunk = cid,
+                model,
+                "broker book: idle chunk or model missing; no hand-over"
+            );
+            return None;
+        }
         if !self.ledger.transfer(IDLE, model, size) {
             return None;
         }
-        list.pop();
-        if list.is_empty() {
-            self.idle.remove(&size);
+        if let Some(list) = self.idle.get_mut(&size) {
+            list.pop();
+            if list.is_empty() {
+                self.idle.remove(&size);
+            }
         }
         self.idle_bytes -= size;
-        let e = self
-            .chunks
-            .get_mut(&cid)
-            .expect("idle chunks are in the table");
+        let e = self.chunks.get_mut(&cid)?;
         e.holder = Holder::Model(model);
-        self.models
-            .get_mut(&model)
-            .expect("caller checked the model")
-            .chunks
-            .insert(cid);
+        let chunk = e.chunk;
+        if let Some(m) = self.models.get_mut(&model) {
+            m.chunks.insert(cid);
+        }
         self.counters.handovers += 1;
         self.counters.grants += 1;
-        Some((cid, e.chunk))
+        Some((cid, chunk))
     }
 
     /// Charge `size` to `model` for a chunk about to be created.
@@ -322,14 +329,18 @@ impl Book {
             let Some(mut entry) = self.idle.last_entry() else {
                 break;
             };
-            let cid = entry.get_mut().pop().expect("no empty lists are kept");
+            let popped = entry.get_mut().pop();
             if entry.get().is_empty() {
                 entry.remove();
             }
-            let e = self
-                .chunks
-                .get_mut(&cid)
-                .expect("idle chunks are in the table");
+            let Some(cid) = popped else { continue };
+            let Some(e) = self.chunks.get_mut(&cid) else {
+                tracing::error!(
+                    chunk = cid,
+                    "broker book: idle chunk missing from the table"
+                );
+                continue;
+            };
             e.holder = Holder::Moving;
             let size = e.chunk.size as u64;
             self.idle_bytes -= size;

@@ -170,8 +170,7 @@ impl ClientInner {
                 )))
             }
         };
-        let _ = self.local.set(made);
-        Ok(self.local.get().expect("set above").clone())
+        Ok(self.local.get_or_init(|| made).clone())
     }
 }
 

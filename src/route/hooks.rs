@@ -134,39 +134,47 @@ fn routed_alloc(bytes: usize, stream: CUstream, usage: Use) -> Outcome {
             None,
         );
     };
-    let calls_before = entry.pool.driver_call_total();
-    let (memory, reused, origin) = if capturing {
-        match entry.pool.allocate_tagged(class, entry.tag.tag.clone()) {
-            Ok(m) => (m, false, Origin::Captured),
-            Err(e) => return refuse(e.to_string(), limit_of(&e)),
-        }
-    } else if let Some(m) = (usage == Use::OnStream)
-        .then(|| t.take_cached(key, class))
-        .flatten()
-    {
-        (m, true, Origin::Eager)
+    // Never a cached block during a capture (graph launches are outside stream order) or for
+    // a synchronous allocation (usable on any stream at once).
+    let cached = if capturing || usage != Use::OnStream {
+        None
     } else {
-        let m = match entry.pool.allocate_tagged(class, entry.tag.tag.clone()) {
-            Ok(m) => m,
-            Err(e) if is_out_of_memory(&e) && !capture_active() => {
-                // Blocks this model keeps for reuse go back to its pool first (waiting for
-                // the GPU to finish with them), then one more try.
-                t.flush(Wait::Yes);
-                match entry.pool.allocate_tagged(class, entry.tag.tag.clone()) {
-                    Ok(m) => m,
+        t.take_cached(key, class)
+    };
+    let (memory, reused, origin) = match cached {
+        Some(m) => (m, true, Origin::Eager),
+        None => {
+            // Read only on this path: a cache hit costs no counter reads.
+            let calls_before = entry.pool.driver_call_total();
+            let allocate = || entry.pool.allocate_tagged(class, entry.tag.tag.clone());
+            let (m, origin) = if capturing {
+                match allocate() {
+                    Ok(m) => (m, Origin::Captured),
                     Err(e) => return refuse(e.to_string(), limit_of(&e)),
                 }
-            }
-            Err(e) => return refuse(e.to_string(), limit_of(&e)),
-        };
-        (m, false, Origin::Eager)
+            } else {
+                let m = match allocate() {
+                    Ok(m) => m,
+                    Err(e) if is_out_of_memory(&e) && !capture_active() => {
+                        // Blocks this model keeps for reuse go back to its pool first (waiting
+                        // for the GPU to finish with them), then one more try.
+                        t.flush(Wait::Yes);
+                        match allocate() {
+                            Ok(m) => m,
+                            Err(e) => return refuse(e.to_string(), limit_of(&e)),
+                        }
+                    }
+                    Err(e) => return refuse(e.to_string(), limit_of(&e)),
+                };
+                (m, Origin::Eager)
+            };
+            t.pool_allocations.fetch_add(1, Ordering::Relaxed);
+            entry
+                .tag
+                .drove(entry.pool.driver_call_total().saturating_sub(calls_before));
+            (m, false, origin)
+        }
     };
-    if !reused {
-        t.pool_allocations.fetch_add(1, Ordering::Relaxed);
-        entry
-            .tag
-            .drove(entry.pool.driver_call_total().saturating_sub(calls_before));
-    }
     if origin == Origin::Captured {
         t.captured_allocations.fetch_add(1, Ordering::Relaxed);
     }

@@ -515,11 +515,8 @@ static ORPHANS: Mutex<Vec<Orphan>> = Mutex::new(Vec::new());
 static ORPHAN_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 fn orphan(o: Orphan) {
-    if o.ctx.is_none() && o.fence.is_none() {
-        // Host memory: nothing queued on a GPU.
-        drop(o);
-        return;
-    }
+    // Never dropped here: callers may hold `STREAM_LIFE`, and the last allocation of a closed
+    // pool gives memory back (and flushes routing) when dropped. `reap_orphans` hands them back.
     let mut orphans = ORPHANS.lock();
     orphans.push(o);
     ORPHAN_COUNT.store(orphans.len(), Ordering::Release);
@@ -544,9 +541,12 @@ fn reap_orphans() {
                 None => None,
             };
         }
-        let passed = match &o.fence {
-            Some(f) => f.poll() == FenceState::Passed,
-            None => !capture_active() && super::fence::synchronize_context(o.ctx),
+        let passed = match (&o.fence, o.ctx) {
+            (Some(f), _) => f.poll() == FenceState::Passed,
+            (None, Some(ctx)) => !capture_active() && super::fence::synchronize_context(Some(ctx)),
+            // No fence and no known context: nothing proves the GPU is done; kept (leaked, not
+            // handed back early).
+            (None, None) => false,
         };
         if passed {
             done.extend(o.blocks);
