@@ -205,10 +205,7 @@ pub fn decode() -> Result<(), BoxError> {
     );
     #[cfg(feature = "nixl")]
     if nixl_side.is_some() {
-        print!(
-            " {:>9} {:>12} {:>10} {:>10} {:>10}",
-            "nixl desc", "nixl plain", "nixl vmm", "ours/plain", "ours/vmm"
-        );
+        print!("{}", nixl::header());
     }
     println!();
     for case in cases() {
@@ -279,25 +276,22 @@ pub fn decode() -> Result<(), BoxError> {
             ours_bw / raw_bw
         );
         #[cfg(feature = "nixl")]
+        let mut nixl_errors = Vec::new();
+        #[cfg(feature = "nixl")]
         if let Some(nx) = &mut nixl_side {
             if nixl::measured(case) {
                 let f = nx.measure(&backend, &pool, case.block, n)?;
-                print!(
-                    " {:>9} {:>12.1} {:>10.2} {:>9.2}x {:>9.0}x",
-                    format!("{}/{}", f.plain_descs, f.vmm_descs),
-                    f.plain_gbs,
-                    f.vmm_gbs,
-                    ours_bw / f.plain_gbs,
-                    ours_bw / f.vmm_gbs
-                );
+                print!("{}", f.cells(ours_bw));
+                nixl_errors = f.errors();
             } else {
-                print!(
-                    " {:>9} {:>12} {:>10} {:>10} {:>10}",
-                    "-", "-", "-", "-", "-"
-                );
+                print!("{}", nixl::no_cells());
             }
         }
         println!();
+        #[cfg(feature = "nixl")]
+        for e in nixl_errors {
+            println!("{e}");
+        }
     }
     let st = link.stats();
     println!(

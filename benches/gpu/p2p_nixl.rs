@@ -27,7 +27,7 @@ use elastic_vmm::nixl::{self, NixlAgent, RegisteredLayout};
 use elastic_vmm::{Backend, MemoryKind, Pool};
 
 use super::{config, RUNS, WAIT};
-use crate::nixl_peer::{self as peer, Offer, PeerError, Remote, DONE, FAILED};
+use crate::nixl_peer::{self as peer, DescSet, Offer, PeerError, Remote, DONE, FAILED};
 use crate::{BoxError, MIB};
 
 /// The variable that gives the decode process the side channel's socket.
@@ -266,14 +266,64 @@ impl PrefillNixl {
     }
 }
 
+/// One NIXL column of a case: GB/s and descriptor pairs posted, or why there is no number
+/// (a failed READ, or bytes that did not verify).
+pub type Column = Result<(f64, usize), String>;
+
 /// What NIXL did for one case, as the decode measured it.
 pub struct Figures {
-    /// Plain memory: median of [`RUNS`] READs.
-    pub plain_gbs: f64,
-    pub plain_descs: usize,
+    /// Plain memory: median of [`RUNS`] READs after a warm-up.
+    pub plain: Column,
     /// VMM memory: one READ of the first [`VMM_BYTES`] of the blocks.
-    pub vmm_gbs: f64,
-    pub vmm_descs: usize,
+    pub vmm: Column,
+}
+
+/// The NIXL columns' header, to follow the table's.
+pub fn header() -> String {
+    format!(
+        " {:>9} {:>12} {:>10} {:>10} {:>10}",
+        "nixl desc", "nixl plain", "nixl vmm", "ours/plain", "ours/vmm"
+    )
+}
+
+/// The NIXL cells of a case without NIXL figures.
+pub fn no_cells() -> String {
+    format!(
+        " {:>9} {:>12} {:>10} {:>10} {:>10}",
+        "-", "-", "-", "-", "-"
+    )
+}
+
+impl Figures {
+    /// The NIXL cells of a case where ours moved `ours_gbs`.
+    pub fn cells(&self, ours_gbs: f64) -> String {
+        let descs = |c: &Column| c.as_ref().map_or("x".to_string(), |&(_, d)| d.to_string());
+        let gbs = |c: &Column, prec: usize| {
+            c.as_ref()
+                .map_or("failed".to_string(), |&(g, _)| format!("{g:.prec$}"))
+        };
+        let ratio = |c: &Column, prec: usize| {
+            c.as_ref().map_or("-".to_string(), |&(g, _)| {
+                format!("{:.prec$}x", ours_gbs / g)
+            })
+        };
+        format!(
+            " {:>9} {:>12} {:>10} {:>10} {:>10}",
+            format!("{}/{}", descs(&self.plain), descs(&self.vmm)),
+            gbs(&self.plain, 1),
+            gbs(&self.vmm, 2),
+            ratio(&self.plain, 2),
+            ratio(&self.vmm, 0)
+        )
+    }
+
+    /// Why a column has no number, one line each.
+    pub fn errors(&self) -> Vec<String> {
+        [("plain", &self.plain), ("VMM", &self.vmm)]
+            .into_iter()
+            .filter_map(|(what, c)| c.as_ref().err().map(|e| format!("  NIXL {what}: {e}")))
+            .collect()
+    }
 }
 
 /// The decode's half: its agent and the side channel.
@@ -302,7 +352,10 @@ impl DecodeNixl {
         }))
     }
 
-    /// Receive the prefill's offer for this case, READ it, verify, answer.
+    /// Receive the prefill's offer for this case, READ it, verify, answer [`DONE`] once its
+    /// memory is no longer used (a READ that failed or did not verify is a column without a
+    /// number, not an error: the other figures still print); [`FAILED`] when the exchange
+    /// itself broke.
     pub fn measure(
         &mut self,
         backend: &Arc<dyn Backend>,
@@ -342,40 +395,68 @@ impl DecodeNixl {
             }
         }
         let remote = Remote::load(&self.agent, &offer.metadata).map_err(boxed)?;
+        let plain = self
+            .plain_column(backend, &remote, ps, block, n)
+            .map_err(|e| e.to_string());
+        let vmm = self
+            .vmm_column(backend, pool, &remote, vs, block, nv)
+            .map_err(|e| e.to_string());
+        drop(remote);
+        Ok(Figures { plain, vmm })
+    }
 
-        // (b) plain memory: warm-up, then RUNS timed READs, each into zeroed memory.
+    /// (b) plain memory: a warm-up READ (connection, IPC handles), then [`RUNS`] timed, each
+    /// into zeroed memory; the warm-up's and the last one's bytes checked.
+    fn plain_column(
+        &self,
+        backend: &Arc<dyn Backend>,
+        remote: &Remote<'_>,
+        offered: &DescSet,
+        block: u64,
+        n: usize,
+    ) -> Result<(f64, usize), BoxError> {
         let dst = plain(&self.agent, &self.ctx, self.device, config(block, n))?;
         let local = peer::block_descriptors(&self.agent, &dst.layout, n).map_err(boxed)?;
         let (addr, len) = (dst.buf.ptr, dst.buf.len);
-        let read = |remote_descs| {
+        let read = || {
             zero(backend, addr, len)?;
-            peer::read(&self.agent, &remote, &local.descs, remote_descs, WAIT).map_err(boxed)
+            peer::read(&self.agent, remote, &local.descs, &offered.descs, WAIT).map_err(boxed)
         };
-        let warm = read(&ps.descs)?;
+        let warm = read()?;
         check_pattern(backend, addr, n, block)?;
         let mut times = Vec::with_capacity(RUNS);
         for _ in 0..RUNS {
-            times.push(read(&ps.descs)?.elapsed.as_secs_f64());
+            times.push(read()?.elapsed.as_secs_f64());
         }
         check_pattern(backend, addr, n, block)?;
         times.sort_by(f64::total_cmp);
-        let plain_gbs = warm.bytes as f64 / times[times.len() / 2] / 1e9;
-        drop(dst);
+        Ok((
+            warm.bytes as f64 / times[times.len() / 2] / 1e9,
+            warm.descriptors,
+        ))
+    }
 
-        // (a) VMM memory: one READ of the first VMM_BYTES.
+    /// (a) VMM memory: one READ of the first `nv` blocks into an elastic layout registered
+    /// page by page, its bytes checked.
+    fn vmm_column(
+        &self,
+        backend: &Arc<dyn Backend>,
+        pool: &Pool,
+        remote: &Remote<'_>,
+        offered: &DescSet,
+        block: u64,
+        nv: usize,
+    ) -> Result<(f64, usize), BoxError> {
         let kv = vmm(&self.agent, pool, config(block, nv))?;
         let local = peer::block_descriptors(&self.agent, &kv, nv).map_err(boxed)?;
         let at = base(&kv)?;
         zero(backend, at, nv as u64 * block)?;
-        let r = peer::read(&self.agent, &remote, &local.descs, &vs.descs, WAIT).map_err(boxed)?;
+        let r =
+            peer::read(&self.agent, remote, &local.descs, &offered.descs, WAIT).map_err(boxed)?;
         check_pattern(backend, at, nv, block)?;
-        drop(kv);
-        drop(remote);
-        Ok(Figures {
-            plain_gbs,
-            plain_descs: warm.descriptors,
-            vmm_gbs: r.bytes as f64 / r.elapsed.as_secs_f64() / 1e9,
-            vmm_descs: r.descriptors,
-        })
+        Ok((
+            r.bytes as f64 / r.elapsed.as_secs_f64() / 1e9,
+            r.descriptors,
+        ))
     }
 }
