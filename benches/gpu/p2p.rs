@@ -49,9 +49,17 @@ struct Case {
     scattered: bool,
 }
 
+/// Every case, or those of the block sizes (bytes, comma-separated) in `EVMM_P2P_BLOCKS`
+/// (read by both processes: the decode inherits it).
 fn cases() -> Vec<Case> {
+    let only: Option<Vec<u64>> = std::env::var("EVMM_P2P_BLOCKS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect());
     let mut v = Vec::new();
     for block in BLOCK_SIZES {
+        if only.as_ref().is_some_and(|o| !o.contains(&block)) {
+            continue;
+        }
         v.push(Case {
             kind: LayoutKind::FullyContiguous,
             block,
@@ -102,10 +110,12 @@ pub fn run() -> Result<(), BoxError> {
         "== p2p: KV blocks from a prefill process to a decode process ({}) ==",
         first.info().device_name
     );
-    drop(first);
+    // `first` keeps device 0's primary context alive for the whole run: UCX (NIXL) looks for
+    // a CUDA context when its agent starts.
     for (src, dst) in pairs {
         prefill(src, dst)?;
     }
+    drop(first);
     Ok(())
 }
 
@@ -115,6 +125,8 @@ fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
     let sock = dir.join("s");
     let _ = std::fs::remove_file(&sock);
     let listener: UnixListener = p2p::listen(&sock)?;
+    // The device's context first: the NIXL agent (UCX) starts under it.
+    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(device)?);
     #[cfg(feature = "nixl")]
     let mut nixl_side = nixl::PrefillNixl::open(&dir, device)?;
     let mut cmd = Command::new(std::env::current_exe()?);
@@ -127,7 +139,6 @@ fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
         cmd.env(nixl::SOCKET_VAR, nx.socket());
     }
     let mut child = cmd.spawn()?;
-    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(device)?);
     let link = PeerLink::accept(&listener, "prefill", backend.clone())?;
     #[cfg(feature = "nixl")]
     if let Some(nx) = &mut nixl_side {

@@ -199,13 +199,16 @@ impl PrefillNixl {
             println!("NIXL columns skipped: {e}");
             return Ok(None);
         }
+        // The context is made current on this thread before UCX starts.
+        let ctx = CudaContext::new(device as usize)?;
+        ctx.bind_to_thread()?;
         let agent = NixlAgent::new("prefill")?;
         let path = dir.join("nixl");
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)?;
         Ok(Some(PrefillNixl {
             agent,
-            ctx: CudaContext::new(device as usize)?,
+            ctx,
             device,
             listener,
             path,
@@ -340,13 +343,15 @@ impl DecodeNixl {
         let Some(path) = std::env::var_os(SOCKET_VAR) else {
             return Ok(None);
         };
+        let ctx = CudaContext::new(device as usize)?;
+        ctx.bind_to_thread()?;
         let agent = NixlAgent::new("decode")?;
         let stream = UnixStream::connect(&path)
             .map_err(|e| format!("connecting to the NIXL side channel {path:?}: {e}"))?;
         stream.set_read_timeout(Some(WAIT))?;
         Ok(Some(DecodeNixl {
             agent,
-            ctx: CudaContext::new(device as usize)?,
+            ctx,
             device,
             stream,
         }))
