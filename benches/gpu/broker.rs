@@ -238,6 +238,7 @@ fn probe(
             model,
             size: CHUNK,
             count: count as u32,
+            look_ahead: false,
         })?;
         match reply {
             Reply::GrantedMany { chunks, .. } => ids.extend(chunks),

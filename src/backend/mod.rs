@@ -148,6 +148,17 @@ impl fmt::Display for DriverCall {
     }
 }
 
+/// How much a batch of new chunks is needed, for backends whose chunks come from a shared
+/// budget (the broker's engines): a required chunk may cost other users their idle memory (the
+/// broker asks them to give back), a look-ahead chunk is taken only if it is free at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// The request cannot be served without it.
+    Required,
+    /// Growth ahead of need: never at anyone else's expense.
+    LookAhead,
+}
+
 /// The virtual-memory driver interface. Implementations are thin: no caching, no policy.
 ///
 /// Addresses are absolute (`u64`, as CUDA's `CUdeviceptr`); sizes are multiples of
@@ -184,8 +195,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Create `count` physical chunks of `size` bytes each: all of them, or none (what was
     /// made before a failure is released again). Backends whose chunks come from elsewhere
-    /// (a broker) serve the whole batch in one request; this default creates them one by one.
-    fn create_many(&self, size: usize, count: usize) -> Result<Vec<PhysicalChunk>> {
+    /// (a broker) serve the whole batch in one request, and tell it how much the chunks are
+    /// needed ([`Need`]); this default creates them one by one and ignores `need`.
+    fn create_many(&self, size: usize, count: usize, need: Need) -> Result<Vec<PhysicalChunk>> {
+        let _ = need;
         let mut made = Vec::with_capacity(count);
         for _ in 0..count {
             match self.create(size) {

@@ -89,6 +89,9 @@ pub enum Request {
         size: u64,
         /// How many chunks.
         count: u32,
+        /// Growth ahead of need: served only from idle chunks or free budget, never by asking
+        /// other engines to give back.
+        look_ahead: bool,
     },
     /// Chunks this engine unmapped and released go back to the broker (at most
     /// [`MAX_BATCH`] ids); ids it does not hold are reported, the others still go back.
@@ -464,6 +467,7 @@ mod tests {
                 model: 1,
                 size: 1 << 30,
                 count: 16,
+                look_ahead: true,
             },
             Request::GiveBackMany {
                 model: 1,

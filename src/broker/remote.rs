@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink};
 use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
-use crate::backend::{Backend, BackendInfo, MemoryInfo, PhysicalChunk};
+use crate::backend::{Backend, BackendInfo, MemoryInfo, Need, PhysicalChunk};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolConfig};
 use crate::shared::ModelConfig;
@@ -380,9 +380,9 @@ impl Backend for ModelBackend {
         }
     }
 
-    fn create_many(&self, size: usize, count: usize) -> Result<Vec<PhysicalChunk>> {
-        if count <= 1 {
-            return (0..count).map(|_| self.create(size)).collect();
+    fn create_many(&self, size: usize, count: usize, need: Need) -> Result<Vec<PhysicalChunk>> {
+        if count == 0 {
+            return Ok(Vec::new());
         }
         // Every batch request goes out at once: the broker prepares batch k + 1 while this
         // process imports batch k.
@@ -396,6 +396,7 @@ impl Backend for ModelBackend {
                 model: self.model,
                 size: size as u64,
                 count: n as u32,
+                look_ahead: need == Need::LookAhead,
             }) {
                 Ok(s) => sent.push((n, s)),
                 Err(e) => {
@@ -777,6 +778,7 @@ mod tests {
                     model: m.key(),
                     size: 2 << 20,
                     count,
+                    look_ahead: false,
                 })
                 .unwrap();
             assert!(fds.is_empty());
@@ -792,6 +794,7 @@ mod tests {
                 model: m.key(),
                 size: 2 << 20,
                 count: 3,
+                look_ahead: false,
             })
             .unwrap();
         let Reply::GrantedMany { chunks, .. } = reply else {
@@ -824,6 +827,59 @@ mod tests {
             matches!(&reply, Reply::Error { message, .. } if message.contains(&(MAX_BATCH + 1).to_string())),
             "{reply:?}"
         );
+        broker.shutdown();
+    }
+
+    /// A growth's look-ahead never costs another engine: with the budget short, the required
+    /// part is served and the look-ahead refused at once, without asking anyone to give back.
+    #[test]
+    fn look_ahead_never_reclaims_from_others() {
+        const MIB: u64 = 1 << 20;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker =
+            Broker::start(Arc::new(host), BrokerConfig::new(socket("ahead"), 64 * MIB)).unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let a = client
+            .register(ModelConfig::new("a", 1 << 30, 64 * MIB))
+            .unwrap();
+        // A holds 40 MiB, unmapped and cached: reclaimable, but A's.
+        a.map(0, 40 * MIB).unwrap();
+        a.unmap(0, 40 * MIB).unwrap();
+        // B, another engine, maps at least all it has mapped again on each growth (divisor 1).
+        let other = BrokerClient::connect(broker.socket(), "other").unwrap();
+        let b = other
+            .register(
+                ModelConfig::new("b", 1 << 30, 64 * MIB)
+                    .pool_config(PoolConfig::new(1 << 30).growth_divisor(1)),
+            )
+            .unwrap();
+        let ctl = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
+        let first = b.allocate((16 * MIB) as usize).unwrap();
+        let before = ctl.snapshot().unwrap();
+        // 4 MiB more is needed (8 MiB free); the look-ahead (12 MiB more) finds no free budget.
+        let second = b.allocate((4 * MIB) as usize).unwrap();
+        let after = ctl.snapshot().unwrap();
+        assert_eq!(
+            after.counters.reclaim_requests, before.counters.reclaim_requests,
+            "a look-ahead asked another engine to give back: {:?}",
+            after.counters
+        );
+        let used = |s: &crate::broker::Snapshot, name: &str| {
+            s.models.iter().find(|m| m.name == name).map(|m| m.used)
+        };
+        assert_eq!(used(&after, "a"), Some(40 * MIB), "A keeps its memory");
+        assert_eq!(used(&after, "b"), Some(20 * MIB), "B mapped what it needed");
+        // A required growth does ask: B needs 16 MiB, 12 MiB more than the budget has free.
+        let third = b.allocate((16 * MIB) as usize).unwrap();
+        let end = ctl.snapshot().unwrap();
+        assert!(
+            end.counters.reclaim_requests > after.counters.reclaim_requests,
+            "{:?}",
+            end.counters
+        );
+        assert_eq!(end.audit, None);
+        drop((first, second, third));
         broker.shutdown();
     }
 }

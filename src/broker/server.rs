@@ -618,8 +618,13 @@ impl Shared {
                 self.changed.notify_all();
                 (Reply::Done, Vec::new())
             }
-            Request::Grow { model, size } => self.grow(conn, model, size, None),
-            Request::GrowMany { model, size, count } => {
+            Request::Grow { model, size } => self.grow(conn, model, size, None, false),
+            Request::GrowMany {
+                model,
+                size,
+                count,
+                look_ahead,
+            } => {
                 if count == 0 || count > MAX_BATCH {
                     return (
                         error_reply(
@@ -629,7 +634,7 @@ impl Shared {
                         Vec::new(),
                     );
                 }
-                self.grow(conn, model, size, Some(count))
+                self.grow(conn, model, size, Some(count), look_ahead)
             }
             Request::GiveBackMany { model, chunks } => {
                 if chunks.len() > MAX_BATCH as usize {
@@ -763,7 +768,15 @@ impl Shared {
     /// other sizes are released and other engines asked to give back, once, within the reclaim
     /// wait. Each chunk is exported as a descriptor; one reply carries them all
     /// ([`Reply::GrantedMany`] for a batch, `count` `Some`; [`Reply::Granted`] for one chunk).
-    fn grow(&self, conn: u64, model: u64, size: u64, batch: Option<u32>) -> (Reply, Vec<OwnedFd>) {
+    /// A `look_ahead` growth asks no other engine to give back: short of budget it is refused.
+    fn grow(
+        &self,
+        conn: u64,
+        model: u64,
+        size: u64,
+        batch: Option<u32>,
+        look_ahead: bool,
+    ) -> (Reply, Vec<OwnedFd>) {
         let count = batch.unwrap_or(1);
         let gran = self.desc.granularity;
         if size == 0
@@ -780,7 +793,8 @@ impl Shared {
             );
         }
         let mut granted: Vec<(u64, PhysicalChunk, bool)> = Vec::with_capacity(count as usize);
-        let mut reclaim_asked = false;
+        // A look-ahead never waits for other engines: as if their reclaim was asked already.
+        let mut reclaim_asked = look_ahead;
         while granted.len() < count as usize {
             match self.grant_one(conn, model, size, &mut reclaim_asked) {
                 Ok(g) => granted.push(g),

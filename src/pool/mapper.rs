@@ -61,10 +61,15 @@ impl Inner {
     }
 
     /// `count` chunks of `size` bytes, all or none.
-    pub(super) fn call_create_many(&self, size: u64, count: usize) -> Result<Vec<PhysicalChunk>> {
+    pub(super) fn call_create_many(
+        &self,
+        size: u64,
+        count: usize,
+        need: crate::backend::Need,
+    ) -> Result<Vec<PhysicalChunk>> {
         self.drivers.bump_by(DriverCall::Create, count as u64);
         tracing::trace!(pool = %self.name, size, count, "create many");
-        self.backend.create_many(size as usize, count)
+        self.backend.create_many(size as usize, count, need)
     }
 
     /// One result per chunk, in order.

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use super::admission::{Acquired, Fit, Urgency};
 use super::mapper::bytes_of;
 use super::Inner;
-use crate::backend::PhysicalChunk;
+use crate::backend::{Need, PhysicalChunk};
 use crate::error::{Error, Result};
 
 /// Chunks [`Inner::obtain`] got, in flight.
@@ -89,7 +89,11 @@ impl Inner {
             if count == 0 {
                 continue;
             }
-            match self.call_create_many(size, count) {
+            let need = match urgency {
+                Urgency::Required => Need::Required,
+                Urgency::LookAhead => Need::LookAhead,
+            };
+            match self.call_create_many(size, count, need) {
                 Ok(cs) => {
                     created.extend(cs);
                     left -= size * count as u64;
