@@ -582,3 +582,36 @@ pub fn default_backend() -> Result<(Arc<dyn Backend>, Option<String>)> {
         )),
     }
 }
+
+#[cfg(test)]
+mod gather_tests {
+    use super::*;
+
+    #[test]
+    fn gather_descriptors_pack_as_the_kernel_reads_them() {
+        let pieces = [
+            GatherPiece {
+                src: 1,
+                dst: 2,
+                len: 3,
+            },
+            GatherPiece {
+                src: 4,
+                dst: 5,
+                len: 6,
+            },
+        ];
+        let shifts = [GatherShift {
+            src: u64::MAX,
+            dst: 1 << 40,
+        }];
+        let (words, at) = pack_gather(&pieces, &shifts).unwrap();
+        assert_eq!(words, vec![1, 2, 3, 4, 5, 6, u64::MAX, 1 << 40]);
+        assert_eq!(at, 6);
+        // The kernel's structs are these words: 24 and 16 bytes, 8-byte aligned.
+        assert_eq!(std::mem::size_of::<GatherPiece>(), 24);
+        assert_eq!(std::mem::size_of::<GatherShift>(), 16);
+        let (words, at) = pack_gather(&[], &shifts).unwrap();
+        assert_eq!((words.len(), at), (2, 0));
+    }
+}

@@ -54,6 +54,7 @@ mod export;
 mod import;
 mod link;
 mod path;
+mod plan;
 mod wire;
 
 pub use copy::{Completion, CopyReport, CopyStream};
@@ -61,6 +62,7 @@ pub use export::Grant;
 pub use import::ImportedGrant;
 pub use link::{listen, GrantStatus, LinkStats, PeerInfo, PeerLink, Peers};
 pub use path::{boot_id, choose_path, Endpoint, PathChoice, TransferPath};
+pub use plan::{CopyEngine, EngineChoice};
 pub use wire::{GrantMode, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
 
 #[cfg(test)]
