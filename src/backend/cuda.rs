@@ -264,7 +264,12 @@ impl CudaBackend {
         // valid for writing. The context current on this thread is ours (bound above).
         unsafe { sys::cuModuleLoadData(&mut module, GATHER_PTX.as_ptr().cast()) }
             .result()
-            .map_err(|e| format!("cuModuleLoadData of the gather kernel failed with {:?}", e.0))?;
+            .map_err(|e| {
+                format!(
+                    "cuModuleLoadData of the gather kernel failed with {:?}",
+                    e.0
+                )
+            })?;
         let unload = |module: sys::CUmodule| {
             // SAFETY: loaded above, unloaded once, nothing of it launched.
             let _ = unsafe { sys::cuModuleUnload(module) };
@@ -276,7 +281,10 @@ impl CudaBackend {
                 .result()
         {
             unload(module);
-            return Err(format!("cuModuleGetFunction(evmm_gather) failed with {:?}", e.0));
+            return Err(format!(
+                "cuModuleGetFunction(evmm_gather) failed with {:?}",
+                e.0
+            ));
         }
         // SAFETY: plain data; all-zero is its documented default.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
@@ -691,7 +699,9 @@ impl Backend for CudaBackend {
         }
         let ntasks = pieces.len() as u64 * shifts.len() as u64; // checked by `pack_gather`
         let per_block = u64::from(GATHER_THREADS / 32);
-        let grid = ntasks.div_ceil(per_block).clamp(1, u64::from(kernel.max_grid.max(1))) as u32;
+        let grid = ntasks
+            .div_ceil(per_block)
+            .clamp(1, u64::from(kernel.max_grid.max(1))) as u32;
         let mut p_pieces: u64 = buf;
         let mut p_count: u32 = pieces.len() as u32; // checked by `pack_gather`
         let mut p_shifts: u64 = buf + (at as u64) * 8;

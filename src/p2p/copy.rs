@@ -344,7 +344,9 @@ impl ImportedGrant {
                 // pinned destination memory, mapped read-write; the two are different
                 // mappings so they do not overlap. Other use of the destination is excluded by
                 // the contracts of the layout's unsafe reads and writes.
-                unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len as usize) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len as usize)
+                };
             });
             completion.report.elapsed = started.elapsed();
         }

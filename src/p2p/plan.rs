@@ -69,7 +69,12 @@ pub enum EngineChoice {
 }
 
 /// The engine for `copies` merged copies of `bytes` bytes in all.
-pub(crate) fn choose(memory: MemoryKind, choice: EngineChoice, copies: u64, bytes: u64) -> CopyEngine {
+pub(crate) fn choose(
+    memory: MemoryKind,
+    choice: EngineChoice,
+    copies: u64,
+    bytes: u64,
+) -> CopyEngine {
     if memory == MemoryKind::Host {
         return CopyEngine::Cpu;
     }
@@ -342,7 +347,10 @@ impl Claim {
             }
             (
                 Claim::Blocks {
-                    pattern, stride, set, ..
+                    pattern,
+                    stride,
+                    set,
+                    ..
                 },
                 o,
             ) => {
@@ -365,7 +373,11 @@ fn any_bit(set: &[u64], first: usize, end: usize) -> bool {
     while b < end {
         let (w, off) = (b / 64, b % 64);
         let take = (64 - off).min(end - b);
-        let mask = if take == 64 { u64::MAX } else { ((1u64 << take) - 1) << off };
+        let mask = if take == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << take) - 1) << off
+        };
         if set.get(w).is_some_and(|x| x & mask != 0) {
             return true;
         }
@@ -376,7 +388,9 @@ fn any_bit(set: &[u64], first: usize, end: usize) -> bool {
 
 fn ones(set: &[u64]) -> impl Iterator<Item = usize> + '_ {
     set.iter().enumerate().flat_map(|(i, &w)| {
-        (0..64).filter(move |j| w & (1 << j) != 0).map(move |j| i * 64 + j)
+        (0..64)
+            .filter(move |j| w & (1 << j) != 0)
+            .map(move |j| i * 64 + j)
     })
 }
 
@@ -446,17 +460,26 @@ mod tests {
 
     #[test]
     fn patterns_pair_and_merge_neighbours() {
-        let p = pair_pattern(&[(0, 8), (8, 8), (100, 4)], &[(1000, 8), (1008, 8), (2000, 4)])
-            .unwrap();
+        let p = pair_pattern(
+            &[(0, 8), (8, 8), (100, 4)],
+            &[(1000, 8), (1008, 8), (2000, 4)],
+        )
+        .unwrap();
         assert_eq!(p, vec![piece(0, 1000, 16), piece(100, 2000, 4)]);
         // Continuing on one side only: not merged.
         let p = pair_pattern(&[(0, 8), (8, 8)], &[(1000, 8), (1016, 8)]).unwrap();
         assert_eq!(p.len(), 2);
         let e = pair_pattern(&[(0, 8)], &[(0, 8), (8, 8)]).unwrap_err();
         assert!(matches!(e, Error::LayoutMismatch { .. }), "{e}");
-        assert!(e.to_string().contains("1 spans") && e.to_string().contains('2'), "{e}");
+        assert!(
+            e.to_string().contains("1 spans") && e.to_string().contains('2'),
+            "{e}"
+        );
         let e = pair_pattern(&[(0, 8)], &[(0, 9)]).unwrap_err();
-        assert!(e.to_string().contains("8 bytes") && e.to_string().contains("9 bytes"), "{e}");
+        assert!(
+            e.to_string().contains("8 bytes") && e.to_string().contains("9 bytes"),
+            "{e}"
+        );
     }
 
     fn plan(pieces: Vec<GatherPiece>, pairs: &[(u64, u64)], stride: u64) -> Plan {
@@ -502,7 +525,11 @@ mod tests {
 
     #[test]
     fn pieces_split_at_the_limit_keeping_alignment() {
-        let p = plan(vec![piece(3, 5, 2 * MAX_PIECE + 17), piece(1 << 30, 7, 1)], &[(0, 0)], 1 << 31);
+        let p = plan(
+            vec![piece(3, 5, 2 * MAX_PIECE + 17), piece(1 << 30, 7, 1)],
+            &[(0, 0)],
+            1 << 31,
+        );
         let s = p.split(MAX_PIECE);
         assert_eq!(
             s,
@@ -525,14 +552,23 @@ mod tests {
     fn engine_policy() {
         use CopyEngine::*;
         let auto = EngineChoice::Auto;
-        assert_eq!(choose(MemoryKind::Host, EngineChoice::Kernel, 1000, 1 << 30), Cpu);
+        assert_eq!(
+            choose(MemoryKind::Host, EngineChoice::Kernel, 1000, 1 << 30),
+            Cpu
+        );
         assert_eq!(choose(MemoryKind::Device, auto, 1, 1 << 30), Memcpy);
         assert_eq!(choose(MemoryKind::Device, auto, 4, 4096), Memcpy);
         assert_eq!(choose(MemoryKind::Device, auto, 32, 1 << 30), Memcpy);
         assert_eq!(choose(MemoryKind::Device, auto, 32, 32 << 20), Kernel);
         assert_eq!(choose(MemoryKind::Device, auto, 262_144, 256 << 20), Kernel);
-        assert_eq!(choose(MemoryKind::Device, EngineChoice::Memcpy, 262_144, 1), Memcpy);
-        assert_eq!(choose(MemoryKind::Device, EngineChoice::Kernel, 1, 1 << 30), Kernel);
+        assert_eq!(
+            choose(MemoryKind::Device, EngineChoice::Memcpy, 262_144, 1),
+            Memcpy
+        );
+        assert_eq!(
+            choose(MemoryKind::Device, EngineChoice::Kernel, 1, 1 << 30),
+            Kernel
+        );
     }
 
     #[test]
@@ -543,7 +579,10 @@ mod tests {
         let e = block_set(&[1, 2, 1], 10).unwrap_err().to_string();
         assert!(e.contains("block 1 is listed twice"), "{e}");
         let e = block_set(&[10], 10).unwrap_err().to_string();
-        assert!(e.contains("block 10 does not exist") && e.contains("10 blocks"), "{e}");
+        assert!(
+            e.contains("block 10 does not exist") && e.contains("10 blocks"),
+            "{e}"
+        );
     }
 
     fn blocks(pattern: &Arc<[(u64, u64)]>, stride: u64, nb: usize, b: &[usize]) -> Claim {
