@@ -23,14 +23,14 @@ const MIN_PIECE: u64 = 4 << 10;
 /// one resident wave on an H100).
 const TARGET_TASKS: u64 = 4096;
 
-/// Copies the memcpy engine takes at most whatever their size (below it one `cuMemcpyAsync`
-/// each costs less than the kernel's fixed cost of an upload and a launch).
+/// Copies the memcpy engine takes whatever their size: below it one `cuMemcpyAsync` each
+/// (about 2 µs of submission and gap per call) costs less than the kernel's fixed cost (an
+/// allocation, an upload and a launch, about 10 µs).
 pub(crate) const MEMCPY_ALWAYS: u64 = 4;
-/// Copies the memcpy engine takes at most when they are large.
-pub(crate) const MEMCPY_MAX: u64 = 64;
-/// Average bytes per copy from which up to [`MEMCPY_MAX`] copies go to the memcpy engine (each
-/// call's overhead is then below about 2% of its time).
-pub(crate) const MEMCPY_MIN_AVG: u64 = 8 << 20;
+/// One more copy goes to the memcpy engine per this many bytes moved: the kernel runs a few
+/// per cent below the copy engines' bandwidth, which on large moves outweighs the calls' cost
+/// (about 7% of the time of 32 MiB at 1.4 TB/s is 2 µs, one call's cost).
+pub(crate) const MEMCPY_BYTES_PER_COPY: u64 = 32 << 20;
 
 /// How the bytes of a copy move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,8 +58,9 @@ impl std::fmt::Display for CopyEngine {
 /// Which engine a copy may use ([`crate::p2p::ImportedGrant::copy_into_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum EngineChoice {
-    /// Few large merged runs go to `cuMemcpyAsync`, everything else to the gather kernel
-    /// (falling back to memcpy where the kernel cannot be loaded). Host memory: the CPU.
+    /// Merged runs go to `cuMemcpyAsync` when they are few (4, plus one per 32 MiB moved),
+    /// everything else to the gather kernel (falling back to memcpy where the kernel cannot be
+    /// loaded). Host memory: the CPU.
     #[default]
     Auto,
     /// Always one `cuMemcpyAsync` per merged run.
@@ -82,8 +83,7 @@ pub(crate) fn choose(
         EngineChoice::Memcpy => CopyEngine::Memcpy,
         EngineChoice::Kernel => CopyEngine::Kernel,
         EngineChoice::Auto => {
-            let large = copies <= MEMCPY_MAX && bytes / copies.max(1) >= MEMCPY_MIN_AVG;
-            if copies <= MEMCPY_ALWAYS || large {
+            if copies <= MEMCPY_ALWAYS + bytes / MEMCPY_BYTES_PER_COPY {
                 CopyEngine::Memcpy
             } else {
                 CopyEngine::Kernel
@@ -558,8 +558,13 @@ mod tests {
         );
         assert_eq!(choose(MemoryKind::Device, auto, 1, 1 << 30), Memcpy);
         assert_eq!(choose(MemoryKind::Device, auto, 4, 4096), Memcpy);
+        // 32 layers of 1 GiB in order: 32 copies of 32 MiB.
         assert_eq!(choose(MemoryKind::Device, auto, 32, 1 << 30), Memcpy);
-        assert_eq!(choose(MemoryKind::Device, auto, 32, 32 << 20), Kernel);
+        // 32 layers of 256 MiB: copies of 8 MiB, the calls cost more than the kernel's loss.
+        assert_eq!(choose(MemoryKind::Device, auto, 32, 256 << 20), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 12, 256 << 20), Memcpy);
+        assert_eq!(choose(MemoryKind::Device, auto, 5, 32 << 20), Memcpy);
+        assert_eq!(choose(MemoryKind::Device, auto, 6, 32 << 20), Kernel);
         assert_eq!(choose(MemoryKind::Device, auto, 262_144, 256 << 20), Kernel);
         assert_eq!(
             choose(MemoryKind::Device, EngineChoice::Memcpy, 262_144, 1),
