@@ -9,13 +9,15 @@
 #   tar -xJf .carry/bundle.tar.xz -C /tmp && tar -xJf .carry/nixl-runtime.tar.xz -C /tmp
 #   export LD_LIBRARY_PATH=/tmp/nixl/.nixl_cu13.mesonpy.libs
 #   /tmp/bundle/gpu-tests --test-threads=1 && /tmp/bundle/gpu-bench && /tmp/bundle/elastic_kv_cache
+#   cd /tmp/bundle && EVMM_PROCESS_BACKEND=cuda EVMM_CLI=$PWD/elastic-vmm ./process-tests broker::
+#   (the broker tests with real engine processes, on CUDA chunks)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features="gpu-tests${1:+,$1}"
 out=.carry/bundle
 rm -rf "$out" && mkdir -p "$out"
 json=$(mktemp)
-cargo build --release --features "$features" --test gpu --bench gpu --bins --message-format=json-render-diagnostics >"$json"
+cargo build --release --features "$features" --test gpu --test processes --bench gpu --bins --message-format=json-render-diagnostics >"$json"
 if [[ ",$features," == *",candle,"* || ",$features," == *",candle-example,"* ]]; then
   cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
 fi
@@ -25,7 +27,7 @@ fi
 python3 - "$json" "$out" <<'PY'
 import json, shutil, sys
 src, out = sys.argv[1], sys.argv[2]
-names = {("test", "gpu"): "gpu-tests", ("bench", "gpu"): "gpu-bench", ("bin", "elastic-vmm"): "elastic-vmm"}
+names = {("test", "gpu"): "gpu-tests", ("test", "processes"): "process-tests", ("bench", "gpu"): "gpu-bench", ("bin", "elastic-vmm"): "elastic-vmm"}
 for line in open(src):
     m = json.loads(line)
     if m.get("reason") != "compiler-artifact" or not m.get("executable"):

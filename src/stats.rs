@@ -16,6 +16,11 @@ impl DriverCounters {
         self.counts[call.index()].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Count `n` calls of one kind (a batch).
+    pub(crate) fn bump_by(&self, call: DriverCall, n: u64) {
+        self.counts[call.index()].fetch_add(n, Ordering::Relaxed);
+    }
+
     /// Every call so far, of any kind (cheap: a few atomic loads).
     pub(crate) fn total(&self) -> u64 {
         self.counts

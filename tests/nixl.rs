@@ -9,6 +9,12 @@
 #[path = "suite/mod.rs"]
 mod suite;
 
+/// The two-process NIXL exchange of `gpu-bench p2p`, memory-independent: tested here on DRAM
+/// (`prepare_env`, which changes the environment, is for the bench's `main` only).
+#[path = "../benches/gpu/nixl_peer.rs"]
+#[allow(dead_code)]
+mod nixl_peer;
+
 use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
@@ -93,4 +99,318 @@ fn timed_out_transfer_keeps_blocks_pinned() {
         stdout.contains("1 passed"),
         "the child did not run the scenario"
     );
+}
+
+/// Block geometry of the two-process test: 4 layers x K/V x 16 tokens x 96 elements x 2 bytes
+/// = 24 KiB per block, so blocks straddle the 2 MiB pages of the host backend.
+fn peer_config(blocks: usize) -> elastic_vmm::layout::LayoutConfig {
+    elastic_vmm::layout::LayoutConfig::new(blocks, 4, 2, 16, 96, 2)
+}
+
+/// Blocks offered per round: the second round offers fewer blocks in new memory, so the decode
+/// must forget the first metadata and load the second.
+const PEER_ROUNDS: [usize; 2] = [200, 120];
+const PEER_SOCKET: &str = "ELASTIC_VMM_NIXL_PEER_SOCKET";
+const PEER_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The exchange `gpu-bench p2p` uses for its NIXL columns (`benches/gpu/nixl_peer.rs`), between
+/// two real processes on host memory: this process is the prefill (agent, registrations,
+/// offer of metadata and descriptors over a Unix socket of its own, progress while it waits),
+/// this binary again the decode (`PEER_SOCKET` set: loads the metadata, READs into its own
+/// memory, checks every byte, answers). Per round, plain (a pool allocation registered whole
+/// per chunk) and elastic memory (pages registered by the mapping hook; 2 MiB pages on the
+/// prefill, 4 MiB on the decode, so the two descriptor lists split at different places).
+#[test]
+fn two_processes_exchange_and_read() {
+    if !nixl_ready() {
+        return;
+    }
+    if let Some(path) = std::env::var_os(PEER_SOCKET) {
+        peer_decode(std::path::Path::new(&path));
+        return;
+    }
+    use elastic_vmm::layout::{KvLayout, LayoutBuilder};
+    use std::process::{Command, Stdio};
+
+    let name = "two_processes_exchange_and_read";
+    let dir = std::env::temp_dir().join(format!("evmm-nixl-peer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let sock = dir.join("nixl");
+    let _ = std::fs::remove_file(&sock);
+    let listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(PEER_SOCKET, &sock)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the decode process");
+    let backend = host();
+    let pool = suite::layout::pool(&backend, 256 << 20);
+    let agent = NixlAgent::new("prefill").expect("agent");
+    let result = (|| -> Result<(), nixl_peer::PeerError> {
+        let mut stream =
+            nixl_peer::accept_within(&listener, PEER_WAIT, || match child.try_wait()? {
+                Some(st) => Err(format!("the decode process ended before connecting: {st}").into()),
+                None => Ok(()),
+            })?;
+        for n in PEER_ROUNDS {
+            let plain = agent.register(
+                LayoutBuilder::new()
+                    .config(peer_config(n))
+                    .fully_contiguous()
+                    .allocate(&pool)
+                    .build()?,
+            )?;
+            let kv = LayoutBuilder::new()
+                .config(peer_config(n))
+                .fully_contiguous()
+                .elastic(&pool)
+                .hook(agent.mapping_hook())
+                .build()?;
+            kv.ensure_backed(0..n)?;
+            let block = peer_config(n).sizes()?.block;
+            for l in [&plain as &dyn KvLayout, &kv] {
+                let base = l.views().block(0)?[0].addr;
+                nixl_peer::write_pattern(n, block, |off, bytes| {
+                    // SAFETY: inside the layout's `n` blocks, all backed; nothing else uses them.
+                    unsafe { backend.write(base + off, bytes) }.map_err(|e| e.into())
+                })?;
+            }
+            let sets = vec![
+                nixl_peer::block_descriptors(&agent, &plain, n)?,
+                nixl_peer::block_descriptors(&agent, &kv, n)?,
+            ];
+            assert_eq!(
+                sets[0].descs.len(),
+                plain.chunks().len(),
+                "one descriptor per chunk"
+            );
+            assert!(
+                sets[1].descs.len() >= 2,
+                "{n} blocks of {block} bytes span several 2 MiB pages"
+            );
+            let metadata = agent.raw().get_local_md()?;
+            let offer = nixl_peer::Offer { metadata, sets }.encode()?;
+            nixl_peer::send_frame(&mut stream, &offer)?;
+            nixl_peer::wait_answer(&mut stream, &agent, PEER_WAIT)?;
+            println!("round of {n} blocks: the decode read and verified plain and elastic memory");
+        }
+        Ok(())
+    })();
+    let out = child.wait_with_output().expect("decode process output");
+    let _ = std::fs::remove_dir_all(&dir);
+    let log = format!(
+        "decode process ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{log}");
+    if let Err(e) = result {
+        panic!("prefill side: {e}");
+    }
+    assert!(out.status.success(), "the decode process failed");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the decode process did not run its side"
+    );
+}
+
+/// The decode side of [`two_processes_exchange_and_read`].
+fn peer_decode(path: &std::path::Path) {
+    use elastic_vmm::layout::{KvLayout, LayoutBuilder};
+
+    let backend = host();
+    let pool = suite::layout::pool(&backend, 256 << 20);
+    let agent = NixlAgent::new("decode").expect("agent");
+    let mut stream = std::os::unix::net::UnixStream::connect(path).expect("connect");
+    stream.set_read_timeout(Some(PEER_WAIT)).expect("timeout");
+    for n in PEER_ROUNDS {
+        let frame = nixl_peer::recv_frame(&mut stream).expect("offer");
+        let offer = nixl_peer::Offer::decode(&frame).expect("a well-formed offer");
+        assert_eq!(offer.sets.len(), 2);
+        let remote = nixl_peer::Remote::load(&agent, &offer.metadata).expect("load metadata");
+        assert_eq!(remote.name(), "prefill");
+        let block = peer_config(n).sizes().expect("sizes").block;
+        let plain = agent
+            .register(
+                LayoutBuilder::new()
+                    .config(peer_config(n))
+                    .fully_contiguous()
+                    .allocate(&pool)
+                    .build()
+                    .expect("plain layout"),
+            )
+            .expect("register");
+        let kv = LayoutBuilder::new()
+            .config(peer_config(n))
+            .fully_contiguous()
+            .elastic(&pool)
+            .page_size(4 << 20)
+            .hook(agent.mapping_hook())
+            .build()
+            .expect("elastic layout");
+        kv.ensure_backed(0..n).expect("back");
+        for (what, l, set) in [
+            ("plain", &plain as &dyn KvLayout, &offer.sets[0]),
+            ("elastic", &kv, &offer.sets[1]),
+        ] {
+            assert_eq!((set.blocks, set.block_bytes), (n as u64, block), "{what}");
+            let local = nixl_peer::block_descriptors(&agent, l, n).expect("local descriptors");
+            let base = l.views().block(0).expect("block 0")[0].addr;
+            let len = n as u64 * block;
+            // SAFETY: the layout's `n` blocks, all backed; no transfer into them runs.
+            unsafe { backend.fill(base, len as usize, 0) }.expect("zero");
+            let r = nixl_peer::read(&agent, &remote, &local.descs, &set.descs, PEER_WAIT)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(r.bytes, len, "{what}");
+            nixl_peer::verify_pattern(n, block, |off, out| {
+                // SAFETY: as above; the READ has finished.
+                unsafe { backend.read(base + off, out) }.map_err(|e| e.into())
+            })
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            println!(
+                "{what}: {n} blocks, {} bytes in {} descriptor pairs ({} local, {} remote) in {:?}",
+                r.bytes,
+                r.descriptors,
+                local.descs.len(),
+                set.descs.len(),
+                r.elapsed
+            );
+        }
+        drop(remote);
+        std::io::Write::write_all(&mut stream, &[nixl_peer::DONE]).expect("answer");
+    }
+}
+
+/// The offer's wire format round-trips and refuses bad input with the numbers, never a panic
+/// or a huge allocation (no NIXL call: runs without the library).
+#[test]
+fn offer_wire_format_refuses_bad_input() {
+    use elastic_vmm::nixl::{sys::MemType, NixlDescriptor};
+    use nixl_peer::{co_split, DescSet, Offer};
+
+    let d = |addr, len, mem_type| NixlDescriptor {
+        addr,
+        len,
+        mem_type,
+        device_id: 1,
+    };
+    let offer = Offer {
+        metadata: b"metadata bytes".to_vec(),
+        sets: vec![
+            DescSet {
+                blocks: 3,
+                block_bytes: 4096,
+                descs: vec![
+                    d(0x1000, 8192, MemType::Vram),
+                    d(0x9000, 4096, MemType::Vram),
+                ],
+            },
+            DescSet {
+                blocks: 1,
+                block_bytes: 64,
+                descs: vec![d(0x40, 64, MemType::Dram)],
+            },
+        ],
+    };
+    let wire = offer.encode().expect("encode");
+    assert_eq!(Offer::decode(&wire).expect("decode"), offer);
+    for cut in [0, 7, 12, wire.len() - 1] {
+        let e = Offer::decode(&wire[..cut]).expect_err("cut short");
+        assert!(
+            ["cut short", "not an offer", "bytes follow"]
+                .iter()
+                .any(|w| e.contains(w)),
+            "{cut}: {e}"
+        );
+    }
+    let mut trailing = wire.clone();
+    trailing.push(0);
+    assert!(Offer::decode(&trailing)
+        .expect_err("trailing")
+        .contains("1 bytes follow"));
+    let mut bad_type = wire.clone();
+    // The first descriptor's memory type byte: magic 8, md len 4 + 14, set count 4, blocks 8,
+    // block bytes 8, count 4, address 8, length 8.
+    bad_type[8 + 4 + 14 + 4 + 8 + 8 + 4 + 16] = 9;
+    assert!(Offer::decode(&bad_type)
+        .expect_err("type")
+        .contains("memory type code 9"));
+    let mut huge = wire.clone();
+    huge[8 + 4 + 14..8 + 4 + 14 + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(Offer::decode(&huge)
+        .expect_err("huge")
+        .contains("4294967295 sets"));
+    assert!(Offer {
+        metadata: vec![],
+        sets: vec![DescSet {
+            blocks: 1,
+            block_bytes: 1,
+            descs: vec![d(0, 1, MemType::File)],
+        }],
+    }
+    .encode()
+    .expect_err("file")
+    .contains("cannot be offered"));
+
+    // Frames: a length over the limit is refused before reading it.
+    let mut r = std::io::Cursor::new((u32::MAX).to_le_bytes().to_vec());
+    assert!(nixl_peer::recv_frame(&mut r)
+        .expect_err("big")
+        .to_string()
+        .contains("limit"));
+
+    // Cutting at the union of boundaries: [8192 + 4096] against [4096 + 8192].
+    let (l, rm) = co_split(
+        &[
+            d(0x1000, 8192, MemType::Vram),
+            d(0x9000, 4096, MemType::Vram),
+        ],
+        &[
+            d(0x100000, 4096, MemType::Vram),
+            d(0x200000, 8192, MemType::Vram),
+        ],
+    )
+    .expect("same bytes");
+    let pairs: Vec<_> = l
+        .iter()
+        .zip(&rm)
+        .map(|(a, b)| (a.addr, b.addr, a.len))
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            (0x1000, 0x100000, 4096),
+            (0x2000, 0x200000, 4096),
+            (0x9000, 0x201000, 4096)
+        ]
+    );
+    assert!(
+        co_split(&[d(0, 10, MemType::Dram)], &[d(0, 11, MemType::Dram)])
+            .expect_err("differ")
+            .contains("cover 10 bytes")
+    );
+
+    // The pattern: every byte checked, the culprit named.
+    let (blocks, block) = (5usize, 100u64);
+    let mut mem = vec![0u8; blocks * block as usize];
+    nixl_peer::write_pattern(blocks, block, |off, b| {
+        mem[off as usize..off as usize + b.len()].copy_from_slice(b);
+        Ok(())
+    })
+    .expect("write");
+    let check = |mem: &[u8]| {
+        nixl_peer::verify_pattern(blocks, block, |off, out| {
+            out.copy_from_slice(&mem[off as usize..off as usize + out.len()]);
+            Ok(())
+        })
+    };
+    check(&mem).expect("intact");
+    mem[3 * 100 + 42] ^= 1;
+    let e = check(&mem).expect_err("flipped").to_string();
+    assert!(e.contains("block 3 of 5: byte 42 (offset 342)"), "{e}");
+    assert!(nixl_peer::write_pattern(1, 1, |_, _| Ok(())).is_err());
 }

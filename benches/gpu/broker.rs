@@ -69,7 +69,26 @@ pub fn run() -> Result<(), BoxError> {
         Ok(line.trim().to_string())
     };
     println!("broker: 40 GiB from engine A to engine B (another process), 1 GiB chunks");
-    for (round, via_reclaim) in [(1, false), (2, true)] {
+    // Where the time goes: B's growth by phase, with the chunks imported on 1 and on 4 threads.
+    for (round, threads) in [(3u8, 1usize), (4, 4)] {
+        a.map_chunked(0, SPAN, CHUNK)?;
+        // SAFETY: [0, SPAN) was just mapped with access; nothing else uses it.
+        unsafe { a.backend().fill(a.base(), SPAN as usize, 0x40 + round)? };
+        a.unmap(0, SPAN)?;
+        a.trim()?;
+        let answer = ask(&format!("probe {threads} {}", 0x40 + round))?;
+        println!("  phases, {threads} import thread(s): {answer}");
+    }
+    let default = elastic_vmm::broker::DEFAULT_IMPORT_THREADS;
+    // (fill byte, reclaimed on demand, import threads)
+    let rounds = [
+        (1u8, false, 1usize),
+        (2, false, default),
+        (5, false, 8),
+        (6, true, default),
+    ];
+    for (round, via_reclaim, threads) in rounds {
+        ask(&format!("threads {threads}"))?;
         let t = Instant::now();
         a.map_chunked(0, SPAN, CHUNK)?;
         let a_map = t.elapsed();
@@ -89,12 +108,13 @@ pub fn run() -> Result<(), BoxError> {
             .ok_or_else(|| format!("engine B answered {answer:?}"))?;
         let check = ask(&format!("check {}", 0x40 + round))?;
         println!(
-            "  {}: B mapped 40 GiB in {ms:.2} ms (target 50 ms) [A's own first map: {:.2} ms]; creates {}, releases {}, hand-overs {}; bytes {check}",
+            "  {}, {threads} import thread(s): B mapped 40 GiB in {ms:.2} ms (target 50 ms) [A's own first map: {:.2} ms]; creates {}, releases {}, hand-overs {}, broker time in grants {:.2} ms; bytes {check}",
             if via_reclaim { "A holding it cached, reclaimed on demand" } else { "A gave it back first" },
             a_map.as_secs_f64() * 1e3,
             after.creates - before.creates,
             after.releases - before.releases,
             after.handovers - before.handovers,
+            (after.grant_micros - before.grant_micros) as f64 / 1e3,
         );
         if check != "ok" {
             return Err(format!("engine B read wrong bytes: {check}").into());
@@ -141,6 +161,7 @@ pub fn engine_b() -> Result<(), BoxError> {
     let socket = std::env::var("EVMM_SOCKET")?;
     let client = BrokerClient::connect(&socket, "engine-b")?;
     let b = model(&client, "b", SPAN)?;
+    let local = CudaBackend::new(0)?;
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     for line in stdin.lock().lines() {
@@ -176,6 +197,13 @@ pub fn engine_b() -> Result<(), BoxError> {
                 b.trim()?;
                 "ok".into()
             }
+            ["threads", n] => {
+                client.set_import_threads(n.parse()?);
+                "ok".into()
+            }
+            ["probe", threads, byte] => {
+                probe(&client, b.key(), &local, threads.parse()?, byte.parse()?)?
+            }
             ["quit"] => {
                 writeln!(out, "bye")?;
                 return Ok(());
@@ -186,4 +214,114 @@ pub fn engine_b() -> Result<(), BoxError> {
         out.flush()?;
     }
     Ok(())
+}
+
+/// B's growth phase by phase, outside the pool: batch grants (round trips, the broker's export
+/// included), imports on `threads` threads, maps, one access grant; then the bytes are checked
+/// and everything goes back.
+fn probe(
+    client: &BrokerClient,
+    model: u64,
+    local: &CudaBackend,
+    threads: usize,
+    byte: u8,
+) -> Result<String, BoxError> {
+    use elastic_vmm::broker::protocol::{Reply, Request, MAX_BATCH};
+    let n = (SPAN / CHUNK) as usize;
+    let t = Instant::now();
+    let mut ids = Vec::new();
+    let mut fds = Vec::new();
+    let mut left = n;
+    while left > 0 {
+        let count = left.min(MAX_BATCH as usize);
+        let (reply, got) = client.request(Request::GrowMany {
+            model,
+            size: CHUNK,
+            count: count as u32,
+        })?;
+        match reply {
+            Reply::GrantedMany { chunks, .. } => ids.extend(chunks),
+            other => return Err(format!("grow many answered {other:?}").into()),
+        }
+        fds.extend(got);
+        left -= count;
+    }
+    let grants = t.elapsed();
+    let t = Instant::now();
+    let per = n.div_ceil(threads.max(1));
+    let mut lanes: Vec<Vec<std::os::fd::OwnedFd>> = Vec::new();
+    let mut it = fds.into_iter();
+    loop {
+        let lane: Vec<_> = it.by_ref().take(per).collect();
+        if lane.is_empty() {
+            break;
+        }
+        lanes.push(lane);
+    }
+    let chunks: Vec<elastic_vmm::backend::PhysicalChunk> = std::thread::scope(|s| {
+        let hs: Vec<_> = lanes
+            .into_iter()
+            .map(|lane| {
+                s.spawn(move || {
+                    lane.into_iter()
+                        .map(|fd| local.import_chunk(fd, CHUNK as usize))
+                        .collect::<Result<Vec<_>, _>>()
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for h in hs {
+            all.extend(h.join().map_err(|_| "import thread panicked")??);
+        }
+        Ok::<_, BoxError>(all)
+    })?;
+    let imports = t.elapsed();
+    let base = local.reserve(SPAN as usize, CHUNK as usize)?;
+    let t = Instant::now();
+    for (i, c) in chunks.iter().enumerate() {
+        // SAFETY: the reservation is ours and empty at this offset; the chunk was just imported.
+        unsafe { local.map(base + i as u64 * CHUNK, *c)? };
+    }
+    let maps = t.elapsed();
+    let t = Instant::now();
+    // SAFETY: [base, base + SPAN) is exactly the chunks mapped above.
+    unsafe { local.set_access(base, SPAN as usize)? };
+    let access = t.elapsed();
+    let mut ok = true;
+    for i in 0..n as u64 {
+        let mut buf = [0u8; 1];
+        // SAFETY: mapped with access above.
+        unsafe { local.read(base + i * CHUNK, &mut buf)? };
+        ok &= buf[0] == byte;
+    }
+    let t = Instant::now();
+    // SAFETY: nothing uses the range any more; each chunk is released once after its unmap.
+    unsafe {
+        for i in 0..n as u64 {
+            local.unmap(base + i * CHUNK, CHUNK as usize)?;
+        }
+        for c in chunks {
+            local.release(c)?;
+        }
+        local.free_reservation(base, SPAN as usize)?;
+    }
+    let teardown = t.elapsed();
+    for batch in ids.chunks(MAX_BATCH as usize) {
+        client.request(Request::GiveBackMany {
+            model,
+            chunks: batch.to_vec(),
+        })?;
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    Ok(format!(
+        "grants {:.2} ms ({} requests) + imports {:.2} ms + maps {:.2} ms + access {:.2} ms = {:.2} ms; unmap+release {:.2} ms; bytes {}",
+        ms(grants),
+        n.div_ceil(MAX_BATCH as usize),
+        ms(imports),
+        ms(maps),
+        ms(access),
+        ms(grants + imports + maps + access),
+        ms(teardown),
+        if ok { "ok" } else { "mismatch" }
+    ))
 }

@@ -2,11 +2,13 @@
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
 //! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `p2p`,
-//! `candle`); none runs all.
+//! `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
 
 mod broker;
 #[cfg(feature = "candle")]
 mod candle;
+#[cfg(feature = "nixl")]
+mod nixl_peer;
 mod p2p;
 mod pool;
 mod shared;
@@ -39,6 +41,9 @@ pub fn human(bytes: u64) -> String {
 }
 
 fn main() -> ExitCode {
+    // First, before any thread: NIXL's UCX reads its environment when an agent starts.
+    #[cfg(feature = "nixl")]
+    nixl_peer::prepare_env();
     if std::env::var(broker::ROLE).as_deref() == Ok("broker-engine-b") {
         return match broker::engine_b() {
             Ok(()) => ExitCode::SUCCESS,

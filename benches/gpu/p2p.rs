@@ -11,11 +11,15 @@
 //! (`memcpy`: one `cuMemcpyAsync` per merged run; `kernel`: one launch of the gather kernel,
 //! `tasks` warp work items); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one for comparison.
 //!
-//! NIXL is not measured here: with the `nixl` feature,
-//! `gpu-tests --test-threads=1 --nocapture nixl::vram_vmm_against_cumemalloc` (two agents, one
-//! process, VMM blocks against `cuMemAlloc` memory) and
-//! `../shared/tools/nixl_2proc_probe.py` give its figures on the same machine (0.5 GB/s for VMM
-//! memory between processes, 1378 GB/s for plain memory on the H100).
+//! With the `nixl` feature (and the NIXL library on `LD_LIBRARY_PATH`; without it the columns
+//! are skipped, saying why), NIXL moves the same blocks between the same two processes for the
+//! fully contiguous layout at every block size (`p2p_nixl.rs`; exchange in `nixl_peer.rs`): one
+//! agent per process (UCX backend), metadata and descriptors sent over a Unix socket of their
+//! own, the decode READing from the prefill (the direction of our path: the decode pulls).
+//! *NIXL plain*: `cuMemAlloc` buffers of the same N blocks on both sides (UCX `cuda_ipc`);
+//! *NIXL VMM*: the prefill's elastic layout registered with NIXL into the decode's, one run
+//! over the first 64 MiB (UCX 1.23 emulates VMM memory between processes over TCP, ~0.5 GB/s).
+//! Every NIXL byte is checked on the decode side; the table prints GB/s and ours / NIXL.
 
 use std::os::unix::net::UnixListener;
 use std::process::{Command, Stdio};
@@ -28,6 +32,10 @@ use elastic_vmm::p2p::{self, CopyStream, EngineChoice, ImportedGrant, PeerLink};
 use elastic_vmm::{AccessMode, Backend, Pool, PoolConfig};
 
 use crate::{median, BoxError, GIB, MIB};
+
+#[cfg(feature = "nixl")]
+#[path = "p2p_nixl.rs"]
+mod nixl;
 
 /// The variable that makes this binary the decode process.
 pub const ROLE_VAR: &str = "EVMM_BENCH_ROLE";
@@ -46,9 +54,17 @@ struct Case {
     scattered: bool,
 }
 
+/// Every case, or those of the block sizes (bytes, comma-separated) in `EVMM_P2P_BLOCKS`
+/// (read by both processes: the decode inherits it).
 fn cases() -> Vec<Case> {
+    let only: Option<Vec<u64>> = std::env::var("EVMM_P2P_BLOCKS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect());
     let mut v = Vec::new();
     for block in BLOCK_SIZES {
+        if only.as_ref().is_some_and(|o| !o.contains(&block)) {
+            continue;
+        }
         for kind in [
             LayoutKind::FullyContiguous,
             LayoutKind::LayerSeparate(BlockDim::First),
@@ -99,10 +115,12 @@ pub fn run() -> Result<(), BoxError> {
         "== p2p: KV blocks from a prefill process to a decode process ({}) ==",
         first.info().device_name
     );
-    drop(first);
+    // `first` keeps device 0's primary context alive for the whole run: UCX (NIXL) looks for
+    // a CUDA context when its agent starts.
     for (src, dst) in pairs {
         prefill(src, dst)?;
     }
+    drop(first);
     Ok(())
 }
 
@@ -112,14 +130,25 @@ fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
     let sock = dir.join("s");
     let _ = std::fs::remove_file(&sock);
     let listener: UnixListener = p2p::listen(&sock)?;
-    let mut child = Command::new(std::env::current_exe()?)
-        .env(ROLE_VAR, "p2p-decode")
+    // The device's context first: the NIXL agent (UCX) starts under it.
+    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(device)?);
+    #[cfg(feature = "nixl")]
+    let mut nixl_side = nixl::PrefillNixl::open(&dir, device)?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.env(ROLE_VAR, "p2p-decode")
         .env("EVMM_SOCKET", &sock)
         .env("EVMM_DEVICE", decode_device.to_string())
-        .stdin(Stdio::null())
-        .spawn()?;
-    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(device)?);
+        .stdin(Stdio::null());
+    #[cfg(feature = "nixl")]
+    if let Some(nx) = &nixl_side {
+        cmd.env(nixl::SOCKET_VAR, nx.socket());
+    }
+    let mut child = cmd.spawn()?;
     let link = PeerLink::accept(&listener, "prefill", backend.clone())?;
+    #[cfg(feature = "nixl")]
+    if let Some(nx) = &mut nixl_side {
+        nx.accept(&mut child)?;
+    }
     println!(
         "-- GPU {device} -> GPU {decode_device}: path {} ({})",
         link.path().path,
@@ -143,6 +172,10 @@ fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
         let g = link.grant(&kv, &blocks, AccessMode::ReadOnly)?;
         g.wait_released(WAIT)?;
         kv.release(0..n)?;
+        #[cfg(feature = "nixl")]
+        if let (Some(nx), true) = (&mut nixl_side, nixl::measured(case)) {
+            nx.serve(&backend, &pool, case.block, n)?;
+        }
     }
     drop(link);
     let st = child.wait()?;
@@ -175,7 +208,19 @@ pub fn decode() -> Result<(), BoxError> {
         Ok("memcpy") => EngineChoice::Memcpy,
         _ => EngineChoice::Auto,
     };
-    println!(
+    #[cfg(feature = "nixl")]
+    let mut nixl_side = nixl::DecodeNixl::connect(device)?;
+    #[cfg(feature = "nixl")]
+    if nixl_side.is_some() {
+        println!(
+            "NIXL (UCX, UCX_TLS={}): the decode READs the prefill's blocks; plain = cuMemAlloc \
+             buffers of the same blocks, median of {RUNS} after a warm-up; VMM = elastic layouts \
+             registered per page, the first {} of the blocks, one run; every byte checked",
+            std::env::var("UCX_TLS").unwrap_or_else(|_| "unset".into()),
+            crate::human(nixl::VMM_BYTES)
+        );
+    }
+    print!(
         "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
         "block",
         "layout",
@@ -191,6 +236,11 @@ pub fn decode() -> Result<(), BoxError> {
         "vs raw",
         "vs runs"
     );
+    #[cfg(feature = "nixl")]
+    if nixl_side.is_some() {
+        print!("{}", nixl::header());
+    }
+    println!();
     for case in cases() {
         let n = blocks_for(case.block);
         let t = Instant::now();
@@ -267,7 +317,10 @@ pub fn decode() -> Result<(), BoxError> {
         let or_dash = |v: Option<f64>, unit: &str| {
             v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}{unit}"))
         };
-        println!(
+        drop(raw_dst);
+        drop(g);
+        kv.release(0..n)?;
+        print!(
             "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
             crate::human(case.block),
             label,
@@ -283,9 +336,23 @@ pub fn decode() -> Result<(), BoxError> {
             ours_bw / raw_bw,
             or_dash(run_bw.map(|r| ours_bw / r), "x"),
         );
-        drop(raw_dst);
-        drop(g);
-        kv.release(0..n)?;
+        #[cfg(feature = "nixl")]
+        let mut nixl_errors = Vec::new();
+        #[cfg(feature = "nixl")]
+        if let Some(nx) = &mut nixl_side {
+            if nixl::measured(case) {
+                let f = nx.measure(&backend, &pool, case.block, n)?;
+                print!("{}", f.cells(ours_bw));
+                nixl_errors = f.errors();
+            } else {
+                print!("{}", nixl::no_cells());
+            }
+        }
+        println!();
+        #[cfg(feature = "nixl")]
+        for e in nixl_errors {
+            println!("{e}");
+        }
     }
     let st = link.stats();
     println!(

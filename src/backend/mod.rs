@@ -182,6 +182,43 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// be mapped nowhere.
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()>;
 
+    /// Create `count` physical chunks of `size` bytes each: all of them, or none (what was
+    /// made before a failure is released again). Backends whose chunks come from elsewhere
+    /// (a broker) serve the whole batch in one request; this default creates them one by one.
+    fn create_many(&self, size: usize, count: usize) -> Result<Vec<PhysicalChunk>> {
+        let mut made = Vec::with_capacity(count);
+        for _ in 0..count {
+            match self.create(size) {
+                Ok(c) => made.push(c),
+                Err(e) => {
+                    for c in made {
+                        // SAFETY: made just above by this backend, mapped nowhere, released once.
+                        if let Err(r) = unsafe { self.release(c) } {
+                            tracing::error!(error = %r, size, "release after a failed batch create failed; the chunk is leaked");
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made)
+    }
+
+    /// Release each of `chunks` as [`Backend::release`] would, one result per chunk in order
+    /// (a chunk whose release failed is still the caller's). Backends whose chunks go back
+    /// elsewhere (a broker) return the whole batch in one message; this default releases them
+    /// one by one.
+    ///
+    /// # Safety
+    /// As for [`Backend::release`], for every chunk.
+    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
+        chunks
+            .iter()
+            // SAFETY: forwarded contract, chunk by chunk.
+            .map(|&c| unsafe { self.release(c) })
+            .collect()
+    }
+
     /// Map `chunk` at `addr`, with no access yet.
     ///
     /// # Safety

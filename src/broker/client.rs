@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -30,10 +30,19 @@ use crate::shared::ReclaimCallback;
 /// drop).
 pub(crate) const NOTIFY_ID: u64 = u64::MAX;
 
+/// Threads importing the chunks of one batch grant, unless set otherwise.
+pub const DEFAULT_IMPORT_THREADS: usize = 4;
+
 /// How long a request waits for its reply (a growth may wait for other engines' reclaims).
 const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 
 type Waiter = Sender<(Reply, Vec<OwnedFd>)>;
+
+/// A request on its way: its id and where its reply arrives.
+pub(crate) struct SentRequest {
+    id: u64,
+    rx: Receiver<(Reply, Vec<OwnedFd>)>,
+}
 
 /// Callers waiting for replies, and whether the connection is gone (then nobody may wait).
 #[derive(Default)]
@@ -65,6 +74,8 @@ pub(crate) struct ClientInner {
     welcome: Welcome,
     /// The backend chunks are imported and mapped with (see `remote.rs`).
     pub(crate) local: std::sync::OnceLock<Arc<dyn crate::backend::Backend>>,
+    /// Threads that import the chunks of one batch grant (see `remote.rs`).
+    pub(crate) import_threads: AtomicUsize,
     /// Dropped with the client: ends the reporter.
     _stop: Sender<()>,
 }
@@ -178,6 +189,7 @@ impl BrokerClient {
             writer,
             pending,
             next_id: AtomicU64::new(1),
+            import_threads: AtomicUsize::new(DEFAULT_IMPORT_THREADS),
             links,
             welcome: Welcome {
                 broker_pid: 0,
@@ -222,6 +234,15 @@ impl BrokerClient {
         })
     }
 
+    /// How many threads import the chunks of one batch grant (at least 1; default
+    /// [`DEFAULT_IMPORT_THREADS`]): a growth by many chunks imports them in parallel while the
+    /// broker prepares the next batch.
+    pub fn set_import_threads(&self, threads: usize) {
+        self.inner
+            .import_threads
+            .store(threads.max(1), Ordering::Relaxed);
+    }
+
     /// What the broker said at hello.
     pub fn welcome(&self) -> &Welcome {
         &self.inner.welcome
@@ -258,6 +279,13 @@ pub(crate) fn unexpected(what: &str, reply: &Reply) -> Error {
 
 impl ClientInner {
     pub(crate) fn request(&self, request: Request) -> Result<(Reply, Vec<OwnedFd>)> {
+        let sent = self.send_request(request)?;
+        self.wait_reply(sent)
+    }
+
+    /// Send a request without waiting: several can be in flight on one connection, and the
+    /// broker answers them in order. Wait for each with [`ClientInner::wait_reply`].
+    pub(crate) fn send_request(&self, request: Request) -> Result<SentRequest> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = channel();
         {
@@ -280,10 +308,15 @@ impl ClientInner {
             self.pending.lock().waiters.remove(&id);
             return Err(e);
         }
-        match rx.recv_timeout(REPLY_TIMEOUT) {
+        Ok(SentRequest { id, rx })
+    }
+
+    /// The reply to a request sent with [`ClientInner::send_request`].
+    pub(crate) fn wait_reply(&self, sent: SentRequest) -> Result<(Reply, Vec<OwnedFd>)> {
+        match sent.rx.recv_timeout(REPLY_TIMEOUT) {
             Ok(r) => Ok(r),
             Err(RecvTimeoutError::Timeout) => {
-                self.pending.lock().waiters.remove(&id);
+                self.pending.lock().waiters.remove(&sent.id);
                 Err(Error::Ipc {
                     op: "broker reply",
                     detail: format!("no reply within {} s", REPLY_TIMEOUT.as_secs()),

@@ -31,7 +31,7 @@ pub mod protocol;
 mod remote;
 mod server;
 
-pub use client::{BrokerClient, Welcome};
+pub use client::{BrokerClient, Welcome, DEFAULT_IMPORT_THREADS};
 pub use protocol::{ModelInfo, Snapshot};
 pub use remote::RemoteModel;
 pub use server::{Broker, BrokerConfig};

@@ -12,7 +12,11 @@ use serde::{Deserialize, Serialize};
 use crate::ipc::PeerCredentials;
 
 /// Version of this protocol; a peer with another version is refused at [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// Most chunks one [`Request::GrowMany`] asks for, and most ids one [`Request::GiveBackMany`]
+/// carries: one frame holds at most [`crate::ipc::MAX_FDS`] descriptors.
+pub const MAX_BATCH: u32 = crate::ipc::MAX_FDS as u32;
 
 /// Longest model or engine name, in bytes.
 pub const MAX_NAME: usize = 64;
@@ -75,6 +79,24 @@ pub enum Request {
         model: u64,
         /// Chunk size, a multiple of the granularity.
         size: u64,
+    },
+    /// `count` (1 to [`MAX_BATCH`]) chunks of `size` bytes each for `model`, in one reply
+    /// ([`Reply::GrantedMany`]): all or none.
+    GrowMany {
+        /// The model.
+        model: u64,
+        /// Chunk size, a multiple of the granularity.
+        size: u64,
+        /// How many chunks.
+        count: u32,
+    },
+    /// Chunks this engine unmapped and released go back to the broker (at most
+    /// [`MAX_BATCH`] ids); ids it does not hold are reported, the others still go back.
+    GiveBackMany {
+        /// The model holding them.
+        model: u64,
+        /// The chunks' ids.
+        chunks: Vec<u64>,
     },
     /// A chunk this engine unmapped and released goes back to the broker.
     GiveBack {
@@ -196,6 +218,16 @@ pub enum Reply {
         size: u64,
         /// Whether it was handed over (made earlier, given back by someone) rather than created.
         handed_over: bool,
+    },
+    /// Chunks for a [`Request::GrowMany`]: their descriptors are attached to this frame, in
+    /// the order of the ids.
+    GrantedMany {
+        /// Give them back with these ids.
+        chunks: Vec<u64>,
+        /// The size of each.
+        size: u64,
+        /// How many were handed over (made earlier) rather than created.
+        handed_over: u32,
     },
     /// Done.
     Done,
@@ -427,6 +459,15 @@ mod tests {
             Request::GiveBack {
                 model: 1,
                 chunk: u64::MAX,
+            },
+            Request::GrowMany {
+                model: 1,
+                size: 1 << 30,
+                count: 16,
+            },
+            Request::GiveBackMany {
+                model: 1,
+                chunks: vec![1, 2, u64::MAX],
             },
             Request::ReclaimDone {
                 ticket: 4,

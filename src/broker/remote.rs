@@ -14,7 +14,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink};
-use super::protocol::{ModelInfo, Reply, Request};
+use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
 use crate::backend::{Backend, BackendInfo, MemoryInfo, PhysicalChunk};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolConfig};
@@ -194,7 +194,118 @@ impl Drop for ModelBackend {
     }
 }
 
+/// The broker's refusal as the crate's error, numbers kept.
+fn refusal_error(r: Refusal) -> Error {
+    Error::AdmissionRefused {
+        model: r.model,
+        requested: r.requested,
+        cause: r.cause.describe(),
+        model_used: r.model_used,
+        model_limit: r.model_limit,
+        global_used: r.global_used,
+        global_limit: r.global_limit,
+        reserved_for_others: r.reserved_for_others,
+    }
+}
+
+fn not_ours(chunk: PhysicalChunk, model: &str) -> Error {
+    Error::backend(
+        "broker",
+        "release",
+        "EBADF",
+        format!("handle {:#x} is no chunk of model {model}", chunk.raw),
+    )
+}
+
+/// Import `fds` (chunks of `size` bytes) on up to `threads` threads; one result per descriptor,
+/// in order.
+fn import_all(
+    local: &dyn Backend,
+    fds: Vec<OwnedFd>,
+    size: usize,
+    threads: usize,
+) -> Vec<Result<PhysicalChunk>> {
+    let n = fds.len();
+    let threads = threads.clamp(1, n.max(1));
+    if threads == 1 {
+        return fds
+            .into_iter()
+            .map(|fd| local.import_chunk(fd, size))
+            .collect();
+    }
+    // Descriptor i goes to thread i % threads; results go back to their slots.
+    let mut lanes: Vec<Vec<(usize, OwnedFd)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, fd) in fds.into_iter().enumerate() {
+        lanes[i % threads].push((i, fd));
+    }
+    let mut out: Vec<Option<Result<PhysicalChunk>>> = (0..n).map(|_| None).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = lanes
+            .into_iter()
+            .map(|lane| {
+                s.spawn(move || {
+                    lane.into_iter()
+                        .map(|(i, fd)| (i, local.import_chunk(fd, size)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(done) => {
+                    for (i, r) in done {
+                        out[i] = Some(r);
+                    }
+                }
+                Err(_) => tracing::error!("an import thread panicked"),
+            }
+        }
+    });
+    out.into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(Error::backend(
+                    "broker",
+                    "import_chunk",
+                    "PANIC",
+                    "the import thread of this chunk panicked",
+                ))
+            })
+        })
+        .collect()
+}
+
 impl ModelBackend {
+    /// Give chunks back in as few messages as the protocol allows; the replies are awaited
+    /// after every message went out.
+    fn give_back_many(&self, chunks: Vec<u64>) {
+        let mut sent = Vec::new();
+        for batch in chunks.chunks(MAX_BATCH as usize) {
+            match self.client.send_request(Request::GiveBackMany {
+                model: self.model,
+                chunks: batch.to_vec(),
+            }) {
+                Ok(s) => sent.push(s),
+                // The connection is gone: the broker took every chunk back when it closed.
+                Err(e) => {
+                    tracing::debug!(model = %self.name, chunks = batch.len(), error = %e, "chunks not given back");
+                    break;
+                }
+            }
+        }
+        for s in sent {
+            match self.client.wait_reply(s) {
+                Ok((Reply::Done, _)) => {}
+                Ok((other, _)) => {
+                    tracing::warn!(model = %self.name, reply = ?other, "broker refused chunks given back")
+                }
+                Err(e) => {
+                    tracing::debug!(model = %self.name, error = %e, "chunks not given back")
+                }
+            }
+        }
+    }
+
     fn give_back(&self, chunk: u64) {
         match self.client.request(Request::GiveBack {
             model: self.model,
@@ -263,29 +374,150 @@ impl Backend for ModelBackend {
                     }
                 }
             }
-            Reply::Refused(r) => Err(Error::AdmissionRefused {
-                model: r.model,
-                requested: r.requested,
-                cause: r.cause.describe(),
-                model_used: r.model_used,
-                model_limit: r.model_limit,
-                global_used: r.global_used,
-                global_limit: r.global_limit,
-                reserved_for_others: r.reserved_for_others,
-            }),
+            Reply::Refused(r) => Err(refusal_error(r)),
             Reply::Error { kind, message } => Err(reply_error(kind, message)),
             other => Err(unexpected("grow", &other)),
         }
     }
 
+    fn create_many(&self, size: usize, count: usize) -> Result<Vec<PhysicalChunk>> {
+        if count <= 1 {
+            return (0..count).map(|_| self.create(size)).collect();
+        }
+        // Every batch request goes out at once: the broker prepares batch k + 1 while this
+        // process imports batch k.
+        let per = MAX_BATCH as usize;
+        let mut sent = Vec::new();
+        let mut failure: Option<Error> = None;
+        let mut left = count;
+        while left > 0 {
+            let n = left.min(per);
+            match self.client.send_request(Request::GrowMany {
+                model: self.model,
+                size: size as u64,
+                count: n as u32,
+            }) {
+                Ok(s) => sent.push((n, s)),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            left -= n;
+        }
+        let mut made: Vec<(PhysicalChunk, u64)> = Vec::with_capacity(count);
+        // Ids granted but not imported (after a failure): given back as they are.
+        let mut unimported: Vec<u64> = Vec::new();
+        for (n, s) in sent {
+            let (reply, fds) = match self.client.wait_reply(s) {
+                Ok(r) => r,
+                Err(e) => {
+                    failure.get_or_insert(e);
+                    continue;
+                }
+            };
+            let ids = match reply {
+                Reply::GrantedMany {
+                    chunks,
+                    size: granted,
+                    ..
+                } if chunks.len() == n && fds.len() == n && granted == size as u64 => chunks,
+                Reply::GrantedMany {
+                    chunks,
+                    size: granted,
+                    ..
+                } => {
+                    unimported.extend(chunks.iter().copied());
+                    failure.get_or_insert(Error::Ipc {
+                        op: "grow",
+                        detail: format!(
+                            "broker granted {} chunks of {granted} bytes with {} descriptors for a request of {n} chunks of {size}",
+                            chunks.len(),
+                            fds.len()
+                        ),
+                    });
+                    continue;
+                }
+                Reply::Refused(r) => {
+                    failure.get_or_insert(refusal_error(r));
+                    continue;
+                }
+                Reply::Error { kind, message } => {
+                    failure.get_or_insert(reply_error(kind, message));
+                    continue;
+                }
+                other => {
+                    failure.get_or_insert(unexpected("grow", &other));
+                    continue;
+                }
+            };
+            if failure.is_some() {
+                unimported.extend(ids);
+                continue;
+            }
+            let threads = self.client.import_threads.load(Ordering::Relaxed);
+            for (cid, r) in ids
+                .into_iter()
+                .zip(import_all(&*self.local, fds, size, threads))
+            {
+                match r {
+                    Ok(c) => made.push((c, cid)),
+                    Err(e) => {
+                        unimported.push(cid);
+                        failure.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        let Some(e) = failure else {
+            let mut granted = self.granted.lock();
+            for &(c, cid) in &made {
+                granted.insert(c.raw, cid);
+            }
+            drop(granted);
+            self.held
+                .fetch_add((size * made.len()) as u64, Ordering::Relaxed);
+            return Ok(made.into_iter().map(|(c, _)| c).collect());
+        };
+        // All or none: every import is released here and every chunk goes back.
+        for &(c, cid) in &made {
+            // SAFETY: imported just above, mapped nowhere, released once.
+            match unsafe { self.local.release(c) } {
+                Ok(()) => unimported.push(cid),
+                Err(r) => {
+                    tracing::error!(model = %self.name, chunk = cid, error = %r, "releasing an import after a failed growth failed; the chunk stays with this engine until it disconnects")
+                }
+            }
+        }
+        self.give_back_many(unimported);
+        Err(e)
+    }
+
+    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
+        let mut back = Vec::with_capacity(chunks.len());
+        let results = chunks
+            .iter()
+            .map(|&chunk| {
+                let Some(cid) = self.granted.lock().remove(&chunk.raw) else {
+                    return Err(not_ours(chunk, &self.name));
+                };
+                // SAFETY: forwarded contract: the chunk is ours, live and mapped nowhere.
+                if let Err(e) = unsafe { self.local.release(chunk) } {
+                    self.granted.lock().insert(chunk.raw, cid);
+                    return Err(e);
+                }
+                self.held.fetch_sub(chunk.size as u64, Ordering::Relaxed);
+                back.push(cid);
+                Ok(())
+            })
+            .collect();
+        self.give_back_many(back);
+        results
+    }
+
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
         let Some(cid) = self.granted.lock().remove(&chunk.raw) else {
-            return Err(Error::backend(
-                "broker",
-                "release",
-                "EBADF",
-                format!("handle {:#x} is no chunk of model {}", chunk.raw, self.name),
-            ));
+            return Err(not_ours(chunk, &self.name));
         };
         // SAFETY: forwarded contract: the chunk is ours, live and mapped nowhere.
         if let Err(e) = unsafe { self.local.release(chunk) } {
@@ -463,5 +695,145 @@ mod tests {
         // Memory already mapped stays valid for the allocations that hold it.
         a.read(0, &mut back).unwrap();
         assert_eq!(&back, b"remote");
+    }
+
+    /// A growth by many chunks travels in batches of [`MAX_BATCH`] and is all or none: a
+    /// refusal in a later batch gives back every chunk of the earlier ones, and the books show
+    /// nothing held. Handed-over chunks keep their bytes, and a batch give-back returns them.
+    #[test]
+    fn batch_growth_is_all_or_none_and_hands_over() {
+        const MIB: u64 = 1 << 20;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker = Broker::start(
+            Arc::new(host),
+            BrokerConfig::new(socket("batch"), 128 * MIB),
+        )
+        .unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let a = client
+            .register(ModelConfig::new("a", 1 << 30, 80 * MIB))
+            .unwrap();
+        // 50 chunks of 2 MiB = 4 batches; the limit refuses chunk 41, in the third batch.
+        let e = a.map_chunked(0, 100 * MIB, 2 * MIB).unwrap_err();
+        assert!(
+            matches!(e, Error::AdmissionRefused { model_limit, .. } if model_limit == 80 * MIB),
+            "{e}"
+        );
+        let view = a.broker_view().unwrap();
+        assert_eq!((view.used, view.chunks), (0, 0), "{view:?}");
+        assert_eq!(a.backend().physical_bytes().unwrap(), 0);
+        let s = client.snapshot().unwrap();
+        assert_eq!(s.audit, None);
+        // The chunks made for the failed growth wait idle at the broker; the next growth
+        // takes them over.
+        let created = s.counters.creates;
+        assert!(created >= 32, "{:?}", s.counters);
+        a.map_chunked(0, 64 * MIB, 2 * MIB).unwrap();
+        // SAFETY: [0, 64 MiB) was just mapped with access; nothing else uses it.
+        unsafe {
+            a.backend()
+                .fill(a.base(), (64 * MIB) as usize, 0xab)
+                .unwrap()
+        };
+        a.unmap(0, 64 * MIB).unwrap();
+        a.trim().unwrap();
+        let mid = client.snapshot().unwrap().counters;
+        assert_eq!(mid.creates, created.max(32), "{mid:?}");
+        // Another engine takes them over, 32 chunks in two batch requests.
+        let other = BrokerClient::connect(broker.socket(), "other").unwrap();
+        other.set_import_threads(3);
+        let b = other
+            .register(ModelConfig::new("b", 1 << 30, 64 * MIB))
+            .unwrap();
+        b.map_chunked(0, 64 * MIB, 2 * MIB).unwrap();
+        let mut byte = [0u8; 1];
+        for i in 0..32u64 {
+            // SAFETY: mapped with access just above.
+            unsafe { b.backend().read(b.base() + i * 2 * MIB, &mut byte).unwrap() };
+            assert_eq!(byte[0], 0xab, "chunk {i}");
+        }
+        let after = other.snapshot().unwrap().counters;
+        assert_eq!(after.creates, mid.creates, "no create: {after:?}");
+        assert_eq!(after.handovers - mid.handovers, 32, "{after:?}");
+        b.unmap(0, 64 * MIB).unwrap();
+        b.trim().unwrap();
+        let end = other.snapshot().unwrap();
+        assert_eq!(end.counters.give_backs - after.give_backs, 32);
+        assert!(end.models.iter().all(|m| m.used == 0), "{:?}", end.models);
+        assert_eq!(end.audit, None);
+        broker.shutdown();
+    }
+
+    /// Batch requests with bad counts, and a batch give-back naming a chunk the engine does not
+    /// hold: clear errors with the numbers; the chunks it does hold still go back.
+    #[test]
+    fn bad_batches_are_refused_with_their_numbers() {
+        use crate::broker::protocol::MAX_BATCH;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker = Broker::start(
+            Arc::new(host),
+            BrokerConfig::new(socket("badbatch"), 64 << 20),
+        )
+        .unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let m = client
+            .register(ModelConfig::new("m", 1 << 30, 64 << 20))
+            .unwrap();
+        for count in [0, MAX_BATCH + 1, u32::MAX] {
+            let (reply, fds) = client
+                .request(Request::GrowMany {
+                    model: m.key(),
+                    size: 2 << 20,
+                    count,
+                })
+                .unwrap();
+            assert!(fds.is_empty());
+            match reply {
+                Reply::Error { message, .. } => {
+                    assert!(message.contains(&count.to_string()), "{message}")
+                }
+                other => panic!("count {count}: {other:?}"),
+            }
+        }
+        let (reply, fds) = client
+            .request(Request::GrowMany {
+                model: m.key(),
+                size: 2 << 20,
+                count: 3,
+            })
+            .unwrap();
+        let Reply::GrantedMany { chunks, .. } = reply else {
+            panic!("{reply:?}")
+        };
+        assert_eq!((chunks.len(), fds.len()), (3, 3));
+        drop(fds);
+        let mut back = chunks.clone();
+        back.push(999_999);
+        let (reply, _) = client
+            .request(Request::GiveBackMany {
+                model: m.key(),
+                chunks: back,
+            })
+            .unwrap();
+        match reply {
+            Reply::Error { message, .. } => assert!(message.contains("999999"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        let view = m.broker_view().unwrap();
+        assert_eq!((view.used, view.chunks), (0, 0), "{view:?}");
+        let too_many: Vec<u64> = (0..=u64::from(MAX_BATCH)).collect();
+        let (reply, _) = client
+            .request(Request::GiveBackMany {
+                model: m.key(),
+                chunks: too_many,
+            })
+            .unwrap();
+        assert!(
+            matches!(&reply, Reply::Error { message, .. } if message.contains(&(MAX_BATCH + 1).to_string())),
+            "{reply:?}"
+        );
+        broker.shutdown();
     }
 }

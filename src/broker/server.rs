@@ -22,7 +22,7 @@ use super::book::{Book, BookError, ConnEntry, Ticket, IDLE};
 use super::metrics::Metrics;
 use super::protocol::{
     BackendDesc, ChangeOutcome, ErrorKind, FromBroker, Push, Reply, Request, Role, Snapshot,
-    ToBroker, MAX_CONNECTIONS, PROTOCOL_VERSION,
+    ToBroker, MAX_BATCH, MAX_CONNECTIONS, PROTOCOL_VERSION,
 };
 use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
@@ -314,7 +314,7 @@ fn book_error(e: BookError) -> Reply {
     }
 }
 
-fn send(writer: &FrameWriter, id: u64, reply: Reply, fd: Option<OwnedFd>) -> Result<()> {
+fn send(writer: &FrameWriter, id: u64, reply: Reply, fds: Vec<OwnedFd>) -> Result<()> {
     let payload = match ipc::encode(&FromBroker::Reply { id, reply }) {
         Ok(p) => p,
         // Too large for one frame (metrics of very many models): say so instead.
@@ -323,10 +323,7 @@ fn send(writer: &FrameWriter, id: u64, reply: Reply, fd: Option<OwnedFd>) -> Res
             reply: error_reply(ErrorKind::InvalidArgument, format!("reply not sent: {e}")),
         })?,
     };
-    writer.send(Outgoing {
-        payload,
-        fds: fd.into_iter().collect(),
-    })
+    writer.send(Outgoing { payload, fds })
 }
 
 /// One connection, from hello to cleanup.
@@ -357,7 +354,7 @@ fn serve(shared: Arc<Shared>, stream: UnixStream, conn: u64) {
         }
         Err(reply) => {
             shared.book.lock().counters.refused_connections += 1;
-            let _ = send(&writer, 0, reply, None);
+            let _ = send(&writer, 0, reply, Vec::new());
         }
     }
     // Cleanup: every model of this connection goes, with its chunks.
@@ -470,7 +467,8 @@ fn handshake(
         global_limit: shared.config.global_limit,
         engine: conn,
     };
-    send(writer, msg.id, welcome, None).map_err(|e| error_reply(ErrorKind::Backend, e.to_string()))
+    send(writer, msg.id, welcome, Vec::new())
+        .map_err(|e| error_reply(ErrorKind::Backend, e.to_string()))
 }
 
 fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, writer: &FrameWriter) {
@@ -506,9 +504,9 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, writer: &FrameWrit
             }
         };
         let started = Instant::now();
-        let is_grow = matches!(msg.request, Request::Grow { .. });
+        let is_grow = matches!(msg.request, Request::Grow { .. } | Request::GrowMany { .. });
         let (reply, fd) = shared.handle(conn, role, msg.request);
-        if is_grow && matches!(reply, Reply::Granted { .. }) {
+        if is_grow && matches!(reply, Reply::Granted { .. } | Reply::GrantedMany { .. }) {
             shared.metrics.observe_grant(started.elapsed());
             shared.book.lock().counters.grant_micros += started.elapsed().as_micros() as u64;
         }
@@ -523,7 +521,12 @@ impl Shared {
     fn malformed(&self, writer: &FrameWriter, id: u64, why: String) {
         self.book.lock().counters.malformed += 1;
         tracing::warn!(error = %why, "malformed message; connection closed");
-        let _ = send(writer, id, error_reply(ErrorKind::Malformed, why), None);
+        let _ = send(
+            writer,
+            id,
+            error_reply(ErrorKind::Malformed, why),
+            Vec::new(),
+        );
     }
 
     pub(crate) fn snapshot(&self, viewer: Option<u64>) -> Snapshot {
@@ -565,7 +568,7 @@ impl Shared {
         }
     }
 
-    fn handle(&self, conn: u64, role: Role, request: Request) -> (Reply, Option<OwnedFd>) {
+    fn handle(&self, conn: u64, role: Role, request: Request) -> (Reply, Vec<OwnedFd>) {
         let engine_only = |r: Reply| {
             if role == Role::Engine {
                 r
@@ -578,7 +581,10 @@ impl Shared {
         };
         let control_only = |role: Role| role == Role::Control;
         match request {
-            Request::Hello { .. } => (error_reply(ErrorKind::Malformed, "hello sent twice"), None),
+            Request::Hello { .. } => (
+                error_reply(ErrorKind::Malformed, "hello sent twice"),
+                Vec::new(),
+            ),
             Request::Register {
                 model,
                 limit,
@@ -586,7 +592,7 @@ impl Shared {
                 priority,
             } => {
                 if role != Role::Engine {
-                    return (engine_only(Reply::Done), None);
+                    return (engine_only(Reply::Done), Vec::new());
                 }
                 let r = self
                     .book
@@ -595,24 +601,76 @@ impl Shared {
                 match r {
                     Ok(id) => {
                         tracing::info!(conn, model = %model, id, limit, guarantee, priority, "model registered");
-                        (Reply::Registered { model: id }, None)
+                        (Reply::Registered { model: id }, Vec::new())
                     }
-                    Err(e) => (book_error(e), None),
+                    Err(e) => (book_error(e), Vec::new()),
                 }
             }
             Request::Unregister { model } => {
                 let chunks = {
                     let mut book = self.book.lock();
                     if let Err(e) = book.own_model(conn, model) {
-                        return (book_error(e), None);
+                        return (book_error(e), Vec::new());
                     }
                     book.unregister(model)
                 };
                 self.release_all(chunks, None);
                 self.changed.notify_all();
-                (Reply::Done, None)
+                (Reply::Done, Vec::new())
             }
-            Request::Grow { model, size } => self.grow(conn, model, size),
+            Request::Grow { model, size } => self.grow(conn, model, size, None),
+            Request::GrowMany { model, size, count } => {
+                if count == 0 || count > MAX_BATCH {
+                    return (
+                        error_reply(
+                            ErrorKind::InvalidArgument,
+                            format!("{count} chunks asked for at once: 1 to {MAX_BATCH} allowed"),
+                        ),
+                        Vec::new(),
+                    );
+                }
+                self.grow(conn, model, size, Some(count))
+            }
+            Request::GiveBackMany { model, chunks } => {
+                if chunks.len() > MAX_BATCH as usize {
+                    return (
+                        error_reply(
+                            ErrorKind::InvalidArgument,
+                            format!(
+                                "{} chunks given back at once: at most {MAX_BATCH} allowed",
+                                chunks.len()
+                            ),
+                        ),
+                        Vec::new(),
+                    );
+                }
+                let mut release = Vec::new();
+                let mut unknown = Vec::new();
+                {
+                    let mut book = self.book.lock();
+                    for cid in chunks {
+                        match book.give_back(conn, model, cid) {
+                            Ok(None) => {}
+                            Ok(Some(c)) => release.push((cid, c)),
+                            Err(
+                                BookError::Unknown(m)
+                                | BookError::Invalid(m)
+                                | BookError::Duplicate(m),
+                            ) => unknown.push(m),
+                        }
+                    }
+                }
+                self.release_all(release, None);
+                self.changed.notify_all();
+                if unknown.is_empty() {
+                    (Reply::Done, Vec::new())
+                } else {
+                    (
+                        error_reply(ErrorKind::Unknown, unknown.join("; ")),
+                        Vec::new(),
+                    )
+                }
+            }
             Request::GiveBack { model, chunk } => {
                 let r = self.book.lock().give_back(conn, model, chunk);
                 let reply = match r {
@@ -624,7 +682,7 @@ impl Shared {
                     Err(e) => book_error(e),
                 };
                 self.changed.notify_all();
-                (reply, None)
+                (reply, Vec::new())
             }
             Request::ReclaimDone { ticket, freed } => {
                 let mut book = self.book.lock();
@@ -640,7 +698,7 @@ impl Shared {
                 drop(book);
                 tracing::debug!(conn, ticket, freed, "reclaim answered");
                 self.changed.notify_all();
-                (Reply::Done, None)
+                (Reply::Done, Vec::new())
             }
             Request::Report {
                 model,
@@ -650,25 +708,27 @@ impl Shared {
             } => {
                 let mut book = self.book.lock();
                 if let Err(e) = book.own_model(conn, model) {
-                    return (book_error(e), None);
+                    return (book_error(e), Vec::new());
                 }
                 if let Some(m) = book.models.get_mut(&model) {
                     m.in_use = in_use;
                     m.idle = idle;
                     m.cached = cached;
                 }
-                (Reply::Done, None)
+                (Reply::Done, Vec::new())
             }
             Request::Snapshot => {
                 let viewer = (role == Role::Engine).then_some(conn);
-                (Reply::Snapshot(Box::new(self.snapshot(viewer))), None)
+                (Reply::Snapshot(Box::new(self.snapshot(viewer))), Vec::new())
             }
-            Request::Metrics if control_only(role) => (Reply::Metrics(self.metrics_text()), None),
+            Request::Metrics if control_only(role) => {
+                (Reply::Metrics(self.metrics_text()), Vec::new())
+            }
             Request::Trim if control_only(role) => {
                 let idle = self.book.lock().take_idle(u64::MAX);
                 let released = idle.iter().map(|(_, c)| c.size as u64).sum();
                 self.release_all(idle, Some(IDLE));
-                (Reply::Trimmed { released }, None)
+                (Reply::Trimmed { released }, Vec::new())
             }
             Request::SetLimit {
                 model,
@@ -680,10 +740,10 @@ impl Shared {
                     limit,
                     Duration::from_millis(deadline_ms.min(600_000)),
                 ),
-                None,
+                Vec::new(),
             ),
             Request::SetGuarantee { model, guarantee } if control_only(role) => {
-                (self.set_guarantee(&model, guarantee), None)
+                (self.set_guarantee(&model, guarantee), Vec::new())
             }
             Request::Metrics
             | Request::Trim
@@ -693,15 +753,18 @@ impl Shared {
                     ErrorKind::Forbidden,
                     "operator requests need a control connection",
                 ),
-                None,
+                Vec::new(),
             ),
         }
     }
 
-    /// One chunk of `size` bytes for `model`: an idle chunk of that size handed over, or a new
-    /// one charged then created; when the budget is short, idle chunks of other sizes are
-    /// released and other engines asked to give back, once, within the reclaim wait.
-    fn grow(&self, conn: u64, model: u64, size: u64) -> (Reply, Option<OwnedFd>) {
+    /// `count` chunks of `size` bytes for `model`, all or none: idle chunks of that size
+    /// handed over, or new ones charged then created; when the budget is short, idle chunks of
+    /// other sizes are released and other engines asked to give back, once, within the reclaim
+    /// wait. Each chunk is exported as a descriptor; one reply carries them all
+    /// ([`Reply::GrantedMany`] for a batch, `count` `Some`; [`Reply::Granted`] for one chunk).
+    fn grow(&self, conn: u64, model: u64, size: u64, batch: Option<u32>) -> (Reply, Vec<OwnedFd>) {
+        let count = batch.unwrap_or(1);
         let gran = self.desc.granularity;
         if size == 0
             || size % gran != 0
@@ -713,13 +776,74 @@ impl Shared {
                     ErrorKind::InvalidArgument,
                     format!("chunk of {size} bytes: must be a positive multiple of {gran} no larger than the global limit {}", self.config.global_limit),
                 ),
-                None,
+                Vec::new(),
             );
         }
+        let mut granted: Vec<(u64, PhysicalChunk, bool)> = Vec::with_capacity(count as usize);
         let mut reclaim_asked = false;
+        while granted.len() < count as usize {
+            match self.grant_one(conn, model, size, &mut reclaim_asked) {
+                Ok(g) => granted.push(g),
+                Err(reply) => {
+                    self.undo_grants(conn, model, &granted);
+                    return (reply, Vec::new());
+                }
+            }
+        }
+        let mut fds = Vec::with_capacity(granted.len());
+        for &(_, chunk, _) in &granted {
+            match self.backend.export_chunk(chunk) {
+                Ok(fd) => fds.push(fd),
+                Err(e) => {
+                    // Undo every grant: the chunks come back as if given back.
+                    self.undo_grants(conn, model, &granted);
+                    return (error_reply(ErrorKind::Backend, e.to_string()), Vec::new());
+                }
+            }
+        }
+        let handed_over = granted.iter().filter(|g| g.2).count();
+        let reply = if batch.is_none() && granted.len() == 1 {
+            Reply::Granted {
+                chunk: granted[0].0,
+                size,
+                handed_over: granted[0].2,
+            }
+        } else {
+            Reply::GrantedMany {
+                chunks: granted.iter().map(|g| g.0).collect(),
+                size,
+                handed_over: handed_over as u32,
+            }
+        };
+        (reply, fds)
+    }
+
+    /// Chunks granted by this request go back as if given back (the request failed).
+    fn undo_grants(&self, conn: u64, model: u64, granted: &[(u64, PhysicalChunk, bool)]) {
+        let mut release = Vec::new();
+        {
+            let mut book = self.book.lock();
+            for &(cid, _, _) in granted {
+                if let Ok(Some(c)) = book.give_back(conn, model, cid) {
+                    release.push((cid, c));
+                }
+            }
+        }
+        self.release_all(release, None);
+    }
+
+    /// One chunk of `size` bytes for `model` (see [`Shared::grow`]): its id, the chunk, and
+    /// whether it was handed over. A refusal or an error comes back as the reply to send.
+    fn grant_one(
+        &self,
+        conn: u64,
+        model: u64,
+        size: u64,
+        reclaim_asked: &mut bool,
+    ) -> std::result::Result<(u64, PhysicalChunk, bool), Reply> {
         loop {
             enum Next {
-                Export(u64, PhysicalChunk, bool),
+                HandOver(u64, PhysicalChunk),
                 Create,
                 ReleaseIdle(Vec<(u64, PhysicalChunk)>),
                 Reclaim(Vec<(u64, u64, u64, u64)>),
@@ -727,21 +851,21 @@ impl Shared {
             let next = {
                 let mut book = self.book.lock();
                 if let Err(e) = book.own_model(conn, model) {
-                    return (book_error(e), None);
+                    return Err(book_error(e));
                 }
                 if let Some((cid, chunk)) = book.hand_over(model, size) {
-                    Next::Export(cid, chunk, true)
+                    Next::HandOver(cid, chunk)
                 } else {
                     match book.charge(model, size) {
                         Ok(()) => Next::Create,
                         Err(LedgerRefusal::Global { short }) if book.idle_bytes > 0 => {
                             Next::ReleaseIdle(book.take_idle(short))
                         }
-                        Err(why @ LedgerRefusal::Global { short }) if !reclaim_asked => {
+                        Err(why @ LedgerRefusal::Global { short }) if !*reclaim_asked => {
                             let plan = book.reclaim_plan(conn, short);
                             if plan.is_empty() {
                                 book.counters.refusals += 1;
-                                return (Reply::Refused(book.refusal(model, size, why)), None);
+                                return Err(Reply::Refused(book.refusal(model, size, why)));
                             }
                             let mut pushes = Vec::new();
                             for (victim, vconn, bytes) in plan {
@@ -760,7 +884,7 @@ impl Shared {
                         }
                         Err(why) => {
                             book.counters.refusals += 1;
-                            return (Reply::Refused(book.refusal(model, size, why)), None);
+                            return Err(Reply::Refused(book.refusal(model, size, why)));
                         }
                     }
                 }
@@ -768,7 +892,7 @@ impl Shared {
             match next {
                 Next::ReleaseIdle(idle) => self.release_all(idle, Some(IDLE)),
                 Next::Reclaim(pushes) => {
-                    reclaim_asked = true;
+                    *reclaim_asked = true;
                     let tickets: Vec<u64> = pushes.iter().map(|p| p.0).collect();
                     self.push_reclaims(&pushes);
                     self.wait_tickets(&tickets, Instant::now() + self.config.reclaim_wait);
@@ -776,44 +900,14 @@ impl Shared {
                 Next::Create => match self.backend.create(size as usize) {
                     Ok(chunk) => {
                         let cid = self.book.lock().add_created(model, chunk);
-                        return self.export(conn, model, cid, chunk, false);
+                        return Ok((cid, chunk, false));
                     }
                     Err(e) => {
                         self.book.lock().ledger.credit(model, size);
-                        return (error_reply(ErrorKind::Backend, e.to_string()), None);
+                        return Err(error_reply(ErrorKind::Backend, e.to_string()));
                     }
                 },
-                Next::Export(cid, chunk, handed_over) => {
-                    return self.export(conn, model, cid, chunk, handed_over)
-                }
-            }
-        }
-    }
-
-    fn export(
-        &self,
-        conn: u64,
-        model: u64,
-        cid: u64,
-        chunk: PhysicalChunk,
-        handed_over: bool,
-    ) -> (Reply, Option<OwnedFd>) {
-        match self.backend.export_chunk(chunk) {
-            Ok(fd) => (
-                Reply::Granted {
-                    chunk: cid,
-                    size: chunk.size as u64,
-                    handed_over,
-                },
-                Some(fd),
-            ),
-            Err(e) => {
-                // Undo the grant: the chunk comes back as if given back.
-                let back = self.book.lock().give_back(conn, model, cid);
-                if let Ok(Some(c)) = back {
-                    self.release_all(vec![(cid, c)], None);
-                }
-                (error_reply(ErrorKind::Backend, e.to_string()), None)
+                Next::HandOver(cid, chunk) => return Ok((cid, chunk, true)),
             }
         }
     }

@@ -60,10 +60,23 @@ impl Inner {
         self.base + offset
     }
 
-    pub(super) fn call_create(&self, size: u64) -> Result<PhysicalChunk> {
-        self.drivers.bump(DriverCall::Create);
-        tracing::trace!(pool = %self.name, size, "create");
-        self.backend.create(size as usize)
+    /// `count` chunks of `size` bytes, all or none.
+    pub(super) fn call_create_many(&self, size: u64, count: usize) -> Result<Vec<PhysicalChunk>> {
+        self.drivers.bump_by(DriverCall::Create, count as u64);
+        tracing::trace!(pool = %self.name, size, count, "create many");
+        self.backend.create_many(size as usize, count)
+    }
+
+    /// One result per chunk, in order.
+    ///
+    /// # Safety
+    /// Every chunk is this pool's, mapped nowhere, and nothing refers to it any more.
+    pub(super) unsafe fn call_release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
+        self.drivers
+            .bump_by(DriverCall::Release, chunks.len() as u64);
+        tracing::trace!(pool = %self.name, chunks = chunks.len(), "release many");
+        // SAFETY: forwarded from the caller.
+        unsafe { self.backend.release_many(chunks) }
     }
 
     /// # Safety

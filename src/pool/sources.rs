@@ -78,14 +78,21 @@ impl Inner {
                 return Err(e);
             }
         };
+        // Whole chunks of the largest size in one batch (one request where chunks come from a
+        // broker), then the remainder.
         let mut created = Vec::new();
         let mut left = charged;
-        while left > 0 {
-            let size = left.min(fit.max_chunk);
-            match self.call_create(size) {
-                Ok(c) => {
-                    created.push(c);
-                    left -= size;
+        let full = (charged / fit.max_chunk) as usize;
+        let rest = charged % fit.max_chunk;
+        let batches = [(fit.max_chunk, full), (rest, usize::from(rest > 0))];
+        for (size, count) in batches {
+            if count == 0 {
+                continue;
+            }
+            match self.call_create_many(size, count) {
+                Ok(cs) => {
+                    created.extend(cs);
+                    left -= size * count as u64;
                 }
                 Err(e) => {
                     self.credit(left);
@@ -175,9 +182,22 @@ impl Inner {
         let mut released = 0;
         let mut kept = Vec::new();
         let mut first_err = None;
-        for c in chunks {
-            // SAFETY: callers pass in-flight chunks they took out of every structure, unmapped.
-            match unsafe { self.call_release(c) } {
+        if chunks.is_empty() {
+            return (0, None);
+        }
+        // SAFETY: callers pass in-flight chunks they took out of every structure, unmapped.
+        let mut results = unsafe { self.call_release_many(&chunks) };
+        // A backend that answered for fewer chunks released none of the rest as far as we know.
+        while results.len() < chunks.len() {
+            results.push(Err(Error::backend(
+                self.backend.info().name,
+                "release_many",
+                "NO_RESULT",
+                format!("{} results for {} chunks", results.len(), chunks.len()),
+            )));
+        }
+        for (c, r) in chunks.into_iter().zip(results) {
+            match r {
                 Ok(()) => {
                     released += c.size as u64;
                     self.credit(c.size as u64);

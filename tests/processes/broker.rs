@@ -1,4 +1,6 @@
-//! The broker with real engine processes on the host backend (real memfd memory).
+//! The broker with real engine processes on the host backend (real memfd memory), or with CUDA
+//! chunks on a GPU machine (`EVMM_PROCESS_BACKEND=cuda`, `EVMM_CLI` naming the `elastic-vmm`
+//! binary; see README, "GPU tests").
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsFd;
@@ -10,8 +12,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::backend::delay::DelayInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::backend::Backend;
 use elastic_vmm::broker::protocol::{
     ErrorKind, FromBroker, Reply, Request, Role, ToBroker, PROTOCOL_VERSION,
 };
@@ -68,7 +72,13 @@ pub fn role(name: &str) -> Option<fn()> {
 }
 
 const MIB: u64 = 1 << 20;
-const CLI: &str = env!("CARGO_BIN_EXE_elastic-vmm");
+/// The `elastic-vmm` binary: `EVMM_CLI` where the tests run away from their build (the GPU
+/// machine), else the one cargo built next to this test.
+fn cli() -> PathBuf {
+    std::env::var_os("EVMM_CLI")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_elastic-vmm").into())
+}
 
 // ---------------------------------------------------------------- helpers
 
@@ -84,8 +94,8 @@ impl BrokerProc {
     fn start(tag: &str, global: u64, extra: &[&str]) -> BrokerProc {
         let dir = common::temp_dir(tag);
         let socket = dir.join("broker.sock");
-        let mut child = Command::new(CLI)
-            .args(["--backend", "host", "broker", "--socket"])
+        let mut child = Command::new(cli())
+            .args(["--backend", &common::backend_kind(), "broker", "--socket"])
             .arg(&socket)
             .args([
                 "--global-limit",
@@ -515,7 +525,15 @@ fn sigkill_mid_growth_returns_everything() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Memory the backend's chunks take on the machine: the system's shared memory (memfd pages)
+/// on the host, the device's used memory on CUDA.
 fn shmem() -> u64 {
+    if common::on_cuda() {
+        let info = cuda()
+            .memory_info()
+            .expect("the device's memory information");
+        return info.total - info.free;
+    }
     let text = std::fs::read_to_string("/proc/meminfo").unwrap();
     let line = text.lines().find(|l| l.starts_with("Shmem:")).unwrap();
     line.split_whitespace()
@@ -824,8 +842,8 @@ fn malformed_frames_close_only_that_connection() {
 /// A second broker on the same socket is refused with the first one's pid.
 fn second_broker_is_refused() {
     let broker = BrokerProc::start("second", 64 * MIB, &[]);
-    let out = Command::new(CLI)
-        .args(["--backend", "host", "broker", "--socket"])
+    let out = Command::new(cli())
+        .args(["--backend", &common::backend_kind(), "broker", "--socket"])
         .arg(&broker.socket)
         .args(["--global-limit", "64M"])
         .output()
@@ -852,7 +870,7 @@ fn limit_changes_reclaim_with_a_deadline() {
     assert_eq!(e.ask("alloc 96"), "ok");
     assert_eq!(e.ask("free-all-but 32"), "ok");
     let ctl = |args: &[&str]| {
-        let out = Command::new(CLI)
+        let out = Command::new(cli())
             .args(["ctl", "--socket"])
             .arg(&broker.socket)
             .args(args)
@@ -919,7 +937,7 @@ fn metrics_over_the_socket_and_http() {
         &engine_vars(&broker.socket, "prom", 32 * MIB, 0, 0),
     ));
     assert_eq!(e.ask("alloc 8"), "ok");
-    let out = Command::new(CLI)
+    let out = Command::new(cli())
         .args(["ctl", "--socket"])
         .arg(&broker.socket)
         .arg("metrics")
@@ -963,7 +981,8 @@ fn top_shows_engines_in_a_terminal() {
     assert_eq!(b.ask("alloc 10"), "ok");
     let server = format!("evmm-top-{}", std::process::id());
     let cmd = format!(
-        "{CLI} top --socket {} --interval-ms 100",
+        "{} top --socket {} --interval-ms 100",
+        cli().display(),
         broker.socket.display()
     );
     let st = Command::new("tmux")
@@ -1018,11 +1037,21 @@ fn top_shows_engines_in_a_terminal() {
 
 // ---------------------------------------------------------------- child roles
 
+/// A CUDA backend on device 0, made once per process.
+fn cuda() -> Arc<dyn Backend> {
+    static CUDA: std::sync::OnceLock<Arc<dyn Backend>> = std::sync::OnceLock::new();
+    CUDA.get_or_init(|| Arc::new(CudaBackend::new(0).expect("CUDA device 0")))
+        .clone()
+}
+
 /// A broker in this process (library), its creates slowed to widen race windows.
 fn broker_lib() {
-    let host =
-        Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap());
-    let delayed = Arc::new(DelayInjector::new(host));
+    let inner: Arc<dyn Backend> = if common::on_cuda() {
+        cuda()
+    } else {
+        Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
+    };
+    let delayed = Arc::new(DelayInjector::new(inner));
     delayed.set_delay(
         DriverCall::Create,
         Duration::from_micros(num("EVMM_DELAY_CREATE_US")),

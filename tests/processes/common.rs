@@ -30,6 +30,17 @@ pub fn spawn_piped(role: &str, vars: &[(&str, String)]) -> Child {
     cmd.spawn().expect("spawn child process")
 }
 
+/// The backend the broker tests run on: `EVMM_PROCESS_BACKEND` (`host`, the default, or
+/// `cuda` on a GPU machine, where the same tests run with CUDA chunks).
+pub fn backend_kind() -> String {
+    std::env::var("EVMM_PROCESS_BACKEND").unwrap_or_else(|_| "host".into())
+}
+
+/// Whether the broker tests run on CUDA.
+pub fn on_cuda() -> bool {
+    backend_kind() == "cuda"
+}
+
 /// A variable the parent set for a child.
 pub fn var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("child needs {name}"))
