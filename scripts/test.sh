@@ -108,7 +108,7 @@ fi
 LD_LIBRARY_PATH="$nixl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ELASTIC_VMM_REQUIRE_NIXL=1 \
   cargo test --profile "$profile" --features nixl --test nixl -- --nocapture
 
-step "every feature (candle with its CUDA backend, NIXL): build and lint, no GPU needed"
+step "every feature (candle with its CUDA backend, NIXL): build and lint, no GPU needed; committed PTX up to date"
 # The CUDA 13 compiler comes from PyPI wheels (../shared/tools/cuda13-toolchain.sh, ~130 MB once,
 # cached in ~/.cache/cuda13-wheels); candle's kernels take ~5 minutes to compile on 2 cores.
 command -v unzip >/dev/null || {
@@ -116,6 +116,8 @@ command -v unzip >/dev/null || {
 }
 (
   eval "$(CUDA13_LINK=0 ../shared/tools/cuda13-toolchain.sh)"
+  # The committed PTX of our kernels (src/backend/kernels) is what this nvcc makes of the source.
+  scripts/gen-ptx.sh --check
   cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle-example,nixl -- -D warnings
 )
 

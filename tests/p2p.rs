@@ -445,3 +445,70 @@ fn ranges_are_granted_and_copied() {
     region.unmap(G, 3 * G).unwrap();
     rp.unmap(0, 6 * G).unwrap();
 }
+
+/// Blocks far apart are mapped at their offsets in the sender's range (unmapped gaps between
+/// them), read back where they were granted, refused in the gaps; copies claim destination
+/// blocks, so a packed copy into bytes of a block being written is refused, and one beside it
+/// is not.
+#[test]
+fn scattered_grants_mirror_the_sender_and_claims_are_by_block() {
+    let (p, d) = pair(exportable(), exportable());
+    let (_sp, src) = kv(exportable(), 256);
+    let (dp, dst) = kv(exportable(), 256);
+    let gran = DEFAULT_GRANULARITY as u64;
+    let block = 32 << 10;
+    src.ensure_backed([1, 200]).unwrap();
+    let data: Vec<Vec<u8>> = (0..2u8)
+        .map(|i| (0..block).map(|j| (j as u8) ^ (i * 91 + 7)).collect())
+        .collect();
+    for (i, b) in [1usize, 200].into_iter().enumerate() {
+        let v = src.block(b).unwrap()[0];
+        // SAFETY: backed, used by nothing else.
+        unsafe { src.write(v.addr, &data[i]).unwrap() };
+    }
+    let g = p.grant(&src, &[1, 200], AccessMode::ReadOnly).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    // Pages 0 and 3 of the sender: a reservation of four pages, two mapped.
+    let range = imp.mapped_range();
+    assert_eq!((range.len, imp.bytes()), (4 * gran, 2 * gran));
+    let views = imp.block_views(1).unwrap();
+    assert_eq!(views[0].addr, range.addr + 200 * block);
+    let mut got = vec![0u8; block as usize];
+    // SAFETY: the sender does not write the granted blocks.
+    unsafe { imp.read(views[0].addr, &mut got).unwrap() };
+    assert!(got == data[1]);
+    // SAFETY: as above; refused before any access.
+    let e = unsafe { imp.read(range.addr + gran, &mut got[..16]) }.unwrap_err();
+    assert!(e.to_string().contains("not inside"), "{e}");
+    dst.ensure_backed(0..16).unwrap();
+    let first = imp.copy_into(&dst, &[6, 5], CopyStream::LEGACY).unwrap();
+    let report = first.report().clone();
+    assert_eq!(
+        (report.copies, report.engine),
+        (2, elastic_vmm::p2p::CopyEngine::Cpu)
+    );
+    // Packed over blocks 5 and 6 while the copy holds them: refused; over 8 and 9: fine.
+    let off = dst.addr() - dp.base();
+    let e = imp
+        .copy_to(&dp, off + 5 * block, CopyStream::LEGACY)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("another p2p copy is writing"), "{e}");
+    imp.copy_to(&dp, off + 8 * block, CopyStream::LEGACY)
+        .unwrap()
+        .wait()
+        .unwrap();
+    first.wait().unwrap();
+    for (b, want) in [
+        (6usize, &data[0]),
+        (5, &data[1]),
+        (8, &data[0]),
+        (9, &data[1]),
+    ] {
+        // SAFETY: backed, every copy into it completed.
+        unsafe { dst.read(dst.block(b).unwrap()[0].addr, &mut got).unwrap() };
+        assert!(got == *want, "block {b}");
+    }
+    drop(imp);
+    g.wait_released(Duration::from_secs(5)).unwrap();
+}

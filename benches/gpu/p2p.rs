@@ -2,11 +2,14 @@
 //! prefill process backs and writes N blocks and grants them; the decode process (this binary
 //! again, `EVMM_BENCH_ROLE=p2p-decode`) imports the chunks and copies the blocks into its own
 //! layout. Against a raw device copy of the same imported memory between the same two
-//! processes (one `cuMemcpyDtoDAsync` of the whole mapping: the floor; target >= 0.9x), on one
-//! GPU and, when there are two, from GPU 0 to GPU 1 (peer access on the imports). Block sizes
-//! 64 KiB to 16 MiB; layouts fully contiguous and layer separate (32 layers, block first: 32
-//! spans per block), the latter also with scattered destinations, where no run merges and every
-//! span is its own copy (batched with `cuMemcpyBatchAsync` where the driver has it).
+//! processes (one `cuMemcpyDtoDAsync` of the whole mapping: the floor; target >= 0.9x), and
+//! against what an engine would do by hand (one `cuMemcpyDtoDAsync` per run merged on both
+//! sides, on the same stream; only up to 5000 runs), on one GPU and, when there are two, from
+//! GPU 0 to GPU 1 (peer access on the imports). Block sizes 64 KiB to 16 MiB; layouts fully
+//! contiguous and layer separate (32 layers, block first: 32 spans per block), both also with
+//! scattered destinations, where no run merges. Each line names the engine our copy chose
+//! (`memcpy`: one `cuMemcpyAsync` per merged run; `kernel`: one launch of the gather kernel,
+//! `tasks` warp work items); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one for comparison.
 //!
 //! With the `nixl` feature (and the NIXL library on `LD_LIBRARY_PATH`; without it the columns
 //! are skipped, saying why), NIXL moves the same blocks between the same two processes for the
@@ -25,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::layout::{BlockDim, ElasticLayout, LayoutBuilder, LayoutConfig, LayoutKind};
-use elastic_vmm::p2p::{self, CopyStream, PeerLink};
+use elastic_vmm::p2p::{self, CopyStream, EngineChoice, ImportedGrant, PeerLink};
 use elastic_vmm::{AccessMode, Backend, Pool, PoolConfig};
 
 use crate::{median, BoxError, GIB, MIB};
@@ -39,6 +42,8 @@ pub const ROLE_VAR: &str = "EVMM_BENCH_ROLE";
 const LAYERS: usize = 32;
 const BLOCK_SIZES: [u64; 5] = [64 << 10, 256 << 10, MIB, 4 * MIB, 16 * MIB];
 const RUNS: usize = 5;
+/// Most merged runs the "raw per run" column copies one by one.
+const MAX_RAW_RUNS: usize = 5000;
 const WAIT: Duration = Duration::from_secs(120);
 
 /// One measured case, walked in the same order by both processes.
@@ -60,17 +65,17 @@ fn cases() -> Vec<Case> {
         if only.as_ref().is_some_and(|o| !o.contains(&block)) {
             continue;
         }
-        v.push(Case {
-            kind: LayoutKind::FullyContiguous,
-            block,
-            scattered: false,
-        });
-        for scattered in [false, true] {
-            v.push(Case {
-                kind: LayoutKind::LayerSeparate(BlockDim::First),
-                block,
-                scattered,
-            });
+        for kind in [
+            LayoutKind::FullyContiguous,
+            LayoutKind::LayerSeparate(BlockDim::First),
+        ] {
+            for scattered in [false, true] {
+                v.push(Case {
+                    kind,
+                    block,
+                    scattered,
+                });
+            }
         }
     }
     v
@@ -198,6 +203,11 @@ pub fn decode() -> Result<(), BoxError> {
     let raw_stream = cu_stream.cu_stream() as u64;
     // SAFETY: `cu_stream` lives until the end of this function, after every completion.
     let stream = unsafe { CopyStream::from_raw(raw_stream) };
+    let choice = match std::env::var("EVMM_P2P_ENGINE").as_deref() {
+        Ok("kernel") => EngineChoice::Kernel,
+        Ok("memcpy") => EngineChoice::Memcpy,
+        _ => EngineChoice::Auto,
+    };
     #[cfg(feature = "nixl")]
     let mut nixl_side = nixl::DecodeNixl::connect(device)?;
     #[cfg(feature = "nixl")]
@@ -211,8 +221,20 @@ pub fn decode() -> Result<(), BoxError> {
         );
     }
     print!(
-        "{:>9} {:<32} {:>6} {:>9} {:>10} {:>11} {:>11} {:>7}",
-        "block", "layout", "blocks", "copies", "import ms", "ours GB/s", "raw GB/s", "ratio"
+        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
+        "block",
+        "layout",
+        "blocks",
+        "engine",
+        "copies",
+        "tasks",
+        "import ms",
+        "ours GB/s",
+        "raw GB/s",
+        "run GB/s",
+        "raw per run",
+        "vs raw",
+        "vs runs"
     );
     #[cfg(feature = "nixl")]
     if nixl_side.is_some() {
@@ -233,20 +255,17 @@ pub fn decode() -> Result<(), BoxError> {
         } else {
             (0..n).collect()
         };
-        let mut copies = 0;
-        let mut bytes = 0;
-        // Warm-up, then the median of RUNS.
-        g.copy_into(&kv, &dst, stream)?.wait()?;
+        // Warm-up (and the kernel's first load), then the median of RUNS.
+        let mut report = g.copy_into_with(&kv, &dst, stream, choice)?.wait()?;
         let ours = median(RUNS, || {
             let t = Instant::now();
-            let r = g
-                .copy_into(&kv, &dst, stream)
+            report = g
+                .copy_into_with(&kv, &dst, stream, choice)
                 .and_then(|c| c.wait())
                 .expect("copy");
-            copies = r.copies;
-            bytes = r.bytes;
             t.elapsed().as_secs_f64()
         });
+        let bytes = report.bytes;
         let range = g.mapped_range();
         let raw_dst = pool.allocate(range.len as usize)?;
         let raw = median(RUNS, || {
@@ -262,8 +281,31 @@ pub fn decode() -> Result<(), BoxError> {
             backend.synchronize(raw_stream).expect("synchronize");
             t.elapsed().as_secs_f64()
         });
+        // What an engine would do by hand: one copy per run merged on both sides.
+        let runs = merged_runs(&g, &kv, &dst)?;
+        let per_run = (runs.len() <= MAX_RAW_RUNS).then(|| {
+            // Warm-up, then the median of RUNS.
+            let once = || {
+                let t = Instant::now();
+                for &(d, s, len) in &runs {
+                    // SAFETY: every run lies in the grant's mapping and in backed destination
+                    // blocks, mapped with access on this device, not overlapping; the stream is
+                    // synchronized before either goes, and nothing else uses the blocks.
+                    unsafe {
+                        backend
+                            .copy_async(d, s, len as usize, raw_stream)
+                            .expect("raw copy");
+                    }
+                }
+                backend.synchronize(raw_stream).expect("synchronize");
+                t.elapsed().as_secs_f64()
+            };
+            once();
+            median(RUNS, once)
+        });
         let ours_bw = bytes as f64 / ours / 1e9;
         let raw_bw = range.len as f64 / raw / 1e9;
+        let run_bw = per_run.map(|t| bytes as f64 / t / 1e9);
         let label = format!(
             "{}{}",
             match case.kind {
@@ -272,19 +314,27 @@ pub fn decode() -> Result<(), BoxError> {
             },
             if case.scattered { ", scattered" } else { "" }
         );
+        let or_dash = |v: Option<f64>, unit: &str| {
+            v.map_or_else(|| "-".to_string(), |v| format!("{v:.2}{unit}"))
+        };
         drop(raw_dst);
         drop(g);
         kv.release(0..n)?;
         print!(
-            "{:>9} {:<32} {:>6} {:>9} {:>10.2} {:>11.1} {:>11.1} {:>6.2}x",
+            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
             crate::human(case.block),
             label,
             n,
-            copies,
+            report.engine.to_string(),
+            report.copies,
+            report.tasks,
             import_ms,
             ours_bw,
             raw_bw,
-            ours_bw / raw_bw
+            or_dash(run_bw, ""),
+            or_dash(per_run.map(|t| t * 1e3), " ms"),
+            ours_bw / raw_bw,
+            or_dash(run_bw.map(|r| ours_bw / r), "x"),
         );
         #[cfg(feature = "nixl")]
         let mut nixl_errors = Vec::new();
@@ -312,4 +362,29 @@ pub fn decode() -> Result<(), BoxError> {
         st.imports
     );
     Ok(())
+}
+
+/// The copies `(dst, src, len)` of the grant's blocks into `dst` blocks of `kv`, merged where
+/// both sides continue (in destination order), as an engine would issue them by hand.
+fn merged_runs(
+    g: &ImportedGrant,
+    kv: &ElasticLayout,
+    dst: &[usize],
+) -> Result<Vec<(u64, u64, u64)>, BoxError> {
+    let mut ops = Vec::new();
+    for (i, &d) in dst.iter().enumerate() {
+        let src = g.block_views(i).ok_or("granted block missing")?;
+        for (dv, sv) in kv.block(d)?.iter().zip(&src) {
+            ops.push((dv.addr, sv.addr, dv.len));
+        }
+    }
+    ops.sort_unstable();
+    let mut merged: Vec<(u64, u64, u64)> = Vec::with_capacity(ops.len());
+    for (d, s, len) in ops {
+        match merged.last_mut() {
+            Some((od, os, ol)) if *od + *ol == d && *os + *ol == s => *ol += len,
+            _ => merged.push((d, s, len)),
+        }
+    }
+    Ok(merged)
 }

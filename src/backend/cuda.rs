@@ -14,7 +14,10 @@ use parking_lot::Mutex;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
-use super::{Backend, BackendInfo, MemoryInfo, MemoryKind, PhysicalChunk};
+use super::{
+    pack_gather, Backend, BackendInfo, GatherPiece, GatherShift, MemoryInfo, MemoryKind,
+    PhysicalChunk,
+};
 use crate::error::{Error, Result};
 
 const NAME: &str = "cuda";
@@ -30,6 +33,29 @@ pub struct CudaBackend {
     /// Handles imported from other processes (not counted in `physical`). Bookkeeping only:
     /// never held across a driver call.
     imported: Mutex<HashSet<u64>>,
+    /// The gather kernel in this backend's context, loaded on first use (or why it cannot be).
+    gather: std::sync::OnceLock<std::result::Result<GatherKernel, String>>,
+}
+
+/// The gather kernel's PTX (`src/backend/kernels/gather.cu`, compiled by `scripts/gen-ptx.sh`
+/// for `compute_80`; the driver JIT-compiles it for the device), nul-terminated for
+/// `cuModuleLoadData`.
+const GATHER_PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
+/// Threads per block of the gather kernel (its `__launch_bounds__`).
+const GATHER_THREADS: u32 = 256;
+/// Blocks per multiprocessor the kernel's launch bounds guarantee: the grid is one wave.
+const GATHER_BLOCKS_PER_SM: u32 = 4;
+/// Descriptor memory the kernel's memory pool keeps across synchronizations.
+const GATHER_POOL_KEEP: u64 = 64 << 20;
+
+/// The loaded gather kernel and the stream-ordered memory pool its descriptors come from.
+#[derive(Debug)]
+struct GatherKernel {
+    module: sys::CUmodule,
+    function: sys::CUfunction,
+    pool: sys::CUmemoryPool,
+    /// Most blocks in one launch (one resident wave).
+    max_grid: u32,
 }
 
 /// `CUmemAllocationProp` holds a (null) raw pointer; it is plain data we never share mutably.
@@ -148,6 +174,7 @@ impl CudaBackend {
             prop: Prop(prop),
             physical: AtomicU64::new(0),
             imported: Mutex::new(HashSet::new()),
+            gather: std::sync::OnceLock::new(),
         };
         backend.bind()?;
         let query = |flag| -> Result<usize> {
@@ -211,8 +238,110 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// The gather kernel, loaded into this backend's context on first use.
+    fn gather_kernel(&self) -> Result<&GatherKernel> {
+        self.gather
+            .get_or_init(|| self.load_gather())
+            .as_ref()
+            .map_err(|why| Error::backend(NAME, "gather_async", "UNSUPPORTED", why.clone()))
+    }
+
+    fn load_gather(&self) -> std::result::Result<GatherKernel, String> {
+        self.bind().map_err(|e| e.to_string())?;
+        let attr = |a: sys::CUdevice_attribute| {
+            // SAFETY: `device` is a valid device handle.
+            unsafe { result::device::get_attribute(self.device, a) }
+                .map_err(|e| format!("cuDeviceGetAttribute({a:?}) failed with {:?}", e.0))
+        };
+        if attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? == 0 {
+            return Err("the device has no stream-ordered memory pools".into());
+        }
+        let sms = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let sms = u32::try_from(sms).unwrap_or(1).max(1);
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: `GATHER_PTX` is nul-terminated PTX text living for the program; `module` is
+        // valid for writing. The context current on this thread is ours (bound above).
+        unsafe { sys::cuModuleLoadData(&mut module, GATHER_PTX.as_ptr().cast()) }
+            .result()
+            .map_err(|e| {
+                format!(
+                    "cuModuleLoadData of the gather kernel failed with {:?}",
+                    e.0
+                )
+            })?;
+        let unload = |module: sys::CUmodule| {
+            // SAFETY: loaded above, unloaded once, nothing of it launched.
+            let _ = unsafe { sys::cuModuleUnload(module) };
+        };
+        let mut function: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: `module` is loaded; the name is nul-terminated.
+        if let Err(e) =
+            unsafe { sys::cuModuleGetFunction(&mut function, module, c"evmm_gather".as_ptr()) }
+                .result()
+        {
+            unload(module);
+            return Err(format!(
+                "cuModuleGetFunction(evmm_gather) failed with {:?}",
+                e.0
+            ));
+        }
+        // SAFETY: plain data; all-zero is its documented default.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = self.info.device_ordinal.unwrap_or(0);
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is valid for writing, `props` for reading.
+        if let Err(e) = unsafe { sys::cuMemPoolCreate(&mut pool, &props) }.result() {
+            unload(module);
+            return Err(format!("cuMemPoolCreate failed with {:?}", e.0));
+        }
+        let mut keep = GATHER_POOL_KEEP;
+        // SAFETY: the attribute takes a cuuint64_t, which `keep` is; `pool` was just created.
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+        }
+        .result();
+        if let Err(e) = r {
+            tracing::debug!(error = ?e.0, "gather pool keeps no memory across synchronizations");
+        }
+        tracing::debug!(sms, "gather kernel loaded");
+        Ok(GatherKernel {
+            module,
+            function,
+            pool,
+            max_grid: sms.saturating_mul(GATHER_BLOCKS_PER_SM),
+        })
+    }
+}
+
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if let Some(Ok(k)) = self.gather.take() {
+            // Every launch ran before the module goes: completions hold the backend, so only a
+            // copy whose wait failed could still be queued.
+            if self.bind().is_ok() {
+                // SAFETY: our context is current; waiting has no other effect.
+                if let Err(e) = unsafe { sys::cuCtxSynchronize() }.result() {
+                    tracing::warn!(error = ?e.0, "cuCtxSynchronize before unloading the gather kernel failed");
+                }
+                // SAFETY: created by `load_gather`, destroyed once; allocations still
+                // outstanding are freed by the driver when their frees ran.
+                if let Err(e) = unsafe { sys::cuMemPoolDestroy(k.pool) }.result() {
+                    tracing::warn!(error = ?e.0, "cuMemPoolDestroy failed");
+                }
+                // SAFETY: loaded by `load_gather`, unloaded once, nothing of it runs any more.
+                if let Err(e) = unsafe { sys::cuModuleUnload(k.module) }.result() {
+                    tracing::warn!(error = ?e.0, "cuModuleUnload failed");
+                }
+            }
+        }
         // SAFETY: we retained the primary context once in `new`.
         if let Err(e) = unsafe { result::primary_ctx::release(self.device) } {
             tracing::warn!(error = ?e.0, "cuDevicePrimaryCtxRelease failed");
@@ -525,6 +654,92 @@ impl Backend for CudaBackend {
             }
         }
         Ok(())
+    }
+
+    unsafe fn gather_async(
+        &self,
+        pieces: &[GatherPiece],
+        shifts: &[GatherShift],
+        stream: u64,
+    ) -> Result<()> {
+        if pieces.is_empty() || shifts.is_empty() {
+            return Ok(());
+        }
+        let (words, at) = pack_gather(pieces, shifts)?;
+        let kernel = self.gather_kernel()?;
+        self.bind()?;
+        let bytes = words.len() * 8;
+        let s = raw_stream(stream);
+        let mut buf: sys::CUdeviceptr = 0;
+        // SAFETY: `buf` is valid for writing; the pool is ours and lives as long as `self`; the
+        // caller vouches for the stream.
+        unsafe { sys::cuMemAllocFromPoolAsync(&mut buf, bytes, kernel.pool, s) }
+            .result()
+            .map_err(driver_error(
+                "cuMemAllocFromPoolAsync",
+                format!("{bytes} bytes of gather descriptors on stream {stream:#x}"),
+            ))?;
+        let free = |call: &'static str| {
+            // SAFETY: `buf` was allocated on this stream above and is freed once, in stream
+            // order after everything queued on it that reads it.
+            if let Err(e) = unsafe { sys::cuMemFreeAsync(buf, s) }.result() {
+                tracing::error!(error = ?e.0, after = call, "cuMemFreeAsync of gather descriptors failed; they stay allocated");
+            }
+        };
+        // SAFETY: `words` is `bytes` bytes of host memory; from pageable memory the call returns
+        // once they are staged (CUDA's documented behaviour), so `words` may go after it; `buf`
+        // holds `bytes` bytes in stream order.
+        let r = unsafe { sys::cuMemcpyHtoDAsync_v2(buf, words.as_ptr().cast(), bytes, s) }.result();
+        if let Err(e) = r {
+            free("cuMemcpyHtoDAsync");
+            return Err(driver_error(
+                "cuMemcpyHtoDAsync",
+                format!("{bytes} bytes of gather descriptors"),
+            )(e));
+        }
+        let ntasks = pieces.len() as u64 * shifts.len() as u64; // checked by `pack_gather`
+        let per_block = u64::from(GATHER_THREADS / 32);
+        let grid = ntasks
+            .div_ceil(per_block)
+            .clamp(1, u64::from(kernel.max_grid.max(1))) as u32;
+        let mut p_pieces: u64 = buf;
+        let mut p_count: u32 = pieces.len() as u32; // checked by `pack_gather`
+        let mut p_shifts: u64 = buf + (at as u64) * 8;
+        let mut p_tasks: u64 = ntasks;
+        let mut params: [*mut std::ffi::c_void; 4] = [
+            (&mut p_pieces as *mut u64).cast(),
+            (&mut p_count as *mut u32).cast(),
+            (&mut p_shifts as *mut u64).cast(),
+            (&mut p_tasks as *mut u64).cast(),
+        ];
+        // SAFETY: the kernel's four parameters (pointer, u32, pointer, u64) point at locals of
+        // those types, read during the call; the descriptors are in `buf` in stream order
+        // before the launch; every copy they describe obeys the caller's contract.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                kernel.function,
+                grid,
+                1,
+                1,
+                GATHER_THREADS,
+                1,
+                1,
+                0,
+                s,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result();
+        free("cuLaunchKernel");
+        r.map_err(driver_error(
+            "cuLaunchKernel",
+            format!(
+                "gather of {} pieces x {} shifts, {grid} blocks, on stream {stream:#x}",
+                pieces.len(),
+                shifts.len()
+            ),
+        ))
     }
 
     fn synchronize(&self, stream: u64) -> Result<()> {

@@ -226,6 +226,16 @@ impl Backend for FaultInjector {
         self.inner.synchronize(stream)
     }
 
+    unsafe fn gather_async(
+        &self,
+        pieces: &[super::GatherPiece],
+        shifts: &[super::GatherShift],
+        stream: u64,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.gather_async(pieces, shifts, stream) }
+    }
+
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.fill_async(addr, bytes, byte, stream) }

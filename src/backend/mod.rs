@@ -380,6 +380,33 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Queue a gather copy on `stream`: for every shift `h` of `shifts` and every piece `p` of
+    /// `pieces`, `p.len` bytes from `h.src + p.src` to `h.dst + p.dst` (sums modulo 2^64), in
+    /// stream order, without waiting (CUDA: one launch of the crate's gather kernel, see
+    /// [`GatherPiece`]). Empty pieces or shifts queue nothing.
+    ///
+    /// Backends without such a kernel keep this default, which fails with a
+    /// [`crate::Error::Backend`] whose code is `UNSUPPORTED`; the caller then copies with
+    /// [`Backend::copy_batch_async`]. A failure queues nothing that reads or writes the ranges.
+    ///
+    /// # Safety
+    /// As for [`Backend::copy_async`], for every copy the pattern makes; no copy's destination
+    /// overlaps another copy's destination or any copy's source.
+    unsafe fn gather_async(
+        &self,
+        pieces: &[GatherPiece],
+        shifts: &[GatherShift],
+        stream: u64,
+    ) -> Result<()> {
+        let _ = (pieces, shifts, stream);
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "gather_async",
+            "UNSUPPORTED",
+            "this backend has no gather kernel",
+        ))
+    }
+
     /// Wait until every piece of work queued on the GPU stream `stream` (a raw `CUstream` or one
     /// of the special handles of [`Backend::copy_async`]) has run.
     ///
@@ -526,6 +553,64 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 }
 
+/// One piece of a gather copy's pattern ([`Backend::gather_async`]): `len` bytes from offset
+/// `src` to offset `dst`, both relative to a [`GatherShift`]. Laid out as the kernel reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct GatherPiece {
+    /// Source offset (added to the shift's source, modulo 2^64).
+    pub src: u64,
+    /// Destination offset (added to the shift's destination, modulo 2^64).
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Where one repetition of a gather copy's pattern lies ([`Backend::gather_async`]): the
+/// pattern's offsets are added to these addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct GatherShift {
+    /// Added to every piece's source offset.
+    pub src: u64,
+    /// Added to every piece's destination offset.
+    pub dst: u64,
+}
+
+/// A gather copy's descriptors as the kernel reads them, in one buffer of 64-bit words: the
+/// pieces (`src, dst, len`) then the shifts (`src, dst`), little-endian words as on the GPU.
+/// Returns the words and the word index where the shifts start. The pieces' count must fit
+/// 32 bits and the tasks (`pieces * shifts`) 64 bits; anything else is an error with the
+/// numbers.
+pub(crate) fn pack_gather(
+    pieces: &[GatherPiece],
+    shifts: &[GatherShift],
+) -> Result<(Vec<u64>, usize)> {
+    let too_many = |detail: String| crate::error::Error::SizeOverflow {
+        what: "gather descriptors",
+        detail,
+    };
+    u32::try_from(pieces.len())
+        .map_err(|_| too_many(format!("{} pieces (at most {})", pieces.len(), u32::MAX)))?;
+    (pieces.len() as u64)
+        .checked_mul(shifts.len() as u64)
+        .ok_or_else(|| too_many(format!("{} pieces * {} shifts", pieces.len(), shifts.len())))?;
+    let words = pieces
+        .len()
+        .checked_mul(3)
+        .and_then(|p| shifts.len().checked_mul(2).and_then(|s| p.checked_add(s)))
+        .ok_or_else(|| too_many(format!("{} pieces + {} shifts", pieces.len(), shifts.len())))?;
+    let mut out = Vec::with_capacity(words);
+    for p in pieces {
+        out.extend_from_slice(&[p.src, p.dst, p.len]);
+    }
+    let at = out.len();
+    for h in shifts {
+        out.extend_from_slice(&[h.src, h.dst]);
+    }
+    Ok((out, at))
+}
+
 /// The layout of default staging memory: page aligned, at least one byte.
 fn staging_layout(bytes: usize) -> Result<std::alloc::Layout> {
     std::alloc::Layout::from_size_align(bytes.max(1), 4096).map_err(|_| {
@@ -545,5 +630,38 @@ pub fn default_backend() -> Result<(Arc<dyn Backend>, Option<String>)> {
             Arc::new(host::HostBackend::new(host::DEFAULT_GRANULARITY)?),
             Some(e.to_string()),
         )),
+    }
+}
+
+#[cfg(test)]
+mod gather_tests {
+    use super::*;
+
+    #[test]
+    fn gather_descriptors_pack_as_the_kernel_reads_them() {
+        let pieces = [
+            GatherPiece {
+                src: 1,
+                dst: 2,
+                len: 3,
+            },
+            GatherPiece {
+                src: 4,
+                dst: 5,
+                len: 6,
+            },
+        ];
+        let shifts = [GatherShift {
+            src: u64::MAX,
+            dst: 1 << 40,
+        }];
+        let (words, at) = pack_gather(&pieces, &shifts).unwrap();
+        assert_eq!(words, vec![1, 2, 3, 4, 5, 6, u64::MAX, 1 << 40]);
+        assert_eq!(at, 6);
+        // The kernel's structs are these words: 24 and 16 bytes, 8-byte aligned.
+        assert_eq!(std::mem::size_of::<GatherPiece>(), 24);
+        assert_eq!(std::mem::size_of::<GatherShift>(), 16);
+        let (words, at) = pack_gather(&[], &shifts).unwrap();
+        assert_eq!((words.len(), at), (2, 0));
     }
 }

@@ -577,6 +577,16 @@ impl Backend for ModelBackend {
         unsafe { self.local.copy_async(dst, src, bytes, stream) }
     }
 
+    unsafe fn gather_async(
+        &self,
+        pieces: &[crate::backend::GatherPiece],
+        shifts: &[crate::backend::GatherShift],
+        stream: u64,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.gather_async(pieces, shifts, stream) }
+    }
+
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.local.fill_async(addr, bytes, byte, stream) }

@@ -94,6 +94,27 @@ impl LayoutGeometry {
         self.extent
     }
 
+    /// Bytes between a view of block `b` and the same view of block `b + 1`: every kind lays
+    /// its blocks out at one stride in each region (a block for fully contiguous, a block's
+    /// layer for block first, a unit for block second).
+    pub(crate) fn block_stride(&self) -> u64 {
+        match self.kind {
+            LayoutKind::FullyContiguous => self.sizes.block,
+            LayoutKind::LayerSeparate(BlockDim::First) => self.sizes.block_per_layer,
+            LayoutKind::LayerSeparate(BlockDim::Second) => self.sizes.unit,
+        }
+    }
+
+    /// Block 0's whole-block spans as `(offset, len)` relative to the start of one range
+    /// holding every region (see [`LayoutGeometry::region_offset`]), and the block stride:
+    /// span k of block `b` is span k of block 0 moved by `b * stride`
+    /// ([`LayoutGeometry::block_stride`]), in every kind.
+    pub(crate) fn block_pattern(&self) -> (Vec<(u64, u64)>, u64) {
+        let mut spans = Vec::new();
+        self.block_spans(0, &mut spans);
+        (spans, self.block_stride())
+    }
+
     fn check(what: &'static str, index: usize, count: usize) -> Result<()> {
         if index >= count {
             return Err(Error::OutOfLayout { what, index, count });
@@ -198,6 +219,41 @@ impl BlockGeometry for LayoutGeometry {
                     .iter()
                     .map(|s| (self.region_offset(s.region) + s.offset, s.len)),
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every block's spans are block 0's moved by `b * stride`, in every kind.
+    #[test]
+    fn blocks_are_the_pattern_shifted_by_the_stride() {
+        let kinds = [
+            LayoutKind::FullyContiguous,
+            LayoutKind::LayerSeparate(BlockDim::First),
+            LayoutKind::LayerSeparate(BlockDim::Second),
+        ];
+        for kind in kinds {
+            for config in [
+                LayoutConfig::new(7, 3, 2, 4, 5, 3),
+                LayoutConfig::new(1, 1, 1, 1, 1, 1),
+                LayoutConfig::new(33, 2, 1, 16, 64, 2),
+            ] {
+                let g = LayoutGeometry::new(config, kind).unwrap();
+                let (pattern, stride) = g.block_pattern();
+                assert_eq!(pattern.len(), g.blocks(0, 1).unwrap().len());
+                for b in 0..config.num_blocks {
+                    let mut spans = Vec::new();
+                    g.block_spans(b, &mut spans);
+                    let moved: Vec<(u64, u64)> = pattern
+                        .iter()
+                        .map(|&(o, l)| (o + b as u64 * stride, l))
+                        .collect();
+                    assert_eq!(spans, moved, "{kind} {config:?} block {b}");
+                }
+            }
         }
     }
 }

@@ -120,6 +120,19 @@ impl LayoutViews {
         self.blocks(block, 1)
     }
 
+    /// Block 0's whole-block views and the block stride: view k of block `b` is view k of
+    /// block 0 moved by `b * stride` bytes, for every kind (see
+    /// [`LayoutGeometry::block_stride`]). What copies of many blocks need, computed once.
+    pub(crate) fn block_pattern(&self) -> (Vec<MemoryView>, u64) {
+        let mut spans = Vec::new();
+        // Block 0 exists in every valid geometry.
+        let _ = self.geometry.blocks_into(0, 1, &mut spans);
+        (
+            spans.into_iter().map(|s| self.place(s)).collect(),
+            self.geometry.block_stride(),
+        )
+    }
+
     /// The views of `count` consecutive blocks from `first`, merged: as many views as one block
     /// has (see [`LayoutViews::block`]), each `count` times longer.
     pub fn blocks(&self, first: usize, count: usize) -> Result<Vec<MemoryView>> {

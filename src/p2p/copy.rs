@@ -1,64 +1,21 @@
 //! Copying granted blocks into a layout of this process, in stream order on a GPU, with a
-//! completion to wait on. Runs of consecutive bytes on both sides are merged, so a layer-
-//! separate layout's many small spans per block become as few copies as the two layouts allow.
+//! completion to wait on. The work is a pattern and one shift per block ([`super::plan`]),
+//! built in O(blocks): few large merged runs go to `cuMemcpyAsync`, everything else to one
+//! launch of the gather kernel; host memory is copied by the CPU.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
 use super::import::{ImportMapping, ImportedGrant};
 use super::path::TransferPath;
-use crate::backend::{Backend, MemoryKind};
+use super::plan::{self, Claim, CopyEngine, EngineChoice, Plan, WriteClaim};
+use crate::backend::{Backend, GatherShift, MemoryKind};
 use crate::backing::BlockPin;
 use crate::error::{Error, Result};
 use crate::layout::{ElasticLayout, LayoutConfig};
 use crate::pool::RangePin;
 use crate::Pool;
-
-/// Destination bytes some copy is writing now, as address intervals (`start -> end`), which
-/// stay the copy's own while its pin keeps the memory. Two copies into overlapping bytes at
-/// once would race; the second is refused. A leaf lock: bookkeeping only.
-static WRITING: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
-
-/// Destination intervals claimed in [`WRITING`] for one copy, let go on drop.
-struct WriteClaim {
-    starts: Vec<u64>,
-}
-
-impl WriteClaim {
-    /// Claim `ops`' destinations (sorted by destination, not overlapping one another).
-    fn take(ops: &[(u64, u64, u64)]) -> Result<WriteClaim> {
-        let mut w = WRITING.lock();
-        for &(d, _, len) in ops {
-            let end = d + len;
-            if let Some((&s, &e)) = w.range(..end).next_back() {
-                if e > d {
-                    return Err(Error::InvalidArgument(format!(
-                        "destination bytes [{d:#x}, {end:#x}) overlap [{s:#x}, {e:#x}), which another p2p copy is writing: wait for its completion first"
-                    )));
-                }
-            }
-        }
-        for &(d, _, len) in ops {
-            w.insert(d, d + len);
-        }
-        Ok(WriteClaim {
-            starts: ops.iter().map(|o| o.0).collect(),
-        })
-    }
-}
-
-impl Drop for WriteClaim {
-    fn drop(&mut self) {
-        let mut w = WRITING.lock();
-        for s in &self.starts {
-            w.remove(s);
-        }
-    }
-}
 
 /// What a copy holds on its destination until the copies ran.
 enum DstPin {
@@ -100,8 +57,17 @@ pub struct CopyReport {
     /// Spans of the blocks (one per block for fully contiguous; per layer, or per layer and
     /// K/V, for layer separate).
     pub spans: usize,
-    /// Copies issued after merging runs that are consecutive on both sides.
+    /// Contiguous copies the move is made of after merging runs that are consecutive on both
+    /// sides: what the memcpy engine issues, one call each.
     pub copies: usize,
+    /// What moved the bytes.
+    pub engine: CopyEngine,
+    /// Work submitted to the GPU: kernel launches (1) or `cuMemcpyAsync` copies (`copies`);
+    /// 0 for the CPU.
+    pub launches: usize,
+    /// Work items of the kernel (block pairs times pattern pieces of at most 64 KiB, each one
+    /// warp's task); `copies` for the other engines.
+    pub tasks: u64,
     /// The path the bytes took.
     pub path: TransferPath,
     /// Why that path (from the link's hello).
@@ -145,12 +111,13 @@ pub(crate) fn mismatch(src: &LayoutConfig, dst: &LayoutConfig) -> Option<String>
 impl ImportedGrant {
     /// Copy the granted blocks into `dst_blocks` of `dst` (paired by position), queued on
     /// `stream` on a GPU (host memory: copied before this returns). The destination blocks are
-    /// pinned until the copies completed; so is the source mapping.
+    /// pinned until the copies completed; so is the source mapping. The engine is chosen as
+    /// [`EngineChoice::Auto`] says; see [`ImportedGrant::copy_into_with`].
     ///
     /// Refused before any copy: a sender that is gone or revoked the grant, a layout of another
     /// block size or kind ([`Error::LayoutMismatch`]), a number of blocks that differs, a block
     /// listed twice, out of range or not backed, memory of another kind or device than the
-    /// mapping.
+    /// mapping, destination blocks another copy from a grant is writing now.
     ///
     /// The destination blocks' contents are unspecified until the completion is waited for;
     /// nothing else may use them meanwhile (their reads and writes are `unsafe` for that).
@@ -160,11 +127,22 @@ impl ImportedGrant {
         dst_blocks: &[usize],
         stream: CopyStream,
     ) -> Result<Completion> {
+        self.copy_into_with(dst, dst_blocks, stream, EngineChoice::Auto)
+    }
+
+    /// [`ImportedGrant::copy_into`] with the engine chosen by `engine`: the host work is
+    /// O(blocks) whatever the layouts (the grant's pattern and shifts were computed at import).
+    pub fn copy_into_with(
+        &self,
+        dst: &ElasticLayout,
+        dst_blocks: &[usize],
+        stream: CopyStream,
+        engine: EngineChoice,
+    ) -> Result<Completion> {
         let link = &self.mapping.link;
         self.check_usable("copy")?;
-        self.check_shape(dst, dst_blocks)?;
-        let src_backend = self.mapping.backend();
-        let src_info = src_backend.info();
+        let (set, bounds) = self.check_shape(dst, dst_blocks)?;
+        let src_info = self.mapping.backend().info();
         if dst.memory_kind() != src_info.memory_kind || dst.device() != src_info.device_ordinal {
             return Err(Error::InvalidArgument(format!(
                 "the grant is mapped for {:?} memory of device {:?}, the layout holds {:?} memory of device {:?}: link and layout must share a backend",
@@ -174,47 +152,36 @@ impl ImportedGrant {
                 dst.device()
             )));
         }
+        let (views, stride) = dst.views().block_pattern();
+        let dst_pattern: Arc<[(u64, u64)]> = views.iter().map(|v| (v.addr, v.len)).collect();
+        let pieces = plan::pair_pattern(&self.pattern, &dst_pattern)?;
+        let shifts = self
+            .src_shifts
+            .iter()
+            .zip(dst_blocks)
+            .map(|(&src, &d)| GatherShift {
+                src,
+                // Below the layout's extent (the block exists).
+                dst: d as u64 * stride,
+            })
+            .collect();
+        let plan = Plan {
+            pieces,
+            shifts,
+            src_stride: self.stride,
+            dst_stride: stride,
+        };
+        let claim = Claim::blocks(dst_pattern, stride, dst.num_blocks(), set, bounds);
         let holder = format!("p2p copy of grant {} from {}", self.id, link.peer.name);
         let pin = dst.pin(dst_blocks.iter().copied(), &holder)?;
-        // (dst, src, len), merged where both sides continue.
-        let mut ops: Vec<(u64, u64, u64)> = Vec::new();
-        let mut spans = 0usize;
-        let mut bytes = 0u64;
-        for (i, &b) in dst_blocks.iter().enumerate() {
-            let views = dst.views().block(b)?;
-            let src = &self.spans[i];
-            if views.len() != src.len() {
-                return Err(Error::LayoutMismatch {
-                    detail: format!(
-                        "block {b} has {} spans here, granted block {} has {}",
-                        views.len(),
-                        self.blocks[i],
-                        src.len()
-                    ),
-                });
-            }
-            for (d, s) in views.iter().zip(src) {
-                if d.len != s.len {
-                    return Err(Error::LayoutMismatch {
-                        detail: format!(
-                            "a span of block {b} is {} bytes here and {} bytes in granted block {}",
-                            d.len, s.len, self.blocks[i]
-                        ),
-                    });
-                }
-                spans += 1;
-                bytes += d.len;
-                ops.push((d.addr, s.addr, d.len));
-            }
-        }
         let backend = dst.backing().pool().backend().clone();
         self.launch(
             backend,
             dst.memory_kind(),
             stream,
-            DstPin::Blocks { _pin: pin },
-            ops,
-            (dst_blocks.len(), spans, bytes),
+            (DstPin::Blocks { _pin: pin }, claim),
+            plan,
+            engine,
         )
     }
 
@@ -225,8 +192,25 @@ impl ImportedGrant {
     /// range is pinned against unmapping until the copies ran; queued on `stream` as for
     /// [`ImportedGrant::copy_into`].
     pub fn copy_to(&self, pool: &Pool, offset: u64, stream: CopyStream) -> Result<Completion> {
+        self.copy_to_with(pool, offset, stream, EngineChoice::Auto)
+    }
+
+    /// [`ImportedGrant::copy_to`] with the engine chosen by `engine`.
+    pub fn copy_to_with(
+        &self,
+        pool: &Pool,
+        offset: u64,
+        stream: CopyStream,
+        engine: EngineChoice,
+    ) -> Result<Completion> {
         self.check_usable("copy")?;
-        let bytes: u64 = self.spans.iter().flatten().map(|v| v.len).sum();
+        let per_block: u64 = self.pattern.iter().map(|s| s.1).sum();
+        let bytes = per_block
+            .checked_mul(self.blocks.len() as u64)
+            .ok_or_else(|| Error::SizeOverflow {
+                what: "granted bytes",
+                detail: format!("{} blocks of {per_block} bytes", self.blocks.len()),
+            })?;
         let src_info = self.mapping.backend().info();
         let info = pool.backend_info();
         if info.memory_kind != src_info.memory_kind
@@ -238,47 +222,63 @@ impl ImportedGrant {
             )));
         }
         let pin = pool.pin_range(offset, bytes)?;
-        let mut ops = Vec::new();
-        let mut at = pool.base() + offset;
-        let mut spans = 0;
-        for s in self.spans.iter().flatten() {
-            ops.push((at, s.addr, s.len));
-            at += s.len;
-            spans += 1;
+        // Pinned: `[offset, offset + bytes)` lies in the reservation, so no sum below wraps.
+        let at = pool.base() + offset;
+        let mut packed = Vec::with_capacity(self.pattern.len());
+        let mut o = 0;
+        for &(_, len) in &self.pattern {
+            packed.push((o, len));
+            o += len;
         }
+        let pieces = plan::pair_pattern(&self.pattern, &packed)?;
+        let shifts = self
+            .src_shifts
+            .iter()
+            .enumerate()
+            .map(|(i, &src)| GatherShift {
+                src,
+                dst: at + i as u64 * per_block,
+            })
+            .collect();
+        let plan = Plan {
+            pieces,
+            shifts,
+            src_stride: self.stride,
+            dst_stride: per_block,
+        };
+        let claim = Claim::Range {
+            lo: at,
+            hi: at + bytes,
+        };
         self.launch(
             pool.backend().clone(),
             info.memory_kind,
             stream,
-            DstPin::Range { _pin: pin },
-            ops,
-            (self.blocks.len(), spans, bytes),
+            (DstPin::Range { _pin: pin }, claim),
+            plan,
+            engine,
         )
     }
 
-    /// Merge, claim and queue `ops` (`(dst, src, len)`), the destination held by `pin`.
+    /// Claim the destination and queue `plan` on the engine `choice` leads to, the
+    /// destination held by `pin`.
     fn launch(
         &self,
         backend: Arc<dyn Backend>,
         memory: MemoryKind,
         stream: CopyStream,
-        pin: DstPin,
-        mut ops: Vec<(u64, u64, u64)>,
-        (blocks, spans, bytes): (usize, usize, u64),
+        (pin, claim): (DstPin, Claim),
+        plan: Plan,
+        choice: EngineChoice,
     ) -> Result<Completion> {
-        // In destination order, runs that continue on both sides become one copy (a
-        // layer-separate layout's spans of consecutive blocks, layer by layer).
-        ops.sort_unstable();
-        let mut merged: Vec<(u64, u64, u64)> = Vec::with_capacity(ops.len());
-        for (d, s, len) in ops {
-            match merged.last_mut() {
-                Some((od, os, ol)) if *od + *ol == d && *os + *ol == s => *ol += len,
-                _ => merged.push((d, s, len)),
-            }
-        }
-        let ops = merged;
-        let claim = WriteClaim::take(&ops)?;
+        let claim = WriteClaim::take(claim)?;
         let link = &self.mapping.link;
+        let blocks = plan.shifts.len();
+        let spans = blocks * self.pattern.iter().filter(|s| s.1 > 0).count();
+        let bytes = plan.block_bytes() * blocks as u64;
+        let runs = plan.runs();
+        let copies = plan.copies(&runs);
+        let mut engine = plan::choose(memory, choice, copies, bytes);
         let started = Instant::now();
         let mut completion = Completion {
             backend: backend.clone(),
@@ -289,32 +289,56 @@ impl ImportedGrant {
                 bytes,
                 blocks,
                 spans,
-                copies: ops.len(),
+                copies: copies as usize,
+                engine,
+                launches: 0,
+                tasks: copies,
                 path: TransferPath::PeerImport,
                 reason: link.path.reason.clone(),
                 elapsed: Duration::ZERO,
             },
             started,
         };
-        if memory == MemoryKind::Device {
-            let batch: Vec<(u64, u64, usize)> = ops
-                .iter()
-                .map(|&(d, s, len)| (d, s, len as usize))
-                .collect();
-            // SAFETY: every range is mapped with access on this device and stays so until
-            // `completion` has synchronized the stream; sources and destinations lie in
-            // different mappings, and destinations do not overlap (claimed), so nothing
-            // overlaps; the stream is the legacy one or one the caller vouched for in
-            // `CopyStream::from_raw`.
+        if engine == CopyEngine::Kernel {
+            let pieces = plan.split(Plan::piece_size(bytes));
+            // SAFETY: every copy of the plan reads the grant's mapping (each span located at
+            // import) and writes pinned destination blocks or a pinned range, all mapped with
+            // access on this device and kept so by `completion` until it synchronized the
+            // stream; sources and destinations lie in different mappings and destinations do
+            // not overlap (distinct blocks of one layout, or one packed range; claimed against
+            // every other copy in flight); the stream is the legacy one or one the caller
+            // vouched for in `CopyStream::from_raw`.
+            match unsafe { backend.gather_async(&pieces, &plan.shifts, stream.raw()) } {
+                Ok(()) => {
+                    completion.report.launches = 1;
+                    completion.report.tasks = pieces.len() as u64 * blocks as u64;
+                }
+                Err(e) if choice == EngineChoice::Kernel => {
+                    drop(completion);
+                    return Err(e);
+                }
+                Err(e) => {
+                    // Nothing was queued: the memcpy engine does it.
+                    tracing::debug!(error = %e, "gather kernel not available; copying with cuMemcpyAsync");
+                    engine = CopyEngine::Memcpy;
+                    completion.report.engine = engine;
+                }
+            }
+        }
+        if engine == CopyEngine::Memcpy {
+            let mut batch: Vec<(u64, u64, usize)> = Vec::with_capacity(copies as usize);
+            plan.for_each_copy(&runs, |d, s, len| batch.push((d, s, len as usize)));
+            // SAFETY: as for the kernel above, copy by copy.
             if let Err(e) = unsafe { backend.copy_batch_async(&batch, stream.raw()) } {
                 // Copies queued before must run before the pins go: `completion` waits for
                 // them as it drops.
                 drop(completion);
                 return Err(e);
             }
+            completion.report.launches = batch.len();
         }
-        if memory == MemoryKind::Host {
-            for &(d, s, len) in &ops {
+        if engine == CopyEngine::Cpu {
+            plan.for_each_copy(&runs, |d, s, len| {
                 // SAFETY: `s..s + len` lies in the grant's mapping (located when it was
                 // imported), readable and kept mapped by `completion`; `d..d + len` lies in
                 // pinned destination memory, mapped read-write; the two are different
@@ -323,12 +347,10 @@ impl ImportedGrant {
                 unsafe {
                     std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len as usize)
                 };
-            }
-        }
-        if memory == MemoryKind::Host {
+            });
             completion.report.elapsed = started.elapsed();
         }
-        tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies = ops.len(), bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
+        tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies, %engine, bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
         Ok(completion)
     }
 }

@@ -1,5 +1,8 @@
 //! The receiving side: a grant's chunks imported, mapped (read-only where the backend allows)
-//! into a reservation of this process, and the granted blocks' spans located in it.
+//! into a reservation of this process that mirrors the sender's layout range (each chunk at its
+//! offset there, relative to the first chunk), and the granted blocks located in it: block `b`'s
+//! spans are the sender's block-0 pattern moved by `b * stride`, so one address per block says
+//! where all of its spans are.
 
 use std::fmt;
 use std::sync::Arc;
@@ -8,7 +11,6 @@ use super::link::{send, InChunk, LinkShared, ReadyGrant};
 use super::wire::{GrantMode, Msg};
 use crate::backend::{AccessMode, Backend, PhysicalChunk};
 use crate::backing::BackingChange;
-use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
 use crate::ipc::FrameWriter;
 use crate::layout::{ElasticLayout, LayoutConfig, LayoutGeometry, LayoutKind, MemoryView};
@@ -23,13 +25,17 @@ struct Segment {
     addr: u64,
 }
 
-/// Imported chunks mapped into a reservation of ours. Dropping it unmaps them, releases the
-/// imports and frees the reservation; a step that fails leaves the rest in place (leaked and
-/// logged, never released while mapped).
+/// Imported chunks mapped into a reservation of ours, each at its offset in the sender's range
+/// less the first chunk's (gaps between granted chunks stay unmapped). Dropping it unmaps them,
+/// releases the imports and frees the reservation; a step that fails leaves the rest in place
+/// (leaked and logged, never released while mapped).
 struct Mapped {
     backend: Arc<dyn Backend>,
     base: u64,
     len: u64,
+    /// Where offset 0 of the sender's range would be here (`base - first chunk's offset`,
+    /// modulo 2^64): offset `o` of a granted chunk is mapped at `origin + o`.
+    origin: u64,
     placed: Vec<(u64, PhysicalChunk)>,
     segments: Vec<Segment>,
     access: AccessMode,
@@ -42,6 +48,7 @@ impl Mapped {
         access: AccessMode,
     ) -> Result<Mapped> {
         let gran = backend.info().granularity as u64;
+        let first = chunks.first().map_or(0, |c| c.offset);
         let mut total = 0u64;
         let mut prev_end = 0u64;
         for (i, c) in chunks.iter().enumerate() {
@@ -61,22 +68,27 @@ impl Mapped {
                     detail: format!("{total} + {}", c.size),
                 })?;
         }
-        let len = usize::try_from(total).map_err(|_| Error::SizeOverflow {
+        // The range from the first chunk's start to the last one's end, gaps included (address
+        // space only: nothing is mapped in the gaps).
+        let extent = prev_end - first;
+        let len = usize::try_from(extent.max(gran)).map_err(|_| Error::SizeOverflow {
             what: "granted chunks",
-            detail: format!("{total} bytes"),
+            detail: format!("a range of {extent} bytes from offset {first:#x}"),
         })?;
-        let base = backend.reserve(len.max(gran as usize), gran as usize)?;
+        let base = backend.reserve(len, gran as usize)?;
         let mut m = Mapped {
             backend,
             base,
-            len: total.max(gran),
+            len: len as u64,
+            origin: base.wrapping_sub(first),
             placed: Vec::with_capacity(chunks.len()),
             segments: Vec::new(),
             access,
         };
-        let mut at = base;
         for c in chunks {
             let size = c.size as usize;
+            // Inside the reservation: first <= offset and offset + size <= prev_end (checked).
+            let at = base + (c.offset - first);
             let chunk = m.backend.import_chunk(c.fd, size)?;
             // SAFETY: `[at, at + size)` lies in the reservation made above and is unmapped (each
             // chunk gets its own part); the chunk was just imported and is mapped nowhere.
@@ -96,7 +108,6 @@ impl Mapped {
                     addr: at,
                 }),
             }
-            at += c.size;
         }
         let mut effective = access;
         for s in m.segments.clone() {
@@ -132,6 +143,17 @@ impl Mapped {
         let s = self.segments[i];
         let end = src.checked_add(len)?;
         (end <= s.src + s.len).then(|| s.addr + (src - s.src))
+    }
+
+    /// Whether `[addr, addr + len)` lies in one run of mapped chunks here.
+    fn maps(&self, addr: u64, len: u64) -> bool {
+        let i = self.segments.partition_point(|s| s.addr <= addr);
+        let Some(s) = i.checked_sub(1).map(|i| self.segments[i]) else {
+            return false;
+        };
+        (addr - s.addr)
+            .checked_add(len)
+            .is_some_and(|end| end <= s.len)
     }
 
     fn bytes(&self) -> u64 {
@@ -223,10 +245,14 @@ pub struct ImportedGrant {
     pub(crate) config: LayoutConfig,
     pub(crate) kind: LayoutKind,
     pub(crate) blocks: Vec<usize>,
-    /// Per granted block, where its spans are mapped here, in the layout's span order.
-    pub(crate) spans: Vec<Vec<MemoryView>>,
-    /// Per granted block, its spans as offsets in the sender's layout range.
-    src_spans: Vec<Vec<(u64, u64)>>,
+    /// The sender's block 0 spans as `(offset, len)` in its layout range, in span order; block
+    /// `b`'s are these moved by `b * stride`.
+    pub(crate) pattern: Vec<(u64, u64)>,
+    /// The sender's block stride.
+    pub(crate) stride: u64,
+    /// Per granted block, the address here that its pattern offsets are added to (modulo
+    /// 2^64): `origin + b * stride`. Every span so placed was checked to be mapped.
+    pub(crate) src_shifts: Vec<u64>,
     pub(crate) mode: GrantMode,
     pub(crate) mapping: Arc<ImportMapping>,
     access: AccessMode,
@@ -256,23 +282,8 @@ impl ImportedGrant {
         }
         let chunks = ready.chunks.len();
         let mapped = Mapped::build(link.backend.clone(), ready.chunks, ready.access)?;
-        let mut spans = Vec::with_capacity(blocks.len());
-        let mut src_spans = Vec::with_capacity(blocks.len());
-        for &b in &blocks {
-            let mut raw = Vec::new();
-            geometry.block_spans(b, &mut raw);
-            let mut views = Vec::with_capacity(raw.len());
-            for &(src, len) in &raw {
-                let Some(addr) = mapped.locate(src, len) else {
-                    return Err(Error::InvalidArgument(format!(
-                        "granted block {b}: its span [{src:#x}, +{len}) is not covered by the {chunks} chunks sent"
-                    )));
-                };
-                views.push(MemoryView { addr, len });
-            }
-            spans.push(views);
-            src_spans.push(raw);
-        }
+        let (pattern, stride) = geometry.block_pattern();
+        let src_shifts = covered(&mapped, &blocks, &pattern, stride, chunks)?;
         let bytes = mapped.bytes();
         let access = mapped.access;
         link.state.lock().live_in.insert(ready.id, (bytes, chunks));
@@ -282,8 +293,9 @@ impl ImportedGrant {
             config,
             kind,
             blocks,
-            spans,
-            src_spans,
+            pattern,
+            stride,
+            src_shifts,
             mode: ready.mode,
             mapping: Arc::new(ImportMapping {
                 mapped: Some(mapped),
@@ -363,7 +375,9 @@ impl ImportedGrant {
         let mut wanted: Vec<(u64, usize)> = Vec::new();
         for (k, &b) in dst_blocks.iter().enumerate() {
             let views = dst.views().block(b)?;
-            for (d, &(src, len)) in views.iter().zip(&self.src_spans[k]) {
+            let moved = self.blocks[k] as u64 * self.stride;
+            for (d, &(src, len)) in views.iter().zip(&self.pattern) {
+                let src = src + moved;
                 let mut at = src;
                 for (&o, &(i, size)) in by_src.range(src..src + len) {
                     if o != at || o + size > src + len {
@@ -449,8 +463,13 @@ impl ImportedGrant {
         Ok(())
     }
 
-    /// Refuse a destination of another shape, or block lists that do not pair up.
-    pub(crate) fn check_shape(&self, dst: &ElasticLayout, dst_blocks: &[usize]) -> Result<()> {
+    /// Refuse a destination of another shape, or block lists that do not pair up (a block
+    /// listed twice or out of range); the destination blocks as a bitmap with their bounds.
+    pub(crate) fn check_shape(
+        &self,
+        dst: &ElasticLayout,
+        dst_blocks: &[usize],
+    ) -> Result<(Vec<u64>, (usize, usize))> {
         if let Some(detail) = super::copy::mismatch(&self.config, dst.config()) {
             return Err(Error::LayoutMismatch { detail });
         }
@@ -472,13 +491,7 @@ impl ImportedGrant {
                 ),
             });
         }
-        let mut seen = std::collections::HashSet::with_capacity(dst_blocks.len());
-        if let Some(b) = dst_blocks.iter().find(|&&b| !seen.insert(b)) {
-            return Err(Error::InvalidArgument(format!(
-                "destination block {b} is listed twice"
-            )));
-        }
-        Ok(())
+        super::plan::block_set(dst_blocks, dst.num_blocks())
     }
 
     /// The grant's number on its link.
@@ -517,12 +530,23 @@ impl ImportedGrant {
     }
 
     /// Where the spans of the `i`-th granted block are mapped in this process.
-    pub fn block_views(&self, i: usize) -> Option<&[MemoryView]> {
-        self.spans.get(i).map(Vec::as_slice)
+    pub fn block_views(&self, i: usize) -> Option<Vec<MemoryView>> {
+        let shift = *self.src_shifts.get(i)?;
+        Some(
+            self.pattern
+                .iter()
+                .map(|&(o, len)| MemoryView {
+                    addr: shift.wrapping_add(o),
+                    len,
+                })
+                .collect(),
+        )
     }
 
-    /// The whole reservation the grant's chunks are mapped into here, back to back in the
-    /// sender's address order (`len` is whole chunks).
+    /// The reservation the grant's chunks are mapped into here: from the first chunk's start to
+    /// the last one's end, each chunk at its offset in the sender's range (so the grant of
+    /// consecutive chunks is mapped back to back; chunks not granted between granted ones
+    /// leave unmapped gaps). `len` is whole chunks.
     pub fn mapped_range(&self) -> MemoryView {
         let m = self.mapping.mapped.as_ref().expect("mapped until drop");
         MemoryView {
@@ -537,13 +561,9 @@ impl ImportedGrant {
     /// The sender must not write those bytes meanwhile.
     pub unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
         let m = self.mapping.mapped.as_ref().expect("mapped until drop");
-        let inside = addr >= m.base
-            && (addr - m.base)
-                .checked_add(out.len() as u64)
-                .is_some_and(|e| e <= m.len);
-        if !inside {
+        if !m.maps(addr, out.len() as u64) {
             return Err(Error::InvalidArgument(format!(
-                "[{addr:#x}, +{}) is outside the grant's mapping [{:#x}, +{})",
+                "[{addr:#x}, +{}) is not inside the grant's mapped chunks (reservation [{:#x}, +{}))",
                 out.len(),
                 m.base,
                 m.len
@@ -553,6 +573,42 @@ impl ImportedGrant {
         // caller's promise.
         unsafe { m.backend.read(addr, out) }
     }
+}
+
+/// Check that every span of every granted block lies in one run of mapped chunks, and return
+/// the blocks' shifts (`origin + b * stride`). O(blocks) when the chunks form one run (the
+/// blocks' bounds are checked), one lookup per span otherwise.
+fn covered(
+    mapped: &Mapped,
+    blocks: &[usize],
+    pattern: &[(u64, u64)],
+    stride: u64,
+    chunks: usize,
+) -> Result<Vec<u64>> {
+    // Spans of a valid block lie within the layout's extent, which fits 64 bits (validated).
+    let lo = pattern.iter().map(|s| s.0).min().unwrap_or(0);
+    let hi = pattern.iter().map(|s| s.0 + s.1).max().unwrap_or(0);
+    let one = match mapped.segments[..] {
+        [s] => Some(s),
+        _ => None,
+    };
+    let mut shifts = Vec::with_capacity(blocks.len());
+    for &b in blocks {
+        let moved = b as u64 * stride;
+        let inside = one.is_some_and(|s| lo + moved >= s.src && hi + moved <= s.src + s.len);
+        if !inside {
+            for &(o, len) in pattern {
+                let src = o + moved;
+                if mapped.locate(src, len).is_none() {
+                    return Err(Error::InvalidArgument(format!(
+                        "granted block {b}: its span [{src:#x}, +{len}) is not covered by the {chunks} chunks sent"
+                    )));
+                }
+            }
+        }
+        shifts.push(mapped.origin.wrapping_add(moved));
+    }
+    Ok(shifts)
 }
 
 impl fmt::Debug for ImportedGrant {

@@ -38,6 +38,15 @@
 //! - [`LinkStats`] counts what the peer may still map of ours (`granted_bytes`) and what we map
 //!   of the peer's (`imported_bytes`).
 //!
+//! # Engines
+//! The receiver's import mirrors the sender's layout range, so a granted block is one address
+//! and its spans are the layout's block-0 pattern moved by a stride. A copy is that pattern and
+//! one shift per block pair, built in O(blocks) ([`ImportedGrant::copy_into`]): few large runs
+//! go to `cuMemcpyAsync`, everything else to one launch of the gather kernel
+//! ([`crate::backend::Backend::gather_async`]); [`CopyReport::engine`] says which, and
+//! [`EngineChoice`] forces one. Destinations are claimed by block (or by range for
+//! [`ImportedGrant::copy_to`]): two copies in flight into the same bytes are refused.
+//!
 //! # Path
 //! [`choose_path`] picks [`TransferPath::PeerImport`] when both engines run on one node (same
 //! boot id), hold the same kind of memory and can export chunks as descriptors, and
@@ -54,6 +63,7 @@ mod export;
 mod import;
 mod link;
 mod path;
+mod plan;
 mod wire;
 
 pub use copy::{Completion, CopyReport, CopyStream};
@@ -61,6 +71,7 @@ pub use export::Grant;
 pub use import::ImportedGrant;
 pub use link::{listen, GrantStatus, LinkStats, PeerInfo, PeerLink, Peers};
 pub use path::{boot_id, choose_path, Endpoint, PathChoice, TransferPath};
+pub use plan::{CopyEngine, EngineChoice};
 pub use wire::{GrantMode, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use elastic_vmm::layout::{BlockDim, ElasticLayout, LayoutBuilder, LayoutConfig, LayoutKind};
-use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, TransferPath};
+use elastic_vmm::p2p::{CopyEngine, CopyStream, EngineChoice, GrantStatus, PeerLink, TransferPath};
 use elastic_vmm::{AccessMode, Backend, Error, Pool, PoolConfig};
 
 /// Every kind a layout can have, in the order both sides walk them.
@@ -148,14 +148,21 @@ pub fn prefill(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize) {
 }
 
 /// Decode: for every kind, refuse bad input before any copy, then copy the granted blocks into
-/// its own layout (fewer blocks, other indices) on `stream` and check every byte.
-pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize, stream: CopyStream) {
+/// its own layout (fewer blocks, other indices) on `stream` with `engine` and check every byte.
+pub fn decode(
+    link: &PeerLink,
+    backend: Arc<dyn Backend>,
+    inner: usize,
+    stream: CopyStream,
+    engine: EngineChoice,
+) {
     assert_eq!(
         link.path().path,
         TransferPath::PeerImport,
         "{:?}",
         link.path()
     );
+    let backend_kind = backend.info().memory_kind;
     let pool = pool(backend, "decode");
     for (round, kind) in KINDS.into_iter().enumerate() {
         let g = link.recv_grant(WAIT).expect("grant");
@@ -190,7 +197,9 @@ pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize, stream: 
             Err(Error::LayoutMismatch { .. })
         ));
         let len = contents(&kv, DST_BLOCKS[0]).len();
-        let done = g.copy_into(&kv, &DST_BLOCKS, stream).expect("copy");
+        let done = g
+            .copy_into_with(&kv, &DST_BLOCKS, stream, engine)
+            .expect("copy");
         // The destination is pinned until the copy completed.
         assert!(matches!(
             kv.release([DST_BLOCKS[1]]),
@@ -199,6 +208,15 @@ pub fn decode(link: &PeerLink, backend: Arc<dyn Backend>, inner: usize, stream: 
         let report = done.wait().expect("completion");
         assert_eq!(report.path, TransferPath::PeerImport);
         assert_eq!(report.blocks, SRC_BLOCKS.len());
+        match (backend_kind, engine) {
+            (elastic_vmm::MemoryKind::Host, _) => assert_eq!(report.engine, CopyEngine::Cpu),
+            (_, EngineChoice::Kernel) => {
+                assert_eq!((report.engine, report.launches), (CopyEngine::Kernel, 1))
+            }
+            (_, EngineChoice::Memcpy) => assert_eq!(report.engine, CopyEngine::Memcpy),
+            (_, EngineChoice::Auto) => {}
+        }
+        println!("{kind}: {report:?}");
         match kind {
             // Blocks 3, 4, 5 land in 0, 1, 2: one copy for the run.
             LayoutKind::FullyContiguous => assert_eq!(report.copies, 4, "{report:?}"),

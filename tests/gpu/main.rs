@@ -7,6 +7,7 @@ mod suite;
 
 mod backing;
 mod broker;
+mod gather;
 mod layout;
 mod p2p;
 mod pool;

@@ -1,6 +1,8 @@
 //! KV blocks between two processes on CUDA: the host suite's scenarios with device memory
 //! (exported as POSIX descriptors, imported, mapped read-only where the driver allows, copied
-//! with `cuMemcpyDtoDAsync`/`cuMemcpyBatchAsync`), on one GPU and across two (peer access).
+//! by the gather kernel or with `cuMemcpyDtoDAsync`/`cuMemcpyBatchAsync`), on one GPU and
+//! across two (peer access); and odd shapes (units of 1, 3, 17, 1000 and 100003 bytes at odd
+//! addresses, units crossing the kernel's 64 KiB pieces, scattered blocks) through the kernel.
 //!
 //! Each test spawns this test binary again as the other engine: the child runs the ignored
 //! test `p2p::child_role` with `EVMM_CHILD_ROLE` naming its part.
@@ -12,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::layout::{BlockDim, LayoutKind};
-use elastic_vmm::p2p::{self, CopyStream, GrantStatus, PeerLink};
+use elastic_vmm::layout::{BlockDim, LayoutConfig, LayoutKind};
+use elastic_vmm::p2p::{self, CopyEngine, CopyStream, EngineChoice, GrantStatus, PeerLink};
 use elastic_vmm::{AccessMode, Backend};
 
 #[path = "../common_p2p/mod.rs"]
@@ -48,6 +50,11 @@ fn temp_dir() -> PathBuf {
 
 /// Start this binary as `role` with its socket in `dir`.
 fn spawn(role: &str, dir: &std::path::Path, device: i32) -> Child {
+    spawn_with(role, dir, device, "auto")
+}
+
+/// As [`spawn`], the child copying with `engine` (`auto`, `kernel` or `memcpy`).
+fn spawn_with(role: &str, dir: &std::path::Path, device: i32, engine: &str) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
             "p2p::child_role",
@@ -60,6 +67,7 @@ fn spawn(role: &str, dir: &std::path::Path, device: i32) -> Child {
         .env("EVMM_SOCKET", dir.join("s"))
         .env("EVMM_DIR", dir)
         .env("EVMM_DEVICE", device.to_string())
+        .env("EVMM_ENGINE", engine)
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn child")
@@ -99,7 +107,15 @@ fn child_role() {
             let s = ctx.new_stream().unwrap();
             // SAFETY: `s` outlives every completion of the scenario.
             let stream = unsafe { CopyStream::from_raw(s.cu_stream() as u64) };
-            scenario::decode(&link, backend, INNER, stream);
+            scenario::decode(&link, backend, INNER, stream, engine());
+            s.synchronize().unwrap();
+        }
+        "odd-decode" => {
+            let ctx = cudarc::driver::CudaContext::new(device as usize).unwrap();
+            let s = ctx.new_stream().unwrap();
+            // SAFETY: `s` outlives every completion of the scenario.
+            let stream = unsafe { CopyStream::from_raw(s.cu_stream() as u64) };
+            odd_decode(&link, backend, stream);
             s.synchronize().unwrap();
         }
         "adopt" => scenario::hand_off_receiver(&link, backend),
@@ -127,10 +143,29 @@ fn child_role() {
     }
 }
 
+/// The engine the parent asked this child to copy with.
+fn engine() -> EngineChoice {
+    match var("EVMM_ENGINE").as_str() {
+        "kernel" => EngineChoice::Kernel,
+        "memcpy" => EngineChoice::Memcpy,
+        _ => EngineChoice::Auto,
+    }
+}
+
+fn device_count() -> i32 {
+    // The backend initialises the driver before the count is asked.
+    drop(cuda(0));
+    cudarc::driver::result::device::get_count().unwrap_or(1)
+}
+
 fn byte_exact(prefill_device: i32, decode_device: i32) {
+    byte_exact_with(prefill_device, decode_device, "auto")
+}
+
+fn byte_exact_with(prefill_device: i32, decode_device: i32, engine: &str) {
     let dir = temp_dir();
     let listener: UnixListener = p2p::listen(dir.join("s")).unwrap();
-    let child = spawn("decode", &dir, decode_device);
+    let child = spawn_with("decode", &dir, decode_device, engine);
     let backend = cuda(prefill_device);
     let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
     println!("path: {:?}", link.path());
@@ -143,6 +178,18 @@ fn byte_exact(prefill_device: i32, decode_device: i32) {
 #[test]
 fn p2p_one_gpu_byte_exact() {
     byte_exact(0, 0);
+}
+
+/// The same through the gather kernel for every kind.
+#[test]
+fn p2p_one_gpu_byte_exact_kernel() {
+    byte_exact_with(0, 0, "kernel");
+}
+
+/// The same with one `cuMemcpyAsync` per merged run.
+#[test]
+fn p2p_one_gpu_byte_exact_memcpy() {
+    byte_exact_with(0, 0, "memcpy");
 }
 
 /// Prefill on GPU 0, decode on GPU 1 (imports mapped with peer access). Needs two GPUs:
@@ -222,4 +269,167 @@ fn p2p_one_gpu_hand_off() {
     scenario::hand_off_sender(&link, backend);
     assert!(wait_child(child, 120).success(), "adopting process failed");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Blocks in the sender's layout of the odd shapes, the blocks granted, and where they land in
+/// the receiver's layout of [`ODD_DST_COUNT`] blocks (scattered: no run merges).
+const ODD_SRC_COUNT: usize = 40;
+const ODD_SRC_BLOCKS: [usize; 8] = [0, 1, 2, 7, 13, 21, 22, 39];
+const ODD_DST_COUNT: usize = 24;
+const ODD_DST_BLOCKS: [usize; 8] = [23, 5, 6, 0, 17, 3, 9, 11];
+/// Destination blocks next to the copied ones, written before and checked after.
+const ODD_NEIGHBOURS: [usize; 3] = [1, 4, 22];
+
+/// Shapes both processes walk: units (one token of `inner` 1-byte elements) of 1, 3, 17, 1000
+/// and 100003 bytes, so spans start at odd addresses and end anywhere, and units of 256 KiB
+/// (16 tokens of 8192 2-byte elements), which cross the kernel's 64 KiB pieces; every kind.
+fn odd_cases() -> Vec<(LayoutKind, usize, usize, usize)> {
+    let mut v = Vec::new();
+    for kind in scenario::KINDS {
+        for unit in [1, 3, 17, 1000, 100_003] {
+            v.push((kind, 1, unit, 1));
+        }
+        v.push((kind, 16, 8192, 2));
+    }
+    v
+}
+
+fn odd_config(blocks: usize, (page, inner, dtype): (usize, usize, usize)) -> LayoutConfig {
+    LayoutConfig::new(blocks, 3, 2, page, inner, dtype)
+}
+
+/// Prefill of the odd shapes: back, write and grant the blocks, wait for the receiver.
+fn odd_prefill(link: &PeerLink, backend: Arc<dyn Backend>) {
+    let pool = scenario::pool(backend.clone(), "prefill");
+    for (round, (kind, page, inner, dtype)) in odd_cases().into_iter().enumerate() {
+        let kv = scenario::layout(&pool, kind, odd_config(ODD_SRC_COUNT, (page, inner, dtype)));
+        kv.ensure_backed(ODD_SRC_BLOCKS).unwrap();
+        for b in ODD_SRC_BLOCKS {
+            scenario::fill(&kv, b, round as u64);
+        }
+        scenario::settle(&backend);
+        let g = link
+            .grant(&kv, &ODD_SRC_BLOCKS, AccessMode::ReadOnly)
+            .unwrap();
+        assert_eq!(g.wait_released(WAIT).unwrap(), GrantStatus::Released);
+        kv.release(ODD_SRC_BLOCKS).unwrap();
+    }
+}
+
+/// Decode of the odd shapes: through the kernel into scattered blocks, then with the engine
+/// chosen by the policy, then packed into a pool range by the kernel (`copy_to`); every byte
+/// checked, the neighbours untouched.
+fn odd_decode(link: &PeerLink, backend: Arc<dyn Backend>, stream: CopyStream) {
+    let pool = scenario::pool(backend.clone(), "decode");
+    // Where `copy_to` packs the blocks: a pool of its own, mapped through the range API.
+    let packed = scenario::pool(backend.clone(), "packed");
+    for (round, (kind, page, inner, dtype)) in odd_cases().into_iter().enumerate() {
+        let g = link.recv_grant(WAIT).unwrap();
+        let config = odd_config(ODD_DST_COUNT, (page, inner, dtype));
+        let kv = scenario::layout(&pool, kind, config);
+        kv.ensure_backed(ODD_DST_BLOCKS).unwrap();
+        kv.ensure_backed(ODD_NEIGHBOURS).unwrap();
+        let len = scenario::contents(&kv, ODD_DST_BLOCKS[0]).len();
+        let check = |what: &str| {
+            for (s, d) in ODD_SRC_BLOCKS.into_iter().zip(ODD_DST_BLOCKS) {
+                assert!(
+                    scenario::contents(&kv, d) == scenario::pattern(round as u64, s, len),
+                    "{what}: block {s} -> {d} differs ({kind}, unit of {inner} x {dtype} bytes x {page})"
+                );
+            }
+            for n in ODD_NEIGHBOURS {
+                assert!(
+                    scenario::contents(&kv, n) == scenario::pattern(2000, n, len),
+                    "{what}: neighbour {n} was overwritten ({kind}, unit {inner} x {dtype} x {page})"
+                );
+            }
+        };
+        for (engine, expect) in [
+            (EngineChoice::Kernel, Some(CopyEngine::Kernel)),
+            (EngineChoice::Auto, None),
+            (EngineChoice::Memcpy, Some(CopyEngine::Memcpy)),
+        ] {
+            for b in ODD_DST_BLOCKS {
+                scenario::fill(&kv, b, 3000);
+            }
+            for n in ODD_NEIGHBOURS {
+                scenario::fill(&kv, n, 2000);
+            }
+            scenario::settle(&backend);
+            let r = g
+                .copy_into_with(&kv, &ODD_DST_BLOCKS, stream, engine)
+                .unwrap()
+                .wait()
+                .unwrap();
+            if let Some(e) = expect {
+                assert_eq!(r.engine, e, "{r:?}");
+            }
+            assert_eq!(r.bytes, (len * ODD_SRC_BLOCKS.len()) as u64);
+            check(&format!("{engine:?}"));
+        }
+        // Packed into a pool range by the kernel, at an offset of one granule.
+        let gran = packed.granularity();
+        let bytes = (len * ODD_SRC_BLOCKS.len()) as u64;
+        let mapped = bytes.div_ceil(gran) * gran;
+        packed.map(gran, mapped).unwrap();
+        let r = g
+            .copy_to_with(&packed, gran, stream, EngineChoice::Kernel)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((r.engine, r.bytes), (CopyEngine::Kernel, bytes), "{r:?}");
+        let mut got = vec![0u8; bytes as usize];
+        // SAFETY: the range is mapped (above) and the copy into it completed.
+        unsafe { backend.read(packed.base() + gran, &mut got).unwrap() };
+        for (i, s) in ODD_SRC_BLOCKS.into_iter().enumerate() {
+            assert!(
+                got[i * len..(i + 1) * len] == scenario::pattern(round as u64, s, len)[..],
+                "copy_to: block {s} differs ({kind}, unit {inner} x {dtype} x {page})"
+            );
+        }
+        packed.unmap(gran, mapped).unwrap();
+        drop(g);
+        kv.release(ODD_DST_BLOCKS).unwrap();
+        kv.release(ODD_NEIGHBOURS).unwrap();
+    }
+}
+
+fn odd_shapes(decode_device: i32) {
+    let dir = temp_dir();
+    let listener: UnixListener = p2p::listen(dir.join("s")).unwrap();
+    let child = spawn("odd-decode", &dir, decode_device);
+    let backend = cuda(0);
+    let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
+    odd_prefill(&link, backend);
+    assert!(wait_child(child, 300).success(), "decode process failed");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Odd shapes between two processes on GPU 0, through the gather kernel and the memcpy
+/// engine, every byte checked.
+#[test]
+fn p2p_one_gpu_odd_shapes_byte_exact() {
+    odd_shapes(0);
+}
+
+/// The odd shapes with the kernel on GPU 1 reading GPU 0's memory over the peer mapping.
+/// Skipped, with a note, where there is one GPU.
+#[test]
+fn p2p_two_gpus_odd_shapes_byte_exact() {
+    if device_count() < 2 {
+        println!("note: one GPU only: the two-GPU gather test is skipped");
+        return;
+    }
+    odd_shapes(1);
+}
+
+/// The three kinds through the kernel on GPU 1, from GPU 0. Skipped, with a note, where there
+/// is one GPU.
+#[test]
+fn p2p_two_gpus_byte_exact_kernel() {
+    if device_count() < 2 {
+        println!("note: one GPU only: the two-GPU kernel test is skipped");
+        return;
+    }
+    byte_exact_with(0, 1, "kernel");
 }

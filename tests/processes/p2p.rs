@@ -128,7 +128,13 @@ fn blocks_move_byte_exact() {
 
 fn decode_role() {
     let link = child_link("decode", exportable());
-    scenario::decode(&link, exportable(), INNER, CopyStream::LEGACY);
+    scenario::decode(
+        &link,
+        exportable(),
+        INNER,
+        CopyStream::LEGACY,
+        elastic_vmm::p2p::EngineChoice::Auto,
+    );
 }
 
 /// While the receiver copies, threads of the sender release and re-back other blocks and try

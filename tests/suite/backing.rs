@@ -718,6 +718,11 @@ pub fn backing_pins_hold_blocks(backend: Arc<dyn Backend>) {
     let b = BlockBacking::reserve(&p, UniformBlocks::packed(8, g), None, Some(hook.clone()))
         .expect("backing");
     b.ensure_backed(0..4).expect("back");
+    // Unsorted with a duplicate: sorted, each block pinned once.
+    let twice = b.pin([3, 0, 3, 2], "twice").expect("pin");
+    assert_eq!(twice.blocks(), &[0, 2, 3]);
+    assert_eq!(b.stats().pinned_blocks, 3);
+    drop(twice);
     let pin = b.pin([2, 1], "a test transfer").expect("pin");
     assert_eq!(pin.blocks(), &[1, 2]);
     assert_eq!(b.stats().pinned_blocks, 2);

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Regenerate the PTX of the crate's CUDA kernels (src/backend/kernels/*.cu -> *.ptx), which is
+# committed and embedded with include_str!, so that building the crate needs no CUDA compiler.
+# Needs nvcc 13.0: eval "$(../shared/tools/cuda13-toolchain.sh)" first (CUDA13_LINK=0 is enough).
+#
+#   scripts/gen-ptx.sh            rewrite the committed PTX
+#   scripts/gen-ptx.sh --check    regenerate into a temporary folder and fail if it differs
+#
+# compute_80: a virtual architecture the driver JIT-compiles for the GPU it runs on (A100, H100,
+# H200 and later), once per process and context (the driver caches the result).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+check=0
+[[ "${1:-}" == "--check" ]] && check=1
+command -v nvcc >/dev/null || {
+  echo "gen-ptx: nvcc not found (eval \"\$(../shared/tools/cuda13-toolchain.sh)\" first)" >&2
+  exit 1
+}
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-vmm-ptx.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+status=0
+for cu in src/backend/kernels/*.cu; do
+  ptx=${cu%.cu}.ptx
+  # -lineinfo off and no host compilation: the PTX depends on the source and nvcc alone.
+  nvcc -ptx -arch=compute_80 -O3 -std=c++17 -o "$tmp/out.ptx" "$cu"
+  if [[ $check == 1 ]]; then
+    if ! cmp -s "$tmp/out.ptx" "$ptx"; then
+      echo "gen-ptx: $ptx is stale or missing: run scripts/gen-ptx.sh and commit it" >&2
+      diff -u "$ptx" "$tmp/out.ptx" | head -20 >&2 || true
+      status=1
+    fi
+  else
+    cp "$tmp/out.ptx" "$ptx"
+    echo "wrote $ptx"
+  fi
+done
+exit $status
