@@ -107,21 +107,27 @@ fn peer_config(blocks: usize) -> elastic_vmm::layout::LayoutConfig {
     elastic_vmm::layout::LayoutConfig::new(blocks, 4, 2, 16, 96, 2)
 }
 
-/// Blocks offered per round: the second round offers fewer blocks in new memory, so the decode
+/// Blocks offered per round: the second round offers fewer blocks in new memory, so the prefill
 /// must forget the first metadata and load the second.
 const PEER_ROUNDS: [usize; 2] = [200, 120];
+/// WRITEs per round of WRITEs, per set (plain, elastic): plain has two rounds, so the decode
+/// zeroes it again between them, as the bench does after its warm-up.
+const PEER_WRITES: [&[usize]; 2] = [&[1, 2], &[1]];
 const PEER_SOCKET: &str = "ELASTIC_VMM_NIXL_PEER_SOCKET";
 const PEER_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The exchange `gpu-bench p2p` uses for its NIXL columns (`benches/gpu/nixl_peer.rs`), between
-/// two real processes on host memory: this process is the prefill (agent, registrations,
-/// offer of metadata and descriptors over a Unix socket of its own, progress while it waits),
-/// this binary again the decode (`PEER_SOCKET` set: loads the metadata, READs into its own
-/// memory, checks every byte, answers). Per round, plain (a pool allocation registered whole
-/// per chunk) and elastic memory (pages registered by the mapping hook; 2 MiB pages on the
-/// prefill, 4 MiB on the decode, so the two descriptor lists split at different places).
+/// two real processes on host memory: this process is the prefill (the initiator: registers
+/// and fills its memory, receives the decode's offer over a Unix socket of its own, loads its
+/// metadata, WRITEs round by round and reports each round, times included), this binary again
+/// the decode (the target, `PEER_SOCKET` set: registers and zeroes its memory, offers its
+/// metadata and descriptors, keeps its agent progressing while it waits, checks every byte
+/// after each round, zeroes again between rounds, answers). Per case, plain (a pool allocation
+/// registered whole per chunk) and elastic memory (pages registered by the mapping hook;
+/// 2 MiB pages on the prefill, 4 MiB on the decode, so the two descriptor lists split at
+/// different places).
 #[test]
-fn two_processes_exchange_and_read() {
+fn two_processes_exchange_and_write() {
     if !nixl_ready() {
         return;
     }
@@ -132,7 +138,7 @@ fn two_processes_exchange_and_read() {
     use elastic_vmm::layout::{KvLayout, LayoutBuilder};
     use std::process::{Command, Stdio};
 
-    let name = "two_processes_exchange_and_read";
+    let name = "two_processes_exchange_and_write";
     let dir = std::env::temp_dir().join(format!("evmm-nixl-peer-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let sock = dir.join("nixl");
@@ -178,24 +184,67 @@ fn two_processes_exchange_and_read() {
                     unsafe { backend.write(base + off, bytes) }.map_err(|e| e.into())
                 })?;
             }
-            let sets = vec![
+            let local = [
                 nixl_peer::block_descriptors(&agent, &plain, n)?,
                 nixl_peer::block_descriptors(&agent, &kv, n)?,
             ];
             assert_eq!(
-                sets[0].descs.len(),
+                local[0].descs.len(),
                 plain.chunks().len(),
                 "one descriptor per chunk"
             );
             assert!(
-                sets[1].descs.len() >= 2,
+                local[1].descs.len() >= 2,
                 "{n} blocks of {block} bytes span several 2 MiB pages"
             );
-            let metadata = agent.raw().get_local_md()?;
-            let offer = nixl_peer::Offer { metadata, sets }.encode()?;
-            nixl_peer::send_frame(&mut stream, &offer)?;
-            nixl_peer::wait_answer(&mut stream, &agent, PEER_WAIT)?;
-            println!("round of {n} blocks: the decode read and verified plain and elastic memory");
+            let frame = nixl_peer::recv_frame_within(&mut stream, &agent, PEER_WAIT)?;
+            let offer = nixl_peer::Offer::decode(&frame)?;
+            assert_eq!(offer.sets.len(), 2);
+            let remote = nixl_peer::Remote::load(&agent, &offer.metadata)?;
+            assert_eq!(remote.name(), "decode");
+            for (set, ((what, mine), theirs)) in ["plain", "elastic"]
+                .iter()
+                .zip(&local)
+                .zip(&offer.sets)
+                .enumerate()
+            {
+                assert_eq!(
+                    (theirs.blocks, theirs.block_bytes),
+                    (n as u64, block),
+                    "{what}"
+                );
+                let rounds = PEER_WRITES[set];
+                for (k, &count) in rounds.iter().enumerate() {
+                    let reports = (0..count)
+                        .map(|_| {
+                            nixl_peer::write(&agent, &remote, &mine.descs, &theirs.descs, PEER_WAIT)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| format!("{what}: {e}"))?;
+                    for r in &reports {
+                        assert_eq!(r.bytes, n as u64 * block, "{what}");
+                        println!(
+                            "{what}: {n} blocks, {} bytes in {} descriptor pairs ({} local, {} \
+                             remote) in {:?}",
+                            r.bytes,
+                            r.descriptors,
+                            mine.descs.len(),
+                            theirs.descs.len(),
+                            r.elapsed
+                        );
+                    }
+                    let written = nixl_peer::Written {
+                        set: set as u32,
+                        more: k + 1 < rounds.len(),
+                        outcome: Ok(reports),
+                    };
+                    if !nixl_peer::report_round(&mut stream, &agent, &written, PEER_WAIT)? {
+                        return Err(format!("{what}: the decode found wrong bytes").into());
+                    }
+                }
+            }
+            drop(remote);
+            println!("round of {n} blocks: the decode verified plain and elastic memory");
         }
         Ok(())
     })();
@@ -218,7 +267,7 @@ fn two_processes_exchange_and_read() {
     );
 }
 
-/// The decode side of [`two_processes_exchange_and_read`].
+/// The decode side of [`two_processes_exchange_and_write`].
 fn peer_decode(path: &std::path::Path) {
     use elastic_vmm::layout::{KvLayout, LayoutBuilder};
 
@@ -226,14 +275,9 @@ fn peer_decode(path: &std::path::Path) {
     let pool = suite::layout::pool(&backend, 256 << 20);
     let agent = NixlAgent::new("decode").expect("agent");
     let mut stream = std::os::unix::net::UnixStream::connect(path).expect("connect");
-    stream.set_read_timeout(Some(PEER_WAIT)).expect("timeout");
     for n in PEER_ROUNDS {
-        let frame = nixl_peer::recv_frame(&mut stream).expect("offer");
-        let offer = nixl_peer::Offer::decode(&frame).expect("a well-formed offer");
-        assert_eq!(offer.sets.len(), 2);
-        let remote = nixl_peer::Remote::load(&agent, &offer.metadata).expect("load metadata");
-        assert_eq!(remote.name(), "prefill");
         let block = peer_config(n).sizes().expect("sizes").block;
+        let len = n as u64 * block;
         let plain = agent
             .register(
                 LayoutBuilder::new()
@@ -253,40 +297,52 @@ fn peer_decode(path: &std::path::Path) {
             .build()
             .expect("elastic layout");
         kv.ensure_backed(0..n).expect("back");
-        for (what, l, set) in [
-            ("plain", &plain as &dyn KvLayout, &offer.sets[0]),
-            ("elastic", &kv, &offer.sets[1]),
-        ] {
-            assert_eq!((set.blocks, set.block_bytes), (n as u64, block), "{what}");
-            let local = nixl_peer::block_descriptors(&agent, l, n).expect("local descriptors");
-            let base = l.views().block(0).expect("block 0")[0].addr;
-            let len = n as u64 * block;
-            // SAFETY: the layout's `n` blocks, all backed; no transfer into them runs.
+        let layouts = [&plain as &dyn KvLayout, &kv];
+        let bases = layouts.map(|l| l.views().block(0).expect("block 0")[0].addr);
+        let zero = |base: u64| {
+            // SAFETY: the layout's `n` blocks, all backed; no WRITE into them runs (none has
+            // started, or the prefill said its round is over).
             unsafe { backend.fill(base, len as usize, 0) }.expect("zero");
-            let r = nixl_peer::read(&agent, &remote, &local.descs, &set.descs, PEER_WAIT)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_eq!(r.bytes, len, "{what}");
-            nixl_peer::verify_pattern(n, block, |off, out| {
-                // SAFETY: as above; the READ has finished.
-                unsafe { backend.read(base + off, out) }.map_err(|e| e.into())
-            })
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            println!(
-                "{what}: {n} blocks, {} bytes in {} descriptor pairs ({} local, {} remote) in {:?}",
-                r.bytes,
-                r.descriptors,
-                local.descs.len(),
-                set.descs.len(),
-                r.elapsed
-            );
+        };
+        bases.iter().for_each(|&b| zero(b));
+        let sets = layouts
+            .map(|l| nixl_peer::block_descriptors(&agent, l, n).expect("local descriptors"))
+            .to_vec();
+        let metadata = agent.raw().get_local_md().expect("metadata");
+        let offer = nixl_peer::Offer { metadata, sets }
+            .encode()
+            .expect("encode");
+        nixl_peer::send_frame(&mut stream, &offer).expect("send the offer");
+        for (set, (what, base)) in ["plain", "elastic"].iter().zip(bases).enumerate() {
+            let mut shape = Vec::new();
+            loop {
+                // Past this call no WRITE of the round runs (or the process has ended).
+                let w = nixl_peer::wait_written(&mut stream, &agent, set as u32, PEER_WAIT * 3);
+                let reports = w.outcome.unwrap_or_else(|e| panic!("{what}: {e}"));
+                let checked = nixl_peer::verify_pattern(n, block, |off, out| {
+                    // SAFETY: as in `zero`: the round is over.
+                    unsafe { backend.read(base + off, out) }.map_err(|e| e.into())
+                });
+                if checked.is_ok() && w.more {
+                    zero(base);
+                }
+                nixl_peer::answer(&mut stream, checked.is_ok()).expect("answer");
+                checked.unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(reports.iter().all(|r| r.bytes == len), "{what}");
+                shape.push(reports.len());
+                if !w.more {
+                    break;
+                }
+            }
+            assert_eq!(shape, PEER_WRITES[set], "{what}: WRITEs per round");
+            println!("{what}: {n} blocks, rounds of {shape:?} WRITEs, every byte verified");
         }
-        drop(remote);
-        std::io::Write::write_all(&mut stream, &[nixl_peer::DONE]).expect("answer");
     }
 }
 
-/// The offer's wire format round-trips and refuses bad input with the numbers, never a panic
-/// or a huge allocation (no NIXL call: runs without the library).
+/// The side channel's wire formats (the decode's offer, the prefill's report of a round)
+/// round-trip and refuse bad input with the numbers, never a panic or a huge allocation (no
+/// NIXL call: runs without the library).
 #[test]
 fn offer_wire_format_refuses_bad_input() {
     use elastic_vmm::nixl::{sys::MemType, NixlDescriptor};
@@ -362,6 +418,79 @@ fn offer_wire_format_refuses_bad_input() {
         .expect_err("big")
         .to_string()
         .contains("limit"));
+
+    // The prefill's report of a round of WRITEs.
+    use nixl_peer::{TransferReport, Written};
+    let report = TransferReport {
+        bytes: 4096,
+        descriptors: 3,
+        elapsed: std::time::Duration::from_nanos(1_234_567),
+    };
+    let done = Written {
+        set: 1,
+        more: true,
+        outcome: Ok(vec![report; 2]),
+    };
+    let wire = done.encode().expect("encode");
+    assert_eq!(Written::decode(&wire).expect("decode"), done);
+    for cut in [0, 7, 12, wire.len() - 1] {
+        let e = Written::decode(&wire[..cut]).expect_err("cut short");
+        assert!(
+            ["report cut short", "bytes follow"]
+                .iter()
+                .any(|w| e.contains(w)),
+            "{cut}: {e}"
+        );
+    }
+    let mut trailing = wire.clone();
+    trailing.push(0);
+    assert!(Written::decode(&trailing)
+        .expect_err("trailing")
+        .contains("1 bytes follow the report"));
+    assert!(Written::decode(&[&b"EVMMNX01"[..], &wire[8..]].concat())
+        .expect_err("an offer's magic")
+        .contains("not a report"));
+    // Magic 8, set 4: `more` at 12, the status at 13, the report count at 14.
+    let mut bad = wire.clone();
+    bad[12] = 2;
+    assert!(Written::decode(&bad)
+        .expect_err("more")
+        .contains("not 0 or 1"));
+    let mut bad = wire.clone();
+    bad[13] = 7;
+    assert!(Written::decode(&bad)
+        .expect_err("status")
+        .contains("unknown status 7"));
+    let mut bad = wire.clone();
+    bad[14..18].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(Written::decode(&bad)
+        .expect_err("huge")
+        .contains("4294967295 transfers"));
+    let failed = Written {
+        set: 0,
+        more: false,
+        outcome: Err("post_xfer_req: refused".into()),
+    };
+    let wire = failed.encode().expect("encode");
+    assert_eq!(Written::decode(&wire).expect("decode"), failed);
+    assert!(Written {
+        more: true,
+        ..failed.clone()
+    }
+    .encode()
+    .expect_err("more after a failure")
+    .contains("cannot announce"));
+    let mut bad = wire.clone();
+    bad[12] = 1;
+    assert!(Written::decode(&bad)
+        .expect_err("more after a failure")
+        .contains("announces more"));
+    // The reason's first byte, after its length (14..18).
+    let mut bad = wire.clone();
+    bad[18] = 0xff;
+    assert!(Written::decode(&bad)
+        .expect_err("not UTF-8")
+        .contains("not UTF-8"));
 
     // Cutting at the union of boundaries: [8192 + 4096] against [4096 + 8192].
     let (l, rm) = co_split(

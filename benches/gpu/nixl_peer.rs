@@ -1,26 +1,43 @@
 //! NIXL between two real processes, whatever the memory (feature `nixl`): the side channel, the
-//! metadata exchange, the READ and the byte pattern that proves it. Used by `gpu-bench p2p`
+//! metadata exchange, the WRITE and the byte pattern that proves it. Used by `gpu-bench p2p`
 //! (device memory, `p2p_nixl.rs`) and by its host test in `tests/nixl.rs` (DRAM, two
 //! processes), which includes this file.
 //!
-//! - **Side channel**: a Unix socket of its own (never the product's p2p `PeerLink` socket).
-//!   The prefill sends one framed message per case (a `u32` little-endian length, then at most
-//!   [`MAX_FRAME`] bytes); the decode answers one byte, [`DONE`] or [`FAILED`].
-//! - **The prefill (target)** registers its memory with its agent, then sends an [`Offer`]: the
-//!   agent's metadata (`get_local_md`, taken after every registration, so it carries them all)
-//!   and, per set of blocks, the NIXL descriptors of those blocks (the blocks' views, split
-//!   where its registrations end: one per physical chunk touched). While it waits for the
-//!   answer it polls its agent's notifications, which drives its UCX worker: a transport that
-//!   emulates remote reads in software (TCP, the only one UCX 1.23 has for VMM memory between
-//!   processes) needs the target to make progress.
-//! - **The decode (initiator)** loads the metadata (`load_remote_md`, through [`Remote`]),
+//! **Why a WRITE by the prefill.** Pushing is the natural direction for prefill -> decode, and
+//! the one UCX serves with `cuda_ipc` on one GPU. A READ (`ucp_get`) of plain device memory is
+//! not served by `cuda_ipc` there: UCX 1.23 logs "cuda-ipc get zcopy disabled as no nvlinks
+//! detected" (`cuda_ipc_iface.c`), so a READ falls back to software emulation over `tcp/lo`
+//! (~0.5 GB/s on an H100, where a WRITE of the same memory between the same two processes ran
+//! at 1378 GB/s).
+//!
+//! - **Side channel**: a Unix socket of its own (never the product's p2p `PeerLink` socket);
+//!   every message is a frame (a `u32` little-endian length, then at most [`MAX_FRAME`] bytes).
+//!   Per case the decode sends one [`Offer`]; then, set by set, the prefill sends a [`Written`]
+//!   after each round of WRITEs and the decode answers a one-byte frame, [`DONE`] or
+//!   [`FAILED`].
+//! - **The decode (target)** registers its memory with its agent, zeroes it and sends an
+//!   [`Offer`]: the agent's metadata (`get_local_md`, taken after every registration, so it
+//!   carries them all) and, per set of blocks, the NIXL descriptors of those blocks (the
+//!   blocks' views, split where its registrations end: one per physical chunk touched). It
+//!   waits for each round's [`Written`] ([`wait_written`]) polling its agent's notifications,
+//!   which drives its UCX worker: a transport that emulates remote writes in software (TCP,
+//!   the only one UCX 1.23 has for VMM memory between processes) needs the target to make
+//!   progress. Then it checks every byte of the set, zeroes it again when more rounds follow,
+//!   and answers ([`answer`]).
+//! - **The prefill (initiator)** loads the metadata (`load_remote_md`, through [`Remote`]),
 //!   takes descriptors for the same blocks of its own memory, cuts both lists at the union of
-//!   their boundaries ([`co_split`]) and READs ([`read`]: `create_xfer_req`, `post_xfer_req`,
-//!   `get_xfer_status` until done). Dropping the [`Remote`] forgets the metadata
-//!   (`invalidate_remote_md`): the prefill's registrations change from one case to the next.
+//!   their boundaries ([`co_split`]) and WRITEs ([`write`]: `create_xfer_req`,
+//!   `post_xfer_req`, `get_xfer_status` until done), timed from post to completion; the times
+//!   travel in the [`Written`] ([`report_round`]). Dropping the [`Remote`] forgets the metadata
+//!   (`invalidate_remote_md`): the decode's registrations change from one case to the next.
+//! - **No memory is freed under a WRITE**: a WRITE still running after its timeout ends the
+//!   prefill's process (exit 124, no cleanup); the decode frees or zeroes its memory only
+//!   after a [`Written`] said that the round's WRITEs are over, and ends its process the same
+//!   way when it cannot know (no word within its timeout, a closed channel, a message it cannot
+//!   read).
 //! - **Proof**: the prefill writes [`write_pattern`] into its blocks; the decode zeroes its
-//!   blocks before a READ and checks every byte after it ([`verify_pattern`]): each block's
-//!   first and last bytes name the block, the rest is [`FILL`].
+//!   blocks before each round of WRITEs and checks every byte after it ([`verify_pattern`]):
+//!   each block's first and last bytes name the block, the rest is [`FILL`].
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -33,17 +50,21 @@ pub type PeerError = Box<dyn std::error::Error>;
 
 /// The largest framed message either side accepts.
 pub const MAX_FRAME: usize = 64 << 20;
-/// The decode's answer: every READ of the offer verified.
+/// The decode's answer to a round: every byte it wrote verified.
 pub const DONE: u8 = b'D';
-/// The decode's answer: something failed (its error is on its stderr).
+/// The decode's answer to a round: the round failed or its bytes did not verify (the decode
+/// prints why); no more rounds into that set.
 pub const FAILED: u8 = b'F';
 /// Every byte of a block but its first and last.
 pub const FILL: u8 = 0x5a;
 /// Pattern writes and checks go through windows of about this size.
 const WINDOW: u64 = 64 << 20;
 const MAGIC: &[u8; 8] = b"EVMMNX01";
+const WRITTEN_MAGIC: &[u8; 8] = b"EVMMNW01";
 /// Bytes of one encoded descriptor: address, length, memory type, device.
 const DESC_BYTES: usize = 8 + 8 + 1 + 8;
+/// Bytes of one encoded transfer report: bytes, descriptors, nanoseconds.
+const REPORT_BYTES: usize = 8 + 8 + 8;
 
 /// NIXL descriptors of `blocks` consecutive blocks of `block_bytes` each, in block order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,7 +74,7 @@ pub struct DescSet {
     pub descs: Vec<NixlDescriptor>,
 }
 
-/// What the prefill sends per case: its agent's metadata and its blocks' descriptors.
+/// What the decode sends per case: its agent's metadata and its blocks' descriptors.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Offer {
     pub metadata: Vec<u8>,
@@ -74,6 +95,8 @@ fn mem_code(m: sys::MemType) -> Result<u8, String> {
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// What the message is, for errors.
+    kind: &'static str,
 }
 
 impl<'a> Cursor<'a> {
@@ -81,7 +104,8 @@ impl<'a> Cursor<'a> {
         let left = self.buf.len() - self.pos;
         if n > left {
             return Err(format!(
-                "offer cut short: {what} needs {n} bytes at offset {}, {left} left of {}",
+                "{} cut short: {what} needs {n} bytes at offset {}, {left} left of {}",
+                self.kind,
                 self.pos,
                 self.buf.len()
             ));
@@ -145,7 +169,11 @@ impl Offer {
     /// Parse what [`Offer::encode`] wrote; anything else (a wrong magic, a count past the end,
     /// an unknown memory type, trailing bytes) is an error naming it.
     pub fn decode(buf: &[u8]) -> Result<Offer, String> {
-        let mut c = Cursor { buf, pos: 0 };
+        let mut c = Cursor {
+            buf,
+            pos: 0,
+            kind: "offer",
+        };
         if c.take(MAGIC.len(), "magic")? != MAGIC {
             return Err(format!(
                 "not an offer: the first {} bytes are not {:?}",
@@ -214,6 +242,130 @@ impl Offer {
     }
 }
 
+/// What one WRITE did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferReport {
+    pub bytes: u64,
+    /// Descriptor pairs posted.
+    pub descriptors: usize,
+    /// From posting to NIXL reporting success.
+    pub elapsed: Duration,
+}
+
+/// What the prefill tells the decode after a round of WRITEs into one set of the decode's
+/// offer. Once the decode has it, no WRITE of the round runs any more.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    /// The set written: its index in the offer.
+    pub set: u32,
+    /// More rounds into this set follow (only after a round that did not fail): the decode
+    /// zeroes the set again before it answers.
+    pub more: bool,
+    /// Every WRITE of the round, each finished; or why the round failed.
+    pub outcome: Result<Vec<TransferReport>, String>,
+}
+
+impl Written {
+    /// The wire form: magic, set, `more` (0 or 1), status (0: done, then the report count and
+    /// per report its bytes, descriptor pairs and nanoseconds; 1: failed, then the reason's
+    /// length and UTF-8 bytes), all integers little-endian.
+    pub fn encode(&self) -> Result<Vec<u8>, String> {
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(WRITTEN_MAGIC);
+        out.extend_from_slice(&self.set.to_le_bytes());
+        out.push(u8::from(self.more));
+        match &self.outcome {
+            Ok(reports) => {
+                out.push(0);
+                out.extend_from_slice(&u32_len(reports.len(), "reports")?.to_le_bytes());
+                for r in reports {
+                    out.extend_from_slice(&r.bytes.to_le_bytes());
+                    out.extend_from_slice(&(r.descriptors as u64).to_le_bytes());
+                    let ns = u64::try_from(r.elapsed.as_nanos()).unwrap_or(u64::MAX);
+                    out.extend_from_slice(&ns.to_le_bytes());
+                }
+            }
+            Err(why) => {
+                if self.more {
+                    return Err("a failed round cannot announce more rounds".into());
+                }
+                out.push(1);
+                out.extend_from_slice(&u32_len(why.len(), "reason bytes")?.to_le_bytes());
+                out.extend_from_slice(why.as_bytes());
+            }
+        }
+        if out.len() > MAX_FRAME {
+            return Err(format!(
+                "a report of {} bytes exceeds the {MAX_FRAME}-byte frame limit",
+                out.len()
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Parse what [`Written::encode`] wrote; anything else (a wrong magic, a flag that is not
+    /// 0 or 1, a failed round announcing more, a count past the end, a reason that is not
+    /// UTF-8, trailing bytes) is an error naming it.
+    pub fn decode(buf: &[u8]) -> Result<Written, String> {
+        let mut c = Cursor {
+            buf,
+            pos: 0,
+            kind: "report",
+        };
+        if c.take(WRITTEN_MAGIC.len(), "magic")? != WRITTEN_MAGIC {
+            return Err(format!(
+                "not a report: the first {} bytes are not {:?}",
+                WRITTEN_MAGIC.len(),
+                String::from_utf8_lossy(WRITTEN_MAGIC)
+            ));
+        }
+        let set = c.u32("set")?;
+        let more = match c.u8("more")? {
+            0 => false,
+            1 => true,
+            other => return Err(format!("report: `more` is {other}, not 0 or 1")),
+        };
+        let outcome = match c.u8("status")? {
+            0 => {
+                let n = c.u32("report count")? as usize;
+                if n > c.left() / REPORT_BYTES {
+                    return Err(format!(
+                        "report names {n} transfers but only {} bytes follow",
+                        c.left()
+                    ));
+                }
+                let mut reports = Vec::with_capacity(n);
+                for i in 0..n {
+                    let bytes = c.u64("bytes")?;
+                    let descriptors = usize::try_from(c.u64("descriptor pairs")?)
+                        .map_err(|_| format!("report: transfer {i} has too many descriptors"))?;
+                    let elapsed = Duration::from_nanos(c.u64("nanoseconds")?);
+                    reports.push(TransferReport {
+                        bytes,
+                        descriptors,
+                        elapsed,
+                    });
+                }
+                Ok(reports)
+            }
+            1 => {
+                if more {
+                    return Err("report: a failed round announces more rounds".into());
+                }
+                let n = c.u32("reason length")? as usize;
+                let why = std::str::from_utf8(c.take(n, "reason")?)
+                    .map_err(|e| format!("report: the reason is not UTF-8: {e}"))?;
+                Err(why.to_string())
+            }
+            other => return Err(format!("report: unknown status {other}")),
+        };
+        if c.left() != 0 {
+            return Err(format!("{} bytes follow the report", c.left()));
+        }
+        Ok(Written { set, more, outcome })
+    }
+}
+
 /// What a run needs of the environment, to be called before any thread starts (it may change
 /// the process's environment): UCX fails to create its backend on an empty `UCX_TLS`, so an
 /// empty one is removed and UCX picks its transports (between processes: `cuda_ipc` for plain
@@ -246,16 +398,20 @@ pub fn send_frame(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
 
 /// Receive one framed message (a length over [`MAX_FRAME`] is refused before reading it).
 pub fn recv_frame(r: &mut impl Read) -> Result<Vec<u8>, PeerError> {
+    let why = |e: io::Error| match e.kind() {
+        io::ErrorKind::UnexpectedEof => "the peer closed the side channel".to_string(),
+        _ => e.to_string(),
+    };
     let mut len = [0u8; 4];
     r.read_exact(&mut len)
-        .map_err(|e| format!("reading a frame's length: {e}"))?;
+        .map_err(|e| format!("reading a frame's length: {}", why(e)))?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
         return Err(format!("a frame of {len} bytes announced; the limit is {MAX_FRAME}").into());
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf)
-        .map_err(|e| format!("reading a frame of {len} bytes: {e}"))?;
+        .map_err(|e| format!("reading a frame of {len} bytes: {}", why(e)))?;
     Ok(buf)
 }
 
@@ -290,7 +446,7 @@ pub fn accept_within(
 }
 
 /// Descriptors of blocks `0..blocks` of `layout`, registered with `agent`: the blocks' views
-/// (consecutive blocks merged), split where registrations end. Both sides of a READ must use
+/// (consecutive blocks merged), split where registrations end. Both sides of a WRITE must use
 /// layouts of one kind and shape, so the two lists cover the same bytes in the same order.
 pub fn block_descriptors(
     agent: &NixlAgent,
@@ -398,16 +554,6 @@ impl Drop for Remote<'_> {
     }
 }
 
-/// What one READ did.
-#[derive(Debug, Clone, Copy)]
-pub struct ReadReport {
-    pub bytes: u64,
-    /// Descriptor pairs posted.
-    pub descriptors: usize,
-    /// From posting to NIXL reporting success.
-    pub elapsed: Duration,
-}
-
 fn xfer_list(descs: &[NixlDescriptor]) -> Result<sys::XferDescList<'static>, PeerError> {
     let mem = descs.first().map_or(sys::MemType::Dram, |d| d.mem_type);
     if let Some(d) = descs.iter().find(|d| d.mem_type != mem) {
@@ -426,33 +572,35 @@ fn xfer_list(descs: &[NixlDescriptor]) -> Result<sys::XferDescList<'static>, Pee
     Ok(list)
 }
 
-/// READ `remote` (memory of the agent `remote`) into `local` (memory registered with `agent`),
-/// pair by pair after [`co_split`]; waits at most `timeout` for NIXL to report success.
+/// WRITE `local` (memory registered with `agent`) into `remote_descs` (memory of the agent
+/// `remote`), pair by pair after [`co_split`]; waits at most `timeout` for NIXL to report
+/// success.
 ///
 /// A request still running after `timeout` cannot be let go safely (NIXL cannot say a
-/// cancelled request stopped, and it writes this process's memory), so the process ends at
-/// once, with no destructor run, rather than free that memory under it.
-pub fn read(
+/// cancelled request stopped; it reads this process's memory and writes the peer's, which the
+/// peer frees once told the WRITE is over), so the process ends at once (exit 124), with no
+/// destructor run.
+pub fn write(
     agent: &NixlAgent,
     remote: &Remote<'_>,
     local: &[NixlDescriptor],
     remote_descs: &[NixlDescriptor],
     timeout: Duration,
-) -> Result<ReadReport, PeerError> {
+) -> Result<TransferReport, PeerError> {
     let (l, r) = co_split(local, remote_descs)?;
     let bytes: u64 = l.iter().map(|d| d.len).sum();
     let (ll, rl) = (xfer_list(&l)?, xfer_list(&r)?);
     let raw = agent.raw();
     let what = || {
         format!(
-            "NIXL READ of {bytes} bytes in {} descriptors from {:?} into {:?}",
+            "NIXL WRITE of {bytes} bytes in {} descriptors from {:?} into {:?}",
             l.len(),
-            remote.name(),
-            agent.name()
+            agent.name(),
+            remote.name()
         )
     };
     let req = raw
-        .create_xfer_req(sys::XferOp::Read, &ll, &rl, remote.name(), None)
+        .create_xfer_req(sys::XferOp::Write, &ll, &rl, remote.name(), None)
         .map_err(|e| format!("create_xfer_req: {e} ({})", what()))?;
     let start = Instant::now();
     let mut running = raw
@@ -464,7 +612,7 @@ pub fn read(
             Ok(sys::XferStatus::InProgress) => {
                 if start.elapsed() > timeout {
                     eprintln!(
-                        "{} still running after {timeout:?}: ending the process rather than free memory it may write",
+                        "{} still running after {timeout:?}: ending the process rather than free memory it may use",
                         what()
                     );
                     std::mem::forget(req);
@@ -476,59 +624,138 @@ pub fn read(
         }
     }
     let elapsed = start.elapsed();
-    Ok(ReadReport {
+    Ok(TransferReport {
         bytes,
         descriptors: l.len(),
         elapsed,
     })
 }
 
-/// The prefill's side after sending an offer: wait for the decode's one-byte answer, polling
-/// `agent`'s notifications meanwhile (that drives its progress, which READs over emulating
-/// transports need). [`DONE`] is success; [`FAILED`], a closed channel or silence past
+/// A reader over a non-blocking stream that polls an agent's notifications while no byte is
+/// there (which drives the agent's UCX worker), until a deadline.
+struct Progressing<'a> {
+    stream: &'a mut UnixStream,
+    agent: &'a NixlAgent,
+    notifs: sys::NotificationMap,
+    start: Instant,
+    timeout: Duration,
+}
+
+impl Read for Progressing<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.stream.read(buf) {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) => {}
+                r => return r,
+            }
+            self.agent
+                .raw()
+                .get_notifications(&mut self.notifs, None)
+                .map_err(|e| {
+                    io::Error::other(format!("get_notifications on {:?}: {e}", self.agent.name()))
+                })?;
+            if self.start.elapsed() > self.timeout {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("nothing from the peer within {:?}", self.timeout),
+                ));
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Receive one frame within `timeout`, polling `agent`'s notifications while none is
+/// complete: that drives the agent's UCX worker, which transfers over emulating transports
+/// need on both sides. A closed channel, a length over [`MAX_FRAME`] or silence past
 /// `timeout` are errors.
-pub fn wait_answer(
+pub fn recv_frame_within(
     stream: &mut UnixStream,
     agent: &NixlAgent,
     timeout: Duration,
-) -> Result<(), PeerError> {
-    let mut notifs = sys::NotificationMap::new().map_err(|e| format!("NotificationMap: {e}"))?;
+) -> Result<Vec<u8>, PeerError> {
+    let notifs = sys::NotificationMap::new().map_err(|e| format!("NotificationMap: {e}"))?;
     stream.set_nonblocking(true)?;
-    let start = Instant::now();
-    let answer = loop {
-        let mut b = [0u8; 1];
-        match stream.read(&mut b) {
-            Ok(0) => {
-                break Err(
-                    "the decode process closed the NIXL side channel without answering".to_string(),
-                )
-            }
-            Ok(_) => break Ok(b[0]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) => {}
-            Err(e) => break Err(format!("reading the decode's answer: {e}")),
-        }
-        if let Err(e) = agent.raw().get_notifications(&mut notifs, None) {
-            break Err(format!("get_notifications on {:?}: {e}", agent.name()));
-        }
-        if start.elapsed() > timeout {
-            break Err(format!(
-                "no answer from the decode process within {timeout:?}"
-            ));
-        }
-        std::thread::yield_now();
-    };
+    let frame = recv_frame(&mut Progressing {
+        stream: &mut *stream,
+        agent,
+        notifs,
+        start: Instant::now(),
+        timeout,
+    });
     stream.set_nonblocking(false)?;
-    match answer? {
-        DONE => Ok(()),
-        FAILED => {
-            Err("the decode process reports a failed NIXL READ (its error is on its stderr)".into())
-        }
-        other => Err(format!("unexpected answer byte {other:#04x} from the decode process").into()),
+    frame
+}
+
+/// The prefill's side of a round: send `written`, then wait for the decode's answer, polling
+/// `agent` meanwhile. `Ok(true)`: every byte verified ([`DONE`]); `Ok(false)`: the round
+/// failed or its bytes did not verify ([`FAILED`]: no more rounds into that set). A broken
+/// channel, another answer, or none within `timeout` are errors.
+pub fn report_round(
+    stream: &mut UnixStream,
+    agent: &NixlAgent,
+    written: &Written,
+    timeout: Duration,
+) -> Result<bool, PeerError> {
+    send_frame(stream, &written.encode()?)
+        .map_err(|e| format!("sending a report to the decode: {e}"))?;
+    match recv_frame_within(stream, agent, timeout)?.as_slice() {
+        [DONE] => Ok(true),
+        [FAILED] => Ok(false),
+        other => Err(format!(
+            "unexpected answer from the decode process: {} bytes, first {:?}",
+            other.len(),
+            other.first()
+        )
+        .into()),
     }
+}
+
+/// The decode's side of a round: wait for the prefill's [`Written`] about `set`, polling
+/// `agent`'s notifications meanwhile (the progress that WRITEs over emulating transports
+/// need from their target).
+///
+/// That message is the only word that the round's WRITEs into this process's memory are over.
+/// Without it (no message within `timeout`, which must exceed what the prefill may take for a
+/// round; a closed channel; a message that is not a [`Written`] about `set`) a WRITE may still
+/// be running into that memory, so the process ends at once (exit 124), with no destructor run,
+/// rather than zero, reuse or free it.
+pub fn wait_written(
+    stream: &mut UnixStream,
+    agent: &NixlAgent,
+    set: u32,
+    timeout: Duration,
+) -> Written {
+    let w = recv_frame_within(stream, agent, timeout)
+        .map_err(|e| e.to_string())
+        .and_then(|f| Written::decode(&f))
+        .and_then(|w| {
+            if w.set == set {
+                Ok(w)
+            } else {
+                Err(format!("a report about set {}, expected set {set}", w.set))
+            }
+        });
+    match w {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!(
+                "waiting for the prefill's word that its NIXL WRITEs into set {set} are over: {e}; \
+                 ending the process rather than free memory a WRITE may still use"
+            );
+            std::process::exit(124);
+        }
+    }
+}
+
+/// The decode's answer to a round: [`DONE`] when every byte verified (and the set is zeroed
+/// again if more rounds follow), else [`FAILED`].
+pub fn answer(stream: &mut UnixStream, verified: bool) -> io::Result<()> {
+    send_frame(stream, &[if verified { DONE } else { FAILED }])
 }
 
 /// The first and last byte of block `i`: never 0 (a zeroed block fails), and the pair differs

@@ -14,8 +14,12 @@
 //! With the `nixl` feature (and the NIXL library on `LD_LIBRARY_PATH`; without it the columns
 //! are skipped, saying why), NIXL moves the same blocks between the same two processes for the
 //! fully contiguous layout at every block size (`p2p_nixl.rs`; exchange in `nixl_peer.rs`): one
-//! agent per process (UCX backend), metadata and descriptors sent over a Unix socket of their
-//! own, the decode READing from the prefill (the direction of our path: the decode pulls).
+//! agent per process (UCX backend), the decode's metadata and descriptors sent to the prefill
+//! over a Unix socket of their own; the prefill WRITEs into the decode's memory (the push
+//! direction of prefill -> decode) and sends its timings back over it. A WRITE, not a READ by
+//! the decode: on one GPU UCX 1.23 logs "cuda-ipc get zcopy disabled as no nvlinks detected",
+//! so a READ of plain memory falls back to software emulation over tcp/lo (~0.5 GB/s); a WRITE
+//! goes through `cuda_ipc`.
 //! *NIXL plain*: `cuMemAlloc` buffers of the same N blocks on both sides (UCX `cuda_ipc`);
 //! *NIXL VMM*: the prefill's elastic layout registered with NIXL into the decode's, one run
 //! over the first 64 MiB (UCX 1.23 emulates VMM memory between processes over TCP, ~0.5 GB/s).
@@ -213,9 +217,10 @@ pub fn decode() -> Result<(), BoxError> {
     #[cfg(feature = "nixl")]
     if nixl_side.is_some() {
         println!(
-            "NIXL (UCX, UCX_TLS={}): the decode READs the prefill's blocks; plain = cuMemAlloc \
-             buffers of the same blocks, median of {RUNS} after a warm-up; VMM = elastic layouts \
-             registered per page, the first {} of the blocks, one run; every byte checked",
+            "NIXL (UCX, UCX_TLS={}): the prefill WRITEs its blocks into the decode's memory; \
+             plain = cuMemAlloc buffers of the same blocks, median of {RUNS} after a warm-up; \
+             VMM = elastic layouts registered per page, the first {} of the blocks, one run; \
+             every byte checked",
             std::env::var("UCX_TLS").unwrap_or_else(|_| "unset".into()),
             crate::human(nixl::VMM_BYTES)
         );

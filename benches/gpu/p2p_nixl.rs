@@ -2,18 +2,25 @@
 //! the same two processes, for the fully contiguous layout at every block size.
 //!
 //! Each process has one agent (UCX backend): `prefill` and `decode`. After our path's case is
-//! done, the prefill writes a byte pattern into (b) a `cuMemAlloc` buffer holding the case's N
-//! blocks and (a) an elastic layout over its pool holding the first [`VMM_BYTES`] of them
-//! (registered page by page through the agent's mapping hook), and offers both over the side
-//! channel of `nixl_peer.rs` (a Unix socket of its own). The decode **READs** them (prefill ->
-//! decode, initiated by the decode, as our path is) into the same kinds of memory on its
-//! device: plain once to warm up (connection, IPC handles) and [`RUNS`] times timed, VMM once
-//! (UCX moves VMM memory between processes by software emulation, ~0.5 GB/s, so its size is
-//! bounded). Destinations are zeroed before every READ; the warm-up's and the last READ's bytes
-//! are checked in full (each block's first and last bytes name it), so a wrong number cannot be
-//! printed as a result.
+//! done, the decode registers (b) a `cuMemAlloc` buffer holding the case's N blocks and (a) an
+//! elastic layout over its pool holding the first [`VMM_BYTES`] of them (registered page by
+//! page through the agent's mapping hook), zeroes both and offers them over the side channel of
+//! `nixl_peer.rs` (a Unix socket of its own). The prefill, which has written a byte pattern into
+//! the same kinds of memory on its device, **WRITEs** it into the decode's (prefill -> decode,
+//! initiated by the prefill): plain once to warm up (connection, IPC handles) and [`RUNS`]
+//! times timed, VMM once (UCX moves VMM memory between processes by software emulation,
+//! ~0.5 GB/s, so its size is bounded).
+//!
+//! Why a WRITE, not a READ by the decode: on one GPU UCX 1.23 logs "cuda-ipc get zcopy disabled
+//! as no nvlinks detected", so a READ of plain memory falls back to software emulation over
+//! tcp/lo (0.5 GB/s on an H100), where a WRITE of it goes through `cuda_ipc` (1378 GB/s between
+//! the same two processes).
+//!
+//! The prefill times each WRITE (post to completion) and sends the times over the side channel
+//! after each round; the decode zeroes its memory before each round and checks every byte after
+//! it (the warm-up, the timed runs, the VMM run: each block's first and last bytes name it), so
+//! a wrong number cannot be printed as a result.
 
-use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -27,13 +34,19 @@ use elastic_vmm::nixl::{self, NixlAgent, RegisteredLayout};
 use elastic_vmm::{Backend, MemoryKind, Pool};
 
 use super::{config, RUNS, WAIT};
-use crate::nixl_peer::{self as peer, DescSet, Offer, PeerError, Remote, DONE, FAILED};
+use crate::nixl_peer::{self as peer, Offer, PeerError, Remote, TransferReport, Written};
 use crate::{BoxError, MIB};
 
 /// The variable that gives the decode process the side channel's socket.
 pub const SOCKET_VAR: &str = "EVMM_NIXL_SOCKET";
 /// At most this much of each case moves as VMM memory through NIXL (one run).
 pub const VMM_BYTES: u64 = 64 * MIB;
+/// Rounds of WRITEs per set of a case, and WRITEs per round: plain a warm-up then [`RUNS`],
+/// VMM one.
+const ROUNDS: [&[usize]; 2] = [&[1, RUNS], &[1]];
+/// How long the decode waits for the word that a round is over: longer than the prefill may
+/// take for one (each of its WRITEs gives up after [`WAIT`], ending its process).
+const ROUND_WAIT: std::time::Duration = WAIT.saturating_mul(RUNS as u32 + 1);
 
 /// Blocks of a case that move as VMM memory.
 pub fn vmm_blocks(block: u64, n: usize) -> usize {
@@ -107,8 +120,10 @@ fn plain(
         device: Some(device),
     };
     // SAFETY: `range` is the live cuMemAlloc buffer `buf` of `device`, which outlives the
-    // layout and its registrations (`Plain` drops them first); every READ over it has finished
-    // before that (`peer::read` waits, or ends the process).
+    // layout and its registrations (`Plain` drops them first). No WRITE uses it when it goes:
+    // the prefill's WRITEs from it have finished (`peer::write` waits, or ends the process),
+    // and the decode lets it go only after the prefill's word that the WRITEs into it are over
+    // (`peer::wait_written`, or the process ends).
     let layout = unsafe {
         LayoutBuilder::new()
             .config(config)
@@ -164,14 +179,16 @@ fn check_pattern(
     block: u64,
 ) -> Result<(), BoxError> {
     peer::verify_pattern(blocks, block, |off, out| {
-        // SAFETY: as in `put_pattern`; no READ into these bytes is running.
+        // SAFETY: as in `put_pattern`; no WRITE into these bytes is running (the prefill said
+        // its round is over).
         unsafe { backend.read(addr + off, out) }.map_err(|e| e.into())
     })
     .map_err(boxed)
 }
 
 fn zero(backend: &Arc<dyn Backend>, addr: u64, len: u64) -> Result<(), BoxError> {
-    // SAFETY: as in `put_pattern`; the fill is finished when this returns.
+    // SAFETY: as in `put_pattern` (no WRITE into these bytes is running: none has started,
+    // or the prefill said its round is over); the fill is finished when this returns.
     unsafe { backend.fill(addr, usize::try_from(len)?, 0) }?;
     Ok(())
 }
@@ -232,8 +249,12 @@ impl PrefillNixl {
         Ok(())
     }
 
-    /// Offer `n` blocks of `block` bytes in plain memory and the first [`vmm_blocks`] of them
-    /// in an elastic layout of `pool`, and keep them until the decode has read them.
+    /// Write `n` blocks of `block` bytes from plain memory, and the first [`vmm_blocks`] of
+    /// them from an elastic layout of `pool`, into the memory the decode offers for this case:
+    /// set by set, round by round ([`ROUNDS`]), each round reported to the decode (with the
+    /// WRITEs' times), which checks its bytes. A WRITE that fails, or an offer that cannot be
+    /// written, is reported as such (a column without a number); only a broken exchange is an
+    /// error.
     pub fn serve(
         &mut self,
         backend: &Arc<dyn Backend>,
@@ -250,34 +271,78 @@ impl PrefillNixl {
         put_pattern(backend, src.buf.ptr, n, block)?;
         let kv = vmm(&self.agent, pool, config(block, nv))?;
         put_pattern(backend, base(&kv)?, nv, block)?;
-        let sets = vec![
+        let local = [
             peer::block_descriptors(&self.agent, &src.layout, n).map_err(boxed)?,
             peer::block_descriptors(&self.agent, &kv, nv).map_err(boxed)?,
         ];
-        // After every registration: the metadata carries them all.
-        let metadata = self
-            .agent
-            .raw()
-            .get_local_md()
-            .map_err(|e| format!("get_local_md of agent prefill: {e}"))?;
-        let offer = Offer { metadata, sets }.encode()?;
-        peer::send_frame(stream, &offer)?;
-        peer::wait_answer(stream, &self.agent, WAIT).map_err(boxed)?;
+        let frame = peer::recv_frame_within(stream, &self.agent, WAIT)
+            .map_err(|e| format!("waiting for the decode's NIXL offer: {e}"))?;
+        let offer = Offer::decode(&frame).and_then(|o| check_offer(o, block, [n, nv]));
+        let remote = match &offer {
+            Ok(o) => Remote::load(&self.agent, &o.metadata).map_err(|e| e.to_string()),
+            Err(e) => Err(e.clone()),
+        };
+        for (set, rounds) in ROUNDS.iter().enumerate() {
+            for (k, &count) in rounds.iter().enumerate() {
+                let outcome = match (&offer, &remote) {
+                    (Ok(o), Ok(r)) => (0..count)
+                        .map(|_| {
+                            peer::write(&self.agent, r, &local[set].descs, &o.sets[set].descs, WAIT)
+                                .map_err(|e| e.to_string())
+                        })
+                        .collect(),
+                    (Err(e), _) | (_, Err(e)) => Err(e.clone()),
+                };
+                let more = k + 1 < rounds.len() && outcome.is_ok();
+                let written = Written {
+                    set: set as u32,
+                    more,
+                    outcome,
+                };
+                let verified =
+                    peer::report_round(stream, &self.agent, &written, WAIT).map_err(boxed)?;
+                if !(more && verified) {
+                    break;
+                }
+            }
+        }
+        drop(remote);
         drop(kv);
         drop(src);
         Ok(())
     }
 }
 
+/// The decode's offer if it has the two sets a case needs (`blocks[i]` blocks of `block` bytes
+/// in set `i`), else why not.
+fn check_offer(offer: Offer, block: u64, blocks: [usize; 2]) -> Result<Offer, String> {
+    if offer.sets.len() != blocks.len() {
+        return Err(format!(
+            "the decode's offer has {} sets, expected {}",
+            offer.sets.len(),
+            blocks.len()
+        ));
+    }
+    for ((what, s), want) in ["plain", "VMM"].iter().zip(&offer.sets).zip(blocks) {
+        if (s.blocks, s.block_bytes) != (want as u64, block) {
+            return Err(format!(
+                "{what} offer: {} blocks of {} bytes, expected {want} of {block}",
+                s.blocks, s.block_bytes
+            ));
+        }
+    }
+    Ok(offer)
+}
+
 /// One NIXL column of a case: GB/s and descriptor pairs posted, or why there is no number
-/// (a failed READ, or bytes that did not verify).
+/// (a failed WRITE, or bytes that did not verify).
 pub type Column = Result<(f64, usize), String>;
 
-/// What NIXL did for one case, as the decode measured it.
+/// What NIXL did for one case: timed by the prefill, verified by the decode.
 pub struct Figures {
-    /// Plain memory: median of [`RUNS`] READs after a warm-up.
+    /// Plain memory: median of [`RUNS`] WRITEs after a warm-up.
     pub plain: Column,
-    /// VMM memory: one READ of the first [`VMM_BYTES`] of the blocks.
+    /// VMM memory: one WRITE of the first [`VMM_BYTES`] of the blocks.
     pub vmm: Column,
 }
 
@@ -357,10 +422,12 @@ impl DecodeNixl {
         }))
     }
 
-    /// Receive the prefill's offer for this case, READ it, verify, answer [`DONE`] once its
-    /// memory is no longer used (a READ that failed or did not verify is a column without a
-    /// number, not an error: the other figures still print); [`FAILED`] when the exchange
-    /// itself broke.
+    /// Offer this case's memory to the prefill (plain: `n` blocks of `block` bytes; VMM: the
+    /// first [`vmm_blocks`] of them), zeroed; take the prefill's WRITEs round by round, check
+    /// every byte after each, and make the columns of the prefill's times. A WRITE that failed
+    /// or did not verify is a column without a number, not an error: the other figures still
+    /// print. The memory goes only once the prefill said its WRITEs into it are over
+    /// ([`peer::wait_written`] ends the process otherwise).
     pub fn measure(
         &mut self,
         backend: &Arc<dyn Backend>,
@@ -368,100 +435,104 @@ impl DecodeNixl {
         block: u64,
         n: usize,
     ) -> Result<Figures, BoxError> {
-        let r = self.measure_inner(backend, pool, block, n);
-        let answer = if r.is_ok() { DONE } else { FAILED };
-        let sent = self.stream.write_all(&[answer]);
-        match (r, sent) {
-            (Ok(f), Ok(())) => Ok(f),
-            (Ok(_), Err(e)) => Err(format!("answering the prefill: {e}").into()),
-            (Err(e), _) => Err(e),
-        }
-    }
-
-    fn measure_inner(
-        &mut self,
-        backend: &Arc<dyn Backend>,
-        pool: &Pool,
-        block: u64,
-        n: usize,
-    ) -> Result<Figures, BoxError> {
-        let offer = Offer::decode(&peer::recv_frame(&mut self.stream).map_err(boxed)?)?;
         let nv = vmm_blocks(block, n);
-        let [ps, vs] = offer.sets.as_slice() else {
-            return Err(format!("the offer has {} sets, expected 2", offer.sets.len()).into());
-        };
-        for (what, s, want) in [("plain", ps, n), ("VMM", vs, nv)] {
-            if (s.blocks, s.block_bytes) != (want as u64, block) {
-                return Err(format!(
-                    "{what} offer: {} blocks of {} bytes, expected {want} of {block}",
-                    s.blocks, s.block_bytes
-                )
-                .into());
-            }
+        let dst = plain(&self.agent, &self.ctx, self.device, config(block, n))?;
+        let kv = vmm(&self.agent, pool, config(block, nv))?;
+        let targets = [(dst.buf.ptr, n), (base(&kv)?, nv)];
+        for &(addr, blocks) in &targets {
+            zero(backend, addr, blocks as u64 * block)?;
         }
-        let remote = Remote::load(&self.agent, &offer.metadata).map_err(boxed)?;
-        let plain = self
-            .plain_column(backend, &remote, ps, block, n)
-            .map_err(|e| e.to_string());
-        let vmm = self
-            .vmm_column(backend, pool, &remote, vs, block, nv)
-            .map_err(|e| e.to_string());
-        drop(remote);
+        let sets = vec![
+            peer::block_descriptors(&self.agent, &dst.layout, n).map_err(boxed)?,
+            peer::block_descriptors(&self.agent, &kv, nv).map_err(boxed)?,
+        ];
+        // After every registration: the metadata carries them all.
+        let metadata = self
+            .agent
+            .raw()
+            .get_local_md()
+            .map_err(|e| format!("get_local_md of agent decode: {e}"))?;
+        let offer = Offer { metadata, sets }.encode()?;
+        peer::send_frame(&mut self.stream, &offer)
+            .map_err(|e| format!("sending the NIXL offer: {e}"))?;
+        // From here on the prefill may write into `dst` and `kv`: nothing below returns before
+        // the prefill's word that its WRITEs into both are over, but a failed answer (then the
+        // prefill waits for it and starts no WRITE).
+        let [(pa, pn), (va, vn)] = targets;
+        let plain = column(
+            self.rounds(backend, 0, pa, pn, block)?,
+            ROUNDS[0],
+            pn as u64 * block,
+        );
+        let vmm = column(
+            self.rounds(backend, 1, va, vn, block)?,
+            ROUNDS[1],
+            vn as u64 * block,
+        );
+        drop(kv);
+        drop(dst);
         Ok(Figures { plain, vmm })
     }
 
-    /// (b) plain memory: a warm-up READ (connection, IPC handles), then [`RUNS`] timed, each
-    /// into zeroed memory; the warm-up's and the last one's bytes checked.
-    fn plain_column(
-        &self,
+    /// The rounds of WRITEs into set `set` of the offer (`blocks` blocks of `block` bytes at
+    /// `addr`): after each, every byte checked, the set zeroed again when more rounds follow,
+    /// the answer sent. The rounds' reports, or why the column has no number; an error only
+    /// when the answer could not be sent.
+    fn rounds(
+        &mut self,
         backend: &Arc<dyn Backend>,
-        remote: &Remote<'_>,
-        offered: &DescSet,
+        set: u32,
+        addr: u64,
+        blocks: usize,
         block: u64,
-        n: usize,
-    ) -> Result<(f64, usize), BoxError> {
-        let dst = plain(&self.agent, &self.ctx, self.device, config(block, n))?;
-        let local = peer::block_descriptors(&self.agent, &dst.layout, n).map_err(boxed)?;
-        let (addr, len) = (dst.buf.ptr, dst.buf.len);
-        let read = || {
-            zero(backend, addr, len)?;
-            peer::read(&self.agent, remote, &local.descs, &offered.descs, WAIT).map_err(boxed)
-        };
-        let warm = read()?;
-        check_pattern(backend, addr, n, block)?;
-        let mut times = Vec::with_capacity(RUNS);
-        for _ in 0..RUNS {
-            times.push(read()?.elapsed.as_secs_f64());
+    ) -> Result<Result<Vec<Vec<TransferReport>>, String>, BoxError> {
+        let mut rounds = Vec::new();
+        loop {
+            let w = peer::wait_written(&mut self.stream, &self.agent, set, ROUND_WAIT);
+            let more = w.more;
+            let checked = w.outcome.and_then(|reports| {
+                check_pattern(backend, addr, blocks, block).map_err(|e| e.to_string())?;
+                if more {
+                    zero(backend, addr, blocks as u64 * block).map_err(|e| e.to_string())?;
+                }
+                Ok(reports)
+            });
+            peer::answer(&mut self.stream, checked.is_ok())
+                .map_err(|e| format!("answering the prefill: {e}"))?;
+            match checked {
+                Ok(r) => rounds.push(r),
+                Err(e) => return Ok(Err(e)),
+            }
+            if !more {
+                return Ok(Ok(rounds));
+            }
         }
-        check_pattern(backend, addr, n, block)?;
-        times.sort_by(f64::total_cmp);
-        Ok((
-            warm.bytes as f64 / times[times.len() / 2] / 1e9,
-            warm.descriptors,
-        ))
     }
+}
 
-    /// (a) VMM memory: one READ of the first `nv` blocks into an elastic layout registered
-    /// page by page, its bytes checked.
-    fn vmm_column(
-        &self,
-        backend: &Arc<dyn Backend>,
-        pool: &Pool,
-        remote: &Remote<'_>,
-        offered: &DescSet,
-        block: u64,
-        nv: usize,
-    ) -> Result<(f64, usize), BoxError> {
-        let kv = vmm(&self.agent, pool, config(block, nv))?;
-        let local = peer::block_descriptors(&self.agent, &kv, nv).map_err(boxed)?;
-        let at = base(&kv)?;
-        zero(backend, at, nv as u64 * block)?;
-        let r =
-            peer::read(&self.agent, remote, &local.descs, &offered.descs, WAIT).map_err(boxed)?;
-        check_pattern(backend, at, nv, block)?;
-        Ok((
-            r.bytes as f64 / r.elapsed.as_secs_f64() / 1e9,
-            r.descriptors,
-        ))
+/// A column from the rounds of one set: they must have `shape` WRITEs each of `bytes` bytes;
+/// GB/s of the median WRITE of the last round, descriptor pairs of the first.
+fn column(rounds: Result<Vec<Vec<TransferReport>>, String>, shape: &[usize], bytes: u64) -> Column {
+    let rounds = rounds?;
+    let counts: Vec<usize> = rounds.iter().map(Vec::len).collect();
+    if counts != shape {
+        return Err(format!(
+            "the prefill reported rounds of {counts:?} WRITEs, expected {shape:?}"
+        ));
+    }
+    if let Some(r) = rounds.iter().flatten().find(|r| r.bytes != bytes) {
+        return Err(format!(
+            "the prefill reported a WRITE of {} bytes, expected {bytes}",
+            r.bytes
+        ));
+    }
+    let (Some(first), Some(last)) = (rounds.first().and_then(|r| r.first()), rounds.last()) else {
+        return Err("the prefill reported no WRITE".into());
+    };
+    let mut times: Vec<f64> = last.iter().map(|r| r.elapsed.as_secs_f64()).collect();
+    times.sort_by(f64::total_cmp);
+    match times.get(times.len() / 2) {
+        Some(&t) if t > 0.0 => Ok((bytes as f64 / t / 1e9, first.descriptors)),
+        _ => Err(format!("the prefill reported WRITE times {times:?}")),
     }
 }
