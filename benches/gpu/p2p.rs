@@ -9,7 +9,8 @@
 //! contiguous and layer separate (32 layers, block first: 32 spans per block), both also with
 //! scattered destinations, where no run merges. Each line names the engine our copy chose
 //! (`memcpy`: one `cuMemcpyAsync` per merged run; `kernel`: one launch of the gather kernel,
-//! `tasks` warp work items); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one for comparison.
+//! `tasks` warp work items) and the host time of our call until its copies were queued
+//! (`host us`); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one engine for comparison.
 //!
 //! With the `nixl` feature (and the NIXL library on `LD_LIBRARY_PATH`; without it the columns
 //! are skipped, saying why), NIXL moves the same blocks between the same two processes for the
@@ -226,13 +227,14 @@ pub fn decode() -> Result<(), BoxError> {
         );
     }
     print!(
-        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
+        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
         "block",
         "layout",
         "blocks",
         "engine",
         "copies",
         "tasks",
+        "host us",
         "import ms",
         "ours GB/s",
         "raw GB/s",
@@ -326,13 +328,14 @@ pub fn decode() -> Result<(), BoxError> {
         drop(g);
         kv.release(0..n)?;
         print!(
-            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
+            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7.1} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
             crate::human(case.block),
             label,
             n,
             report.engine.to_string(),
             report.copies,
             report.tasks,
+            report.host.as_secs_f64() * 1e6,
             import_ms,
             ours_bw,
             raw_bw,

@@ -74,6 +74,9 @@ pub struct CopyReport {
     pub reason: String,
     /// From the first copy queued to completion seen.
     pub elapsed: Duration,
+    /// Host time of the call, from its start until every copy was queued (checks, pins,
+    /// claims, the plan and the submission); part of the time a caller waits.
+    pub host: Duration,
 }
 
 /// Copies in flight: the source mapping and the destination blocks stay (pinned) until the
@@ -139,6 +142,7 @@ impl ImportedGrant {
         stream: CopyStream,
         engine: EngineChoice,
     ) -> Result<Completion> {
+        let called = Instant::now();
         let link = &self.mapping.link;
         self.check_usable("copy")?;
         let (set, bounds) = self.check_shape(dst, dst_blocks)?;
@@ -182,6 +186,7 @@ impl ImportedGrant {
             (DstPin::Blocks { _pin: pin }, claim),
             plan,
             engine,
+            called,
         )
     }
 
@@ -203,6 +208,7 @@ impl ImportedGrant {
         stream: CopyStream,
         engine: EngineChoice,
     ) -> Result<Completion> {
+        let called = Instant::now();
         self.check_usable("copy")?;
         let per_block: u64 = self.pattern.iter().map(|s| s.1).sum();
         let bytes = per_block
@@ -257,6 +263,7 @@ impl ImportedGrant {
             (DstPin::Range { _pin: pin }, claim),
             plan,
             engine,
+            called,
         )
     }
 
@@ -270,6 +277,7 @@ impl ImportedGrant {
         (pin, claim): (DstPin, Claim),
         plan: Plan,
         choice: EngineChoice,
+        called: Instant,
     ) -> Result<Completion> {
         let claim = WriteClaim::take(claim)?;
         let link = &self.mapping.link;
@@ -296,6 +304,7 @@ impl ImportedGrant {
                 path: TransferPath::PeerImport,
                 reason: link.path.reason.clone(),
                 elapsed: Duration::ZERO,
+                host: Duration::ZERO,
             },
             started,
         };
@@ -350,6 +359,7 @@ impl ImportedGrant {
             });
             completion.report.elapsed = started.elapsed();
         }
+        completion.report.host = called.elapsed();
         tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies, %engine, bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
         Ok(completion)
     }

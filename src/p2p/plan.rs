@@ -19,18 +19,20 @@ pub(crate) const MAX_PIECE: u64 = 64 << 10;
 /// Smallest piece size the split goes down to when a copy is small (more tasks than bytes
 /// would only add overhead).
 const MIN_PIECE: u64 = 4 << 10;
-/// Tasks a kernel launch should have at least, where the bytes allow (about one per warp of
-/// one resident wave on an H100).
-const TARGET_TASKS: u64 = 4096;
+/// Tasks a kernel launch should have at least, where the bytes allow: about four per warp of
+/// one resident wave on an H100 (4224 warps), so the warps stay balanced to the end.
+const TARGET_TASKS: u64 = 16384;
 
-/// Copies the memcpy engine takes whatever their size: below it one `cuMemcpyAsync` each
-/// (about 2 µs of submission and gap per call) costs less than the kernel's fixed cost (an
-/// allocation, an upload and a launch, about 10 µs).
+/// Copies the memcpy engine takes when the move is small ([`MEMCPY_MAX_BYTES`]): below it
+/// one `cuMemcpyAsync` each costs less than the kernel's fixed cost (an allocation, an upload
+/// and a launch).
 pub(crate) const MEMCPY_ALWAYS: u64 = 4;
-/// One more copy goes to the memcpy engine per this many bytes moved: the kernel runs a few
-/// per cent below the copy engines' bandwidth, which on large moves outweighs the calls' cost
-/// (about 7% of the time of 32 MiB at 1.4 TB/s is 2 µs, one call's cost).
-pub(crate) const MEMCPY_BYTES_PER_COPY: u64 = 32 << 20;
+/// Moves above this go to the kernel whatever their copy count. On the H100 (`gpu-bench p2p`,
+/// engines forced, same runs) the kernel wrote 1 GiB into a layout at 1324-1352 GB/s where
+/// `cuMemcpyAsync` reached 1143-1266 GB/s, and one `cuMemcpyDtoDAsync` of 256 MiB between
+/// chunked VMM ranges took 128-265 µs of host time (the driver walks the mappings under both
+/// ranges) where the whole kernel path took 13-60 µs.
+pub(crate) const MEMCPY_MAX_BYTES: u64 = 4 << 20;
 
 /// How the bytes of a copy move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,9 +60,9 @@ impl std::fmt::Display for CopyEngine {
 /// Which engine a copy may use ([`crate::p2p::ImportedGrant::copy_into_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum EngineChoice {
-    /// Merged runs go to `cuMemcpyAsync` when they are few (4, plus one per 32 MiB moved),
-    /// everything else to the gather kernel (falling back to memcpy where the kernel cannot be
-    /// loaded). Host memory: the CPU.
+    /// Merged runs go to `cuMemcpyAsync` when they are few (4 or fewer) and the move is at
+    /// most 4 MiB; everything else to the gather kernel (falling back to memcpy where the
+    /// kernel cannot be loaded). Host memory: the CPU.
     #[default]
     Auto,
     /// Always one `cuMemcpyAsync` per merged run.
@@ -83,7 +85,7 @@ pub(crate) fn choose(
         EngineChoice::Memcpy => CopyEngine::Memcpy,
         EngineChoice::Kernel => CopyEngine::Kernel,
         EngineChoice::Auto => {
-            if copies <= MEMCPY_ALWAYS + bytes / MEMCPY_BYTES_PER_COPY {
+            if copies <= MEMCPY_ALWAYS && bytes <= MEMCPY_MAX_BYTES {
                 CopyEngine::Memcpy
             } else {
                 CopyEngine::Kernel
@@ -542,9 +544,10 @@ mod tests {
         );
         assert_eq!(s.iter().map(|p| p.len).sum::<u64>(), p.block_bytes());
         assert_eq!(Plan::piece_size(1 << 30), MAX_PIECE);
+        assert_eq!(Plan::piece_size(256 << 20), 16 << 10);
         assert_eq!(Plan::piece_size(64 << 10), MIN_PIECE);
         assert_eq!(Plan::piece_size(0), MIN_PIECE);
-        assert_eq!(Plan::piece_size(64 << 20), 16 << 10);
+        assert_eq!(Plan::piece_size(64 << 20), MIN_PIECE);
         assert!(Plan::piece_size(u64::MAX) <= MAX_PIECE);
     }
 
@@ -556,15 +559,15 @@ mod tests {
             choose(MemoryKind::Host, EngineChoice::Kernel, 1000, 1 << 30),
             Cpu
         );
-        assert_eq!(choose(MemoryKind::Device, auto, 1, 1 << 30), Memcpy);
+        // Large moves: the kernel, whatever the copy count.
+        assert_eq!(choose(MemoryKind::Device, auto, 1, 1 << 30), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 32, 1 << 30), Kernel);
+        // Small moves in few copies: memcpy.
         assert_eq!(choose(MemoryKind::Device, auto, 4, 4096), Memcpy);
-        // 32 layers of 1 GiB in order: 32 copies of 32 MiB.
-        assert_eq!(choose(MemoryKind::Device, auto, 32, 1 << 30), Memcpy);
-        // 32 layers of 256 MiB: copies of 8 MiB, the calls cost more than the kernel's loss.
-        assert_eq!(choose(MemoryKind::Device, auto, 32, 256 << 20), Kernel);
-        assert_eq!(choose(MemoryKind::Device, auto, 12, 256 << 20), Memcpy);
-        assert_eq!(choose(MemoryKind::Device, auto, 5, 32 << 20), Memcpy);
-        assert_eq!(choose(MemoryKind::Device, auto, 6, 32 << 20), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 1, 4 << 20), Memcpy);
+        assert_eq!(choose(MemoryKind::Device, auto, 5, 1 << 20), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 1, (4 << 20) + 1), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 1, 256 << 20), Kernel);
         assert_eq!(choose(MemoryKind::Device, auto, 262_144, 256 << 20), Kernel);
         assert_eq!(
             choose(MemoryKind::Device, EngineChoice::Memcpy, 262_144, 1),

@@ -57,7 +57,16 @@ __device__ __forceinline__ void copy_words(unsigned char* __restrict__ d,
         dv[i + 64] = c;
         dv[i + 96] = e;
     }
-    for (; i < n; i += 32) {
+    // At most three words left per lane: two loads in flight before their stores, so short
+    // pieces (a layer's 1 KiB span of a small block) overlap their loads too.
+    if (i + 32 < n) {
+        T a = sv[i];
+        T b = sv[i + 32];
+        dv[i] = a;
+        dv[i + 32] = b;
+        i += 64;
+    }
+    if (i < n) {
         dv[i] = sv[i];
     }
     const uint64_t done = n * w;
