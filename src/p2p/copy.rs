@@ -185,8 +185,7 @@ impl ImportedGrant {
             stream,
             (DstPin::Blocks { _pin: pin }, claim),
             plan,
-            engine,
-            called,
+            (engine, called),
         )
     }
 
@@ -262,8 +261,7 @@ impl ImportedGrant {
             stream,
             (DstPin::Range { _pin: pin }, claim),
             plan,
-            engine,
-            called,
+            (engine, called),
         )
     }
 
@@ -276,8 +274,7 @@ impl ImportedGrant {
         stream: CopyStream,
         (pin, claim): (DstPin, Claim),
         plan: Plan,
-        choice: EngineChoice,
-        called: Instant,
+        (choice, called): (EngineChoice, Instant),
     ) -> Result<Completion> {
         let claim = WriteClaim::take(claim)?;
         let link = &self.mapping.link;
