@@ -281,8 +281,9 @@ impl ImportedGrant {
         let blocks = plan.shifts.len();
         let spans = blocks * self.pattern.iter().filter(|s| s.1 > 0).count();
         let bytes = plan.block_bytes() * blocks as u64;
-        let runs = plan.runs();
-        let copies = plan.copies(&runs);
+        // The runs themselves only where an engine copies run by run (building them for
+        // thousands of blocks costs tens of µs of host time).
+        let copies = plan.count_copies();
         let mut engine = plan::choose(memory, choice, copies, bytes);
         let started = Instant::now();
         let mut completion = Completion {
@@ -333,7 +334,7 @@ impl ImportedGrant {
         }
         if engine == CopyEngine::Memcpy {
             let mut batch: Vec<(u64, u64, usize)> = Vec::with_capacity(copies as usize);
-            plan.for_each_copy(&runs, |d, s, len| batch.push((d, s, len as usize)));
+            plan.for_each_copy(&plan.runs(), |d, s, len| batch.push((d, s, len as usize)));
             // SAFETY: as for the kernel above, copy by copy.
             if let Err(e) = unsafe { backend.copy_batch_async(&batch, stream.raw()) } {
                 // Copies queued before must run before the pins go: `completion` waits for
@@ -344,7 +345,7 @@ impl ImportedGrant {
             completion.report.launches = batch.len();
         }
         if engine == CopyEngine::Cpu {
-            plan.for_each_copy(&runs, |d, s, len| {
+            plan.for_each_copy(&plan.runs(), |d, s, len| {
                 // SAFETY: `s..s + len` lies in the grant's mapping (located when it was
                 // imported), readable and kept mapped by `completion`; `d..d + len` lies in
                 // pinned destination memory, mapped read-write; the two are different

@@ -189,6 +189,26 @@ impl Plan {
         runs.len() as u64 * self.pieces.len() as u64
     }
 
+    /// [`Plan::copies`] without building the runs (the kernel never needs them).
+    pub(crate) fn count_copies(&self) -> u64 {
+        let runs = if self.runs_merge() {
+            1 + self
+                .shifts
+                .windows(2)
+                .filter(|w| {
+                    w[0].src.wrapping_add(self.src_stride) != w[1].src
+                        || w[0].dst.wrapping_add(self.dst_stride) != w[1].dst
+                })
+                .count() as u64
+        } else {
+            self.shifts.len() as u64
+        };
+        if self.shifts.is_empty() {
+            return 0;
+        }
+        runs * self.pieces.len() as u64
+    }
+
     /// Every merged copy `(dst, src, len)`, run by run, piece by piece.
     pub(crate) fn for_each_copy(&self, runs: &[(usize, usize)], mut f: impl FnMut(u64, u64, u64)) {
         for &(first, n) in runs {
@@ -510,6 +530,7 @@ mod tests {
         let runs = p.runs();
         assert_eq!(runs, vec![(0, 3), (3, 1), (4, 1), (5, 1)]);
         assert_eq!(p.copies(&runs), 4);
+        assert_eq!(p.count_copies(), 4);
         let mut copies = Vec::new();
         p.for_each_copy(&runs, |d, s, l| copies.push((d, s, l)));
         assert_eq!(copies[0], (1 << 40, 3 * 64, 3 * 64));
@@ -523,6 +544,16 @@ mod tests {
         );
         assert_eq!(p.runs(), vec![(0, 1), (1, 1)]);
         assert_eq!(p.copies(&p.runs()), 4);
+        assert_eq!(p.count_copies(), 4);
+        // Merging pieces: a run breaks where either side jumps.
+        let p = plan(
+            vec![piece(0, 0, 64)],
+            &[(0, 0), (1, 1), (2, 5), (3, 6), (9, 7)],
+            64,
+        );
+        assert_eq!(p.count_copies(), p.copies(&p.runs()));
+        assert_eq!(p.count_copies(), 3);
+        assert_eq!(plan(vec![piece(0, 0, 64)], &[], 64).count_copies(), 0);
     }
 
     #[test]
