@@ -184,7 +184,9 @@ impl Plan {
         out
     }
 
-    /// Contiguous copies after merging runs: what the memcpy engine issues.
+    /// Contiguous copies after merging runs: what the memcpy engine issues (the tests check
+    /// [`Plan::count_copies`] against it).
+    #[cfg(test)]
     pub(crate) fn copies(&self, runs: &[(usize, usize)]) -> u64 {
         runs.len() as u64 * self.pieces.len() as u64
     }
