@@ -108,6 +108,31 @@ impl Backend for Counting {
         r
     }
 
+    fn create_many(
+        &self,
+        size: usize,
+        count: usize,
+        need: super::Need,
+    ) -> Result<Vec<PhysicalChunk>> {
+        self.counters.bump_by(DriverCall::Create, count as u64);
+        let r = self.inner.create_many(size, count, need);
+        tracing::trace!(
+            call = "create_many",
+            size,
+            count,
+            ok = r.is_ok(),
+            "driver call"
+        );
+        r
+    }
+
+    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
+        self.counters
+            .bump_by(DriverCall::Release, chunks.len() as u64);
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.release_many(chunks) }
+    }
+
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
         self.counters.bump(DriverCall::Release);
         // SAFETY: forwarded contract.

@@ -186,6 +186,25 @@ impl Backend for DelayInjector {
         self.around(DriverCall::Create, || self.inner.create(size))
     }
 
+    fn create_many(
+        &self,
+        size: usize,
+        count: usize,
+        need: super::Need,
+    ) -> Result<Vec<PhysicalChunk>> {
+        // One delay for the batch: it is one request where chunks come from a broker.
+        self.around(DriverCall::Create, || {
+            self.inner.create_many(size, count, need)
+        })
+    }
+
+    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
+        self.around(DriverCall::Release, || {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.release_many(chunks) }
+        })
+    }
+
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
         self.around(DriverCall::Release, || {
             // SAFETY: forwarded contract.

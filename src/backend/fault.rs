@@ -146,6 +146,30 @@ impl Backend for FaultInjector {
         self.inner.create(size)
     }
 
+    fn create_many(
+        &self,
+        size: usize,
+        count: usize,
+        need: super::Need,
+    ) -> Result<Vec<PhysicalChunk>> {
+        // A fault on any chunk of the batch fails it before anything is made (all or none).
+        for _ in 0..count {
+            self.check(DriverCall::Create)?;
+        }
+        self.inner.create_many(size, count, need)
+    }
+
+    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
+        chunks
+            .iter()
+            .map(|&c| {
+                self.check(DriverCall::Release)?;
+                // SAFETY: forwarded contract, chunk by chunk.
+                unsafe { self.inner.release(c) }
+            })
+            .collect()
+    }
+
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
         self.check(DriverCall::Release)?;
         // SAFETY: forwarded contract.

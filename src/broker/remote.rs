@@ -5,7 +5,7 @@
 //! and gives the chunk back to the broker, which may hand it to another engine without any
 //! release or create. So allocations, range maps, regions and layouts work unchanged.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Deref;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink};
+use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest};
 use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
 use crate::backend::{Backend, BackendInfo, MemoryInfo, Need, PhysicalChunk};
 use crate::error::{Error, Result};
@@ -194,6 +194,9 @@ impl Drop for ModelBackend {
     }
 }
 
+/// Batch growth requests one growth keeps in flight.
+const GROW_WINDOW: usize = 2;
+
 /// The broker's refusal as the crate's error, numbers kept.
 fn refusal_error(r: Refusal) -> Error {
     Error::AdmissionRefused {
@@ -239,25 +242,58 @@ fn import_all(
         lanes[i % threads].push((i, fd));
     }
     let mut out: Vec<Option<Result<PhysicalChunk>>> = (0..n).map(|_| None).collect();
+    // One import, a panic inside it turned into an error (the lane's other results are kept).
+    let import = |fd: OwnedFd| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            local.import_chunk(fd, size)
+        }))
+        .unwrap_or_else(|_| {
+            Err(Error::backend(
+                "broker",
+                "import_chunk",
+                "PANIC",
+                "importing this chunk panicked",
+            ))
+        })
+    };
     std::thread::scope(|s| {
-        let handles: Vec<_> = lanes
-            .into_iter()
-            .map(|lane| {
-                s.spawn(move || {
-                    lane.into_iter()
-                        .map(|(i, fd)| (i, local.import_chunk(fd, size)))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        for h in handles {
-            match h.join() {
-                Ok(done) => {
-                    for (i, r) in done {
+        let mut handles = Vec::new();
+        for lane in lanes {
+            let work = move || {
+                lane.into_iter()
+                    .map(|(i, fd)| (i, import(fd)))
+                    .collect::<Vec<_>>()
+            };
+            // A thread that cannot be made (a process limit): this thread does its share.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let spawned = std::thread::Builder::new().spawn_scoped(s, move || {
+                let work = rx.recv().ok();
+                work.map(|w: Box<dyn FnOnce() -> Vec<(usize, Result<PhysicalChunk>)> + Send>| w())
+            });
+            let work: Box<dyn FnOnce() -> Vec<(usize, Result<PhysicalChunk>)> + Send> =
+                Box::new(work);
+            match spawned {
+                Ok(h) => match tx.send(work) {
+                    Ok(()) => handles.push(h),
+                    Err(back) => {
+                        for (i, r) in (back.0)() {
+                            out[i] = Some(r);
+                        }
+                    }
+                },
+                Err(e) => {
+                    tracing::debug!(error = %e, "no import thread; importing here");
+                    for (i, r) in work() {
                         out[i] = Some(r);
                     }
                 }
-                Err(_) => tracing::error!("an import thread panicked"),
+            }
+        }
+        for h in handles {
+            if let Ok(Some(done)) = h.join() {
+                for (i, r) in done {
+                    out[i] = Some(r);
+                }
             }
         }
     });
@@ -267,8 +303,8 @@ fn import_all(
                 Err(Error::backend(
                     "broker",
                     "import_chunk",
-                    "PANIC",
-                    "the import thread of this chunk panicked",
+                    "NO_RESULT",
+                    "the import thread of this chunk ended without a result",
                 ))
             })
         })
@@ -384,32 +420,38 @@ impl Backend for ModelBackend {
         if count == 0 {
             return Ok(Vec::new());
         }
-        // Every batch request goes out at once: the broker prepares batch k + 1 while this
-        // process imports batch k.
+        // At most GROW_WINDOW batch requests in flight: the broker prepares batch k + 1 while
+        // this process imports batch k, and after a failure nothing more is asked (every
+        // request sent may make the broker ask other engines to give back).
         let per = MAX_BATCH as usize;
-        let mut sent = Vec::new();
+        let mut sent: VecDeque<(usize, SentRequest)> = VecDeque::new();
         let mut failure: Option<Error> = None;
         let mut left = count;
-        while left > 0 {
-            let n = left.min(per);
-            match self.client.send_request(Request::GrowMany {
-                model: self.model,
-                size: size as u64,
-                count: n as u32,
-                look_ahead: need == Need::LookAhead,
-            }) {
-                Ok(s) => sent.push((n, s)),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
+        let fill = |sent: &mut VecDeque<(usize, SentRequest)>,
+                    left: &mut usize,
+                    failure: &mut Option<Error>| {
+            while failure.is_none() && *left > 0 && sent.len() < GROW_WINDOW {
+                let n = (*left).min(per);
+                match self.client.send_request(Request::GrowMany {
+                    model: self.model,
+                    size: size as u64,
+                    count: n as u32,
+                    look_ahead: need == Need::LookAhead,
+                }) {
+                    Ok(s) => sent.push_back((n, s)),
+                    Err(e) => *failure = Some(e),
                 }
+                *left -= n;
             }
-            left -= n;
-        }
+        };
         let mut made: Vec<(PhysicalChunk, u64)> = Vec::with_capacity(count);
         // Ids granted but not imported (after a failure): given back as they are.
         let mut unimported: Vec<u64> = Vec::new();
-        for (n, s) in sent {
+        loop {
+            fill(&mut sent, &mut left, &mut failure);
+            let Some((n, s)) = sent.pop_front() else {
+                break;
+            };
             let (reply, fds) = match self.client.wait_reply(s) {
                 Ok(r) => r,
                 Err(e) => {
@@ -456,6 +498,8 @@ impl Backend for ModelBackend {
                 unimported.extend(ids);
                 continue;
             }
+            // The next batch goes out before this one is imported.
+            fill(&mut sent, &mut left, &mut failure);
             let threads = self.client.import_threads.load(Ordering::Relaxed);
             for (cid, r) in ids
                 .into_iter()
@@ -890,6 +934,60 @@ mod tests {
         );
         assert_eq!(end.audit, None);
         drop((first, second, third));
+        broker.shutdown();
+    }
+
+    /// A growth of many batches that the budget refuses asks other engines to give back at
+    /// most once per batch in flight ([`GROW_WINDOW`]), not once per batch: after the first
+    /// refusal nothing more is asked for.
+    #[test]
+    fn a_refused_growth_asks_others_at_most_once_per_window() {
+        use std::sync::atomic::AtomicUsize;
+        const MIB: u64 = 1 << 20;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker = Broker::start(
+            Arc::new(host),
+            BrokerConfig::new(socket("window"), 64 * MIB).reclaim_wait(Duration::from_millis(200)),
+        )
+        .unwrap();
+        let ca = BrokerClient::connect(broker.socket(), "a").unwrap();
+        let asked = Arc::new(AtomicUsize::new(0));
+        let seen = asked.clone();
+        let a = ca
+            .register(
+                ModelConfig::new("a", 1 << 30, 64 * MIB).on_reclaim(move |_| {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }),
+            )
+            .unwrap();
+        // In use through the range API: a trim frees nothing, so every reclaim reaches the
+        // callback and the growth below is refused.
+        a.map(0, 60 * MIB).unwrap();
+        let cb = BrokerClient::connect(broker.socket(), "b").unwrap();
+        let b = cb
+            .register(ModelConfig::new("b", 1 << 30, 1 << 30))
+            .unwrap();
+        let ctl = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
+        let before = ctl.snapshot().unwrap().counters.reclaim_requests;
+        // 128 chunks of 2 MiB: 8 batches.
+        let e = b.map_chunked(0, 256 * MIB, 2 * MIB).unwrap_err();
+        assert!(e.is_out_of_memory(), "{e}");
+        let s = ctl.snapshot().unwrap();
+        let pushed = s.counters.reclaim_requests - before;
+        // Two batches in flight at most (GROW_WINDOW); with every batch sent at once, each
+        // of the 8 asked (8 pushes).
+        assert!(
+            (1..=2).contains(&pushed),
+            "one refused growth pushed {pushed} reclaim requests"
+        );
+        assert!(asked.load(Ordering::SeqCst) <= 2);
+        assert!(
+            s.models.iter().all(|m| m.name != "b" || m.used == 0),
+            "{:?}",
+            s.models
+        );
+        assert_eq!(s.audit, None);
         broker.shutdown();
     }
 }

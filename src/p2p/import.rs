@@ -42,24 +42,42 @@ struct Mapped {
 }
 
 impl Mapped {
+    /// Import and map `chunks`, which must end by `extent` (the sender's layout extent) plus
+    /// one chunk: a peer cannot make this process reserve more address space than its layout
+    /// spans.
     fn build(
         backend: Arc<dyn Backend>,
         chunks: Vec<InChunk>,
         access: AccessMode,
+        extent: u64,
     ) -> Result<Mapped> {
         let gran = backend.info().granularity as u64;
+        let largest = chunks.iter().map(|c| c.size).max().unwrap_or(0);
+        let max_end = extent
+            .checked_next_multiple_of(gran.max(1))
+            .and_then(|e| e.checked_add(largest))
+            .unwrap_or(u64::MAX);
         let first = chunks.first().map_or(0, |c| c.offset);
         let mut total = 0u64;
         let mut prev_end = 0u64;
         for (i, c) in chunks.iter().enumerate() {
             let end = c.offset.checked_add(c.size);
-            let ok = c.size > 0 && c.size % gran == 0 && (i == 0 || c.offset >= prev_end);
+            let ok = c.size > 0
+                && c.size % gran == 0
+                && c.offset % gran == 0
+                && (i == 0 || c.offset >= prev_end);
             let Some(end) = end.filter(|_| ok) else {
                 return Err(Error::InvalidArgument(format!(
-                    "granted chunk {i} of {} bytes at offset {:#x}: chunks are non-empty multiples of this backend's granularity {gran} in ascending, non-overlapping order (previous ended at {prev_end:#x})",
+                    "granted chunk {i} of {} bytes at offset {:#x}: chunks are non-empty multiples of this backend's granularity {gran}, at offsets that are multiples of it, in ascending, non-overlapping order (previous ended at {prev_end:#x})",
                     c.size, c.offset
                 )));
             };
+            if end > max_end {
+                return Err(Error::InvalidArgument(format!(
+                    "granted chunk {i} of {} bytes at offset {:#x} ends past the sender's layout ({extent} bytes, so chunks end by {max_end:#x})",
+                    c.size, c.offset
+                )));
+            }
             prev_end = end;
             total = total
                 .checked_add(c.size)
@@ -281,7 +299,12 @@ impl ImportedGrant {
             }
         }
         let chunks = ready.chunks.len();
-        let mapped = Mapped::build(link.backend.clone(), ready.chunks, ready.access)?;
+        let mapped = Mapped::build(
+            link.backend.clone(),
+            ready.chunks,
+            ready.access,
+            geometry.extent(),
+        )?;
         let (pattern, stride) = geometry.block_pattern();
         let src_shifts = covered(&mapped, &blocks, &pattern, stride, chunks)?;
         let bytes = mapped.bytes();

@@ -155,3 +155,58 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
     // SAFETY: created above, mapped nowhere.
     unsafe { exporter.release(chunk).unwrap() };
 }
+
+/// A peer cannot make this process reserve address space far beyond its layout (two chunks
+/// 16 TiB apart), nor map a chunk at an offset that is not a multiple of the granularity:
+/// both are refused with the numbers, nothing stays mapped, the link goes on.
+#[test]
+fn grants_far_beyond_the_layout_or_off_granularity_are_refused() {
+    let exporter = backend();
+    let (l, raw) = link();
+    let gran = DEFAULT_GRANULARITY as u64;
+    for (grant, offsets, what) in [
+        (9u64, vec![0, 1u64 << 44], "ends past the sender's layout"),
+        (10, vec![4096], "at offsets that are multiples of it"),
+    ] {
+        let chunks: Vec<_> = offsets
+            .iter()
+            .map(|_| exporter.create(DEFAULT_GRANULARITY).unwrap())
+            .collect();
+        let fds: Vec<_> = chunks
+            .iter()
+            .map(|&c| exporter.export_chunk(c).unwrap())
+            .collect();
+        let m = Msg::Chunks {
+            grant,
+            offsets: offsets.clone(),
+            sizes: vec![gran; offsets.len()],
+        };
+        let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &borrowed).unwrap();
+        let m = Msg::Grant {
+            mode: super::GrantMode::Copy,
+            grant,
+            access: AccessMode::ReadOnly,
+            layout: layout(),
+            blocks: vec![0],
+            chunks: offsets.len() as u64,
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+        let e = l
+            .recv_grant(Duration::from_secs(5))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(what), "{e}");
+        let s = l.stats();
+        assert_eq!(
+            (s.imports, s.imported_bytes),
+            (0, 0),
+            "nothing stays mapped"
+        );
+        assert!(l.closed().is_none());
+        for c in chunks {
+            // SAFETY: created above, mapped nowhere here.
+            unsafe { exporter.release(c).unwrap() };
+        }
+    }
+}

@@ -418,7 +418,11 @@ fn p2p_one_gpu_odd_shapes_byte_exact() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_odd_shapes_byte_exact() {
-    assert!(device_count() >= 2, "needs two GPUs, found {}", device_count());
+    assert!(
+        device_count() >= 2,
+        "needs two GPUs, found {}",
+        device_count()
+    );
     odd_shapes(1);
 }
 
@@ -426,6 +430,10 @@ fn p2p_two_gpus_odd_shapes_byte_exact() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_byte_exact_kernel() {
-    assert!(device_count() >= 2, "needs two GPUs, found {}", device_count());
+    assert!(
+        device_count() >= 2,
+        "needs two GPUs, found {}",
+        device_count()
+    );
     byte_exact_with(0, 1, "kernel");
 }
