@@ -239,10 +239,18 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The gather kernel, loaded into this backend's context on first use.
+    /// The gather kernel, loaded into this backend's context on first use. A failed load is
+    /// kept (logged once as a warning): copies then use `cuMemcpyAsync`, or fail where the
+    /// kernel was asked for by name.
     fn gather_kernel(&self) -> Result<&GatherKernel> {
         self.gather
-            .get_or_init(|| self.load_gather())
+            .get_or_init(|| {
+                let r = self.load_gather();
+                if let Err(why) = &r {
+                    tracing::warn!(device = ?self.info.device_ordinal, %why, "gather kernel not loaded; p2p copies fall back to cuMemcpyAsync");
+                }
+                r
+            })
             .as_ref()
             .map_err(|why| Error::backend(NAME, "gather_async", "UNSUPPORTED", why.clone()))
     }

@@ -35,8 +35,10 @@ impl CopyStream {
     ///
     /// # Safety
     /// The stream stays alive until every [`Completion`] of copies queued on it has been waited
-    /// for or dropped; it is not a per-thread default stream handle (`2`), which names a
-    /// different stream on the thread that waits.
+    /// for or dropped, and is not being captured into a CUDA graph meanwhile (a completion
+    /// could not synchronize it, and would keep its pins and claim for good); it is not a
+    /// per-thread default stream handle (`2`), which names a different stream on the thread
+    /// that waits.
     pub unsafe fn from_raw(raw: u64) -> CopyStream {
         CopyStream(raw)
     }
