@@ -48,6 +48,13 @@ pub(crate) struct SentRequest {
 #[derive(Default)]
 struct Pending {
     waiters: HashMap<u64, Waiter>,
+    /// Growth requests waiting for their reply: request id -> model.
+    grows: HashMap<u64, u64>,
+    /// Growth requests whose caller stopped waiting (timed out): if chunks still arrive for
+    /// them, they go straight back to the broker instead of staying charged to this engine.
+    abandoned: HashMap<u64, u64>,
+    /// How long a request waits for its reply.
+    timeout: Option<Duration>,
     closed: bool,
 }
 
@@ -155,7 +162,10 @@ impl BrokerClient {
             let pending = pending.clone();
             std::thread::Builder::new()
                 .name("broker-client-reader".into())
-                .spawn(move || read_loop(stream, pending, push_tx))
+                .spawn({
+                    let writer = writer.clone();
+                    move || read_loop(stream, pending, push_tx, writer)
+                })
                 .map_err(|e| Error::Ipc {
                     op: "spawn reader",
                     detail: e.to_string(),
@@ -243,6 +253,12 @@ impl BrokerClient {
             .store(threads.max(1), Ordering::Relaxed);
     }
 
+    /// How long requests wait for their reply (default 120 s; a growth may wait for other
+    /// engines' reclaims). Chunks granted after a growth stopped waiting go back to the broker.
+    pub fn set_reply_timeout(&self, timeout: Duration) {
+        self.inner.pending.lock().timeout = Some(timeout);
+    }
+
     /// What the broker said at hello.
     pub fn welcome(&self) -> &Welcome {
         &self.inner.welcome
@@ -297,6 +313,9 @@ impl ClientInner {
                 });
             }
             p.waiters.insert(id, tx);
+            if let Request::Grow { model, .. } | Request::GrowMany { model, .. } = &request {
+                p.grows.insert(id, *model);
+            }
         }
         let sent = ipc::encode(&ToBroker { id, request }).and_then(|payload| {
             self.writer.send(Outgoing {
@@ -305,7 +324,9 @@ impl ClientInner {
             })
         });
         if let Err(e) = sent {
-            self.pending.lock().waiters.remove(&id);
+            let mut p = self.pending.lock();
+            p.waiters.remove(&id);
+            p.grows.remove(&id);
             return Err(e);
         }
         Ok(SentRequest { id, rx })
@@ -313,13 +334,31 @@ impl ClientInner {
 
     /// The reply to a request sent with [`ClientInner::send_request`].
     pub(crate) fn wait_reply(&self, sent: SentRequest) -> Result<(Reply, Vec<OwnedFd>)> {
-        match sent.rx.recv_timeout(REPLY_TIMEOUT) {
+        let timeout = self.pending.lock().timeout.unwrap_or(REPLY_TIMEOUT);
+        match sent.rx.recv_timeout(timeout) {
             Ok(r) => Ok(r),
             Err(RecvTimeoutError::Timeout) => {
-                self.pending.lock().waiters.remove(&sent.id);
+                let still_waiting = {
+                    let mut p = self.pending.lock();
+                    let still = p.waiters.remove(&sent.id).is_some();
+                    if still {
+                        // Nobody waits now: chunks that still come go back (read loop).
+                        if let Some(model) = p.grows.remove(&sent.id) {
+                            p.abandoned.insert(sent.id, model);
+                        }
+                    }
+                    still
+                };
+                if !still_waiting {
+                    // The read loop took the waiter between the timeout and the lock: the reply
+                    // is on its way (or the connection is gone): it is ours.
+                    if let Ok(r) = sent.rx.recv() {
+                        return Ok(r);
+                    }
+                }
                 Err(Error::Ipc {
                     op: "broker reply",
-                    detail: format!("no reply within {} s", REPLY_TIMEOUT.as_secs()),
+                    detail: format!("no reply within {:.1} s", timeout.as_secs_f64()),
                 })
             }
             Err(RecvTimeoutError::Disconnected) => Err(Error::Ipc {
@@ -348,7 +387,12 @@ impl ClientInner {
     }
 }
 
-fn read_loop(stream: UnixStream, pending: Arc<Mutex<Pending>>, pushes: Sender<Push>) {
+fn read_loop(
+    stream: UnixStream,
+    pending: Arc<Mutex<Pending>>,
+    pushes: Sender<Push>,
+    writer: FrameWriter,
+) {
     loop {
         let frame = match ipc::recv_frame(&stream, ipc::MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -366,10 +410,18 @@ fn read_loop(stream: UnixStream, pending: Arc<Mutex<Pending>>, pushes: Sender<Pu
                     }
                     continue;
                 }
-                let waiter = pending.lock().waiters.remove(&id);
+                let (waiter, abandoned) = {
+                    let mut p = pending.lock();
+                    let w = p.waiters.remove(&id);
+                    p.grows.remove(&id);
+                    (w, p.abandoned.remove(&id))
+                };
                 match waiter {
                     Some(w) => {
                         let _ = w.send((reply, frame.fds));
+                    }
+                    None if abandoned.is_some() => {
+                        give_back_late(&writer, abandoned.unwrap_or_default(), reply);
                     }
                     None if id == 0 => {
                         // The broker's last word before closing (an error about this connection).
@@ -396,6 +448,32 @@ fn read_loop(stream: UnixStream, pending: Arc<Mutex<Pending>>, pushes: Sender<Pu
         std::mem::take(&mut p.waiters)
     };
     drop(waiters);
+}
+
+/// Chunks granted for a growth whose caller stopped waiting go straight back (their
+/// descriptors, dropped by the caller, close here): the broker would otherwise keep them
+/// charged to this engine until it disconnects.
+fn give_back_late(writer: &FrameWriter, model: u64, reply: Reply) {
+    let chunks = match reply {
+        Reply::Granted { chunk, .. } => vec![chunk],
+        Reply::GrantedMany { chunks, .. } => chunks,
+        _ => return,
+    };
+    tracing::warn!(
+        model,
+        chunks = chunks.len(),
+        "chunks granted after their growth timed out; given back"
+    );
+    let back = ToBroker {
+        id: NOTIFY_ID,
+        request: Request::GiveBackMany { model, chunks },
+    };
+    if let Ok(payload) = ipc::encode(&back) {
+        let _ = writer.send(Outgoing {
+            payload,
+            fds: Vec::new(),
+        });
+    }
 }
 
 fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {

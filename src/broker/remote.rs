@@ -990,4 +990,43 @@ mod tests {
         assert_eq!(s.audit, None);
         broker.shutdown();
     }
+
+    /// A growth whose reply comes after the caller stopped waiting: the chunks granted late go
+    /// straight back, so the broker does not keep them charged to this engine.
+    #[test]
+    fn chunks_granted_after_a_timeout_go_back() {
+        use crate::backend::delay::DelayInjector;
+        use crate::backend::DriverCall;
+        const MIB: u64 = 1 << 20;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let slow = Arc::new(DelayInjector::new(Arc::new(host)));
+        slow.set_delay(DriverCall::Create, Duration::from_millis(300));
+        let broker = Broker::start(slow, BrokerConfig::new(socket("late"), 64 * MIB)).unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let m = client
+            .register(ModelConfig::new("m", 1 << 30, 64 * MIB))
+            .unwrap();
+        client.set_reply_timeout(Duration::from_millis(50));
+        let e = m.allocate((2 * MIB) as usize).unwrap_err();
+        assert!(e.to_string().contains("no reply within"), "{e}");
+        client.set_reply_timeout(Duration::from_secs(120));
+        let ctl = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
+        let t = Instant::now();
+        loop {
+            let s = ctl.snapshot().unwrap();
+            let used = s.models.iter().find(|x| x.name == "m").map(|x| x.used);
+            if used == Some(0) && s.counters.give_backs >= 1 {
+                assert_eq!(s.audit, None);
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the late chunk stays charged: {used:?}, {:?}",
+                s.counters
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        broker.shutdown();
+    }
 }
