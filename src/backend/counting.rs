@@ -240,70 +240,24 @@ impl Backend for Counting {
         self.inner.synchronize(stream)
     }
 
-    unsafe fn gather_async(
-        &self,
-        pieces: &[super::GatherPiece],
-        shifts: &[super::GatherShift],
-        stream: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.gather_async(pieces, shifts, stream) }
-    }
-
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.fill_async(addr, bytes, byte, stream) }
     }
 
-    fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
-        self.inner.staging_alloc(bytes)
-    }
-
-    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.staging_free(ptr, bytes) }
-    }
-
-    fn copy_stream_create(&self) -> Result<u64> {
-        self.inner.copy_stream_create()
-    }
-
-    unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_stream_destroy(stream) }
-    }
-
-    unsafe fn copy_to_host_async(
-        &self,
-        dst: *mut u8,
-        src: u64,
-        bytes: usize,
-        stream: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_to_host_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn copy_from_host_async(
-        &self,
-        dst: u64,
-        src: *const u8,
-        bytes: usize,
-        stream: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_from_host_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.marker_record(stream) }
-    }
-
-    unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.marker_wait(marker) }
-    }
+    // Passed on unchanged.
+    crate::backend::forward_backend!(
+        inner:
+        staging_alloc,
+        staging_free,
+        copy_stream_create,
+        copy_stream_destroy,
+        marker_record,
+        marker_wait,
+        gather_async,
+        copy_to_host_async,
+        copy_from_host_async,
+    );
 }
 
 #[cfg(test)]

@@ -148,6 +148,85 @@ impl fmt::Display for DriverCall {
     }
 }
 
+/// Implements [`Backend`] methods that an adaptor passes on unchanged to the backend it wraps
+/// (`self.$inner`): `forward_backend!(inner: staging_alloc, marker_wait)`. Methods an adaptor
+/// counts, delays or fails stay written out in it.
+macro_rules! forward_backend {
+    ($inner:ident: $($method:ident),+ $(,)?) => {
+        $( $crate::backend::forward_backend!(@one $inner $method); )+
+    };
+    (@one $inner:ident staging_alloc) => {
+        fn staging_alloc(&self, bytes: usize) -> $crate::error::Result<*mut u8> {
+            self.$inner.staging_alloc(bytes)
+        }
+    };
+    (@one $inner:ident staging_free) => {
+        unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.staging_free(ptr, bytes) }
+        }
+    };
+    (@one $inner:ident copy_stream_create) => {
+        fn copy_stream_create(&self) -> $crate::error::Result<u64> {
+            self.$inner.copy_stream_create()
+        }
+    };
+    (@one $inner:ident copy_stream_destroy) => {
+        unsafe fn copy_stream_destroy(&self, stream: u64) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.copy_stream_destroy(stream) }
+        }
+    };
+    (@one $inner:ident copy_to_host_async) => {
+        unsafe fn copy_to_host_async(
+            &self,
+            dst: *mut u8,
+            src: u64,
+            bytes: usize,
+            stream: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.copy_to_host_async(dst, src, bytes, stream) }
+        }
+    };
+    (@one $inner:ident copy_from_host_async) => {
+        unsafe fn copy_from_host_async(
+            &self,
+            dst: u64,
+            src: *const u8,
+            bytes: usize,
+            stream: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.copy_from_host_async(dst, src, bytes, stream) }
+        }
+    };
+    (@one $inner:ident marker_record) => {
+        unsafe fn marker_record(&self, stream: u64) -> $crate::error::Result<u64> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.marker_record(stream) }
+        }
+    };
+    (@one $inner:ident marker_wait) => {
+        unsafe fn marker_wait(&self, marker: u64) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.marker_wait(marker) }
+        }
+    };
+    (@one $inner:ident gather_async) => {
+        unsafe fn gather_async(
+            &self,
+            pieces: &[$crate::backend::GatherPiece],
+            shifts: &[$crate::backend::GatherShift],
+            stream: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.gather_async(pieces, shifts, stream) }
+        }
+    };
+}
+pub(crate) use forward_backend;
+
 /// How much a batch of new chunks is needed, for backends whose chunks come from a shared
 /// budget (the broker's engines): a required chunk may cost other users their idle memory (the
 /// broker asks them to give back), a look-ahead chunk is taken only if it is free at once.

@@ -621,72 +621,26 @@ impl Backend for ModelBackend {
         unsafe { self.local.copy_async(dst, src, bytes, stream) }
     }
 
-    unsafe fn gather_async(
-        &self,
-        pieces: &[crate::backend::GatherPiece],
-        shifts: &[crate::backend::GatherShift],
-        stream: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.gather_async(pieces, shifts, stream) }
-    }
-
     unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.local.fill_async(addr, bytes, byte, stream) }
     }
 
     // Sleep and wake stage through the engine's own backend (pinned memory and a copy stream
-    // on CUDA); the chunks themselves come from and go back to the broker as above.
-    fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
-        self.local.staging_alloc(bytes)
-    }
-
-    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.staging_free(ptr, bytes) }
-    }
-
-    fn copy_stream_create(&self) -> Result<u64> {
-        self.local.copy_stream_create()
-    }
-
-    unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.copy_stream_destroy(stream) }
-    }
-
-    unsafe fn copy_to_host_async(
-        &self,
-        dst: *mut u8,
-        src: u64,
-        bytes: usize,
-        stream: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.copy_to_host_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn copy_from_host_async(
-        &self,
-        dst: u64,
-        src: *const u8,
-        bytes: usize,
-        stream: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.copy_from_host_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.marker_record(stream) }
-    }
-
-    unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.marker_wait(marker) }
-    }
+    // on CUDA), and copies run on it; the chunks themselves come from and go back to the
+    // broker as above.
+    crate::backend::forward_backend!(
+        local:
+        staging_alloc,
+        staging_free,
+        copy_stream_create,
+        copy_stream_destroy,
+        marker_record,
+        marker_wait,
+        gather_async,
+        copy_to_host_async,
+        copy_from_host_async,
+    );
 }
 
 #[cfg(test)]
