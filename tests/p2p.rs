@@ -512,3 +512,88 @@ fn scattered_grants_mirror_the_sender_and_claims_are_by_block() {
     drop(imp);
     g.wait_released(Duration::from_secs(5)).unwrap();
 }
+
+/// Chunks lent by the broker go back to it when their model releases them, and it hands them
+/// to other engines: they cannot change owner by a hand-off (the sender would give them back
+/// while the receiver uses them), nor can a broker model's pool take over chunks the broker
+/// never lent it. Copies between broker models work.
+#[cfg(feature = "broker")]
+#[test]
+fn broker_models_copy_but_never_hand_off() {
+    use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
+    use elastic_vmm::ModelConfig;
+
+    let dir = std::env::temp_dir().join(format!("evmm-p2p-broker-{}", std::process::id()));
+    let broker = Broker::start(
+        exportable(),
+        BrokerConfig::new(dir.join("b.sock"), 256 << 20),
+    )
+    .unwrap();
+    let model = |name: &str| {
+        let local = exportable();
+        let client = BrokerClient::connect(broker.socket(), name).unwrap();
+        client.set_local_backend(local.clone()).unwrap();
+        let m = client
+            .register(ModelConfig::new(name, 1 << 30, 64 << 20))
+            .unwrap();
+        (local, m)
+    };
+    let (s, prefill) = model("prefill");
+    let (r, decode) = model("decode");
+    let (p, d) = pair(s.clone(), r.clone());
+    let src = page_blocks(&prefill);
+    src.ensure_backed([1, 2]).unwrap();
+    fill(&src, 1, 0x31);
+    fill(&src, 2, 0x32);
+    let lent = prefill.broker_view().unwrap().used;
+
+    // The sender's chunks are the broker's: refused before anything is pinned or sent.
+    let e = p.hand_off(&src, &[1, 2]).unwrap_err().to_string();
+    assert!(
+        e.contains("lent by the broker") && e.contains("prefill"),
+        "{e}"
+    );
+    assert_eq!(p.stats().granted_bytes, 0);
+    assert!(
+        d.recv_grant(Duration::from_millis(50)).is_err(),
+        "nothing sent"
+    );
+
+    // A plain sender's hand-off into a broker model's layout: refused, the sender keeps its
+    // blocks and its bytes, the broker model maps nothing.
+    let plain = Pool::new(s.clone(), PoolConfig::new(1 << 30).name("plain")).unwrap();
+    let own = page_blocks(&plain);
+    own.ensure_backed([0]).unwrap();
+    fill(&own, 0, 0x44);
+    let dst = page_blocks(&decode);
+    let g = p.hand_off(&own, &[0]).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    let e = imp.adopt_into(&dst, &[3]).unwrap_err().to_string();
+    assert!(e.contains("takes its chunks from the broker"), "{e}");
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    assert!(own.is_backed(0) && bytes_of(&own, 0).iter().all(|&b| b == 0x44));
+    assert!(!dst.is_backed(3));
+
+    // Copies between two broker models: byte-exact, the books unchanged by the grant.
+    dst.ensure_backed([3, 4]).unwrap();
+    let g = p.grant(&src, &[1, 2], AccessMode::ReadOnly).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    imp.copy_into(&dst, &[3, 4], CopyStream::LEGACY)
+        .unwrap()
+        .wait()
+        .unwrap();
+    drop(imp);
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    assert!(bytes_of(&dst, 3).iter().all(|&b| b == 0x31));
+    assert!(bytes_of(&dst, 4).iter().all(|&b| b == 0x32));
+    assert_eq!(prefill.broker_view().unwrap().used, lent);
+    src.release([1, 2]).unwrap();
+    broker.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
+}

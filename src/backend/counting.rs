@@ -248,6 +248,7 @@ impl Backend for Counting {
     // Passed on unchanged.
     crate::backend::forward_backend!(
         inner:
+        chunk_lender,
         staging_alloc,
         staging_free,
         copy_stream_create,

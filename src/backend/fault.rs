@@ -282,6 +282,7 @@ impl Backend for FaultInjector {
     // Passed on unchanged.
     crate::backend::forward_backend!(
         inner:
+        chunk_lender,
         staging_alloc,
         staging_free,
         copy_stream_create,

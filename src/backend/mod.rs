@@ -213,6 +213,11 @@ macro_rules! forward_backend {
             unsafe { self.$inner.marker_wait(marker) }
         }
     };
+    (@one $inner:ident chunk_lender) => {
+        fn chunk_lender(&self) -> Option<String> {
+            self.$inner.chunk_lender()
+        }
+    };
     (@one $inner:ident gather_async) => {
         unsafe fn gather_async(
             &self,
@@ -394,6 +399,16 @@ pub trait Backend: Send + Sync + fmt::Debug {
             "UNSUPPORTED",
             "this backend cannot export chunks as POSIX file descriptors",
         ))
+    }
+
+    /// Who lends this backend's chunks, when they are not this process's own: `None` (the
+    /// default) for chunks the backend creates and releases to its driver; a description of
+    /// the lender otherwise (a broker model's chunks go back to the broker on release, which
+    /// hands them to other engines). Chunks that are lent cannot change owner by a p2p
+    /// hand-off ([`crate::p2p::PeerLink::hand_off`]): the lender would take them back while the
+    /// new owner still uses them.
+    fn chunk_lender(&self) -> Option<String> {
+        None
     }
 
     /// Import a chunk of `size` bytes exported by another process (or this one) with

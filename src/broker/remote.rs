@@ -616,6 +616,10 @@ impl Backend for ModelBackend {
         self.local.export_chunk(chunk)
     }
 
+    fn chunk_lender(&self) -> Option<String> {
+        Some(format!("the broker (chunks of model {})", self.name))
+    }
+
     unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.local.copy_async(dst, src, bytes, stream) }

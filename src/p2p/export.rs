@@ -62,6 +62,14 @@ impl PeerLink {
     /// Each block must own whole pages: every span of it starts and ends on a page boundary
     /// of the layout's backing (else an error before anything is pinned).
     pub fn hand_off(&self, layout: &ElasticLayout, blocks: &[usize]) -> Result<Grant> {
+        if let Some(lender) = layout.backing().pool().backend().chunk_lender() {
+            // Released here, the chunks would go back to their lender, which hands them to
+            // someone else while the receiver still uses them.
+            return Err(Error::InvalidArgument(format!(
+                "the layout's chunks are lent by {lender}: they go back to it when released here, so they cannot be handed off to {} (grant them for copying instead)",
+                self.peer().name
+            )));
+        }
         let page = layout.backing().page_size();
         let geometry = layout.backing().geometry();
         let n = geometry.num_blocks();

@@ -362,6 +362,13 @@ impl ImportedGrant {
         self.check_shape(dst, dst_blocks)?;
         let link = self.mapping.link.clone();
         let pool_backend = dst.backing().pool().backend();
+        if let Some(lender) = pool_backend.chunk_lender() {
+            // The pool would give imported chunks back to its lender, which never lent them.
+            return Err(Error::InvalidArgument(format!(
+                "grant {}: the layout's pool takes its chunks from {lender}, which cannot take over chunks from another process: copy them instead",
+                self.id
+            )));
+        }
         if !std::ptr::addr_eq(Arc::as_ptr(pool_backend), Arc::as_ptr(&link.backend)) {
             return Err(Error::InvalidArgument(
                 "adopted chunks are the link's backend's: build the layout's pool on the same backend (Arc) as the link".into(),

@@ -23,7 +23,9 @@
 //!
 //! Ownership hand-off ([`PeerLink::hand_off`], [`ImportedGrant::adopt_into`]): the chunks
 //! become the receiver's, mapped under its blocks and charged to its pool; the sender releases
-//! its blocks and lets go of the chunks without caching them.
+//! its blocks and lets go of the chunks without caching them. Chunks lent by a broker
+//! ([`crate::backend::Backend::chunk_lender`]) never change hands this way: released, they go
+//! back to the broker, which hands them to other engines.
 //!
 //! # Safety and books
 //! - The sender's granted blocks are pinned ([`crate::BlockBacking::pin`]) from before any
