@@ -580,7 +580,11 @@ fn broker_models_copy_but_never_hand_off() {
     // Copies between two broker models: byte-exact, the books unchanged by the grant.
     dst.ensure_backed([3, 4]).unwrap();
     let g = p.grant(&src, &[1, 2], AccessMode::ReadOnly).unwrap();
+    let asked = std::time::Instant::now();
     let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    // The import alone is timed, within the call.
+    let t = imp.import_time();
+    assert!(t > Duration::ZERO && t <= asked.elapsed(), "{t:?}");
     imp.copy_into(&dst, &[3, 4], CopyStream::LEGACY)
         .unwrap()
         .wait()

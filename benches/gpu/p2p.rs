@@ -10,7 +10,11 @@
 //! scattered destinations, where no run merges. Each line names the engine our copy chose
 //! (`memcpy`: one `cuMemcpyAsync` per merged run; `kernel`: one launch of the gather kernel,
 //! `tasks` warp work items) and the host time of our call until its copies were queued
-//! (`host us`); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one engine for comparison.
+//! (`host us`); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one engine for comparison. Before
+//! the copies: `wait ms` from asking for the grant to holding it mapped (the prefill's set-up
+//! of the case included), `chunks` imported and `import ms` for importing, mapping and setting
+//! access to them alone; `EVMM_P2P_PAGE=<bytes>` maps both layouts in larger pages (fewer
+//! chunks to import).
 //!
 //! With the `nixl` feature (and the NIXL library on `LD_LIBRARY_PATH`; without it the columns
 //! are skipped, saying why), NIXL moves the same blocks between the same two processes for the
@@ -97,12 +101,22 @@ fn config(block: u64, num_blocks: usize) -> LayoutConfig {
     LayoutConfig::new(num_blocks, LAYERS, 2, 16, inner, 2)
 }
 
+/// The page size of both layouts: `EVMM_P2P_PAGE` bytes (read by both processes), else the
+/// granularity. Each page is its own chunks, so larger pages mean fewer chunks to import.
+fn page_size() -> Option<u64> {
+    std::env::var("EVMM_P2P_PAGE").ok()?.trim().parse().ok()
+}
+
 fn layout(pool: &Pool, case: Case, n: usize) -> Result<ElasticLayout, BoxError> {
-    Ok(LayoutBuilder::new()
+    let b = LayoutBuilder::new()
         .config(config(case.block, n))
         .kind(case.kind)
-        .elastic(pool)
-        .build()?)
+        .elastic(pool);
+    Ok(match page_size() {
+        Some(p) => b.page_size(p),
+        None => b,
+    }
+    .build()?)
 }
 
 fn device_count() -> i32 {
@@ -227,7 +241,7 @@ pub fn decode() -> Result<(), BoxError> {
         );
     }
     print!(
-        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
+        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7} {:>9} {:>6} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
         "block",
         "layout",
         "blocks",
@@ -235,6 +249,8 @@ pub fn decode() -> Result<(), BoxError> {
         "copies",
         "tasks",
         "host us",
+        "wait ms",
+        "chunks",
         "import ms",
         "ours GB/s",
         "raw GB/s",
@@ -252,7 +268,11 @@ pub fn decode() -> Result<(), BoxError> {
         let n = blocks_for(case.block);
         let t = Instant::now();
         let g = link.recv_grant(WAIT)?;
-        let import_ms = t.elapsed().as_secs_f64() * 1e3;
+        // From asking to holding the mapped grant: the prefill's own set-up of the case (its
+        // layout backed and filled) included; the import alone is `import_time`.
+        let wait_ms = t.elapsed().as_secs_f64() * 1e3;
+        let import_ms = g.import_time().as_secs_f64() * 1e3;
+        let chunks = link.stats().imported_chunks;
         let kv = layout(&pool, case, n)?;
         kv.ensure_backed(0..n)?;
         // Scattered: block i lands in block (i * 7919) mod n (a permutation: 7919 is prime
@@ -328,7 +348,7 @@ pub fn decode() -> Result<(), BoxError> {
         drop(g);
         kv.release(0..n)?;
         print!(
-            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7.1} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
+            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7.1} {:>9.2} {:>6} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
             crate::human(case.block),
             label,
             n,
@@ -336,6 +356,8 @@ pub fn decode() -> Result<(), BoxError> {
             report.copies,
             report.tasks,
             report.host.as_secs_f64() * 1e6,
+            wait_ms,
+            chunks,
             import_ms,
             ours_bw,
             raw_bw,

@@ -6,6 +6,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::link::{send, InChunk, LinkShared, ReadyGrant};
 use super::wire::{GrantMode, Msg};
@@ -275,6 +276,8 @@ pub struct ImportedGrant {
     pub(crate) mapping: Arc<ImportMapping>,
     access: AccessMode,
     bytes: u64,
+    /// Time taken to import, map and set access to the chunks here.
+    import_time: Duration,
 }
 
 impl ImportedGrant {
@@ -299,18 +302,20 @@ impl ImportedGrant {
             }
         }
         let chunks = ready.chunks.len();
+        let started = Instant::now();
         let mapped = Mapped::build(
             link.backend.clone(),
             ready.chunks,
             ready.access,
             geometry.extent(),
         )?;
+        let import_time = started.elapsed();
         let (pattern, stride) = geometry.block_pattern();
         let src_shifts = covered(&mapped, &blocks, &pattern, stride, chunks)?;
         let bytes = mapped.bytes();
         let access = mapped.access;
         link.state.lock().live_in.insert(ready.id, (bytes, chunks));
-        tracing::debug!(peer = %link.peer.name, grant = ready.id, blocks = blocks.len(), chunks, bytes, ?access, "grant imported");
+        tracing::debug!(peer = %link.peer.name, grant = ready.id, blocks = blocks.len(), chunks, bytes, ?access, ?import_time, "grant imported");
         Ok(ImportedGrant {
             id: ready.id,
             config,
@@ -329,6 +334,7 @@ impl ImportedGrant {
             }),
             access,
             bytes,
+            import_time,
         })
     }
 
@@ -557,6 +563,15 @@ impl ImportedGrant {
     /// Bytes mapped here (whole chunks).
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// How long importing the chunks, mapping them and setting their access took here (in
+    /// [`crate::p2p::PeerLink::recv_grant`], after the grant arrived). On a GPU it grows with
+    /// the number of chunks more than with their bytes (on the H100 one import took about
+    /// 75-80 µs for chunks of 64 MiB and of 1 GiB alike), so a sender whose layout maps larger
+    /// pages (`page_size` of [`crate::layout::LayoutBuilder`]) is imported faster.
+    pub fn import_time(&self) -> Duration {
+        self.import_time
     }
 
     /// Where the spans of the `i`-th granted block are mapped in this process.
