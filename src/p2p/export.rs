@@ -267,6 +267,7 @@ impl PeerLink {
             OutGrant {
                 pin: Some(pin),
                 bytes,
+                mode,
                 status: GrantStatus::Held,
                 detached: false,
             },

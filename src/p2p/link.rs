@@ -18,7 +18,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::path::{choose_path, Endpoint, PathChoice};
 use super::wire::{
-    Hello, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS, MAX_PARTIAL_GRANTS, VERSION,
+    GrantMode, Hello, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS, MAX_PARTIAL_GRANTS,
+    VERSION,
 };
 use crate::backend::{AccessMode, Backend};
 use crate::backing::BlockPin;
@@ -126,6 +127,8 @@ pub(crate) enum GrantPin {
 pub(crate) struct OutGrant {
     pub(crate) pin: Option<GrantPin>,
     pub(crate) bytes: u64,
+    /// Granted for copying or handed off: only a hand-off may be adopted.
+    pub(crate) mode: GrantMode,
     pub(crate) status: GrantStatus,
     /// The [`crate::p2p::Grant`] handle is gone: forget the entry once final.
     pub(crate) detached: bool,
@@ -658,7 +661,17 @@ impl Reader {
                 }
             }
             Msg::Released { grant } => self.shared.finish_out(grant, GrantStatus::Released),
-            Msg::Adopted { grant } => self.shared.finish_hand_off(grant),
+            Msg::Adopted { grant } => {
+                // A peer saying it took over blocks granted for copying would make us release
+                // them: a protocol violation, and the link closes with their pins kept.
+                let mode = self.shared.state.lock().out.get(&grant).map(|g| g.mode);
+                if mode == Some(GrantMode::Copy) {
+                    return Err(bad(format!(
+                        "the peer says it adopted grant {grant}, which was granted for copying, not handed off"
+                    )));
+                }
+                self.shared.finish_hand_off(grant)
+            }
             Msg::Refused { grant, reason } => {
                 tracing::warn!(peer = %self.shared.peer.name, grant, %reason, "peer refused a grant");
                 self.shared.finish_out(grant, GrantStatus::Refused(reason))

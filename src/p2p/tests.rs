@@ -210,3 +210,28 @@ fn grants_far_beyond_the_layout_or_off_granularity_are_refused() {
         }
     }
 }
+
+/// A peer that says it adopted blocks granted for copying breaks the protocol: the link
+/// closes and the blocks stay backed and pinned (its word would otherwise release them).
+#[test]
+fn adopting_a_copy_grant_closes_the_link_and_keeps_the_blocks() {
+    use crate::layout::LayoutBuilder;
+    use crate::{Pool, PoolConfig};
+    let (l, raw) = link();
+    let pool = Pool::new(backend(), PoolConfig::new(1 << 30)).unwrap();
+    let kv = LayoutBuilder::new()
+        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
+        .fully_contiguous()
+        .elastic(&pool)
+        .build()
+        .unwrap();
+    kv.ensure_backed([0, 1]).unwrap();
+    let g = l.grant(&kv, &[0, 1], AccessMode::ReadOnly).unwrap();
+    let m = Msg::Adopted { grant: g.id() };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    closed_with(&l, "granted for copying");
+    assert!(kv.is_backed(0) && kv.is_backed(1));
+    let e = kv.release([0]).unwrap_err().to_string();
+    assert!(e.contains("pinned"), "{e}");
+    drop(raw);
+}
