@@ -115,7 +115,7 @@ pub struct PoolStats {
     pub in_flight: u64,
     /// Highest `in_use` seen.
     pub peak_in_use: u64,
-    /// Highest `mapped + cached` seen.
+    /// Highest physical bytes held (see [`PoolStats::physical`]) seen.
     pub peak_physical: u64,
     /// Live allocations.
     pub live_allocations: u64,
@@ -134,12 +134,15 @@ pub struct PoolStats {
     pub asleep: u64,
     /// Bytes of host staging memory the pool holds for sleep (allocated once, reused).
     pub host_staging: u64,
+    /// Physical bytes another process took over ([`crate::p2p::PeerLink::hand_off`]) whose
+    /// release here failed: never reused, still held (and charged) until the pool goes.
+    pub given_away: u64,
 }
 
 impl PoolStats {
-    /// Physical bytes held: mapped plus cached.
+    /// Physical bytes held: mapped, cached and given away but not released.
     pub fn physical(&self) -> u64 {
-        self.mapped + self.cached
+        self.mapped + self.cached + self.given_away
     }
 
     /// Mapped bytes not in use.

@@ -1,15 +1,19 @@
 //! Blocks granted between two links of one process over a socket pair (real memfd chunks,
 //! exported, imported and mapped again): bad input, revokes, and grants racing releases.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use elastic_vmm::backend::delay::DelayInjector;
+use elastic_vmm::backend::fault::FaultInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::backend::{BackendInfo, MemoryInfo, PhysicalChunk};
 use elastic_vmm::layout::{ElasticLayout, LayoutBuilder, LayoutConfig};
 use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, Peers, TransferPath};
-use elastic_vmm::{AccessMode, Backend, DriverCall, Error, Pool, PoolConfig};
+use elastic_vmm::{AccessMode, Backend, DriverCall, Error, Pool, PoolConfig, Result};
 
 fn exportable() -> Arc<dyn Backend> {
     Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
@@ -598,6 +602,198 @@ fn broker_models_copy_but_never_hand_off() {
     assert!(bytes_of(&dst, 4).iter().all(|&b| b == 0x32));
     assert_eq!(prefill.broker_view().unwrap().used, lent);
     src.release([1, 2]).unwrap();
+    broker.shutdown();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A hand-off whose release of a chunk fails on the sender: the chunk is kept apart, never
+/// cached (the receiver owns its memory now), so the sender's next block cannot land on it.
+#[test]
+fn a_handed_off_chunk_whose_release_fails_is_never_reused() {
+    let fault = Arc::new(FaultInjector::new(exportable()));
+    let s: Arc<dyn Backend> = fault.clone();
+    let r = exportable();
+    let (p, d) = pair(s.clone(), r.clone());
+    let src_pool = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    let dst_pool = Pool::new(r, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    src.ensure_backed([1]).unwrap();
+    fill(&src, 1, 0x11);
+    let g = p.hand_off(&src, &[1]).unwrap();
+    fault.fail_from(DriverCall::Release, 1);
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    imp.adopt_into(&dst, &[4]).unwrap();
+    let st = g.wait_released(Duration::from_secs(5)).unwrap();
+    fault.clear();
+    assert_eq!(st, GrantStatus::HandedOff);
+    let ss = src_pool.stats();
+    assert_eq!((ss.cached, ss.given_away), (0, 2 << 20), "{ss:?}");
+    src.ensure_backed([6]).unwrap();
+    fill(&src, 6, 0x66);
+    assert!(bytes_of(&dst, 4).iter().all(|&b| b == 0x11));
+    // Teardown releases it.
+    drop((src, p));
+    drop(src_pool);
+}
+
+/// A backend that forwards to `inner`, optionally sleeping in `export_chunk`, and whose
+/// `synchronize` succeeds (as CUDA's does).
+#[derive(Debug)]
+struct Wrap {
+    inner: Arc<dyn Backend>,
+    export_delay_ms: AtomicU64,
+}
+
+impl Wrap {
+    fn new(inner: Arc<dyn Backend>) -> Arc<Wrap> {
+        Arc::new(Wrap {
+            inner,
+            export_delay_ms: AtomicU64::new(0),
+        })
+    }
+}
+
+impl Backend for Wrap {
+    fn info(&self) -> &BackendInfo {
+        self.inner.info()
+    }
+    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
+        self.inner.reserve(size, alignment)
+    }
+    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
+        unsafe { self.inner.free_reservation(base, size) }
+    }
+    fn create(&self, size: usize) -> Result<PhysicalChunk> {
+        self.inner.create(size)
+    }
+    unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
+        unsafe { self.inner.release(chunk) }
+    }
+    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
+        unsafe { self.inner.map(addr, chunk) }
+    }
+    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
+        unsafe { self.inner.set_access(addr, size) }
+    }
+    unsafe fn set_access_mode(&self, addr: u64, size: usize, mode: AccessMode) -> Result<()> {
+        unsafe { self.inner.set_access_mode(addr, size, mode) }
+    }
+    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
+        unsafe { self.inner.unmap(addr, size) }
+    }
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        self.inner.memory_info()
+    }
+    fn physical_bytes(&self) -> Result<u64> {
+        self.inner.physical_bytes()
+    }
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        unsafe { self.inner.write(addr, data) }
+    }
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        unsafe { self.inner.read(addr, out) }
+    }
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
+        unsafe { self.inner.fill(addr, len, byte) }
+    }
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+        let ms = self.export_delay_ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+        self.inner.export_chunk(chunk)
+    }
+    fn import_chunk(&self, fd: OwnedFd, size: usize) -> Result<PhysicalChunk> {
+        self.inner.import_chunk(fd, size)
+    }
+    fn synchronize(&self, _stream: u64) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The link closes while a grant is exporting (after its checks, before it is recorded): the
+/// grant is refused and its blocks unpinned, never pinned for good behind a closed link.
+#[test]
+fn a_grant_racing_the_link_closing_is_never_pinned_for_good() {
+    let w = Wrap::new(exportable());
+    let s: Arc<dyn Backend> = w.clone();
+    let (p, d) = pair(s.clone(), exportable());
+    let pool = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([2]).unwrap();
+    w.export_delay_ms.store(300, Ordering::SeqCst);
+    let granted = std::thread::scope(|sc| {
+        let g = sc.spawn(|| p.grant(&src, &[2], AccessMode::ReadOnly));
+        std::thread::sleep(Duration::from_millis(100));
+        // The peer goes away while the grant exports.
+        drop(d);
+        g.join().unwrap()
+    });
+    w.export_delay_ms.store(0, Ordering::SeqCst);
+    let e = granted.unwrap_err().to_string();
+    assert!(e.contains("closed"), "{e}");
+    assert_eq!(p.stats().grants_out, 0);
+    src.release([2]).unwrap();
+}
+
+/// A receiver that cannot unmap an import keeps it in its books and does not tell the sender,
+/// whose blocks stay pinned (it would reuse memory still mapped here).
+#[test]
+fn an_import_that_cannot_be_unmapped_stays_held() {
+    let fault = Arc::new(FaultInjector::new(exportable()));
+    let r: Arc<dyn Backend> = fault.clone();
+    let s = exportable();
+    let (p, d) = pair(s.clone(), r);
+    let pool = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([3]).unwrap();
+    let g = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    fault.fail_from(DriverCall::Unmap, 1);
+    drop(imp);
+    fault.clear();
+    assert_eq!(d.stats().imports, 1);
+    assert!(g.wait_released(Duration::from_millis(300)).is_err());
+    assert_eq!(g.status(), GrantStatus::Held);
+    assert!(src.release([3]).is_err(), "still pinned");
+}
+
+/// A broker model's backend passes GPU waits on to the engine's own backend
+/// (a p2p copy into a broker model's layout waits through it), and a link cannot be built on
+/// it: the link imports through the engine's own backend, which the client hands out.
+#[cfg(feature = "broker")]
+#[test]
+fn broker_model_backends_forward_waits_and_links_take_the_engines_backend() {
+    use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
+    use elastic_vmm::ModelConfig;
+
+    let dir = std::env::temp_dir().join(format!("evmm-p2p-fwd-{}", std::process::id()));
+    let broker = Broker::start(
+        exportable(),
+        BrokerConfig::new(dir.join("b.sock"), 256 << 20),
+    )
+    .unwrap();
+    let local: Arc<dyn Backend> = Wrap::new(exportable());
+    let client = BrokerClient::connect(broker.socket(), "engine").unwrap();
+    client.set_local_backend(local.clone()).unwrap();
+    let model = client
+        .register(ModelConfig::new("m", 1 << 30, 64 << 20))
+        .unwrap();
+    assert!(local.synchronize(1).is_ok());
+    model.backend().synchronize(1).unwrap();
+
+    let (x, y) = UnixStream::pair().unwrap();
+    let e = PeerLink::over(x, "decode", model.backend().clone())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("lent by the broker") && e.contains("local_backend"),
+        "{e}"
+    );
+    let own = client.local_backend().unwrap();
+    assert!(Arc::ptr_eq(&own, &local));
+    drop(y);
     broker.shutdown();
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -213,6 +213,32 @@ macro_rules! forward_backend {
             unsafe { self.$inner.marker_wait(marker) }
         }
     };
+    (@one $inner:ident synchronize) => {
+        fn synchronize(&self, stream: u64) -> $crate::error::Result<()> {
+            self.$inner.synchronize(stream)
+        }
+    };
+    (@one $inner:ident copy_batch_async) => {
+        unsafe fn copy_batch_async(
+            &self,
+            copies: &[(u64, u64, usize)],
+            stream: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.copy_batch_async(copies, stream) }
+        }
+    };
+    (@one $inner:ident set_access_mode) => {
+        unsafe fn set_access_mode(
+            &self,
+            addr: u64,
+            size: usize,
+            mode: $crate::backend::AccessMode,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.set_access_mode(addr, size, mode) }
+        }
+    };
     (@one $inner:ident chunk_lender) => {
         fn chunk_lender(&self) -> Option<String> {
             self.$inner.chunk_lender()

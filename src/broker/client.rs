@@ -146,7 +146,7 @@ impl BrokerClient {
             op: "connect to broker",
             detail: format!("{}: {e}", path.display()),
         })?;
-        super::server::raise_fd_limit();
+        crate::ipc::raise_fd_limit();
         let clone = |s: &UnixStream| {
             s.try_clone().map_err(|e| Error::Ipc {
                 op: "clone socket",

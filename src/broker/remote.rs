@@ -146,6 +146,13 @@ impl BrokerClient {
             .set(backend)
             .map_err(|_| Error::InvalidArgument("the local backend is chosen already".into()))
     }
+
+    /// The engine's own backend, which maps the broker's chunks here (made on first use if
+    /// [`BrokerClient::set_local_backend`] chose none). A p2p link
+    /// ([`crate::p2p::PeerLink`]) of a broker engine imports through it.
+    pub fn local_backend(&self) -> Result<Arc<dyn Backend>> {
+        self.inner().local_backend()
+    }
 }
 
 impl ClientInner {
@@ -631,10 +638,13 @@ impl Backend for ModelBackend {
     }
 
     // Sleep and wake stage through the engine's own backend (pinned memory and a copy stream
-    // on CUDA), and copies run on it; the chunks themselves come from and go back to the
-    // broker as above.
+    // on CUDA), and copies (p2p's too: batches, gathers, waits) run on it; the chunks
+    // themselves come from and go back to the broker as above.
     crate::backend::forward_backend!(
         local:
+        set_access_mode,
+        copy_batch_async,
+        synchronize,
         staging_alloc,
         staging_free,
         copy_stream_create,

@@ -127,7 +127,7 @@ impl Broker {
                 config.global_limit, info.granularity
             )));
         }
-        raise_fd_limit();
+        crate::ipc::raise_fd_limit();
         let path = config.socket.clone();
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| io_err("create socket folder", dir, e))?;
@@ -258,20 +258,6 @@ impl Drop for Broker {
         if !self.shared.stopping.load(Ordering::SeqCst) {
             self.stop();
         }
-    }
-}
-
-/// Raise the soft descriptor limit to the hard one: every chunk is a descriptor.
-pub(crate) fn raise_fd_limit() {
-    let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    if lim.current < lim.maximum {
-        let _ = rustix::process::setrlimit(
-            rustix::process::Resource::Nofile,
-            rustix::process::Rlimit {
-                current: lim.maximum,
-                maximum: lim.maximum,
-            },
-        );
     }
 }
 

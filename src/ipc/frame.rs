@@ -126,9 +126,16 @@ fn read_exact(
             }
         }
         if msg.flags.contains(ReturnFlags::CTRUNC) || fds.len() > MAX_FDS {
+            // The kernel also truncates when this process cannot take more descriptors.
+            let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
             return Err(ipc_error(
                 "receive frame",
-                format!("more than {MAX_FDS} descriptors attached"),
+                format!(
+                    "descriptors lost: more than {MAX_FDS} attached, or this process is at its descriptor limit ({} soft, {} hard; {} received)",
+                    lim.current.map_or("none".into(), |v| v.to_string()),
+                    lim.maximum.map_or("none".into(), |v| v.to_string()),
+                    fds.len()
+                ),
             ));
         }
         if msg.bytes == 0 {

@@ -26,3 +26,17 @@ pub use codec::{decode, encode};
 pub use frame::{is_disconnect, recv_frame, send_frame, Frame, DISCONNECTED, MAX_FDS, MAX_FRAME};
 pub use peer::{peer_credentials, PeerCredentials};
 pub use writer::{FrameWriter, Outgoing};
+
+/// Raise the soft descriptor limit to the hard one: every chunk is a descriptor.
+pub(crate) fn raise_fd_limit() {
+    let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if lim.current < lim.maximum {
+        let _ = rustix::process::setrlimit(
+            rustix::process::Resource::Nofile,
+            rustix::process::Rlimit {
+                current: lim.maximum,
+                maximum: lim.maximum,
+            },
+        );
+    }
+}

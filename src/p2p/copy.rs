@@ -90,6 +90,8 @@ pub struct Completion {
     held: Option<(Arc<ImportMapping>, DstPin, WriteClaim)>,
     report: CopyReport,
     started: Instant,
+    /// The copy was refused part way: what was queued is waited for, nothing is counted.
+    failed: bool,
 }
 
 /// The block sizes of two configs that must match for a copy, or the difference in words.
@@ -307,6 +309,7 @@ impl ImportedGrant {
                 host: Duration::ZERO,
             },
             started,
+            failed: false,
         };
         if engine == CopyEngine::Kernel {
             let pieces = plan.split(Plan::piece_size(bytes));
@@ -323,6 +326,7 @@ impl ImportedGrant {
                     completion.report.tasks = pieces.len() as u64 * blocks as u64;
                 }
                 Err(e) if choice == EngineChoice::Kernel => {
+                    completion.failed = true;
                     drop(completion);
                     return Err(e);
                 }
@@ -341,6 +345,7 @@ impl ImportedGrant {
             if let Err(e) = unsafe { backend.copy_batch_async(&batch, stream.raw()) } {
                 // Copies queued before must run before the pins go: `completion` waits for
                 // them as it drops.
+                completion.failed = true;
                 drop(completion);
                 return Err(e);
             }
@@ -392,8 +397,8 @@ impl Completion {
             }
             self.report.elapsed = self.started.elapsed();
         }
-        let link = held.0.link.clone();
-        {
+        if !self.failed {
+            let link = held.0.link.clone();
             let mut st = link.state.lock();
             st.transfers += 1;
             st.bytes_copied += self.report.bytes;

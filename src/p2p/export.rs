@@ -262,16 +262,26 @@ impl PeerLink {
         let bytes: u64 = chunks.values().map(|c| c.size as u64).sum();
         let count = fds.len();
         let blocks = wire_blocks.len();
-        link.state.lock().out.insert(
-            id,
-            OutGrant {
-                pin: Some(pin),
-                bytes,
-                mode,
-                status: GrantStatus::Held,
-                detached: false,
-            },
-        );
+        {
+            let mut st = link.state.lock();
+            // Closed meanwhile: the reader settled the grants it knew of and will not see this
+            // one, and nothing of it was sent. The pin drops after the lock.
+            if let Some(why) = st.closed.clone() {
+                drop(st);
+                drop(pin);
+                return Err(link.peer_error("grant", format!("link closed: {why}")));
+            }
+            st.out.insert(
+                id,
+                OutGrant {
+                    pin: Some(pin),
+                    bytes,
+                    mode,
+                    status: GrantStatus::Held,
+                    detached: false,
+                },
+            );
+        }
         if let Err(e) = send_grant(
             self.writer(),
             id,

@@ -182,8 +182,17 @@ impl Mapped {
 
 impl Drop for Mapped {
     fn drop(&mut self) {
+        self.unmap_all();
+    }
+}
+
+impl Mapped {
+    /// Unmap and release every chunk and free the reservation; whether every chunk was
+    /// unmapped (one that could not be stays mapped, and the reservation stays). Once only:
+    /// the chunks are forgotten here.
+    fn unmap_all(&mut self) -> bool {
         let mut clean = true;
-        for &(addr, chunk) in &self.placed {
+        for (addr, chunk) in std::mem::take(&mut self.placed) {
             // SAFETY: the chunk is mapped there by us; nothing uses it any more (every copy
             // from it completed: completions hold the mapping until then).
             match unsafe { self.backend.unmap(addr, chunk.size) } {
@@ -199,12 +208,15 @@ impl Drop for Mapped {
                 }
             }
         }
-        if clean {
+        if clean && self.len > 0 {
             // SAFETY: our reservation, nothing mapped in it any more.
             if let Err(e) = unsafe { self.backend.free_reservation(self.base, self.len as usize) } {
                 tracing::error!(error = %e, "freeing the import reservation failed");
             }
         }
+        // Never freed twice.
+        self.len = 0;
+        clean
     }
 }
 
@@ -236,7 +248,13 @@ impl ImportMapping {
 
 impl Drop for ImportMapping {
     fn drop(&mut self) {
-        drop(self.mapped.take());
+        let clean = self.mapped.take().is_none_or(|mut m| m.unmap_all());
+        if !clean {
+            // A chunk is still mapped here: the books keep the import and the sender is not
+            // told, so its blocks stay pinned until this process exits.
+            tracing::error!(peer = %self.link.peer.name, grant = self.grant, "an imported chunk could not be unmapped; the grant stays held until this process exits");
+            return;
+        }
         {
             let mut st = self.link.state.lock();
             st.live_in.remove(&self.grant);

@@ -253,6 +253,30 @@ impl LinkShared {
         self.changed.notify_all();
     }
 
+    /// Whether the peer may answer grant `id` so (`adopted`: it took the chunks over). A
+    /// conforming peer answers each grant once, and adopts hand-offs only: any other answer
+    /// would release blocks it may still map (or that were granted for copying), so it is a
+    /// protocol violation and the link closes with the pins kept. An unknown id (forgotten
+    /// once final and its handle gone) is passed on and ignored there.
+    fn check_answer(&self, id: u64, adopted: bool) -> std::result::Result<(), String> {
+        let st = self.state.lock();
+        let Some(g) = st.out.get(&id) else {
+            return Ok(());
+        };
+        if g.status.is_final() {
+            return Err(format!(
+                "the peer answered grant {id} again (it is {:?} already)",
+                g.status
+            ));
+        }
+        if adopted && g.mode != GrantMode::HandOff {
+            return Err(format!(
+                "the peer says it adopted grant {id}, which was granted for copying, not handed off"
+            ));
+        }
+        Ok(())
+    }
+
     /// The receiver let go of grant `id` (or refused it): its pins go.
     fn finish_out(&self, id: u64, status: GrantStatus) {
         let pin = {
@@ -298,7 +322,9 @@ pub fn listen(path: impl AsRef<Path>) -> Result<UnixListener> {
 
 impl PeerLink {
     /// Connect to the engine listening at `path`, introducing ourselves as `name`. `backend` is
-    /// the backend of this engine's layouts: imports are mapped through it.
+    /// the backend of this engine's layouts: imports are mapped through it. A broker engine
+    /// passes its own backend (`BrokerClient::local_backend`), not a model's: the broker lends
+    /// a model's chunks, it does not import other processes' (refused).
     pub fn connect(
         path: impl AsRef<Path>,
         name: &str,
@@ -324,6 +350,14 @@ impl PeerLink {
 
     /// A link over a connected stream (either end of a `UnixStream::pair` works too).
     pub fn over(stream: UnixStream, name: &str, backend: Arc<dyn Backend>) -> Result<PeerLink> {
+        if let Some(lender) = backend.chunk_lender() {
+            return Err(Error::InvalidArgument(format!(
+                "a p2p link maps imports through the engine's own backend; this one's chunks are lent by {lender} and it imports none (a broker engine passes BrokerClient::local_backend)"
+            )));
+        }
+        // A grant in flight holds a descriptor per chunk (thousands): the soft limit (often
+        // 1024) would truncate them.
+        ipc::raise_fd_limit();
         let credentials = ipc::peer_credentials(&stream)?;
         let info = backend.info();
         let local = Endpoint::local(info);
@@ -612,6 +646,11 @@ impl Reader {
                     return Err(bad(format!("{} descriptors on a grant message", fds.len())));
                 }
                 let mut st = self.shared.state.lock();
+                // A second grant of a live or queued id would unbook (and refuse) the first.
+                if st.live_in.contains_key(&grant) || st.ready.iter().any(|g| g.id == grant) {
+                    drop(st);
+                    return Err(bad(format!("grant {grant} again, while the first is here")));
+                }
                 let got = st.partial.remove(&grant).unwrap_or_default();
                 if got.len() as u64 != chunks
                     || blocks.is_empty()
@@ -660,19 +699,16 @@ impl Reader {
                     send(&self.writer, Msg::Released { grant }, Vec::new())?;
                 }
             }
-            Msg::Released { grant } => self.shared.finish_out(grant, GrantStatus::Released),
+            Msg::Released { grant } => {
+                self.shared.check_answer(grant, false).map_err(bad)?;
+                self.shared.finish_out(grant, GrantStatus::Released)
+            }
             Msg::Adopted { grant } => {
-                // A peer saying it took over blocks granted for copying would make us release
-                // them: a protocol violation, and the link closes with their pins kept.
-                let mode = self.shared.state.lock().out.get(&grant).map(|g| g.mode);
-                if mode == Some(GrantMode::Copy) {
-                    return Err(bad(format!(
-                        "the peer says it adopted grant {grant}, which was granted for copying, not handed off"
-                    )));
-                }
+                self.shared.check_answer(grant, true).map_err(bad)?;
                 self.shared.finish_hand_off(grant)
             }
             Msg::Refused { grant, reason } => {
+                self.shared.check_answer(grant, false).map_err(bad)?;
                 tracing::warn!(peer = %self.shared.peer.name, grant, %reason, "peer refused a grant");
                 self.shared.finish_out(grant, GrantStatus::Refused(reason))
             }

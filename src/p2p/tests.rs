@@ -235,3 +235,75 @@ fn adopting_a_copy_grant_closes_the_link_and_keeps_the_blocks() {
     assert!(e.contains("pinned"), "{e}");
     drop(raw);
 }
+
+/// A sender repeating a live grant's id breaks the protocol: the link closes, the live
+/// import keeps its books, and the sender is told nothing (a refusal of the id would unpin
+/// blocks still mapped here).
+#[test]
+fn a_repeated_grant_id_closes_the_link_and_leaves_the_live_import_alone() {
+    let exporter = backend();
+    let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
+    let fd = exporter.export_chunk(chunk).unwrap();
+    let (l, raw) = link();
+    let m = Msg::Chunks {
+        grant: 5,
+        offsets: vec![0],
+        sizes: vec![DEFAULT_GRANULARITY as u64],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
+    let grant = |chunks| Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 5,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![0],
+        chunks,
+    };
+    ipc::send_frame(&raw, &ipc::encode(&grant(1)).unwrap(), &[]).unwrap();
+    let imp = l.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(l.stats().imports, 1);
+    // The same id again, no chunks.
+    ipc::send_frame(&raw, &ipc::encode(&grant(0)).unwrap(), &[]).unwrap();
+    let second = l.recv_grant(Duration::from_millis(500));
+    let s = l.stats();
+    raw.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let answer = ipc::recv_frame(&raw, ipc::MAX_FRAME)
+        .ok()
+        .flatten()
+        .map(|f| ipc::decode::<Msg>(&f.payload).unwrap());
+    assert!(
+        s.imports == 1 && s.imported_bytes == DEFAULT_GRANULARITY as u64 && answer.is_none(),
+        "grant 5 is still mapped here ({imp:?}); the repeat gave {second:?}; books now {s:?}; the sender was told {answer:?}"
+    );
+    drop(imp);
+    // SAFETY: created above, mapped nowhere here.
+    unsafe { exporter.release(chunk).unwrap() };
+}
+
+/// A receiver answering a grant twice breaks the protocol (the second answer could drop pins
+/// kept for good, as after a hand-off whose release failed): the link closes.
+#[test]
+fn a_grant_answered_twice_closes_the_link() {
+    use crate::layout::LayoutBuilder;
+    use crate::{Pool, PoolConfig};
+    let (l, raw) = link();
+    let pool = Pool::new(backend(), PoolConfig::new(1 << 30)).unwrap();
+    let kv = LayoutBuilder::new()
+        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
+        .fully_contiguous()
+        .elastic(&pool)
+        .build()
+        .unwrap();
+    kv.ensure_backed([0]).unwrap();
+    let g = l.grant(&kv, &[0], AccessMode::ReadOnly).unwrap();
+    let m = Msg::Released { grant: g.id() };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        super::GrantStatus::Released
+    );
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    closed_with(&l, "answered grant");
+    kv.release([0]).unwrap();
+}

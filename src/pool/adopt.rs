@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use super::admission::{Fit, Urgency};
 use super::mapper::bytes_of;
 use super::ranges::{ChunkFate, Space};
+use super::sources::KeepFailed;
 use super::{Inner, Region};
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
@@ -17,8 +18,9 @@ impl Inner {
         match fate {
             ChunkFate::Cache => self.stash(chunks),
             ChunkFate::Release => {
-                if let (_, Some(e)) = self.release_chunks(chunks) {
-                    tracing::error!(pool = %self.name, error = %e, "releasing chunks that changed hands failed; they stay cached");
+                // Cached, a chunk another process owns now would be mapped again here.
+                if let (_, Some(e)) = self.release_chunks_keeping(chunks, KeepFailed::Apart) {
+                    tracing::error!(pool = %self.name, error = %e, "releasing chunks that changed hands failed; they are kept apart, never reused, and released at teardown");
                 }
             }
         }

@@ -248,7 +248,8 @@ impl Drop for Inner {
             let st = self.state.get_mut();
             st.flush_quick();
             let mapped: Vec<Placed> = std::mem::take(&mut st.chunks).into_iter().collect();
-            let cached = st.cache.drain();
+            let mut cached = st.cache.drain();
+            cached.append(&mut st.given_away);
             let bytes = bytes_of(mapped.iter().map(|(_, c)| c));
             st.mapped -= bytes;
             self.in_flight
@@ -263,7 +264,8 @@ impl Drop for Inner {
         let (_, err) = self.release_chunks(release);
         // What could not be unmapped or released stays charged to whoever admitted it (the
         // shared ledger keeps it counted against the budget when the model's line goes).
-        let left = still_mapped + self.state.get_mut().cache.bytes();
+        let st = self.state.get_mut();
+        let left = still_mapped + st.cache.bytes() + bytes_of(&st.given_away);
         if let Some(e) = err {
             tracing::error!(pool = %self.name, error = %e, "release at pool teardown failed");
         }

@@ -62,6 +62,7 @@ pub use sleep::{
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
 pub(crate) use export::RangePin;
 pub(crate) use giveback::TrimScope;
+use mapper::bytes_of;
 pub(crate) use ranges::{ChunkFate, Space};
 use state::State;
 
@@ -429,6 +430,7 @@ impl Inner {
             driver_calls: self.drivers.snapshot(),
             asleep: st.sleep.asleep_bytes(),
             host_staging: st.sleep.staging_bytes,
+            given_away: bytes_of(&st.given_away),
         }
     }
 }

@@ -183,6 +183,15 @@ impl Inner {
     /// Release in-flight chunks that are mapped nowhere, crediting each; a chunk whose release
     /// fails goes to the cache. Returns the bytes released and the first failure.
     pub(crate) fn release_chunks(&self, chunks: Vec<PhysicalChunk>) -> (u64, Option<Error>) {
+        self.release_chunks_keeping(chunks, KeepFailed::InCache)
+    }
+
+    /// [`Inner::release_chunks`], with chunks whose release failed kept where `keep` says.
+    pub(crate) fn release_chunks_keeping(
+        &self,
+        chunks: Vec<PhysicalChunk>,
+        keep: KeepFailed,
+    ) -> (u64, Option<Error>) {
         let mut released = 0;
         let mut kept = Vec::new();
         let mut first_err = None;
@@ -207,7 +216,7 @@ impl Inner {
                     self.credit(c.size as u64);
                 }
                 Err(e) => {
-                    tracing::warn!(pool = %self.name, error = %e, "release failed; chunk kept in the cache");
+                    tracing::warn!(pool = %self.name, error = %e, ?keep, "release failed; chunk kept");
                     kept.push(c);
                     first_err.get_or_insert(e);
                 }
@@ -215,8 +224,13 @@ impl Inner {
         }
         if !kept.is_empty() {
             let mut st = self.state.lock();
-            for &c in &kept {
-                st.cache.put(c);
+            match keep {
+                KeepFailed::InCache => {
+                    for &c in &kept {
+                        st.cache.put(c);
+                    }
+                }
+                KeepFailed::Apart => st.given_away.extend_from_slice(&kept),
             }
             self.in_flight.fetch_sub(bytes_of(&kept), Ordering::AcqRel);
         }
@@ -235,4 +249,13 @@ impl Inner {
             (_, Some(e)) => Err(e),
         }
     }
+}
+
+/// Where chunks whose release failed are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeepFailed {
+    /// In the cache, for reuse (the pool's own memory).
+    InCache,
+    /// Apart, never reused (memory another process took over), released at teardown.
+    Apart,
 }

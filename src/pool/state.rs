@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use super::cache::ChunkCache;
 use super::intervals::{FreeRanges, Intervals};
+use super::mapper::bytes_of;
 use super::sleep::SleepBook;
 use super::tags::TagMap;
 use crate::backend::PhysicalChunk;
@@ -153,6 +154,9 @@ pub(crate) struct State {
     /// Mapped chunks by offset.
     pub(crate) chunks: BTreeMap<u64, PhysicalChunk>,
     pub(crate) cache: ChunkCache,
+    /// Chunks another process took over (a p2p hand-off) whose release here failed: never
+    /// reused (the other process owns their memory), still charged, released at teardown.
+    pub(crate) given_away: Vec<PhysicalChunk>,
     pub(crate) live: Slab,
     pub(crate) alloc_bytes: u64,
     pub(crate) mapped: u64,
@@ -171,7 +175,7 @@ impl State {
     }
 
     pub(crate) fn physical(&self) -> u64 {
-        self.mapped + self.cache.bytes()
+        self.mapped + self.cache.bytes() + bytes_of(&self.given_away)
     }
 
     pub(crate) fn note_peaks(&mut self) {
