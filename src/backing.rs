@@ -243,11 +243,12 @@ enum Hooked {
     NotTold,
 }
 
-/// One live pin: who holds it and on which blocks (sorted, no repeats).
+/// One live pin: who holds it and on which blocks (sorted, no repeats; the list is shared
+/// with its [`BlockPin`], not copied).
 #[derive(Debug)]
 struct PinRecord {
     holder: String,
-    blocks: Vec<usize>,
+    blocks: Arc<Vec<usize>>,
 }
 
 #[derive(Debug)]
@@ -292,7 +293,38 @@ pub struct BlockBacking<G: BlockGeometry> {
 pub struct BlockPin {
     target: Arc<dyn PinTarget>,
     id: u64,
-    blocks: Vec<usize>,
+    blocks: Arc<Vec<usize>>,
+}
+
+/// Block indices in ascending order, each once: what a pin records. Made from a bitmap, so a
+/// pin need not check, sort or deduplicate them again ([`BlockBacking::pin_sorted`]).
+pub(crate) struct SortedBlocks(Vec<usize>);
+
+impl SortedBlocks {
+    /// The blocks whose bit is set in `set` (block `b` is bit `b % 64` of word `b / 64`);
+    /// `count` is a capacity hint (the number of bits set).
+    pub(crate) fn from_bitmap(set: &[u64], count: usize) -> Self {
+        let mut out = Vec::with_capacity(count);
+        for (i, &w) in set.iter().enumerate() {
+            if w == 0 {
+                continue;
+            }
+            // Bit j of word i is block 64 i + j: a set bit names a `usize`, so neither this
+            // nor the sums below overflow.
+            let base = i * 64;
+            if w == u64::MAX {
+                // Runs of blocks (the common case): whole words at once.
+                out.extend((0..64).map(|j| base + j));
+                continue;
+            }
+            let mut w = w;
+            while w != 0 {
+                out.push(base + w.trailing_zeros() as usize);
+                w &= w - 1;
+            }
+        }
+        SortedBlocks(out)
+    }
 }
 
 /// Lets a pin go without knowing the geometry type.
@@ -315,6 +347,18 @@ mod refused {
         NotBacked(usize),
         /// Bad input (an index out of range, a bad geometry, too many pins).
         Invalid(Error),
+    }
+
+    impl PinRefused {
+        /// The error a pin for `holder` refused this way is.
+        pub(crate) fn into_error(self, holder: &str) -> Error {
+            match self {
+                PinRefused::NotBacked(block) => Error::InvalidArgument(format!(
+                    "block {block} is not backed: pin for {holder} refused, nothing pinned"
+                )),
+                PinRefused::Invalid(e) => e,
+            }
+        }
     }
 }
 pub(crate) use refused::PinRefused;
@@ -618,12 +662,8 @@ impl<G: BlockGeometry + 'static> BlockBacking<G> {
     /// block must be backed (a block being backed now is waited for); otherwise nothing is
     /// pinned and the error names the first block without memory.
     pub fn pin(&self, blocks: impl IntoIterator<Item = usize>, holder: &str) -> Result<BlockPin> {
-        self.try_pin(blocks, holder).map_err(|e| match e {
-            PinRefused::NotBacked(block) => Error::InvalidArgument(format!(
-                "block {block} is not backed: pin for {holder} refused, nothing pinned"
-            )),
-            PinRefused::Invalid(e) => e,
-        })
+        self.try_pin(blocks, holder)
+            .map_err(|e| e.into_error(holder))
     }
 
     /// [`BlockBacking::pin`] telling an unbacked block apart from bad input.
@@ -632,29 +672,56 @@ impl<G: BlockGeometry + 'static> BlockBacking<G> {
         blocks: impl IntoIterator<Item = usize>,
         holder: &str,
     ) -> Result<BlockPin, PinRefused> {
+        let blocks = self
+            .core
+            .checked_sorted(blocks)
+            .map_err(PinRefused::Invalid)?;
+        self.pin_checked(Arc::new(blocks), holder)
+    }
+
+    /// [`BlockBacking::pin`] of blocks known sorted and without repeats (a caller that holds
+    /// them as a bitmap already): only the range is checked, on the last block.
+    pub(crate) fn pin_sorted(&self, blocks: SortedBlocks, holder: &str) -> Result<BlockPin> {
+        let n = self.core.geometry.num_blocks();
+        if let Some(&b) = blocks.0.last().filter(|&&b| b >= n) {
+            return Err(Error::InvalidArgument(format!(
+                "block {b} does not exist: the layout has {n} blocks"
+            )));
+        }
+        self.pin_checked(Arc::new(blocks.0), holder)
+            .map_err(|e| e.into_error(holder))
+    }
+
+    /// Pin `blocks`: sorted, no repeats, each below `num_blocks` (checked by the caller).
+    fn pin_checked(&self, blocks: Arc<Vec<usize>>, holder: &str) -> Result<BlockPin, PinRefused> {
         let core = &self.core;
-        let blocks = core.checked_sorted(blocks).map_err(PinRefused::Invalid)?;
         let id = {
-            let mut st =
-                core.wait_until(|st| blocks.iter().all(|&b| st.blocks[b] != BlockState::Claimed));
-            if st.asleep {
-                return Err(PinRefused::Invalid(Error::Asleep {
-                    pool: core.region.pool().name().to_string(),
-                    op: "pin",
-                    state: "asleep",
-                }));
-            }
-            if let Some(&b) = blocks.iter().find(|&&b| st.blocks[b] != BlockState::Backed) {
-                return Err(PinRefused::NotBacked(b));
-            }
-            if let Some(&b) = blocks.iter().find(|&&b| st.pins[b] == u32::MAX) {
-                return Err(PinRefused::Invalid(Error::InvalidArgument(format!(
-                    "block {b} holds {} pins already: pin for {holder} refused",
-                    u32::MAX
-                ))));
-            }
-            for &b in &blocks {
-                st.pins[b] += 1;
+            let mut st = core.state.lock();
+            // One pass when the pin can be taken (the common case); when it cannot, the checks
+            // one by one, in their order, to report the right refusal.
+            if st.asleep || !add_pins(&mut st, &blocks) {
+                while blocks.iter().any(|&b| st.blocks[b] == BlockState::Claimed) {
+                    core.changed.wait(&mut st);
+                }
+                if st.asleep {
+                    return Err(PinRefused::Invalid(Error::Asleep {
+                        pool: core.region.pool().name().to_string(),
+                        op: "pin",
+                        state: "asleep",
+                    }));
+                }
+                if let Some(&b) = blocks.iter().find(|&&b| st.blocks[b] != BlockState::Backed) {
+                    return Err(PinRefused::NotBacked(b));
+                }
+                if let Some(&b) = blocks.iter().find(|&&b| st.pins[b] == u32::MAX) {
+                    return Err(PinRefused::Invalid(Error::InvalidArgument(format!(
+                        "block {b} holds {} pins already: pin for {holder} refused",
+                        u32::MAX
+                    ))));
+                }
+                for &b in blocks.iter() {
+                    st.pins[b] += 1;
+                }
             }
             let id = st.next_pin;
             st.next_pin += 1;
@@ -673,6 +740,68 @@ impl<G: BlockGeometry + 'static> BlockBacking<G> {
             id,
             blocks,
         })
+    }
+}
+
+/// Blocks a pass over a sorted list takes at a time: a chunk whose ends are this far apart is
+/// consecutive blocks, handled as one slice (which vectorizes).
+const RUN: usize = 64;
+
+/// Add a pin to each of `blocks` (sorted, no repeats, in range) when every one is backed and
+/// below the pin limit, in one pass; otherwise undo what was added and return false: nothing
+/// changed.
+fn add_pins(st: &mut BackingState, blocks: &[usize]) -> bool {
+    let BackingState {
+        blocks: states,
+        pins,
+        ..
+    } = st;
+    let mut done = 0;
+    let all = 'add: {
+        for chunk in blocks.chunks(RUN) {
+            let (first, last) = (chunk[0], chunk[chunk.len() - 1]);
+            if last - first == chunk.len() - 1 {
+                // Consecutive blocks. Folds, not `all`: a loop that stops early does not
+                // vectorize.
+                let run = &mut pins[first..=last];
+                let backed = states[first..=last]
+                    .iter()
+                    .fold(true, |ok, &s| ok & (s == BlockState::Backed));
+                let room = run.iter().fold(true, |ok, &p| ok & (p != u32::MAX));
+                if !(backed && room) {
+                    break 'add false;
+                }
+                run.iter_mut().for_each(|p| *p += 1);
+                done += chunk.len();
+            } else {
+                for &b in chunk {
+                    if states[b] != BlockState::Backed || pins[b] == u32::MAX {
+                        break 'add false;
+                    }
+                    pins[b] += 1;
+                    done += 1;
+                }
+            }
+        }
+        true
+    };
+    if !all {
+        remove_pins(pins, &blocks[..done]);
+    }
+    all
+}
+
+/// Take a pin off each of `blocks` (sorted, no repeats, each pinned).
+fn remove_pins(pins: &mut [u32], blocks: &[usize]) {
+    for chunk in blocks.chunks(RUN) {
+        let (first, last) = (chunk[0], chunk[chunk.len() - 1]);
+        if last - first == chunk.len() - 1 {
+            pins[first..=last].iter_mut().for_each(|p| *p -= 1);
+        } else {
+            for &b in chunk {
+                pins[b] -= 1;
+            }
+        }
     }
 }
 
@@ -710,18 +839,19 @@ impl<G: BlockGeometry> Core<G> {
         Ok(out)
     }
 
-    /// As [`Core::checked`], as a sorted vector without duplicates: O(n) for blocks given in
-    /// ascending order, a bitmap or a sort otherwise (pins of thousands of blocks per copy).
+    /// As [`Core::checked`], as a sorted vector without duplicates: one pass for blocks given
+    /// in ascending order, a bitmap or a sort otherwise (pins of thousands of blocks per copy).
     fn checked_sorted(&self, blocks: impl IntoIterator<Item = usize>) -> Result<Vec<usize>> {
         let n = self.geometry.num_blocks();
-        let mut out: Vec<usize> = blocks.into_iter().collect();
+        let out: Vec<usize> = blocks.into_iter().collect();
+        // Ascending with the last in range: all in range.
+        if out.last().is_none_or(|&b| b < n) && out.windows(2).all(|w| w[0] < w[1]) {
+            return Ok(out);
+        }
         if let Some(&b) = out.iter().find(|&&b| b >= n) {
             return Err(Error::InvalidArgument(format!(
                 "block {b} does not exist: the layout has {n} blocks"
             )));
-        }
-        if out.windows(2).all(|w| w[0] < w[1]) {
-            return Ok(out);
         }
         if n / 64 <= out.len().saturating_mul(16) {
             // A bitmap over the blocks: linear, where a sort of thousands costs tens of µs.
@@ -729,18 +859,11 @@ impl<G: BlockGeometry> Core<G> {
             for &b in &out {
                 set[b / 64] |= 1 << (b % 64);
             }
-            out.clear();
-            for (i, &w) in set.iter().enumerate() {
-                let mut w = w;
-                while w != 0 {
-                    out.push(i * 64 + w.trailing_zeros() as usize);
-                    w &= w - 1;
-                }
-            }
-        } else {
-            out.sort_unstable();
-            out.dedup();
+            return Ok(SortedBlocks::from_bitmap(&set, out.len()).0);
         }
+        let mut out = out;
+        out.sort_unstable();
+        out.dedup();
         Ok(out)
     }
 
@@ -1148,9 +1271,7 @@ impl<G: BlockGeometry> Core<G> {
                 });
             }
             if let Some(record) = mine.and_then(|id| st.holders.remove(&id)) {
-                for &b in &record.blocks {
-                    st.pins[b] -= 1;
-                }
+                remove_pins(&mut st.pins, &record.blocks);
             }
             for (b, block_pages) in &per_block {
                 st.blocks[*b] = BlockState::Unbacked;
@@ -1239,9 +1360,8 @@ impl<G: BlockGeometry> PinTarget for Core<G> {
     fn unpin(&self, id: u64) {
         let mut st = self.state.lock();
         if let Some(record) = st.holders.remove(&id) {
-            for &b in &record.blocks {
-                st.pins[b] -= 1;
-            }
+            remove_pins(&mut st.pins, &record.blocks);
+            // Dropping `record` only lets go of a reference: its pin still holds the list.
         }
     }
 }
@@ -1379,6 +1499,245 @@ impl<G> Drop for Core<G> {
             for (f, l) in runs(&pages) {
                 hook.unmapping(info, f as u64 * self.page, (l - f + 1) as u64 * self.page);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::backend::host::HostBackend;
+    use crate::PoolConfig;
+
+    /// `n` blocks of one 4 KiB page each, on a host pool.
+    fn backing(n: usize, hook: Option<Arc<dyn MappingHook>>) -> BlockBacking<UniformBlocks> {
+        let backend = Arc::new(HostBackend::new(4096).expect("host backend"));
+        let pool = Pool::new(backend, PoolConfig::new(n * 8192)).expect("pool");
+        BlockBacking::reserve(&pool, UniformBlocks::packed(n, 4096), None, hook).expect("backing")
+    }
+
+    fn pins(b: &BlockBacking<UniformBlocks>) -> Vec<u32> {
+        b.core.state.lock().pins.clone()
+    }
+
+    /// A small generator, the same numbers every run.
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *seed >> 33
+    }
+
+    #[test]
+    fn sorted_blocks_from_bitmaps() {
+        let mut seed = 7;
+        for round in 0..200 {
+            let words = 1 + (lcg(&mut seed) % 6) as usize;
+            let set: Vec<u64> = (0..words)
+                .map(|_| match lcg(&mut seed) % 4 {
+                    0 => 0,
+                    1 => u64::MAX,
+                    _ => lcg(&mut seed) << 31 ^ lcg(&mut seed),
+                })
+                .collect();
+            let want: Vec<usize> = (0..words * 64)
+                .filter(|&b| set[b / 64] & (1 << (b % 64)) != 0)
+                .collect();
+            assert_eq!(SortedBlocks::from_bitmap(&set, 0).0, want, "round {round}");
+        }
+    }
+
+    /// Pins and unpins of lists mixing runs of consecutive blocks and single ones count as one
+    /// per block, however the list falls into chunks.
+    #[test]
+    fn pins_count_per_block_in_runs_and_singles() {
+        let n = 300;
+        let b = backing(n, None);
+        b.ensure_backed(0..n).expect("back");
+        let mut seed = 11;
+        let mut held = Vec::new();
+        let mut model = vec![0u32; n];
+        for round in 0..100 {
+            let mut list = Vec::new();
+            let mut at = (lcg(&mut seed) % 8) as usize;
+            while at < n {
+                let run = 1 + (lcg(&mut seed) % 150) as usize;
+                list.extend(at..(at + run).min(n));
+                at += run + (lcg(&mut seed) % 3) as usize;
+            }
+            for &blk in &list {
+                model[blk] += 1;
+            }
+            let pin = b.pin(list.iter().copied(), "t").expect("pin");
+            assert_eq!(pin.blocks(), &list[..]);
+            held.push(pin);
+            if round % 3 == 2 {
+                let pin = held.swap_remove((lcg(&mut seed) as usize) % held.len());
+                for &blk in pin.blocks() {
+                    model[blk] -= 1;
+                }
+            }
+            assert_eq!(pins(&b), model, "round {round}");
+        }
+        drop(held);
+        assert_eq!(pins(&b), vec![0; n]);
+        assert_eq!(b.stats().pinned_blocks, 0);
+    }
+
+    /// A pin refused by a block late in the list (unbacked, or at the pin limit) leaves every
+    /// count as it was, on the run path and on the block-by-block path; the refusal names the
+    /// first unbacked block even when a block before it is at the limit.
+    #[test]
+    fn refused_pins_change_nothing() {
+        let n = 200;
+        let b = backing(n, None);
+        b.ensure_backed((0..n).filter(|&i| i != 150)).expect("back");
+        let _held = b.pin(0..10, "held").expect("pin");
+        let before = pins(&b);
+        let scattered: Vec<usize> = (0..n).step_by(3).collect();
+        for list in [(0..n).collect::<Vec<_>>(), scattered.clone()] {
+            match b.try_pin(list.iter().copied(), "t") {
+                Err(PinRefused::NotBacked(150)) => {}
+                other => panic!("expected block 150 not backed, got {other:?}"),
+            }
+            assert_eq!(pins(&b), before);
+        }
+        let e = b.pin(140..160, "late").expect_err("refused");
+        assert!(
+            e.to_string()
+                .contains("block 150 is not backed: pin for late refused"),
+            "{e}"
+        );
+        // Block 120 at the limit: refused, nothing changed.
+        b.core.state.lock().pins[120] = u32::MAX - 1;
+        let at_limit = b.pin([120], "last").expect("the last pin there is");
+        let before = pins(&b);
+        let scattered: Vec<usize> = scattered.into_iter().filter(|&i| i != 150).collect();
+        for list in [(100..140).collect::<Vec<_>>(), scattered] {
+            let e = b.pin(list, "over").expect_err("refused");
+            assert!(
+                e.to_string()
+                    .contains("block 120 holds 4294967295 pins already: pin for over refused"),
+                "{e}"
+            );
+            assert_eq!(pins(&b), before);
+        }
+        // Unbacked is reported before a limit, whatever their order.
+        match b.try_pin([120, 150], "t") {
+            Err(PinRefused::NotBacked(150)) => {}
+            other => panic!("expected block 150 not backed, got {other:?}"),
+        }
+        assert_eq!(pins(&b), before);
+        drop(at_limit);
+        assert_eq!(b.core.state.lock().pins[120], u32::MAX - 1);
+        b.core.state.lock().pins[120] = 0;
+        // Asleep: refused, nothing changed.
+        let before = pins(&b);
+        b.core.state.lock().asleep = true;
+        let e = b.pin(0..4, "sleepy").expect_err("asleep");
+        assert!(matches!(e, Error::Asleep { op: "pin", .. }), "{e}");
+        b.core.state.lock().asleep = false;
+        assert_eq!(pins(&b), before);
+    }
+
+    /// Sorted lists from a bitmap pin as the same list would; one past the blocks is refused.
+    #[test]
+    fn sorted_pins_check_their_range() {
+        let n = 100;
+        let b = backing(n, None);
+        b.ensure_backed(0..n).expect("back");
+        let mut set = vec![0u64; 2];
+        for blk in [3, 4, 5, 64, 99] {
+            set[blk / 64] |= 1 << (blk % 64);
+        }
+        let pin = b
+            .pin_sorted(SortedBlocks::from_bitmap(&set, 5), "s")
+            .expect("pin");
+        assert_eq!(pin.blocks(), &[3, 4, 5, 64, 99]);
+        assert_eq!(b.stats().pinned_blocks, 5);
+        set[1] |= 1 << (100 - 64);
+        let e = b
+            .pin_sorted(SortedBlocks::from_bitmap(&set, 6), "s")
+            .expect_err("block 100");
+        assert!(e.to_string().contains("block 100 does not exist"), "{e}");
+        b.release([7]).expect("release");
+        set = vec![1 << 7, 0];
+        let e = b
+            .pin_sorted(SortedBlocks::from_bitmap(&set, 1), "gone")
+            .expect_err("unbacked");
+        assert!(
+            e.to_string()
+                .contains("block 7 is not backed: pin for gone refused, nothing pinned"),
+            "{e}"
+        );
+        drop(pin);
+        assert_eq!(pins(&b), vec![0; n]);
+    }
+
+    /// Holds `mapped` until told to go on, failing it when told so.
+    struct Gate {
+        entered: Mutex<mpsc::Sender<()>>,
+        go: Mutex<mpsc::Receiver<bool>>,
+    }
+
+    impl MappingHook for Gate {
+        fn mapped(&self, _: RegionInfo<'_>, _: u64, _: u64) -> Result<()> {
+            self.entered.lock().send(()).expect("test alive");
+            if self.go.lock().recv().expect("test alive") {
+                Ok(())
+            } else {
+                Err(Error::InvalidArgument("gate refused".into()))
+            }
+        }
+
+        fn unmapping(&self, _: RegionInfo<'_>, _: u64, _: u64) {}
+    }
+
+    /// A pin of a block being backed waits until the backing is done, then pins it (or, when
+    /// the backing failed, is refused as not backed); nothing is pinned meanwhile.
+    #[test]
+    fn pins_wait_for_blocks_being_backed() {
+        let (entered_tx, entered) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let gate = Arc::new(Gate {
+            entered: Mutex::new(entered_tx),
+            go: Mutex::new(go_rx),
+        });
+        let b = Arc::new(backing(8, Some(gate)));
+        for ok in [false, true] {
+            // Blocks 0 and 1 backed (the gate let through), block 2 claimed by a backing
+            // held in the gate.
+            if !b.is_backed(0) {
+                let b2 = b.clone();
+                let t = std::thread::spawn(move || b2.ensure_backed(0..2));
+                entered.recv().expect("mapping");
+                go.send(true).expect("gate");
+                t.join().expect("thread").expect("back");
+            }
+            let b2 = b.clone();
+            let backer = std::thread::spawn(move || b2.ensure_backed([2]));
+            entered.recv().expect("mapping");
+            let b2 = b.clone();
+            let pinner = std::thread::spawn(move || {
+                b2.try_pin(0..3, "waiting")
+                    .map(|p| p.blocks().to_vec())
+                    .map_err(|e| format!("{e:?}"))
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!pinner.is_finished(), "the pin waits for block 2");
+            assert_eq!(b.stats().pinned_blocks, 0, "nothing pinned meanwhile");
+            go.send(ok).expect("gate");
+            assert_eq!(backer.join().expect("thread").is_ok(), ok);
+            let got = pinner.join().expect("thread");
+            if ok {
+                assert_eq!(got, Ok(vec![0, 1, 2]));
+            } else {
+                assert_eq!(got, Err("NotBacked(2)".to_string()));
+            }
+            assert_eq!(b.stats().pinned_blocks, 0, "the pin went with its thread");
         }
     }
 }

@@ -721,13 +721,10 @@ pub(crate) fn pack_gather(
         .and_then(|p| shifts.len().checked_mul(2).and_then(|s| p.checked_add(s)))
         .ok_or_else(|| too_many(format!("{} pieces + {} shifts", pieces.len(), shifts.len())))?;
     let mut out = Vec::with_capacity(words);
-    for p in pieces {
-        out.extend_from_slice(&[p.src, p.dst, p.len]);
-    }
+    // Flattened fixed-size arrays: an exact length, so no capacity check per word.
+    out.extend(pieces.iter().flat_map(|p| [p.src, p.dst, p.len]));
     let at = out.len();
-    for h in shifts {
-        out.extend_from_slice(&[h.src, h.dst]);
-    }
+    out.extend(shifts.iter().flat_map(|h| [h.src, h.dst]));
     Ok((out, at))
 }
 

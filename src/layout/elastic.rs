@@ -6,7 +6,9 @@ use std::ops::Deref;
 
 use super::geometry::LayoutGeometry;
 use super::view::{sealed, KvLayout, LayoutPin, LayoutViews};
-use crate::backing::{BackingChange, BackingStats, BlockBacking, BlockPin, PinRefused};
+use crate::backing::{
+    BackingChange, BackingStats, BlockBacking, BlockPin, PinRefused, SortedBlocks,
+};
 use crate::error::{Error, Result};
 use crate::pool::ChunkSpan;
 
@@ -113,6 +115,11 @@ impl ElasticLayout {
     /// can be released until the pin is dropped.
     pub fn pin(&self, blocks: impl IntoIterator<Item = usize>, holder: &str) -> Result<BlockPin> {
         self.backing.pin(blocks, holder)
+    }
+
+    /// [`ElasticLayout::pin`] of blocks sorted and checked already (held as a bitmap).
+    pub(crate) fn pin_sorted(&self, blocks: SortedBlocks, holder: &str) -> Result<BlockPin> {
+        self.backing.pin_sorted(blocks, holder)
     }
 
     /// Map the pages under `blocks` that are not mapped yet. Blocks backed already stay as

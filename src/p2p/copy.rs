@@ -11,7 +11,7 @@ use super::import::{ImportMapping, ImportedGrant};
 use super::path::TransferPath;
 use super::plan::{self, Claim, CopyEngine, EngineChoice, Plan, WriteClaim};
 use crate::backend::{Backend, GatherShift, MemoryKind};
-use crate::backing::BlockPin;
+use crate::backing::{BlockPin, SortedBlocks};
 use crate::error::{Error, Result};
 use crate::layout::{ElasticLayout, LayoutConfig};
 use crate::pool::RangePin;
@@ -179,9 +179,10 @@ impl ImportedGrant {
             src_stride: self.stride,
             dst_stride: stride,
         };
-        let claim = Claim::blocks(dst_pattern, stride, dst.num_blocks(), set, bounds);
         let holder = format!("p2p copy of grant {} from {}", self.id, link.peer.name);
-        let pin = dst.pin(dst_blocks.iter().copied(), &holder)?;
+        // The blocks were checked (in range, none twice) into `set`: the pin takes them from it.
+        let pin = dst.pin_sorted(SortedBlocks::from_bitmap(&set, dst_blocks.len()), &holder)?;
+        let claim = Claim::blocks(dst_pattern, stride, dst.num_blocks(), set, bounds);
         let backend = dst.backing().pool().backend().clone();
         self.launch(
             backend,
@@ -286,9 +287,13 @@ impl ImportedGrant {
         let spans = blocks * self.pattern.iter().filter(|s| s.1 > 0).count();
         let bytes = plan.block_bytes() * blocks as u64;
         // The runs themselves only where an engine copies run by run (building them for
-        // thousands of blocks costs tens of µs of host time).
-        let copies = plan.count_copies();
-        let mut engine = plan::choose(memory, choice, copies, bytes);
+        // thousands of blocks costs tens of µs of host time). Even their count (a pass over
+        // the blocks) waits, where the engine does not depend on it, until the kernel is
+        // queued: the GPU copies meanwhile.
+        let mut counted = None;
+        let mut engine = plan::choose(memory, choice, bytes, || {
+            *counted.insert(plan.count_copies())
+        });
         let started = Instant::now();
         let mut completion = Completion {
             backend: backend.clone(),
@@ -299,10 +304,11 @@ impl ImportedGrant {
                 bytes,
                 blocks,
                 spans,
-                copies: copies as usize,
+                // Filled in below, once counted.
+                copies: 0,
                 engine,
                 launches: 0,
-                tasks: copies,
+                tasks: 0,
                 path: TransferPath::PeerImport,
                 reason: link.path.reason.clone(),
                 elapsed: Duration::ZERO,
@@ -337,6 +343,11 @@ impl ImportedGrant {
                     completion.report.engine = engine;
                 }
             }
+        }
+        let copies = counted.unwrap_or_else(|| plan.count_copies());
+        completion.report.copies = copies as usize;
+        if engine != CopyEngine::Kernel {
+            completion.report.tasks = copies;
         }
         if engine == CopyEngine::Memcpy {
             let mut batch: Vec<(u64, u64, usize)> = Vec::with_capacity(copies as usize);

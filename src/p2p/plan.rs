@@ -71,12 +71,14 @@ pub enum EngineChoice {
     Kernel,
 }
 
-/// The engine for `copies` merged copies of `bytes` bytes in all.
+/// The engine for a move of `bytes` bytes in all made of `copies()` merged copies. The copies
+/// are counted (a pass over the blocks) only where the choice depends on them: a small move on
+/// [`EngineChoice::Auto`].
 pub(crate) fn choose(
     memory: MemoryKind,
     choice: EngineChoice,
-    copies: u64,
     bytes: u64,
+    copies: impl FnOnce() -> u64,
 ) -> CopyEngine {
     if memory == MemoryKind::Host {
         return CopyEngine::Cpu;
@@ -85,7 +87,7 @@ pub(crate) fn choose(
         EngineChoice::Memcpy => CopyEngine::Memcpy,
         EngineChoice::Kernel => CopyEngine::Kernel,
         EngineChoice::Auto => {
-            if copies <= MEMCPY_ALWAYS && bytes <= MEMCPY_MAX_BYTES {
+            if bytes <= MEMCPY_MAX_BYTES && copies() <= MEMCPY_ALWAYS {
                 CopyEngine::Memcpy
             } else {
                 CopyEngine::Kernel
@@ -422,24 +424,64 @@ fn ones(set: &[u64]) -> impl Iterator<Item = usize> + '_ {
 /// or listed twice is an error naming it.
 pub(crate) fn block_set(blocks: &[usize], num_blocks: usize) -> Result<(Vec<u64>, (usize, usize))> {
     let mut set = vec![0u64; num_blocks.div_ceil(64)];
-    let (mut first, mut last) = (usize::MAX, 0);
-    for &b in blocks {
-        if b >= num_blocks {
-            return Err(Error::InvalidArgument(format!(
-                "destination block {b} does not exist: the layout has {num_blocks} blocks"
-            )));
+    // 64 blocks at a time: a chunk of consecutive blocks (the common case) goes in as whole
+    // words, the others block by block.
+    for chunk in blocks.chunks(64) {
+        let (a, z) = (chunk[0], chunk[chunk.len() - 1]);
+        // Ends `len - 1` apart, in range, and each one more than the last: every block from
+        // `a` to `z`, each once. Bit operations over the whole chunk rather than a loop that
+        // stops early: they vectorize.
+        let run = a <= z
+            && z - a == chunk.len() - 1
+            && z < num_blocks
+            && chunk
+                .iter()
+                .zip(&chunk[1..])
+                .fold(0, |off, (x, y)| off | (y.wrapping_sub(*x) ^ 1))
+                == 0;
+        if run {
+            // At most two words. A bit set already is a block listed before this chunk; the
+            // lowest such comes first in it.
+            for (w, word) in (a / 64..).zip(&mut set[a / 64..=z / 64]) {
+                let lo = (w * 64).max(a) % 64;
+                let hi = (w * 64 + 63).min(z) % 64;
+                let mask = (u64::MAX >> (63 - hi)) & (u64::MAX << lo);
+                if *word & mask != 0 {
+                    let b = w * 64 + (*word & mask).trailing_zeros() as usize;
+                    return Err(Error::InvalidArgument(format!(
+                        "destination block {b} is listed twice"
+                    )));
+                }
+                *word |= mask;
+            }
+            continue;
         }
-        let (w, bit) = (b / 64, 1u64 << (b % 64));
-        if set[w] & bit != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "destination block {b} is listed twice"
-            )));
+        for &b in chunk {
+            if b >= num_blocks {
+                return Err(Error::InvalidArgument(format!(
+                    "destination block {b} does not exist: the layout has {num_blocks} blocks"
+                )));
+            }
+            let (w, bit) = (b / 64, 1u64 << (b % 64));
+            if set[w] & bit != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "destination block {b} is listed twice"
+                )));
+            }
+            set[w] |= bit;
         }
-        set[w] |= bit;
-        first = first.min(b);
-        last = last.max(b);
     }
-    Ok((set, (first.min(last), last)))
+    // The smallest and largest from the bitmap, not block by block: the loop above stays lean.
+    let lowest = set.iter().position(|&w| w != 0);
+    let highest = set.iter().rposition(|&w| w != 0);
+    let bounds = match (lowest, highest) {
+        (Some(i), Some(j)) => (
+            i * 64 + set[i].trailing_zeros() as usize,
+            j * 64 + 63 - set[j].leading_zeros() as usize,
+        ),
+        _ => (0, 0),
+    };
+    Ok((set, bounds))
 }
 
 /// A claim held in [`CLAIMS`] until dropped.
@@ -589,27 +631,41 @@ mod tests {
         use CopyEngine::*;
         let auto = EngineChoice::Auto;
         assert_eq!(
-            choose(MemoryKind::Host, EngineChoice::Kernel, 1000, 1 << 30),
+            choose(MemoryKind::Host, EngineChoice::Kernel, 1 << 30, || 1000),
             Cpu
         );
         // Large moves: the kernel, whatever the copy count.
-        assert_eq!(choose(MemoryKind::Device, auto, 1, 1 << 30), Kernel);
-        assert_eq!(choose(MemoryKind::Device, auto, 32, 1 << 30), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 1 << 30, || 1), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 1 << 30, || 32), Kernel);
         // Small moves in few copies: memcpy.
-        assert_eq!(choose(MemoryKind::Device, auto, 4, 4096), Memcpy);
-        assert_eq!(choose(MemoryKind::Device, auto, 1, 4 << 20), Memcpy);
-        assert_eq!(choose(MemoryKind::Device, auto, 5, 1 << 20), Kernel);
-        assert_eq!(choose(MemoryKind::Device, auto, 1, (4 << 20) + 1), Kernel);
-        assert_eq!(choose(MemoryKind::Device, auto, 1, 256 << 20), Kernel);
-        assert_eq!(choose(MemoryKind::Device, auto, 262_144, 256 << 20), Kernel);
+        assert_eq!(choose(MemoryKind::Device, auto, 4096, || 4), Memcpy);
+        assert_eq!(choose(MemoryKind::Device, auto, 4 << 20, || 1), Memcpy);
+        assert_eq!(choose(MemoryKind::Device, auto, 1 << 20, || 5), Kernel);
         assert_eq!(
-            choose(MemoryKind::Device, EngineChoice::Memcpy, 262_144, 1),
+            choose(MemoryKind::Device, auto, (4 << 20) + 1, || 1),
+            Kernel
+        );
+        assert_eq!(choose(MemoryKind::Device, auto, 256 << 20, || 1), Kernel);
+        assert_eq!(
+            choose(MemoryKind::Device, auto, 256 << 20, || 262_144),
+            Kernel
+        );
+        assert_eq!(
+            choose(MemoryKind::Device, EngineChoice::Memcpy, 1, || 262_144),
             Memcpy
         );
         assert_eq!(
-            choose(MemoryKind::Device, EngineChoice::Kernel, 1, 1 << 30),
+            choose(MemoryKind::Device, EngineChoice::Kernel, 1 << 30, || 1),
             Kernel
         );
+        // The copies are counted only where the choice depends on them.
+        let uncounted = || -> u64 { panic!("copies counted for a choice made without them") };
+        assert_eq!(choose(MemoryKind::Device, auto, 1 << 30, uncounted), Kernel);
+        let kernel = EngineChoice::Kernel;
+        assert_eq!(choose(MemoryKind::Device, kernel, 1, uncounted), Kernel);
+        let memcpy = EngineChoice::Memcpy;
+        assert_eq!(choose(MemoryKind::Device, memcpy, 1, uncounted), Memcpy);
+        assert_eq!(choose(MemoryKind::Host, auto, 1, uncounted), Cpu);
     }
 
     #[test]
@@ -624,6 +680,68 @@ mod tests {
             e.contains("block 10 does not exist") && e.contains("10 blocks"),
             "{e}"
         );
+        // Steps of one that wrap past the largest index are no run of blocks.
+        let e = block_set(&[usize::MAX, 0], 10).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("block {} does not exist", usize::MAX)),
+            "{e}"
+        );
+    }
+
+    /// The bitmap, bounds and first error as a block-by-block walk gives them, for lists of runs
+    /// (whole chunks of 64 and pieces), scattered blocks, repeats and strangers.
+    #[test]
+    fn block_sets_match_a_block_by_block_walk() {
+        fn walk(
+            blocks: &[usize],
+            n: usize,
+        ) -> std::result::Result<(Vec<u64>, (usize, usize)), String> {
+            let mut set = vec![0u64; n.div_ceil(64)];
+            let (mut first, mut last) = (usize::MAX, 0);
+            for &b in blocks {
+                if b >= n {
+                    return Err(format!(
+                        "destination block {b} does not exist: the layout has {n} blocks"
+                    ));
+                }
+                if set[b / 64] & (1 << (b % 64)) != 0 {
+                    return Err(format!("destination block {b} is listed twice"));
+                }
+                set[b / 64] |= 1 << (b % 64);
+                first = first.min(b);
+                last = last.max(b);
+            }
+            Ok((set, (first.min(last), last)))
+        }
+        let mut seed = 5u64;
+        let mut next = |m: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % m
+        };
+        for round in 0..3000 {
+            let n = 1 + next(700) as usize;
+            let mut blocks = Vec::new();
+            for _ in 0..next(6) {
+                let at = next(n as u64) as usize;
+                match next(4) {
+                    0 => blocks.extend((at..n).take(next(200) as usize)),
+                    1 => blocks.extend((0..next(40)).map(|_| next(n as u64) as usize)),
+                    2 => blocks.extend((at..n).take(64)),
+                    _ => blocks.push(at),
+                }
+            }
+            if next(5) == 0 {
+                let i = next(blocks.len() as u64 + 1) as usize;
+                blocks.insert(i, n + next(3) as usize);
+            }
+            let got = block_set(&blocks, n).map_err(|e| match e {
+                Error::InvalidArgument(m) => m,
+                other => panic!("{other:?}"),
+            });
+            assert_eq!(got, walk(&blocks, n), "round {round}: {blocks:?} of {n}");
+        }
     }
 
     fn blocks(pattern: &Arc<[(u64, u64)]>, stride: u64, nb: usize, b: &[usize]) -> Claim {
