@@ -51,6 +51,19 @@ fn closed_with(l: &PeerLink, what: &str) {
     }
 }
 
+/// A pool and a layout of eight 2 MiB blocks (whole pages) on it, `backed` backed.
+fn page_blocks(backed: &[usize]) -> (crate::Pool, crate::layout::ElasticLayout) {
+    let pool = crate::Pool::new(backend(), crate::PoolConfig::new(1 << 30)).unwrap();
+    let kv = crate::layout::LayoutBuilder::new()
+        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
+        .fully_contiguous()
+        .elastic(&pool)
+        .build()
+        .unwrap();
+    kv.ensure_backed(backed.iter().copied()).unwrap();
+    (pool, kv)
+}
+
 fn layout() -> WireLayout {
     WireLayout::of(
         &LayoutConfig::new(64, 1, 1, 16, 4096, 2),
@@ -215,17 +228,8 @@ fn grants_far_beyond_the_layout_or_off_granularity_are_refused() {
 /// closes and the blocks stay backed and pinned (its word would otherwise release them).
 #[test]
 fn adopting_a_copy_grant_closes_the_link_and_keeps_the_blocks() {
-    use crate::layout::LayoutBuilder;
-    use crate::{Pool, PoolConfig};
     let (l, raw) = link();
-    let pool = Pool::new(backend(), PoolConfig::new(1 << 30)).unwrap();
-    let kv = LayoutBuilder::new()
-        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
-        .fully_contiguous()
-        .elastic(&pool)
-        .build()
-        .unwrap();
-    kv.ensure_backed([0, 1]).unwrap();
+    let (_pool, kv) = page_blocks(&[0, 1]);
     let g = l.grant(&kv, &[0, 1], AccessMode::ReadOnly).unwrap();
     let m = Msg::Adopted { grant: g.id() };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
@@ -285,17 +289,8 @@ fn a_repeated_grant_id_closes_the_link_and_leaves_the_live_import_alone() {
 /// kept for good, as after a hand-off whose release failed): the link closes.
 #[test]
 fn a_grant_answered_twice_closes_the_link() {
-    use crate::layout::LayoutBuilder;
-    use crate::{Pool, PoolConfig};
     let (l, raw) = link();
-    let pool = Pool::new(backend(), PoolConfig::new(1 << 30)).unwrap();
-    let kv = LayoutBuilder::new()
-        .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
-        .fully_contiguous()
-        .elastic(&pool)
-        .build()
-        .unwrap();
-    kv.ensure_backed([0]).unwrap();
+    let (_pool, kv) = page_blocks(&[0]);
     let g = l.grant(&kv, &[0], AccessMode::ReadOnly).unwrap();
     let m = Msg::Released { grant: g.id() };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
