@@ -137,12 +137,16 @@ pub struct PoolStats {
     /// Physical bytes another process took over ([`crate::p2p::PeerLink::hand_off`]) whose
     /// release here failed: never reused, still held (and charged) until the pool goes.
     pub given_away: u64,
+    /// Physical bytes released here that a p2p peer still keeps imported (its import cache,
+    /// [`crate::p2p`]): never reused, still held (and charged) until every such peer forgot
+    /// them, released then.
+    pub peer_held: u64,
 }
 
 impl PoolStats {
-    /// Physical bytes held: mapped, cached and given away but not released.
+    /// Physical bytes held: mapped, cached, given away but not released, and held for peers.
     pub fn physical(&self) -> u64 {
-        self.mapped + self.cached + self.given_away
+        self.mapped + self.cached + self.given_away + self.peer_held
     }
 
     /// Mapped bytes not in use.

@@ -299,6 +299,14 @@ fn hand_off_moves_memory_without_a_copy() {
         GrantStatus::HandedOff
     );
     assert!(!src.is_backed(1) && !src.is_backed(2));
+    // Block 1's page was granted for copying before, so the receiver kept it imported: the
+    // sender holds it back (charged) until the receiver forgot that import.
+    let end = std::time::Instant::now() + Duration::from_secs(5);
+    while src_pool.stats().peer_held > 0 || p.stats().peer_kept_chunks > 0 {
+        assert!(std::time::Instant::now() < end, "{:?}", src_pool.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(d.stats().kept_imports, 0);
     let ss = src_pool.stats();
     assert_eq!(
         (ss.mapped, ss.cached),
@@ -796,4 +804,235 @@ fn broker_model_backends_forward_waits_and_links_take_the_engines_backend() {
     drop(y);
     broker.shutdown();
     let _ = std::fs::remove_dir_all(dir);
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < end,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Kept imports: later grants of the same pages (the same blocks rewritten, or other blocks on
+/// chunks reused from the pool's cache) send keys instead of descriptors and import nothing,
+/// and copy the bytes as they are now. Trimmed, the chunks are held back, still charged
+/// against the sender's limit, until the receiver forgot its imports (its release slowed to
+/// hold the window open), and released then.
+#[test]
+fn kept_imports_are_reused_and_held_back_until_forgotten() {
+    let slow = Arc::new(DelayInjector::new(exportable()));
+    let recv_backend: Arc<dyn Backend> = slow.clone();
+    let send_backend = exportable();
+    let (p, d) = pair(send_backend.clone(), recv_backend.clone());
+    let src_pool = Pool::new(
+        send_backend.clone(),
+        PoolConfig::new(1 << 30)
+            .name("prefill")
+            .physical_limit(16 << 20),
+    )
+    .unwrap();
+    let src = page_blocks(&src_pool);
+    let dst_pool = Pool::new(recv_backend, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    src.ensure_backed([0, 1, 2]).unwrap();
+    dst.ensure_backed([5, 6, 7]).unwrap();
+    let copy = |blocks: &[usize], byte: u8, fresh: usize| {
+        for (i, &b) in blocks.iter().enumerate() {
+            fill(&src, b, byte + i as u8);
+        }
+        let g = p.grant(&src, blocks, AccessMode::ReadOnly).unwrap();
+        assert_eq!(g.chunks(), blocks.len());
+        assert_eq!(g.descriptors(), fresh, "descriptors sent");
+        let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+        let mine: Vec<usize> = (5..5 + blocks.len()).collect();
+        imp.copy_into(&dst, &mine, CopyStream::LEGACY)
+            .unwrap()
+            .wait()
+            .unwrap();
+        for (i, &b) in mine.iter().enumerate() {
+            assert!(
+                bytes_of(&dst, b).iter().all(|&x| x == byte + i as u8),
+                "block {b} after copying {byte:#x}"
+            );
+        }
+        drop(imp);
+        assert_eq!(
+            g.wait_released(Duration::from_secs(5)).unwrap(),
+            GrantStatus::Released
+        );
+    };
+    copy(&[0, 1, 2], 0x10, 3);
+    copy(&[0, 1, 2], 0x20, 0);
+    copy(&[2, 1, 0], 0x30, 0);
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!((ps.peer_kept_chunks, ps.peer_kept_bytes), (3, 6 << 20));
+    assert_eq!((ds.kept_imports, ds.kept_import_bytes), (3, 6 << 20));
+    assert_eq!(ds.kept_hits, 6);
+    assert_eq!((ds.imports, ds.imported_bytes), (0, 0), "nothing mapped");
+
+    // Block 0's chunk goes to the pool's cache and backs block 3: still the chunk the peer
+    // keeps, so it goes as a key and the copy reads block 3's bytes.
+    src.release([0]).unwrap();
+    src.ensure_backed([3]).unwrap();
+    assert_eq!(src_pool.stats().driver_calls.get(DriverCall::Create), 3);
+    copy(&[3], 0x40, 0);
+
+    // Trimmed: released here, but the peer's imports keep the memory alive, so the chunks are
+    // held back and stay charged until it forgot them.
+    slow.set_delay(DriverCall::Release, Duration::from_millis(300));
+    src.release([1, 2, 3]).unwrap();
+    src_pool.trim().unwrap();
+    let st = src_pool.stats();
+    assert_eq!(
+        (st.mapped, st.cached, st.peer_held),
+        (0, 0, 6 << 20),
+        "{st:?}"
+    );
+    assert_eq!(st.physical(), 6 << 20);
+    assert_eq!(send_backend.physical_bytes().unwrap(), 6 << 20);
+    // 12 MiB more does not fit the 16 MiB limit while they are held.
+    let e = src.ensure_backed(0..6).unwrap_err();
+    assert!(matches!(e, Error::OutOfPhysicalMemory { .. }), "{e}");
+    wait_for("the peer to forget", || src_pool.stats().peer_held == 0);
+    assert_eq!(send_backend.physical_bytes().unwrap(), 0);
+    assert_eq!(p.stats().peer_kept_chunks, 0);
+    assert_eq!(d.stats().kept_imports, 0);
+    src.ensure_backed(0..6).unwrap();
+    // New chunks: descriptors again.
+    copy(&[0, 1], 0x50, 2);
+}
+
+/// A pool that goes away releases the chunks a peer keeps (nothing is left to charge them to)
+/// after forgetting them here, and tells the peer, which lets go; a link dropped by the
+/// sender asks the peer to forget the rest, so nothing is held back for a peer it left.
+#[test]
+fn kept_imports_end_with_the_pool_and_with_the_link() {
+    let send_backend = exportable();
+    let (p, d) = pair(send_backend.clone(), exportable());
+    let (dst_pool, dst) = {
+        let pool = Pool::new(exportable(), PoolConfig::new(1 << 30)).unwrap();
+        let kv = page_blocks(&pool);
+        (pool, kv)
+    };
+    dst.ensure_backed([0, 1]).unwrap();
+    let grant_and_copy = |src: &ElasticLayout| {
+        let g = p.grant(src, &[0, 1], AccessMode::ReadOnly).unwrap();
+        let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+        imp.copy_into(&dst, &[0, 1], CopyStream::LEGACY)
+            .unwrap()
+            .wait()
+            .unwrap();
+        drop(imp);
+        g.wait_released(Duration::from_secs(5)).unwrap();
+    };
+    let pool = Pool::new(send_backend.clone(), PoolConfig::new(1 << 30)).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([0, 1]).unwrap();
+    grant_and_copy(&src);
+    assert_eq!(d.stats().kept_imports, 2);
+    drop(src);
+    drop(pool);
+    assert_eq!(send_backend.physical_bytes().unwrap(), 0);
+    wait_for("the peer to let go", || {
+        d.stats().kept_imports == 0 && p.stats().peer_kept_chunks == 0
+    });
+
+    let pool = Pool::new(send_backend.clone(), PoolConfig::new(1 << 30)).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([0, 1]).unwrap();
+    grant_and_copy(&src);
+    assert_eq!(p.stats().peer_kept_chunks, 2);
+    let d_stats = {
+        let d = &d;
+        move || d.stats()
+    };
+    drop(p);
+    wait_for("the peer to forget", || d_stats().kept_imports == 0);
+    // Nothing held back: released at once, memory gone.
+    src.release([0, 1]).unwrap();
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().peer_held, 0);
+    assert_eq!(send_backend.physical_bytes().unwrap(), 0);
+    drop(dst_pool);
+}
+
+/// Rounds of grants, copies, releases and trims against a receiver that checks every byte,
+/// with slowed maps, unmaps and releases on both sides: kept imports never serve stale or
+/// foreign bytes, and once the links are gone nothing is held back or kept anywhere.
+#[test]
+fn kept_imports_under_churn() {
+    let s = Arc::new(DelayInjector::new(exportable()));
+    let r = Arc::new(DelayInjector::new(exportable()));
+    for x in [&s, &r] {
+        x.set_delay(DriverCall::Unmap, Duration::from_micros(300));
+        x.set_delay(DriverCall::Release, Duration::from_micros(500));
+    }
+    let (sb, rb): (Arc<dyn Backend>, Arc<dyn Backend>) = (s.clone(), r.clone());
+    let (p, d) = pair(sb.clone(), rb.clone());
+    let src_pool = Pool::new(sb.clone(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    let dst_pool = Pool::new(rb, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    dst.ensure_backed(0..8).unwrap();
+    const ROUNDS: usize = 60;
+    let (tx, rx) = std::sync::mpsc::channel::<(Vec<usize>, u8)>();
+    std::thread::scope(|scope| {
+        let receiver = scope.spawn(|| {
+            let mut hits = 0;
+            for (blocks, byte) in rx {
+                let imp = d.recv_grant(Duration::from_secs(10)).unwrap();
+                assert_eq!(imp.blocks(), &blocks[..]);
+                let mine: Vec<usize> = (0..blocks.len()).collect();
+                imp.copy_into(&dst, &mine, CopyStream::LEGACY)
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+                for (i, &b) in mine.iter().enumerate() {
+                    let want = byte.wrapping_add(blocks[i] as u8);
+                    assert!(
+                        bytes_of(&dst, b).iter().all(|&x| x == want),
+                        "stale bytes for sender block {}",
+                        blocks[i]
+                    );
+                }
+                hits = d.stats().kept_hits;
+            }
+            hits
+        });
+        for round in 0..ROUNDS {
+            let blocks: Vec<usize> = (0..3).map(|i| (round * 3 + i * 5) % 8).collect();
+            src.ensure_backed(blocks.iter().copied()).unwrap();
+            let byte = (round as u8).wrapping_mul(7);
+            for &b in &blocks {
+                fill(&src, b, byte.wrapping_add(b as u8));
+            }
+            let g = p.grant(&src, &blocks, AccessMode::ReadOnly).unwrap();
+            tx.send((blocks.clone(), byte)).unwrap();
+            g.wait_released(Duration::from_secs(10)).unwrap();
+            src.release(blocks.iter().copied()).unwrap();
+            if round % 3 == 2 {
+                src_pool.trim().unwrap();
+            }
+        }
+        drop(tx);
+        let hits = receiver.join().unwrap();
+        assert!(hits > 0, "no grant found its chunks kept");
+        eprintln!("{hits} chunks found kept over {ROUNDS} grants");
+    });
+    // Dropped while the last trim's forgets may be in flight: the links answer them before
+    // they close.
+    src_pool.trim().unwrap();
+    drop(d);
+    drop(p);
+    wait_for("held-back chunks to go", || {
+        let st = src_pool.stats();
+        st.peer_held == 0 && st.in_flight == 0
+    });
+    let st = src_pool.stats();
+    assert_eq!(st.physical(), 0, "{st:?}");
+    assert_eq!(sb.physical_bytes().unwrap(), 0);
 }

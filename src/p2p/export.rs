@@ -2,14 +2,15 @@
 //! chunks under them exported as descriptors and sent with the layout's shape; the pins stay
 //! until the receiver says it let go (or its process exited).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::cache::{self, KeptOut};
 use super::link::{send, GrantPin, GrantStatus, LinkShared, OutGrant, PeerLink};
-use super::wire::{GrantMode, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
+use super::wire::{GrantMode, Msg, WireChunk, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
 use crate::backend::{AccessMode, PhysicalChunk};
 use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
@@ -25,6 +26,7 @@ pub struct Grant {
     id: u64,
     bytes: u64,
     chunks: usize,
+    descriptors: usize,
     blocks: usize,
 }
 
@@ -255,21 +257,69 @@ impl PeerLink {
             )));
         }
         let backend = pool.backend();
-        let mut fds: Vec<(u64, u64, OwnedFd)> = Vec::with_capacity(chunks.len());
-        for (&off, &c) in &chunks {
-            fds.push((off, c.size as u64, backend.export_chunk(c)?));
-        }
+        let bk = cache::backend_key(backend);
+        // Chunks granted for copying stay imported at the peer (see `cache`); hand-offs are
+        // taken over there, so they go fresh.
+        let keep = mode == GrantMode::Copy;
         let bytes: u64 = chunks.values().map(|c| c.size as u64).sum();
-        let count = fds.len();
         let blocks = wire_blocks.len();
-        {
+        let mut fds: HashMap<u64, OwnedFd> = HashMap::new();
+        let (sending, out) = loop {
+            // Descriptors for what the peer does not keep: driver calls, with no lock held.
+            for (&off, &c) in &chunks {
+                if !fds.contains_key(&off) && (!keep || cache::key_of(bk, c.raw, link).is_none()) {
+                    fds.insert(off, backend.export_chunk(c)?);
+                }
+            }
+            let sending = link.send_lock.lock();
+            // A kept chunk forgotten meanwhile (the peer's link is ending) needs a descriptor.
+            let known: Vec<Option<u64>> = chunks
+                .values()
+                .map(|c| keep.then(|| cache::key_of(bk, c.raw, link)).flatten())
+                .collect();
+            if chunks
+                .keys()
+                .zip(&known)
+                .any(|(off, k)| k.is_none() && !fds.contains_key(off))
+            {
+                continue;
+            }
             let mut st = link.state.lock();
             // Closed meanwhile: the reader settled the grants it knew of and will not see this
-            // one, and nothing of it was sent. The pin drops after the lock.
+            // one, and nothing of it was sent. The pin drops after the locks.
             if let Some(why) = st.closed.clone() {
                 drop(st);
+                drop(sending);
                 drop(pin);
                 return Err(link.peer_error("grant", format!("link closed: {why}")));
+            }
+            let mut out = Vec::with_capacity(chunks.len());
+            for ((&off, &c), k) in chunks.iter().zip(known) {
+                let size = c.size as u64;
+                let how = match k {
+                    Some(k) => {
+                        // A descriptor made before another grant recorded the chunk: unused.
+                        fds.remove(&off);
+                        WireChunk::Kept(k)
+                    }
+                    None if keep => {
+                        st.last_key += 1;
+                        let k = st.last_key;
+                        st.kept_out.insert(
+                            k,
+                            KeptOut {
+                                backend: bk,
+                                raw: c.raw,
+                                size,
+                                forgetting: false,
+                            },
+                        );
+                        cache::record(bk, c.raw, link, k);
+                        WireChunk::Keep(k)
+                    }
+                    None => WireChunk::New,
+                };
+                out.push((off, size, how, fds.remove(&off)));
             }
             st.out.insert(
                 id,
@@ -281,34 +331,42 @@ impl PeerLink {
                     detached: false,
                 },
             );
-        }
-        if let Err(e) = send_grant(
+            break (sending, out);
+        };
+        let count = out.len();
+        let descriptors = out.iter().filter(|c| c.3.is_some()).count();
+        // Queued under the send lock: a key goes out after the descriptor that made it.
+        let sent = send_grant(
             self.writer(),
             id,
             mode,
             access,
             layout_desc,
             wire_blocks,
-            fds,
-        ) {
+            out,
+        );
+        drop(sending);
+        if let Err(e) = sent {
             // Some chunks may have reached the peer: the pins stay until it lets go or exits.
             // Shutting the link down makes a conforming peer drop what it got.
             tracing::error!(peer = %link.peer.name, grant = id, error = %e, "sending a grant failed; closing the link");
             link.shutdown();
             return Err(e);
         }
-        tracing::debug!(peer = %link.peer.name, grant = id, blocks, chunks = count, bytes, ?access, ?mode, path = %link.path.path, "granted");
+        tracing::debug!(peer = %link.peer.name, grant = id, blocks, chunks = count, descriptors, bytes, ?access, ?mode, path = %link.path.path, "granted");
         Ok(Grant {
             link: link.clone(),
             writer: self.writer().clone(),
             id,
             bytes,
             chunks: count,
+            descriptors,
             blocks,
         })
     }
 }
 
+/// Queue a grant's messages: its chunks, [`MAX_FDS`] to a frame, then the grant.
 fn send_grant(
     writer: &FrameWriter,
     id: u64,
@@ -316,17 +374,19 @@ fn send_grant(
     access: AccessMode,
     layout: WireLayout,
     blocks: Vec<u64>,
-    fds: Vec<(u64, u64, OwnedFd)>,
+    chunks: Vec<(u64, u64, WireChunk, Option<OwnedFd>)>,
 ) -> Result<()> {
-    let chunks = fds.len() as u64;
-    let mut it = fds.into_iter().peekable();
+    let total = chunks.len() as u64;
+    let mut it = chunks.into_iter().peekable();
     while it.peek().is_some() {
         let batch: Vec<_> = it.by_ref().take(MAX_FDS).collect();
-        let (mut offsets, mut sizes, mut out) = (Vec::new(), Vec::new(), Vec::new());
-        for (o, s, fd) in batch {
+        let (mut offsets, mut sizes, mut how, mut out) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (o, s, h, fd) in batch {
             offsets.push(o);
             sizes.push(s);
-            out.push(fd);
+            how.push(h);
+            out.extend(fd);
         }
         send(
             writer,
@@ -334,6 +394,7 @@ fn send_grant(
                 grant: id,
                 offsets,
                 sizes,
+                how,
             },
             out,
         )?;
@@ -346,7 +407,7 @@ fn send_grant(
             access,
             layout,
             blocks,
-            chunks,
+            chunks: total,
         },
         Vec::new(),
     )
@@ -363,9 +424,15 @@ impl Grant {
         self.bytes
     }
 
-    /// Chunks exported.
+    /// Chunks granted.
     pub fn chunks(&self) -> usize {
         self.chunks
+    }
+
+    /// Chunks sent as descriptors; the others the peer kept imported from earlier grants
+    /// (see [`crate::p2p`], "Kept imports").
+    pub fn descriptors(&self) -> usize {
+        self.descriptors
     }
 
     /// Blocks granted.

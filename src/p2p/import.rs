@@ -28,16 +28,20 @@ struct Segment {
 
 /// Imported chunks mapped into a reservation of ours, each at its offset in the sender's range
 /// less the first chunk's (gaps between granted chunks stay unmapped). Dropping it unmaps them,
-/// releases the imports and frees the reservation; a step that fails leaves the rest in place
-/// (leaked and logged, never released while mapped).
+/// releases the imports (kept ones stay imported, see [`super::cache`]) and frees the
+/// reservation; a step that fails leaves the rest in place (leaked and logged, never released
+/// while mapped).
 struct Mapped {
     backend: Arc<dyn Backend>,
+    /// The link whose kept imports some chunks are.
+    link: Arc<LinkShared>,
     base: u64,
     len: u64,
     /// Where offset 0 of the sender's range would be here (`base - first chunk's offset`,
     /// modulo 2^64): offset `o` of a granted chunk is mapped at `origin + o`.
     origin: u64,
-    placed: Vec<(u64, PhysicalChunk)>,
+    /// Where each chunk is mapped, and the key of the kept ones.
+    placed: Vec<(u64, PhysicalChunk, Option<u64>)>,
     segments: Vec<Segment>,
     access: AccessMode,
 }
@@ -45,23 +49,40 @@ struct Mapped {
 impl Mapped {
     /// Import and map `chunks`, which must end by `extent` (the sender's layout extent) plus
     /// one chunk: a peer cannot make this process reserve more address space than its layout
-    /// spans.
+    /// spans. On failure, chunks sent to be kept are kept all the same
+    /// ([`LinkShared::keep_unimported`]).
     fn build(
-        backend: Arc<dyn Backend>,
+        link: &Arc<LinkShared>,
         chunks: Vec<InChunk>,
         access: AccessMode,
         extent: u64,
     ) -> Result<Mapped> {
+        let mut rest = chunks.into_iter();
+        let r = Self::build_from(link, &mut rest, access, extent);
+        if r.is_err() {
+            link.keep_unimported(rest.collect());
+        }
+        r
+    }
+
+    /// [`Mapped::build`], taking chunks from `chunks` (those left on failure are not imported).
+    fn build_from(
+        link: &Arc<LinkShared>,
+        chunks: &mut std::vec::IntoIter<InChunk>,
+        access: AccessMode,
+        extent: u64,
+    ) -> Result<Mapped> {
+        let backend = link.backend.clone();
         let gran = backend.info().granularity as u64;
-        let largest = chunks.iter().map(|c| c.size).max().unwrap_or(0);
+        let largest = chunks.as_slice().iter().map(|c| c.size).max().unwrap_or(0);
         let max_end = extent
             .checked_next_multiple_of(gran.max(1))
             .and_then(|e| e.checked_add(largest))
             .unwrap_or(u64::MAX);
-        let first = chunks.first().map_or(0, |c| c.offset);
+        let first = chunks.as_slice().first().map_or(0, |c| c.offset);
         let mut total = 0u64;
         let mut prev_end = 0u64;
-        for (i, c) in chunks.iter().enumerate() {
+        for (i, c) in chunks.as_slice().iter().enumerate() {
             let end = c.offset.checked_add(c.size);
             let ok = c.size > 0
                 && c.size % gran == 0
@@ -97,28 +118,61 @@ impl Mapped {
         let base = backend.reserve(len, gran as usize)?;
         let mut m = Mapped {
             backend,
+            link: link.clone(),
             base,
             len: len as u64,
             origin: base.wrapping_sub(first),
-            placed: Vec::with_capacity(chunks.len()),
+            placed: Vec::with_capacity(chunks.as_slice().len()),
             segments: Vec::new(),
             access,
         };
-        for c in chunks {
+        for c in chunks.by_ref() {
             let size = c.size as usize;
             // Inside the reservation: first <= offset and offset + size <= prev_end (checked).
             let at = base + (c.offset - first);
-            let chunk = m.backend.import_chunk(c.fd, size)?;
+            let key = c.how.key();
+            let chunk = match c.fd {
+                // Kept here by an earlier grant: no import.
+                None => link.use_kept(key.unwrap_or_default(), c.size)?,
+                Some(fd) => {
+                    let chunk = match m.backend.import_chunk(fd, size) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            if let Some(k) = key {
+                                // Never kept: the sender hears so, as after any failed import.
+                                link.forgot_unimported(k);
+                            }
+                            return Err(e);
+                        }
+                    };
+                    if let Some(k) = key {
+                        if let Err(e) = link.keep(k, chunk) {
+                            // SAFETY: imported above, mapped nowhere, not kept, released once.
+                            if let Err(r) = unsafe { m.backend.release(chunk) } {
+                                tracing::error!(error = %r, "releasing an imported chunk failed");
+                            }
+                            return Err(e);
+                        }
+                    }
+                    chunk
+                }
+            };
             // SAFETY: `[at, at + size)` lies in the reservation made above and is unmapped (each
-            // chunk gets its own part); the chunk was just imported and is mapped nowhere.
+            // chunk gets its own part); a chunk imported may be mapped at several places.
             if let Err(e) = unsafe { m.backend.map(at, chunk) } {
-                // SAFETY: imported above, mapped nowhere, released once.
-                if let Err(r) = unsafe { m.backend.release(chunk) } {
-                    tracing::error!(error = %r, "releasing an imported chunk after a failed map failed");
+                match key {
+                    // Stays kept (imported, the sender's to forget), unused by us.
+                    Some(k) => link.unuse_kept(&[k]),
+                    // SAFETY: imported above, mapped nowhere, released once.
+                    None => {
+                        if let Err(r) = unsafe { m.backend.release(chunk) } {
+                            tracing::error!(error = %r, "releasing an imported chunk after a failed map failed");
+                        }
+                    }
                 }
                 return Err(e);
             }
-            m.placed.push((at, chunk));
+            m.placed.push((at, chunk, key));
             match m.segments.last_mut() {
                 Some(s) if s.src + s.len == c.offset => s.len += c.size,
                 _ => m.segments.push(Segment {
@@ -176,7 +230,7 @@ impl Mapped {
     }
 
     fn bytes(&self) -> u64 {
-        self.placed.iter().map(|(_, c)| c.size as u64).sum()
+        self.placed.iter().map(|(_, c, _)| c.size as u64).sum()
     }
 }
 
@@ -192,10 +246,13 @@ impl Mapped {
     /// the chunks are forgotten here.
     fn unmap_all(&mut self) -> bool {
         let mut clean = true;
-        for (addr, chunk) in std::mem::take(&mut self.placed) {
+        let mut unused = Vec::new();
+        for (addr, chunk, key) in std::mem::take(&mut self.placed) {
             // SAFETY: the chunk is mapped there by us; nothing uses it any more (every copy
             // from it completed: completions hold the mapping until then).
             match unsafe { self.backend.unmap(addr, chunk.size) } {
+                // Kept: stays imported for the next grant.
+                Ok(()) if key.is_some() => unused.extend(key),
                 // SAFETY: imported by us, unmapped just now, released once.
                 Ok(()) => {
                     if let Err(e) = unsafe { self.backend.release(chunk) } {
@@ -216,6 +273,7 @@ impl Mapped {
         }
         // Never freed twice.
         self.len = 0;
+        self.link.unuse_kept(&unused);
         clean
     }
 }
@@ -304,29 +362,35 @@ impl ImportedGrant {
         writer: FrameWriter,
         ready: ReadyGrant,
     ) -> Result<ImportedGrant> {
-        let config = ready.layout.config()?;
-        let kind: LayoutKind = ready.layout.kind.into();
-        let geometry = LayoutGeometry::new(config, kind)?;
-        let mut blocks = Vec::with_capacity(ready.blocks.len());
-        for &b in &ready.blocks {
-            match usize::try_from(b) {
-                Ok(b) if b < config.num_blocks => blocks.push(b),
-                _ => {
-                    return Err(Error::InvalidArgument(format!(
-                        "granted block {b} does not exist: the sender's layout has {} blocks",
-                        config.num_blocks
-                    )))
+        let shape = || -> Result<_> {
+            let config = ready.layout.config()?;
+            let kind: LayoutKind = ready.layout.kind.into();
+            let geometry = LayoutGeometry::new(config, kind)?;
+            let mut blocks = Vec::with_capacity(ready.blocks.len());
+            for &b in &ready.blocks {
+                match usize::try_from(b) {
+                    Ok(b) if b < config.num_blocks => blocks.push(b),
+                    _ => {
+                        return Err(Error::InvalidArgument(format!(
+                            "granted block {b} does not exist: the sender's layout has {} blocks",
+                            config.num_blocks
+                        )))
+                    }
                 }
             }
-        }
+            Ok((config, kind, geometry, blocks))
+        };
+        let (config, kind, geometry, blocks) = match shape() {
+            Ok(s) => s,
+            Err(e) => {
+                // Refused before any import: chunks sent to be kept are kept all the same.
+                link.keep_unimported(ready.chunks);
+                return Err(e);
+            }
+        };
         let chunks = ready.chunks.len();
         let started = Instant::now();
-        let mapped = Mapped::build(
-            link.backend.clone(),
-            ready.chunks,
-            ready.access,
-            geometry.extent(),
-        )?;
+        let mapped = Mapped::build(&link, ready.chunks, ready.access, geometry.extent())?;
         let import_time = started.elapsed();
         let (pattern, stride) = geometry.block_pattern();
         let src_shifts = covered(&mapped, &blocks, &pattern, stride, chunks)?;
@@ -412,6 +476,12 @@ impl ImportedGrant {
             )));
         };
         let m = mapping.mapped.as_mut().expect("mapped until drop");
+        if m.placed.iter().any(|p| p.2.is_some()) {
+            // Kept imports are the sender's (it sends hand-offs fresh): never taken over.
+            return Err(Error::InvalidArgument(format!(
+                "grant {id} names chunks kept imported here: the sender did not hand them off"
+            )));
+        }
         // Each imported chunk's offset in the sender's range.
         let src_of = |addr: u64| {
             m.segments
@@ -420,7 +490,7 @@ impl ImportedGrant {
                 .map(|s| s.src + (addr - s.addr))
         };
         let mut by_src = std::collections::BTreeMap::new();
-        for (i, &(addr, c)) in m.placed.iter().enumerate() {
+        for (i, &(addr, c, _)) in m.placed.iter().enumerate() {
             if let Some(src) = src_of(addr) {
                 by_src.insert(src, (i, c.size as u64));
             }
@@ -465,7 +535,7 @@ impl ImportedGrant {
         let mut gone = vec![false; m.placed.len()];
         let mut failure = None;
         for &(off, i) in &wanted {
-            let (addr, c) = m.placed[i];
+            let (addr, c, _) = m.placed[i];
             // SAFETY: mapped there by us; no copy uses it (the mapping is not shared).
             match unsafe { m.backend.unmap(addr, c.size) } {
                 Ok(()) => {

@@ -16,12 +16,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use super::cache::{self, KeptIn, KeptOut};
 use super::path::{choose_path, Endpoint, PathChoice};
 use super::wire::{
-    GrantMode, Hello, Msg, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS, MAX_PARTIAL_GRANTS,
-    VERSION,
+    GrantMode, Hello, Msg, WireChunk, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
+    MAX_PARTIAL_GRANTS, VERSION,
 };
-use crate::backend::{AccessMode, Backend};
+use crate::backend::{AccessMode, Backend, PhysicalChunk};
 use crate::backing::BlockPin;
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials};
@@ -31,6 +32,8 @@ use crate::pool::RangePin;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long dropping a link waits for its queued frames to go out.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a link that both sides said bye on waits for the peer's last answers.
+const BYE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Frames the writer queue holds (a grant of [`MAX_GRANT_CHUNKS`] chunks takes 1025).
 const WRITER_DEPTH: usize = 4096;
 
@@ -94,14 +97,29 @@ pub struct LinkStats {
     pub transfers: u64,
     /// Bytes those copies moved.
     pub bytes_copied: u64,
+    /// Chunks of ours the peer keeps imported between grants (its import cache): their memory
+    /// stays alive while it does, so a pool that releases one holds it back
+    /// ([`crate::PoolStats::peer_held`]) until the peer forgot it.
+    pub peer_kept_chunks: usize,
+    /// Bytes of those chunks.
+    pub peer_kept_bytes: u64,
+    /// Chunks of the peer's kept imported here between grants (mapped or not).
+    pub kept_imports: usize,
+    /// Bytes of those chunks.
+    pub kept_import_bytes: u64,
+    /// Chunks of grants received that were found imported here already (no descriptor sent,
+    /// no import).
+    pub kept_hits: u64,
 }
 
-/// A chunk received: where it lies in the sender's layout range, its size, its descriptor.
+/// A chunk received: where it lies in the sender's layout range, its size, how it came, its
+/// descriptor if one came.
 #[derive(Debug)]
 pub(crate) struct InChunk {
     pub(crate) offset: u64,
     pub(crate) size: u64,
-    pub(crate) fd: OwnedFd,
+    pub(crate) how: WireChunk,
+    pub(crate) fd: Option<OwnedFd>,
 }
 
 /// A grant received whole, not imported yet.
@@ -148,6 +166,24 @@ pub(crate) struct LinkState {
     pub(crate) revoked_in: HashSet<u64>,
     pub(crate) transfers: u64,
     pub(crate) bytes_copied: u64,
+    /// Sender: the last key given to a kept chunk (keys are never reused on a link).
+    pub(crate) last_key: u64,
+    /// Sender: chunks of ours the peer keeps imported, by key.
+    pub(crate) kept_out: HashMap<u64, KeptOut>,
+    /// Receiver: chunks of the peer's kept imported here, by key.
+    pub(crate) kept_in: HashMap<u64, KeptIn>,
+    pub(crate) kept_hits: u64,
+    /// We said [`Msg::Bye`].
+    bye_sent: bool,
+    /// The peer said [`Msg::Bye`].
+    bye_received: bool,
+}
+
+impl LinkState {
+    /// Whether `Forget`s we sent are still unanswered.
+    fn forgets_pending(&self) -> bool {
+        self.kept_out.values().any(|e| e.forgetting)
+    }
 }
 
 /// What a link's handle, its reader thread, its grants and its imports share.
@@ -158,6 +194,12 @@ pub(crate) struct LinkShared {
     pub(crate) path: PathChoice,
     pub(crate) state: Mutex<LinkState>,
     pub(crate) changed: Condvar,
+    /// Our messages to the peer.
+    pub(crate) writer: FrameWriter,
+    /// Held while a grant decides which chunks go as keys and queues its messages, so a key
+    /// goes out after the descriptor that made it (lock order: before the registry's and
+    /// the state's; no driver call under it).
+    pub(crate) send_lock: Mutex<()>,
     /// A handle on the connection, to shut it down.
     socket: UnixStream,
 }
@@ -198,6 +240,260 @@ impl LinkShared {
                 None => self.changed.wait(&mut st),
             }
         }
+    }
+
+    /// Sender: ask the peer to forget kept chunks `keys` (a pool released them and holds them
+    /// back until it has).
+    pub(crate) fn forget_out(&self, keys: Vec<u64>) {
+        {
+            let mut st = self.state.lock();
+            for k in &keys {
+                if let Some(e) = st.kept_out.get_mut(k) {
+                    e.forgetting = true;
+                }
+            }
+        }
+        tracing::debug!(peer = %self.peer.name, chunks = keys.len(), "asking the peer to forget kept imports");
+        if let Err(e) = send(&self.writer, Msg::Forget { keys }, Vec::new()) {
+            // The link is ending: the chunks are released once the peer's process exited.
+            tracing::debug!(peer = %self.peer.name, error = %e, "forget not sent");
+        }
+    }
+
+    /// Sender: the peer holds no import of kept chunks `keys` any more; release those a pool
+    /// held back for it alone. A key it was never given (or forgot already) is an error.
+    fn forgot_out(self: &Arc<Self>, keys: Vec<u64>) -> std::result::Result<(), String> {
+        let mut gone = Vec::with_capacity(keys.len());
+        let mut unknown = None;
+        {
+            let mut st = self.state.lock();
+            for k in keys {
+                match st.kept_out.remove(&k) {
+                    Some(e) => gone.push((k, e)),
+                    None => unknown = Some(k),
+                }
+            }
+        }
+        self.settle_forgotten(gone);
+        match unknown {
+            Some(k) => Err(format!(
+                "the peer forgot chunk key {k}, which it does not keep"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Take kept chunks off the registry; release those held back for this peer alone.
+    fn settle_forgotten(self: &Arc<Self>, gone: Vec<(u64, KeptOut)>) {
+        for (key, e) in gone {
+            if let Some(pool) = cache::forgotten(e.backend, e.raw, self, key) {
+                if let Some(pool) = pool.upgrade() {
+                    pool.release_held_back(e.raw);
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// Receiver: use kept chunk `key` of `size` bytes for a mapping.
+    pub(crate) fn use_kept(&self, key: u64, size: u64) -> Result<PhysicalChunk> {
+        let mut st = self.state.lock();
+        match st.kept_in.get_mut(&key) {
+            Some(e) if !e.forgotten && e.chunk.size as u64 == size => {
+                e.users += 1;
+                let c = e.chunk;
+                st.kept_hits += 1;
+                Ok(c)
+            }
+            Some(e) => Err(self.peer_error(
+                "import",
+                format!(
+                    "kept chunk {key} is {} bytes{}, the grant says {size}",
+                    e.chunk.size,
+                    if e.forgotten {
+                        " and being forgotten"
+                    } else {
+                        ""
+                    }
+                ),
+            )),
+            None => Err(self.peer_error(
+                "import",
+                format!("the grant names kept chunk {key}, which is not kept here"),
+            )),
+        }
+    }
+
+    /// Receiver: keep `chunk`, just imported, under `key`, used by one mapping. A key kept
+    /// already is refused (the chunk is not kept then; the caller releases it).
+    pub(crate) fn keep(&self, key: u64, chunk: PhysicalChunk) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.kept_in.contains_key(&key) {
+            return Err(self.peer_error(
+                "import",
+                format!("the grant sends chunk key {key} again, which is kept here already"),
+            ));
+        }
+        st.kept_in.insert(
+            key,
+            KeptIn {
+                chunk,
+                users: 1,
+                forgotten: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// Receiver: a mapping stopped using kept chunks `keys`; those the sender asked us to
+    /// forget (or all, once the link closed) and now unused are released, and the sender told.
+    pub(crate) fn unuse_kept(&self, keys: &[u64]) {
+        let (release, closed) = {
+            let mut st = self.state.lock();
+            let closed = st.closed.is_some();
+            let mut release = Vec::new();
+            for k in keys {
+                let Some(e) = st.kept_in.get_mut(k) else {
+                    continue;
+                };
+                e.users = e.users.saturating_sub(1);
+                if e.users == 0 && (e.forgotten || closed) {
+                    let e = st.kept_in.remove(k).expect("looked up above");
+                    release.push((*k, e.chunk));
+                }
+            }
+            (release, closed)
+        };
+        self.release_kept(release, !closed);
+    }
+
+    /// Receiver: release imports of kept chunks (no lock held) and, if `tell`, tell the sender.
+    fn release_kept(&self, chunks: Vec<(u64, PhysicalChunk)>, tell: bool) {
+        if chunks.is_empty() {
+            return;
+        }
+        let mut keys = Vec::with_capacity(chunks.len());
+        let mut failed = Vec::new();
+        for (k, c) in chunks {
+            // SAFETY: imported by this link, mapped nowhere (no mapping uses it), released once
+            // (taken out of the books above).
+            match unsafe { self.backend.release(c) } {
+                Ok(()) => keys.push(k),
+                Err(e) => {
+                    tracing::error!(peer = %self.peer.name, key = k, error = %e, "releasing a kept import failed; it stays imported and in the books");
+                    failed.push((k, c));
+                }
+            }
+        }
+        if !failed.is_empty() {
+            // Still imported: the books keep it, the sender keeps it held back.
+            let mut st = self.state.lock();
+            for (k, chunk) in failed {
+                st.kept_in.insert(
+                    k,
+                    KeptIn {
+                        chunk,
+                        users: 0,
+                        forgotten: true,
+                    },
+                );
+            }
+        }
+        self.changed.notify_all();
+        if tell && !keys.is_empty() {
+            if let Err(e) = send(&self.writer, Msg::Forgot { keys }, Vec::new()) {
+                tracing::debug!(peer = %self.peer.name, error = %e, "forgot not sent");
+            }
+        }
+    }
+
+    /// Receiver: chunks of a grant that was not imported (revoked while queued, or refused):
+    /// those sent to be kept are imported and kept all the same, unused, as the sender counts
+    /// on (it may name them in its next grant already); one that cannot be imported is
+    /// reported forgotten. Driver calls: no lock held.
+    pub(crate) fn keep_unimported(&self, chunks: Vec<InChunk>) {
+        let mut lost = Vec::new();
+        for c in chunks {
+            let (WireChunk::Keep(k), Some(fd)) = (c.how, c.fd) else {
+                continue;
+            };
+            let size = usize::try_from(c.size).unwrap_or(usize::MAX);
+            match self.backend.import_chunk(fd, size) {
+                Ok(chunk) => {
+                    if self.keep(k, chunk).is_err() {
+                        // Kept already (a peer repeating keys): ours goes.
+                        // SAFETY: imported just now, mapped nowhere, not kept, released once.
+                        if let Err(e) = unsafe { self.backend.release(chunk) } {
+                            tracing::error!(error = %e, "releasing an imported chunk failed");
+                        }
+                    } else {
+                        self.unuse_kept(&[k]);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer.name, key = k, error = %e, "a chunk to keep could not be imported");
+                    lost.push(k);
+                }
+            }
+        }
+        self.send_forgot(lost);
+    }
+
+    /// Receiver: a chunk sent to be kept under `key` could not be imported.
+    pub(crate) fn forgot_unimported(&self, key: u64) {
+        self.send_forgot(vec![key]);
+    }
+
+    fn send_forgot(&self, keys: Vec<u64>) {
+        if keys.is_empty() {
+            return;
+        }
+        if let Err(e) = send(&self.writer, Msg::Forgot { keys }, Vec::new()) {
+            tracing::debug!(peer = %self.peer.name, error = %e, "forgot not sent");
+        }
+    }
+
+    /// End the link from our side, once: let go of kept imports nothing maps, ask the peer to
+    /// forget what it keeps of ours, and say [`Msg::Bye`] after them (no grant follows: the
+    /// send lock orders it after any grant being queued).
+    fn say_bye(&self) {
+        let forget: Vec<u64> = {
+            let _sending = self.send_lock.lock();
+            let mut st = self.state.lock();
+            if std::mem::replace(&mut st.bye_sent, true) {
+                return;
+            }
+            st.kept_out
+                .iter()
+                .filter(|(_, e)| !e.forgetting)
+                .map(|(&k, _)| k)
+                .collect()
+        };
+        self.release_unused_kept(true);
+        if !forget.is_empty() {
+            self.forget_out(forget);
+        }
+        if let Err(e) = send(&self.writer, Msg::Bye, Vec::new()) {
+            tracing::debug!(peer = %self.peer.name, error = %e, "bye not sent");
+        }
+    }
+
+    /// Receiver: let go of every kept chunk no mapping uses (the link is ending).
+    fn release_unused_kept(&self, tell: bool) {
+        let release: Vec<(u64, PhysicalChunk)> = {
+            let mut st = self.state.lock();
+            let unused: Vec<u64> = st
+                .kept_in
+                .iter()
+                .filter(|(_, e)| e.users == 0)
+                .map(|(&k, _)| k)
+                .collect();
+            unused
+                .into_iter()
+                .filter_map(|k| st.kept_in.remove(&k).map(|e| (k, e.chunk)))
+                .collect()
+        };
+        self.release_kept(release, tell);
     }
 
     /// The receiver took hand-off `id` over: release its blocks here with the pin dropped in
@@ -296,6 +592,25 @@ impl LinkShared {
         drop(pin);
         self.changed.notify_all();
         tracing::debug!(peer = %self.peer.name, grant = id, "grant released; blocks unpinned");
+    }
+}
+
+impl Drop for LinkShared {
+    fn drop(&mut self) {
+        // Every mapping using a kept import holds the link: none is left, so all can go.
+        let left: Vec<(u64, PhysicalChunk)> = self
+            .state
+            .get_mut()
+            .kept_in
+            .drain()
+            .map(|(k, e)| (k, e.chunk))
+            .collect();
+        for (k, c) in left {
+            // SAFETY: imported by this link, mapped nowhere (no mapping is left), released once.
+            if let Err(e) = unsafe { self.backend.release(c) } {
+                tracing::error!(peer = %self.peer.name, key = k, error = %e, "releasing a kept import failed");
+            }
+        }
     }
 }
 
@@ -421,6 +736,7 @@ impl PeerLink {
         }
         tracing::info!(peer = %peer.name, pid = credentials.pid, uid = credentials.uid, path = %path.path, reason = %path.reason, "p2p link open");
         let clone = |s: &UnixStream| s.try_clone().map_err(io("dup socket"));
+        let (writer, _) = FrameWriter::spawn(clone(&stream)?, WRITER_DEPTH, "p2p")?;
         let shared = Arc::new(LinkShared {
             socket: clone(&stream)?,
             name: name.to_owned(),
@@ -429,8 +745,9 @@ impl PeerLink {
             path,
             state: Mutex::new(LinkState::default()),
             changed: Condvar::new(),
+            writer: writer.clone(),
+            send_lock: Mutex::new(()),
         });
-        let (writer, _) = FrameWriter::spawn(clone(&stream)?, WRITER_DEPTH, "p2p")?;
         let reader = Reader {
             shared: shared.clone(),
             writer: writer.clone(),
@@ -481,6 +798,11 @@ impl PeerLink {
             queued_grants: st.ready.len(),
             transfers: st.transfers,
             bytes_copied: st.bytes_copied,
+            peer_kept_chunks: st.kept_out.len(),
+            peer_kept_bytes: st.kept_out.values().map(|e| e.size).sum(),
+            kept_imports: st.kept_in.len(),
+            kept_import_bytes: st.kept_in.values().map(|e| e.chunk.size as u64).sum(),
+            kept_hits: st.kept_hits,
         }
     }
 
@@ -547,13 +869,22 @@ impl fmt::Debug for PeerLink {
 
 impl Drop for PeerLink {
     fn drop(&mut self) {
-        // What we queued (releases of imports dropped just before) goes out first, so the
-        // peer unpins on our word rather than on our exit.
+        // Kept imports nothing maps go now and the peer hears so; it is asked to forget what it
+        // keeps of ours; then bye. What we queued (releases of imports dropped just before)
+        // goes out first, so the peer unpins on our word rather than on our exit.
+        self.shared.say_bye();
         if !self.writer.flush(FLUSH_TIMEOUT) {
             tracing::debug!(peer = %self.shared.peer.name, "frames not flushed before the link closed");
         }
-        // The reader sees the end and settles the books (see `Reader::close`).
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        // The peer answers what it owes and says bye; the reader reads it all and closes. A
+        // peer that does not answer in time is cut off (the reader then settles the books).
+        let deadline = Instant::now().checked_add(FLUSH_TIMEOUT);
+        let (st, ended) = self.shared.wait_until(deadline, |st| st.closed.is_some());
+        drop(st);
+        if !ended {
+            tracing::debug!(peer = %self.shared.peer.name, "no bye from the peer in time; closing the link");
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
@@ -585,12 +916,21 @@ impl Reader {
                     if let Err(e) = self.handle(msg, frame.fds) {
                         break format!("protocol error: {e}");
                     }
+                    // Both said bye: done once our requests are answered; the peer's answers
+                    // come before its own end, which a timeout bounds.
+                    let st = self.shared.state.lock();
+                    if st.bye_sent && st.bye_received {
+                        if !st.forgets_pending() {
+                            break "both sides said bye".to_owned();
+                        }
+                        drop(st);
+                        let _ = self.stream.set_read_timeout(Some(BYE_TIMEOUT));
+                    }
                 }
                 Ok(None) => break "the peer closed the connection".to_owned(),
                 Err(e) => break e.to_string(),
             }
         };
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
         self.close(reason);
     }
 
@@ -602,12 +942,19 @@ impl Reader {
                 grant,
                 offsets,
                 sizes,
+                how,
             } => {
-                if offsets.len() != fds.len() || sizes.len() != fds.len() || fds.is_empty() {
+                let with_fd = how.iter().filter(|h| h.has_fd()).count();
+                if offsets.len() != how.len()
+                    || sizes.len() != how.len()
+                    || with_fd != fds.len()
+                    || how.is_empty()
+                {
                     return Err(bad(format!(
-                        "chunks of grant {grant}: {} offsets, {} sizes, {} descriptors",
+                        "chunks of grant {grant}: {} offsets, {} sizes, {} chunks of which {with_fd} with descriptors, {} descriptors",
                         offsets.len(),
                         sizes.len(),
+                        how.len(),
                         fds.len()
                     )));
                 }
@@ -621,18 +968,20 @@ impl Reader {
                     )));
                 }
                 let part = st.partial.entry(grant).or_default();
-                if part.len() + fds.len() > MAX_GRANT_CHUNKS {
+                if part.len() + how.len() > MAX_GRANT_CHUNKS {
                     return Err(bad(format!(
                         "grant {grant} has more than {MAX_GRANT_CHUNKS} chunks"
                     )));
                 }
-                part.extend(
-                    offsets
-                        .into_iter()
-                        .zip(sizes)
-                        .zip(fds)
-                        .map(|((offset, size), fd)| InChunk { offset, size, fd }),
-                );
+                let mut fds = fds.into_iter();
+                part.extend(offsets.into_iter().zip(sizes).zip(how).map(
+                    |((offset, size), how)| InChunk {
+                        offset,
+                        size,
+                        how,
+                        fd: if how.has_fd() { fds.next() } else { None },
+                    },
+                ));
             }
             Msg::Grant {
                 grant,
@@ -694,8 +1043,9 @@ impl Reader {
                     }
                 };
                 self.shared.changed.notify_all();
-                if let Some(d) = dropped {
-                    drop(d);
+                if let Some((queued, partial)) = dropped {
+                    let chunks = queued.into_iter().chain(partial).flatten().collect();
+                    self.shared.keep_unimported(chunks);
                     send(&self.writer, Msg::Released { grant }, Vec::new())?;
                 }
             }
@@ -712,6 +1062,40 @@ impl Reader {
                 tracing::warn!(peer = %self.shared.peer.name, grant, %reason, "peer refused a grant");
                 self.shared.finish_out(grant, GrantStatus::Refused(reason))
             }
+            Msg::Forget { keys } => {
+                // Unused ones go now; those a mapping uses go when it is unmapped.
+                let release: Vec<(u64, PhysicalChunk)> = {
+                    let mut st = self.shared.state.lock();
+                    let mut release = Vec::new();
+                    for k in keys {
+                        // Unknown: released here already (our link is ending), nothing to do.
+                        let Some(e) = st.kept_in.get_mut(&k) else {
+                            continue;
+                        };
+                        e.forgotten = true;
+                        if e.users == 0 {
+                            let e = st.kept_in.remove(&k).expect("looked up above");
+                            release.push((k, e.chunk));
+                        }
+                    }
+                    release
+                };
+                self.shared.release_kept(release, true);
+            }
+            Msg::Forgot { keys } => self.shared.forgot_out(keys).map_err(bad)?,
+            Msg::Bye => {
+                {
+                    let mut st = self.shared.state.lock();
+                    if std::mem::replace(&mut st.bye_received, true) {
+                        return Err(bad("a second bye".into()));
+                    }
+                    // No grant comes any more, and none may go: the link is closed for use.
+                    st.closed
+                        .get_or_insert_with(|| "the peer closed the link".to_owned());
+                }
+                self.shared.changed.notify_all();
+                self.shared.say_bye();
+            }
         }
         Ok(())
     }
@@ -720,28 +1104,48 @@ impl Reader {
     /// the peer never released go once its process has exited.
     fn close(self, reason: String) {
         tracing::info!(peer = %self.shared.peer.name, %reason, "p2p link closed");
-        let dropped = {
+        let (partial, ready) = {
+            // Under the send lock: a grant deciding what goes as keys is done, and no later one
+            // records anything for this link.
+            let _sending = self.shared.send_lock.lock();
             let mut st = self.shared.state.lock();
-            st.closed = Some(reason);
+            st.closed.get_or_insert(reason);
             (
                 std::mem::take(&mut st.partial),
                 std::mem::take(&mut st.ready),
             )
         };
-        drop(dropped);
+        // Chunks sent to be kept that never got imported: the sender hears they are not kept
+        // (if it still listens: it may have closed only its own end).
+        let never: Vec<u64> = partial
+            .into_values()
+            .flatten()
+            .chain(ready.into_iter().flat_map(|g| g.chunks))
+            .filter_map(|c| match c.how {
+                WireChunk::Keep(k) => Some(k),
+                _ => None,
+            })
+            .collect();
         self.shared.changed.notify_all();
-        let outstanding = self
-            .shared
-            .state
-            .lock()
-            .out
-            .values()
-            .any(|g| g.pin.is_some());
+        // Our imports of the peer's chunks that nothing maps go (the rest when unmapped).
+        self.shared.release_unused_kept(true);
+        if !never.is_empty() {
+            let _ = send(&self.writer, Msg::Forgot { keys: never }, Vec::new());
+        }
+        // What we owe goes out before the end (a peer that closed only its own end reads it).
+        if !self.writer.flush(FLUSH_TIMEOUT) {
+            tracing::debug!(peer = %self.shared.peer.name, "frames not flushed before the link closed");
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let outstanding = {
+            let st = self.shared.state.lock();
+            st.out.values().any(|g| g.pin.is_some()) || !st.kept_out.is_empty()
+        };
         if !outstanding {
             return;
         }
         let Some(pidfd) = &self.pidfd else {
-            tracing::error!(peer = %self.shared.peer.name, "the peer may still map granted chunks and its exit cannot be watched: their blocks stay pinned");
+            tracing::error!(peer = %self.shared.peer.name, "the peer may still map granted chunks or keep them imported and its exit cannot be watched: their blocks stay pinned and released chunks held back");
             return;
         };
         tracing::info!(peer = %self.shared.peer.name, pid = self.shared.peer.credentials.pid, "waiting for the peer's process to exit before unpinning its grants");
@@ -763,6 +1167,9 @@ impl Reader {
         };
         tracing::info!(peer = %self.shared.peer.name, grants = pins.len(), "peer exited; its grants are unpinned");
         drop(pins);
+        // Its kept imports went with it.
+        let kept: Vec<(u64, KeptOut)> = self.shared.state.lock().kept_out.drain().collect();
+        self.shared.settle_forgotten(kept);
         self.shared.changed.notify_all();
     }
 }

@@ -60,6 +60,7 @@
 //! taken out under it and dropped after it is released; no driver call or socket write happens
 //! under it. It is never held while a backing's or a pool's lock is taken.
 
+pub(crate) mod cache;
 mod copy;
 mod export;
 mod import;

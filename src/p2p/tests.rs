@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::link::PeerLink;
-use super::wire::{Hello, Msg, WireLayout, VERSION};
+use super::wire::{Hello, Msg, WireChunk, WireLayout, VERSION};
 use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use crate::backend::{AccessMode, Backend};
 use crate::ipc;
@@ -84,9 +84,10 @@ fn malformed_and_inconsistent_messages_close_the_link() {
         grant: 1,
         offsets: vec![0, 1 << 21],
         sizes: vec![1 << 21, 1 << 21],
+        how: vec![WireChunk::New, WireChunk::Keep(1)],
     };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
-    closed_with(&l, "2 offsets, 2 sizes, 1 descriptors");
+    closed_with(&l, "2 chunks of which 2 with descriptors, 1 descriptors");
 
     // A grant announcing more chunks than arrived.
     let (l, raw) = link();
@@ -114,6 +115,7 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
         grant: 7,
         offsets: vec![0],
         sizes: vec![DEFAULT_GRANULARITY as u64],
+        how: vec![WireChunk::New],
     };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
     let m = Msg::Grant {
@@ -148,6 +150,7 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
         grant: 8,
         offsets: vec![0],
         sizes: vec![DEFAULT_GRANULARITY as u64],
+        how: vec![WireChunk::New],
     };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
     let m = Msg::Grant {
@@ -193,6 +196,7 @@ fn grants_far_beyond_the_layout_or_off_granularity_are_refused() {
             grant,
             offsets: offsets.clone(),
             sizes: vec![gran; offsets.len()],
+            how: vec![WireChunk::New; offsets.len()],
         };
         let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
         ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &borrowed).unwrap();
@@ -253,6 +257,7 @@ fn a_repeated_grant_id_closes_the_link_and_leaves_the_live_import_alone() {
         grant: 5,
         offsets: vec![0],
         sizes: vec![DEFAULT_GRANULARITY as u64],
+        how: vec![WireChunk::New],
     };
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
     let grant = |chunks| Msg::Grant {

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::layout::{BlockDim, LayoutConfig, LayoutKind};
 
 /// Protocol version; a peer with another one is refused at hello.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Most blocks in one grant (the grant message must fit one frame).
 pub const MAX_GRANT_BLOCKS: usize = 4096;
 /// Most chunks in one grant (sent [`crate::ipc::MAX_FDS`] to a frame).
@@ -132,12 +132,14 @@ pub enum GrantMode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum Msg {
     Hello(Hello),
-    /// Chunks of grant `grant`, one descriptor attached per chunk, in order: each chunk's
-    /// offset in the sender's layout range and its size.
+    /// Chunks of grant `grant`, in order: each chunk's offset in the sender's layout range, its
+    /// size, and how it comes (one descriptor attached per [`WireChunk::New`] and
+    /// [`WireChunk::Keep`], in order).
     Chunks {
         grant: u64,
         offsets: Vec<u64>,
         sizes: Vec<u64>,
+        how: Vec<WireChunk>,
     },
     /// The grant is complete: `chunks` chunks were sent before it.
     Grant {
@@ -166,4 +168,43 @@ pub(crate) enum Msg {
         grant: u64,
         reason: String,
     },
+    /// The sender released these kept chunks: the receiver lets go of its imports once no
+    /// mapping uses them, then answers [`Msg::Forgot`].
+    Forget {
+        keys: Vec<u64>,
+    },
+    /// The receiver holds no import of these kept chunks any more.
+    Forgot {
+        keys: Vec<u64>,
+    },
+    /// The link is ending: no grant follows; what the sender of it owed went before it. Each
+    /// side answers what it owes, says it too, and the socket closes once both have.
+    Bye,
+}
+
+/// How one chunk of a grant comes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum WireChunk {
+    /// A descriptor, imported for this grant only (hand-offs).
+    New,
+    /// A descriptor: import it and keep the import under the key after the grant ends, until
+    /// the sender says [`Msg::Forget`].
+    Keep(u64),
+    /// No descriptor: the receiver kept this chunk imported under the key.
+    Kept(u64),
+}
+
+impl WireChunk {
+    /// Whether a descriptor comes with it.
+    pub(crate) fn has_fd(self) -> bool {
+        !matches!(self, WireChunk::Kept(_))
+    }
+
+    /// The key it is kept under, if kept.
+    pub(crate) fn key(self) -> Option<u64> {
+        match self {
+            WireChunk::New => None,
+            WireChunk::Keep(k) | WireChunk::Kept(k) => Some(k),
+        }
+    }
 }

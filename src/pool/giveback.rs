@@ -250,6 +250,7 @@ impl Drop for Inner {
             let mapped: Vec<Placed> = std::mem::take(&mut st.chunks).into_iter().collect();
             let mut cached = st.cache.drain();
             cached.append(&mut st.given_away);
+            cached.append(&mut st.peer_held);
             let bytes = bytes_of(mapped.iter().map(|(_, c)| c));
             st.mapped -= bytes;
             self.in_flight
@@ -261,6 +262,13 @@ impl Drop for Inner {
         let still_mapped = bytes_of(out.kept.iter().map(|(_, c)| c));
         let release: Vec<PhysicalChunk> =
             out.gone.into_iter().map(|(_, c)| c).chain(cached).collect();
+        if crate::p2p::cache::any() {
+            // Released whatever peers keep imported (nothing is left to charge them to): they
+            // are told to forget them, and the handles are forgotten here first, so one the
+            // driver reuses is exported with a descriptor again.
+            let backend = crate::p2p::cache::backend_key(&self.backend);
+            crate::p2p::cache::notify(crate::p2p::cache::purge(backend, &release));
+        }
         let (_, err) = self.release_chunks(release);
         // What could not be unmapped or released stays charged to whoever admitted it (the
         // shared ledger keeps it counted against the budget when the model's line goes).

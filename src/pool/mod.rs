@@ -114,6 +114,8 @@ pub(crate) struct Inner {
     /// Bytes of physical chunks held by operations in progress (see `sources.rs`).
     in_flight: AtomicU64,
     drivers: DriverCounters,
+    /// This pool, for chunks another process keeps imported (released once it forgot them).
+    me: std::sync::Weak<Inner>,
 }
 
 /// A pool's lock held for a stats snapshot.
@@ -199,7 +201,8 @@ impl Pool {
         let mut state = State::default();
         state.cold.insert(0, capacity);
         tracing::debug!(pool = %config.name, base, capacity, gran, backend = backend.info().name, "pool reserved");
-        let inner = Inner {
+        let inner = Arc::new_cyclic(|me| Inner {
+            me: me.clone(),
             base,
             capacity,
             gran: gran as u64,
@@ -214,8 +217,7 @@ impl Pool {
             in_flight: AtomicU64::new(0),
             drivers,
             backend,
-        };
-        let inner = Arc::new(inner);
+        });
         Ok(Pool {
             handle: Arc::new(Handle { inner }),
         })
@@ -431,6 +433,7 @@ impl Inner {
             asleep: st.sleep.asleep_bytes(),
             host_staging: st.sleep.staging_bytes,
             given_away: bytes_of(&st.given_away),
+            peer_held: bytes_of(&st.peer_held),
         }
     }
 }

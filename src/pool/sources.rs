@@ -195,6 +195,7 @@ impl Inner {
         let mut released = 0;
         let mut kept = Vec::new();
         let mut first_err = None;
+        let chunks = self.hold_back_for_peers(chunks);
         if chunks.is_empty() {
             return (0, None);
         }
@@ -235,6 +236,45 @@ impl Inner {
             self.in_flight.fetch_sub(bytes_of(&kept), Ordering::AcqRel);
         }
         (released, first_err)
+    }
+
+    /// Of in-flight chunks about to be released, keep apart (still charged, out of flight)
+    /// those a p2p peer keeps imported, and ask the peers to forget them; the rest to release.
+    fn hold_back_for_peers(&self, chunks: Vec<PhysicalChunk>) -> Vec<PhysicalChunk> {
+        if chunks.is_empty() || !crate::p2p::cache::any() {
+            return chunks;
+        }
+        let backend = crate::p2p::cache::backend_key(&self.backend);
+        let (free, notices) = {
+            let mut st = self.state.lock();
+            // Marked held back and put apart in one step: a peer's answer that races this finds
+            // the chunk in `peer_held` (it takes this lock after the registry's).
+            let (held, free, notices) = crate::p2p::cache::hold_back(backend, chunks, &self.me);
+            if !held.is_empty() {
+                tracing::debug!(pool = %self.name, chunks = held.len(), bytes = bytes_of(&held), "released chunks held back until peers forget their imports");
+                self.in_flight.fetch_sub(bytes_of(&held), Ordering::AcqRel);
+                st.peer_held.extend(held);
+            }
+            (free, notices)
+        };
+        crate::p2p::cache::notify(notices);
+        free
+    }
+
+    /// Every peer forgot the chunk `raw` held back here: release it now (credited).
+    pub(crate) fn release_held_back(&self, raw: u64) {
+        let chunk = {
+            let mut st = self.state.lock();
+            let Some(i) = st.peer_held.iter().position(|c| c.raw == raw) else {
+                tracing::warn!(pool = %self.name, raw, "a chunk peers forgot is not held back here");
+                return;
+            };
+            let c = st.peer_held.swap_remove(i);
+            self.take_out(vec![c])
+        };
+        if let (_, Some(e)) = self.release_chunks(chunk) {
+            tracing::warn!(pool = %self.name, error = %e, "releasing a chunk peers forgot failed; it is cached");
+        }
     }
 
     /// Release cached chunks until at most `keep` bytes stay cached.

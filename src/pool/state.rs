@@ -157,6 +157,10 @@ pub(crate) struct State {
     /// Chunks another process took over (a p2p hand-off) whose release here failed: never
     /// reused (the other process owns their memory), still charged, released at teardown.
     pub(crate) given_away: Vec<PhysicalChunk>,
+    /// Chunks released here that another process still keeps imported (a p2p peer's import
+    /// cache, see `crate::p2p`): never reused, still charged (their memory is alive), released
+    /// once every peer forgot them.
+    pub(crate) peer_held: Vec<PhysicalChunk>,
     pub(crate) live: Slab,
     pub(crate) alloc_bytes: u64,
     pub(crate) mapped: u64,
@@ -175,7 +179,7 @@ impl State {
     }
 
     pub(crate) fn physical(&self) -> u64 {
-        self.mapped + self.cache.bytes() + bytes_of(&self.given_away)
+        self.mapped + self.cache.bytes() + bytes_of(&self.given_away) + bytes_of(&self.peer_held)
     }
 
     pub(crate) fn note_peaks(&mut self) {

@@ -37,6 +37,10 @@ pub const TESTS: &[(&str, fn())] = &[
         "p2p::hand_off_between_processes",
         hand_off_between_processes,
     ),
+    (
+        "p2p::kept_imports_between_processes",
+        kept_imports_between_processes,
+    ),
 ];
 
 pub fn role(name: &str) -> Option<fn()> {
@@ -46,6 +50,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "p2p-copy-loop" => Some(copy_loop_role),
         "p2p-grant-and-hang" => Some(grant_and_hang_role),
         "p2p-adopt" => Some(adopt_role),
+        "p2p-decode-kept" => Some(decode_kept_role),
         _ => None,
     }
 }
@@ -414,4 +419,106 @@ fn adopt_role() {
     let backend = exportable();
     let link = child_link("decode", backend.clone());
     scenario::hand_off_receiver(&link, backend);
+}
+
+/// The decode process keeps the chunks it imported: later grants of the same blocks send no
+/// descriptor and copy the bytes as they are now; a trim after a release holds the chunks back
+/// until the decode process forgot them; once it is killed holding some, the prefill settles
+/// its books on its exit and gives every byte back.
+fn kept_imports_between_processes() {
+    let mut s = start("p2p-decode-kept");
+    let backend = exportable();
+    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let pool = scenario::pool(backend.clone(), "prefill");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::FullyContiguous,
+        scenario::config(scenario::SRC_COUNT, INNER),
+    );
+    let settle = |what: &str, done: &dyn Fn() -> bool| {
+        let end = Instant::now() + WAIT;
+        while !done() {
+            assert!(Instant::now() < end, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    kv.ensure_backed(SRC_BLOCKS).unwrap();
+    for round in 0..=ROUNDS {
+        if round == ROUNDS {
+            // Released and trimmed: held back until the decode process forgot its imports.
+            kv.release(SRC_BLOCKS).unwrap();
+            pool.trim().unwrap();
+            settle("the decode process to forget", &|| {
+                pool.stats().peer_held == 0 && link.stats().peer_kept_chunks == 0
+            });
+            assert_eq!(backend.physical_bytes().unwrap(), 0);
+            kv.ensure_backed(SRC_BLOCKS).unwrap();
+        }
+        for b in SRC_BLOCKS {
+            scenario::fill(&kv, b, round as u64);
+        }
+        let g = link.grant(&kv, &SRC_BLOCKS, AccessMode::ReadOnly).unwrap();
+        let fresh = round == 0 || round == ROUNDS;
+        assert_eq!(
+            g.descriptors() > 0,
+            fresh,
+            "round {round}: {} descriptors for {} chunks",
+            g.descriptors(),
+            g.chunks()
+        );
+        if !fresh {
+            assert_eq!(g.descriptors(), 0);
+        }
+        assert_eq!(g.wait_released(WAIT).unwrap(), GrantStatus::Released);
+    }
+    wait_for_file(&s.dir.join("kept"));
+    assert!(link.stats().peer_kept_chunks > 0);
+    s.child.kill().unwrap();
+    assert!(!s.child.wait().unwrap().success());
+    settle("the books to settle on the decode process's exit", &|| {
+        link.closed().is_some() && link.stats().peer_kept_chunks == 0
+    });
+    kv.release(SRC_BLOCKS).unwrap();
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().peer_held, 0);
+    assert_eq!(backend.physical_bytes().unwrap(), 0);
+    drop(kv);
+    drop(pool);
+    drop(link);
+    assert_eq!(chunk_fds(), 0, "every chunk file is closed");
+    let _ = std::fs::remove_dir_all(s.dir);
+}
+
+fn decode_kept_role() {
+    let backend = exportable();
+    let link = child_link("decode", backend.clone());
+    let pool = scenario::pool(backend, "decode");
+    let kv = scenario::layout(
+        &pool,
+        LayoutKind::FullyContiguous,
+        scenario::config(scenario::DST_COUNT, INNER),
+    );
+    kv.ensure_backed(DST_BLOCKS).unwrap();
+    for round in 0..=ROUNDS {
+        let g = link.recv_grant(WAIT).unwrap();
+        g.copy_into(&kv, &DST_BLOCKS, CopyStream::LEGACY)
+            .unwrap()
+            .wait()
+            .unwrap();
+        for (s, d) in SRC_BLOCKS.into_iter().zip(DST_BLOCKS) {
+            let got = scenario::contents(&kv, d);
+            assert!(
+                got == scenario::pattern(round as u64, s, got.len()),
+                "round {round}: block {s} -> {d} differs"
+            );
+        }
+        drop(g);
+    }
+    let st = link.stats();
+    assert!(st.kept_hits > 0 && st.kept_imports > 0, "{st:?}");
+    std::fs::write(PathBuf::from(common::var("EVMM_DIR")).join("kept"), b"").unwrap();
+    // Killed here, holding its kept imports.
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
 }
