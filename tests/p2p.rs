@@ -848,6 +848,7 @@ fn kept_imports_are_reused_and_held_back_until_forgotten() {
         assert_eq!(g.chunks(), blocks.len());
         assert_eq!(g.descriptors(), fresh, "descriptors sent");
         let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+        assert_eq!(imp.kept_chunks(), blocks.len() - fresh, "chunks found kept");
         let mine: Vec<usize> = (5..5 + blocks.len()).collect();
         imp.copy_into(&dst, &mine, CopyStream::LEGACY)
             .unwrap()

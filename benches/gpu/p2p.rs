@@ -12,9 +12,11 @@
 //! `tasks` warp work items) and the host time of our call until its copies were queued
 //! (`host us`); `EVMM_P2P_ENGINE=kernel` or `memcpy` forces one engine for comparison. Before
 //! the copies: `wait ms` from asking for the grant to holding it mapped (the prefill's set-up
-//! of the case included), `chunks` imported and `import ms` for importing, mapping and setting
-//! access to them alone; `EVMM_P2P_PAGE=<bytes>` maps both layouts in larger pages (fewer
-//! chunks to import).
+//! of the case included), `chunks` mapped, `kept` of them found imported already (the decode
+//! keeps the chunks of earlier grants, and the prefill's layouts reuse its pool's cached chunks
+//! from case to case: the first case imports everything), and `import ms` for importing,
+//! mapping and setting access to them alone; `EVMM_P2P_PAGE=<bytes>` maps both layouts in
+//! larger pages (fewer chunks to import).
 //!
 //! With the `nixl` feature (and the NIXL library on `LD_LIBRARY_PATH`; without it the columns
 //! are skipped, saying why), NIXL moves the same blocks between the same two processes for the
@@ -241,7 +243,7 @@ pub fn decode() -> Result<(), BoxError> {
         );
     }
     print!(
-        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7} {:>9} {:>6} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
+        "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7} {:>9} {:>6} {:>6} {:>9} {:>10} {:>10} {:>10} {:>12} {:>7} {:>8}",
         "block",
         "layout",
         "blocks",
@@ -251,6 +253,7 @@ pub fn decode() -> Result<(), BoxError> {
         "host us",
         "wait ms",
         "chunks",
+        "kept",
         "import ms",
         "ours GB/s",
         "raw GB/s",
@@ -273,6 +276,7 @@ pub fn decode() -> Result<(), BoxError> {
         let wait_ms = t.elapsed().as_secs_f64() * 1e3;
         let import_ms = g.import_time().as_secs_f64() * 1e3;
         let chunks = link.stats().imported_chunks;
+        let kept = g.kept_chunks();
         let kv = layout(&pool, case, n)?;
         kv.ensure_backed(0..n)?;
         // Scattered: block i lands in block (i * 7919) mod n (a permutation: 7919 is prime
@@ -348,7 +352,7 @@ pub fn decode() -> Result<(), BoxError> {
         drop(g);
         kv.release(0..n)?;
         print!(
-            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7.1} {:>9.2} {:>6} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
+            "{:>9} {:<42} {:>6} {:>7} {:>7} {:>8} {:>7.1} {:>9.2} {:>6} {:>6} {:>9.2} {:>10.1} {:>10.1} {:>10} {:>12} {:>6.2}x {:>8}",
             crate::human(case.block),
             label,
             n,
@@ -358,6 +362,7 @@ pub fn decode() -> Result<(), BoxError> {
             report.host.as_secs_f64() * 1e6,
             wait_ms,
             chunks,
+            kept,
             import_ms,
             ours_bw,
             raw_bw,
@@ -386,10 +391,13 @@ pub fn decode() -> Result<(), BoxError> {
     }
     let st = link.stats();
     println!(
-        "decode link: {} transfers, {} copied, imports left {}",
+        "decode link: {} transfers, {} copied, imports left {}, {} chunks kept imported ({}), {} found kept",
         st.transfers,
         crate::human(st.bytes_copied),
-        st.imports
+        st.imports,
+        st.kept_imports,
+        crate::human(st.kept_import_bytes),
+        st.kept_hits
     );
     Ok(())
 }

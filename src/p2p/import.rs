@@ -42,6 +42,8 @@ struct Mapped {
     origin: u64,
     /// Where each chunk is mapped, and the key of the kept ones.
     placed: Vec<(u64, PhysicalChunk, Option<u64>)>,
+    /// Chunks found kept here (not imported for this grant).
+    reused: usize,
     segments: Vec<Segment>,
     access: AccessMode,
 }
@@ -119,6 +121,7 @@ impl Mapped {
         let mut m = Mapped {
             backend,
             link: link.clone(),
+            reused: 0,
             base,
             len: len as u64,
             origin: base.wrapping_sub(first),
@@ -133,7 +136,11 @@ impl Mapped {
             let key = c.how.key();
             let chunk = match c.fd {
                 // Kept here by an earlier grant: no import.
-                None => link.use_kept(key.unwrap_or_default(), c.size)?,
+                None => {
+                    let chunk = link.use_kept(key.unwrap_or_default(), c.size)?;
+                    m.reused += 1;
+                    chunk
+                }
                 Some(fd) => {
                     let chunk = match m.backend.import_chunk(fd, size) {
                         Ok(c) => c,
@@ -660,6 +667,12 @@ impl ImportedGrant {
     /// pages (`page_size` of [`crate::layout::LayoutBuilder`]) is imported faster.
     pub fn import_time(&self) -> Duration {
         self.import_time
+    }
+
+    /// Chunks of this grant that were kept imported here from earlier grants (sent without a
+    /// descriptor, not imported again); the others were imported for it.
+    pub fn kept_chunks(&self) -> usize {
+        self.mapping.mapped.as_ref().map_or(0, |m| m.reused)
     }
 
     /// Where the spans of the `i`-th granted block are mapped in this process.

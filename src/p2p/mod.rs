@@ -14,7 +14,7 @@
 //! link.grant(&kv, &blocks, ReadOnly)         (pins, exports, sends)
 //!                                            g = link.recv_grant(timeout)   (imports, maps)
 //!                                            g.copy_into(&kv, &mine, CopyStream::LEGACY)?.wait()?
-//!                                            drop(g)                        (unmaps, releases)
+//!                                            drop(g)                        (unmaps; chunks stay imported)
 //! grant.wait_released(timeout)               (pins dropped)
 //! ```
 //!
@@ -27,6 +27,17 @@
 //! ([`crate::backend::Backend::chunk_lender`]) never change hands this way: released, they go
 //! back to the broker, which hands them to other engines.
 //!
+//! # Kept imports
+//! Importing costs a driver call per chunk (about 75-80 µs on the H100) and a prefill engine
+//! grants the same pages again and again, so the receiver keeps the chunks of copy grants
+//! imported, not mapped, after the grant goes, and the sender sends later grants of them as
+//! keys, without descriptors ([`crate::p2p::Grant::descriptors`],
+//! [`ImportedGrant::kept_chunks`]): a steady stream of grants imports each page once. Their
+//! memory stays alive while the peer keeps them, so a pool that releases such a chunk holds it
+//! back, still charged ([`crate::PoolStats::peer_held`]), until the peer forgot it; a link that
+//! ends asks the peer to forget everything, and a peer that exits lets go with its process.
+//! Hand-offs are never kept. See `cache.rs`.
+//!
 //! # Safety and books
 //! - The sender's granted blocks are pinned ([`crate::BlockBacking::pin`]) from before any
 //!   export until the receiver says it let go ([`GrantStatus::Released`]), refused the grant,
@@ -37,8 +48,11 @@
 //!   [`Completion`] until the copies completed (a drop waits too).
 //! - A link that ends drops the grants received and not taken; a grant taken refuses new
 //!   copies once its sender is gone, and is unmapped when dropped.
-//! - [`LinkStats`] counts what the peer may still map of ours (`granted_bytes`) and what we map
-//!   of the peer's (`imported_bytes`).
+//! - [`LinkStats`] counts what the peer may still map of ours (`granted_bytes`), what it keeps
+//!   imported (`peer_kept_bytes`), what we map of the peer's (`imported_bytes`) and what we keep
+//!   imported (`kept_import_bytes`).
+//! - A link ends with a bye each way ([`PeerLink`]'s drop, or the peer's): answers in flight
+//!   (releases, forgotten imports) arrive before the socket closes.
 //!
 //! # Engines
 //! The receiver's import mirrors the sender's layout range, so a granted block is one address
@@ -58,7 +72,10 @@
 //! # Locking
 //! A link's state mutex is a leaf guarding bookkeeping only: pins, mappings and descriptors are
 //! taken out under it and dropped after it is released; no driver call or socket write happens
-//! under it. It is never held while a backing's or a pool's lock is taken.
+//! under it. It is never held while a backing's or a pool's lock is taken. A link's send lock
+//! comes before it (a grant decides which chunks go as keys and queues its messages under it;
+//! no driver call there). The kept-imports registry (`cache.rs`) is a leaf too, taken under a
+//! pool's state lock or a link's send lock.
 
 pub(crate) mod cache;
 mod copy;
