@@ -1037,3 +1037,52 @@ fn kept_imports_under_churn() {
     assert_eq!(st.physical(), 0, "{st:?}");
     assert_eq!(sb.physical_bytes().unwrap(), 0);
 }
+
+/// A chunk the peer keeps from a copy grant, then handed off to it: the sender holds it back
+/// until the peer forgot the kept import, and releases it then. If that release fails, the
+/// chunk must be kept apart (the receiver owns its memory now), never cached and reused.
+#[test]
+fn a_kept_chunk_handed_off_whose_late_release_fails_is_never_reused() {
+    let fault = Arc::new(FaultInjector::new(exportable()));
+    let s: Arc<dyn Backend> = fault.clone();
+    let r = exportable();
+    let (p, d) = pair(s.clone(), r.clone());
+    let src_pool = Pool::new(s, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&src_pool);
+    let dst_pool = Pool::new(r, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let dst = page_blocks(&dst_pool);
+    src.ensure_backed([1]).unwrap();
+    fill(&src, 1, 0x11);
+    // A copy grant first: the peer keeps the chunk imported.
+    let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+    drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+    g.wait_released(Duration::from_secs(5)).unwrap();
+    assert_eq!(d.stats().kept_imports, 1);
+    // Then handed off: adopted there, held back here until the peer forgot its kept import.
+    let g = p.hand_off(&src, &[1]).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    fault.fail_from(DriverCall::Release, 1);
+    imp.adopt_into(&dst, &[4]).unwrap();
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::HandedOff
+    );
+    wait_for("the peer to forget", || {
+        src_pool.stats().peer_held == 0 && p.stats().peer_kept_chunks == 0
+    });
+    fault.clear();
+    let ss = src_pool.stats();
+    assert_eq!(
+        (ss.cached, ss.given_away),
+        (0, 2 << 20),
+        "a handed-off chunk whose release failed went to the cache: {ss:?}"
+    );
+    src.ensure_backed([6]).unwrap();
+    fill(&src, 6, 0x66);
+    assert!(
+        bytes_of(&dst, 4).iter().all(|&b| b == 0x11),
+        "the sender reused memory the receiver adopted"
+    );
+    drop((src, p));
+    drop(src_pool);
+}

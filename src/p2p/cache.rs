@@ -128,6 +128,8 @@ pub(crate) fn hold_back(
             continue;
         }
         e.held_back = Some(pool.clone());
+        // Holders whose link is gone never answer: only the live ones are waited for.
+        e.holders.retain(|h| h.link.strong_count() > 0);
         for (link, key) in live {
             add_notice(&mut notices, link, key);
         }

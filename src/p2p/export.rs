@@ -264,6 +264,7 @@ impl PeerLink {
         let bytes: u64 = chunks.values().map(|c| c.size as u64).sum();
         let blocks = wire_blocks.len();
         let mut fds: HashMap<u64, OwnedFd> = HashMap::new();
+        let mut spare: Vec<OwnedFd> = Vec::new();
         let (sending, out) = loop {
             // Descriptors for what the peer does not keep: driver calls, with no lock held.
             for (&off, &c) in &chunks {
@@ -298,8 +299,9 @@ impl PeerLink {
                 let size = c.size as u64;
                 let how = match k {
                     Some(k) => {
-                        // A descriptor made before another grant recorded the chunk: unused.
-                        fds.remove(&off);
+                        // A descriptor made before another grant recorded the chunk: unused,
+                        // closed after the locks.
+                        spare.extend(fds.remove(&off));
                         WireChunk::Kept(k)
                     }
                     None if keep => {
@@ -346,6 +348,7 @@ impl PeerLink {
             out,
         );
         drop(sending);
+        drop(spare);
         if let Err(e) = sent {
             // Some chunks may have reached the peer: the pins stay until it lets go or exits.
             // Shutting the link down makes a conforming peer drop what it got.

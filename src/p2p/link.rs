@@ -255,8 +255,11 @@ impl LinkShared {
         }
         tracing::debug!(peer = %self.peer.name, chunks = keys.len(), "asking the peer to forget kept imports");
         if let Err(e) = send(&self.writer, Msg::Forget { keys }, Vec::new()) {
-            // The link is ending: the chunks are released once the peer's process exited.
-            tracing::debug!(peer = %self.peer.name, error = %e, "forget not sent");
+            // The link is ending, or the peer does not read: end it, so the chunks are
+            // released once the peer's process exited (never held back for good behind an
+            // open link that lost the request).
+            tracing::debug!(peer = %self.peer.name, error = %e, "forget not sent; closing the link");
+            self.shutdown();
         }
     }
 
@@ -402,7 +405,9 @@ impl LinkShared {
         self.changed.notify_all();
         if tell && !keys.is_empty() {
             if let Err(e) = send(&self.writer, Msg::Forgot { keys }, Vec::new()) {
-                tracing::debug!(peer = %self.peer.name, error = %e, "forgot not sent");
+                // The sender would hold the chunks back for as long as the link stays open.
+                tracing::debug!(peer = %self.peer.name, error = %e, "forgot not sent; closing the link");
+                self.shutdown();
             }
         }
     }
@@ -449,7 +454,8 @@ impl LinkShared {
             return;
         }
         if let Err(e) = send(&self.writer, Msg::Forgot { keys }, Vec::new()) {
-            tracing::debug!(peer = %self.peer.name, error = %e, "forgot not sent");
+            tracing::debug!(peer = %self.peer.name, error = %e, "forgot not sent; closing the link");
+            self.shutdown();
         }
     }
 

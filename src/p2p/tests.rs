@@ -307,3 +307,80 @@ fn a_grant_answered_twice_closes_the_link() {
     closed_with(&l, "answered grant");
     kv.release([0]).unwrap();
 }
+
+/// A sender whose writer queue is full when a pool releases a chunk the peer keeps: the
+/// `Forget` cannot be queued. The chunk is held back (charged) until the peer forgets it, so
+/// the request must reach the peer eventually, or the link must end (its books then settle
+/// when the peer exits). Here it is dropped silently: the link stays open, the peer never
+/// hears of it, and the chunk stays held back for as long as the peer lives.
+#[test]
+fn a_forget_that_cannot_be_queued_ends_the_link() {
+    let (l, raw) = link();
+    let (pool, kv) = page_blocks(&[0]);
+    // The peer keeps block 0's chunk.
+    let g = l.grant(&kv, &[0], AccessMode::ReadOnly).unwrap();
+    let mut key = None;
+    for _ in 0..2 {
+        let f = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
+        if let Msg::Chunks { how, .. } = ipc::decode::<Msg>(&f.payload).unwrap() {
+            key = how[0].key();
+        }
+    }
+    let key = key.expect("a kept chunk");
+    let m = Msg::Released { grant: g.id() };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    g.wait_released(Duration::from_secs(5)).unwrap();
+    drop(g);
+
+    // The peer stops reading for a while; meanwhile the link's own answers (releases of
+    // grants the peer sent) fill its writer queue.
+    let exporter = backend();
+    let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
+    let fd = exporter.export_chunk(chunk).unwrap();
+    for id in 1..=7000u64 {
+        let m = Msg::Chunks {
+            grant: id,
+            offsets: vec![0],
+            sizes: vec![DEFAULT_GRANULARITY as u64],
+            how: vec![WireChunk::New],
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
+        let m = Msg::Grant {
+            mode: super::GrantMode::Copy,
+            grant: id,
+            access: AccessMode::ReadOnly,
+            layout: layout(),
+            blocks: vec![0],
+            chunks: 1,
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+        drop(l.recv_grant(Duration::from_secs(5)).unwrap());
+    }
+    assert!(l.closed().is_none());
+
+    // The chunk the peer keeps is released: held back, and the peer is to be asked to forget.
+    kv.release([0]).unwrap();
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().peer_held, DEFAULT_GRANULARITY as u64);
+
+    // The peer reads again: everything queued comes, but no Forget.
+    raw.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut forget = false;
+    while let Ok(Some(f)) = ipc::recv_frame(&raw, ipc::MAX_FRAME) {
+        if let Msg::Forget { keys } = ipc::decode::<Msg>(&f.payload).unwrap() {
+            forget |= keys.contains(&key);
+        }
+    }
+    let end = Instant::now() + Duration::from_secs(2);
+    while !forget && l.closed().is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        forget || l.closed().is_some(),
+        "the Forget for key {key} was dropped, the link is open and the chunk stays held back: {:?}",
+        pool.stats()
+    );
+    // SAFETY: created above, mapped nowhere here.
+    unsafe { exporter.release(chunk).unwrap() };
+}

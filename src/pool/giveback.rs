@@ -251,6 +251,7 @@ impl Drop for Inner {
             let mut cached = st.cache.drain();
             cached.append(&mut st.given_away);
             cached.append(&mut st.peer_held);
+            st.peer_held_apart.clear();
             let bytes = bytes_of(mapped.iter().map(|(_, c)| c));
             st.mapped -= bytes;
             self.in_flight

@@ -195,7 +195,7 @@ impl Inner {
         let mut released = 0;
         let mut kept = Vec::new();
         let mut first_err = None;
-        let chunks = self.hold_back_for_peers(chunks);
+        let chunks = self.hold_back_for_peers(chunks, keep);
         if chunks.is_empty() {
             return (0, None);
         }
@@ -240,7 +240,11 @@ impl Inner {
 
     /// Of in-flight chunks about to be released, keep apart (still charged, out of flight)
     /// those a p2p peer keeps imported, and ask the peers to forget them; the rest to release.
-    fn hold_back_for_peers(&self, chunks: Vec<PhysicalChunk>) -> Vec<PhysicalChunk> {
+    fn hold_back_for_peers(
+        &self,
+        chunks: Vec<PhysicalChunk>,
+        keep: KeepFailed,
+    ) -> Vec<PhysicalChunk> {
         if chunks.is_empty() || !crate::p2p::cache::any() {
             return chunks;
         }
@@ -253,6 +257,10 @@ impl Inner {
             if !held.is_empty() {
                 tracing::debug!(pool = %self.name, chunks = held.len(), bytes = bytes_of(&held), "released chunks held back until peers forget their imports");
                 self.in_flight.fetch_sub(bytes_of(&held), Ordering::AcqRel);
+                if keep == KeepFailed::Apart {
+                    // Handed off: a failed release later must not cache it either.
+                    st.peer_held_apart.extend(held.iter().map(|c| c.raw));
+                }
                 st.peer_held.extend(held);
             }
             (free, notices)
@@ -270,9 +278,17 @@ impl Inner {
                 return;
             };
             let c = st.peer_held.swap_remove(i);
-            self.take_out(vec![c])
+            let keep = match st.peer_held_apart.iter().position(|&r| r == raw) {
+                Some(j) => {
+                    st.peer_held_apart.swap_remove(j);
+                    KeepFailed::Apart
+                }
+                None => KeepFailed::InCache,
+            };
+            (self.take_out(vec![c]), keep)
         };
-        if let (_, Some(e)) = self.release_chunks(chunk) {
+        let (chunk, keep) = chunk;
+        if let (_, Some(e)) = self.release_chunks_keeping(chunk, keep) {
             tracing::warn!(pool = %self.name, error = %e, "releasing a chunk peers forgot failed; it is cached");
         }
     }

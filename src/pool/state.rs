@@ -161,6 +161,8 @@ pub(crate) struct State {
     /// cache, see `crate::p2p`): never reused, still charged (their memory is alive), released
     /// once every peer forgot them.
     pub(crate) peer_held: Vec<PhysicalChunk>,
+    /// Handles of `peer_held` chunks that were handed off: kept apart if their release fails.
+    pub(crate) peer_held_apart: Vec<u64>,
     pub(crate) live: Slab,
     pub(crate) alloc_bytes: u64,
     pub(crate) mapped: u64,
