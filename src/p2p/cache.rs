@@ -69,17 +69,25 @@ pub(crate) fn any() -> bool {
     ENTRIES.load(Ordering::Acquire) > 0
 }
 
-/// The key `link`'s peer keeps `raw` of `backend` under, if it keeps it and it is not held back.
-pub(crate) fn key_of(backend: usize, raw: u64, link: &Arc<LinkShared>) -> Option<u64> {
+/// For each of `raws` of `backend`, the key `link`'s peer keeps it under, if it keeps it and
+/// it is not held back (one lock for the whole grant).
+pub(crate) fn keys_of(
+    backend: usize,
+    raws: impl Iterator<Item = u64>,
+    link: &Arc<LinkShared>,
+) -> Vec<Option<u64>> {
     let reg = REGISTRY.lock();
-    let e = reg.get(&(backend, raw))?;
-    if e.held_back.is_some() {
-        return None;
-    }
-    e.holders
-        .iter()
-        .find(|h| std::ptr::eq(h.link.as_ptr(), Arc::as_ptr(link)))
-        .map(|h| h.key)
+    raws.map(|raw| {
+        let e = reg.get(&(backend, raw))?;
+        if e.held_back.is_some() {
+            return None;
+        }
+        e.holders
+            .iter()
+            .find(|h| std::ptr::eq(h.link.as_ptr(), Arc::as_ptr(link)))
+            .map(|h| h.key)
+    })
+    .collect()
 }
 
 /// Record that `link`'s peer keeps `raw` of `backend` imported under `key`.
@@ -175,7 +183,7 @@ pub(crate) fn forgotten(
     if !e.holders.is_empty() {
         return None;
     }
-    let e = reg.remove(&(backend, raw)).expect("looked up above");
+    let e = reg.remove(&(backend, raw))?;
     ENTRIES.fetch_sub(1, Ordering::AcqRel);
     e.held_back
 }

@@ -265,19 +265,21 @@ impl PeerLink {
         let blocks = wire_blocks.len();
         let mut fds: HashMap<u64, OwnedFd> = HashMap::new();
         let mut spare: Vec<OwnedFd> = Vec::new();
+        // The keys the peer keeps the chunks under (none for a hand-off).
+        let keys_now = || match keep {
+            true => cache::keys_of(bk, chunks.values().map(|c| c.raw), link),
+            false => vec![None; chunks.len()],
+        };
         let (sending, out) = loop {
             // Descriptors for what the peer does not keep: driver calls, with no lock held.
-            for (&off, &c) in &chunks {
-                if !fds.contains_key(&off) && (!keep || cache::key_of(bk, c.raw, link).is_none()) {
+            for ((&off, &c), k) in chunks.iter().zip(keys_now()) {
+                if k.is_none() && !fds.contains_key(&off) {
                     fds.insert(off, backend.export_chunk(c)?);
                 }
             }
             let sending = link.send_lock.lock();
             // A kept chunk forgotten meanwhile (the peer's link is ending) needs a descriptor.
-            let known: Vec<Option<u64>> = chunks
-                .values()
-                .map(|c| keep.then(|| cache::key_of(bk, c.raw, link)).flatten())
-                .collect();
+            let known = keys_now();
             if chunks
                 .keys()
                 .zip(&known)

@@ -141,28 +141,10 @@ impl Mapped {
                     m.reused += 1;
                     chunk
                 }
-                Some(fd) => {
-                    let chunk = match m.backend.import_chunk(fd, size) {
-                        Ok(c) => c,
-                        Err(e) => {
-                            if let Some(k) = key {
-                                // Never kept: the sender hears so, as after any failed import.
-                                link.forgot_unimported(k);
-                            }
-                            return Err(e);
-                        }
-                    };
-                    if let Some(k) = key {
-                        if let Err(e) = link.keep(k, chunk) {
-                            // SAFETY: imported above, mapped nowhere, not kept, released once.
-                            if let Err(r) = unsafe { m.backend.release(chunk) } {
-                                tracing::error!(error = %r, "releasing an imported chunk failed");
-                            }
-                            return Err(e);
-                        }
-                    }
-                    chunk
-                }
+                Some(fd) => match key {
+                    Some(k) => link.import_to_keep(k, fd, c.size)?,
+                    None => m.backend.import_chunk(fd, size)?,
+                },
             };
             // SAFETY: `[at, at + size)` lies in the reservation made above and is unmapped (each
             // chunk gets its own part); a chunk imported may be mapped at several places.

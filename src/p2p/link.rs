@@ -361,8 +361,7 @@ impl LinkShared {
                 };
                 e.users = e.users.saturating_sub(1);
                 if e.users == 0 && (e.forgotten || closed) {
-                    let e = st.kept_in.remove(k).expect("looked up above");
-                    release.push((*k, e.chunk));
+                    release.extend(st.kept_in.remove(k).map(|e| (*k, e.chunk)));
                 }
             }
             (release, closed)
@@ -417,36 +416,46 @@ impl LinkShared {
     /// on (it may name them in its next grant already); one that cannot be imported is
     /// reported forgotten. Driver calls: no lock held.
     pub(crate) fn keep_unimported(&self, chunks: Vec<InChunk>) {
-        let mut lost = Vec::new();
         for c in chunks {
             let (WireChunk::Keep(k), Some(fd)) = (c.how, c.fd) else {
                 continue;
             };
-            let size = usize::try_from(c.size).unwrap_or(usize::MAX);
-            match self.backend.import_chunk(fd, size) {
-                Ok(chunk) => {
-                    if self.keep(k, chunk).is_err() {
-                        // Kept already (a peer repeating keys): ours goes.
-                        // SAFETY: imported just now, mapped nowhere, not kept, released once.
-                        if let Err(e) = unsafe { self.backend.release(chunk) } {
-                            tracing::error!(error = %e, "releasing an imported chunk failed");
-                        }
-                    } else {
-                        self.unuse_kept(&[k]);
-                    }
-                }
+            match self.import_to_keep(k, fd, c.size) {
+                Ok(_) => self.unuse_kept(&[k]),
+                // Told already when the import failed; a repeated key keeps the first.
                 Err(e) => {
-                    tracing::warn!(peer = %self.peer.name, key = k, error = %e, "a chunk to keep could not be imported");
-                    lost.push(k);
+                    tracing::warn!(peer = %self.peer.name, key = k, error = %e, "a chunk to keep was not kept");
                 }
             }
         }
-        self.send_forgot(lost);
     }
 
-    /// Receiver: a chunk sent to be kept under `key` could not be imported.
-    pub(crate) fn forgot_unimported(&self, key: u64) {
-        self.send_forgot(vec![key]);
+    /// Receiver: import the chunk of `fd` (`size` bytes) and keep it under `key`, used by one
+    /// mapping. An import that fails is reported forgotten to the sender; a key kept already
+    /// is refused (the new import is released). Driver calls: no lock held.
+    pub(crate) fn import_to_keep(&self, key: u64, fd: OwnedFd, size: u64) -> Result<PhysicalChunk> {
+        let chunk = usize::try_from(size)
+            .map_err(|_| Error::SizeOverflow {
+                what: "kept chunk",
+                detail: format!("{size} bytes"),
+            })
+            .and_then(|size| self.backend.import_chunk(fd, size));
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                // Never kept: the sender hears so.
+                self.send_forgot(vec![key]);
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.keep(key, chunk) {
+            // SAFETY: imported just now, mapped nowhere, not kept, released once.
+            if let Err(r) = unsafe { self.backend.release(chunk) } {
+                tracing::error!(error = %r, "releasing an imported chunk failed");
+            }
+            return Err(e);
+        }
+        Ok(chunk)
     }
 
     fn send_forgot(&self, keys: Vec<u64>) {
@@ -1080,8 +1089,7 @@ impl Reader {
                         };
                         e.forgotten = true;
                         if e.users == 0 {
-                            let e = st.kept_in.remove(&k).expect("looked up above");
-                            release.push((k, e.chunk));
+                            release.extend(st.kept_in.remove(&k).map(|e| (k, e.chunk)));
                         }
                     }
                     release

@@ -232,6 +232,17 @@ fn pins_hold_under_concurrent_release() {
     let _ = std::fs::remove_dir_all(s.dir);
 }
 
+/// Every destination block holds what the prefill wrote into its source block in `round`.
+fn expect_round(kv: &elastic_vmm::layout::ElasticLayout, round: usize) {
+    for (s, d) in SRC_BLOCKS.into_iter().zip(DST_BLOCKS) {
+        let got = scenario::contents(kv, d);
+        assert!(
+            got == scenario::pattern(round as u64, s, got.len()),
+            "round {round}: block {s} -> {d} differs"
+        );
+    }
+}
+
 fn decode_rounds_role() {
     let backend = exportable();
     let link = child_link("decode", backend.clone());
@@ -248,13 +259,7 @@ fn decode_rounds_role() {
         // Hold the grant a while: the sender's threads hammer its blocks meanwhile.
         std::thread::sleep(Duration::from_millis(40));
         done.wait().unwrap();
-        for (s, d) in SRC_BLOCKS.into_iter().zip(DST_BLOCKS) {
-            let got = scenario::contents(&kv, d);
-            assert!(
-                got == scenario::pattern(round as u64, s, got.len()),
-                "round {round}: block {s} -> {d} differs"
-            );
-        }
+        expect_round(&kv, round);
         drop(g);
     }
 }
@@ -505,13 +510,7 @@ fn decode_kept_role() {
             .unwrap()
             .wait()
             .unwrap();
-        for (s, d) in SRC_BLOCKS.into_iter().zip(DST_BLOCKS) {
-            let got = scenario::contents(&kv, d);
-            assert!(
-                got == scenario::pattern(round as u64, s, got.len()),
-                "round {round}: block {s} -> {d} differs"
-            );
-        }
+        expect_round(&kv, round);
         drop(g);
     }
     let st = link.stats();
