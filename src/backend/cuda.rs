@@ -14,9 +14,10 @@ use parking_lot::Mutex;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
+use super::cuda_staging::DescriptorStaging;
 use super::{
-    pack_gather, Backend, BackendInfo, GatherPiece, GatherShift, MemoryInfo, MemoryKind,
-    PhysicalChunk,
+    gather_size, pack_gather, write_gather, Backend, BackendInfo, GatherPiece, GatherShift,
+    MemoryInfo, MemoryKind, PhysicalChunk,
 };
 use crate::error::{Error, Result};
 
@@ -48,11 +49,13 @@ const GATHER_BLOCKS_PER_SM: u32 = 4;
 /// Descriptor memory the kernel's memory pool keeps across synchronizations.
 const GATHER_POOL_KEEP: u64 = 64 << 20;
 
-/// The loaded gather kernel and the stream-ordered memory pool its descriptors come from.
+/// The loaded gather kernel and where its descriptors go: reused pinned and device buffers
+/// (`staging`), or, when none is free, the stream-ordered memory pool.
 #[derive(Debug)]
 struct GatherKernel {
     module: sys::CUmodule,
     function: sys::CUfunction,
+    staging: DescriptorStaging,
     pool: sys::CUmemoryPool,
     /// Most blocks in one launch (one resident wave).
     max_grid: u32,
@@ -323,15 +326,59 @@ impl CudaBackend {
         Ok(GatherKernel {
             module,
             function,
+            staging: DescriptorStaging::default(),
             pool,
             max_grid: sms.saturating_mul(GATHER_BLOCKS_PER_SM),
         })
     }
 }
 
+impl CudaBackend {
+    /// The pool path of a gather launch's descriptors (no staging slot free): allocate `bytes`
+    /// from the kernel's pool on stream `s` and upload them from pageable memory. Returns the
+    /// device address, freed by the caller in stream order after the launch.
+    fn upload_to_pool(
+        &self,
+        kernel: &GatherKernel,
+        pieces: &[GatherPiece],
+        shifts: &[GatherShift],
+        bytes: usize,
+        s: sys::CUstream,
+    ) -> Result<sys::CUdeviceptr> {
+        let (words, _) = pack_gather(pieces, shifts)?;
+        let mut buf: sys::CUdeviceptr = 0;
+        // SAFETY: `buf` is valid for writing; the pool is ours and lives as long as `self`; the
+        // caller vouches for the stream.
+        unsafe { sys::cuMemAllocFromPoolAsync(&mut buf, bytes, kernel.pool, s) }
+            .result()
+            .map_err(driver_error(
+                "cuMemAllocFromPoolAsync",
+                format!(
+                    "{bytes} bytes of gather descriptors on stream {:#x}",
+                    s as usize
+                ),
+            ))?;
+        // SAFETY: `words` is `bytes` bytes of host memory; from pageable memory the call returns
+        // once they are staged (CUDA's documented behaviour), so `words` may go after it; `buf`
+        // holds `bytes` bytes in stream order.
+        let r = unsafe { sys::cuMemcpyHtoDAsync_v2(buf, words.as_ptr().cast(), bytes, s) }.result();
+        if let Err(e) = r {
+            // SAFETY: allocated on this stream above, freed once; nothing queued reads it.
+            if let Err(f) = unsafe { sys::cuMemFreeAsync(buf, s) }.result() {
+                tracing::error!(error = ?f.0, "cuMemFreeAsync of gather descriptors failed; they stay allocated");
+            }
+            return Err(driver_error(
+                "cuMemcpyHtoDAsync",
+                format!("{bytes} bytes of gather descriptors"),
+            )(e));
+        }
+        Ok(buf)
+    }
+}
+
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        if let Some(Ok(k)) = self.gather.take() {
+        if let Some(Ok(mut k)) = self.gather.take() {
             // Every launch ran before the module goes: completions hold the backend, so only a
             // copy whose wait failed could still be queued.
             if self.bind().is_ok() {
@@ -339,6 +386,8 @@ impl Drop for CudaBackend {
                 if let Err(e) = unsafe { sys::cuCtxSynchronize() }.result() {
                     tracing::warn!(error = ?e.0, "cuCtxSynchronize before unloading the gather kernel failed");
                 }
+                // SAFETY: our context is current and synchronized: no launch reads a slot.
+                unsafe { k.staging.destroy() };
                 // SAFETY: created by `load_gather`, destroyed once; allocations still
                 // outstanding are freed by the driver when their frees ran.
                 if let Err(e) = unsafe { sys::cuMemPoolDestroy(k.pool) }.result() {
@@ -673,45 +722,51 @@ impl Backend for CudaBackend {
         if pieces.is_empty() || shifts.is_empty() {
             return Ok(());
         }
-        let (words, at) = pack_gather(pieces, shifts)?;
+        let (bytes, at) = gather_size(pieces, shifts)?;
         let kernel = self.gather_kernel()?;
         self.bind()?;
-        let bytes = words.len() * 8;
         let s = raw_stream(stream);
-        let mut buf: sys::CUdeviceptr = 0;
-        // SAFETY: `buf` is valid for writing; the pool is ours and lives as long as `self`; the
-        // caller vouches for the stream.
-        unsafe { sys::cuMemAllocFromPoolAsync(&mut buf, bytes, kernel.pool, s) }
-            .result()
-            .map_err(driver_error(
-                "cuMemAllocFromPoolAsync",
-                format!("{bytes} bytes of gather descriptors on stream {stream:#x}"),
-            ))?;
-        let free = |call: &'static str| {
-            // SAFETY: `buf` was allocated on this stream above and is freed once, in stream
-            // order after everything queued on it that reads it.
-            if let Err(e) = unsafe { sys::cuMemFreeAsync(buf, s) }.result() {
-                tracing::error!(error = ?e.0, after = call, "cuMemFreeAsync of gather descriptors failed; they stay allocated");
+        let (buf, slot) = match kernel.staging.take(bytes) {
+            Some(mut slot) => {
+                write_gather(pieces, shifts, slot.host());
+                // SAFETY: the slot's host buffer is pinned and holds the `bytes` written above,
+                // its device buffer as many; neither is read by queued work (the slot's last
+                // launch completed) nor written until the event recorded after this launch
+                // completed.
+                let r = unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(slot.dev(), slot.host().as_ptr().cast(), bytes, s)
+                }
+                .result();
+                if let Err(e) = r {
+                    kernel.staging.give_back_unused(slot);
+                    return Err(driver_error(
+                        "cuMemcpyHtoDAsync",
+                        format!("{bytes} bytes of gather descriptors (pinned)"),
+                    )(e));
+                }
+                (slot.dev(), Some(slot))
+            }
+            None => (self.upload_to_pool(kernel, pieces, shifts, bytes, s)?, None),
+        };
+        // After the launch (or its failure): the slot is reusable once what was queued ran;
+        // pool memory is freed in stream order.
+        let release = |slot: Option<_>, call: &'static str| match slot {
+            Some(slot) => kernel.staging.give_back(slot, s),
+            None => {
+                // SAFETY: `buf` was allocated on this stream by `upload_to_pool` and is freed
+                // once, in stream order after everything queued on it that reads it.
+                if let Err(e) = unsafe { sys::cuMemFreeAsync(buf, s) }.result() {
+                    tracing::error!(error = ?e.0, after = call, "cuMemFreeAsync of gather descriptors failed; they stay allocated");
+                }
             }
         };
-        // SAFETY: `words` is `bytes` bytes of host memory; from pageable memory the call returns
-        // once they are staged (CUDA's documented behaviour), so `words` may go after it; `buf`
-        // holds `bytes` bytes in stream order.
-        let r = unsafe { sys::cuMemcpyHtoDAsync_v2(buf, words.as_ptr().cast(), bytes, s) }.result();
-        if let Err(e) = r {
-            free("cuMemcpyHtoDAsync");
-            return Err(driver_error(
-                "cuMemcpyHtoDAsync",
-                format!("{bytes} bytes of gather descriptors"),
-            )(e));
-        }
-        let ntasks = pieces.len() as u64 * shifts.len() as u64; // checked by `pack_gather`
+        let ntasks = pieces.len() as u64 * shifts.len() as u64; // checked by `gather_size`
         let per_block = u64::from(GATHER_THREADS / 32);
         let grid = ntasks
             .div_ceil(per_block)
             .clamp(1, u64::from(kernel.max_grid.max(1))) as u32;
         let mut p_pieces: u64 = buf;
-        let mut p_count: u32 = pieces.len() as u32; // checked by `pack_gather`
+        let mut p_count: u32 = pieces.len() as u32; // checked by `gather_size`
         let mut p_shifts: u64 = buf + (at as u64) * 8;
         let mut p_tasks: u64 = ntasks;
         let mut params: [*mut std::ffi::c_void; 4] = [
@@ -739,7 +794,7 @@ impl Backend for CudaBackend {
             )
         }
         .result();
-        free("cuLaunchKernel");
+        release(slot, "cuLaunchKernel");
         r.map_err(driver_error(
             "cuLaunchKernel",
             format!(

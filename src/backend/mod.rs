@@ -11,6 +11,8 @@ pub mod delay;
 pub mod fault;
 pub mod host;
 
+mod cuda_staging;
+
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -697,15 +699,14 @@ pub struct GatherShift {
     pub dst: u64,
 }
 
-/// A gather copy's descriptors as the kernel reads them, in one buffer of 64-bit words: the
-/// pieces (`src, dst, len`) then the shifts (`src, dst`), little-endian words as on the GPU.
-/// Returns the words and the word index where the shifts start. The pieces' count must fit
-/// 32 bits and the tasks (`pieces * shifts`) 64 bits; anything else is an error with the
-/// numbers.
-pub(crate) fn pack_gather(
+/// The size of a gather copy's descriptors as the kernel reads them (the pieces, 24 bytes each,
+/// then the shifts, 16 bytes each): total bytes and the word index where the shifts start. The
+/// pieces' count must fit 32 bits and the tasks (`pieces * shifts`) 64 bits; anything else is
+/// an error with the numbers.
+pub(crate) fn gather_size(
     pieces: &[GatherPiece],
     shifts: &[GatherShift],
-) -> Result<(Vec<u64>, usize)> {
+) -> Result<(usize, usize)> {
     let too_many = |detail: String| crate::error::Error::SizeOverflow {
         what: "gather descriptors",
         detail,
@@ -715,15 +716,61 @@ pub(crate) fn pack_gather(
     (pieces.len() as u64)
         .checked_mul(shifts.len() as u64)
         .ok_or_else(|| too_many(format!("{} pieces * {} shifts", pieces.len(), shifts.len())))?;
-    let words = pieces
+    let at = pieces
         .len()
         .checked_mul(3)
-        .and_then(|p| shifts.len().checked_mul(2).and_then(|s| p.checked_add(s)))
+        .ok_or_else(|| too_many(format!("{} pieces", pieces.len())))?;
+    let bytes = shifts
+        .len()
+        .checked_mul(2)
+        .and_then(|s| s.checked_add(at))
+        .and_then(|w| w.checked_mul(8))
         .ok_or_else(|| too_many(format!("{} pieces + {} shifts", pieces.len(), shifts.len())))?;
-    let mut out = Vec::with_capacity(words);
+    Ok((bytes, at))
+}
+
+/// Write a gather copy's descriptors into `out` as the kernel reads them ([`gather_size`]:
+/// `out` holds at least its bytes): the pieces (`src, dst, len`) then the shifts (`src, dst`),
+/// little-endian words as on the GPU.
+pub(crate) fn write_gather(pieces: &[GatherPiece], shifts: &[GatherShift], out: &mut [u8]) {
+    let pb = std::mem::size_of_val(pieces);
+    let sb = std::mem::size_of_val(shifts);
+    let (out_pieces, rest) = out.split_at_mut(pb);
+    let out_shifts = &mut rest[..sb];
+    if cfg!(target_endian = "little") {
+        // SAFETY: `GatherPiece` and `GatherShift` are `repr(C)` structs of `u64` fields only
+        // (no padding), so the slices are `pb` and `sb` initialized bytes; on a little-endian
+        // target they are the kernel's words as they are.
+        let (p, s) = unsafe {
+            (
+                std::slice::from_raw_parts(pieces.as_ptr().cast::<u8>(), pb),
+                std::slice::from_raw_parts(shifts.as_ptr().cast::<u8>(), sb),
+            )
+        };
+        out_pieces.copy_from_slice(p);
+        out_shifts.copy_from_slice(s);
+    } else {
+        let words = pieces.iter().flat_map(|p| [p.src, p.dst, p.len]);
+        for (slot, w) in out_pieces.chunks_exact_mut(8).zip(words) {
+            slot.copy_from_slice(&w.to_le_bytes());
+        }
+        let words = shifts.iter().flat_map(|h| [h.src, h.dst]);
+        for (slot, w) in out_shifts.chunks_exact_mut(8).zip(words) {
+            slot.copy_from_slice(&w.to_le_bytes());
+        }
+    }
+}
+
+/// [`write_gather`] into a new buffer of 64-bit words, with the word index where the shifts
+/// start.
+pub(crate) fn pack_gather(
+    pieces: &[GatherPiece],
+    shifts: &[GatherShift],
+) -> Result<(Vec<u64>, usize)> {
+    let (bytes, at) = gather_size(pieces, shifts)?;
+    let mut out = Vec::with_capacity(bytes / 8);
     // Flattened fixed-size arrays: an exact length, so no capacity check per word.
     out.extend(pieces.iter().flat_map(|p| [p.src, p.dst, p.len]));
-    let at = out.len();
     out.extend(shifts.iter().flat_map(|h| [h.src, h.dst]));
     Ok((out, at))
 }
@@ -780,5 +827,18 @@ mod gather_tests {
         assert_eq!(std::mem::size_of::<GatherShift>(), 16);
         let (words, at) = pack_gather(&[], &shifts).unwrap();
         assert_eq!((words.len(), at), (2, 0));
+        // Written into a byte buffer (the pinned staging of the CUDA backend): the same words.
+        let (bytes, at) = gather_size(&pieces, &shifts).unwrap();
+        assert_eq!((bytes, at), (64, 6));
+        let mut out = vec![0xAAu8; bytes + 8];
+        write_gather(&pieces, &shifts, &mut out);
+        let words: Vec<u64> = out
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            words,
+            vec![1, 2, 3, 4, 5, 6, u64::MAX, 1 << 40, 0xAAAA_AAAA_AAAA_AAAA]
+        );
     }
 }

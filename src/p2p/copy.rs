@@ -317,6 +317,7 @@ impl ImportedGrant {
             started,
             failed: false,
         };
+        let mut queued = None;
         if engine == CopyEngine::Kernel {
             let pieces = plan.split(Plan::piece_size(bytes));
             // SAFETY: every copy of the plan reads the grant's mapping (each span located at
@@ -330,6 +331,8 @@ impl ImportedGrant {
                 Ok(()) => {
                     completion.report.launches = 1;
                     completion.report.tasks = pieces.len() as u64 * blocks as u64;
+                    // Every copy is queued: what follows is bookkeeping while the GPU copies.
+                    queued = Some(called.elapsed());
                 }
                 Err(e) if choice == EngineChoice::Kernel => {
                     completion.failed = true;
@@ -375,7 +378,7 @@ impl ImportedGrant {
             });
             completion.report.elapsed = started.elapsed();
         }
-        completion.report.host = called.elapsed();
+        completion.report.host = queued.unwrap_or_else(|| called.elapsed());
         tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies, %engine, bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
         Ok(completion)
     }

@@ -123,3 +123,92 @@ fn gather_kernel_is_byte_exact_on_its_own_stream() {
 fn gather_kernel_is_byte_exact_on_the_legacy_stream() {
     run("legacy");
 }
+
+/// The kernel's descriptors go through reused pinned buffers, each free again only once the
+/// launch that read it completed. Many threads queue many launches each, back to back on their
+/// own streams without waiting, so buffers are still being read when the next launch wants
+/// one (more launches in flight than buffers: the pool path too); every launch has its own
+/// descriptors and its own destination, so a buffer overwritten too early shows as bytes
+/// copied from the wrong place.
+#[test]
+fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
+    const THREADS: u64 = 8;
+    const ROUNDS: u64 = 12;
+    const SHIFTS: u64 = 64;
+    const PIECE: u64 = 64 << 10;
+    const SRC: usize = 64 << 20;
+    let per_round = SHIFTS * PIECE;
+    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(0).expect("CUDA device 0"));
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig::new(2 << 30).name("gather-reuse"),
+    )
+    .unwrap();
+    let src = pool.allocate(SRC).unwrap();
+    let dst = pool
+        .allocate((THREADS * ROUNDS * per_round) as usize)
+        .unwrap();
+    // Each thread first queues copies into its own scratch, so that its stream is busy while
+    // its launches are queued: their buffers are all still unread when the next one is taken.
+    let scratch = pool.allocate(THREADS as usize * SRC).unwrap();
+    let data = bytes(23, SRC);
+    // SAFETY: mapped and used by nothing else.
+    unsafe { backend.write(src.addr(), &data).unwrap() };
+    // Round r of thread t copies 64 KiB pieces from pseudo-random 16-byte aligned sources.
+    let source = |t: u64, r: u64, k: u64| {
+        let mut x = (t * 1_000_003 + r * 7919 + k * 104_729) | 1;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % ((SRC as u64 - PIECE) / 16)) * 16
+    };
+    let region = |t: u64, r: u64| (t * ROUNDS + r) * per_round;
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (backend, ctx) = (&backend, &ctx);
+            let (src, dst) = (src.addr(), dst.addr());
+            let scratch = scratch.addr() + t * SRC as u64;
+            s.spawn(move || {
+                let stream = ctx.new_stream().unwrap();
+                let raw = stream.cu_stream() as u64;
+                let piece = [GatherPiece {
+                    src: 0,
+                    dst: 0,
+                    len: PIECE,
+                }];
+                for _ in 0..4 {
+                    // SAFETY: `src` and this thread's scratch are mapped until the stream is
+                    // synchronized below; nothing else writes the scratch.
+                    unsafe { backend.copy_async(scratch, src, SRC, raw).unwrap() };
+                }
+                for r in 0..ROUNDS {
+                    let shifts: Vec<GatherShift> = (0..SHIFTS)
+                        .map(|k| GatherShift {
+                            src: src + source(t, r, k),
+                            dst: dst + region(t, r) + k * PIECE,
+                        })
+                        .collect();
+                    // SAFETY: sources and destinations are mapped until the stream is
+                    // synchronized below; destinations are this launch's own region.
+                    unsafe { backend.gather_async(&piece, &shifts, raw).unwrap() };
+                }
+                backend.synchronize(raw).unwrap();
+            });
+        }
+    });
+    let mut got = vec![0u8; (THREADS * ROUNDS * per_round) as usize];
+    // SAFETY: mapped, and every stream was synchronized.
+    unsafe { backend.read(dst.addr(), &mut got).unwrap() };
+    for t in 0..THREADS {
+        for r in 0..ROUNDS {
+            for k in 0..SHIFTS {
+                let s = source(t, r, k) as usize;
+                let d = (region(t, r) + k * PIECE) as usize;
+                if got[d..d + PIECE as usize] != data[s..s + PIECE as usize] {
+                    panic!("thread {t}, round {r}, piece {k}: wrong bytes (descriptors of another launch?)");
+                }
+            }
+        }
+    }
+}
