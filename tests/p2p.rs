@@ -1086,3 +1086,74 @@ fn a_kept_chunk_handed_off_whose_late_release_fails_is_never_reused() {
     drop((src, p));
     drop(src_pool);
 }
+
+/// A grant of more blocks than one frame holds: the block list goes ahead of the grant in
+/// several frames and arrives whole and in order (paired by position with the destination).
+/// One block more than a grant may hold is refused with the numbers.
+#[test]
+fn grants_of_many_blocks_span_frames() {
+    const N: usize = 10_000;
+    let (p, d) = pair(exportable(), exportable());
+    let layout = |backend| {
+        let pool = Pool::new(backend, PoolConfig::new(1 << 30).name("many")).unwrap();
+        let kv = LayoutBuilder::new()
+            .config(LayoutConfig::new(N, 1, 1, 16, 8, 2)) // 256-byte blocks
+            .fully_contiguous()
+            .elastic(&pool)
+            .build()
+            .unwrap();
+        kv.ensure_backed(0..N).unwrap();
+        (pool, kv)
+    };
+    let (_sp, src) = layout(exportable());
+    let (_dp, dst) = layout(exportable());
+    let pattern = |b: usize| -> Vec<u8> { (0..256).map(|j| (b * 131 + j * 7) as u8).collect() };
+    for b in 0..N {
+        // SAFETY: backed, used by nothing else.
+        unsafe {
+            src.write(src.block(b).unwrap()[0].addr, &pattern(b))
+                .unwrap()
+        };
+    }
+    // A permutation (7919 is prime and does not divide N): 10 000 blocks, three frames.
+    let order: Vec<usize> = (0..N).map(|i| (i * 7919) % N).collect();
+    let g = p.grant(&src, &order, AccessMode::ReadOnly).unwrap();
+    assert_eq!(g.blocks(), N);
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks(), &order[..]);
+    let all: Vec<usize> = (0..N).collect();
+    let report = imp
+        .copy_into(&dst, &all, CopyStream::LEGACY)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!((report.blocks, report.bytes), (N, N as u64 * 256));
+    let mut got = vec![0u8; 256];
+    for (i, &b) in order.iter().enumerate() {
+        // SAFETY: backed, the copy completed.
+        unsafe { dst.read(dst.block(i).unwrap()[0].addr, &mut got).unwrap() };
+        assert!(
+            got == pattern(b),
+            "destination block {i} (sender block {b})"
+        );
+    }
+    drop(imp);
+    g.wait_released(Duration::from_secs(5)).unwrap();
+    let too_many = vec![0usize; elastic_vmm::p2p::MAX_GRANT_BLOCKS + 1];
+    let e = p
+        .grant(&src, &too_many, AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "a grant holds 1 to {} blocks, {} given",
+            elastic_vmm::p2p::MAX_GRANT_BLOCKS,
+            elastic_vmm::p2p::MAX_GRANT_BLOCKS + 1
+        )),
+        "{e}"
+    );
+    // The link is still good for a grant after the refusal.
+    let g = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
+    drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+    g.wait_released(Duration::from_secs(5)).unwrap();
+}

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use super::cache::{self, KeptOut};
 use super::link::{send, GrantPin, GrantStatus, LinkShared, OutGrant, PeerLink};
-use super::wire::{GrantMode, Msg, WireChunk, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};
+use super::wire::{
+    GrantMode, Msg, WireChunk, WireLayout, BLOCKS_PER_FRAME, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
+};
 use crate::backend::{AccessMode, PhysicalChunk};
 use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
@@ -371,7 +373,8 @@ impl PeerLink {
     }
 }
 
-/// Queue a grant's messages: its chunks, [`MAX_FDS`] to a frame, then the grant.
+/// Queue a grant's messages: its chunks, [`MAX_FDS`] to a frame, the blocks beyond the last
+/// [`BLOCKS_PER_FRAME`], that many to a frame, then the grant with the last ones.
 fn send_grant(
     writer: &FrameWriter,
     id: u64,
@@ -404,6 +407,20 @@ fn send_grant(
             out,
         )?;
     }
+    // Every frame but the grant's holds a full batch; the grant holds the rest (1 or more).
+    let ahead = blocks.len().saturating_sub(1) / BLOCKS_PER_FRAME * BLOCKS_PER_FRAME;
+    let mut blocks = blocks;
+    let last = blocks.split_off(ahead);
+    for batch in blocks.chunks(BLOCKS_PER_FRAME) {
+        send(
+            writer,
+            Msg::Blocks {
+                grant: id,
+                blocks: batch.to_vec(),
+            },
+            Vec::new(),
+        )?;
+    }
     send(
         writer,
         Msg::Grant {
@@ -411,7 +428,7 @@ fn send_grant(
             mode,
             access,
             layout,
-            blocks,
+            blocks: last,
             chunks: total,
         },
         Vec::new(),

@@ -159,6 +159,9 @@ pub(crate) struct LinkState {
     pub(crate) next_grant: u64,
     pub(crate) out: HashMap<u64, OutGrant>,
     partial: HashMap<u64, Vec<InChunk>>,
+    /// Block indices of partial grants that came in [`Msg::Blocks`] frames (after their
+    /// chunks, so at most [`MAX_PARTIAL_GRANTS`] lists).
+    partial_blocks: HashMap<u64, Vec<u64>>,
     ready: VecDeque<ReadyGrant>,
     /// Grants received and mapped here: id to (bytes, chunks).
     pub(crate) live_in: HashMap<u64, (u64, usize)>,
@@ -998,12 +1001,37 @@ impl Reader {
                     },
                 ));
             }
+            Msg::Blocks { grant, blocks } => {
+                if !fds.is_empty() {
+                    return Err(bad(format!(
+                        "{} descriptors on a blocks message",
+                        fds.len()
+                    )));
+                }
+                let mut st = self.shared.state.lock();
+                // Chunks come first: a grant with none is not half sent, and the count of
+                // half-sent grants bounds these lists.
+                if !st.partial.contains_key(&grant) {
+                    return Err(bad(format!(
+                        "blocks for grant {grant}, which has no chunks here"
+                    )));
+                }
+                let part = st.partial_blocks.entry(grant).or_default();
+                if blocks.is_empty() || part.len() + blocks.len() > MAX_GRANT_BLOCKS {
+                    return Err(bad(format!(
+                        "grant {grant}: {} blocks after {} (1 or more, {MAX_GRANT_BLOCKS} in all allowed)",
+                        blocks.len(),
+                        part.len()
+                    )));
+                }
+                part.extend(blocks);
+            }
             Msg::Grant {
                 grant,
                 mode,
                 access,
                 layout,
-                blocks,
+                blocks: last,
                 chunks,
             } => {
                 if !fds.is_empty() {
@@ -1016,6 +1044,8 @@ impl Reader {
                     return Err(bad(format!("grant {grant} again, while the first is here")));
                 }
                 let got = st.partial.remove(&grant).unwrap_or_default();
+                let mut blocks = st.partial_blocks.remove(&grant).unwrap_or_default();
+                blocks.extend(last);
                 if got.len() as u64 != chunks
                     || blocks.is_empty()
                     || blocks.len() > MAX_GRANT_BLOCKS
@@ -1050,6 +1080,7 @@ impl Reader {
                         .and_then(|i| st.ready.remove(i))
                         .map(|g| g.chunks);
                     let partial = st.partial.remove(&grant);
+                    st.partial_blocks.remove(&grant);
                     if st.live_in.contains_key(&grant) {
                         st.revoked_in.insert(grant);
                         None
@@ -1125,7 +1156,10 @@ impl Reader {
             let mut st = self.shared.state.lock();
             st.closed.get_or_insert(reason);
             (
-                std::mem::take(&mut st.partial),
+                {
+                    st.partial_blocks.clear();
+                    std::mem::take(&mut st.partial)
+                },
                 std::mem::take(&mut st.ready),
             )
         };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::link::PeerLink;
-use super::wire::{Hello, Msg, WireChunk, WireLayout, VERSION};
+use super::wire::{Hello, Msg, WireChunk, WireLayout, BLOCKS_PER_FRAME, MAX_GRANT_BLOCKS, VERSION};
 use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use crate::backend::{AccessMode, Backend};
 use crate::ipc;
@@ -383,4 +383,79 @@ fn a_forget_that_cannot_be_queued_ends_the_link() {
     );
     // SAFETY: created above, mapped nowhere here.
     unsafe { exporter.release(chunk).unwrap() };
+}
+
+#[test]
+fn block_lists_over_frames_are_bounded_and_follow_their_chunks() {
+    // Blocks of a grant none of whose chunks came.
+    let (l, raw) = link();
+    let m = Msg::Blocks {
+        grant: 3,
+        blocks: vec![0, 1],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    closed_with(&l, "blocks for grant 3, which has no chunks here");
+
+    // More blocks in all than a grant may have, over several frames.
+    let (l, raw) = link();
+    let (a, _b) = UnixStream::pair().unwrap();
+    let m = Msg::Chunks {
+        grant: 1,
+        offsets: vec![0],
+        sizes: vec![1 << 21],
+        how: vec![WireChunk::New],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
+    let frames = MAX_GRANT_BLOCKS / BLOCKS_PER_FRAME;
+    for _ in 0..frames {
+        let m = Msg::Blocks {
+            grant: 1,
+            blocks: vec![0; BLOCKS_PER_FRAME],
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    }
+    // All of them were taken: the next one is refused with the whole count before it.
+    let m = Msg::Blocks {
+        grant: 1,
+        blocks: vec![0],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    closed_with(
+        &l,
+        &format!("grant 1: 1 blocks after {MAX_GRANT_BLOCKS} (1 or more, {MAX_GRANT_BLOCKS} in all allowed)"),
+    );
+
+    // The grant's own list counts too: its blocks and those before it in all.
+    let (l, raw) = link();
+    let (a, _b) = UnixStream::pair().unwrap();
+    let m = Msg::Chunks {
+        grant: 2,
+        offsets: vec![0],
+        sizes: vec![1 << 21],
+        how: vec![WireChunk::New],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
+    for _ in 0..frames {
+        let m = Msg::Blocks {
+            grant: 2,
+            blocks: vec![0; BLOCKS_PER_FRAME],
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    }
+    let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 2,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![0],
+        chunks: 1,
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    closed_with(
+        &l,
+        &format!(
+            "announces 1 chunks (1 arrived) and {} blocks (1 to {MAX_GRANT_BLOCKS} allowed)",
+            MAX_GRANT_BLOCKS + 1
+        ),
+    );
 }

@@ -9,9 +9,12 @@ use crate::error::{Error, Result};
 use crate::layout::{BlockDim, LayoutConfig, LayoutKind};
 
 /// Protocol version; a peer with another one is refused at hello.
-pub(crate) const VERSION: u32 = 2;
-/// Most blocks in one grant (the grant message must fit one frame).
-pub const MAX_GRANT_BLOCKS: usize = 4096;
+pub(crate) const VERSION: u32 = 3;
+/// Most blocks in one grant: 4 GiB of 64 KiB blocks, a million tokens in 16-token blocks.
+pub const MAX_GRANT_BLOCKS: usize = 64 * 1024;
+/// Most block indices in one frame (at most 10 bytes each as postcard varints: 40 KiB, under
+/// [`crate::ipc::MAX_FRAME`]); a longer list goes in [`Msg::Blocks`] frames before the grant.
+pub(crate) const BLOCKS_PER_FRAME: usize = 4096;
 /// Most chunks in one grant (sent [`crate::ipc::MAX_FDS`] to a frame).
 pub const MAX_GRANT_CHUNKS: usize = 16 * 1024;
 /// Most grants a peer may have half sent at once.
@@ -141,7 +144,14 @@ pub(crate) enum Msg {
         sizes: Vec<u64>,
         how: Vec<WireChunk>,
     },
-    /// The grant is complete: `chunks` chunks were sent before it.
+    /// Block indices of grant `grant` ahead of its [`Msg::Grant`], in order, where the list is
+    /// longer than [`BLOCKS_PER_FRAME`].
+    Blocks {
+        grant: u64,
+        blocks: Vec<u64>,
+    },
+    /// The grant is complete: `chunks` chunks were sent before it; its blocks are those of the
+    /// [`Msg::Blocks`] before it, then `blocks`.
     Grant {
         grant: u64,
         mode: GrantMode,
