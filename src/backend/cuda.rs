@@ -15,6 +15,7 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 
 use super::cuda_staging::DescriptorStaging;
+pub use super::cuda_staging::GatherUploads;
 use super::{
     gather_size, pack_gather, write_gather, Backend, BackendInfo, GatherPiece, GatherShift,
     MemoryInfo, MemoryKind, PhysicalChunk,
@@ -209,6 +210,15 @@ impl CudaBackend {
     /// The device handle.
     pub fn device(&self) -> sys::CUdevice {
         self.device
+    }
+
+    /// How the gather kernel's launches uploaded their descriptors so far (all zero before the
+    /// kernel's first use, or where it could not be loaded).
+    pub fn gather_uploads(&self) -> GatherUploads {
+        match self.gather.get() {
+            Some(Ok(k)) => k.staging.uploads(),
+            _ => GatherUploads::default(),
+        }
     }
 
     /// Make the device's primary context current on this thread.
@@ -794,6 +804,9 @@ impl Backend for CudaBackend {
             )
         }
         .result();
+        if r.is_ok() {
+            kernel.staging.count_launch(slot.is_some());
+        }
         release(slot, "cuLaunchKernel");
         r.map_err(driver_error(
             "cuLaunchKernel",

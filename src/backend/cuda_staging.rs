@@ -7,20 +7,27 @@
 //! (allocation ~3.5 µs, a pageable 64 KiB upload ~8 µs, the free ~1 µs), a third of a 4096-block
 //! copy's host time. From pinned memory the upload is asynchronous and the buffers stay.
 //!
-//! Bounded: at most [`MAX_SLOTS`] slots of at most [`MAX_SLOT_BYTES`] each; a launch that finds
-//! none free (or needs more) takes the pool path. The memory is the backend's own, outside any
-//! pool's books (like the kernel's module), and goes when the backend does.
+//! Bounded: at most [`MAX_SLOTS`] slots of [`SLOT_BYTES`] each (the descriptors of the largest
+//! grant a p2p link carries fit one); a launch that finds none free (or needs more) takes the
+//! pool path. The memory is the backend's own, outside any pool's books (like the kernel's
+//! module), and goes when the backend does. Device memory is taken from the driver itself
+//! (`route::driver`), never through the allocation hooks routing may define, and slots are
+//! created in relaxed capture mode, so a graph another thread captures is not invalidated.
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
 use cudarc::driver::sys;
 
+use crate::route::driver::driver;
+
 /// Most slots a backend keeps: concurrent launches beyond this take the pool path.
 pub(super) const MAX_SLOTS: usize = 8;
-/// Largest slot (bytes of descriptors: 24 per piece, 16 per shift; 4 MiB is ~262000 blocks).
-pub(super) const MAX_SLOT_BYTES: usize = 4 << 20;
-/// Smallest slot, so that slots are reused across copies of somewhat different sizes.
-const MIN_SLOT_BYTES: usize = 64 << 10;
+/// Bytes of every slot: 24 per piece and 16 per shift, so 2 MiB holds the 65536 shifts of the
+/// largest p2p grant ([`crate::p2p::MAX_GRANT_BLOCKS`]) and thousands of pieces. One size, so
+/// any free slot serves any launch.
+pub(super) const SLOT_BYTES: usize = 2 << 20;
 
 /// Pinned host memory and device memory of `cap` bytes each, and the event recorded after the
 /// last launch that read them.
@@ -45,9 +52,9 @@ impl Slot {
     /// The pinned host buffer, `cap` bytes.
     pub(super) fn host(&mut self) -> &mut [u8] {
         // SAFETY: `host` is a live `cuMemHostAlloc` allocation of `cap` bytes owned by this
-        // slot; no launch reads it (the slot was handed out after its event completed, and the
-        // upload of this use is queued only after the caller wrote it); `&mut self` makes the
-        // borrow exclusive.
+        // slot, zeroed when created (initialized bytes); no launch reads it (the slot was
+        // handed out after its event completed, and the upload of this use is queued only
+        // after the caller wrote it); `&mut self` makes the borrow exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.host, self.cap) }
     }
 
@@ -57,9 +64,13 @@ impl Slot {
     /// The backend's context is current and no queued work reads the slot's memory.
     unsafe fn destroy(self) {
         // SAFETY: allocations of this slot, freed once; the caller vouches nothing uses them.
+        // The device memory came from the driver's own `cuMemAlloc` (`route::driver`), so it
+        // goes back the same way.
         unsafe {
-            if let Err(e) = sys::cuMemFree_v2(self.dev).result() {
-                tracing::warn!(error = ?e.0, "cuMemFree of a descriptor slot failed");
+            if let Some(d) = driver() {
+                if let Err(e) = (d.mem_free)(self.dev).result() {
+                    tracing::warn!(error = ?e.0, "cuMemFree of a descriptor slot failed");
+                }
             }
             if let Err(e) = sys::cuMemFreeHost(self.host.cast()).result() {
                 tracing::warn!(error = ?e.0, "cuMemFreeHost of a descriptor slot failed");
@@ -76,6 +87,21 @@ impl Slot {
 #[derive(Debug, Default)]
 pub(super) struct DescriptorStaging {
     state: Mutex<SlotLists>,
+    /// Launches whose descriptors went through a slot, and through the pool.
+    pinned: AtomicU64,
+    pooled: AtomicU64,
+}
+
+/// How a CUDA backend's gather launches uploaded their descriptors
+/// ([`super::cuda::CudaBackend::gather_uploads`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GatherUploads {
+    /// Through a reused pinned buffer.
+    pub pinned: u64,
+    /// Through the stream-ordered pool, from pageable memory (no buffer free, or too large).
+    pub pooled: u64,
+    /// Pinned buffers the backend holds now.
+    pub slots: usize,
 }
 
 #[derive(Debug, Default)]
@@ -92,10 +118,10 @@ struct SlotLists {
 impl DescriptorStaging {
     /// A slot of at least `bytes` whose last launch completed: an idle one, or a new one while
     /// there are fewer than [`MAX_SLOTS`]. `None` where there is none (or `bytes` exceeds
-    /// [`MAX_SLOT_BYTES`], or allocating failed): the caller takes the pool path. The
+    /// [`SLOT_BYTES`], or allocating failed): the caller takes the pool path. The
     /// backend's context must be current.
     pub(super) fn take(&self, bytes: usize) -> Option<Slot> {
-        if bytes > MAX_SLOT_BYTES {
+        if bytes > SLOT_BYTES {
             return None;
         }
         let mut busy = Vec::new();
@@ -138,12 +164,8 @@ impl DescriptorStaging {
         }
         st.count += 1;
         drop(st);
-        let cap = bytes
-            .max(MIN_SLOT_BYTES)
-            .checked_next_power_of_two()
-            .unwrap_or(MAX_SLOT_BYTES)
-            .min(MAX_SLOT_BYTES);
-        match Self::create(cap) {
+        let cap = SLOT_BYTES;
+        match Self::create_relaxed(cap) {
             Ok(slot) => {
                 tracing::debug!(cap, "descriptor slot created");
                 Some(slot)
@@ -172,6 +194,21 @@ impl DescriptorStaging {
         }
     }
 
+    /// Count a launch: through a slot or through the pool.
+    pub(super) fn count_launch(&self, pinned: bool) {
+        let c = if pinned { &self.pinned } else { &self.pooled };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts so far.
+    pub(super) fn uploads(&self) -> GatherUploads {
+        GatherUploads {
+            pinned: self.pinned.load(Ordering::Relaxed),
+            pooled: self.pooled.load(Ordering::Relaxed),
+            slots: self.state.lock().count,
+        }
+    }
+
     /// Hand back a slot nothing was queued with (its event still marks its last use).
     pub(super) fn give_back_unused(&self, slot: Slot) {
         self.state.lock().idle.push(slot);
@@ -189,8 +226,26 @@ impl DescriptorStaging {
         }
     }
 
+    /// [`DescriptorStaging::create`] with this thread in relaxed capture mode: allocating is
+    /// not allowed while another thread captures a graph in global mode (it would invalidate
+    /// that capture), in relaxed mode it is.
+    fn create_relaxed(cap: usize) -> std::result::Result<Slot, String> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: `mode` is valid for reading and writing; the call swaps this thread's mode.
+        let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result();
+        let r = Self::create(cap);
+        if swapped.is_ok() {
+            // SAFETY: as above: the thread's earlier mode goes back.
+            let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+        r
+    }
+
     /// Allocate a slot of `cap` bytes; on failure nothing stays allocated.
     fn create(cap: usize) -> std::result::Result<Slot, String> {
+        let Some(d) = driver() else {
+            return Err("the CUDA driver library's own entry points were not found".into());
+        };
         let mut done: sys::CUevent = std::ptr::null_mut();
         // SAFETY: `done` is valid for writing.
         unsafe {
@@ -211,9 +266,12 @@ impl DescriptorStaging {
                 e.0
             ));
         }
+        // Initialized once, so the buffer can be handed out as bytes.
+        // SAFETY: `host` holds `cap` writable bytes, just allocated.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, cap) };
         let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `dev` is valid for writing.
-        if let Err(e) = unsafe { sys::cuMemAlloc_v2(&mut dev, cap) }.result() {
+        // SAFETY: `dev` is valid for writing; the driver's own entry point, not a hook.
+        if let Err(e) = unsafe { (d.mem_alloc)(&mut dev, cap) }.result() {
             // SAFETY: allocated and created above, never used.
             unsafe {
                 let _ = sys::cuMemFreeHost(host);

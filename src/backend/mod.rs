@@ -513,7 +513,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// # Safety
     /// As for [`Backend::copy_async`], for every copy the pattern makes; no copy's destination
-    /// overlaps another copy's destination or any copy's source.
+    /// overlaps another copy's destination or any copy's source. The stream is not being
+    /// captured into a CUDA graph (the descriptors' buffers are reused once the launch ran,
+    /// which a graph's replays would not respect).
     unsafe fn gather_async(
         &self,
         pieces: &[GatherPiece],
@@ -735,6 +737,7 @@ pub(crate) fn gather_size(
 pub(crate) fn write_gather(pieces: &[GatherPiece], shifts: &[GatherShift], out: &mut [u8]) {
     let pb = std::mem::size_of_val(pieces);
     let sb = std::mem::size_of_val(shifts);
+    debug_assert!(out.len() >= pb + sb, "{} bytes for {pb} + {sb}", out.len());
     let (out_pieces, rest) = out.split_at_mut(pb);
     let out_shifts = &mut rest[..sb];
     if cfg!(target_endian = "little") {

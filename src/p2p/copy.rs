@@ -77,7 +77,9 @@ pub struct CopyReport {
     /// From the first copy queued to completion seen.
     pub elapsed: Duration,
     /// Host time of the call, from its start until every copy was queued (checks, pins,
-    /// claims, the plan and the submission); part of the time a caller waits.
+    /// claims, the plan and the submission); part of the time a caller waits. For the kernel
+    /// that is until its launch (the bookkeeping after it, counting `copies`, runs while the
+    /// GPU copies); for `cuMemcpyAsync` it includes building the runs it issues.
     pub host: Duration,
 }
 

@@ -24,7 +24,7 @@ const MIN_PIECE: u64 = 4 << 10;
 const TARGET_TASKS: u64 = 16384;
 
 /// Copies the memcpy engine takes when the move is small ([`MEMCPY_MAX_BYTES`]): below it
-/// one `cuMemcpyAsync` each costs less than the kernel's fixed cost (an allocation, an upload
+/// one `cuMemcpyAsync` each costs less than the kernel's fixed cost (a descriptor upload
 /// and a launch).
 pub(crate) const MEMCPY_ALWAYS: u64 = 4;
 /// Moves above this go to the kernel whatever their copy count. On the H100 (`gpu-bench p2p`,

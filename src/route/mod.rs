@@ -72,7 +72,7 @@
 //! counts. Prefer routing where the binary can invoke the macro; `ElasticKv` remains the way to
 //! an elastic KV tensor whose blocks are backed on demand.
 
-mod driver;
+pub(crate) mod driver;
 mod fence;
 #[doc(hidden)]
 pub mod hooks;

@@ -138,7 +138,8 @@ fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
     const PIECE: u64 = 64 << 10;
     const SRC: usize = 64 << 20;
     let per_round = SHIFTS * PIECE;
-    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(0).expect("CUDA device 0"));
+    let cuda = Arc::new(CudaBackend::new(0).expect("CUDA device 0"));
+    let backend: Arc<dyn Backend> = cuda.clone();
     let pool = Pool::new(
         backend.clone(),
         PoolConfig::new(2 << 30).name("gather-reuse"),
@@ -197,6 +198,15 @@ fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
             });
         }
     });
+    // Both paths ran: pinned buffers, and the pool once all of them were busy.
+    let uploads = cuda.gather_uploads();
+    assert_eq!(
+        uploads.pinned + uploads.pooled,
+        THREADS * ROUNDS,
+        "{uploads:?}"
+    );
+    assert!(uploads.pinned > 0 && uploads.pooled > 0, "{uploads:?}");
+    assert!(uploads.slots <= 8, "{uploads:?}");
     let mut got = vec![0u8; (THREADS * ROUNDS * per_round) as usize];
     // SAFETY: mapped, and every stream was synchronized.
     unsafe { backend.read(dst.addr(), &mut got).unwrap() };
