@@ -74,7 +74,8 @@ pub mod stats;
 mod tag;
 
 pub use backend::{
-    AccessMode, Backend, BackendInfo, DriverCall, MemoryInfo, MemoryKind, PhysicalChunk,
+    AccessMode, Backend, BackendInfo, DeviceReach, DriverCall, MemoryInfo, MemoryKind,
+    PhysicalChunk,
 };
 pub use backing::{
     BackingChange, BackingStats, BlockBacking, BlockGeometry, MappingHook, UniformBlocks,

@@ -1157,3 +1157,41 @@ fn grants_of_many_blocks_span_frames() {
     drop(d.recv_grant(Duration::from_secs(5)).unwrap());
     g.wait_released(Duration::from_secs(5)).unwrap();
 }
+
+/// Accepting with a deadline: an error with the wait in it when no engine connects, a link
+/// when one does.
+#[test]
+fn accept_within_gives_up_when_no_engine_connects() {
+    let dir = std::env::temp_dir().join(format!("evmm-p2p-accept-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("s");
+    let listener = elastic_vmm::p2p::listen(&sock).unwrap();
+    let t = std::time::Instant::now();
+    let e = PeerLink::accept_within(
+        &listener,
+        "prefill",
+        exportable(),
+        Duration::from_millis(200),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("no engine connected within 200ms"), "{e}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(200),
+        "{:?}",
+        t.elapsed()
+    );
+    let path = sock.clone();
+    let peer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        PeerLink::connect(&path, "decode", exportable()).unwrap()
+    });
+    let link = PeerLink::accept_within(&listener, "prefill", exportable(), Duration::from_secs(30))
+        .unwrap();
+    let decode = peer.join().unwrap();
+    assert_eq!(link.peer().name, "decode");
+    assert_eq!(decode.path().path, TransferPath::PeerImport);
+    assert_eq!(link.peer().reach, elastic_vmm::DeviceReach::NoDevice);
+    drop((link, decode));
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -165,7 +165,7 @@ fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
         cmd.env(nixl::SOCKET_VAR, nx.socket());
     }
     let mut child = cmd.spawn()?;
-    let link = PeerLink::accept(&listener, "prefill", backend.clone())?;
+    let link = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT)?;
     #[cfg(feature = "nixl")]
     if let Some(nx) = &mut nixl_side {
         nx.accept(&mut child)?;

@@ -256,6 +256,8 @@ impl Backend for Counting {
         marker_record,
         marker_wait,
         gather_async,
+        set_import_access,
+        reach,
         copy_to_host_async,
         copy_from_host_async,
     );

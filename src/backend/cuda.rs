@@ -101,6 +101,11 @@ fn driver_library_present() -> bool {
     false
 }
 
+/// A driver UUID as bytes (`c_char` is signed on some targets).
+fn uuid_bytes(uuid: &sys::CUuuid) -> [u8; 16] {
+    uuid.bytes.map(|b| b as u8)
+}
+
 impl CudaBackend {
     /// CUDA VMM on device `ordinal` at the driver's recommended granularity.
     pub fn new(ordinal: i32) -> Result<Self> {
@@ -142,6 +147,8 @@ impl CudaBackend {
         )? != 0;
         let posix_fd = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)? != 0;
         let name = result::device::get_name(device).map_err(driver_error("cuDeviceGetName", ""))?;
+        let uuid = result::device::get_uuid(device)
+            .map_err(driver_error("cuDeviceGetUuid", ordinal.to_string()))?;
         // SAFETY: `device` is valid.
         let total = unsafe { result::device::total_mem(device) }
             .map_err(driver_error("cuDeviceTotalMem", ""))?;
@@ -165,6 +172,7 @@ impl CudaBackend {
                 name: NAME,
                 memory_kind: MemoryKind::Device,
                 device_ordinal: Some(ordinal),
+                device_uuid: Some(uuid_bytes(&uuid)),
                 device_name: name,
                 granularity: 0,
                 min_granularity: 0,
@@ -594,6 +602,70 @@ impl Backend for CudaBackend {
                 "cuMemSetAccess",
                 format!("{size} bytes at {addr:#x} ({mode:?})"),
             ))
+    }
+
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        let Some(owner) = owner.filter(|&o| Some(o) != self.info.device_ordinal) else {
+            // SAFETY: forwarded contract.
+            return unsafe { self.set_access_mode(addr, size, mode) };
+        };
+        self.bind()?;
+        let mut ours = self.access_desc();
+        if mode == super::AccessMode::ReadOnly {
+            ours.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
+        }
+        let mut theirs = ours;
+        theirs.location.id = owner;
+        let descs = [ours, theirs];
+        // SAFETY: the caller guarantees the range is made of our mapped (imported) chunks;
+        // `descs` outlives the call. Both devices get access: the kernel reads on ours, and a
+        // `cuMemcpy` between the two devices may run on the owner's copy engines.
+        unsafe { sys::cuMemSetAccess(addr, size, descs.as_ptr(), descs.len()) }
+            .result()
+            .map_err(driver_error(
+                "cuMemSetAccess",
+                format!(
+                    "{size} bytes at {addr:#x} ({mode:?}) for devices {:?} and {owner}",
+                    self.info.device_ordinal
+                ),
+            ))
+    }
+
+    fn reach(&self, uuid: &[u8; 16]) -> Result<super::DeviceReach> {
+        use super::DeviceReach;
+        if self.info.device_uuid.as_ref() == Some(uuid) {
+            return Ok(DeviceReach::Same);
+        }
+        let count = result::device::get_count().map_err(driver_error("cuDeviceGetCount", ""))?;
+        for ordinal in 0..count {
+            let device = result::device::get(ordinal)
+                .map_err(driver_error("cuDeviceGet", ordinal.to_string()))?;
+            let theirs = result::device::get_uuid(device)
+                .map_err(driver_error("cuDeviceGetUuid", ordinal.to_string()))?;
+            if uuid_bytes(&theirs) != *uuid {
+                continue;
+            }
+            let mut can = 0;
+            // SAFETY: both are valid device handles; `can` is written by the call.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.device, device) }
+                .result()
+                .map_err(driver_error(
+                    "cuDeviceCanAccessPeer",
+                    format!("{:?} to {ordinal}", self.info.device_ordinal),
+                ))?;
+            return Ok(if can != 0 {
+                DeviceReach::Peer { ordinal }
+            } else {
+                DeviceReach::NoPeerAccess { ordinal }
+            });
+        }
+        Ok(DeviceReach::NotVisible)
     }
 
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {

@@ -290,5 +290,7 @@ impl Backend for FaultInjector {
         marker_record,
         marker_wait,
         gather_async,
+        set_import_access,
+        reach,
     );
 }

@@ -206,6 +206,7 @@ impl HostBackend {
                 name: NAME,
                 memory_kind: MemoryKind::Host,
                 device_ordinal: None,
+                device_uuid: None,
                 device_name: "host memory (memfd)".into(),
                 granularity,
                 min_granularity: page,

@@ -28,6 +28,48 @@ pub enum MemoryKind {
     Device,
 }
 
+/// How a backend's device reaches a GPU named by its UUID, as [`Backend::reach`] finds it in
+/// this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeviceReach {
+    /// The backend's own device.
+    Same,
+    /// Another device of this process, at `ordinal`, whose memory the backend's device can
+    /// access (peer access: `cuDeviceCanAccessPeer`).
+    Peer {
+        /// Its ordinal in this process.
+        ordinal: i32,
+    },
+    /// Another device of this process, at `ordinal`, whose memory the backend's device cannot
+    /// access.
+    NoPeerAccess {
+        /// Its ordinal in this process.
+        ordinal: i32,
+    },
+    /// No device of this process (hidden by `CUDA_VISIBLE_DEVICES` or a container).
+    NotVisible,
+    /// The backend has no device (host memory), or cannot tell.
+    NoDevice,
+}
+
+/// A device UUID as `nvidia-smi` writes it (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+pub fn format_uuid(uuid: &[u8; 16]) -> String {
+    let hex = |r: std::ops::Range<usize>| {
+        uuid[r]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
+}
+
 /// What a backend is and what it supports. Fixed for the backend's life.
 #[derive(Debug, Clone)]
 pub struct BackendInfo {
@@ -35,8 +77,12 @@ pub struct BackendInfo {
     pub name: &'static str,
     /// Host or device memory.
     pub memory_kind: MemoryKind,
-    /// Device ordinal for device memory; `None` for host memory.
+    /// Device ordinal for device memory; `None` for host memory. Meaningful in this process
+    /// only: `CUDA_VISIBLE_DEVICES` and containers number GPUs per process.
     pub device_ordinal: Option<i32>,
+    /// The device's UUID (CUDA `cuDeviceGetUuid`), which names one GPU in every process of a
+    /// node; `None` for host memory.
+    pub device_uuid: Option<[u8; 16]>,
     /// Human-readable description of the device (GPU name, or "host memory (memfd)").
     pub device_name: String,
     /// The unit of mapping: every physical chunk and every mapped range is a multiple of it.
@@ -241,6 +287,23 @@ macro_rules! forward_backend {
             unsafe { self.$inner.set_access_mode(addr, size, mode) }
         }
     };
+    (@one $inner:ident set_import_access) => {
+        unsafe fn set_import_access(
+            &self,
+            addr: u64,
+            size: usize,
+            mode: $crate::backend::AccessMode,
+            owner: Option<i32>,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.set_import_access(addr, size, mode, owner) }
+        }
+    };
+    (@one $inner:ident reach) => {
+        fn reach(&self, uuid: &[u8; 16]) -> $crate::error::Result<$crate::backend::DeviceReach> {
+            self.$inner.reach(uuid)
+        }
+    };
     (@one $inner:ident chunk_lender) => {
         fn chunk_lender(&self) -> Option<String> {
             self.$inner.chunk_lender()
@@ -376,6 +439,44 @@ pub trait Backend: Send + Sync + fmt::Debug {
                 "this backend cannot map memory read-only",
             )),
         }
+    }
+
+    /// Grant `mode` access over a mapped range of imported chunks to the backend's device
+    /// and, with `owner`, to that device of this process too: the GPU the chunks live on
+    /// ([`DeviceReach::Peer`]), so a copy queued on either device may read them. The default
+    /// is [`Backend::set_access_mode`] and refuses an `owner` (`UNSUPPORTED`).
+    ///
+    /// # Safety
+    /// As for [`Backend::set_access`].
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        match owner {
+            // SAFETY: forwarded contract.
+            None => unsafe { self.set_access_mode(addr, size, mode) },
+            Some(o) => Err(crate::error::Error::backend(
+                self.info().name,
+                "set_import_access",
+                "UNSUPPORTED",
+                format!("this backend cannot grant device {o} access to its mappings"),
+            )),
+        }
+    }
+
+    /// How the backend's device reaches the GPU named `uuid` (another process's device): the
+    /// same device, another one it has peer access to, one without, or none this process sees.
+    /// The default knows its own device only ([`BackendInfo::device_uuid`]): anything else is
+    /// [`DeviceReach::NoDevice`].
+    fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
+        Ok(if self.info().device_uuid.as_ref() == Some(uuid) {
+            DeviceReach::Same
+        } else {
+            DeviceReach::NoDevice
+        })
     }
 
     /// Unmap a range made of whole mapped chunks; the range returns to the reservation.

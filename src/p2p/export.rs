@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use super::cache::{self, KeptOut};
 use super::link::{send, GrantPin, GrantStatus, LinkShared, OutGrant, PeerLink};
+use super::path::TransferPath;
 use super::wire::{
     GrantMode, Msg, WireChunk, WireLayout, BLOCKS_PER_FRAME, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
 };
-use crate::backend::{AccessMode, PhysicalChunk};
+use crate::backend::{AccessMode, DeviceReach, MemoryKind, PhysicalChunk};
 use crate::backing::BlockGeometry;
 use crate::error::{Error, Result};
 use crate::ipc::{FrameWriter, MAX_FDS};
@@ -66,6 +67,19 @@ impl PeerLink {
     /// Each block must own whole pages: every span of it starts and ends on a page boundary
     /// of the layout's backing (else an error before anything is pinned).
     pub fn hand_off(&self, layout: &ElasticLayout, blocks: &[usize]) -> Result<Grant> {
+        let link = self.shared();
+        if link.peer.reaches_us != DeviceReach::Same
+            && link.peer.endpoint.memory == MemoryKind::Device
+        {
+            // Its layout would hold memory of another GPU than its own.
+            return Err(link.peer_error(
+                "hand off",
+                format!(
+                    "the peer's device is not ours ({:?} from there): a hand-off stays on one GPU; grant the blocks for copying instead",
+                    link.peer.reaches_us
+                ),
+            ));
+        }
         if let Some(lender) = layout.backing().pool().backend().chunk_lender() {
             // Released here, the chunks would go back to their lender, which hands them to
             // someone else while the receiver still uses them.
@@ -235,6 +249,23 @@ impl PeerLink {
                 ),
             ));
         }
+        let ours = link.backend.info();
+        if info.device_uuid != ours.device_uuid {
+            // The peer found how it reaches the link's GPU, not this one.
+            return Err(Error::InvalidArgument(format!(
+                "the layout's memory is on device {:?}, the link's backend on device {:?}: grant over a link opened with the layout's backend",
+                info.device_ordinal, ours.device_ordinal
+            )));
+        }
+        if link.path.path != TransferPath::PeerImport {
+            return Err(link.peer_error(
+                "grant",
+                format!(
+                    "the peer cannot import our chunks: the link's path is {} ({})",
+                    link.path.path, link.path.reason
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -357,6 +388,10 @@ impl PeerLink {
             // Some chunks may have reached the peer: the pins stay until it lets go or exits.
             // Shutting the link down makes a conforming peer drop what it got.
             tracing::error!(peer = %link.peer.name, grant = id, error = %e, "sending a grant failed; closing the link");
+            // No `Grant` handle will exist: the entry goes once its pin does.
+            if let Some(g) = link.state.lock().out.get_mut(&id) {
+                g.detached = true;
+            }
             link.shutdown();
             return Err(e);
         }

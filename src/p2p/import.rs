@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::link::{send, InChunk, LinkShared, ReadyGrant};
 use super::wire::{GrantMode, Msg};
-use crate::backend::{AccessMode, Backend, PhysicalChunk};
+use crate::backend::{AccessMode, Backend, DeviceReach, MemoryKind, PhysicalChunk};
 use crate::backing::BackingChange;
 use crate::error::{Error, Result};
 use crate::ipc::FrameWriter;
@@ -172,9 +172,18 @@ impl Mapped {
             }
         }
         let mut effective = access;
+        // Chunks of another GPU: that GPU gets access too (a copy between the two may run on
+        // its engines).
+        let owner = match link.peer.reach {
+            DeviceReach::Peer { ordinal } => Some(ordinal),
+            _ => None,
+        };
         for s in m.segments.clone() {
             // SAFETY: the segment is made of chunks mapped just above.
-            let r = unsafe { m.backend.set_access_mode(s.addr, s.len as usize, effective) };
+            let r = unsafe {
+                m.backend
+                    .set_import_access(s.addr, s.len as usize, effective, owner)
+            };
             if let Err(e) = r {
                 if effective == AccessMode::ReadWrite {
                     return Err(e);
@@ -182,14 +191,20 @@ impl Mapped {
                 tracing::info!(error = %e, "read-only mapping not available; mapping imports read-write");
                 effective = AccessMode::ReadWrite;
                 // SAFETY: as above.
-                unsafe { m.backend.set_access_mode(s.addr, s.len as usize, effective) }?;
+                unsafe {
+                    m.backend
+                        .set_import_access(s.addr, s.len as usize, effective, owner)
+                }?;
             }
         }
         if effective != access {
             // Segments done before the fallback keep read-only access: make them all alike.
             for s in m.segments.clone() {
                 // SAFETY: as above.
-                unsafe { m.backend.set_access_mode(s.addr, s.len as usize, effective) }?;
+                unsafe {
+                    m.backend
+                        .set_import_access(s.addr, s.len as usize, effective, owner)
+                }?;
             }
         }
         m.access = effective;
@@ -451,10 +466,11 @@ impl ImportedGrant {
                 "adopted chunks are the link's backend's: build the layout's pool on the same backend (Arc) as the link".into(),
             ));
         }
-        if link.peer.endpoint.device != dst.device() {
+        // By UUID (ordinals are per process); the layout's backend is the link's (above).
+        if dst.memory_kind() == MemoryKind::Device && link.peer.reach != DeviceReach::Same {
             return Err(Error::InvalidArgument(format!(
-                "the chunks live on device {:?}, the layout on device {:?}: a hand-off stays on one device (copy across devices instead)",
-                link.peer.endpoint.device,
+                "the chunks live on the sender's GPU ({:?} from here), the layout on device {:?}: a hand-off stays on one GPU (copy across devices instead)",
+                link.peer.reach,
                 dst.device()
             )));
         }

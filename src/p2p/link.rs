@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::cache::{self, KeptIn, KeptOut};
-use super::path::{choose_path, Endpoint, PathChoice};
+use super::path::{link_path, Endpoint, PathChoice};
 use super::wire::{
     GrantMode, Hello, Msg, WireChunk, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
-    MAX_PARTIAL_GRANTS, VERSION,
+    MAX_PARTIAL_GRANTS, MAX_QUEUED_BLOCKS, MAX_QUEUED_CHUNKS, MAX_QUEUED_GRANTS, VERSION,
 };
-use crate::backend::{AccessMode, Backend, PhysicalChunk};
+use crate::backend::{AccessMode, Backend, DeviceReach, PhysicalChunk};
 use crate::backing::BlockPin;
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials};
@@ -34,7 +34,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a link that both sides said bye on waits for the peer's last answers.
 const BYE_TIMEOUT: Duration = Duration::from_secs(1);
-/// Frames the writer queue holds (a grant of [`MAX_GRANT_CHUNKS`] chunks takes 1025).
+/// Frames the writer queue holds (a grant of [`MAX_GRANT_CHUNKS`] chunks and
+/// [`MAX_GRANT_BLOCKS`] blocks takes 1040: 1024 of chunks, 15 of blocks, the grant).
 const WRITER_DEPTH: usize = 4096;
 
 /// What a link knows of the engine at the other end.
@@ -48,6 +49,11 @@ pub struct PeerInfo {
     pub endpoint: Endpoint,
     /// Its backend's mapping unit.
     pub granularity: u64,
+    /// How our device reaches its GPU: the same one, another with peer access (imports are
+    /// mapped with access for both), or neither (the path is NIXL).
+    pub reach: DeviceReach,
+    /// How its device reaches our GPU, as it said.
+    pub reaches_us: DeviceReach,
 }
 
 /// Where a grant stands, as its sender sees it.
@@ -669,6 +675,39 @@ impl PeerLink {
         Self::over(s, name, backend)
     }
 
+    /// [`PeerLink::accept`], giving up after `timeout` with an error if no engine connected
+    /// (a peer process that died before connecting leaves no one waiting forever).
+    pub fn accept_within(
+        listener: &UnixListener,
+        name: &str,
+        backend: Arc<dyn Backend>,
+        timeout: Duration,
+    ) -> Result<PeerLink> {
+        let end = Instant::now() + timeout;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ipc::frame::ipc_error(
+                    "accept",
+                    format!("no engine connected within {timeout:?}"),
+                ));
+            }
+            let mut fds = [rustix::event::PollFd::new(
+                listener,
+                rustix::event::PollFlags::IN,
+            )];
+            let wait = rustix::event::Timespec {
+                tv_sec: left.as_secs().try_into().unwrap_or(i64::MAX),
+                tv_nsec: left.subsec_nanos().into(),
+            };
+            match rustix::event::poll(&mut fds, Some(&wait)) {
+                Ok(n) if n > 0 => return Self::accept(listener, name, backend),
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(ipc::frame::ipc_error("poll", e.to_string())),
+            }
+        }
+    }
+
     /// Accept one engine on `listener`.
     pub fn accept(
         listener: &UnixListener,
@@ -702,6 +741,7 @@ impl PeerLink {
             device: info.device_ordinal,
             granularity: info.granularity as u64,
             exportable: info.posix_fd_exportable,
+            device_uuid: info.device_uuid,
         };
         let io =
             |op: &'static str| move |e: std::io::Error| ipc::frame::ipc_error(op, e.to_string());
@@ -730,19 +770,44 @@ impl PeerLink {
                 detail: format!("protocol version {} (ours is {VERSION})", theirs.version),
             });
         }
-        stream.set_read_timeout(None).map_err(io("set timeout"))?;
         let endpoint = Endpoint {
             boot_id: theirs.boot_id,
             memory: theirs.memory.into(),
             device: theirs.device,
+            device_uuid: theirs.device_uuid,
             exportable: theirs.exportable,
         };
-        let path = choose_path(&local, &endpoint);
+        // Each side finds whether its device reaches the other's GPU (by UUID: ordinals are
+        // per process) and says so, so both choose the same path.
+        let reach = match (&endpoint.device_uuid, endpoint.memory == local.memory) {
+            (Some(uuid), true) => backend.reach(uuid)?,
+            _ => DeviceReach::NoDevice,
+        };
+        ipc::send_frame(&stream, &ipc::encode(&Msg::Reach(reach.into()))?, &[])?;
+        let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
+            .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
+        let reaches_us: DeviceReach = match ipc::decode::<Msg>(&frame.payload)? {
+            Msg::Reach(r) if frame.fds.is_empty() => r.into(),
+            other => {
+                return Err(Error::Peer {
+                    peer: theirs.name,
+                    op: "hello",
+                    detail: format!(
+                        "expected how it reaches our device, got {other:?} with {} descriptors",
+                        frame.fds.len()
+                    ),
+                })
+            }
+        };
+        stream.set_read_timeout(None).map_err(io("set timeout"))?;
+        let path = link_path(&local, &endpoint, reach, reaches_us);
         let peer = PeerInfo {
             name: theirs.name,
             credentials,
             endpoint,
             granularity: theirs.granularity,
+            reach,
+            reaches_us,
         };
         // Whether the peer's process is gone decides when pins of grants it never released
         // can go; a pidfd says so without any race on reused process ids.
@@ -956,6 +1021,7 @@ impl Reader {
         let bad = |d: String| self.shared.peer_error("receive", d);
         match msg {
             Msg::Hello(_) => return Err(bad("a second hello".into())),
+            Msg::Reach(_) => return Err(bad("a second word on how it reaches our device".into())),
             Msg::Chunks {
                 grant,
                 offsets,
@@ -1055,6 +1121,24 @@ impl Reader {
                         "grant {grant} announces {chunks} chunks ({} arrived) and {} blocks (1 to {MAX_GRANT_BLOCKS} allowed)",
                         got.len(),
                         blocks.len()
+                    )));
+                }
+                // Grants the application has not taken yet: bounded, so a peer cannot grow
+                // them (and the descriptors they hold) without limit.
+                let (queued_blocks, queued_chunks) = st
+                    .ready
+                    .iter()
+                    .fold((0, 0), |(b, c), g| (b + g.blocks.len(), c + g.chunks.len()));
+                if st.ready.len() >= MAX_QUEUED_GRANTS
+                    || queued_blocks + blocks.len() > MAX_QUEUED_BLOCKS
+                    || queued_chunks + got.len() > MAX_QUEUED_CHUNKS
+                {
+                    let n = st.ready.len();
+                    drop(st);
+                    return Err(bad(format!(
+                        "grant {grant} ({} blocks, {} chunks) on top of {n} grants not taken yet here ({queued_blocks} blocks, {queued_chunks} chunks): at most {MAX_QUEUED_GRANTS} grants, {MAX_QUEUED_BLOCKS} blocks and {MAX_QUEUED_CHUNKS} chunks wait",
+                        blocks.len(),
+                        got.len()
                     )));
                 }
                 st.ready.push_back(ReadyGrant {

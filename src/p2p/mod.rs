@@ -65,9 +65,11 @@
 //!
 //! # Path
 //! [`choose_path`] picks [`TransferPath::PeerImport`] when both engines run on one node (same
-//! boot id), hold the same kind of memory and can export chunks as descriptors, and
-//! [`TransferPath::Nixl`] otherwise; a link decides at hello, logs the choice and its reason,
-//! and every [`CopyReport`] carries them.
+//! boot id), hold the same kind of memory, can export chunks as descriptors and (GPUs) each
+//! side's device reaches the other's GPU, found by UUID since ordinals are per process: the
+//! same GPU, or another with peer access ([`crate::DeviceReach`]); [`TransferPath::Nixl`]
+//! otherwise, and a grant over such a link is refused with the reason. A link decides at
+//! hello, logs the choice and its reason, and every [`CopyReport`] carries them.
 //!
 //! # Locking
 //! A link's state mutex is a leaf guarding bookkeeping only: pins, mappings and descriptors are

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::backend::{BackendInfo, MemoryKind};
+use crate::backend::{format_uuid, BackendInfo, DeviceReach, MemoryKind};
 
 /// How blocks move between two engines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -31,8 +31,10 @@ pub struct Endpoint {
     pub boot_id: String,
     /// Host or device memory.
     pub memory: MemoryKind,
-    /// The device ordinal for device memory.
+    /// The device ordinal for device memory, as that process numbers its GPUs.
     pub device: Option<i32>,
+    /// The GPU's UUID for device memory: one name in every process.
+    pub device_uuid: Option<[u8; 16]>,
     /// Whether its chunks can be exported and imported as POSIX descriptors.
     pub exportable: bool,
 }
@@ -44,6 +46,7 @@ impl Endpoint {
             boot_id: boot_id(),
             memory: backend.memory_kind,
             device: backend.device_ordinal,
+            device_uuid: backend.device_uuid,
             exportable: backend.posix_fd_exportable,
         }
     }
@@ -66,11 +69,13 @@ pub fn boot_id() -> String {
 }
 
 /// Choose how blocks move from `sender` to `receiver`: [`TransferPath::PeerImport`] when both
-/// run on one node, hold the same kind of memory and can export and import chunks as POSIX
-/// descriptors; [`TransferPath::Nixl`] otherwise. (NIXL's UCX moves VMM device memory between
-/// processes by software emulation at about 0.5 GB/s where it has no POSIX-fd VMM path, which is
-/// why the import path exists; see README.)
-pub fn choose_path(sender: &Endpoint, receiver: &Endpoint) -> PathChoice {
+/// run on one node, hold the same kind of memory, can export and import chunks as POSIX
+/// descriptors, and (device memory) the receiver's device reaches the sender's GPU (`reach`,
+/// as [`crate::backend::Backend::reach`] found it in the receiver's process: the same GPU, or
+/// another one with peer access); [`TransferPath::Nixl`] otherwise. (NIXL's UCX moves VMM
+/// device memory between processes by software emulation at about 0.5 GB/s where it has no
+/// POSIX-fd VMM path, which is why the import path exists; see README.)
+pub fn choose_path(sender: &Endpoint, receiver: &Endpoint, reach: DeviceReach) -> PathChoice {
     let nixl = |reason: String| PathChoice {
         path: TransferPath::Nixl,
         reason,
@@ -97,10 +102,36 @@ pub fn choose_path(sender: &Endpoint, receiver: &Endpoint) -> PathChoice {
             "the {side}'s backend cannot export or import chunks as POSIX descriptors (host: create it with ChunkFiles::PerChunk; CUDA: the device lacks POSIX-fd handles)"
         ));
     }
-    let devices = match (sender.device, receiver.device) {
-        (Some(a), Some(b)) if a == b => format!(", one device ({a})"),
-        (Some(a), Some(b)) => format!(", device {a} to device {b} with peer access"),
-        _ => String::new(),
+    let gpu = sender
+        .device_uuid
+        .as_ref()
+        .map_or_else(|| "of unknown UUID".to_owned(), format_uuid);
+    let at = |d: Option<i32>| d.map_or_else(|| "?".to_owned(), |d| d.to_string());
+    let devices = match (sender.memory, reach) {
+        (MemoryKind::Host, _) => String::new(),
+        (MemoryKind::Device, DeviceReach::Same) => {
+            format!(", one GPU ({gpu}, device {})", at(receiver.device))
+        }
+        (MemoryKind::Device, DeviceReach::Peer { ordinal }) => format!(
+            ", the sender's GPU {gpu} (device {ordinal} in the receiver's process) to the receiver's device {} with peer access",
+            at(receiver.device)
+        ),
+        (MemoryKind::Device, DeviceReach::NoPeerAccess { ordinal }) => {
+            return nixl(format!(
+                "the receiver's device {} has no peer access to the sender's GPU {gpu} (device {ordinal} there)",
+                at(receiver.device)
+            ))
+        }
+        (MemoryKind::Device, DeviceReach::NotVisible) => {
+            return nixl(format!(
+                "the sender's GPU {gpu} is not visible in the receiver's process (CUDA_VISIBLE_DEVICES or a container hides it), so it cannot import its memory"
+            ))
+        }
+        (MemoryKind::Device, DeviceReach::NoDevice) => {
+            return nixl(format!(
+                "the receiver's backend cannot tell whether its device reaches the sender's GPU {gpu}"
+            ))
+        }
     };
     PathChoice {
         path: TransferPath::PeerImport,
@@ -109,6 +140,33 @@ pub fn choose_path(sender: &Endpoint, receiver: &Endpoint) -> PathChoice {
             sender.boot_id, sender.memory
         ),
     }
+}
+
+/// The path of a link, which carries grants both ways: [`TransferPath::PeerImport`] where
+/// each side can import the other's chunks (`ours`: how our device reaches the peer's GPU;
+/// `theirs`: how the peer's reaches ours); otherwise the first direction that cannot, with its
+/// reason.
+pub(crate) fn link_path(
+    local: &Endpoint,
+    peer: &Endpoint,
+    ours: DeviceReach,
+    theirs: DeviceReach,
+) -> PathChoice {
+    let outward = choose_path(local, peer, theirs);
+    if outward.path != TransferPath::PeerImport {
+        return PathChoice {
+            path: outward.path,
+            reason: format!("to the peer: {}", outward.reason),
+        };
+    }
+    let inward = choose_path(peer, local, ours);
+    if inward.path != TransferPath::PeerImport {
+        return PathChoice {
+            path: inward.path,
+            reason: format!("from the peer: {}", inward.reason),
+        };
+    }
+    outward
 }
 
 #[cfg(test)]
@@ -120,33 +178,85 @@ mod tests {
             boot_id: boot.into(),
             memory,
             device,
+            device_uuid: device.map(|d| [d as u8; 16]),
             exportable,
         }
     }
 
     #[test]
     fn path_and_reason() {
+        let same = DeviceReach::Same;
         let a = ep("n1", MemoryKind::Device, true, Some(0));
-        let c = choose_path(&a, &ep("n1", MemoryKind::Device, true, Some(1)));
+        let b = ep("n1", MemoryKind::Device, true, Some(1));
+        let c = choose_path(&a, &a, same);
         assert_eq!(c.path, TransferPath::PeerImport);
-        assert!(c.reason.contains("device 0 to device 1"), "{}", c.reason);
-        let c = choose_path(&a, &ep("n2", MemoryKind::Device, true, Some(0)));
+        assert!(
+            c.reason
+                .contains("one GPU (GPU-00000000-0000-0000-0000-000000000000, device 0)"),
+            "{}",
+            c.reason
+        );
+        let c = choose_path(&a, &b, DeviceReach::Peer { ordinal: 0 });
+        assert_eq!(c.path, TransferPath::PeerImport);
+        assert!(
+            c.reason.contains(
+                "(device 0 in the receiver's process) to the receiver's device 1 with peer access"
+            ),
+            "{}",
+            c.reason
+        );
+        let c = choose_path(&a, &b, DeviceReach::NoPeerAccess { ordinal: 0 });
+        assert_eq!(c.path, TransferPath::Nixl);
+        assert!(
+            c.reason
+                .contains("device 1 has no peer access to the sender's GPU GPU-00000000"),
+            "{}",
+            c.reason
+        );
+        let c = choose_path(&a, &b, DeviceReach::NotVisible);
+        assert_eq!(c.path, TransferPath::Nixl);
+        assert!(c.reason.contains("not visible"), "{}", c.reason);
+        let c = choose_path(&a, &b, DeviceReach::NoDevice);
+        assert_eq!(c.path, TransferPath::Nixl);
+        assert!(c.reason.contains("cannot tell"), "{}", c.reason);
+        let c = choose_path(&a, &ep("n2", MemoryKind::Device, true, Some(0)), same);
         assert_eq!(c.path, TransferPath::Nixl);
         assert!(c.reason.contains("different nodes"), "{}", c.reason);
-        let c = choose_path(&a, &ep("n1", MemoryKind::Host, true, None));
+        let c = choose_path(&a, &ep("n1", MemoryKind::Host, true, None), same);
         assert_eq!(c.path, TransferPath::Nixl);
         assert!(c.reason.contains("Host"), "{}", c.reason);
+        let h = ep("n1", MemoryKind::Host, true, None);
+        let c = choose_path(&h, &h, DeviceReach::NoDevice);
+        assert_eq!(c.path, TransferPath::PeerImport, "{}", c.reason);
         let c = choose_path(
             &ep("n1", MemoryKind::Host, false, None),
-            &ep("n1", MemoryKind::Host, true, None),
+            &h,
+            DeviceReach::NoDevice,
         );
         assert_eq!(c.path, TransferPath::Nixl);
         assert!(c.reason.contains("sender's backend"), "{}", c.reason);
-        let c = choose_path(
-            &ep("", MemoryKind::Host, true, None),
-            &ep("", MemoryKind::Host, true, None),
-        );
+        let e = ep("", MemoryKind::Host, true, None);
+        let c = choose_path(&e, &e, DeviceReach::NoDevice);
         assert_eq!(c.path, TransferPath::Nixl);
         assert!(!boot_id().is_empty());
+    }
+
+    #[test]
+    fn a_link_imports_both_ways_or_names_the_way_that_cannot() {
+        let a = ep("n1", MemoryKind::Device, true, Some(0));
+        let b = ep("n1", MemoryKind::Device, true, Some(1));
+        let peer = DeviceReach::Peer { ordinal: 1 };
+        let c = link_path(&a, &b, peer, DeviceReach::Peer { ordinal: 0 });
+        assert_eq!(c.path, TransferPath::PeerImport, "{}", c.reason);
+        // The peer cannot see our GPU: grants to it cannot go this way.
+        let c = link_path(&a, &b, peer, DeviceReach::NotVisible);
+        assert_eq!(c.path, TransferPath::Nixl);
+        assert!(c.reason.starts_with("to the peer: "), "{}", c.reason);
+        assert!(c.reason.contains("not visible"), "{}", c.reason);
+        // We cannot reach the peer's GPU: grants from it cannot.
+        let c = link_path(&a, &b, DeviceReach::NoPeerAccess { ordinal: 1 }, peer);
+        assert_eq!(c.path, TransferPath::Nixl);
+        assert!(c.reason.starts_with("from the peer: "), "{}", c.reason);
+        assert!(c.reason.contains("no peer access"), "{}", c.reason);
     }
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::link::PeerLink;
-use super::wire::{Hello, Msg, WireChunk, WireLayout, BLOCKS_PER_FRAME, MAX_GRANT_BLOCKS, VERSION};
+use super::wire::{
+    Hello, Msg, WireChunk, WireLayout, WireReach, BLOCKS_PER_FRAME, MAX_GRANT_BLOCKS, VERSION,
+};
 use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use crate::backend::{AccessMode, Backend};
 use crate::ipc;
@@ -17,10 +19,9 @@ fn backend() -> Arc<dyn Backend> {
     Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
 }
 
-/// A link whose peer is `raw`, after the hello.
-fn link() -> (PeerLink, UnixStream) {
-    let (x, raw) = UnixStream::pair().unwrap();
-    let hello = Msg::Hello(Hello {
+/// The hello of a host-memory peer on this node.
+fn raw_hello() -> Hello {
+    Hello {
         version: VERSION,
         name: "raw".into(),
         boot_id: super::boot_id(),
@@ -28,14 +29,37 @@ fn link() -> (PeerLink, UnixStream) {
         device: None,
         granularity: DEFAULT_GRANULARITY as u64,
         exportable: true,
-    });
-    ipc::send_frame(&raw, &ipc::encode(&hello).unwrap(), &[]).unwrap();
-    let l = PeerLink::over(x, "engine", backend()).unwrap();
+        device_uuid: None,
+    }
+}
+
+/// A link over `x` whose peer at `raw` said `hello` then `second`.
+fn open(x: UnixStream, raw: &UnixStream, hello: Hello, second: &Msg) -> crate::Result<PeerLink> {
+    ipc::send_frame(raw, &ipc::encode(&Msg::Hello(hello)).unwrap(), &[]).unwrap();
+    ipc::send_frame(raw, &ipc::encode(second).unwrap(), &[]).unwrap();
+    PeerLink::over(x, "engine", backend())
+}
+
+/// A link whose peer is `raw`, after the hello.
+fn link() -> (PeerLink, UnixStream) {
+    let (x, raw) = UnixStream::pair().unwrap();
+    let l = open(x, &raw, raw_hello(), &Msg::Reach(WireReach::NoDevice)).unwrap();
     let theirs = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
     assert!(matches!(
         ipc::decode::<Msg>(&theirs.payload).unwrap(),
         Msg::Hello(_)
     ));
+    let theirs = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
+    assert_eq!(
+        ipc::decode::<Msg>(&theirs.payload).unwrap(),
+        Msg::Reach(WireReach::NoDevice)
+    );
+    assert_eq!(
+        l.path().path,
+        super::TransferPath::PeerImport,
+        "{:?}",
+        l.path()
+    );
     (l, raw)
 }
 
@@ -458,4 +482,186 @@ fn block_lists_over_frames_are_bounded_and_follow_their_chunks() {
             MAX_GRANT_BLOCKS + 1
         ),
     );
+}
+
+#[test]
+fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
+    // A peer that says something else after its hello: no link.
+    let (x, raw) = UnixStream::pair().unwrap();
+    let e = open(x, &raw, raw_hello(), &Msg::Bye)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected how it reaches our device"), "{e}");
+
+    // A peer on another node (another boot id): the link opens on the NIXL path, and a grant
+    // over it is refused with the reason before anything is pinned or sent.
+    let (x, raw) = UnixStream::pair().unwrap();
+    let mut hello = raw_hello();
+    hello.boot_id = "another-node".into();
+    let l = open(x, &raw, hello, &Msg::Reach(WireReach::NoDevice)).unwrap();
+    assert_eq!(l.path().path, super::TransferPath::Nixl);
+    assert!(
+        l.path().reason.starts_with("to the peer: different nodes"),
+        "{:?}",
+        l.path()
+    );
+    assert_eq!(l.peer().reach, crate::DeviceReach::NoDevice);
+    let (_pool, kv) = page_blocks(&[0, 1]);
+    let e = l
+        .grant(&kv, &[0, 1], AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the peer cannot import our chunks: the link's path is nixl (to the peer: different nodes"),
+        "{e}"
+    );
+    assert_eq!(kv.stats().pinned_blocks, 0);
+    let e = l.hand_off(&kv, &[0]).unwrap_err().to_string();
+    assert!(e.contains("the link's path is nixl"), "{e}");
+    assert_eq!(kv.stats().pinned_blocks, 0);
+    // Nothing went out after the hello and the reach.
+    raw.set_nonblocking(true).unwrap();
+    for expect in ["hello", "reach"] {
+        let f = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
+        let m = ipc::decode::<Msg>(&f.payload).unwrap();
+        assert!(
+            matches!(
+                (expect, &m),
+                ("hello", Msg::Hello(_)) | ("reach", Msg::Reach(_))
+            ),
+            "{m:?}"
+        );
+    }
+    assert!(ipc::recv_frame(&raw, ipc::MAX_FRAME).is_err());
+}
+
+/// Send a whole grant `grant` of one kept chunk (no descriptor) and `blocks` zeros, over
+/// frames as a sender does.
+fn send_kept_grant(raw: &UnixStream, grant: u64, blocks: usize) {
+    let send = |m: &Msg| ipc::send_frame(raw, &ipc::encode(m).unwrap(), &[]).unwrap();
+    send(&Msg::Chunks {
+        grant,
+        offsets: vec![0],
+        sizes: vec![DEFAULT_GRANULARITY as u64],
+        how: vec![WireChunk::Kept(grant)],
+    });
+    let mut left = blocks;
+    while left > BLOCKS_PER_FRAME {
+        send(&Msg::Blocks {
+            grant,
+            blocks: vec![0; BLOCKS_PER_FRAME],
+        });
+        left -= BLOCKS_PER_FRAME;
+    }
+    send(&Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![0; left],
+        chunks: 1,
+    });
+}
+
+/// Complete grants wait for the application in a bounded queue: by count and by blocks, a
+/// peer going past it closes the link with the numbers (adapted from a cold review that grew
+/// the receiver by 100 MiB with 200 queued grants).
+#[test]
+fn grants_not_taken_yet_are_bounded() {
+    use super::wire::{MAX_QUEUED_BLOCKS, MAX_QUEUED_GRANTS};
+    let (l, raw) = link();
+    for g in 1..=MAX_QUEUED_GRANTS as u64 {
+        send_kept_grant(&raw, g, 1);
+    }
+    let end = Instant::now() + Duration::from_secs(10);
+    while l.stats().queued_grants < MAX_QUEUED_GRANTS {
+        assert!(l.closed().is_none(), "{:?}", l.closed());
+        assert!(Instant::now() < end, "{} queued", l.stats().queued_grants);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    send_kept_grant(&raw, MAX_QUEUED_GRANTS as u64 + 1, 1);
+    closed_with(
+        &l,
+        &format!(
+            "on top of {MAX_QUEUED_GRANTS} grants not taken yet here ({MAX_QUEUED_GRANTS} blocks"
+        ),
+    );
+
+    let (l, raw) = link();
+    let full = MAX_QUEUED_BLOCKS / MAX_GRANT_BLOCKS;
+    for g in 1..=full as u64 {
+        send_kept_grant(&raw, g, MAX_GRANT_BLOCKS);
+    }
+    send_kept_grant(&raw, full as u64 + 1, 1);
+    closed_with(
+        &l,
+        &format!("on top of {full} grants not taken yet here ({MAX_QUEUED_BLOCKS} blocks, {full} chunks)"),
+    );
+}
+
+/// A grant id reused after a revoke of its half-sent first use, or after the first use
+/// completed, carries none of the first use's blocks (cold review: dropping either cleanup
+/// passed every other test).
+#[test]
+fn block_lists_of_a_reused_grant_id_start_empty() {
+    let exporter = backend();
+    let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
+    let chunks = |raw: &UnixStream| {
+        let fd = exporter.export_chunk(chunk).unwrap();
+        let m = Msg::Chunks {
+            grant: 5,
+            offsets: vec![0],
+            sizes: vec![DEFAULT_GRANULARITY as u64],
+            how: vec![WireChunk::New],
+        };
+        ipc::send_frame(raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
+    };
+    let send =
+        |raw: &UnixStream, m: &Msg| ipc::send_frame(raw, &ipc::encode(m).unwrap(), &[]).unwrap();
+    let ahead = Msg::Blocks {
+        grant: 5,
+        blocks: vec![0; BLOCKS_PER_FRAME],
+    };
+    let grant = Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 5,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![1],
+        chunks: 1,
+    };
+    let answer = |raw: &UnixStream| {
+        let r = ipc::recv_frame(raw, ipc::MAX_FRAME).unwrap().unwrap();
+        ipc::decode::<Msg>(&r.payload).unwrap()
+    };
+
+    // Revoked half sent, then sent again under the same id.
+    let (l, raw) = link();
+    chunks(&raw);
+    send(&raw, &ahead);
+    send(&raw, &Msg::Revoke { grant: 5 });
+    assert_eq!(answer(&raw), Msg::Released { grant: 5 });
+    chunks(&raw);
+    send(&raw, &grant);
+    let imp = l.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks(), &[1], "blocks of the revoked first use");
+    drop(imp);
+    assert_eq!(answer(&raw), Msg::Released { grant: 5 });
+
+    // Completed, released, then sent again under the same id.
+    let (l, raw) = link();
+    chunks(&raw);
+    send(&raw, &ahead);
+    send(&raw, &grant);
+    let imp = l.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks().len(), BLOCKS_PER_FRAME + 1);
+    drop(imp);
+    assert_eq!(answer(&raw), Msg::Released { grant: 5 });
+    chunks(&raw);
+    send(&raw, &grant);
+    let imp = l.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks(), &[1], "blocks of the completed first use");
+    drop(imp);
+    // SAFETY: every import of the chunk was unmapped and closed with its grant.
+    unsafe { exporter.release(chunk).unwrap() };
 }

@@ -4,12 +4,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{AccessMode, MemoryKind};
+use crate::backend::{AccessMode, DeviceReach, MemoryKind};
 use crate::error::{Error, Result};
 use crate::layout::{BlockDim, LayoutConfig, LayoutKind};
 
 /// Protocol version; a peer with another one is refused at hello.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// Most blocks in one grant: 4 GiB of 64 KiB blocks, a million tokens in 16-token blocks.
 pub const MAX_GRANT_BLOCKS: usize = 64 * 1024;
 /// Most block indices in one frame (at most 10 bytes each as postcard varints: 40 KiB, under
@@ -19,6 +19,13 @@ pub(crate) const BLOCKS_PER_FRAME: usize = 4096;
 pub const MAX_GRANT_CHUNKS: usize = 16 * 1024;
 /// Most grants a peer may have half sent at once.
 pub(crate) const MAX_PARTIAL_GRANTS: usize = 64;
+/// Most complete grants a receiver holds before the application takes them
+/// ([`crate::p2p::PeerLink::recv_grant`]); a peer sending more closes the link.
+pub(crate) const MAX_QUEUED_GRANTS: usize = 256;
+/// Most block indices those grants hold together (2 MiB of them).
+pub(crate) const MAX_QUEUED_BLOCKS: usize = 4 * MAX_GRANT_BLOCKS;
+/// Most chunks those grants hold together (each may hold a descriptor).
+pub(crate) const MAX_QUEUED_CHUNKS: usize = 4 * MAX_GRANT_CHUNKS;
 
 /// Host or device memory, on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -57,6 +64,43 @@ pub(crate) struct Hello {
     pub(crate) granularity: u64,
     /// Whether this side's backend can export and import chunks as POSIX descriptors.
     pub(crate) exportable: bool,
+    /// The GPU's UUID (ordinals differ between processes); last, so that a peer of an older
+    /// version still reads the version before it.
+    pub(crate) device_uuid: Option<[u8; 16]>,
+}
+
+/// How one side's device reaches the other side's GPU, on the wire (after the hellos).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum WireReach {
+    Same,
+    Peer(i32),
+    NoPeerAccess(i32),
+    NotVisible,
+    NoDevice,
+}
+
+impl From<DeviceReach> for WireReach {
+    fn from(r: DeviceReach) -> Self {
+        match r {
+            DeviceReach::Same => WireReach::Same,
+            DeviceReach::Peer { ordinal } => WireReach::Peer(ordinal),
+            DeviceReach::NoPeerAccess { ordinal } => WireReach::NoPeerAccess(ordinal),
+            DeviceReach::NotVisible => WireReach::NotVisible,
+            DeviceReach::NoDevice => WireReach::NoDevice,
+        }
+    }
+}
+
+impl From<WireReach> for DeviceReach {
+    fn from(r: WireReach) -> Self {
+        match r {
+            WireReach::Same => DeviceReach::Same,
+            WireReach::Peer(ordinal) => DeviceReach::Peer { ordinal },
+            WireReach::NoPeerAccess(ordinal) => DeviceReach::NoPeerAccess { ordinal },
+            WireReach::NotVisible => DeviceReach::NotVisible,
+            WireReach::NoDevice => DeviceReach::NoDevice,
+        }
+    }
 }
 
 /// The order of a layout's dimensions, on the wire.
@@ -190,6 +234,9 @@ pub(crate) enum Msg {
     /// The link is ending: no grant follows; what the sender of it owed went before it. Each
     /// side answers what it owes, says it too, and the socket closes once both have.
     Bye,
+    /// Right after the hellos: how the sender of it reaches the other side's GPU, so both
+    /// sides choose the same path.
+    Reach(WireReach),
 }
 
 /// How one chunk of a grant comes.

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::layout::{BlockDim, LayoutConfig, LayoutKind};
 use elastic_vmm::p2p::{self, CopyEngine, CopyStream, EngineChoice, GrantStatus, PeerLink};
-use elastic_vmm::{AccessMode, Backend};
+use elastic_vmm::{AccessMode, Backend, DeviceReach};
 
 #[path = "../common_p2p/mod.rs"]
 mod scenario;
@@ -158,6 +158,12 @@ fn device_count() -> i32 {
     cudarc::driver::result::device::get_count().unwrap_or(1)
 }
 
+/// The two-GPU tests fail, rather than pass silently or hang, where there is one GPU.
+fn needs_two_gpus() {
+    let n = device_count();
+    assert!(n >= 2, "needs two GPUs, found {n}");
+}
+
 fn byte_exact(prefill_device: i32, decode_device: i32) {
     byte_exact_with(prefill_device, decode_device, "auto")
 }
@@ -167,7 +173,7 @@ fn byte_exact_with(prefill_device: i32, decode_device: i32, engine: &str) {
     let listener: UnixListener = p2p::listen(dir.join("s")).unwrap();
     let child = spawn_with("decode", &dir, decode_device, engine);
     let backend = cuda(prefill_device);
-    let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT).unwrap();
     println!("path: {:?}", link.path());
     scenario::prefill(&link, backend, INNER);
     assert!(wait_child(child, 120).success(), "decode process failed");
@@ -197,6 +203,7 @@ fn p2p_one_gpu_byte_exact_memcpy() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_byte_exact() {
+    needs_two_gpus();
     byte_exact(0, 1);
 }
 
@@ -208,7 +215,7 @@ fn receiver_killed(decode_device: i32) {
     let backend = cuda(0);
     let free0 = backend.memory_info().unwrap().free;
     let mut child = spawn("copy-loop", &dir, decode_device);
-    let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT).unwrap();
     let pool = scenario::pool(backend.clone(), "prefill");
     let kv = scenario::layout(
         &pool,
@@ -255,6 +262,7 @@ fn p2p_one_gpu_receiver_killed_mid_transfer() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_receiver_killed_mid_transfer() {
+    needs_two_gpus();
     receiver_killed(1);
 }
 
@@ -265,7 +273,7 @@ fn p2p_one_gpu_hand_off() {
     let listener = p2p::listen(dir.join("s")).unwrap();
     let child = spawn("adopt", &dir, 0);
     let backend = cuda(0);
-    let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT).unwrap();
     scenario::hand_off_sender(&link, backend);
     assert!(wait_child(child, 120).success(), "adopting process failed");
     let _ = std::fs::remove_dir_all(dir);
@@ -399,7 +407,7 @@ fn odd_shapes(decode_device: i32) {
     let listener: UnixListener = p2p::listen(dir.join("s")).unwrap();
     let child = spawn("odd-decode", &dir, decode_device);
     let backend = cuda(0);
-    let link = PeerLink::accept(&listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT).unwrap();
     odd_prefill(&link, backend);
     assert!(wait_child(child, 300).success(), "decode process failed");
     let _ = std::fs::remove_dir_all(dir);
@@ -418,11 +426,7 @@ fn p2p_one_gpu_odd_shapes_byte_exact() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_odd_shapes_byte_exact() {
-    assert!(
-        device_count() >= 2,
-        "needs two GPUs, found {}",
-        device_count()
-    );
+    needs_two_gpus();
     odd_shapes(1);
 }
 
@@ -430,10 +434,32 @@ fn p2p_two_gpus_odd_shapes_byte_exact() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn p2p_two_gpus_byte_exact_kernel() {
-    assert!(
-        device_count() >= 2,
-        "needs two GPUs, found {}",
-        device_count()
-    );
+    needs_two_gpus();
     byte_exact_with(0, 1, "kernel");
+}
+
+/// A GPU is found by UUID, as another process names it: our own is the same device, an
+/// unknown UUID is not visible, every other device of this machine is found at its ordinal
+/// (with or without peer access).
+#[test]
+fn p2p_device_reach_is_by_uuid() {
+    let n = device_count();
+    let b = cuda(0);
+    let uuid = b.info().device_uuid.expect("a CUDA device has a UUID");
+    println!("device 0: {}", elastic_vmm::backend::format_uuid(&uuid));
+    assert_eq!(b.reach(&uuid).unwrap(), DeviceReach::Same);
+    assert_eq!(b.reach(&[0xa5; 16]).unwrap(), DeviceReach::NotVisible);
+    for i in 1..n {
+        let u = cuda(i).info().device_uuid.unwrap();
+        assert_ne!(u, uuid, "devices 0 and {i} share a UUID");
+        let r = b.reach(&u).unwrap();
+        println!(
+            "device {i}: {} reached as {r:?}",
+            elastic_vmm::backend::format_uuid(&u)
+        );
+        assert!(
+            matches!(r, DeviceReach::Peer { ordinal } | DeviceReach::NoPeerAccess { ordinal } if ordinal == i),
+            "device {i}: {r:?}"
+        );
+    }
 }

@@ -110,7 +110,7 @@ fn child_link(name: &str, backend: Arc<dyn Backend>) -> PeerLink {
 fn blocks_move_byte_exact() {
     let s = start("p2p-decode");
     let backend = exportable();
-    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&s.listener, "prefill", backend.clone(), WAIT).unwrap();
     assert_eq!(link.peer().name, "decode");
     assert_eq!(link.peer().credentials.pid as u32, s.child.id());
     assert!(
@@ -150,7 +150,7 @@ fn pins_hold_under_concurrent_release() {
     let delay = Arc::new(DelayInjector::new(exportable()));
     delay.set_delay(DriverCall::Unmap, Duration::from_micros(300));
     let backend: Arc<dyn Backend> = delay.clone();
-    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&s.listener, "prefill", backend.clone(), WAIT).unwrap();
     let pool = scenario::pool(backend.clone(), "prefill");
     let kv = scenario::layout(
         &pool,
@@ -269,7 +269,7 @@ fn decode_rounds_role() {
 fn receiver_killed_mid_transfer() {
     let mut s = start("p2p-copy-loop");
     let backend = exportable();
-    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&s.listener, "prefill", backend.clone(), WAIT).unwrap();
     let pool = scenario::pool(backend.clone(), "prefill");
     let kv = scenario::layout(
         &pool,
@@ -335,7 +335,7 @@ fn sender_killed_mid_transfer() {
     kv.ensure_backed(DST_BLOCKS).unwrap();
     // Before the link exists: nothing of the peer's is open yet.
     let baseline = chunk_fds();
-    let link = PeerLink::accept(&s.listener, "decode", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&s.listener, "decode", backend.clone(), WAIT).unwrap();
     // Both grants queued before the import starts.
     let end = Instant::now() + WAIT;
     while link.stats().queued_grants < 2 {
@@ -410,7 +410,7 @@ fn grant_and_hang_role() {
 fn hand_off_between_processes() {
     let s = start("p2p-adopt");
     let backend = exportable();
-    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&s.listener, "prefill", backend.clone(), WAIT).unwrap();
     scenario::hand_off_sender(&link, backend.clone());
     assert!(
         common::wait_for(s.child, 60).success(),
@@ -433,7 +433,7 @@ fn adopt_role() {
 fn kept_imports_between_processes() {
     let mut s = start("p2p-decode-kept");
     let backend = exportable();
-    let link = PeerLink::accept(&s.listener, "prefill", backend.clone()).unwrap();
+    let link = PeerLink::accept_within(&s.listener, "prefill", backend.clone(), WAIT).unwrap();
     let pool = scenario::pool(backend.clone(), "prefill");
     let kv = scenario::layout(
         &pool,
