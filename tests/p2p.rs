@@ -4,7 +4,7 @@
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use elastic_vmm::backend::delay::DelayInjector;
@@ -13,7 +13,9 @@ use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use elastic_vmm::backend::{BackendInfo, MemoryInfo, PhysicalChunk};
 use elastic_vmm::layout::{ElasticLayout, LayoutBuilder, LayoutConfig};
 use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, Peers, TransferPath};
-use elastic_vmm::{AccessMode, Backend, DriverCall, Error, Pool, PoolConfig, Result};
+use elastic_vmm::{
+    AccessMode, Backend, DeviceReach, DriverCall, Error, MemoryKind, Pool, PoolConfig, Result,
+};
 
 fn exportable() -> Arc<dyn Backend> {
     Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
@@ -646,11 +648,21 @@ fn a_handed_off_chunk_whose_release_fails_is_never_reused() {
 }
 
 /// A backend that forwards to `inner`, optionally sleeping in `export_chunk`, and whose
-/// `synchronize` succeeds (as CUDA's does).
+/// `synchronize` succeeds (as CUDA's does). As a stand-in GPU ([`Wrap::gpu`]) it says it holds
+/// device memory of a GPU with a UUID, reaches other UUIDs as told, and records the owner
+/// each import's access was set for.
 #[derive(Debug)]
 struct Wrap {
     inner: Arc<dyn Backend>,
     export_delay_ms: AtomicU64,
+    gpu: Option<StandIn>,
+}
+
+#[derive(Debug)]
+struct StandIn {
+    info: BackendInfo,
+    reaches: Vec<([u8; 16], DeviceReach)>,
+    owners: Mutex<Vec<Option<i32>>>,
 }
 
 impl Wrap {
@@ -658,13 +670,65 @@ impl Wrap {
         Arc::new(Wrap {
             inner,
             export_delay_ms: AtomicU64::new(0),
+            gpu: None,
         })
+    }
+
+    /// Host memory posing as device `ordinal` with UUID `[id; 16]`, reaching `reaches`.
+    fn gpu(ordinal: i32, id: u8, reaches: Vec<([u8; 16], DeviceReach)>) -> Arc<Wrap> {
+        let inner = exportable();
+        let mut info = inner.info().clone();
+        info.memory_kind = MemoryKind::Device;
+        info.device_ordinal = Some(ordinal);
+        info.device_uuid = Some([id; 16]);
+        Arc::new(Wrap {
+            inner,
+            export_delay_ms: AtomicU64::new(0),
+            gpu: Some(StandIn {
+                info,
+                reaches,
+                owners: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    fn owners(&self) -> Vec<Option<i32>> {
+        self.gpu.as_ref().unwrap().owners.lock().unwrap().clone()
     }
 }
 
 impl Backend for Wrap {
     fn info(&self) -> &BackendInfo {
-        self.inner.info()
+        match &self.gpu {
+            Some(g) => &g.info,
+            None => self.inner.info(),
+        }
+    }
+    fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
+        let Some(g) = &self.gpu else {
+            return self.inner.reach(uuid);
+        };
+        if g.info.device_uuid.as_ref() == Some(uuid) {
+            return Ok(DeviceReach::Same);
+        }
+        Ok(g.reaches
+            .iter()
+            .find(|(u, _)| u == uuid)
+            .map_or(DeviceReach::NotVisible, |r| r.1))
+    }
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        if let Some(g) = &self.gpu {
+            g.owners.lock().unwrap().push(owner);
+            // Host memory has no other device to give access to.
+            return unsafe { self.inner.set_access_mode(addr, size, mode) };
+        }
+        unsafe { self.inner.set_import_access(addr, size, mode, owner) }
     }
     fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
         self.inner.reserve(size, alignment)
@@ -1194,4 +1258,165 @@ fn accept_within_gives_up_when_no_engine_connects() {
     assert_eq!(link.peer().reach, elastic_vmm::DeviceReach::NoDevice);
     drop((link, decode));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Two engines on two GPUs, found by UUID (the stand-in GPUs are host memory saying they are
+/// devices): with peer access each way, a grant imports with access for the chunks' own GPU
+/// too, and a hand-off is refused (it stays on one GPU). Where the receiver cannot see the
+/// sender's GPU, grants that way are refused before anything is pinned, with the reason,
+/// while grants the other way go on. A layout on another GPU than the link's is refused.
+#[test]
+fn devices_are_found_by_uuid_and_each_direction_has_its_path() {
+    let (a, b) = ([1u8; 16], [2u8; 16]);
+    let prefill = Wrap::gpu(0, 1, vec![(b, DeviceReach::Peer { ordinal: 1 })]);
+    let decode = Wrap::gpu(1, 2, vec![(a, DeviceReach::Peer { ordinal: 0 })]);
+    let (p, d) = pair(prefill.clone(), decode.clone());
+    for path in [p.path(), p.path_in(), d.path(), d.path_in()] {
+        assert_eq!(path.path, TransferPath::PeerImport, "{path:?}");
+        assert!(path.reason.contains("with peer access"), "{path:?}");
+    }
+    assert_eq!(p.peer().reach, DeviceReach::Peer { ordinal: 1 });
+    assert_eq!(p.peer().reaches_us, DeviceReach::Peer { ordinal: 0 });
+    let pool = Pool::new(prefill.clone(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([1, 2]).unwrap();
+    let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    // The decode side set access for its device and the sender's GPU (ordinal 0 there).
+    assert!(!decode.owners().is_empty());
+    assert!(
+        decode.owners().iter().all(|&o| o == Some(0)),
+        "{:?}",
+        decode.owners()
+    );
+    drop(imp);
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+    let e = p.hand_off(&src, &[2]).unwrap_err().to_string();
+    assert!(e.contains("a hand-off stays on one GPU"), "{e}");
+    assert_eq!(src.stats().pinned_blocks, 0);
+
+    // A layout on a third GPU granted over this link: refused.
+    let other = Wrap::gpu(2, 3, vec![]);
+    let other_pool = Pool::new(other, PoolConfig::new(1 << 30).name("other")).unwrap();
+    let elsewhere = page_blocks(&other_pool);
+    elsewhere.ensure_backed([0]).unwrap();
+    let e = p
+        .grant(&elsewhere, &[0], AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "the layout's memory is on device Some(2), the link's backend on device Some(0)"
+        ),
+        "{e}"
+    );
+    assert_eq!(elsewhere.stats().pinned_blocks, 0);
+    drop((g, p, d));
+
+    // The decode process cannot see the prefill's GPU (CUDA_VISIBLE_DEVICES): nothing goes
+    // that way; the prefill still imports from the decode.
+    let prefill = Wrap::gpu(0, 1, vec![(b, DeviceReach::Peer { ordinal: 1 })]);
+    let decode = Wrap::gpu(0, 2, vec![]);
+    let (p, d) = pair(prefill.clone(), decode.clone());
+    assert_eq!(p.path().path, TransferPath::Nixl);
+    assert!(
+        p.path()
+            .reason
+            .contains("is not visible in the receiver's process"),
+        "{:?}",
+        p.path()
+    );
+    assert_eq!(d.path_in(), p.path());
+    assert_eq!(
+        p.path_in().path,
+        TransferPath::PeerImport,
+        "{:?}",
+        p.path_in()
+    );
+    assert_eq!(d.path(), p.path_in());
+    let pool = Pool::new(prefill, PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([1]).unwrap();
+    let e = p
+        .grant(&src, &[1], AccessMode::ReadOnly)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the peer cannot import our chunks: the link's path is nixl"),
+        "{e}"
+    );
+    assert_eq!(src.stats().pinned_blocks, 0);
+    let back_pool = Pool::new(decode, PoolConfig::new(1 << 30).name("decode")).unwrap();
+    let back = page_blocks(&back_pool);
+    back.ensure_backed([0]).unwrap();
+    let g = d.grant(&back, &[0], AccessMode::ReadOnly).unwrap();
+    let imp = p.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.blocks(), &[0]);
+    drop(imp);
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+}
+
+/// A receiver that does not take its grants: the one past the bound is refused to the sender
+/// with the numbers (its blocks unpinned), the link stays open, and taking one makes room.
+#[test]
+fn a_receiver_that_falls_behind_refuses_the_excess_grant() {
+    let (p, d) = pair(exportable(), exportable());
+    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([1]).unwrap();
+    let grants: Vec<_> = (0..256)
+        .map(|_| p.grant(&src, &[1], AccessMode::ReadOnly).unwrap())
+        .collect();
+    let last = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+    match last.wait_released(Duration::from_secs(5)).unwrap() {
+        GrantStatus::Refused(why) => {
+            assert!(
+                why.contains("on top of 256 grants not taken yet here"),
+                "{why}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(p.closed().is_none() && d.closed().is_none());
+    drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+    let again = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(again.status(), GrantStatus::Held);
+    drop((grants, again, last, p, d));
+}
+
+/// The receiver's access setting on an import goes through the adaptors as a `SetAccess`
+/// call: a fault there refuses the grant (the sender unpins), and the counter sees it.
+#[test]
+fn import_access_goes_through_the_adaptors() {
+    use elastic_vmm::backend::counting::Counting;
+    let fault = Arc::new(FaultInjector::new(exportable()));
+    let counting = Arc::new(Counting::new(fault.clone()));
+    let (p, d) = pair(exportable(), counting.clone());
+    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([3]).unwrap();
+    let before = counting.counts().get(DriverCall::SetAccess);
+    fault.fail_from(DriverCall::SetAccess, 1);
+    let g = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
+    assert!(d.recv_grant(Duration::from_secs(5)).is_err());
+    assert!(matches!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Refused(_)
+    ));
+    assert!(fault.calls(DriverCall::SetAccess) >= 1);
+    assert!(counting.counts().get(DriverCall::SetAccess) > before);
+    fault.clear();
+    let g = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
+    drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
 }

@@ -177,6 +177,20 @@ impl Backend for Counting {
         r
     }
 
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        self.counters.bump(DriverCall::SetAccess);
+        // SAFETY: forwarded contract.
+        let r = unsafe { self.inner.set_import_access(addr, size, mode, owner) };
+        tracing::trace!(call = "set_import_access", addr = %hex(addr), size, ?mode, ?owner, outcome = %Outcome(&r), "driver call");
+        r
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.counters.bump(DriverCall::Unmap);
         // SAFETY: forwarded contract.
@@ -256,7 +270,6 @@ impl Backend for Counting {
         marker_record,
         marker_wait,
         gather_async,
-        set_import_access,
         reach,
         copy_to_host_async,
         copy_from_host_async,

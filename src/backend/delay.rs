@@ -238,6 +238,19 @@ impl Backend for DelayInjector {
         })
     }
 
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        self.around(DriverCall::SetAccess, || {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.set_import_access(addr, size, mode, owner) }
+        })
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.around(DriverCall::Unmap, || {
             // SAFETY: forwarded contract.
@@ -306,7 +319,6 @@ impl Backend for DelayInjector {
         marker_record,
         marker_wait,
         gather_async,
-        set_import_access,
         reach,
         copy_to_host_async,
         copy_from_host_async,

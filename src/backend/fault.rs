@@ -199,6 +199,18 @@ impl Backend for FaultInjector {
         unsafe { self.inner.set_access_mode(addr, size, mode) }
     }
 
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        self.check(DriverCall::SetAccess)?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.set_import_access(addr, size, mode, owner) }
+    }
+
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
         self.check(DriverCall::Unmap)?;
         // SAFETY: forwarded contract.
@@ -290,7 +302,6 @@ impl Backend for FaultInjector {
         marker_record,
         marker_wait,
         gather_async,
-        set_import_access,
         reach,
     );
 }

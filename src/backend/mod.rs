@@ -444,7 +444,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Grant `mode` access over a mapped range of imported chunks to the backend's device
     /// and, with `owner`, to that device of this process too: the GPU the chunks live on
     /// ([`DeviceReach::Peer`]), so a copy queued on either device may read them. The default
-    /// is [`Backend::set_access_mode`] and refuses an `owner` (`UNSUPPORTED`).
+    /// is [`Backend::set_access_mode`] and refuses an `owner` (`UNSUPPORTED`): a backend that
+    /// wraps another forwards this (as the adaptors here do), or imports from another GPU fail.
     ///
     /// # Safety
     /// As for [`Backend::set_access`].
@@ -470,7 +471,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// How the backend's device reaches the GPU named `uuid` (another process's device): the
     /// same device, another one it has peer access to, one without, or none this process sees.
     /// The default knows its own device only ([`BackendInfo::device_uuid`]): anything else is
-    /// [`DeviceReach::NoDevice`].
+    /// [`DeviceReach::NoDevice`], so a wrapper that does not forward this moves blocks from
+    /// other GPUs over NIXL.
     fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
         Ok(if self.info().device_uuid.as_ref() == Some(uuid) {
             DeviceReach::Same

@@ -312,7 +312,7 @@ impl ImportedGrant {
                 launches: 0,
                 tasks: 0,
                 path: TransferPath::PeerImport,
-                reason: link.path.reason.clone(),
+                reason: link.path_in.reason.clone(),
                 elapsed: Duration::ZERO,
                 host: Duration::ZERO,
             },
@@ -381,7 +381,7 @@ impl ImportedGrant {
             completion.report.elapsed = started.elapsed();
         }
         completion.report.host = queued.unwrap_or_else(|| called.elapsed());
-        tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies, %engine, bytes, path = %TransferPath::PeerImport, reason = %link.path.reason, "p2p copy queued");
+        tracing::debug!(peer = %link.peer.name, grant = self.id, blocks, spans, copies, %engine, bytes, path = %TransferPath::PeerImport, reason = %link.path_in.reason, "p2p copy queued");
         Ok(completion)
     }
 }

@@ -388,10 +388,16 @@ impl PeerLink {
             // Some chunks may have reached the peer: the pins stay until it lets go or exits.
             // Shutting the link down makes a conforming peer drop what it got.
             tracing::error!(peer = %link.peer.name, grant = id, error = %e, "sending a grant failed; closing the link");
-            // No `Grant` handle will exist: the entry goes once its pin does.
-            if let Some(g) = link.state.lock().out.get_mut(&id) {
+            // No `Grant` handle will exist: the entry goes once its pin does (now, if the
+            // reader already dropped it for a peer that exited).
+            let mut st = link.state.lock();
+            if let Some(g) = st.out.get_mut(&id) {
                 g.detached = true;
+                if g.pin.is_none() {
+                    st.out.remove(&id);
+                }
             }
+            drop(st);
             link.shutdown();
             return Err(e);
         }

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::cache::{self, KeptIn, KeptOut};
-use super::path::{link_path, Endpoint, PathChoice};
+use super::path::{choose_path, Endpoint, PathChoice};
 use super::wire::{
     GrantMode, Hello, Msg, WireChunk, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
     MAX_PARTIAL_GRANTS, MAX_QUEUED_BLOCKS, MAX_QUEUED_CHUNKS, MAX_QUEUED_GRANTS, VERSION,
@@ -200,7 +200,10 @@ pub(crate) struct LinkShared {
     pub(crate) name: String,
     pub(crate) peer: PeerInfo,
     pub(crate) backend: Arc<dyn Backend>,
+    /// How our grants reach the peer.
     pub(crate) path: PathChoice,
+    /// How the peer's grants reach us.
+    pub(crate) path_in: PathChoice,
     pub(crate) state: Mutex<LinkState>,
     pub(crate) changed: Condvar,
     /// Our messages to the peer.
@@ -659,6 +662,18 @@ pub fn listen(path: impl AsRef<Path>) -> Result<UnixListener> {
     Ok(l)
 }
 
+/// A hello of another protocol version than ours, which may not decode as ours: its first
+/// words (the message's variant, 0 for a hello, then the version) say which, so the error
+/// names the version rather than a decoding failure.
+fn hello_version(payload: &[u8]) -> Option<Error> {
+    let ((variant, version), _) = postcard::take_from_bytes::<(u32, u32)>(payload).ok()?;
+    (variant == 0 && version != VERSION).then(|| Error::Peer {
+        peer: "?".into(),
+        op: "hello",
+        detail: format!("protocol version {version} (ours is {VERSION})"),
+    })
+}
+
 impl PeerLink {
     /// Connect to the engine listening at `path`, introducing ourselves as `name`. `backend` is
     /// the backend of this engine's layouts: imports are mapped through it. A broker engine
@@ -676,17 +691,20 @@ impl PeerLink {
     }
 
     /// [`PeerLink::accept`], giving up after `timeout` with an error if no engine connected
-    /// (a peer process that died before connecting leaves no one waiting forever).
+    /// (a peer process that died before connecting leaves no one waiting forever); a timeout
+    /// too long to add to now waits without one. Another thread accepting on the same
+    /// listener may take the engine first: then this waits in `accept` (blocking listener)
+    /// or fails with `EAGAIN` (non-blocking).
     pub fn accept_within(
         listener: &UnixListener,
         name: &str,
         backend: Arc<dyn Backend>,
         timeout: Duration,
     ) -> Result<PeerLink> {
-        let end = Instant::now() + timeout;
+        let end = Instant::now().checked_add(timeout);
         loop {
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            let left = end.map(|end| end.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
                 return Err(ipc::frame::ipc_error(
                     "accept",
                     format!("no engine connected within {timeout:?}"),
@@ -696,11 +714,11 @@ impl PeerLink {
                 listener,
                 rustix::event::PollFlags::IN,
             )];
-            let wait = rustix::event::Timespec {
+            let wait = left.map(|left| rustix::event::Timespec {
                 tv_sec: left.as_secs().try_into().unwrap_or(i64::MAX),
                 tv_nsec: left.subsec_nanos().into(),
-            };
-            match rustix::event::poll(&mut fds, Some(&wait)) {
+            });
+            match rustix::event::poll(&mut fds, wait.as_ref()) {
                 Ok(n) if n > 0 => return Self::accept(listener, name, backend),
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(ipc::frame::ipc_error("poll", e.to_string())),
@@ -741,25 +759,30 @@ impl PeerLink {
             device: info.device_ordinal,
             granularity: info.granularity as u64,
             exportable: info.posix_fd_exportable,
-            device_uuid: info.device_uuid,
         };
         let io =
             |op: &'static str| move |e: std::io::Error| ipc::frame::ipc_error(op, e.to_string());
         stream
             .set_read_timeout(Some(HELLO_TIMEOUT))
             .map_err(io("set timeout"))?;
+        // The hello and our GPU go out back to back; neither side reads before it sent both.
         ipc::send_frame(&stream, &ipc::encode(&Msg::Hello(hello))?, &[])?;
-        let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
-            .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
-        let theirs = match ipc::decode::<Msg>(&frame.payload)? {
-            Msg::Hello(h) if frame.fds.is_empty() => h,
-            other => {
+        ipc::send_frame(&stream, &ipc::encode(&Msg::Device(info.device_uuid))?, &[])?;
+        let next = || -> Result<(Msg, usize)> {
+            let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
+                .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
+            let msg = ipc::decode::<Msg>(&frame.payload)
+                .map_err(|e| hello_version(&frame.payload).unwrap_or(e))?;
+            Ok((msg, frame.fds.len()))
+        };
+        let theirs = match next()? {
+            (Msg::Hello(h), 0) => h,
+            (other, fds) => {
                 return Err(ipc::frame::ipc_error(
                     "hello",
                     format!(
-                        "expected a hello without descriptors, got {other:?} with {} descriptors",
-                        frame.fds.len()
-                    ),
+                    "expected a hello without descriptors, got {other:?} with {fds} descriptors"
+                ),
                 ))
             }
         };
@@ -770,37 +793,39 @@ impl PeerLink {
                 detail: format!("protocol version {} (ours is {VERSION})", theirs.version),
             });
         }
+        let unexpected = |what: &str, (other, fds): (Msg, usize)| Error::Peer {
+            peer: theirs.name.clone(),
+            op: "hello",
+            detail: format!("expected {what}, got {other:?} with {fds} descriptors"),
+        };
+        let device_uuid = match next()? {
+            (Msg::Device(uuid), 0) => uuid,
+            other => return Err(unexpected("its GPU", other)),
+        };
         let endpoint = Endpoint {
-            boot_id: theirs.boot_id,
+            boot_id: theirs.boot_id.clone(),
             memory: theirs.memory.into(),
             device: theirs.device,
-            device_uuid: theirs.device_uuid,
+            device_uuid,
             exportable: theirs.exportable,
         };
         // Each side finds whether its device reaches the other's GPU (by UUID: ordinals are
-        // per process) and says so, so both choose the same path.
+        // per process) and says so, so both know the path of each direction.
         let reach = match (&endpoint.device_uuid, endpoint.memory == local.memory) {
-            (Some(uuid), true) => backend.reach(uuid)?,
+            (Some(uuid), true) => backend.reach(uuid).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, peer = %theirs.name, "finding the peer's GPU failed; its blocks come over NIXL");
+                DeviceReach::NoDevice
+            }),
             _ => DeviceReach::NoDevice,
         };
         ipc::send_frame(&stream, &ipc::encode(&Msg::Reach(reach.into()))?, &[])?;
-        let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
-            .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
-        let reaches_us: DeviceReach = match ipc::decode::<Msg>(&frame.payload)? {
-            Msg::Reach(r) if frame.fds.is_empty() => r.into(),
-            other => {
-                return Err(Error::Peer {
-                    peer: theirs.name,
-                    op: "hello",
-                    detail: format!(
-                        "expected how it reaches our device, got {other:?} with {} descriptors",
-                        frame.fds.len()
-                    ),
-                })
-            }
+        let reaches_us: DeviceReach = match next()? {
+            (Msg::Reach(r), 0) => r.into(),
+            other => return Err(unexpected("how it reaches our device", other)),
         };
         stream.set_read_timeout(None).map_err(io("set timeout"))?;
-        let path = link_path(&local, &endpoint, reach, reaches_us);
+        let path = choose_path(&local, &endpoint, reaches_us);
+        let path_in = choose_path(&endpoint, &local, reach);
         let peer = PeerInfo {
             name: theirs.name,
             credentials,
@@ -817,7 +842,7 @@ impl PeerLink {
         if pidfd.is_none() {
             tracing::warn!(peer = %peer.name, pid = credentials.pid, "no pidfd for the peer: grants it never releases stay pinned for good");
         }
-        tracing::info!(peer = %peer.name, pid = credentials.pid, uid = credentials.uid, path = %path.path, reason = %path.reason, "p2p link open");
+        tracing::info!(peer = %peer.name, pid = credentials.pid, uid = credentials.uid, path = %path.path, reason = %path.reason, path_in = %path_in.path, reason_in = %path_in.reason, "p2p link open");
         let clone = |s: &UnixStream| s.try_clone().map_err(io("dup socket"));
         let (writer, _) = FrameWriter::spawn(clone(&stream)?, WRITER_DEPTH, "p2p")?;
         let shared = Arc::new(LinkShared {
@@ -826,6 +851,7 @@ impl PeerLink {
             peer,
             backend,
             path,
+            path_in,
             state: Mutex::new(LinkState::default()),
             changed: Condvar::new(),
             writer: writer.clone(),
@@ -858,9 +884,15 @@ impl PeerLink {
         &self.shared.peer
     }
 
-    /// How blocks move over this link and why (decided at hello, logged then).
+    /// How our grants move to the peer and why (decided at hello, logged then): a grant is
+    /// refused unless this is [`super::TransferPath::PeerImport`].
     pub fn path(&self) -> &PathChoice {
         &self.shared.path
+    }
+
+    /// How the peer's grants move to us and why: what [`super::CopyReport`] carries.
+    pub fn path_in(&self) -> &PathChoice {
+        &self.shared.path_in
     }
 
     /// Why the connection ended, once it has.
@@ -900,6 +932,10 @@ impl PeerLink {
     /// Take the next grant the peer sent, waiting up to `timeout`, and import and map its
     /// chunks here (read-only where the backend allows). A grant that cannot be imported is
     /// refused back to the sender (which unpins its blocks) and the error comes back here.
+    ///
+    /// Grants wait here until taken, at most 256 of them holding 262144 blocks and 65536
+    /// chunks together; one beyond that is refused to its sender at once
+    /// ([`GrantStatus::Refused`], with the numbers), and the link goes on.
     pub fn recv_grant(&self, timeout: Duration) -> Result<super::ImportedGrant> {
         // A timeout too long to add to now waits for good.
         let deadline = Instant::now().checked_add(timeout);
@@ -945,6 +981,7 @@ impl fmt::Debug for PeerLink {
             .field("name", &self.shared.name)
             .field("peer", &self.shared.peer)
             .field("path", &self.shared.path)
+            .field("path_in", &self.shared.path_in)
             .field("stats", &self.stats())
             .finish()
     }
@@ -1021,7 +1058,11 @@ impl Reader {
         let bad = |d: String| self.shared.peer_error("receive", d);
         match msg {
             Msg::Hello(_) => return Err(bad("a second hello".into())),
-            Msg::Reach(_) => return Err(bad("a second word on how it reaches our device".into())),
+            Msg::Device(_) | Msg::Reach(_) => {
+                return Err(bad(
+                    "its GPU or how it reaches ours again, after the hello".into()
+                ))
+            }
             Msg::Chunks {
                 grant,
                 offsets,
@@ -1124,7 +1165,8 @@ impl Reader {
                     )));
                 }
                 // Grants the application has not taken yet: bounded, so a peer cannot grow
-                // them (and the descriptors they hold) without limit.
+                // them (and the descriptors they hold) without limit. One more is refused, as
+                // a grant that cannot be imported is: the sender unpins it, the link goes on.
                 let (queued_blocks, queued_chunks) = st
                     .ready
                     .iter()
@@ -1135,11 +1177,15 @@ impl Reader {
                 {
                     let n = st.ready.len();
                     drop(st);
-                    return Err(bad(format!(
+                    let reason = format!(
                         "grant {grant} ({} blocks, {} chunks) on top of {n} grants not taken yet here ({queued_blocks} blocks, {queued_chunks} chunks): at most {MAX_QUEUED_GRANTS} grants, {MAX_QUEUED_BLOCKS} blocks and {MAX_QUEUED_CHUNKS} chunks wait",
                         blocks.len(),
                         got.len()
-                    )));
+                    );
+                    tracing::warn!(peer = %self.shared.peer.name, grant, %reason, "grant refused");
+                    // Its chunks sent to be kept are kept all the same; descriptors close.
+                    self.shared.keep_unimported(got);
+                    return send(&self.writer, Msg::Refused { grant, reason }, Vec::new());
                 }
                 st.ready.push_back(ReadyGrant {
                     id: grant,

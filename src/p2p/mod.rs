@@ -64,12 +64,14 @@
 //! [`ImportedGrant::copy_to`]): two copies in flight into the same bytes are refused.
 //!
 //! # Path
-//! [`choose_path`] picks [`TransferPath::PeerImport`] when both engines run on one node (same
-//! boot id), hold the same kind of memory, can export chunks as descriptors and (GPUs) each
-//! side's device reaches the other's GPU, found by UUID since ordinals are per process: the
-//! same GPU, or another with peer access ([`crate::DeviceReach`]); [`TransferPath::Nixl`]
-//! otherwise, and a grant over such a link is refused with the reason. A link decides at
-//! hello, logs the choice and its reason, and every [`CopyReport`] carries them.
+//! [`choose_path`] picks [`TransferPath::PeerImport`] from a sender to a receiver when both
+//! run on one node (same boot id), hold the same kind of memory, can export chunks as
+//! descriptors and (GPUs) the receiver's device reaches the sender's GPU, found by UUID since
+//! ordinals are per process: the same GPU, or another with peer access
+//! ([`crate::DeviceReach`]); [`TransferPath::Nixl`] otherwise. A link decides at hello for
+//! each direction ([`PeerLink::path`] for our grants, refused unless `PeerImport`, and
+//! [`PeerLink::path_in`] for the peer's) and logs both with their reasons; every
+//! [`CopyReport`] carries the incoming one.
 //!
 //! # Locking
 //! A link's state mutex is a leaf guarding bookkeeping only: pins, mappings and descriptors are

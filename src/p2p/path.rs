@@ -142,33 +142,6 @@ pub fn choose_path(sender: &Endpoint, receiver: &Endpoint, reach: DeviceReach) -
     }
 }
 
-/// The path of a link, which carries grants both ways: [`TransferPath::PeerImport`] where
-/// each side can import the other's chunks (`ours`: how our device reaches the peer's GPU;
-/// `theirs`: how the peer's reaches ours); otherwise the first direction that cannot, with its
-/// reason.
-pub(crate) fn link_path(
-    local: &Endpoint,
-    peer: &Endpoint,
-    ours: DeviceReach,
-    theirs: DeviceReach,
-) -> PathChoice {
-    let outward = choose_path(local, peer, theirs);
-    if outward.path != TransferPath::PeerImport {
-        return PathChoice {
-            path: outward.path,
-            reason: format!("to the peer: {}", outward.reason),
-        };
-    }
-    let inward = choose_path(peer, local, ours);
-    if inward.path != TransferPath::PeerImport {
-        return PathChoice {
-            path: inward.path,
-            reason: format!("from the peer: {}", inward.reason),
-        };
-    }
-    outward
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,24 +212,5 @@ mod tests {
         let c = choose_path(&e, &e, DeviceReach::NoDevice);
         assert_eq!(c.path, TransferPath::Nixl);
         assert!(!boot_id().is_empty());
-    }
-
-    #[test]
-    fn a_link_imports_both_ways_or_names_the_way_that_cannot() {
-        let a = ep("n1", MemoryKind::Device, true, Some(0));
-        let b = ep("n1", MemoryKind::Device, true, Some(1));
-        let peer = DeviceReach::Peer { ordinal: 1 };
-        let c = link_path(&a, &b, peer, DeviceReach::Peer { ordinal: 0 });
-        assert_eq!(c.path, TransferPath::PeerImport, "{}", c.reason);
-        // The peer cannot see our GPU: grants to it cannot go this way.
-        let c = link_path(&a, &b, peer, DeviceReach::NotVisible);
-        assert_eq!(c.path, TransferPath::Nixl);
-        assert!(c.reason.starts_with("to the peer: "), "{}", c.reason);
-        assert!(c.reason.contains("not visible"), "{}", c.reason);
-        // We cannot reach the peer's GPU: grants from it cannot.
-        let c = link_path(&a, &b, DeviceReach::NoPeerAccess { ordinal: 1 }, peer);
-        assert_eq!(c.path, TransferPath::Nixl);
-        assert!(c.reason.starts_with("from the peer: "), "{}", c.reason);
-        assert!(c.reason.contains("no peer access"), "{}", c.reason);
     }
 }

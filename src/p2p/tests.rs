@@ -29,14 +29,14 @@ fn raw_hello() -> Hello {
         device: None,
         granularity: DEFAULT_GRANULARITY as u64,
         exportable: true,
-        device_uuid: None,
     }
 }
 
-/// A link over `x` whose peer at `raw` said `hello` then `second`.
-fn open(x: UnixStream, raw: &UnixStream, hello: Hello, second: &Msg) -> crate::Result<PeerLink> {
-    ipc::send_frame(raw, &ipc::encode(&Msg::Hello(hello)).unwrap(), &[]).unwrap();
-    ipc::send_frame(raw, &ipc::encode(second).unwrap(), &[]).unwrap();
+/// A link over `x` whose peer at `raw` said `hello`, no GPU, then `last`.
+fn open(x: UnixStream, raw: &UnixStream, hello: Hello, last: &Msg) -> crate::Result<PeerLink> {
+    for m in [&Msg::Hello(hello), &Msg::Device(None), last] {
+        ipc::send_frame(raw, &ipc::encode(m).unwrap(), &[]).unwrap();
+    }
     PeerLink::over(x, "engine", backend())
 }
 
@@ -49,11 +49,10 @@ fn link() -> (PeerLink, UnixStream) {
         ipc::decode::<Msg>(&theirs.payload).unwrap(),
         Msg::Hello(_)
     ));
-    let theirs = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
-    assert_eq!(
-        ipc::decode::<Msg>(&theirs.payload).unwrap(),
-        Msg::Reach(WireReach::NoDevice)
-    );
+    for expect in [Msg::Device(None), Msg::Reach(WireReach::NoDevice)] {
+        let theirs = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
+        assert_eq!(ipc::decode::<Msg>(&theirs.payload).unwrap(), expect);
+    }
     assert_eq!(
         l.path().path,
         super::TransferPath::PeerImport,
@@ -486,12 +485,38 @@ fn block_lists_over_frames_are_bounded_and_follow_their_chunks() {
 
 #[test]
 fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
-    // A peer that says something else after its hello: no link.
+    // A peer that says something else where its reach or its GPU belongs: no link.
     let (x, raw) = UnixStream::pair().unwrap();
     let e = open(x, &raw, raw_hello(), &Msg::Bye)
         .unwrap_err()
         .to_string();
     assert!(e.contains("expected how it reaches our device"), "{e}");
+    let (x, raw) = UnixStream::pair().unwrap();
+    for m in [Msg::Hello(raw_hello()), Msg::Reach(WireReach::NoDevice)] {
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    }
+    let e = PeerLink::over(x, "engine", backend())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("expected its GPU"), "{e}");
+
+    // A peer of version 3 (the hello has its shape): the error names the versions. So does
+    // one of a later version whose hello grew (it does not decode as ours).
+    for (version, extra) in [(3, &[][..]), (VERSION + 1, &[7u8][..])] {
+        let (x, raw) = UnixStream::pair().unwrap();
+        let mut old = raw_hello();
+        old.version = version;
+        let mut bytes = ipc::encode(&Msg::Hello(old)).unwrap();
+        bytes.extend_from_slice(extra);
+        ipc::send_frame(&raw, &bytes, &[]).unwrap();
+        let e = PeerLink::over(x, "engine", backend())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!("protocol version {version} (ours is {VERSION})")),
+            "{e}"
+        );
+    }
 
     // A peer on another node (another boot id): the link opens on the NIXL path, and a grant
     // over it is refused with the reason before anything is pinned or sent.
@@ -499,12 +524,10 @@ fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
     let mut hello = raw_hello();
     hello.boot_id = "another-node".into();
     let l = open(x, &raw, hello, &Msg::Reach(WireReach::NoDevice)).unwrap();
-    assert_eq!(l.path().path, super::TransferPath::Nixl);
-    assert!(
-        l.path().reason.starts_with("to the peer: different nodes"),
-        "{:?}",
-        l.path()
-    );
+    for path in [l.path(), l.path_in()] {
+        assert_eq!(path.path, super::TransferPath::Nixl);
+        assert!(path.reason.starts_with("different nodes"), "{path:?}");
+    }
     assert_eq!(l.peer().reach, crate::DeviceReach::NoDevice);
     let (_pool, kv) = page_blocks(&[0, 1]);
     let e = l
@@ -512,22 +535,22 @@ fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("the peer cannot import our chunks: the link's path is nixl (to the peer: different nodes"),
+        e.contains("the peer cannot import our chunks: the link's path is nixl (different nodes"),
         "{e}"
     );
     assert_eq!(kv.stats().pinned_blocks, 0);
     let e = l.hand_off(&kv, &[0]).unwrap_err().to_string();
     assert!(e.contains("the link's path is nixl"), "{e}");
     assert_eq!(kv.stats().pinned_blocks, 0);
-    // Nothing went out after the hello and the reach.
+    // Nothing went out after the hello, our GPU and our reach.
     raw.set_nonblocking(true).unwrap();
-    for expect in ["hello", "reach"] {
+    for n in 0..3 {
         let f = ipc::recv_frame(&raw, ipc::MAX_FRAME).unwrap().unwrap();
         let m = ipc::decode::<Msg>(&f.payload).unwrap();
         assert!(
             matches!(
-                (expect, &m),
-                ("hello", Msg::Hello(_)) | ("reach", Msg::Reach(_))
+                (n, &m),
+                (0, Msg::Hello(_)) | (1, Msg::Device(None)) | (2, Msg::Reach(_))
             ),
             "{m:?}"
         );
@@ -564,39 +587,50 @@ fn send_kept_grant(raw: &UnixStream, grant: u64, blocks: usize) {
 }
 
 /// Complete grants wait for the application in a bounded queue: by count and by blocks, a
-/// peer going past it closes the link with the numbers (adapted from a cold review that grew
-/// the receiver by 100 MiB with 200 queued grants).
+/// grant beyond it is refused with the numbers and the link goes on (a cold review grew the
+/// receiver by 100 MiB with 200 queued grants before the bound).
 #[test]
 fn grants_not_taken_yet_are_bounded() {
     use super::wire::{MAX_QUEUED_BLOCKS, MAX_QUEUED_GRANTS};
+    let refused = |raw: &UnixStream, grant: u64, what: &str| {
+        let f = ipc::recv_frame(raw, ipc::MAX_FRAME).unwrap().unwrap();
+        match ipc::decode::<Msg>(&f.payload).unwrap() {
+            Msg::Refused { grant: g, reason } if g == grant => {
+                assert!(reason.contains(what), "{reason}")
+            }
+            other => panic!("expected grant {grant} refused, got {other:?}"),
+        }
+    };
     let (l, raw) = link();
     for g in 1..=MAX_QUEUED_GRANTS as u64 {
         send_kept_grant(&raw, g, 1);
     }
-    let end = Instant::now() + Duration::from_secs(10);
-    while l.stats().queued_grants < MAX_QUEUED_GRANTS {
-        assert!(l.closed().is_none(), "{:?}", l.closed());
-        assert!(Instant::now() < end, "{} queued", l.stats().queued_grants);
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    send_kept_grant(&raw, MAX_QUEUED_GRANTS as u64 + 1, 1);
-    closed_with(
-        &l,
+    let last = MAX_QUEUED_GRANTS as u64 + 1;
+    send_kept_grant(&raw, last, 1);
+    refused(
+        &raw,
+        last,
         &format!(
-            "on top of {MAX_QUEUED_GRANTS} grants not taken yet here ({MAX_QUEUED_GRANTS} blocks"
+            "grant {last} (1 blocks, 1 chunks) on top of {MAX_QUEUED_GRANTS} grants not taken yet here ({MAX_QUEUED_GRANTS} blocks"
         ),
     );
+    assert_eq!(l.stats().queued_grants, MAX_QUEUED_GRANTS);
+    assert!(l.closed().is_none(), "{:?}", l.closed());
 
     let (l, raw) = link();
     let full = MAX_QUEUED_BLOCKS / MAX_GRANT_BLOCKS;
     for g in 1..=full as u64 {
         send_kept_grant(&raw, g, MAX_GRANT_BLOCKS);
     }
-    send_kept_grant(&raw, full as u64 + 1, 1);
-    closed_with(
-        &l,
+    let last = full as u64 + 1;
+    send_kept_grant(&raw, last, 1);
+    refused(
+        &raw,
+        last,
         &format!("on top of {full} grants not taken yet here ({MAX_QUEUED_BLOCKS} blocks, {full} chunks)"),
     );
+    assert_eq!(l.stats().queued_grants, full);
+    assert!(l.closed().is_none(), "{:?}", l.closed());
 }
 
 /// A grant id reused after a revoke of its half-sent first use, or after the first use

@@ -64,9 +64,8 @@ pub(crate) struct Hello {
     pub(crate) granularity: u64,
     /// Whether this side's backend can export and import chunks as POSIX descriptors.
     pub(crate) exportable: bool,
-    /// The GPU's UUID (ordinals differ between processes); last, so that a peer of an older
-    /// version still reads the version before it.
-    pub(crate) device_uuid: Option<[u8; 16]>,
+    // Its shape stays as in version 3, so that a peer of another version decodes it and names
+    // the versions (what was added since comes in the frames after it).
 }
 
 /// How one side's device reaches the other side's GPU, on the wire (after the hellos).
@@ -234,8 +233,11 @@ pub(crate) enum Msg {
     /// The link is ending: no grant follows; what the sender of it owed went before it. Each
     /// side answers what it owes, says it too, and the socket closes once both have.
     Bye,
-    /// Right after the hellos: how the sender of it reaches the other side's GPU, so both
-    /// sides choose the same path.
+    /// Right after the hello: the sender's GPU by UUID (ordinals differ between processes);
+    /// `None` for host memory.
+    Device(Option<[u8; 16]>),
+    /// After both sides' [`Msg::Device`]: how the sender of it reaches the other side's GPU,
+    /// so both know each direction's path.
     Reach(WireReach),
 }
 
