@@ -1420,3 +1420,28 @@ fn import_access_goes_through_the_adaptors() {
         GrantStatus::Released
     );
 }
+
+/// The sender revokes a grant just as the receiver lets go of it: the revoke crosses the
+/// release, and the link goes on (a second answer closed it before a cold review).
+#[test]
+fn a_revoke_crossing_a_release_keeps_the_link() {
+    let (p, d) = pair(exportable(), exportable());
+    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed([1]).unwrap();
+    for round in 0..50 {
+        let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+        let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+        std::thread::scope(|s| {
+            s.spawn(move || drop(imp));
+            let status = g.revoke(Duration::from_secs(5)).unwrap();
+            assert!(
+                matches!(status, GrantStatus::Released),
+                "round {round}: {status:?}"
+            );
+        });
+        assert!(p.closed().is_none(), "round {round}: {:?}", p.closed());
+        assert!(d.closed().is_none(), "round {round}: {:?}", d.closed());
+    }
+    assert_eq!(src.stats().pinned_blocks, 0);
+}

@@ -133,7 +133,7 @@ impl Mapped {
             let size = c.size as usize;
             // Inside the reservation: first <= offset and offset + size <= prev_end (checked).
             let at = base + (c.offset - first);
-            let key = c.how.key();
+            let mut key = c.how.key();
             let chunk = match c.fd {
                 // Kept here by an earlier grant: no import.
                 None => {
@@ -142,7 +142,12 @@ impl Mapped {
                     chunk
                 }
                 Some(fd) => match key {
-                    Some(k) => link.import_to_keep(k, fd, c.size)?,
+                    Some(k) => {
+                        let (chunk, kept) = link.import_to_keep(k, fd, c.size)?;
+                        // Not kept (too many are): this mapping's own, as a hand-off's is.
+                        key = kept;
+                        chunk
+                    }
                     None => m.backend.import_chunk(fd, size)?,
                 },
             };

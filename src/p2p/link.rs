@@ -17,10 +17,11 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::cache::{self, KeptIn, KeptOut};
-use super::path::{choose_path, Endpoint, PathChoice};
+use super::path::{choose_path, Endpoint, PathChoice, TransferPath};
 use super::wire::{
     GrantMode, Hello, Msg, WireChunk, WireLayout, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
-    MAX_PARTIAL_GRANTS, MAX_QUEUED_BLOCKS, MAX_QUEUED_CHUNKS, MAX_QUEUED_GRANTS, VERSION,
+    MAX_KEPT_IMPORTS, MAX_PARTIAL_GRANTS, MAX_QUEUED_BLOCKS, MAX_QUEUED_CHUNKS, MAX_QUEUED_GRANTS,
+    VERSION,
 };
 use crate::backend::{AccessMode, Backend, DeviceReach, PhysicalChunk};
 use crate::backing::BlockPin;
@@ -50,7 +51,8 @@ pub struct PeerInfo {
     /// Its backend's mapping unit.
     pub granularity: u64,
     /// How our device reaches its GPU: the same one, another with peer access (imports are
-    /// mapped with access for both), or neither (the path is NIXL).
+    /// mapped with access for both), or neither (its grants come over NIXL:
+    /// [`PeerLink::path_in`]).
     pub reach: DeviceReach,
     /// How its device reaches our GPU, as it said.
     pub reaches_us: DeviceReach,
@@ -65,7 +67,8 @@ pub enum GrantStatus {
     Revoking,
     /// The receiver unmapped everything and closed its descriptors: pins dropped.
     Released,
-    /// The receiver could not import the grant and holds nothing of it: pins dropped.
+    /// The receiver could not (or would not: too many grants waiting there) import the grant
+    /// and maps nothing of it, keeping only chunks sent to be kept: pins dropped.
     Refused(String),
     /// The receiver's process exited: whatever it mapped is gone with it; pins dropped.
     PeerExited,
@@ -339,15 +342,19 @@ impl LinkShared {
         }
     }
 
-    /// Receiver: keep `chunk`, just imported, under `key`, used by one mapping. A key kept
-    /// already is refused (the chunk is not kept then; the caller releases it).
-    pub(crate) fn keep(&self, key: u64, chunk: PhysicalChunk) -> Result<()> {
+    /// Receiver: keep `chunk`, just imported, under `key`, used by one mapping; `false` (not
+    /// kept) where [`MAX_KEPT_IMPORTS`] are kept already. A key kept already is refused (the
+    /// chunk is not kept then; the caller releases it).
+    pub(crate) fn keep(&self, key: u64, chunk: PhysicalChunk) -> Result<bool> {
         let mut st = self.state.lock();
         if st.kept_in.contains_key(&key) {
             return Err(self.peer_error(
                 "import",
                 format!("the grant sends chunk key {key} again, which is kept here already"),
             ));
+        }
+        if st.kept_in.len() >= MAX_KEPT_IMPORTS {
+            return Ok(false);
         }
         st.kept_in.insert(
             key,
@@ -357,7 +364,7 @@ impl LinkShared {
                 forgotten: false,
             },
         );
-        Ok(())
+        Ok(true)
     }
 
     /// Receiver: a mapping stopped using kept chunks `keys`; those the sender asked us to
@@ -433,7 +440,14 @@ impl LinkShared {
                 continue;
             };
             match self.import_to_keep(k, fd, c.size) {
-                Ok(_) => self.unuse_kept(&[k]),
+                Ok((_, Some(k))) => self.unuse_kept(&[k]),
+                // Not kept (too many are): imported for nothing, so let go at once.
+                Ok((chunk, None)) => {
+                    // SAFETY: imported just now, mapped nowhere, not kept, released once.
+                    if let Err(e) = unsafe { self.backend.release(chunk) } {
+                        tracing::error!(error = %e, "releasing an imported chunk failed");
+                    }
+                }
                 // Told already when the import failed; a repeated key keeps the first.
                 Err(e) => {
                     tracing::warn!(peer = %self.peer.name, key = k, error = %e, "a chunk to keep was not kept");
@@ -445,7 +459,12 @@ impl LinkShared {
     /// Receiver: import the chunk of `fd` (`size` bytes) and keep it under `key`, used by one
     /// mapping. An import that fails is reported forgotten to the sender; a key kept already
     /// is refused (the new import is released). Driver calls: no lock held.
-    pub(crate) fn import_to_keep(&self, key: u64, fd: OwnedFd, size: u64) -> Result<PhysicalChunk> {
+    pub(crate) fn import_to_keep(
+        &self,
+        key: u64,
+        fd: OwnedFd,
+        size: u64,
+    ) -> Result<(PhysicalChunk, Option<u64>)> {
         let chunk = usize::try_from(size)
             .map_err(|_| Error::SizeOverflow {
                 what: "kept chunk",
@@ -460,14 +479,22 @@ impl LinkShared {
                 return Err(e);
             }
         };
-        if let Err(e) = self.keep(key, chunk) {
-            // SAFETY: imported just now, mapped nowhere, not kept, released once.
-            if let Err(r) = unsafe { self.backend.release(chunk) } {
-                tracing::error!(error = %r, "releasing an imported chunk failed");
+        match self.keep(key, chunk) {
+            Ok(true) => Ok((chunk, Some(key))),
+            Ok(false) => {
+                // Imported for this use alone; the sender stops naming it as kept.
+                tracing::debug!(peer = %self.peer.name, key, "kept imports full; chunk not kept");
+                self.send_forgot(vec![key]);
+                Ok((chunk, None))
             }
-            return Err(e);
+            Err(e) => {
+                // SAFETY: imported just now, mapped nowhere, not kept, released once.
+                if let Err(r) = unsafe { self.backend.release(chunk) } {
+                    tracing::error!(error = %r, "releasing an imported chunk failed");
+                }
+                Err(e)
+            }
         }
-        Ok(chunk)
     }
 
     fn send_forgot(&self, keys: Vec<u64>) {
@@ -762,13 +789,22 @@ impl PeerLink {
         };
         let io =
             |op: &'static str| move |e: std::io::Error| ipc::frame::ipc_error(op, e.to_string());
-        stream
-            .set_read_timeout(Some(HELLO_TIMEOUT))
-            .map_err(io("set timeout"))?;
+        // The whole hello (three frames each way) within the timeout, not each read.
+        let hello_end = Instant::now() + HELLO_TIMEOUT;
         // The hello and our GPU go out back to back; neither side reads before it sent both.
         ipc::send_frame(&stream, &ipc::encode(&Msg::Hello(hello))?, &[])?;
         ipc::send_frame(&stream, &ipc::encode(&Msg::Device(info.device_uuid))?, &[])?;
         let next = || -> Result<(Msg, usize)> {
+            let left = hello_end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ipc::frame::ipc_error(
+                    "hello",
+                    format!("the peer did not finish its hello within {HELLO_TIMEOUT:?}"),
+                ));
+            }
+            stream
+                .set_read_timeout(Some(left))
+                .map_err(io("set timeout"))?;
             let frame = ipc::recv_frame(&stream, ipc::MAX_FRAME)?
                 .ok_or_else(|| ipc::frame::ipc_error("hello", "peer closed the connection"))?;
             let msg = ipc::decode::<Msg>(&frame.payload)
@@ -1187,6 +1223,17 @@ impl Reader {
                     self.shared.keep_unimported(got);
                     return send(&self.writer, Msg::Refused { grant, reason }, Vec::new());
                 }
+                if self.shared.path_in.path != TransferPath::PeerImport {
+                    // A conforming sender does not grant over this path; refused before any
+                    // import.
+                    drop(st);
+                    let reason = format!(
+                        "grant {grant}: the peer's chunks cannot be imported here ({})",
+                        self.shared.path_in.reason
+                    );
+                    self.shared.keep_unimported(got);
+                    return send(&self.writer, Msg::Refused { grant, reason }, Vec::new());
+                }
                 st.ready.push_back(ReadyGrant {
                     id: grant,
                     mode,
@@ -1200,7 +1247,9 @@ impl Reader {
             }
             Msg::Revoke { grant } => {
                 // Not taken yet: drop it now. Mapped here: no new copy from it, and the release
-                // goes out when its last holder lets go.
+                // goes out when its last holder lets go. Neither: answered already (released or
+                // refused; frames come in order, and a revoke follows its whole grant), so a
+                // second answer, which the sender takes for a protocol error, stays unsent.
                 let dropped = {
                     let mut st = self.shared.state.lock();
                     let queued = st
@@ -1213,6 +1262,9 @@ impl Reader {
                     st.partial_blocks.remove(&grant);
                     if st.live_in.contains_key(&grant) {
                         st.revoked_in.insert(grant);
+                        None
+                    } else if queued.is_none() && partial.is_none() {
+                        tracing::debug!(peer = %self.shared.peer.name, grant, "revoke of a grant answered already");
                         None
                     } else {
                         Some((queued, partial))

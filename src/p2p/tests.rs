@@ -556,6 +556,17 @@ fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
         );
     }
     assert!(ipc::recv_frame(&raw, ipc::MAX_FRAME).is_err());
+    raw.set_nonblocking(false).unwrap();
+    // A peer granting over it all the same is refused, before any import.
+    send_kept_grant(&raw, 1, 1);
+    match &answers(&raw)[..] {
+        [Msg::Refused { grant: 1, reason }] => assert!(
+            reason.contains("the peer's chunks cannot be imported here (different nodes"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(l.stats().queued_grants, 0);
 }
 
 /// Send a whole grant `grant` of one kept chunk (no descriptor) and `blocks` zeros, over
@@ -698,4 +709,102 @@ fn block_lists_of_a_reused_grant_id_start_empty() {
     drop(imp);
     // SAFETY: every import of the chunk was unmapped and closed with its grant.
     unsafe { exporter.release(chunk).unwrap() };
+}
+
+/// Read frames off `raw` until none comes within 300 ms.
+fn answers(raw: &UnixStream) -> Vec<Msg> {
+    raw.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut out = Vec::new();
+    while let Ok(Some(f)) = ipc::recv_frame(raw, ipc::MAX_FRAME) {
+        out.push(ipc::decode::<Msg>(&f.payload).unwrap());
+    }
+    raw.set_read_timeout(None).unwrap();
+    out
+}
+
+/// A revoke crossing the receiver's answer (the grant was refused, or released, already) is
+/// not answered again: a second answer would make the sender close the link for a protocol
+/// error (cold review). Nor is a revoke of a grant never sent.
+#[test]
+fn a_revoke_of_a_grant_answered_already_gets_no_second_answer() {
+    use super::wire::MAX_QUEUED_GRANTS;
+    let (l, raw) = link();
+    for g in 1..=MAX_QUEUED_GRANTS as u64 + 1 {
+        send_kept_grant(&raw, g, 1);
+    }
+    let last = MAX_QUEUED_GRANTS as u64 + 1;
+    let send = |m: &Msg| ipc::send_frame(&raw, &ipc::encode(m).unwrap(), &[]).unwrap();
+    send(&Msg::Revoke { grant: last });
+    send(&Msg::Revoke { grant: 9999 });
+    let got = answers(&raw);
+    assert!(
+        matches!(&got[..], [Msg::Refused { grant, .. }] if *grant == last),
+        "{got:?}"
+    );
+    // A queued grant revoked: released, once.
+    send(&Msg::Revoke { grant: 1 });
+    send(&Msg::Revoke { grant: 1 });
+    assert_eq!(answers(&raw), vec![Msg::Released { grant: 1 }]);
+    assert!(l.closed().is_none(), "{:?}", l.closed());
+}
+
+/// Chunks kept imported for a peer are bounded: past the bound a chunk sent to be kept is
+/// imported for its grant alone and the sender told it was not kept (`Forgot`); the grant
+/// imports as usual.
+#[test]
+fn kept_imports_are_bounded() {
+    use super::wire::MAX_KEPT_IMPORTS;
+    let exporter = backend();
+    let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
+    let (l, raw) = link();
+    for g in 1..=MAX_KEPT_IMPORTS as u64 + 2 {
+        let fd = exporter.export_chunk(chunk).unwrap();
+        let m = Msg::Chunks {
+            grant: g,
+            offsets: vec![0],
+            sizes: vec![DEFAULT_GRANULARITY as u64],
+            how: vec![WireChunk::Keep(g)],
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
+        let m = Msg::Grant {
+            mode: super::GrantMode::Copy,
+            grant: g,
+            access: AccessMode::ReadOnly,
+            layout: layout(),
+            blocks: vec![0],
+            chunks: 1,
+        };
+        ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+        let imp = l.recv_grant(Duration::from_secs(5)).unwrap();
+        drop(imp);
+        let kept = g.min(MAX_KEPT_IMPORTS as u64);
+        let want: Vec<Msg> = if g > MAX_KEPT_IMPORTS as u64 {
+            vec![Msg::Forgot { keys: vec![g] }, Msg::Released { grant: g }]
+        } else {
+            vec![Msg::Released { grant: g }]
+        };
+        let got = answers_until(&raw, want.len());
+        assert_eq!(got, want, "grant {g}");
+        assert_eq!(l.stats().kept_imports, kept as usize, "grant {g}");
+    }
+    assert!(l.closed().is_none(), "{:?}", l.closed());
+    drop(l);
+    // SAFETY: the link is gone, and with it every import of the chunk.
+    unsafe { exporter.release(chunk).unwrap() };
+}
+
+/// The next `n` frames off `raw`, each within 5 s.
+fn answers_until(raw: &UnixStream, n: usize) -> Vec<Msg> {
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let out = (0..n)
+        .map(|i| {
+            let f = ipc::recv_frame(raw, ipc::MAX_FRAME)
+                .unwrap_or_else(|e| panic!("frame {i} of {n}: {e}"))
+                .unwrap();
+            ipc::decode::<Msg>(&f.payload).unwrap()
+        })
+        .collect();
+    raw.set_read_timeout(None).unwrap();
+    out
 }

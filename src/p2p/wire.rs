@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::layout::{BlockDim, LayoutConfig, LayoutKind};
 
 /// Protocol version; a peer with another one is refused at hello.
-pub(crate) const VERSION: u32 = 4;
+pub(crate) const VERSION: u32 = 5;
 /// Most blocks in one grant: 4 GiB of 64 KiB blocks, a million tokens in 16-token blocks.
 pub const MAX_GRANT_BLOCKS: usize = 64 * 1024;
 /// Most block indices in one frame (at most 10 bytes each as postcard varints: 40 KiB, under
@@ -20,12 +20,17 @@ pub const MAX_GRANT_CHUNKS: usize = 16 * 1024;
 /// Most grants a peer may have half sent at once.
 pub(crate) const MAX_PARTIAL_GRANTS: usize = 64;
 /// Most complete grants a receiver holds before the application takes them
-/// ([`crate::p2p::PeerLink::recv_grant`]); a peer sending more closes the link.
+/// ([`crate::p2p::PeerLink::recv_grant`]); a grant beyond them is refused to its sender.
 pub(crate) const MAX_QUEUED_GRANTS: usize = 256;
 /// Most block indices those grants hold together (2 MiB of them).
 pub(crate) const MAX_QUEUED_BLOCKS: usize = 4 * MAX_GRANT_BLOCKS;
 /// Most chunks those grants hold together (each may hold a descriptor).
 pub(crate) const MAX_QUEUED_CHUNKS: usize = 4 * MAX_GRANT_CHUNKS;
+/// Most chunks a receiver keeps imported for one peer (512 GiB of 2 MiB pages): beyond them a
+/// chunk sent to be kept is imported for its grant alone and the sender told it was not kept
+/// ([`Msg::Forgot`]), so a peer cannot grow the imports (and their descriptors) without limit.
+/// Smaller in unit tests, which reach it.
+pub(crate) const MAX_KEPT_IMPORTS: usize = if cfg!(test) { 64 } else { 256 * 1024 };
 
 /// Host or device memory, on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -216,7 +221,8 @@ pub(crate) enum Msg {
     Adopted {
         grant: u64,
     },
-    /// The receiver could not import the grant; it holds nothing of it.
+    /// The receiver could not import the grant; it maps nothing of it (chunks sent to be kept
+    /// stay kept, or are forgotten).
     Refused {
         grant: u64,
         reason: String,
