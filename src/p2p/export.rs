@@ -13,6 +13,7 @@ use super::link::{send, GrantPin, GrantStatus, LinkShared, OutGrant, PeerLink};
 use super::path::TransferPath;
 use super::wire::{
     GrantMode, Msg, WireChunk, WireLayout, BLOCKS_PER_FRAME, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS,
+    MAX_KEPT_IMPORTS,
 };
 use crate::backend::{AccessMode, DeviceReach, MemoryKind, PhysicalChunk};
 use crate::backing::BlockGeometry;
@@ -339,7 +340,9 @@ impl PeerLink {
                         spare.extend(fds.remove(&off));
                         WireChunk::Kept(k)
                     }
-                    None if keep => {
+                    // No more than the peer keeps: past that it would import the chunk for
+                    // this grant alone, and a grant naming it kept meanwhile be refused.
+                    None if keep && st.kept_out.len() < MAX_KEPT_IMPORTS => {
                         st.last_key += 1;
                         let k = st.last_key;
                         st.kept_out.insert(

@@ -337,7 +337,7 @@ impl LinkShared {
             )),
             None => Err(self.peer_error(
                 "import",
-                format!("the grant names kept chunk {key}, which is not kept here"),
+                format!("the grant names kept chunk {key}, which is not kept here (forgotten, or never kept: at most {MAX_KEPT_IMPORTS} are)"),
             )),
         }
     }
@@ -1001,7 +1001,12 @@ impl PeerLink {
         match super::import::ImportedGrant::build(self.shared.clone(), self.writer.clone(), ready) {
             Ok(g) => Ok(g),
             Err(e) => {
-                self.shared.state.lock().live_in.remove(&id);
+                {
+                    let mut st = self.shared.state.lock();
+                    st.live_in.remove(&id);
+                    // A revoke that came meanwhile is answered by the refusal.
+                    st.revoked_in.remove(&id);
+                }
                 let reason = e.to_string();
                 tracing::warn!(peer = %self.shared.peer.name, grant = id, error = %reason, "grant refused");
                 let _ = send(&self.writer, Msg::Refused { grant: id, reason }, Vec::new());
@@ -1231,7 +1236,17 @@ impl Reader {
                         "grant {grant}: the peer's chunks cannot be imported here ({})",
                         self.shared.path_in.reason
                     );
-                    self.shared.keep_unimported(got);
+                    // Nothing imported, nothing kept: the sender hears so of each key it sent
+                    // to be kept; the descriptors close.
+                    let keys: Vec<u64> = got
+                        .iter()
+                        .filter_map(|c| match c.how {
+                            WireChunk::Keep(k) => Some(k),
+                            _ => None,
+                        })
+                        .collect();
+                    drop(got);
+                    self.shared.send_forgot(keys);
                     return send(&self.writer, Msg::Refused { grant, reason }, Vec::new());
                 }
                 st.ready.push_back(ReadyGrant {

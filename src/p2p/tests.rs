@@ -567,6 +567,34 @@ fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
         other => panic!("{other:?}"),
     }
     assert_eq!(l.stats().queued_grants, 0);
+    // Chunks it sent to be kept are not imported: forgotten, then the grant refused.
+    let exporter = backend();
+    let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
+    let fd = exporter.export_chunk(chunk).unwrap();
+    let m = Msg::Chunks {
+        grant: 2,
+        offsets: vec![0],
+        sizes: vec![DEFAULT_GRANULARITY as u64],
+        how: vec![WireChunk::Keep(7)],
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
+    let m = Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant: 2,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks: vec![0],
+        chunks: 1,
+    };
+    ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
+    match &answers(&raw)[..] {
+        [Msg::Forgot { keys }, Msg::Refused { grant: 2, .. }] => assert_eq!(keys, &[7]),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(l.stats().kept_imports, 0);
+    drop((l, fd));
+    // SAFETY: never imported.
+    unsafe { exporter.release(chunk).unwrap() };
 }
 
 /// Send a whole grant `grant` of one kept chunk (no descriptor) and `blocks` zeros, over
@@ -807,4 +835,54 @@ fn answers_until(raw: &UnixStream, n: usize) -> Vec<Msg> {
         .collect();
     raw.set_read_timeout(None).unwrap();
     out
+}
+
+/// A sender keeps no more chunks at a peer than the peer keeps: past the bound its chunks go
+/// with descriptors, so two grants of one such page in flight both import (neither names a
+/// key the receiver did not keep, which would refuse it).
+#[test]
+fn a_sender_keeps_no_more_chunks_at_a_peer_than_the_peer_keeps() {
+    use super::wire::MAX_KEPT_IMPORTS;
+    let (x, y) = UnixStream::pair().unwrap();
+    let t = std::thread::spawn(move || PeerLink::over(y, "decode", backend()).unwrap());
+    let p = PeerLink::over(x, "prefill", backend()).unwrap();
+    let d = t.join().unwrap();
+    let n = MAX_KEPT_IMPORTS + 4;
+    let pool = crate::Pool::new(backend(), crate::PoolConfig::new(1 << 30)).unwrap();
+    let kv = crate::layout::LayoutBuilder::new()
+        .config(LayoutConfig::new(n, 1, 1, 16, 65536, 2))
+        .fully_contiguous()
+        .elastic(&pool)
+        .build()
+        .unwrap();
+    kv.ensure_backed(0..n).unwrap();
+    let wait = Duration::from_secs(5);
+    for b in 0..n {
+        let g = p.grant(&kv, &[b], AccessMode::ReadOnly).unwrap();
+        assert_eq!(g.descriptors(), 1, "block {b}");
+        drop(d.recv_grant(wait).unwrap());
+        assert_eq!(
+            g.wait_released(wait).unwrap(),
+            super::GrantStatus::Released,
+            "block {b}"
+        );
+    }
+    assert_eq!(p.stats().peer_kept_chunks, MAX_KEPT_IMPORTS);
+    assert_eq!(d.stats().kept_imports, MAX_KEPT_IMPORTS);
+    // A kept page goes as a key; a page past the bound with a descriptor, every time.
+    let g = p.grant(&kv, &[0], AccessMode::ReadOnly).unwrap();
+    assert_eq!(g.descriptors(), 0);
+    drop(d.recv_grant(wait).unwrap());
+    g.wait_released(wait).unwrap();
+    let last = n - 1;
+    let g1 = p.grant(&kv, &[last], AccessMode::ReadOnly).unwrap();
+    let g2 = p.grant(&kv, &[last], AccessMode::ReadOnly).unwrap();
+    assert_eq!((g1.descriptors(), g2.descriptors()), (1, 1));
+    drop(d.recv_grant(wait).unwrap());
+    drop(d.recv_grant(wait).unwrap());
+    for g in [g1, g2] {
+        assert_eq!(g.wait_released(wait).unwrap(), super::GrantStatus::Released);
+    }
+    assert_eq!(d.stats().kept_imports, MAX_KEPT_IMPORTS);
+    assert!(p.closed().is_none() && d.closed().is_none());
 }
