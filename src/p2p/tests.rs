@@ -94,6 +94,29 @@ fn layout() -> WireLayout {
     )
 }
 
+/// A copy grant `grant` of `blocks` (the last of them: earlier ones go in Blocks frames) in
+/// `layout()`, after `chunks` chunks.
+fn grant_frame(grant: u64, blocks: Vec<u64>, chunks: u64) -> Msg {
+    Msg::Grant {
+        mode: super::GrantMode::Copy,
+        grant,
+        access: AccessMode::ReadOnly,
+        layout: layout(),
+        blocks,
+        chunks,
+    }
+}
+
+/// One chunk of grant `grant`, a page at offset 0, coming as `how`.
+fn one_chunk(grant: u64, how: WireChunk) -> Msg {
+    Msg::Chunks {
+        grant,
+        offsets: vec![0],
+        sizes: vec![DEFAULT_GRANULARITY as u64],
+        how: vec![how],
+    }
+}
+
 #[test]
 fn malformed_and_inconsistent_messages_close_the_link() {
     let (l, raw) = link();
@@ -114,14 +137,7 @@ fn malformed_and_inconsistent_messages_close_the_link() {
 
     // A grant announcing more chunks than arrived.
     let (l, raw) = link();
-    let m = Msg::Grant {
-        mode: super::GrantMode::Copy,
-        grant: 1,
-        access: AccessMode::ReadOnly,
-        layout: layout(),
-        blocks: vec![0],
-        chunks: 3,
-    };
+    let m = grant_frame(1, vec![0], 3);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
     closed_with(&l, "announces 3 chunks (0 arrived)");
     assert!(l.recv_grant(Duration::from_millis(10)).is_err());
@@ -134,21 +150,9 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
     let fd = exporter.export_chunk(chunk).unwrap();
     // One 2 MiB chunk at offset 0; block 40 (128 KiB blocks) lies at 5 MiB: not covered.
     let (l, raw) = link();
-    let m = Msg::Chunks {
-        grant: 7,
-        offsets: vec![0],
-        sizes: vec![DEFAULT_GRANULARITY as u64],
-        how: vec![WireChunk::New],
-    };
+    let m = one_chunk(7, WireChunk::New);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
-    let m = Msg::Grant {
-        mode: super::GrantMode::Copy,
-        grant: 7,
-        access: AccessMode::ReadOnly,
-        layout: layout(),
-        blocks: vec![1, 40],
-        chunks: 1,
-    };
+    let m = grant_frame(7, vec![1, 40], 1);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
     let e = l
         .recv_grant(Duration::from_secs(5))
@@ -169,21 +173,9 @@ fn grants_that_do_not_cover_their_blocks_or_are_not_chunks_are_refused() {
 
     // A descriptor that is no chunk (a socket): refused, link still usable.
     let (a, _b) = UnixStream::pair().unwrap();
-    let m = Msg::Chunks {
-        grant: 8,
-        offsets: vec![0],
-        sizes: vec![DEFAULT_GRANULARITY as u64],
-        how: vec![WireChunk::New],
-    };
+    let m = one_chunk(8, WireChunk::New);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[a.as_fd()]).unwrap();
-    let m = Msg::Grant {
-        mode: super::GrantMode::Copy,
-        grant: 8,
-        access: AccessMode::ReadOnly,
-        layout: layout(),
-        blocks: vec![1],
-        chunks: 1,
-    };
+    let m = grant_frame(8, vec![1], 1);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
     let e = l
         .recv_grant(Duration::from_secs(5))
@@ -276,12 +268,7 @@ fn a_repeated_grant_id_closes_the_link_and_leaves_the_live_import_alone() {
     let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
     let fd = exporter.export_chunk(chunk).unwrap();
     let (l, raw) = link();
-    let m = Msg::Chunks {
-        grant: 5,
-        offsets: vec![0],
-        sizes: vec![DEFAULT_GRANULARITY as u64],
-        how: vec![WireChunk::New],
-    };
+    let m = one_chunk(5, WireChunk::New);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
     let grant = |chunks| Msg::Grant {
         mode: super::GrantMode::Copy,
@@ -361,21 +348,9 @@ fn a_forget_that_cannot_be_queued_ends_the_link() {
     let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
     let fd = exporter.export_chunk(chunk).unwrap();
     for id in 1..=7000u64 {
-        let m = Msg::Chunks {
-            grant: id,
-            offsets: vec![0],
-            sizes: vec![DEFAULT_GRANULARITY as u64],
-            how: vec![WireChunk::New],
-        };
+        let m = one_chunk(id, WireChunk::New);
         ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
-        let m = Msg::Grant {
-            mode: super::GrantMode::Copy,
-            grant: id,
-            access: AccessMode::ReadOnly,
-            layout: layout(),
-            blocks: vec![0],
-            chunks: 1,
-        };
+        let m = grant_frame(id, vec![0], 1);
         ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
         drop(l.recv_grant(Duration::from_secs(5)).unwrap());
     }
@@ -465,14 +440,7 @@ fn block_lists_over_frames_are_bounded_and_follow_their_chunks() {
         };
         ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
     }
-    let m = Msg::Grant {
-        mode: super::GrantMode::Copy,
-        grant: 2,
-        access: AccessMode::ReadOnly,
-        layout: layout(),
-        blocks: vec![0],
-        chunks: 1,
-    };
+    let m = grant_frame(2, vec![0], 1);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
     closed_with(
         &l,
@@ -571,21 +539,9 @@ fn the_hello_needs_the_peers_reach_and_a_path_that_imports_before_any_grant() {
     let exporter = backend();
     let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
     let fd = exporter.export_chunk(chunk).unwrap();
-    let m = Msg::Chunks {
-        grant: 2,
-        offsets: vec![0],
-        sizes: vec![DEFAULT_GRANULARITY as u64],
-        how: vec![WireChunk::Keep(7)],
-    };
+    let m = one_chunk(2, WireChunk::Keep(7));
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
-    let m = Msg::Grant {
-        mode: super::GrantMode::Copy,
-        grant: 2,
-        access: AccessMode::ReadOnly,
-        layout: layout(),
-        blocks: vec![0],
-        chunks: 1,
-    };
+    let m = grant_frame(2, vec![0], 1);
     ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
     match &answers(&raw)[..] {
         [Msg::Forgot { keys }, Msg::Refused { grant: 2, .. }] => assert_eq!(keys, &[7]),
@@ -681,12 +637,7 @@ fn block_lists_of_a_reused_grant_id_start_empty() {
     let chunk = exporter.create(DEFAULT_GRANULARITY).unwrap();
     let chunks = |raw: &UnixStream| {
         let fd = exporter.export_chunk(chunk).unwrap();
-        let m = Msg::Chunks {
-            grant: 5,
-            offsets: vec![0],
-            sizes: vec![DEFAULT_GRANULARITY as u64],
-            how: vec![WireChunk::New],
-        };
+        let m = one_chunk(5, WireChunk::New);
         ipc::send_frame(raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
     };
     let send =
@@ -695,14 +646,7 @@ fn block_lists_of_a_reused_grant_id_start_empty() {
         grant: 5,
         blocks: vec![0; BLOCKS_PER_FRAME],
     };
-    let grant = Msg::Grant {
-        mode: super::GrantMode::Copy,
-        grant: 5,
-        access: AccessMode::ReadOnly,
-        layout: layout(),
-        blocks: vec![1],
-        chunks: 1,
-    };
+    let grant = grant_frame(5, vec![1], 1);
     let answer = |raw: &UnixStream| {
         let r = ipc::recv_frame(raw, ipc::MAX_FRAME).unwrap().unwrap();
         ipc::decode::<Msg>(&r.payload).unwrap()
@@ -788,21 +732,9 @@ fn kept_imports_are_bounded() {
     let (l, raw) = link();
     for g in 1..=MAX_KEPT_IMPORTS as u64 + 2 {
         let fd = exporter.export_chunk(chunk).unwrap();
-        let m = Msg::Chunks {
-            grant: g,
-            offsets: vec![0],
-            sizes: vec![DEFAULT_GRANULARITY as u64],
-            how: vec![WireChunk::Keep(g)],
-        };
+        let m = one_chunk(g, WireChunk::Keep(g));
         ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[fd.as_fd()]).unwrap();
-        let m = Msg::Grant {
-            mode: super::GrantMode::Copy,
-            grant: g,
-            access: AccessMode::ReadOnly,
-            layout: layout(),
-            blocks: vec![0],
-            chunks: 1,
-        };
+        let m = grant_frame(g, vec![0], 1);
         ipc::send_frame(&raw, &ipc::encode(&m).unwrap(), &[]).unwrap();
         let imp = l.recv_grant(Duration::from_secs(5)).unwrap();
         drop(imp);
