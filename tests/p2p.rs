@@ -210,6 +210,14 @@ fn page_blocks(pool: &Pool) -> ElasticLayout {
         .unwrap()
 }
 
+/// The sender's side: page blocks on a pool of their own exportable backend, `backed` backed.
+fn prefill_blocks(backed: &[usize]) -> (Pool, ElasticLayout) {
+    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
+    let src = page_blocks(&pool);
+    src.ensure_backed(backed.iter().copied()).unwrap();
+    (pool, src)
+}
+
 fn fill(kv: &ElasticLayout, b: usize, byte: u8) {
     let v = kv.block(b).unwrap()[0];
     // SAFETY: backed, nobody else uses it.
@@ -1367,9 +1375,7 @@ fn devices_are_found_by_uuid_and_each_direction_has_its_path() {
 #[test]
 fn a_receiver_that_falls_behind_refuses_the_excess_grant() {
     let (p, d) = pair(exportable(), exportable());
-    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
-    let src = page_blocks(&pool);
-    src.ensure_backed([1]).unwrap();
+    let (_pool, src) = prefill_blocks(&[1]);
     let grants: Vec<_> = (0..256)
         .map(|_| p.grant(&src, &[1], AccessMode::ReadOnly).unwrap())
         .collect();
@@ -1399,9 +1405,7 @@ fn import_access_goes_through_the_adaptors() {
     let fault = Arc::new(FaultInjector::new(exportable()));
     let counting = Arc::new(Counting::new(fault.clone()));
     let (p, d) = pair(exportable(), counting.clone());
-    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
-    let src = page_blocks(&pool);
-    src.ensure_backed([3]).unwrap();
+    let (_pool, src) = prefill_blocks(&[3]);
     let before = counting.counts().get(DriverCall::SetAccess);
     fault.fail_from(DriverCall::SetAccess, 1);
     let g = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
@@ -1426,9 +1430,7 @@ fn import_access_goes_through_the_adaptors() {
 #[test]
 fn a_revoke_crossing_a_release_keeps_the_link() {
     let (p, d) = pair(exportable(), exportable());
-    let pool = Pool::new(exportable(), PoolConfig::new(1 << 30).name("prefill")).unwrap();
-    let src = page_blocks(&pool);
-    src.ensure_backed([1]).unwrap();
+    let (_pool, src) = prefill_blocks(&[1]);
     for round in 0..50 {
         let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
         let imp = d.recv_grant(Duration::from_secs(5)).unwrap();

@@ -249,6 +249,46 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Grant `mode` access over a range of our mapped chunks to our device and, with
+    /// `owner`, to that other device too (the GPU imported chunks live on).
+    ///
+    /// # Safety
+    /// As for [`Backend::set_access`].
+    unsafe fn set_access_for(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: super::AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        self.bind()?;
+        let mut ours = self.access_desc();
+        if mode == super::AccessMode::ReadOnly {
+            ours.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
+        }
+        let mut theirs = ours;
+        theirs.location.id = owner.unwrap_or_default();
+        let descs = [ours, theirs];
+        let n = if owner.is_some() { 2 } else { 1 };
+        // SAFETY: the caller guarantees the range is made of our mapped chunks; `descs`
+        // outlives the call and holds `n` descriptors. For a chunk of another device
+        // (imported), this grants our device peer access to it; the owner gets access too
+        // where named: the kernel reads on ours, and a `cuMemcpy` between the two devices may
+        // run on the owner's copy engines.
+        unsafe { sys::cuMemSetAccess(addr, size, descs.as_ptr(), n) }
+            .result()
+            .map_err(driver_error(
+                "cuMemSetAccess",
+                match owner {
+                    None => format!("{size} bytes at {addr:#x} ({mode:?})"),
+                    Some(o) => format!(
+                        "{size} bytes at {addr:#x} ({mode:?}) for devices {:?} and {o}",
+                        self.info.device_ordinal
+                    ),
+                },
+            ))
+    }
+
     fn access_desc(&self) -> sys::CUmemAccessDesc {
         // SAFETY: plain data; all-zero is a valid starting value.
         let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
@@ -589,19 +629,8 @@ impl Backend for CudaBackend {
         size: usize,
         mode: super::AccessMode,
     ) -> Result<()> {
-        self.bind()?;
-        let mut desc = self.access_desc();
-        if mode == super::AccessMode::ReadOnly {
-            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
-        }
-        // SAFETY: the caller guarantees the range is made of our mapped chunks. For a chunk of
-        // another device (imported), this grants this device peer access to it.
-        unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }
-            .result()
-            .map_err(driver_error(
-                "cuMemSetAccess",
-                format!("{size} bytes at {addr:#x} ({mode:?})"),
-            ))
+        // SAFETY: forwarded contract.
+        unsafe { self.set_access_for(addr, size, mode, None) }
     }
 
     unsafe fn set_import_access(
@@ -611,30 +640,9 @@ impl Backend for CudaBackend {
         mode: super::AccessMode,
         owner: Option<i32>,
     ) -> Result<()> {
-        let Some(owner) = owner.filter(|&o| Some(o) != self.info.device_ordinal) else {
-            // SAFETY: forwarded contract.
-            return unsafe { self.set_access_mode(addr, size, mode) };
-        };
-        self.bind()?;
-        let mut ours = self.access_desc();
-        if mode == super::AccessMode::ReadOnly {
-            ours.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
-        }
-        let mut theirs = ours;
-        theirs.location.id = owner;
-        let descs = [ours, theirs];
-        // SAFETY: the caller guarantees the range is made of our mapped (imported) chunks;
-        // `descs` outlives the call. Both devices get access: the kernel reads on ours, and a
-        // `cuMemcpy` between the two devices may run on the owner's copy engines.
-        unsafe { sys::cuMemSetAccess(addr, size, descs.as_ptr(), descs.len()) }
-            .result()
-            .map_err(driver_error(
-                "cuMemSetAccess",
-                format!(
-                    "{size} bytes at {addr:#x} ({mode:?}) for devices {:?} and {owner}",
-                    self.info.device_ordinal
-                ),
-            ))
+        let owner = owner.filter(|&o| Some(o) != self.info.device_ordinal);
+        // SAFETY: forwarded contract.
+        unsafe { self.set_access_for(addr, size, mode, owner) }
     }
 
     fn reach(&self, uuid: &[u8; 16]) -> Result<super::DeviceReach> {

@@ -694,11 +694,16 @@ pub fn listen(path: impl AsRef<Path>) -> Result<UnixListener> {
 /// names the version rather than a decoding failure.
 fn hello_version(payload: &[u8]) -> Option<Error> {
     let ((variant, version), _) = postcard::take_from_bytes::<(u32, u32)>(payload).ok()?;
-    (variant == 0 && version != VERSION).then(|| Error::Peer {
-        peer: "?".into(),
+    (variant == 0 && version != VERSION).then(|| other_version("?".into(), version))
+}
+
+/// The refusal of a peer speaking protocol `version`, not ours.
+fn other_version(peer: String, version: u32) -> Error {
+    Error::Peer {
+        peer,
         op: "hello",
         detail: format!("protocol version {version} (ours is {VERSION})"),
-    })
+    }
 }
 
 impl PeerLink {
@@ -823,11 +828,7 @@ impl PeerLink {
             }
         };
         if theirs.version != VERSION {
-            return Err(Error::Peer {
-                peer: theirs.name,
-                op: "hello",
-                detail: format!("protocol version {} (ours is {VERSION})", theirs.version),
-            });
+            return Err(other_version(theirs.name, theirs.version));
         }
         let unexpected = |what: &str, (other, fds): (Msg, usize)| Error::Peer {
             peer: theirs.name.clone(),
