@@ -1425,25 +1425,79 @@ fn import_access_goes_through_the_adaptors() {
     );
 }
 
-/// The sender revokes a grant just as the receiver lets go of it: the revoke crosses the
-/// release, and the link goes on (a second answer closed it before a cold review).
+/// Run `f` on a thread of its own and fail if it does not finish within `limit`: a deadlock
+/// fails the test instead of hanging it (the stuck thread keeps what it owns, so nothing that
+/// would block on the same locks is dropped here).
+fn within(limit: Duration, what: &str, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(()) => h.join().unwrap(),
+        // It panicked: its message is the failure.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(h.join().unwrap_err())
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what} did not finish within {limit:?}: deadlocked")
+        }
+    }
+}
+
+/// A revoke of a grant the receiver released already returns its status at once, and the link
+/// goes on (it deadlocked: the revoke waited while holding the link's state lock).
+#[test]
+fn a_revoke_after_a_release_returns() {
+    within(Duration::from_secs(10), "a revoke after a release", || {
+        let (p, d) = pair(exportable(), exportable());
+        let (_pool, src) = prefill_blocks(&[1]);
+        let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+        drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+        assert_eq!(
+            g.wait_released(Duration::from_secs(5)).unwrap(),
+            GrantStatus::Released
+        );
+        assert_eq!(
+            g.revoke(Duration::from_secs(1)).unwrap(),
+            GrantStatus::Released
+        );
+        // The link still serves grants.
+        let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+        drop(d.recv_grant(Duration::from_secs(5)).unwrap());
+        assert_eq!(
+            g.wait_released(Duration::from_secs(5)).unwrap(),
+            GrantStatus::Released
+        );
+        assert_eq!(p.stats().grants_out, 0);
+    });
+}
+
+/// The sender revokes a grant just as the receiver lets go of it, the revoke starting a little
+/// later each round, so it crosses the release or comes after it: the revoke returns, and the
+/// link goes on (a second answer closed it before a cold review; a revoke after the release
+/// deadlocked the link).
 #[test]
 fn a_revoke_crossing_a_release_keeps_the_link() {
-    let (p, d) = pair(exportable(), exportable());
-    let (_pool, src) = prefill_blocks(&[1]);
-    for round in 0..50 {
-        let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
-        let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
-        std::thread::scope(|s| {
-            s.spawn(move || drop(imp));
-            let status = g.revoke(Duration::from_secs(5)).unwrap();
-            assert!(
-                matches!(status, GrantStatus::Released),
-                "round {round}: {status:?}"
-            );
-        });
-        assert!(p.closed().is_none(), "round {round}: {:?}", p.closed());
-        assert!(d.closed().is_none(), "round {round}: {:?}", d.closed());
-    }
-    assert_eq!(src.stats().pinned_blocks, 0);
+    within(Duration::from_secs(15), "revokes racing releases", || {
+        let (p, d) = pair(exportable(), exportable());
+        let (_pool, src) = prefill_blocks(&[1]);
+        for round in 0..200u64 {
+            let g = p.grant(&src, &[1], AccessMode::ReadOnly).unwrap();
+            let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+            std::thread::scope(|s| {
+                s.spawn(move || drop(imp));
+                std::thread::sleep(Duration::from_micros(round % 20 * 25));
+                let status = g.revoke(Duration::from_secs(5)).unwrap();
+                assert!(
+                    matches!(status, GrantStatus::Released),
+                    "round {round}: {status:?}"
+                );
+            });
+            assert!(p.closed().is_none(), "round {round}: {:?}", p.closed());
+            assert!(d.closed().is_none(), "round {round}: {:?}", d.closed());
+        }
+        assert_eq!(src.stats().pinned_blocks, 0);
+    });
 }

@@ -545,12 +545,20 @@ impl Grant {
     /// only then may the blocks be released and their chunks reused). A grant the receiver is
     /// still copying from is let go when the copy completed and the receiver dropped it.
     pub fn revoke(&self, timeout: Duration) -> Result<GrantStatus> {
-        {
+        let revoking = {
             let mut st = self.link.state.lock();
             match st.out.get_mut(&self.id) {
-                Some(g) if !g.status.is_final() => g.status = GrantStatus::Revoking,
-                _ => return self.wait_released(Duration::ZERO),
+                Some(g) if !g.status.is_final() => {
+                    g.status = GrantStatus::Revoking;
+                    true
+                }
+                _ => false,
             }
+        };
+        // Final already (released, refused, the peer exited): its status, read after the lock
+        // above is released (waiting takes it again).
+        if !revoking {
+            return self.wait_released(Duration::ZERO);
         }
         if let Err(e) = send(&self.writer, Msg::Revoke { grant: self.id }, Vec::new()) {
             tracing::warn!(grant = self.id, error = %e, "revoke not sent; waiting for the peer to release or exit");
