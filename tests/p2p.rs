@@ -1501,3 +1501,34 @@ fn a_revoke_crossing_a_release_keeps_the_link() {
         assert_eq!(src.stats().pinned_blocks, 0);
     });
 }
+
+/// A read-only grant the receiver cannot map read-only (its access setting fails) is refused,
+/// the sender told why; it is never mapped writable. A read-write grant still maps there.
+#[test]
+fn a_read_only_grant_is_never_mapped_writable() {
+    let fault = Arc::new(FaultInjector::new(exportable()));
+    let (p, d) = pair(exportable(), fault.clone());
+    let (_pool, src) = prefill_blocks(&[3]);
+    fault.fail_nth(DriverCall::SetAccess, 1);
+    let g = p.grant(&src, &[3], AccessMode::ReadOnly).unwrap();
+    match d.recv_grant(Duration::from_secs(5)) {
+        Err(e) => assert!(e.to_string().contains("read-only"), "{e}"),
+        Ok(imp) => panic!(
+            "a read-only grant was mapped with access {:?}",
+            imp.access()
+        ),
+    }
+    match g.wait_released(Duration::from_secs(5)).unwrap() {
+        GrantStatus::Refused(why) => assert!(why.contains("read-only"), "{why}"),
+        other => panic!("the sender was not told: {other:?}"),
+    }
+    fault.clear();
+    let g = p.grant(&src, &[3], AccessMode::ReadWrite).unwrap();
+    let imp = d.recv_grant(Duration::from_secs(5)).unwrap();
+    assert_eq!(imp.access(), AccessMode::ReadWrite);
+    drop(imp);
+    assert_eq!(
+        g.wait_released(Duration::from_secs(5)).unwrap(),
+        GrantStatus::Released
+    );
+}

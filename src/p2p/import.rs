@@ -1,8 +1,9 @@
-//! The receiving side: a grant's chunks imported, mapped (read-only where the backend allows)
-//! into a reservation of this process that mirrors the sender's layout range (each chunk at its
-//! offset there, relative to the first chunk), and the granted blocks located in it: block `b`'s
-//! spans are the sender's block-0 pattern moved by `b * stride`, so one address per block says
-//! where all of its spans are.
+//! The receiving side: a grant's chunks imported, mapped (with the access granted: a read-only
+//! grant this backend cannot map read-only is refused, never mapped writable) into a reservation
+//! of this process that mirrors the sender's layout range (each chunk at its offset there,
+//! relative to the first chunk), and the granted blocks located in it: block `b`'s spans are the
+//! sender's block-0 pattern moved by `b * stride`, so one address per block says where all of
+//! its spans are.
 
 use std::fmt;
 use std::sync::Arc;
@@ -176,7 +177,6 @@ impl Mapped {
                 }),
             }
         }
-        let mut effective = access;
         // Chunks of another GPU: that GPU gets access too (a copy between the two may run on
         // its engines).
         let owner = match link.peer.reach {
@@ -187,32 +187,20 @@ impl Mapped {
             // SAFETY: the segment is made of chunks mapped just above.
             let r = unsafe {
                 m.backend
-                    .set_import_access(s.addr, s.len as usize, effective, owner)
+                    .set_import_access(s.addr, s.len as usize, access, owner)
             };
             if let Err(e) = r {
-                if effective == AccessMode::ReadWrite {
-                    return Err(e);
-                }
-                tracing::info!(error = %e, "read-only mapping not available; mapping imports read-write");
-                effective = AccessMode::ReadWrite;
-                // SAFETY: as above.
-                unsafe {
-                    m.backend
-                        .set_import_access(s.addr, s.len as usize, effective, owner)
-                }?;
+                // Never mapped writable instead: the sender asked that we cannot write its
+                // memory, so the grant is refused and the sender told why.
+                return Err(match access {
+                    AccessMode::ReadWrite => e,
+                    AccessMode::ReadOnly => link.peer_error(
+                        "import",
+                        format!("read-only access was asked and cannot be given here ({e}): refused rather than mapped writable (grant it read-write to copy it here)"),
+                    ),
+                });
             }
         }
-        if effective != access {
-            // Segments done before the fallback keep read-only access: make them all alike.
-            for s in m.segments.clone() {
-                // SAFETY: as above.
-                unsafe {
-                    m.backend
-                        .set_import_access(s.addr, s.len as usize, effective, owner)
-                }?;
-            }
-        }
-        m.access = effective;
         Ok(m)
     }
 
@@ -653,7 +641,7 @@ impl ImportedGrant {
         self.kind
     }
 
-    /// How the chunks are mapped here (read-write where read-only is not available).
+    /// How the chunks are mapped here: as the sender granted them.
     pub fn access(&self) -> AccessMode {
         self.access
     }

@@ -967,8 +967,10 @@ impl PeerLink {
     }
 
     /// Take the next grant the peer sent, waiting up to `timeout`, and import and map its
-    /// chunks here (read-only where the backend allows). A grant that cannot be imported is
-    /// refused back to the sender (which unpins its blocks) and the error comes back here.
+    /// chunks here with the access granted (a read-only grant this backend cannot map read-only
+    /// is refused, never mapped writable). A grant that cannot be imported is refused back to
+    /// the sender (which unpins its blocks, and its status says why) and the error comes back
+    /// here.
     ///
     /// Grants wait here until taken, at most 256 of them holding 262144 blocks and 65536
     /// chunks together; one beyond that is refused to its sender at once

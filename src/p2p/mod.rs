@@ -4,7 +4,8 @@
 //! software emulation where UCX has no POSIX-fd VMM path (0.5 GB/s measured on an H100 against
 //! 1476 GB/s for this path). Here the sender exports the physical chunks under the blocks as
 //! POSIX descriptors and sends them over a Unix socket ([`crate::ipc`], `SCM_RIGHTS`); the
-//! receiver imports and maps them (read-only where the backend allows) and copies the blocks
+//! receiver imports and maps them (read-only when so granted, else refused: never writable) and
+//! copies the blocks
 //! into its own layout itself, in stream order on the GPU (device to device, or over NVLink
 //! with peer access when the two engines use two GPUs).
 //!

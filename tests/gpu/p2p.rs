@@ -1,5 +1,5 @@
 //! KV blocks between two processes on CUDA: the host suite's scenarios with device memory
-//! (exported as POSIX descriptors, imported, mapped read-only where the driver allows, copied
+//! (exported as POSIX descriptors, imported, mapped read-only as granted, copied
 //! by the gather kernel or with `cuMemcpyDtoDAsync`/`cuMemcpyBatchAsync`), on one GPU and
 //! across two (peer access); and odd shapes (units of 1, 3, 17, 1000 and 100003 bytes at odd
 //! addresses, units crossing the kernel's 64 KiB pieces, scattered blocks) through the kernel.
