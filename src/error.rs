@@ -253,6 +253,20 @@ pub enum Error {
         known: Vec<String>,
     },
 
+    /// A p2p peer runs as another user than this process, one not allowed
+    /// (`p2p::LinkOptions::allow_uid`): refused before anything is said or sent to it.
+    #[error("p2p peer process {pid} runs as uid {uid}, this process as uid {ours}: refused (only uid {ours} and the uids allowed, {allowed:?}, may link)")]
+    PeerUserRefused {
+        /// The peer's process (`SO_PEERCRED`).
+        pid: i32,
+        /// The peer's effective user id when it connected or listened.
+        uid: u32,
+        /// Our effective user id.
+        ours: u32,
+        /// The other user ids allowed on this link.
+        allowed: Vec<u32>,
+    },
+
     /// Two layouts whose blocks cannot be copied one onto the other (block size or kind
     /// differ), or block lists that do not pair up.
     #[error("layout mismatch: {detail}")]

@@ -1532,3 +1532,57 @@ fn a_read_only_grant_is_never_mapped_writable() {
         GrantStatus::Released
     );
 }
+
+/// The socket `listen` makes can be reached by this user only from the moment it exists: it
+/// is created with mode 0600 and its attributes never change after (a chmod after `bind` left
+/// a window in which a socket made under a permissive umask was open to every user). inotify
+/// reports every change of the node's attributes in the folder.
+#[test]
+fn a_listening_socket_is_private_from_the_moment_it_exists() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+
+    use rustix::fs::inotify::{self, CreateFlags, ReadFlags, WatchFlags};
+    let dir = std::env::temp_dir().join(format!("evmm-p2p-listen-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("s");
+    let _ = std::fs::remove_file(&sock);
+    let watch = inotify::init(CreateFlags::NONBLOCK | CreateFlags::CLOEXEC).unwrap();
+    inotify::add_watch(&watch, &dir, WatchFlags::CREATE | WatchFlags::ATTRIB).unwrap();
+    let listener = elastic_vmm::p2p::listen(&sock).unwrap();
+    let mut buf = [std::mem::MaybeUninit::uninit(); 4096];
+    let mut events = inotify::Reader::new(&watch, &mut buf);
+    let mut seen = Vec::new();
+    loop {
+        match events.next() {
+            Ok(e) => seen.push((
+                e.file_name().map(|n| n.to_string_lossy().into_owned()),
+                e.events(),
+            )),
+            Err(rustix::io::Errno::AGAIN) => break,
+            Err(e) => panic!("reading inotify events: {e}"),
+        }
+    }
+    let on_socket: Vec<ReadFlags> = seen
+        .iter()
+        .filter(|(n, _)| n.as_deref() == Some("s"))
+        .map(|(_, f)| *f)
+        .collect();
+    assert!(
+        on_socket.iter().any(|f| f.contains(ReadFlags::CREATE)),
+        "{seen:?}"
+    );
+    assert!(
+        !on_socket.iter().any(|f| f.contains(ReadFlags::ATTRIB)),
+        "the socket's mode changed after it was created: {seen:?}"
+    );
+    let meta = std::fs::symlink_metadata(&sock).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    // It serves links.
+    let path = sock.clone();
+    let peer = std::thread::spawn(move || PeerLink::connect(&path, "decode", exportable()));
+    let link = PeerLink::accept_within(&listener, "prefill", exportable(), Duration::from_secs(10))
+        .unwrap();
+    drop((link, peer.join().unwrap().unwrap()));
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -678,40 +678,63 @@ pub struct PeerLink {
     stream: UnixStream,
 }
 
-/// A listening socket for peers at `path`, readable and writable by this user only (mode 0600).
+/// A listening socket for peers at `path`, connectable by this user only (mode 0600, less what
+/// the umask takes) from the moment it exists. Who may link is checked on each connection as
+/// well ([`LinkOptions`]).
 pub fn listen(path: impl AsRef<Path>) -> Result<UnixListener> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let path = path.as_ref();
-    let l = UnixListener::bind(path)
-        .map_err(|e| ipc::frame::ipc_error("bind", format!("{}: {e}", path.display())))?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| ipc::frame::ipc_error("chmod 0600", format!("{}: {e}", path.display())))?;
-    Ok(l)
+    let fail = |op: &'static str| {
+        move |e: rustix::io::Errno| ipc::frame::ipc_error(op, format!("{}: {e}", path.display()))
+    };
+    let socket = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(fail("socket"))?;
+    // Linux creates the node `bind` makes with the socket's own mode less the umask, so the mode
+    // set here is the node's from its first instant. Chosen over a chmod after bind (a window in
+    // which others may connect), a process-wide umask change (not thread-safe) and a private
+    // folder (the caller picks the path, and often its folder is shared by design).
+    rustix::fs::fchmod(&socket, rustix::fs::Mode::from_raw_mode(0o600))
+        .map_err(fail("fchmod 0600"))?;
+    let addr = SocketAddrUnix::new(path).map_err(fail("socket address"))?;
+    rustix::net::bind(&socket, &addr).map_err(fail("bind"))?;
+    rustix::net::listen(&socket, 128).map_err(fail("listen"))?;
+    Ok(UnixListener::from(socket))
 }
 
-/// A hello of another protocol version than ours, which may not decode as ours: its first
-/// words (the message's variant, 0 for a hello, then the version) say which, so the error
-/// names the version rather than a decoding failure.
-fn hello_version(payload: &[u8]) -> Option<Error> {
-    let ((variant, version), _) = postcard::take_from_bytes::<(u32, u32)>(payload).ok()?;
-    (variant == 0 && version != VERSION).then(|| other_version("?".into(), version))
+/// Who may be at the other end of a link. [`PeerLink::connect`], [`PeerLink::accept`],
+/// [`PeerLink::accept_within`] and [`PeerLink::over`] use the defaults: only processes of this
+/// process's (effective) user. The peer's user is the kernel's word (`SO_PEERCRED`, recorded
+/// when it connected or listened), checked before anything is said or sent to it; a peer of
+/// another user is refused with [`Error::PeerUserRefused`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LinkOptions {
+    allowed_uids: Vec<u32>,
 }
 
-/// The refusal of a peer speaking protocol `version`, not ours.
-fn other_version(peer: String, version: u32) -> Error {
-    Error::Peer {
-        peer,
-        op: "hello",
-        detail: format!("protocol version {version} (ours is {VERSION})"),
+impl LinkOptions {
+    /// The defaults: peers of this process's user only.
+    pub fn new() -> Self {
+        Self::default()
     }
-}
 
-impl PeerLink {
-    /// Connect to the engine listening at `path`, introducing ourselves as `name`. `backend` is
-    /// the backend of this engine's layouts: imports are mapped through it. A broker engine
-    /// passes its own backend (`BrokerClient::local_backend`), not a model's: the broker lends
-    /// a model's chunks, it does not import other processes' (refused).
+    /// Also link with processes of user `uid` (both ends of a link check: the other side must
+    /// allow ours too). Such a peer may do on this link what one of our user may: map the
+    /// chunks we grant it and grant us its own.
+    pub fn allow_uid(mut self, uid: u32) -> Self {
+        if !self.allowed_uids.contains(&uid) {
+            self.allowed_uids.push(uid);
+        }
+        self
+    }
+
+    /// [`PeerLink::connect`] with these options.
     pub fn connect(
+        &self,
         path: impl AsRef<Path>,
         name: &str,
         backend: Arc<dyn Backend>,
@@ -719,15 +742,12 @@ impl PeerLink {
         let path = path.as_ref();
         let s = UnixStream::connect(path)
             .map_err(|e| ipc::frame::ipc_error("connect", format!("{}: {e}", path.display())))?;
-        Self::over(s, name, backend)
+        self.over(s, name, backend)
     }
 
-    /// [`PeerLink::accept`], giving up after `timeout` with an error if no engine connected
-    /// (a peer process that died before connecting leaves no one waiting forever); a timeout
-    /// too long to add to now waits without one. Another thread accepting on the same
-    /// listener may take the engine first: then this waits in `accept` (blocking listener)
-    /// or fails with `EAGAIN` (non-blocking).
+    /// [`PeerLink::accept_within`] with these options.
     pub fn accept_within(
+        &self,
         listener: &UnixListener,
         name: &str,
         backend: Arc<dyn Backend>,
@@ -751,15 +771,16 @@ impl PeerLink {
                 tv_nsec: left.subsec_nanos().into(),
             });
             match rustix::event::poll(&mut fds, wait.as_ref()) {
-                Ok(n) if n > 0 => return Self::accept(listener, name, backend),
+                Ok(n) if n > 0 => return self.accept(listener, name, backend),
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(ipc::frame::ipc_error("poll", e.to_string())),
             }
         }
     }
 
-    /// Accept one engine on `listener`.
+    /// [`PeerLink::accept`] with these options.
     pub fn accept(
+        &self,
         listener: &UnixListener,
         name: &str,
         backend: Arc<dyn Backend>,
@@ -767,11 +788,104 @@ impl PeerLink {
         let (s, _) = listener
             .accept()
             .map_err(|e| ipc::frame::ipc_error("accept", e.to_string()))?;
-        Self::over(s, name, backend)
+        self.over(s, name, backend)
     }
 
-    /// A link over a connected stream (either end of a `UnixStream::pair` works too).
+    /// [`PeerLink::over`] with these options.
+    pub fn over(
+        &self,
+        stream: UnixStream,
+        name: &str,
+        backend: Arc<dyn Backend>,
+    ) -> Result<PeerLink> {
+        let credentials = ipc::peer_credentials(&stream)?;
+        self.check(&credentials)?;
+        PeerLink::open(stream, credentials, name, backend)
+    }
+
+    /// Refuse a peer of another user than ours, unless allowed.
+    fn check(&self, peer: &PeerCredentials) -> Result<()> {
+        let ours = rustix::process::geteuid().as_raw();
+        if peer.uid == ours || self.allowed_uids.contains(&peer.uid) {
+            return Ok(());
+        }
+        tracing::warn!(pid = peer.pid, uid = peer.uid, ours, allowed = ?self.allowed_uids, "p2p peer of another user refused");
+        Err(Error::PeerUserRefused {
+            pid: peer.pid,
+            uid: peer.uid,
+            ours,
+            allowed: self.allowed_uids.clone(),
+        })
+    }
+}
+
+/// A hello of another protocol version than ours, which may not decode as ours: its first
+/// words (the message's variant, 0 for a hello, then the version) say which, so the error
+/// names the version rather than a decoding failure.
+fn hello_version(payload: &[u8]) -> Option<Error> {
+    let ((variant, version), _) = postcard::take_from_bytes::<(u32, u32)>(payload).ok()?;
+    (variant == 0 && version != VERSION).then(|| other_version("?".into(), version))
+}
+
+/// The refusal of a peer speaking protocol `version`, not ours.
+fn other_version(peer: String, version: u32) -> Error {
+    Error::Peer {
+        peer,
+        op: "hello",
+        detail: format!("protocol version {version} (ours is {VERSION})"),
+    }
+}
+
+impl PeerLink {
+    /// Connect to the engine listening at `path`, introducing ourselves as `name`. `backend` is
+    /// the backend of this engine's layouts: imports are mapped through it. A broker engine
+    /// passes its own backend (`BrokerClient::local_backend`), not a model's: the broker lends
+    /// a model's chunks, it does not import other processes' (refused). Only an engine of our
+    /// user is linked with ([`LinkOptions`] allows others).
+    pub fn connect(
+        path: impl AsRef<Path>,
+        name: &str,
+        backend: Arc<dyn Backend>,
+    ) -> Result<PeerLink> {
+        LinkOptions::new().connect(path, name, backend)
+    }
+
+    /// [`PeerLink::accept`], giving up after `timeout` with an error if no engine connected
+    /// (a peer process that died before connecting leaves no one waiting forever); a timeout
+    /// too long to add to now waits without one. Another thread accepting on the same
+    /// listener may take the engine first: then this waits in `accept` (blocking listener)
+    /// or fails with `EAGAIN` (non-blocking).
+    pub fn accept_within(
+        listener: &UnixListener,
+        name: &str,
+        backend: Arc<dyn Backend>,
+        timeout: Duration,
+    ) -> Result<PeerLink> {
+        LinkOptions::new().accept_within(listener, name, backend, timeout)
+    }
+
+    /// Accept one engine on `listener`; one of another user is refused ([`LinkOptions`]).
+    pub fn accept(
+        listener: &UnixListener,
+        name: &str,
+        backend: Arc<dyn Backend>,
+    ) -> Result<PeerLink> {
+        LinkOptions::new().accept(listener, name, backend)
+    }
+
+    /// A link over a connected stream (either end of a `UnixStream::pair` works too); a peer
+    /// of another user is refused ([`LinkOptions`]).
     pub fn over(stream: UnixStream, name: &str, backend: Arc<dyn Backend>) -> Result<PeerLink> {
+        LinkOptions::new().over(stream, name, backend)
+    }
+
+    /// The hello over `stream`, whose peer (`credentials`) may link, then the link.
+    fn open(
+        stream: UnixStream,
+        credentials: PeerCredentials,
+        name: &str,
+        backend: Arc<dyn Backend>,
+    ) -> Result<PeerLink> {
         if let Some(lender) = backend.chunk_lender() {
             return Err(Error::InvalidArgument(format!(
                 "a p2p link maps imports through the engine's own backend; this one's chunks are lent by {lender} and it imports none (a broker engine passes BrokerClient::local_backend)"
@@ -780,7 +894,6 @@ impl PeerLink {
         // A grant in flight holds a descriptor per chunk (thousands): the soft limit (often
         // 1024) would truncate them.
         ipc::raise_fd_limit();
-        let credentials = ipc::peer_credentials(&stream)?;
         let info = backend.info();
         let local = Endpoint::local(info);
         let hello = Hello {

@@ -39,6 +39,13 @@
 //! ends asks the peer to forget everything, and a peer that exits lets go with its process.
 //! Hand-offs are never kept. See `cache.rs`.
 //!
+//! # Who may link
+//! A process of our own (effective) user, as the kernel reports it (`SO_PEERCRED`), checked by
+//! both ends before any hello; other users only where [`LinkOptions::allow_uid`] allows them.
+//! [`listen`] creates its socket with mode 0600 from the start. The books below isolate
+//! cooperating engines; they cannot protect memory from a peer that keeps a mapping after it
+//! said it let go (README, "Security model").
+//!
 //! # Safety and books
 //! - The sender's granted blocks are pinned ([`crate::BlockBacking::pin`]) from before any
 //!   export until the receiver says it let go ([`GrantStatus::Released`]), refused the grant,
@@ -94,7 +101,7 @@ mod wire;
 pub use copy::{Completion, CopyReport, CopyStream};
 pub use export::Grant;
 pub use import::ImportedGrant;
-pub use link::{listen, GrantStatus, LinkStats, PeerInfo, PeerLink, Peers};
+pub use link::{listen, GrantStatus, LinkOptions, LinkStats, PeerInfo, PeerLink, Peers};
 pub use path::{boot_id, choose_path, Endpoint, PathChoice, TransferPath};
 pub use plan::{CopyEngine, EngineChoice};
 pub use wire::{GrantMode, MAX_GRANT_BLOCKS, MAX_GRANT_CHUNKS};

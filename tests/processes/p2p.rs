@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use elastic_vmm::backend::delay::DelayInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use elastic_vmm::layout::LayoutKind;
-use elastic_vmm::p2p::{self, CopyStream, GrantStatus, PeerLink};
+use elastic_vmm::p2p::{self, CopyStream, GrantStatus, LinkOptions, PeerLink};
 use elastic_vmm::{AccessMode, Backend, DriverCall, Error};
 
 #[path = "../common_p2p/mod.rs"]
@@ -41,6 +41,10 @@ pub const TESTS: &[(&str, fn())] = &[
         "p2p::kept_imports_between_processes",
         kept_imports_between_processes,
     ),
+    (
+        "p2p::peers_of_another_user_are_refused_unless_allowed",
+        peers_of_another_user_are_refused_unless_allowed,
+    ),
 ];
 
 pub fn role(name: &str) -> Option<fn()> {
@@ -51,6 +55,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "p2p-grant-and-hang" => Some(grant_and_hang_role),
         "p2p-adopt" => Some(adopt_role),
         "p2p-decode-kept" => Some(decode_kept_role),
+        "p2p-user" => Some(user_role),
         _ => None,
     }
 }
@@ -520,4 +525,141 @@ fn decode_kept_role() {
     loop {
         std::thread::sleep(Duration::from_secs(1));
     }
+}
+
+/// The user a child drops to (`nobody`).
+const OTHER_UID: u32 = 65534;
+
+/// Spawn this binary as `role` running as `uid` (its group the same number; a root parent that
+/// sets a uid drops the supplementary groups too), its stdout piped.
+fn spawn_as(role: &str, uid: Option<u32>, vars: &[(&str, String)]) -> common::KillOnDrop {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.env(common::ROLE_VAR, role)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped());
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    if let Some(uid) = uid {
+        cmd.gid(uid).uid(uid);
+    }
+    common::KillOnDrop(cmd.spawn().expect("spawn child process"))
+}
+
+/// The child's word on how its link went: its first line saying `linked`, `refused` or
+/// `failed`.
+fn outcome(child: &mut common::KillOnDrop) -> String {
+    use std::io::BufRead;
+    let out = child.0.stdout.as_mut().expect("piped stdout");
+    let mut lines = std::io::BufReader::new(out).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("the child said nothing")
+            .expect("read the child's stdout");
+        if ["linked", "refused", "failed"]
+            .iter()
+            .any(|w| line.starts_with(w))
+        {
+            return line;
+        }
+    }
+}
+
+/// Who may link: a process of another user is refused, on accept and on connect, with both
+/// uids named, before any hello; one of our user links; another user allowed on both ends
+/// links and moves blocks byte-exact. The socket is opened to everyone here (as one in a
+/// shared folder would be), so the user check alone keeps others out.
+fn peers_of_another_user_are_refused_unless_allowed() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: dropping a child to another uid needs root");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = common::temp_dir("p2p-user");
+    let sock = dir.join("s");
+    let listener = p2p::listen(&sock).unwrap();
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let at = ("EVMM_SOCKET", sock.display().to_string());
+    let allow_root = ("EVMM_ALLOW_UID", "0".to_owned());
+    let backend = exportable();
+
+    // Another user, not allowed here: refused on accept.
+    let mut child = spawn_as(
+        "p2p-user",
+        Some(OTHER_UID),
+        &[at.clone(), allow_root.clone()],
+    );
+    let e = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT).unwrap_err();
+    match &e {
+        Error::PeerUserRefused { uid, ours, pid, .. } => {
+            assert_eq!((*uid, *ours), (OTHER_UID, 0), "{e}");
+            assert_eq!(*pid as u32, child.0.id());
+        }
+        other => panic!("a peer of uid {OTHER_UID} was not refused: {other:?}"),
+    }
+    let msg = e.to_string();
+    assert!(msg.contains("uid 65534") && msg.contains("uid 0"), "{msg}");
+    let said = outcome(&mut child);
+    assert!(said.starts_with("failed"), "{said}");
+    assert!(child.0.wait().unwrap().success());
+
+    // Allowed here, but the child does not allow us: refused on connect, by the child.
+    let mut child = spawn_as("p2p-user", Some(OTHER_UID), &[at.clone()]);
+    let opts = LinkOptions::new().allow_uid(OTHER_UID);
+    assert!(opts
+        .accept_within(&listener, "prefill", backend.clone(), WAIT)
+        .is_err());
+    let said = outcome(&mut child);
+    assert!(
+        said.starts_with("refused") && said.contains("runs as uid 0, this process as uid 65534"),
+        "{said}"
+    );
+    assert!(child.0.wait().unwrap().success());
+
+    // Allowed on both ends: linked, and blocks move byte-exact.
+    let mut child = spawn_as("p2p-user", Some(OTHER_UID), &[at.clone(), allow_root]);
+    let link = opts
+        .accept_within(&listener, "prefill", backend.clone(), WAIT)
+        .unwrap();
+    assert_eq!(link.peer().credentials.uid, OTHER_UID);
+    assert_eq!(outcome(&mut child), "linked");
+    scenario::prefill(&link, backend.clone(), INNER);
+    drop(link);
+    assert!(
+        child.0.wait().unwrap().success(),
+        "the other user's decode failed"
+    );
+
+    // Our own user, with no option: linked.
+    let mut child = spawn_as("p2p-user", None, &[at]);
+    let link = PeerLink::accept_within(&listener, "prefill", backend.clone(), WAIT).unwrap();
+    assert_eq!(outcome(&mut child), "linked");
+    scenario::prefill(&link, backend.clone(), INNER);
+    drop(link);
+    assert!(child.0.wait().unwrap().success(), "decode failed");
+    assert_eq!(backend.physical_bytes().unwrap(), 0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Connect to `EVMM_SOCKET` allowing `EVMM_ALLOW_UID` if set, say how it went, and decode.
+fn user_role() {
+    let mut opts = LinkOptions::new();
+    if let Ok(uid) = std::env::var("EVMM_ALLOW_UID") {
+        opts = opts.allow_uid(uid.parse().unwrap());
+    }
+    let link = match opts.connect(common::var("EVMM_SOCKET"), "decode", exportable()) {
+        Ok(link) => link,
+        Err(e @ Error::PeerUserRefused { .. }) => return println!("refused: {e}"),
+        Err(e) => return println!("failed: {e}"),
+    };
+    println!("linked");
+    scenario::decode(
+        &link,
+        exportable(),
+        INNER,
+        CopyStream::LEGACY,
+        elastic_vmm::p2p::EngineChoice::Auto,
+    );
 }
