@@ -14,6 +14,9 @@
 //! allocations; a pool that goes away releases such chunks anyway, and forgets them here
 //! first, so the next export of a handle reused by the driver carries a descriptor again.
 //!
+//! Pools ask through the keeper trait they define ([`crate::pool::keeper`]), which this registry
+//! implements and registers when it records its first chunk: the pool imports nothing of p2p.
+//!
 //! Hand-offs never use the cache: the receiver takes the chunks over, so it imports them fresh.
 //!
 //! Lock order: the registry's mutex is a leaf, taken under a pool's state lock (so a chunk is
@@ -28,6 +31,7 @@ use parking_lot::Mutex;
 
 use super::link::LinkShared;
 use crate::backend::{Backend, PhysicalChunk};
+use crate::pool::keeper::{self, ChunkKeeper, HeldBack, Later};
 use crate::pool::Inner as PoolInner;
 
 /// What names a backend in the registry while it lives (pools that hand chunks to each other
@@ -55,7 +59,7 @@ static REGISTRY: LazyLock<Mutex<HashMap<(usize, u64), Entry>>> = LazyLock::new(D
 static ENTRIES: AtomicUsize = AtomicUsize::new(0);
 
 /// Keys to send in a `Forget` to one link.
-pub(crate) type Notices = Vec<(Arc<LinkShared>, Vec<u64>)>;
+type Notices = Vec<(Arc<LinkShared>, Vec<u64>)>;
 
 fn add_notice(notices: &mut Notices, link: Arc<LinkShared>, key: u64) {
     match notices.iter_mut().find(|(l, _)| Arc::ptr_eq(l, &link)) {
@@ -65,7 +69,7 @@ fn add_notice(notices: &mut Notices, link: Arc<LinkShared>, key: u64) {
 }
 
 /// Whether any chunk of this process is kept by a peer (a pool releasing chunks checks first).
-pub(crate) fn any() -> bool {
+fn any() -> bool {
     ENTRIES.load(Ordering::Acquire) > 0
 }
 
@@ -92,6 +96,8 @@ pub(crate) fn keys_of(
 
 /// Record that `link`'s peer keeps `raw` of `backend` imported under `key`.
 pub(crate) fn record(backend: usize, raw: u64, link: &Arc<LinkShared>, key: u64) {
+    // Pools ask the registry about the chunks they release from now on.
+    keeper::register(&KEEPER);
     let mut reg = REGISTRY.lock();
     let e = reg.entry((backend, raw)).or_insert_with(|| {
         ENTRIES.fetch_add(1, Ordering::AcqRel);
@@ -110,7 +116,7 @@ pub(crate) fn record(backend: usize, raw: u64, link: &Arc<LinkShared>, key: u64)
 /// `pool` and returned first (the pool keeps them apart, still charged), the rest second (to
 /// release), and the keys to ask each peer to forget. Entries of links that are gone are
 /// dropped. Called under the pool's state lock.
-pub(crate) fn hold_back(
+fn hold_back(
     backend: usize,
     chunks: Vec<PhysicalChunk>,
     pool: &Weak<PoolInner>,
@@ -149,7 +155,7 @@ pub(crate) fn hold_back(
 
 /// A pool going away releases `chunks` whatever peers keep: forget them here (so a handle the
 /// driver reuses is exported with a descriptor again) and return the keys to tell the peers.
-pub(crate) fn purge(backend: usize, chunks: &[PhysicalChunk]) -> Notices {
+fn purge(backend: usize, chunks: &[PhysicalChunk]) -> Notices {
     let mut notices: Notices = Vec::new();
     let mut reg = REGISTRY.lock();
     for c in chunks {
@@ -188,10 +194,45 @@ pub(crate) fn forgotten(
     e.held_back
 }
 
-/// Send each link its `Forget`, marking the keys as being forgotten in its books.
-pub(crate) fn notify(notices: Notices) {
-    for (link, keys) in notices {
-        link.forget_out(keys);
+/// Send each link its `Forget` (once the pool's lock is released), marking the keys as being
+/// forgotten in its books.
+fn notify_later(notices: Notices) -> Option<Later> {
+    if notices.is_empty() {
+        return None;
+    }
+    Some(Box::new(move || {
+        for (link, keys) in notices {
+            link.forget_out(keys);
+        }
+    }))
+}
+
+/// The registry as the pools' keeper of released chunks.
+struct Registry;
+
+static KEEPER: Registry = Registry;
+
+impl ChunkKeeper for Registry {
+    fn keeps_any(&self) -> bool {
+        any()
+    }
+
+    fn hold_back(
+        &self,
+        backend: &Arc<dyn Backend>,
+        chunks: Vec<PhysicalChunk>,
+        pool: &Weak<PoolInner>,
+    ) -> HeldBack {
+        let (held, free, notices) = hold_back(backend_key(backend), chunks, pool);
+        HeldBack {
+            held,
+            free,
+            later: notify_later(notices),
+        }
+    }
+
+    fn purge(&self, backend: &Arc<dyn Backend>, chunks: &[PhysicalChunk]) -> Option<Later> {
+        notify_later(purge(backend_key(backend), chunks))
     }
 }
 

@@ -263,12 +263,13 @@ impl Drop for Inner {
         let still_mapped = bytes_of(out.kept.iter().map(|(_, c)| c));
         let release: Vec<PhysicalChunk> =
             out.gone.into_iter().map(|(_, c)| c).chain(cached).collect();
-        if crate::p2p::cache::any() {
+        if let Some(keeper) = super::keeper::active() {
             // Released whatever peers keep imported (nothing is left to charge them to): they
-            // are told to forget them, and the handles are forgotten here first, so one the
+            // are told to forget them, and the keeper forgets the handles first, so one the
             // driver reuses is exported with a descriptor again.
-            let backend = crate::p2p::cache::backend_key(&self.backend);
-            crate::p2p::cache::notify(crate::p2p::cache::purge(backend, &release));
+            if let Some(later) = keeper.purge(&self.backend, &release) {
+                later();
+            }
         }
         let (_, err) = self.release_chunks(release);
         // What could not be unmapped or released stays charged to whoever admitted it (the

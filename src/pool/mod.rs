@@ -37,6 +37,7 @@ mod config;
 mod export;
 mod giveback;
 mod intervals;
+pub(crate) mod keeper;
 mod mapper;
 mod ranges;
 mod region;

@@ -16,6 +16,7 @@
 use std::sync::atomic::Ordering;
 
 use super::admission::{Acquired, Fit, Urgency};
+use super::keeper::HeldBack;
 use super::mapper::bytes_of;
 use super::Inner;
 use crate::backend::{Need, PhysicalChunk};
@@ -239,21 +240,21 @@ impl Inner {
     }
 
     /// Of in-flight chunks about to be released, keep apart (still charged, out of flight)
-    /// those a p2p peer keeps imported, and ask the peers to forget them; the rest to release.
+    /// those the keeper holds back (a p2p peer keeps them imported; see `keeper.rs`); the rest
+    /// to release.
     fn hold_back_for_peers(
         &self,
         chunks: Vec<PhysicalChunk>,
         keep: KeepFailed,
     ) -> Vec<PhysicalChunk> {
-        if chunks.is_empty() || !crate::p2p::cache::any() {
+        let Some(keeper) = super::keeper::active().filter(|_| !chunks.is_empty()) else {
             return chunks;
-        }
-        let backend = crate::p2p::cache::backend_key(&self.backend);
-        let (free, notices) = {
+        };
+        let (free, later) = {
             let mut st = self.state.lock();
-            // Marked held back and put apart in one step: a peer's answer that races this finds
-            // the chunk in `peer_held` (it takes this lock after the registry's).
-            let (held, free, notices) = crate::p2p::cache::hold_back(backend, chunks, &self.me);
+            // Marked held back and put apart in one step: an answer that releases it and races
+            // this finds the chunk in `peer_held` (it takes this lock after the keeper's).
+            let HeldBack { held, free, later } = keeper.hold_back(&self.backend, chunks, &self.me);
             if !held.is_empty() {
                 tracing::debug!(pool = %self.name, chunks = held.len(), bytes = bytes_of(&held), "released chunks held back until peers forget their imports");
                 self.in_flight.fetch_sub(bytes_of(&held), Ordering::AcqRel);
@@ -263,9 +264,11 @@ impl Inner {
                 }
                 st.peer_held.extend(held);
             }
-            (free, notices)
+            (free, later)
         };
-        crate::p2p::cache::notify(notices);
+        if let Some(later) = later {
+            later();
+        }
         free
     }
 
