@@ -606,7 +606,7 @@ fn peers_of_another_user_are_refused_unless_allowed() {
     assert!(child.0.wait().unwrap().success());
 
     // Allowed here, but the child does not allow us: refused on connect, by the child.
-    let mut child = spawn_as("p2p-user", Some(OTHER_UID), &[at.clone()]);
+    let mut child = spawn_as("p2p-user", Some(OTHER_UID), std::slice::from_ref(&at));
     let opts = LinkOptions::new().allow_uid(OTHER_UID);
     assert!(opts
         .accept_within(&listener, "prefill", backend.clone(), WAIT)
