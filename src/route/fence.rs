@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use cudarc::driver::sys::{CUcontext, CUevent, CUresult, CUstream};
 use parking_lot::{Mutex, RwLock};
 
-use super::driver::{
+use crate::backend::driver::{
     driver, stream_capturing, Driver, EVENT_DISABLE_TIMING, STREAM_LEGACY, STREAM_PER_THREAD,
 };
 

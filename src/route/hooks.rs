@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use cudarc::driver::sys::{CUdeviceptr, CUgraph, CUresult, CUstream, CUstreamCaptureMode};
 
-use super::driver::{self, driver};
 use super::fence::{capture_active, capture_begins, capture_ends, StreamKey};
 use super::stack::current_route;
 use super::stats::Refusal;
 use super::table::{self, Block, Origin};
 use super::target::{self, Wait};
+use crate::backend::driver::{self, driver};
 use crate::error::Error;
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);

@@ -72,7 +72,6 @@
 //! counts. Prefer routing where the binary can invoke the macro; `ElasticKv` remains the way to
 //! an elastic KV tensor whose blocks are backed on demand.
 
-pub(crate) mod driver;
 mod fence;
 #[doc(hidden)]
 pub mod hooks;

@@ -9,9 +9,8 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::driver;
 use super::target::{Place, TagCounters, Target, Wait};
-use crate::backend::MemoryKind;
+use crate::backend::{driver, MemoryKind};
 use crate::{Pool, Tag};
 
 /// Bytes of freed blocks a model keeps for same-stream reuse before fencing them back to its
