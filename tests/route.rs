@@ -574,7 +574,38 @@ fn synchronous_allocations_never_take_stream_cached_blocks() {
     assert_ne!(q, p);
     // SAFETY: a routed block.
     assert_eq!(unsafe { cuMemFree_v2(q) }, CUresult::CUDA_SUCCESS);
-    // A synchronous free is a free on the legacy stream: an async allocation there reuses it.
-    assert_eq!(alloc(8192, 0x1).unwrap(), q);
     route::flush(&pool);
+}
+
+/// `cuMemFree` waits for the whole device, so a block freed with it may be in use on any
+/// stream until then, a non-blocking one included (which the legacy stream does not wait
+/// for): it is not kept for reuse on one stream, it goes back to the pool once every stream of
+/// its context is done (at once on the host, where nothing is queued).
+#[test]
+fn a_synchronous_free_is_not_kept_for_stream_reuse() {
+    let _s = SERIAL.lock();
+    let pool = host_pool("sync-free");
+    let _r = route::route(&pool, Tag::Scratch).unwrap();
+    let mut p: CUdeviceptr = 0;
+    // SAFETY: valid out-pointer.
+    assert_eq!(
+        unsafe { cuMemAlloc_v2(&mut p, 8192) },
+        CUresult::CUDA_SUCCESS
+    );
+    touch(p, 8192, 3);
+    // SAFETY: a routed block.
+    assert_eq!(unsafe { cuMemFree_v2(p) }, CUresult::CUDA_SUCCESS);
+    let st = route::stats(&pool).unwrap();
+    assert_eq!(
+        (st.cached_bytes, st.fenced_bytes),
+        (0, 0),
+        "a synchronous free was kept for reuse on the legacy stream: {st:?}"
+    );
+    assert_eq!(pool.stats().in_use, 0);
+    // Its memory is the pool's again: a later allocation on any stream may get it.
+    let q = alloc(8192, S2).unwrap();
+    touch(q, 8192, 4);
+    assert_eq!(free(q, S2), CUresult::CUDA_SUCCESS);
+    route::flush(&pool);
+    pool.audit().unwrap();
 }

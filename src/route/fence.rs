@@ -61,7 +61,7 @@ pub(crate) fn thread_number() -> u64 {
 /// thread, so it is keyed by the thread too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum StreamKey {
-    /// The legacy default stream (handle 0 or `CU_STREAM_LEGACY`); also synchronous frees.
+    /// The legacy default stream (handle 0 or `CU_STREAM_LEGACY`).
     Legacy,
     /// The per-thread default stream of a thread.
     PerThread(u64),

@@ -44,6 +44,9 @@
 //! changes flush them first (waiting for their fences, so under memory pressure an allocation
 //! of one model may wait for another model's queued kernels up to its frees).
 //!
+//! A synchronous free (`cuMemFree_v2`) waits as the driver's does, for the whole device (a
+//! non-blocking stream is not ordered after the legacy one); then the block is the pool's.
+//!
 //! # CUDA graphs
 //! Routing counts stream captures. An allocation on a stream being captured comes from the
 //! route's pool like any other, but never from memory freed before (stream-order reuse does not

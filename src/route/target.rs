@@ -19,7 +19,9 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
-use super::fence::{capture_active, Fence, FenceState, StreamKey, STREAM_LIFE};
+use super::fence::{
+    capture_active, synchronize_context, Fence, FenceState, StreamKey, STREAM_LIFE,
+};
 use super::stats::{Refusal, RouteStats, TagStats};
 use crate::pool::{Allocation, FrontCache, FrontGate};
 use crate::{Pool, Tag};
@@ -381,6 +383,33 @@ impl Target {
         self.reap(wait);
     }
 
+    /// A block freed with `cuMemFree_v2`. The driver's synchronous free waits for the device,
+    /// so the block may be in use on any stream of its context until then, a non-blocking one
+    /// included (which no fence on the legacy stream waits for): wait as the driver does
+    /// (`cuCtxSynchronize` in the context of this target's allocations), then the block is the
+    /// pool's again, for any stream. During a capture no synchronize may be made: it waits
+    /// among the orphans for a later one.
+    pub(crate) fn free_synchronously(&self, block: Allocation, freed_in: Option<usize>) {
+        let ctx = match self.place {
+            Place::Host => return drop(block), // nothing is queued on a GPU
+            Place::Cuda(_) => Some(self.ctx.load(Ordering::Relaxed))
+                .filter(|&c| c != 0)
+                .or(freed_in),
+        };
+        if ctx.is_some() && !capture_active() && synchronize_context(ctx) {
+            drop(block);
+            return;
+        }
+        // No context known (never for a block routing allocated on a device), a capture in
+        // progress, or the synchronize failed: kept until a synchronize of the context passes.
+        orphan(Orphan {
+            key: None,
+            ctx,
+            fence: None,
+            blocks: vec![block],
+        });
+    }
+
     /// Fence the blocks freed on a stream about to be destroyed (its handle is valid only
     /// until then). The caller holds `STREAM_LIFE` exclusively. Where no event can be
     /// recorded, the stream is synchronized; during a capture even that is impossible, and the
@@ -566,7 +595,7 @@ fn reap_orphans() {
         }
         let passed = match (&o.fence, o.ctx) {
             (Some(f), _) => f.poll() == FenceState::Passed,
-            (None, Some(ctx)) => !capture_active() && super::fence::synchronize_context(Some(ctx)),
+            (None, Some(ctx)) => !capture_active() && synchronize_context(Some(ctx)),
             // No fence and no known context: nothing proves the GPU is done; kept (leaked, not
             // handed back early).
             (None, None) => false,
