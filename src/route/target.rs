@@ -522,9 +522,9 @@ impl FrontCache for Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
-        // Normally empty: a closed pool's target caches nothing and stays pending until its fences
-        // passed. Whatever is left goes to the orphans, fenced where possible now, never handed
-        // back early and never waited for here.
+        // Normally empty: a closed pool's target caches nothing and stays pending until its
+        // fences passed. Whatever is left goes to the orphans, fenced where possible now, never
+        // handed back early and never waited for here.
         let streams = std::mem::take(&mut self.cache.get_mut().streams);
         let fenced = std::mem::take(self.fenced.get_mut());
         for f in fenced {

@@ -15,10 +15,11 @@
 //! - While asleep (or falling asleep, or waking) allocations, maps, unmaps, region copies and
 //!   allocation copies are refused with [`crate::Error::Asleep`]; block pins of backings on the
 //!   pool are refused too, and front caches (`front.rs`: routing's freed blocks) serve and keep
-//!   nothing, their blocks given back as the sleep begins. Addresses stay reserved, so live allocations, views and tensors stay
-//!   valid as values; a kernel that touches a sleeping pool's memory is the caller's bug (on
-//!   CUDA it faults). The caller also makes sure no kernel still uses the memory when it calls
-//!   `sleep` (synchronize the streams that use it): sleep copies on its own stream.
+//!   nothing, their blocks given back as the sleep begins. Addresses stay reserved, so live
+//!   allocations, views and tensors stay valid as values; a kernel that touches a sleeping
+//!   pool's memory is the caller's bug (on CUDA it faults). The caller also makes sure no kernel
+//!   still uses the memory when it calls `sleep` (synchronize the streams that use it): sleep
+//!   copies on its own stream.
 //!
 //! Staging: one buffer per pool, allocated on the first sleep that needs it (or ahead with
 //! [`Pool::reserve_host_staging`]: pinning costs about 0.6 s per GiB on CUDA and belongs off
