@@ -3,12 +3,18 @@
 //! driver behind foreign pointers, events, graph capture, candle) is in the GPU target.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
+use std::time::Duration;
 
 use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream};
+use elastic_vmm::backend::delay::{Delay, DelayInjector};
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::route::{self, DefaultRoute};
-use elastic_vmm::{Backend, ModelConfig, Pool, SharedPool, SharedPoolConfig, Tag};
+use elastic_vmm::{
+    AfterWake, Backend, DriverCall, ModelConfig, Pool, SharedPool, SharedPoolConfig, SleepPolicy,
+    SleepStatus, Tag,
+};
 use parking_lot::Mutex;
 
 elastic_vmm::route_cuda_allocations!();
@@ -429,6 +435,127 @@ fn another_model_gets_what_a_model_freed_through_routing() {
     assert_eq!(st.global.in_use, 0);
 }
 
+/// Issue 22, defect 1: a pool that sleeps serves no routed allocation. Blocks freed before the
+/// sleep go back to the pool (they are idle, not slept); blocks freed while it sleeps are not
+/// kept for reuse (their memory is released); an allocation is refused until the pool wakes.
+#[test]
+fn a_sleeping_pool_serves_no_routed_allocation() {
+    let _s = SERIAL.lock();
+    let pool = host_pool("sleepy");
+    let _r = route::route(&pool, Tag::Kv).unwrap();
+    let early = alloc(4096, S1).unwrap();
+    let p = alloc(4096, S1).unwrap();
+    touch(p, 4096, 1);
+    assert_eq!(free(early, S1), CUresult::CUDA_SUCCESS);
+    pool.sleep(&SleepPolicy::discard_all()).unwrap();
+    assert_eq!(route::stats(&pool).unwrap().cached_bytes, 0);
+    // Freed while asleep: its memory is released, nothing may hand it out.
+    assert_eq!(free(p, S1), CUresult::CUDA_SUCCESS);
+    assert_eq!(
+        alloc(4096, S1),
+        Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        "a sleeping pool served a routed allocation (at {p:#x} before)"
+    );
+    let r = route::last_refusal().expect("refusal kept");
+    assert!(r.reason.contains("asleep"), "{r}");
+    let st = route::stats(&pool).unwrap();
+    assert_eq!((st.cached_bytes, st.fenced_bytes), (0, 0), "{st:?}");
+    assert_eq!(pool.stats().in_use, 0);
+    // Awake again: served (mapped memory), and stream reuse works as before.
+    pool.wake(AfterWake::KeepHostMemory).unwrap();
+    let q = alloc(4096, S1).unwrap();
+    touch(q, 4096, 2);
+    assert_eq!(free(q, S1), CUresult::CUDA_SUCCESS);
+    assert_eq!(alloc(4096, S1).unwrap(), q);
+    assert_eq!(free(q, S1), CUresult::CUDA_SUCCESS);
+    route::flush(&pool);
+    assert_eq!(pool.stats().in_use, 0);
+    pool.audit().unwrap();
+}
+
+/// Sleep and wake racing routed allocations and frees on several threads (unmaps slowed so
+/// that sleeps spend long falling asleep while frees land): no allocation that began and ended
+/// while the pool was not awake (with no wake in between) succeeds.
+#[test]
+fn sleep_racing_routed_allocations_serves_nothing_while_not_awake() {
+    let _s = SERIAL.lock();
+    let delay = Arc::new(DelayInjector::new(Arc::new(
+        HostBackend::new(2 << 20).unwrap(),
+    )));
+    delay.set(DriverCall::Unmap, Delay::new(Duration::from_millis(1)));
+    let pool = Pool::new(
+        delay.clone(),
+        elastic_vmm::PoolConfig::new(1 << 30).name("race"),
+    )
+    .unwrap();
+    const THREADS: usize = 4;
+    const ROUNDS: usize = 25;
+    let stop = Arc::new(AtomicBool::new(false));
+    let served_asleep = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(Barrier::new(THREADS + 1));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (pool, stop, served, barrier) = (
+                pool.clone(),
+                stop.clone(),
+                served_asleep.clone(),
+                barrier.clone(),
+            );
+            std::thread::spawn(move || {
+                let _r = route::route(&pool, Tag::Activations).unwrap();
+                let not_awake = |s: SleepStatus| s != SleepStatus::Awake;
+                let mut held: Vec<u64> = Vec::new();
+                let mut tries = 0u64;
+                barrier.wait();
+                let mut i = t;
+                while !stop.load(Ordering::Acquire) {
+                    i += 1;
+                    let before = pool.sleep_stats();
+                    let got = alloc(4096 << (i % 3), PER_THREAD);
+                    let after = pool.sleep_stats();
+                    tries += 1;
+                    if let Ok(p) = got {
+                        if not_awake(before.status)
+                            && not_awake(after.status)
+                            && before.wakes == after.wakes
+                        {
+                            served.fetch_add(1, Ordering::Relaxed);
+                        }
+                        held.push(p);
+                    }
+                    // Keep a few blocks live across sleeps; free the oldest.
+                    if held.len() > 3 || (got.is_err() && !held.is_empty()) {
+                        assert_eq!(free(held.remove(0), PER_THREAD), CUresult::CUDA_SUCCESS);
+                    }
+                }
+                for p in held {
+                    assert_eq!(free(p, PER_THREAD), CUresult::CUDA_SUCCESS);
+                }
+                tries
+            })
+        })
+        .collect();
+    barrier.wait();
+    for _ in 0..ROUNDS {
+        std::thread::sleep(Duration::from_millis(2));
+        pool.sleep(&SleepPolicy::discard_all()).unwrap();
+        std::thread::sleep(Duration::from_millis(3));
+        pool.wake(AfterWake::KeepHostMemory).unwrap();
+    }
+    stop.store(true, Ordering::Release);
+    for w in workers {
+        assert!(w.join().unwrap() > 0);
+    }
+    assert_eq!(
+        served_asleep.load(Ordering::Relaxed),
+        0,
+        "routed allocations were served while the pool was not awake"
+    );
+    route::flush(&pool);
+    assert_eq!(pool.stats().in_use, 0);
+    pool.audit().unwrap();
+}
+
 /// A synchronous allocation may be used on any stream at once: it never gets a block freed on
 /// a stream (which only that stream may reuse before a fence).
 #[test]
@@ -447,7 +574,38 @@ fn synchronous_allocations_never_take_stream_cached_blocks() {
     assert_ne!(q, p);
     // SAFETY: a routed block.
     assert_eq!(unsafe { cuMemFree_v2(q) }, CUresult::CUDA_SUCCESS);
-    // A synchronous free is a free on the legacy stream: an async allocation there reuses it.
-    assert_eq!(alloc(8192, 0x1).unwrap(), q);
     route::flush(&pool);
+}
+
+/// `cuMemFree` waits for the whole device, so a block freed with it may be in use on any
+/// stream until then, a non-blocking one included (which the legacy stream does not wait
+/// for): it is not kept for reuse on one stream, it goes back to the pool once every stream of
+/// its context is done (at once on the host, where nothing is queued).
+#[test]
+fn a_synchronous_free_is_not_kept_for_stream_reuse() {
+    let _s = SERIAL.lock();
+    let pool = host_pool("sync-free");
+    let _r = route::route(&pool, Tag::Scratch).unwrap();
+    let mut p: CUdeviceptr = 0;
+    // SAFETY: valid out-pointer.
+    assert_eq!(
+        unsafe { cuMemAlloc_v2(&mut p, 8192) },
+        CUresult::CUDA_SUCCESS
+    );
+    touch(p, 8192, 3);
+    // SAFETY: a routed block.
+    assert_eq!(unsafe { cuMemFree_v2(p) }, CUresult::CUDA_SUCCESS);
+    let st = route::stats(&pool).unwrap();
+    assert_eq!(
+        (st.cached_bytes, st.fenced_bytes),
+        (0, 0),
+        "a synchronous free was kept for reuse on the legacy stream: {st:?}"
+    );
+    assert_eq!(pool.stats().in_use, 0);
+    // Its memory is the pool's again: a later allocation on any stream may get it.
+    let q = alloc(8192, S2).unwrap();
+    touch(q, 8192, 4);
+    assert_eq!(free(q, S2), CUresult::CUDA_SUCCESS);
+    route::flush(&pool);
+    pool.audit().unwrap();
 }

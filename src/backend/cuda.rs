@@ -3,7 +3,8 @@
 //! `libcuda` is loaded at run time: on a machine without it, [`CudaBackend::new`] returns
 //! [`Error::BackendUnavailable`] before any driver symbol is touched, and the rest of the crate
 //! works. Every call binds the device's primary context to the calling thread first (a no-op when
-//! it is already current), so pools can be used from any thread.
+//! it is already current), so pools can be used from any thread, and makes the caller's context
+//! current again before it returns.
 
 use std::collections::HashSet;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -23,6 +24,27 @@ use super::{
 use crate::error::{Error, Result};
 
 const NAME: &str = "cuda";
+
+/// The backend's context is current on this thread while this lives (see
+/// [`CudaBackend::bind`]); not `Send` (a raw pointer): it belongs to the thread that bound.
+#[must_use = "the backend's context stays current only while the guard lives"]
+struct Bound {
+    /// What was current before, to make current again (null: nothing was); `None` when the
+    /// backend's context was current already.
+    prev: Option<sys::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev {
+            // SAFETY: `prev` was current on this thread when the guard was made (or null, which
+            // makes no context current); the caller's context is alive while it is current.
+            if let Err(e) = unsafe { result::ctx::set_current(prev) } {
+                tracing::warn!(error = ?e.0, "cuCtxSetCurrent restoring the caller's context failed");
+            }
+        }
+    }
+}
 
 /// CUDA VMM on one device. See the module documentation.
 #[derive(Debug)]
@@ -188,7 +210,7 @@ impl CudaBackend {
             imported: Mutex::new(HashSet::new()),
             gather: std::sync::OnceLock::new(),
         };
-        backend.bind()?;
+        let _bound = backend.bind()?;
         let query = |flag| -> Result<usize> {
             let mut g = 0usize;
             // SAFETY: `g` and the prop are valid for the call's duration.
@@ -229,7 +251,6 @@ impl CudaBackend {
         }
     }
 
-    /// Make the device's primary context current on this thread.
     /// Wait for the legacy stream, on which the synchronous copy and memset calls run.
     fn wait_legacy(&self, after: &'static str) -> Result<()> {
         // SAFETY: the null handle is the legacy stream of the current (our) context.
@@ -239,14 +260,20 @@ impl CudaBackend {
         ))
     }
 
-    fn bind(&self) -> Result<()> {
+    /// Make the device's primary context current on this thread until the guard returned is
+    /// dropped, which makes the caller's context (or none) current again: a caller's current
+    /// context is the same after our calls (routing's hooks included) as before them.
+    fn bind(&self) -> Result<Bound> {
         let current = result::ctx::get_current().map_err(driver_error("cuCtxGetCurrent", ""))?;
-        if current != Some(self.ctx) {
-            // SAFETY: `ctx` is the primary context we retained and still hold.
-            unsafe { result::ctx::set_current(self.ctx) }
-                .map_err(driver_error("cuCtxSetCurrent", ""))?;
+        if current == Some(self.ctx) {
+            return Ok(Bound { prev: None });
         }
-        Ok(())
+        // SAFETY: `ctx` is the primary context we retained and still hold.
+        unsafe { result::ctx::set_current(self.ctx) }
+            .map_err(driver_error("cuCtxSetCurrent", ""))?;
+        Ok(Bound {
+            prev: Some(current.unwrap_or(std::ptr::null_mut())),
+        })
     }
 
     /// Grant `mode` access over a range of our mapped chunks to our device and, with
@@ -261,7 +288,7 @@ impl CudaBackend {
         mode: super::AccessMode,
         owner: Option<i32>,
     ) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut ours = self.access_desc();
         if mode == super::AccessMode::ReadOnly {
             ours.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ;
@@ -317,7 +344,7 @@ impl CudaBackend {
     }
 
     fn load_gather(&self) -> std::result::Result<GatherKernel, String> {
-        self.bind().map_err(|e| e.to_string())?;
+        let _bound = self.bind().map_err(|e| e.to_string())?;
         let attr = |a: sys::CUdevice_attribute| {
             // SAFETY: `device` is a valid device handle.
             unsafe { result::device::get_attribute(self.device, a) }
@@ -439,7 +466,7 @@ impl Drop for CudaBackend {
         if let Some(Ok(mut k)) = self.gather.take() {
             // Every launch ran before the module goes: completions hold the backend, so only a
             // copy whose wait failed could still be queued.
-            if self.bind().is_ok() {
+            if let Ok(_bound) = self.bind() {
                 // SAFETY: our context is current; waiting has no other effect.
                 if let Err(e) = unsafe { sys::cuCtxSynchronize() }.result() {
                     tracing::warn!(error = ?e.0, "cuCtxSynchronize before unloading the gather kernel failed");
@@ -470,7 +497,7 @@ impl Backend for CudaBackend {
     }
 
     fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` is valid for writing; a fresh reservation touches no existing memory.
         unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) }
@@ -483,7 +510,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees this is one whole unused reservation of ours.
         unsafe { sys::cuMemAddressFree(base, size) }
             .result()
@@ -494,7 +521,7 @@ impl Backend for CudaBackend {
     }
 
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is valid for writing and the prop outlives the call.
         unsafe { sys::cuMemCreate(&mut handle, size, &self.prop.0, 0) }
@@ -511,7 +538,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees the handle is ours, live and unmapped.
         unsafe { sys::cuMemRelease(chunk.raw) }
             .result()
@@ -538,7 +565,7 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut fd: libc::c_int = -1;
         // SAFETY: `fd` is valid for writing an int, which is what the POSIX-fd handle type
         // writes; the caller's chunk is a live handle of ours (a wrong one is an error).
@@ -576,7 +603,7 @@ impl Backend for CudaBackend {
                 alignment: g as u64,
             });
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is valid for writing; for the POSIX-fd type the driver reads the
         // descriptor's value from the pointer argument itself and does not take ownership of
@@ -601,7 +628,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees the range is an unmapped part of our reservation.
         unsafe { sys::cuMemMap(addr, chunk.size, 0, chunk.raw, 0) }
             .result()
@@ -612,7 +639,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let desc = self.access_desc();
         // SAFETY: the caller guarantees the range is made of our mapped chunks.
         unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }
@@ -677,7 +704,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees the range is made of whole chunks nothing uses.
         unsafe { sys::cuMemUnmap(addr, size) }
             .result()
@@ -688,7 +715,7 @@ impl Backend for CudaBackend {
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let (free, total) = result::mem_get_info().map_err(driver_error("cuMemGetInfo", ""))?;
         Ok(MemoryInfo {
             free: free as u64,
@@ -701,7 +728,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees the destination is mapped with access.
         unsafe { result::memcpy_htod_sync(addr, data) }.map_err(driver_error(
             "cuMemcpyHtoD",
@@ -714,7 +741,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let len = out.len();
         // SAFETY: the caller guarantees the source is mapped with access.
         unsafe { result::memcpy_dtoh_sync(out, addr) }.map_err(driver_error(
@@ -724,7 +751,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees the range is mapped with access.
         unsafe { result::memset_d8_sync(addr, byte, len) }.map_err(driver_error(
             "cuMemsetD8",
@@ -741,7 +768,7 @@ impl Backend for CudaBackend {
         if bytes == 0 {
             return Ok(());
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees both ranges are mapped with access until the copy ran,
         // that nothing races it, and that `stream` is a stream handle of this context.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, raw_stream(stream)) }.map_err(
@@ -765,7 +792,7 @@ impl Backend for CudaBackend {
         if copies.len() < 2 || stream <= 1 || !batch_copies_available() {
             return one_by_one(&copies);
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         for part in copies.chunks(MAX_BATCH) {
             let mut dsts: Vec<sys::CUdeviceptr> = part.iter().map(|c| c.0).collect();
             let mut srcs: Vec<sys::CUdeviceptr> = part.iter().map(|c| c.1).collect();
@@ -814,7 +841,7 @@ impl Backend for CudaBackend {
         }
         let (bytes, at) = gather_size(pieces, shifts)?;
         let kernel = self.gather_kernel()?;
-        self.bind()?;
+        let _bound = self.bind()?;
         let s = raw_stream(stream);
         let (buf, slot) = match kernel.staging.take(bytes) {
             Some(mut slot) => {
@@ -899,7 +926,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self, stream: u64) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: a stream handle is an opaque driver value; an invalid one is an error.
         unsafe { sys::cuStreamSynchronize(raw_stream(stream)) }
             .result()
@@ -913,7 +940,7 @@ impl Backend for CudaBackend {
         if bytes == 0 {
             return Ok(());
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: as for `copy_async`, for the one range.
         unsafe { result::memset_d8_async(addr, byte, bytes, raw_stream(stream)) }.map_err(
             driver_error(
@@ -923,7 +950,7 @@ impl Backend for CudaBackend {
         )
     }
     fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: a fresh page-locked allocation touches no existing memory; its contents are
         // unspecified, which is what the contract says. Portable: usable from any context.
         let ptr = unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
@@ -935,7 +962,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees `ptr` came from `staging_alloc` and nothing uses it.
         unsafe { result::free_host(ptr.cast()) }.map_err(driver_error(
             "cuMemFreeHost",
@@ -944,14 +971,14 @@ impl Backend for CudaBackend {
     }
 
     fn copy_stream_create(&self) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(driver_error("cuStreamCreate", "non-blocking copy stream"))?;
         Ok(stream as usize as u64)
     }
 
     unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees the stream is ours and idle.
         unsafe { result::stream::destroy(raw_stream(stream)) }.map_err(driver_error(
             "cuStreamDestroy",
@@ -966,7 +993,7 @@ impl Backend for CudaBackend {
         bytes: usize,
         stream: u64,
     ) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: the caller guarantees both ranges stay valid until the copy ran and that
         // `dst` is page-locked staging memory (so the copy is truly asynchronous).
         unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, raw_stream(stream)) }
@@ -984,7 +1011,7 @@ impl Backend for CudaBackend {
         bytes: usize,
         stream: u64,
     ) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: as for `copy_to_host_async`, the other way.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, raw_stream(stream)) }
             .result()
@@ -995,7 +1022,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(driver_error("cuEventCreate", "copy marker"))?;
         // SAFETY: the event was just created; the caller guarantees the stream is ours.
@@ -1008,7 +1035,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let event: sys::CUevent = std::ptr::without_provenance_mut(marker as usize);
         // SAFETY: the caller guarantees the marker is a live event of ours, waited for once.
         let waited = unsafe { result::event::synchronize(event) };

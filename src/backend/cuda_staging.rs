@@ -11,7 +11,7 @@
 //! grant a p2p link carries fit one); a launch that finds none free (or needs more) takes the
 //! pool path. The memory is the backend's own, outside any pool's books (like the kernel's
 //! module), and goes when the backend does. Device memory is taken from the driver itself
-//! (`route::driver`), never through the allocation hooks routing may define, and slots are
+//! (`driver.rs`), never through the allocation hooks routing may define, and slots are
 //! created in relaxed capture mode, so a graph another thread captures is not invalidated.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 
 use cudarc::driver::sys;
 
-use crate::route::driver::driver;
+use super::driver::driver;
 
 /// Most slots a backend keeps: concurrent launches beyond this take the pool path.
 pub(super) const MAX_SLOTS: usize = 8;
@@ -64,7 +64,7 @@ impl Slot {
     /// The backend's context is current and no queued work reads the slot's memory.
     unsafe fn destroy(self) {
         // SAFETY: allocations of this slot, freed once; the caller vouches nothing uses them.
-        // The device memory came from the driver's own `cuMemAlloc` (`route::driver`), so it
+        // The device memory came from the driver's own `cuMemAlloc` (`driver.rs`), so it
         // goes back the same way.
         unsafe {
             if let Some(d) = driver() {

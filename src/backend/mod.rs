@@ -12,6 +12,7 @@ pub mod fault;
 pub mod host;
 
 mod cuda_staging;
+pub(crate) mod driver;
 
 use std::fmt;
 use std::os::fd::OwnedFd;

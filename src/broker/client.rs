@@ -493,12 +493,15 @@ fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {
         };
         let mut freed = 0u64;
         if let Some(pool) = &pool {
+            // Freed blocks front caches keep (routing's) are idle memory of the model too.
+            pool.flush_fronts();
             freed += pool
                 .trim(bytes, TrimScope::IdleAndCache)
                 .map_or(0, |r| r.released);
             if freed < bytes {
                 if let Some(cb) = &callback {
                     cb(bytes - freed);
+                    pool.flush_fronts();
                     freed += pool
                         .trim(bytes - freed, TrimScope::IdleAndCache)
                         .map_or(0, |r| r.released);

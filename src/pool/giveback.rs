@@ -200,6 +200,10 @@ impl Inner {
     /// The last pool handle is gone (no region is left either: each holds a handle): give back
     /// everything no allocation holds, report leaks.
     pub(super) fn close(&self) {
+        // Front caches keep nothing from now on and give back what they hold (idle now, given
+        // back by the trim below).
+        self.front_gate.close();
+        self.close_fronts();
         let (spans, live, live_bytes, names) = {
             let mut st = self.state.lock();
             st.closed = true;

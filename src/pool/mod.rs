@@ -35,6 +35,7 @@ mod allocator;
 mod cache;
 mod config;
 mod export;
+mod front;
 mod giveback;
 mod intervals;
 pub(crate) mod keeper;
@@ -62,6 +63,7 @@ pub use sleep::{
 
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
 pub(crate) use export::RangePin;
+pub(crate) use front::{FrontCache, FrontGate};
 pub(crate) use giveback::TrimScope;
 use mapper::bytes_of;
 pub(crate) use ranges::{ChunkFate, Space};
@@ -91,8 +93,6 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        // Blocks routing keeps for same-stream reuse go back behind fences first.
-        crate::route::pool_closed(Arc::as_ptr(&self.inner) as usize);
         self.inner.close();
     }
 }
@@ -112,6 +112,9 @@ pub(crate) struct Inner {
     name: Arc<str>,
     admission: Option<Arc<dyn Admission>>,
     state: Mutex<State>,
+    /// Whether front caches (`front.rs`) may keep and serve blocks: follows the sleep status
+    /// and closing.
+    front_gate: Arc<FrontGate>,
     /// Bytes of physical chunks held by operations in progress (see `sources.rs`).
     in_flight: AtomicU64,
     drivers: DriverCounters,
@@ -215,6 +218,7 @@ impl Pool {
             name: config.name.into(),
             admission,
             state: Mutex::new(state),
+            front_gate: Arc::new(FrontGate::new()),
             in_flight: AtomicU64::new(0),
             drivers,
             backend,
@@ -359,9 +363,9 @@ impl Pool {
 
     /// Give idle mapped memory and every cached chunk back to the driver.
     pub fn trim(&self) -> Result<TrimReport> {
-        // Freed blocks routing keeps for same-stream reuse are idle too (waits for the GPU to
-        // pass a fence on their streams).
-        crate::route::flush(self);
+        // Freed blocks front caches keep (routing's, for same-stream reuse) are idle too (waits
+        // for the GPU to pass a fence on their streams).
+        self.inner().flush_fronts();
         self.inner().trim(u64::MAX, TrimScope::IdleAndCache)
     }
 

@@ -140,6 +140,8 @@ pub(crate) struct State {
     pub(crate) range_tags: TagMap,
     /// Sleep and wake: the pool's phase, its sleeping chunks and host copies.
     pub(crate) sleep: SleepBook,
+    /// Holders of freed blocks in front of the pool (`front.rs`).
+    pub(crate) fronts: Vec<std::sync::Weak<dyn super::FrontCache>>,
     /// Address ranges set aside as [`crate::Region`]s: the allocator and [`crate::Pool::map`]
     /// never use them. Mapped parts are in `ranges`, unmapped parts in `held`.
     pub(crate) regions: Intervals,

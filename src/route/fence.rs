@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use cudarc::driver::sys::{CUcontext, CUevent, CUresult, CUstream};
 use parking_lot::{Mutex, RwLock};
 
-use super::driver::{
+use crate::backend::driver::{
     driver, stream_capturing, Driver, EVENT_DISABLE_TIMING, STREAM_LEGACY, STREAM_PER_THREAD,
 };
 
@@ -61,7 +61,7 @@ pub(crate) fn thread_number() -> u64 {
 /// thread, so it is keyed by the thread too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum StreamKey {
-    /// The legacy default stream (handle 0 or `CU_STREAM_LEGACY`); also synchronous frees.
+    /// The legacy default stream (handle 0 or `CU_STREAM_LEGACY`).
     Legacy,
     /// The per-thread default stream of a thread.
     PerThread(u64),

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub use cudarc::driver::sys::{CUdeviceptr, CUgraph, CUresult, CUstream, CUstreamCaptureMode};
 
-use super::driver::{self, driver};
 use super::fence::{capture_active, capture_begins, capture_ends, StreamKey};
 use super::stack::current_route;
 use super::stats::Refusal;
 use super::table::{self, Block, Origin};
 use super::target::{self, Wait};
+use crate::backend::driver::{self, driver};
 use crate::error::Error;
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);
@@ -209,13 +209,14 @@ fn routed_free(ptr: u64, stream: Option<CUstream>) -> bool {
         origin,
         ..
     } = block;
+    let ctx = || driver::current_context().map(|c| c as usize);
     if origin == Origin::Captured || capturing {
         // A graph may use this memory at every launch: never reused until released.
         target.park(memory);
+    } else if let Some(s) = stream {
+        target.put_cached(StreamKey::of(s), class, memory, ctx());
     } else {
-        let key = stream.map_or(StreamKey::Legacy, StreamKey::of);
-        let ctx = driver::current_context().map(|c| c as usize);
-        target.put_cached(key, class, memory, ctx);
+        target.free_synchronously(memory, ctx());
     }
     drop(target);
     target::reap_pending();
@@ -295,7 +296,8 @@ pub unsafe fn mem_free_async(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
     })
 }
 
-/// `cuMemFree_v2`: a routed block is freed as on the legacy stream.
+/// `cuMemFree_v2`: a routed block goes back to its pool once the device is done with it (the
+/// driver's free waits for the device too), never kept for one stream's reuse.
 ///
 /// # Safety
 /// As the driver's.

@@ -34,10 +34,18 @@
 //! per-thread stream is recorded on the legacy stream, which follows every blocking stream.
 //! Before a stream is destroyed, the blocks freed on it are fenced (or, where no event can be
 //! recorded, the stream is synchronized). When the cache passes its limit every stream's
-//! blocks are fenced, so blocks of exited threads and idle streams do not linger. The shared
-//! pool counts a model's freed blocks as idle memory: donation, reclaim and limit changes flush
-//! them first (waiting for their fences, so under memory pressure an allocation of one model
-//! may wait for another model's queued kernels up to its frees).
+//! blocks are fenced, so blocks of exited threads and idle streams do not linger.
+//!
+//! The freed blocks are the pool's *front cache* (the pool's `FrontCache` trait, which
+//! routing's per-pool target implements and registers with its pool), so the pool's state
+//! governs them: they are kept and served only while the pool is awake and open; a sleep and a
+//! close give them back first, and meanwhile a free goes back behind its fence. The pool, the
+//! shared pool and the broker count them as idle memory: trim, donation, reclaim and limit
+//! changes flush them first (waiting for their fences, so under memory pressure an allocation
+//! of one model may wait for another model's queued kernels up to its frees).
+//!
+//! A synchronous free (`cuMemFree_v2`) waits as the driver's does, for the whole device (a
+//! non-blocking stream is not ordered after the legacy one); then the block is the pool's.
 //!
 //! # CUDA graphs
 //! Routing counts stream captures. An allocation on a stream being captured comes from the
@@ -72,7 +80,6 @@
 //! counts. Prefer routing where the binary can invoke the macro; `ElasticKv` remains the way to
 //! an elastic KV tensor whose blocks are backed on demand.
 
-pub(crate) mod driver;
 mod fence;
 #[doc(hidden)]
 pub mod hooks;
@@ -86,8 +93,6 @@ use std::sync::atomic::Ordering;
 pub use stack::{RouteGuard, DEFAULT_STREAM_CACHE};
 pub use stats::{LiveBlock, Refusal, Report, RouteStats, TagStats};
 pub use target::Place;
-
-pub(crate) use stack::pool_closed;
 
 use crate::error::{Error, Result};
 use crate::{Pool, Tag};
@@ -177,17 +182,6 @@ pub fn last_refusal() -> Option<Refusal> {
 pub fn flush(pool: &Pool) {
     if let Some(t) = stack::existing_target(pool) {
         t.flush(Wait::Yes);
-    }
-}
-
-/// [`flush`], when `pool` keeps freed blocks (cheap otherwise): for the shared pool's donation
-/// and reclaim, which count them as the model's idle memory.
-/// `pool_id` is the pool's identity (`Pool::identity`).
-pub(crate) fn flush_if_cached(pool_id: usize) {
-    if let Some(t) = stack::target_by_identity(pool_id) {
-        if t.cached_bytes() > 0 || t.fenced_bytes() > 0 {
-            t.flush(Wait::Yes);
-        }
     }
 }
 

@@ -9,9 +9,8 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::driver;
-use super::target::{Place, TagCounters, Target, Wait};
-use crate::backend::MemoryKind;
+use super::target::{Place, TagCounters, Target};
+use crate::backend::{driver, MemoryKind};
 use crate::{Pool, Tag};
 
 /// Bytes of freed blocks a model keeps for same-stream reuse before fencing them back to its
@@ -41,7 +40,8 @@ static HAS_DEFAULT: AtomicBool = AtomicBool::new(false);
 /// Every pool routing has seen, by identity (removed when the pool closes).
 static TARGETS: Mutex<Option<HashMap<usize, Arc<Target>>>> = Mutex::new(None);
 
-/// The routing state of `pool`, made on first use.
+/// The routing state of `pool`, made (and registered with the pool as its front cache) on
+/// first use. Lock order: `TARGETS` -> the pool's state.
 pub(crate) fn target_of(pool: &Pool) -> Arc<Target> {
     let mut targets = TARGETS.lock();
     let map = targets.get_or_insert_with(HashMap::new);
@@ -52,29 +52,22 @@ pub(crate) fn target_of(pool: &Pool) -> Arc<Target> {
                 (MemoryKind::Device, Some(o)) => Place::Cuda(o),
                 _ => Place::Host,
             };
-            Target::new(pool.name().into(), place, DEFAULT_STREAM_CACHE)
+            Target::new(pool, place, DEFAULT_STREAM_CACHE)
         })
         .clone()
 }
 
 /// The routing state of `pool` if it has one.
 pub(crate) fn existing_target(pool: &Pool) -> Option<Arc<Target>> {
-    target_by_identity(pool.identity())
-}
-
-/// The routing state of the pool with this identity, if it has one.
-pub(crate) fn target_by_identity(id: usize) -> Option<Arc<Target>> {
+    let id = pool.identity();
     TARGETS.lock().as_ref().and_then(|m| m.get(&id).cloned())
 }
 
-/// The pool with identity `id` has closed (its last handle is gone): its freed blocks go back
-/// behind fences, and later frees of its live blocks are fenced one by one.
-pub(crate) fn pool_closed(id: usize) {
+/// The pool with identity `id` has closed (its last handle is gone): forget its target (a new
+/// pool may get the same identity once this one's memory is gone).
+pub(crate) fn forget(id: usize) {
     let t = TARGETS.lock().as_mut().and_then(|m| m.remove(&id));
-    if let Some(t) = t {
-        t.close();
-        t.flush(Wait::Yes);
-    }
+    drop(t); // outside the lock: the caller holds a reference, this is not the last
 }
 
 pub(crate) fn new_entry(pool: &Pool, tag: Tag) -> Entry {

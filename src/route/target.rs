@@ -1,10 +1,17 @@
 //! What routing keeps per pool (a model): counters per tag, blocks freed on each stream and
 //! waiting for reuse, blocks behind fences, memory held by CUDA graphs, the last refusal.
 //!
+//! A target is its pool's front cache ([`FrontCache`]): registered with the pool when made, it
+//! keeps and serves freed blocks only while the pool's gate is open (the pool awake and not
+//! closed), reading the gate under its `cache` lock; the pool flushes it on trim, sleep and
+//! close, and the shared pool and the broker through the pool before they measure or take a
+//! model's idle memory.
+//!
 //! Locks here guard bookkeeping only and are never held while an [`Allocation`] is dropped
 //! (the last one of a closed pool gives memory back to the driver) or a driver call is made.
-//! Lock order: `STREAM_LIFE` -> a target's `cache` / `fenced` -> `PENDING`; `ALL`, `ORPHANS`
-//! and a target's other locks (`tags`, `parked`, `refusal`) are each taken alone.
+//! Lock order: `STREAM_LIFE` -> a target's `cache` / `fenced` -> `PENDING`; `TARGETS` (in
+//! `stack.rs`) -> a pool's state (registering a new target); `ALL`, `ORPHANS` and a target's
+//! other locks (`tags`, `parked`, `refusal`) are each taken alone.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -12,10 +19,12 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
-use super::fence::{capture_active, Fence, FenceState, StreamKey, STREAM_LIFE};
+use super::fence::{
+    capture_active, synchronize_context, Fence, FenceState, StreamKey, STREAM_LIFE,
+};
 use super::stats::{Refusal, RouteStats, TagStats};
-use crate::pool::Allocation;
-use crate::Tag;
+use crate::pool::{Allocation, FrontCache, FrontGate};
+use crate::{Pool, Tag};
 
 /// Where memory lives, as routes and the calling thread see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -115,8 +124,6 @@ impl StreamFree {
 struct Cache {
     streams: HashMap<StreamKey, StreamFree>,
     bytes: u64,
-    /// The pool has closed: freed blocks are fenced at once instead of cached.
-    closed: bool,
 }
 
 /// Blocks behind one fence.
@@ -143,6 +150,10 @@ pub(crate) struct Target {
     me: Weak<Target>,
     pub(crate) name: Arc<str>,
     pub(crate) place: Place,
+    /// The pool's identity (its key in `stack.rs`'s `TARGETS`).
+    pool_id: usize,
+    /// Open while the pool is awake and not closed: only then are blocks kept and served.
+    gate: Arc<FrontGate>,
     /// Bytes of freed blocks kept per target for same-stream reuse before they are fenced.
     cache_limit: AtomicU64,
     /// The CUDA context of the first routed allocation (fences are recorded in it).
@@ -166,11 +177,14 @@ static PENDING_COUNT: AtomicUsize = AtomicUsize::new(0);
 static ALL: Mutex<Vec<Weak<Target>>> = Mutex::new(Vec::new());
 
 impl Target {
-    pub(crate) fn new(name: Arc<str>, place: Place, cache_limit: u64) -> Arc<Target> {
-        let t = Arc::new_cyclic(|me| Target {
+    /// The target of `pool`, registered with it as a front cache.
+    pub(crate) fn new(pool: &Pool, place: Place, cache_limit: u64) -> Arc<Target> {
+        let t = Arc::new_cyclic(|me: &Weak<Target>| Target {
             me: me.clone(),
-            name,
+            name: pool.name().into(),
             place,
+            pool_id: pool.identity(),
+            gate: pool.inner().add_front(me.clone()),
             cache_limit: AtomicU64::new(cache_limit),
             ctx: AtomicUsize::new(0),
             tags: Mutex::new(Vec::new()),
@@ -222,10 +236,10 @@ impl Target {
         }
     }
 
-    /// A block of `class` bytes freed on `key`, if one is cached.
+    /// A block of `class` bytes freed on `key`, if one is cached and the pool is awake.
     pub(crate) fn take_cached(&self, key: StreamKey, class: usize) -> Option<Allocation> {
         let mut cache = self.cache.lock();
-        if cache.bytes == 0 {
+        if cache.bytes == 0 || !self.gate.is_open() {
             return None;
         }
         let s = cache.streams.get_mut(&key)?;
@@ -236,8 +250,9 @@ impl Target {
     }
 
     /// Keep a block freed on `key` (in context `ctx`) for reuse on that stream. When the cache
-    /// grows past its limit (or the pool closed), every stream's blocks are fenced and go back
-    /// to the pool once the GPU passed: dead threads' and streams' blocks do not linger.
+    /// grows past its limit, or the pool is not awake or closed, every stream's blocks are
+    /// fenced and go back to the pool once the GPU passed: dead threads' and streams' blocks do
+    /// not linger, and a pool that is not awake gets its memory back.
     pub(crate) fn put_cached(
         &self,
         key: StreamKey,
@@ -255,7 +270,7 @@ impl Target {
                 s.ctx = ctx;
             }
             cache.bytes += bytes;
-            cache.closed || cache.bytes > self.cache_limit.load(Ordering::Relaxed)
+            !self.gate.is_open() || cache.bytes > self.cache_limit.load(Ordering::Relaxed)
         };
         if evict {
             self.fence_all();
@@ -368,6 +383,33 @@ impl Target {
         self.reap(wait);
     }
 
+    /// A block freed with `cuMemFree_v2`. The driver's synchronous free waits for the device,
+    /// so the block may be in use on any stream of its context until then, a non-blocking one
+    /// included (which no fence on the legacy stream waits for): wait as the driver does
+    /// (`cuCtxSynchronize` in the context of this target's allocations), then the block is the
+    /// pool's again, for any stream. During a capture no synchronize may be made: it waits
+    /// among the orphans for a later one.
+    pub(crate) fn free_synchronously(&self, block: Allocation, freed_in: Option<usize>) {
+        let ctx = match self.place {
+            Place::Host => return drop(block), // nothing is queued on a GPU
+            Place::Cuda(_) => Some(self.ctx.load(Ordering::Relaxed))
+                .filter(|&c| c != 0)
+                .or(freed_in),
+        };
+        if ctx.is_some() && !capture_active() && synchronize_context(ctx) {
+            drop(block);
+            return;
+        }
+        // No context known (never for a block routing allocated on a device), a capture in
+        // progress, or the synchronize failed: kept until a synchronize of the context passes.
+        orphan(Orphan {
+            key: None,
+            ctx,
+            fence: None,
+            blocks: vec![block],
+        });
+    }
+
     /// Fence the blocks freed on a stream about to be destroyed (its handle is valid only
     /// until then). The caller holds `STREAM_LIFE` exclusively. Where no event can be
     /// recorded, the stream is synchronized; during a capture even that is impossible, and the
@@ -408,11 +450,6 @@ impl Target {
 
     pub(crate) fn set_cache_limit(&self, bytes: u64) {
         self.cache_limit.store(bytes, Ordering::Relaxed);
-    }
-
-    /// The pool closed: nothing is cached from now on.
-    pub(crate) fn close(&self) {
-        self.cache.lock().closed = true;
     }
 
     pub(crate) fn fenced_bytes(&self) -> u64 {
@@ -468,11 +505,26 @@ impl Target {
     }
 }
 
+impl FrontCache for Target {
+    fn flush(&self) {
+        if self.cached_bytes() > 0 || self.fenced_bytes() > 0 {
+            Target::flush(self, Wait::Yes);
+        }
+    }
+
+    fn close(&self) {
+        // Routing forgets the pool; later frees of its live blocks are fenced one by one (the
+        // gate is shut for good).
+        super::stack::forget(self.pool_id);
+        Target::flush(self, Wait::Yes);
+    }
+}
+
 impl Drop for Target {
     fn drop(&mut self) {
-        // Normally empty: a closed target caches nothing and stays pending until its fences
-        // passed. Whatever is left goes to the orphans, fenced where possible now, never handed
-        // back early and never waited for here.
+        // Normally empty: a closed pool's target caches nothing and stays pending until its
+        // fences passed. Whatever is left goes to the orphans, fenced where possible now, never
+        // handed back early and never waited for here.
         let streams = std::mem::take(&mut self.cache.get_mut().streams);
         let fenced = std::mem::take(self.fenced.get_mut());
         for f in fenced {
@@ -543,7 +595,7 @@ fn reap_orphans() {
         }
         let passed = match (&o.fence, o.ctx) {
             (Some(f), _) => f.poll() == FenceState::Passed,
-            (None, Some(ctx)) => !capture_active() && super::fence::synchronize_context(Some(ctx)),
+            (None, Some(ctx)) => !capture_active() && synchronize_context(Some(ctx)),
             // No fence and no known context: nothing proves the GPU is done; kept (leaked, not
             // handed back early).
             (None, None) => false,

@@ -567,8 +567,8 @@ impl SharedPool {
     /// memory, and its line disappears when the last handle is gone.
     pub fn unregister(&self, id: &str) -> Result<()> {
         let slot = self.slot(id)?;
-        // Blocks routing keeps for the model's reuse are not the model's use.
-        crate::route::flush(&slot.pool);
+        // Blocks front caches keep for the model's reuse are not the model's use.
+        slot.pool.inner().flush_fronts();
         slot.pool
             .inner()
             .close_if_unused("the model was unregistered")?;
@@ -632,8 +632,9 @@ impl SharedPool {
             used
         };
         let mut report = ChangeReport::default();
-        // Freed blocks routing keeps for reuse go back to the pool first, where they are idle.
-        crate::route::flush(&slot.pool);
+        // Freed blocks front caches keep for reuse go back to the pool first, where they are
+        // idle.
+        slot.pool.inner().flush_fronts();
         let mut result = slot
             .pool
             .inner()
@@ -650,7 +651,7 @@ impl SharedPool {
                 tracing::info!(model = %id, bytes = want, "asking the model to free memory");
                 cb(want);
                 // What the callback freed through routing is cached for reuse: give it back.
-                crate::route::flush(&slot.pool);
+                slot.pool.inner().flush_fronts();
                 result = slot
                     .pool
                     .inner()
@@ -964,11 +965,11 @@ impl SharedInner {
     /// `(spare bytes, model)`, in reclaim order: lowest priority first, then most spare.
     fn donors(&self, for_key: Option<u64>) -> Vec<(u64, ModelRef)> {
         let refs = self.model_refs(for_key);
-        // Freed blocks routing keeps for a model's same-stream reuse are idle memory too: they
-        // go back to their pools (behind fences) before the models' spare memory is measured.
-        // No lock is held here.
+        // Freed blocks front caches keep for a model (routing's, for same-stream reuse) are
+        // idle memory too: they go back to their pools (behind fences) before the models'
+        // spare memory is measured. No lock is held here.
         for r in &refs {
-            crate::route::flush_if_cached(Arc::as_ptr(&r.pool) as usize);
+            r.pool.flush_fronts();
         }
         let spare: Vec<Option<(i32, u64)>> = {
             let l = self.ledger.lock();

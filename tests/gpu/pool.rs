@@ -66,11 +66,54 @@ fn device_copies_across_chunks_read_back() {
     );
     let data: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4099) as u8).collect();
     src.write(0, &data).expect("upload");
+    // The backend leaves this thread's context as it found it (none): the raw copy binds the
+    // device's primary context (the backend's) itself.
+    let ctx = cudarc::driver::CudaContext::new(0).expect("context");
+    ctx.bind_to_thread().expect("bind");
     // SAFETY: both ranges are live allocations of n bytes on this context's device.
     unsafe { result::memcpy_dtod_sync(dst.addr(), src.addr(), n) }.expect("device-to-device copy");
     let mut back = vec![0u8; n];
     dst.read(0, &mut back).expect("download");
     assert!(back == data, "device copy across chunks corrupted data");
+}
+
+/// Issue 22, defect 13 (part): a backend call leaves the calling thread's current context as
+/// it found it, none or a context of the caller's own (routing's hooks run inside cudarc's calls,
+/// with cudarc's context current).
+#[test]
+fn backend_calls_leave_the_callers_context_current() {
+    use cudarc::driver::sys;
+    std::thread::spawn(|| {
+        let current = || result::ctx::get_current().expect("cuCtxGetCurrent");
+        let b = cuda();
+        assert_eq!(
+            current(),
+            None,
+            "making the backend left its context current"
+        );
+        let chunk = b.create(b.info().granularity).expect("create");
+        assert_eq!(current(), None, "a backend call left its context current");
+        let dev = result::device::get(0).expect("device 0");
+        let mut mine: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; no parameters ask for a plain context, destroyed below.
+        unsafe { sys::cuCtxCreate_v4(&mut mine, std::ptr::null_mut(), 0, dev) }
+            .result()
+            .expect("cuCtxCreate");
+        assert_eq!(current(), Some(mine));
+        // SAFETY: a chunk of ours, never mapped, released once.
+        unsafe { b.release(chunk) }.expect("release");
+        assert_eq!(
+            current(),
+            Some(mine),
+            "a backend call switched the caller's context"
+        );
+        // SAFETY: our own context, current on this thread only, used by nothing else.
+        unsafe { sys::cuCtxDestroy_v2(mine) }
+            .result()
+            .expect("cuCtxDestroy");
+    })
+    .join()
+    .unwrap();
 }
 
 /// `cuMemGetInfo` shows physical memory leaving the device when the pool maps it and coming back

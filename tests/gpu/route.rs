@@ -1,14 +1,15 @@
 //! Routing of candle's own allocations on the GPU (this target invokes
 //! `route_cuda_allocations!` in `main.rs`): tensors in the model's pool, frees from other
 //! threads, stream-ordered reuse across two streams, out of memory as a candle error, graph
-//! capture, and 10 000 routed tensors followed by ordinary candle work on the same device.
+//! capture, and 10 000 routed tensors followed by ordinary candle work on the same device;
+//! a synchronous free of a block a non-blocking stream still reads.
 
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaContext, DevicePtr};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
 use elastic_vmm::backend::cuda::CudaBackend;
@@ -336,6 +337,122 @@ fn a_destroyed_stream_fences_its_blocks_first() {
     // The device, its stream and every slice are gone: the blocks were fenced on the way.
     let st = route::stats(&m).unwrap();
     assert_eq!(st.cached_bytes, 0, "{st:?}");
+    route::flush(&m);
+    assert_eq!(m.stats().in_use, 0);
+}
+
+// The entry points as cudarc declares them; the linker binds them to the definitions of
+// `route_cuda_allocations!` in `main.rs` (whichever way cudarc itself is linked).
+extern "C" {
+    fn cuMemAllocAsync(
+        dptr: *mut sys::CUdeviceptr,
+        bytesize: usize,
+        stream: sys::CUstream,
+    ) -> sys::CUresult;
+    fn cuMemFreeAsync(dptr: sys::CUdeviceptr, stream: sys::CUstream) -> sys::CUresult;
+    fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> sys::CUresult;
+    fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> sys::CUresult;
+}
+
+/// Issue 22, defect 8: `cuMemFree_v2` of a routed block waits for the device as the driver's
+/// does, a non-blocking stream included (which the legacy stream does not wait for). A copy on
+/// a non-blocking stream reads the block once a flag is set 300 ms later; the block is freed
+/// synchronously at once, allocated again on the legacy stream and overwritten there: the copy
+/// must still see the old bytes.
+#[test]
+fn a_synchronous_free_waits_for_non_blocking_streams() {
+    use std::time::{Duration, Instant};
+    let ctx = CudaContext::new(0).unwrap();
+    ctx.bind_to_thread().unwrap();
+    let busy = ctx.new_stream().unwrap(); // CU_STREAM_NON_BLOCKING
+    let other = ctx.new_stream().unwrap();
+    let (_gpu, m) = model(GIB);
+    const N: usize = 64 << 20;
+    // The flag and the copy's destination come from the driver (no route yet).
+    // SAFETY: plain device allocations in the current context, freed at the end.
+    let (flag, dst) = unsafe { (result::malloc_sync(4), result::malloc_sync(N)) };
+    let (flag, dst) = (flag.unwrap(), dst.unwrap());
+    let (bs, os) = (busy.cu_stream(), other.cu_stream());
+    // SAFETY: a live 4-byte allocation; queued on our stream, waited for below.
+    unsafe { sys::cuMemsetD32Async(flag, 0, 1, os) }
+        .result()
+        .unwrap();
+    other.synchronize().unwrap();
+    let route = route::route(&m, Tag::Scratch).unwrap();
+    let mut a: sys::CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { cuMemAlloc_v2(&mut a, N) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    assert!(in_pool(&m, a));
+    // SAFETY: `a` and `dst` are live allocations of N bytes; `flag` of 4; all work is queued
+    // on our streams and finished before any of them is freed.
+    unsafe {
+        sys::cuMemsetD8Async(a, 0xAA, N, bs).result().unwrap();
+        sys::cuStreamWaitValue32_v2(
+            bs,
+            flag,
+            1,
+            sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+        )
+        .result()
+        .unwrap();
+        sys::cuMemcpyDtoDAsync_v2(dst, a, N, bs).result().unwrap();
+    }
+    let release = {
+        let ctx = ctx.clone();
+        let os = os as usize;
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            ctx.bind_to_thread().unwrap();
+            // SAFETY: the flag is live until the main thread synchronized, after the join.
+            unsafe { sys::cuMemsetD32Async(flag, 1, 1, os as sys::CUstream) }
+                .result()
+                .unwrap();
+        })
+    };
+    let t = Instant::now();
+    // SAFETY: a routed block, freed once.
+    assert_eq!(unsafe { cuMemFree_v2(a) }, sys::CUresult::CUDA_SUCCESS);
+    let waited = t.elapsed();
+    let mut b: sys::CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer; the legacy stream.
+    assert_eq!(
+        unsafe { cuMemAllocAsync(&mut b, N, std::ptr::null_mut()) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    // SAFETY: `b` is a live routed allocation of N bytes; the legacy stream.
+    unsafe { sys::cuMemsetD8Async(b, 0x55, N, std::ptr::null_mut()) }
+        .result()
+        .unwrap();
+    release.join().unwrap();
+    ctx.synchronize().unwrap();
+    let mut host = vec![0u8; N];
+    // SAFETY: `dst` holds N bytes; `host` is N bytes; everything queued has finished.
+    unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), dst, N) }
+        .result()
+        .unwrap();
+    let bad = host.iter().filter(|&&x| x != 0xAA).count();
+    assert_eq!(
+        bad,
+        0,
+        "{bad} bytes of a block freed with cuMemFree_v2 were overwritten while a non-blocking \
+         stream still read them (the free returned after {waited:?}; reused: {})",
+        a == b
+    );
+    // SAFETY: the routed block, freed once, on the legacy stream it was allocated on.
+    assert_eq!(
+        unsafe { cuMemFreeAsync(b, std::ptr::null_mut()) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    drop(route);
+    ctx.synchronize().unwrap();
+    // SAFETY: driver allocations of this test, nothing queued uses them.
+    unsafe {
+        result::free_sync(dst).unwrap();
+        result::free_sync(flag).unwrap();
+    }
     route::flush(&m);
     assert_eq!(m.stats().in_use, 0);
 }

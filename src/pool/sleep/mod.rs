@@ -14,10 +14,12 @@
 //!   never dropped before the device has them back.
 //! - While asleep (or falling asleep, or waking) allocations, maps, unmaps, region copies and
 //!   allocation copies are refused with [`crate::Error::Asleep`]; block pins of backings on the
-//!   pool are refused too. Addresses stay reserved, so live allocations, views and tensors stay
-//!   valid as values; a kernel that touches a sleeping pool's memory is the caller's bug (on
-//!   CUDA it faults). The caller also makes sure no kernel still uses the memory when it calls
-//!   `sleep` (synchronize the streams that use it): sleep copies on its own stream.
+//!   pool are refused too, and front caches (`front.rs`: routing's freed blocks) serve and keep
+//!   nothing, their blocks given back as the sleep begins. Addresses stay reserved, so live
+//!   allocations, views and tensors stay valid as values; a kernel that touches a sleeping
+//!   pool's memory is the caller's bug (on CUDA it faults). The caller also makes sure no kernel
+//!   still uses the memory when it calls `sleep` (synchronize the streams that use it): sleep
+//!   copies on its own stream.
 //!
 //! Staging: one buffer per pool, allocated on the first sleep that needs it (or ahead with
 //! [`Pool::reserve_host_staging`]: pinning costs about 0.6 s per GiB on CUDA and belongs off
@@ -329,9 +331,6 @@ impl Pool {
     /// `RegisteredLayout` holds NIXL registrations of its memory. The caller makes sure no
     /// kernel still uses the memory.
     pub fn sleep(&self, policy: &SleepPolicy) -> Result<SleepReport> {
-        // Blocks routing keeps for same-stream reuse go back to the pool first: they are idle,
-        // and a sleep should not copy them.
-        crate::route::flush(self);
         self.inner().sleep(policy)
     }
 
@@ -368,6 +367,13 @@ impl Pool {
 }
 
 impl super::Inner {
+    /// Change the sleep status (under the pool's lock): front caches keep and serve blocks only
+    /// while it is `Awake`.
+    fn set_status_in(&self, st: &mut super::state::State, status: SleepStatus) {
+        st.sleep.status = status;
+        self.front_gate.follow(status);
+    }
+
     /// Register a watcher; returns its id for [`super::Inner::remove_watcher`].
     pub(crate) fn add_watcher(&self, w: Weak<dyn SleepWatcher>) -> u64 {
         let mut st = self.state.lock();

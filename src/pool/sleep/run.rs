@@ -105,7 +105,7 @@ impl Inner {
     }
 
     fn set_status(&self, status: SleepStatus) {
-        self.state.lock().sleep.status = status;
+        self.set_status_in(&mut self.state.lock(), status);
     }
 
     pub(crate) fn sleep(&self, policy: &SleepPolicy) -> Result<SleepReport> {
@@ -125,9 +125,13 @@ impl Inner {
                     "host staging is being reserved (Pool::reserve_host_staging); retry when it is done".into(),
                 ));
             }
-            // From here every new use is refused; those under way are waited for below.
-            st.sleep.status = SleepStatus::FallingAsleep;
+            // From here every new use is refused (front caches serve nothing either); those
+            // under way are waited for below.
+            self.set_status_in(&mut st, SleepStatus::FallingAsleep);
         }
+        // What front caches hold is idle memory: back to the pool, given back by the trim
+        // below rather than slept.
+        self.flush_fronts();
         self.drain_for_sleep()?;
         let watchers = self.watchers();
         let result = self.sleep_frozen(policy, &watchers, t0);
@@ -147,7 +151,7 @@ impl Inner {
                 }
                 if t0.elapsed() >= DRAIN_LIMIT {
                     let (g, t, p) = (st.growing, st.in_transit, st.pins.len());
-                    st.sleep.status = SleepStatus::Awake;
+                    self.set_status_in(&mut st, SleepStatus::Awake);
                     return Err(self.sleep_refused("sleep", format!("after {} ms, {g} allocation(s) or map(s) are still under way, {t} bytes of address space in transit and {p} copies running", DRAIN_LIMIT.as_millis())));
                 }
             }
@@ -256,7 +260,7 @@ impl Inner {
             let mut st = self.state.lock();
             st.sleep.staging = staging;
             st.sleep.offloaded = offloaded;
-            st.sleep.status = SleepStatus::Asleep;
+            self.set_status_in(&mut st, SleepStatus::Asleep);
             st.sleep.last_sleep = Some(duration);
             st.sleep.sleeps += 1;
         }
@@ -482,7 +486,7 @@ impl Inner {
                 let s = st.sleep.status.name();
                 return Err(self.sleep_refused("wake", format!("the pool is {s}")));
             }
-            st.sleep.status = SleepStatus::Waking;
+            self.set_status_in(&mut st, SleepStatus::Waking);
             (st.sleep.slots.clone(), st.sleep.staging.take())
         };
         let watchers = self.watchers();
@@ -632,7 +636,7 @@ impl Inner {
             let mut st = self.state.lock();
             st.sleep.by_tag.clear();
             st.sleep.offloaded = 0;
-            st.sleep.status = SleepStatus::Awake;
+            self.set_status_in(&mut st, SleepStatus::Awake);
             st.sleep.last_wake = Some(duration);
             st.sleep.wakes += 1;
             st.note_peaks();
@@ -707,7 +711,7 @@ impl Inner {
     fn back_to_sleep(&self, staging: Option<Staging>) {
         let mut st = self.state.lock();
         st.sleep.staging = staging;
-        st.sleep.status = SleepStatus::Asleep;
+        self.set_status_in(&mut st, SleepStatus::Asleep);
     }
 
     /// What admission would give now and under which limit, for a refusal's numbers.

@@ -1,11 +1,12 @@
-//! The CUDA driver entry points routing needs, looked up in `libcuda` by name.
+//! The CUDA driver's own entry points, looked up in `libcuda` by name.
 //!
-//! Routing defines `cuMemAllocAsync` and friends in the application's binary, so a call through
-//! the linker would land in our own hooks. Everything here is resolved with `dlsym` on the
-//! driver library itself: forwarding an allocation to the driver, and the few calls routing makes
-//! of its own (events for stream-ordered reuse, the current context, capture status), never
-//! recurse into the hooks, whichever way cudarc links. Without a driver library (a machine with
-//! no GPU) every lookup is absent and routing serves host pools only.
+//! An application may define `cuMemAllocAsync` and friends in its binary (routing's
+//! `route_cuda_allocations!`), so a call through the linker could land in those definitions.
+//! Everything here is resolved with `dlsym` on the driver library itself: forwarding an
+//! allocation to the driver, the calls routing makes of its own (events for stream-ordered
+//! reuse, the current context, capture status) and the CUDA backend's own device memory never
+//! recurse into such hooks, whichever way cudarc links. Without a driver library (a machine
+//! with no GPU) every lookup is absent.
 
 use std::ffi::{c_uint, c_void, CStr};
 use std::sync::OnceLock;
@@ -75,7 +76,7 @@ fn load() -> Option<Driver> {
     // another reference, which is never dropped).
     let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if lib.is_null() {
-        tracing::debug!("routing: no CUDA driver library, host pools only");
+        tracing::debug!("no CUDA driver library: no driver entry points");
         return None;
     }
     let sym = |name: &CStr| -> Option<*mut c_void> {

@@ -1,0 +1,93 @@
+//! Front caches: holders of memory the pool handed out and its users freed, kept in front of
+//! the pool for quick reuse before it comes back (routing's per-stream free lists). Their
+//! blocks are still live allocations in the pool's books; the pool's state governs them:
+//! - a [`FrontGate`] says whether they may serve and keep blocks: open while the pool is awake
+//!   and not closed. The pool shuts it under its lock as it leaves `Awake` or closes, and only
+//!   then flushes them; a front cache reads the gate under its own lock when it keeps or serves
+//!   a block, so after the flush nothing is kept and nothing is served until the gate opens
+//!   (a block freed meanwhile goes back to the pool, behind whatever the holder waits for);
+//! - the pool flushes them before it measures or gives back idle memory: trim, sleep, close, and
+//!   (through [`super::Inner::flush_fronts`]) the donation, reclaim and limit changes of the
+//!   shared pool and the broker.
+//!
+//! Registration takes the pool's lock, which is a leaf; the pool calls front caches with no lock
+//! held, and drops its references to them outside every lock too.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use super::sleep::SleepStatus;
+use super::Inner;
+
+/// A holder of freed blocks of one pool (see the module documentation). Called with no pool
+/// lock held.
+pub(crate) trait FrontCache: Send + Sync {
+    /// Give every block held back to the pool (waiting for the GPU where a block waits for it).
+    /// Cheap when nothing is held.
+    fn flush(&self);
+    /// The pool closed (its gate is shut for good): give everything back, as `flush`.
+    fn close(&self);
+}
+
+/// Whether front caches may keep and serve blocks now (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct FrontGate {
+    awake: AtomicBool,
+    closed: AtomicBool,
+}
+
+impl FrontGate {
+    pub(super) fn new() -> FrontGate {
+        FrontGate {
+            awake: AtomicBool::new(true),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Open: the pool is awake and not closed.
+    pub(crate) fn is_open(&self) -> bool {
+        self.awake.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire)
+    }
+
+    /// Follow the pool's sleep status (called under the pool's lock, with every change of it).
+    pub(super) fn follow(&self, status: SleepStatus) {
+        self.awake
+            .store(status == SleepStatus::Awake, Ordering::Release);
+    }
+
+    /// Shut for good (the pool closed).
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+}
+
+impl Inner {
+    /// Register a front cache of this pool; it keeps and serves blocks only while the gate
+    /// returned is open.
+    pub(crate) fn add_front(&self, front: Weak<dyn FrontCache>) -> Arc<FrontGate> {
+        let mut st = self.state.lock();
+        st.fronts.retain(|f| f.strong_count() > 0);
+        st.fronts.push(front);
+        self.front_gate.clone()
+    }
+
+    /// The live front caches (strong references: dropped by the caller with no lock held).
+    fn fronts(&self) -> Vec<Arc<dyn FrontCache>> {
+        let st = self.state.lock();
+        st.fronts.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Give back what front caches hold: it is idle memory of the pool. No lock is held.
+    pub(crate) fn flush_fronts(&self) {
+        let fronts = self.fronts();
+        fronts.iter().for_each(|f| f.flush());
+        drop(fronts);
+    }
+
+    /// The pool closed: front caches give everything back and keep nothing from now on.
+    pub(super) fn close_fronts(&self) {
+        let fronts = self.fronts();
+        fronts.iter().for_each(|f| f.close());
+        drop(fronts);
+    }
+}
