@@ -2,8 +2,8 @@
 //! the pool for quick reuse before it comes back (routing's per-stream free lists). Their
 //! blocks are still live allocations in the pool's books; the pool's state governs them:
 //! - a [`FrontGate`] says whether they may serve and keep blocks: open while the pool is awake
-//!   and not closed. The pool shuts it under its lock as it leaves `Awake` or closes, and only
-//!   then flushes them; a front cache reads the gate under its own lock when it keeps or serves
+//!   and not closed. The pool shuts it under its lock as it leaves `Awake`, and at close (no
+//!   lock needed there: the gate never opens again), and only then flushes them; a front cache reads the gate under its own lock when it keeps or serves
 //!   a block, so after the flush nothing is kept and nothing is served until the gate opens
 //!   (a block freed meanwhile goes back to the pool, behind whatever the holder waits for);
 //! - the pool flushes them before it measures or gives back idle memory: trim, sleep, close, and
