@@ -130,22 +130,55 @@ pub(crate) fn reply_error(kind: ErrorKind, message: String) -> Error {
 }
 
 impl BrokerClient {
-    /// Connect to the broker at `socket` as an engine called `name`.
+    /// Connect to the broker at `socket` as an engine called `name`. The process listening
+    /// there must run as this process's user or root (`SO_PEERCRED`, checked before anything
+    /// is sent): a socket another user listens on is refused, whatever its path.
     pub fn connect(socket: impl AsRef<Path>, name: &str) -> Result<BrokerClient> {
-        Self::connect_as(socket, name, Role::Engine)
+        Self::connect_as(socket, name, Role::Engine, None)
+    }
+
+    /// Connect as an engine to the broker of user `broker_uid` (one that lets this user's
+    /// group in with `--group`): as [`BrokerClient::connect`], with that user trusted too.
+    pub fn connect_trusting(
+        socket: impl AsRef<Path>,
+        name: &str,
+        broker_uid: u32,
+    ) -> Result<BrokerClient> {
+        Self::connect_as(socket, name, Role::Engine, Some(broker_uid))
     }
 
     /// Connect for operator's work (`ctl`, `top`): read everything, change limits; no memory.
+    /// The broker must run as this process's user or root, as for [`BrokerClient::connect`].
     pub fn connect_control(socket: impl AsRef<Path>, name: &str) -> Result<BrokerClient> {
-        Self::connect_as(socket, name, Role::Control)
+        Self::connect_as(socket, name, Role::Control, None)
     }
 
-    fn connect_as(socket: impl AsRef<Path>, name: &str, role: Role) -> Result<BrokerClient> {
+    fn connect_as(
+        socket: impl AsRef<Path>,
+        name: &str,
+        role: Role,
+        trusted: Option<u32>,
+    ) -> Result<BrokerClient> {
         let path = socket.as_ref();
         let stream = UnixStream::connect(path).map_err(|e| Error::Ipc {
             op: "connect to broker",
             detail: format!("{}: {e}", path.display()),
         })?;
+        // Who listens there: a process of another user could hand out chunks it still maps.
+        let broker = crate::ipc::peer_credentials(&stream)?;
+        let me = rustix::process::geteuid().as_raw();
+        if broker.uid != me && broker.uid != 0 && Some(broker.uid) != trusted {
+            return Err(Error::Ipc {
+                op: "connect to broker",
+                detail: format!(
+                    "{}: the process listening there (pid {}) runs as uid {}, neither this user (uid {me}) nor root{}: not a broker this process trusts",
+                    path.display(),
+                    broker.pid,
+                    broker.uid,
+                    trusted.map_or(String::new(), |t| format!(" nor the trusted uid {t}"))
+                ),
+            });
+        }
         crate::ipc::raise_fd_limit();
         let clone = |s: &UnixStream| {
             s.try_clone().map_err(|e| Error::Ipc {

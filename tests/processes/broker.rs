@@ -51,6 +51,10 @@ pub const TESTS: &[(&str, fn())] = &[
         limit_changes_reclaim_with_a_deadline,
     ),
     (
+        "broker::set_limit_restores_only_its_own_cap",
+        set_limit_restores_only_its_own_cap,
+    ),
+    (
         "broker::metrics_over_the_socket_and_http",
         metrics_over_the_socket_and_http,
     ),
@@ -71,10 +75,10 @@ pub fn role(name: &str) -> Option<fn()> {
     }
 }
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 /// The `elastic-vmm` binary: `EVMM_CLI` where the tests run away from their build (the GPU
 /// machine), else the one cargo built next to this test.
-fn cli() -> PathBuf {
+pub(crate) fn cli() -> PathBuf {
     std::env::var_os("EVMM_CLI")
         .map(PathBuf::from)
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_elastic-vmm").into())
@@ -83,17 +87,24 @@ fn cli() -> PathBuf {
 // ---------------------------------------------------------------- helpers
 
 /// A broker process (the real `elastic-vmm broker`), killed on drop.
-struct BrokerProc {
-    child: Child,
-    socket: PathBuf,
-    dir: PathBuf,
-    stdout: Option<ChildStdout>,
+pub(crate) struct BrokerProc {
+    pub(crate) child: Child,
+    pub(crate) socket: PathBuf,
+    pub(crate) dir: PathBuf,
+    pub(crate) stdout: Option<ChildStdout>,
 }
 
 impl BrokerProc {
-    fn start(tag: &str, global: u64, extra: &[&str]) -> BrokerProc {
+    pub(crate) fn start(tag: &str, global: u64, extra: &[&str]) -> BrokerProc {
         let dir = common::temp_dir(tag);
-        let socket = dir.join("broker.sock");
+        let mut b = BrokerProc::start_at(&dir.join("broker.sock"), global, extra);
+        b.dir = dir;
+        b
+    }
+
+    /// A broker on `socket`, whose folder the caller owns (left in place on drop).
+    pub(crate) fn start_at(socket: &Path, global: u64, extra: &[&str]) -> BrokerProc {
+        let socket = socket.to_path_buf();
         let mut child = Command::new(cli())
             .args(["--backend", &common::backend_kind(), "broker", "--socket"])
             .arg(&socket)
@@ -113,12 +124,12 @@ impl BrokerProc {
         BrokerProc {
             child,
             socket,
-            dir,
+            dir: PathBuf::new(),
             stdout,
         }
     }
 
-    fn control(&self) -> BrokerClient {
+    pub(crate) fn control(&self) -> BrokerClient {
         BrokerClient::connect_control(&self.socket, "test").expect("control connection")
     }
 }
@@ -127,11 +138,13 @@ impl Drop for BrokerProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.dir.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
-fn wait_connectable(socket: &Path) {
+pub(crate) fn wait_connectable(socket: &Path) {
     let end = Instant::now() + Duration::from_secs(20);
     while UnixStream::connect(socket).is_err() {
         assert!(
@@ -143,7 +156,7 @@ fn wait_connectable(socket: &Path) {
     }
 }
 
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let end = Instant::now() + Duration::from_secs(secs);
     while !f() {
         assert!(Instant::now() < end, "timed out waiting for {what}");
@@ -151,7 +164,7 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn engine_vars(
+pub(crate) fn engine_vars(
     socket: &Path,
     model: &str,
     limit: u64,
@@ -190,7 +203,7 @@ fn connect_engine() -> (BrokerClient, elastic_vmm::broker::RemoteModel) {
 }
 
 /// Checks every rule the broker promises on one snapshot.
-fn check_books(s: &Snapshot) {
+pub(crate) fn check_books(s: &Snapshot) {
     assert_eq!(s.audit, None, "the broker's books balance");
     assert!(
         s.global_used <= s.global_limit,
@@ -217,14 +230,14 @@ fn check_books(s: &Snapshot) {
 }
 
 /// A driver for a piped child: send lines, read lines.
-struct Script {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+pub(crate) struct Script {
+    pub(crate) child: Child,
+    pub(crate) stdin: ChildStdin,
+    pub(crate) stdout: BufReader<ChildStdout>,
 }
 
 impl Script {
-    fn new(mut child: Child) -> Script {
+    pub(crate) fn new(mut child: Child) -> Script {
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Script {
@@ -235,7 +248,7 @@ impl Script {
     }
 
     /// Send a command, return the child's one-line answer.
-    fn ask(&mut self, cmd: &str) -> String {
+    pub(crate) fn ask(&mut self, cmd: &str) -> String {
         writeln!(self.stdin, "{cmd}").unwrap();
         self.stdin.flush().unwrap();
         let mut line = String::new();
@@ -244,7 +257,7 @@ impl Script {
         line.trim().to_string()
     }
 
-    fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         drop(self.stdin);
         assert!(
             common::wait_for(self.child, 30).success(),
@@ -544,7 +557,7 @@ fn shmem() -> u64 {
         * 1024
 }
 
-fn raw_hello(socket: &Path, version: u32) -> UnixStream {
+pub(crate) fn raw_hello(socket: &Path, version: u32) -> UnixStream {
     let s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let hello = ToBroker {
@@ -559,7 +572,7 @@ fn raw_hello(socket: &Path, version: u32) -> UnixStream {
     s
 }
 
-fn raw_reply(s: &UnixStream) -> Option<Reply> {
+pub(crate) fn raw_reply(s: &UnixStream) -> Option<Reply> {
     let f = ipc::recv_frame(s, ipc::MAX_FRAME).ok()??;
     match ipc::decode::<FromBroker>(&f.payload).unwrap() {
         FromBroker::Reply { reply, .. } => Some(reply),
@@ -567,7 +580,7 @@ fn raw_reply(s: &UnixStream) -> Option<Reply> {
     }
 }
 
-fn raw_request(s: &UnixStream, id: u64, request: Request) -> Reply {
+pub(crate) fn raw_request(s: &UnixStream, id: u64, request: Request) -> Reply {
     ipc::send_frame(s, &ipc::encode(&ToBroker { id, request }).unwrap(), &[]).unwrap();
     raw_reply(s).expect("a reply")
 }
@@ -919,48 +932,108 @@ fn limit_changes_reclaim_with_a_deadline() {
     e.finish();
 }
 
-/// Prometheus text over the socket (`ctl metrics`) and on a loopback port.
-fn metrics_over_the_socket_and_http() {
-    let mut broker = BrokerProc::start("metrics", 64 * MIB, &["--metrics-addr", "127.0.0.1:0"]);
-    let mut line = String::new();
-    BufReader::new(broker.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("metrics on http://")
-        .and_then(|r| r.strip_suffix("/metrics"))
-        .unwrap_or_else(|| panic!("{line}"))
-        .to_string();
+/// Two limit changes at once: one lowering that cannot be reached (it times out) and one
+/// raising that lands while the first waits. The first, timing out, must not restore the cap it
+/// found (a stale one): the second's limit holds, and growth up to it is admitted.
+fn set_limit_restores_only_its_own_cap() {
+    let broker = BrokerProc::start("cas-limit", 256 * MIB, &[]);
     let mut e = Script::new(common::spawn_piped(
         "engine-scripted",
-        &engine_vars(&broker.socket, "prom", 32 * MIB, 0, 0),
+        &engine_vars(&broker.socket, "m", 128 * MIB, 0, 0),
     ));
-    assert_eq!(e.ask("alloc 8"), "ok");
-    let out = Command::new(cli())
-        .args(["ctl", "--socket"])
-        .arg(&broker.socket)
-        .arg("metrics")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    for want in [
-        "elastic_vmm_broker_model_bytes{model=\"prom\",state=\"charged\"}",
-        "elastic_vmm_broker_driver_calls_total{call=\"create\"}",
-        "elastic_vmm_broker_grant_seconds_bucket",
-        "elastic_vmm_broker_global_limit_bytes 67108864",
-    ] {
-        assert!(text.contains(want), "{want} missing:\n{text}");
-    }
-    let mut http = std::net::TcpStream::connect(&addr).unwrap();
-    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut body = String::new();
-    http.read_to_string(&mut body).unwrap();
+    assert_eq!(e.ask("alloc 96"), "ok");
+    let ctl = |args: &[&str]| {
+        Command::new(cli())
+            .args(["ctl", "--socket"])
+            .arg(&broker.socket)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // A: lower to 8 MiB within 1.5 s (the engine keeps its 96 MiB in use: it times out).
+    let lowering = ctl(&["set-limit", "m", "8M", "--deadline-ms", "1500"]);
+    std::thread::sleep(Duration::from_millis(300));
+    // B: raise to 200 MiB while A waits: immediate.
+    let raising = ctl(&["set-limit", "m", "200M"]).wait_with_output().unwrap();
     assert!(
-        body.starts_with("HTTP/1.0 200 OK") && body.contains("model=\"prom\""),
-        "{body}"
+        raising.status.success(),
+        "{}",
+        String::from_utf8_lossy(&raising.stderr)
     );
+    let lowered = lowering.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&lowered.stderr);
+    assert!(
+        !lowered.status.success() && err.contains("NotReached"),
+        "{err}"
+    );
+    // B's limit holds: growth to 160 MiB is admitted.
+    assert_eq!(e.ask("try-alloc 64"), "ok");
+    let s = broker.control().snapshot().unwrap();
+    check_books(&s);
+    assert_eq!(s.models[0].limit, 200 * MIB);
     e.finish();
+}
+
+/// Prometheus text over the socket (`ctl metrics`, the broker's user: every model) and on a
+/// loopback port, which every local user can read: aggregate numbers only, unless the operator
+/// opts in with `--metrics-per-model`.
+fn metrics_over_the_socket_and_http() {
+    for per_model in [false, true] {
+        let mut args = vec!["--metrics-addr", "127.0.0.1:0"];
+        if per_model {
+            args.push("--metrics-per-model");
+        }
+        let mut broker = BrokerProc::start("metrics", 64 * MIB, &args);
+        // Kept open to the end: the broker prints more lines.
+        let mut stdout = BufReader::new(broker.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("metrics on http://")
+            .and_then(|r| r.strip_suffix("/metrics"))
+            .unwrap_or_else(|| panic!("{line}"))
+            .to_string();
+        let mut e = Script::new(common::spawn_piped(
+            "engine-scripted",
+            &engine_vars(&broker.socket, "prom", 32 * MIB, 0, 0),
+        ));
+        assert_eq!(e.ask("alloc 8"), "ok");
+        let out = Command::new(cli())
+            .args(["ctl", "--socket"])
+            .arg(&broker.socket)
+            .arg("metrics")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        for want in [
+            "elastic_vmm_broker_model_bytes{model=\"prom\",state=\"charged\"}",
+            "elastic_vmm_broker_driver_calls_total{call=\"create\"}",
+            "elastic_vmm_broker_grant_seconds_bucket",
+            "elastic_vmm_broker_global_limit_bytes 67108864",
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        let mut http = std::net::TcpStream::connect(&addr).unwrap();
+        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        http.read_to_string(&mut body).unwrap();
+        assert!(
+            body.starts_with("HTTP/1.0 200 OK")
+                && body.contains("elastic_vmm_broker_global_limit_bytes 67108864")
+                && body.contains("elastic_vmm_broker_driver_calls_total{call=\"create\"}"),
+            "{body}"
+        );
+        assert_eq!(
+            body.contains("model=\"prom\""),
+            per_model,
+            "per-model series on the port only when opted in:\n{body}"
+        );
+        e.finish();
+        drop(stdout);
+    }
 }
 
 /// `elastic-vmm top` in a real terminal (tmux), showing the engines and their models.
@@ -1189,6 +1262,24 @@ fn engine_scripted() {
                     held.lock().push(model.allocate(1 << 20).unwrap());
                 }
                 "ok".into()
+            }
+            // try-alloc MIB: like alloc, but a refusal is an answer ("refused: <why>").
+            Some("try-alloc") => {
+                let mut got = Vec::new();
+                let mut answer = "ok".to_string();
+                for _ in 0..arg(1) {
+                    match model.allocate(1 << 20) {
+                        Ok(a) => got.push(a),
+                        Err(e) => {
+                            answer = format!("refused: {e}");
+                            break;
+                        }
+                    }
+                }
+                if answer == "ok" {
+                    held.lock().extend(got);
+                }
+                answer
             }
             Some("free-all-but") => {
                 held.lock().truncate(arg(1) as usize);
