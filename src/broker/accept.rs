@@ -319,6 +319,7 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) {
             peer,
             writer: writer.clone(),
             stream: for_book,
+            pidfd: ipc::peer_pidfd(&stream, peer.pid).map(Arc::new),
         },
     );
     tracing::info!(conn, name = %name, ?role, pid = peer.pid, uid = peer.uid, gid = peer.gid, "connected");

@@ -10,6 +10,7 @@
 //! unused guarantees.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use super::protocol::{
@@ -48,6 +49,9 @@ pub(crate) struct ModelEntry {
     /// Bumped by every limit change: a change that gives up (a lowering past its deadline)
     /// restores the cap it replaced only if no later change came.
     pub(crate) limit_change: u64,
+    /// Its connection ended while its process lived (see [`Book::end_conn`]): retired, its name
+    /// free, its chunks and charges kept until the process is gone.
+    pub(crate) orphaned: bool,
     pub(crate) chunks: BTreeSet<u64>,
     pub(crate) in_use: u64,
     pub(crate) idle: u64,
@@ -62,6 +66,19 @@ pub(crate) struct ConnEntry {
     pub(crate) writer: FrameWriter,
     /// Kept to shut the connection down when the broker stops.
     pub(crate) stream: std::os::unix::net::UnixStream,
+    /// The peer's process (a pidfd), if the kernel gave one: whether it still lives decides
+    /// what happens to its memory when the connection ends.
+    pub(crate) pidfd: Option<Arc<OwnedFd>>,
+}
+
+/// The models of a connection that ended while its process lived: their chunks may still be
+/// mapped there, so they stay charged until the process is gone.
+#[derive(Debug)]
+pub(crate) struct Orphan {
+    pub(crate) conn: u64,
+    pub(crate) pid: i32,
+    pub(crate) pidfd: Arc<OwnedFd>,
+    pub(crate) models: Vec<u64>,
 }
 
 /// An outstanding reclaim request.
@@ -105,6 +122,8 @@ pub(crate) struct Book {
     idle: BTreeMap<u64, Vec<u64>>,
     pub(crate) idle_bytes: u64,
     pub(crate) conns: BTreeMap<u64, ConnEntry>,
+    /// Connections ended with memory held by processes that still live.
+    pub(crate) orphans: Vec<Orphan>,
     pub(crate) tickets: HashMap<u64, Ticket>,
     pub(crate) counters: BrokerCounters,
     next_id: u64,
@@ -147,6 +166,7 @@ impl Book {
             idle: BTreeMap::new(),
             idle_bytes: 0,
             conns: BTreeMap::new(),
+            orphans: Vec::new(),
             tickets: HashMap::new(),
             counters: BrokerCounters::default(),
             next_id: 0,
@@ -254,6 +274,7 @@ impl Book {
                 conn,
                 uid,
                 limit_change: 0,
+                orphaned: false,
                 chunks: BTreeSet::new(),
                 in_use: 0,
                 idle: 0,
@@ -469,23 +490,75 @@ impl Book {
 
     /// A connection ended: every model it registered goes, with every chunk (returned moving,
     /// charges credited), and its reclaim tickets.
+    #[cfg(test)]
     pub(crate) fn drop_conn(&mut self, conn: u64) -> Vec<(u64, PhysicalChunk)> {
+        self.end_conn(conn, None)
+    }
+
+    /// A connection ended. `alive`: its process still lives (its pid and pidfd): then its models
+    /// that hold chunks stay, orphaned (retired, names freed, chunks and charges kept: the
+    /// process may still map them) until [`Book::reap`]; models holding nothing go. Otherwise
+    /// (or when nothing is held) every model goes with every chunk (returned moving, charges
+    /// credited). Its reclaim tickets go either way.
+    pub(crate) fn end_conn(
+        &mut self,
+        conn: u64,
+        alive: Option<(i32, Arc<OwnedFd>)>,
+    ) -> Vec<(u64, PhysicalChunk)> {
         self.conns.remove(&conn);
         self.tickets.retain(|_, t| t.conn != conn);
         let models: Vec<u64> = self
             .models
             .iter()
-            .filter(|(_, m)| m.conn == conn)
+            .filter(|(_, m)| m.conn == conn && !m.orphaned)
             .map(|(&k, _)| k)
             .collect();
         let mut out = Vec::new();
+        let mut kept = Vec::new();
         for m in models {
-            out.extend(self.unregister(m));
+            let holds = self.models.get(&m).is_some_and(|e| !e.chunks.is_empty());
+            match &alive {
+                Some(_) if holds => {
+                    if let Some(e) = self.models.get_mut(&m) {
+                        e.orphaned = true;
+                        let name = e.name.clone();
+                        self.names.remove(&name);
+                    }
+                    self.ledger.retire(m);
+                    kept.push(m);
+                }
+                _ => out.extend(self.unregister(m)),
+            }
+        }
+        if let (Some((pid, pidfd)), false) = (alive, kept.is_empty()) {
+            self.counters.orphaned_connections += 1;
+            self.orphans.push(Orphan {
+                conn,
+                pid,
+                pidfd,
+                models: kept,
+            });
         }
         if !out.is_empty() {
             self.counters.dead_engines += 1;
             self.counters.chunks_recovered += out.len() as u64;
         }
+        out
+    }
+
+    /// The process of orphaned connection `conn` is gone: its models go, with their chunks
+    /// (returned moving, charges credited).
+    pub(crate) fn reap(&mut self, conn: u64) -> Vec<(u64, PhysicalChunk)> {
+        let Some(i) = self.orphans.iter().position(|o| o.conn == conn) else {
+            return Vec::new();
+        };
+        let orphan = self.orphans.swap_remove(i);
+        let mut out = Vec::new();
+        for m in orphan.models {
+            out.extend(self.unregister(m));
+        }
+        self.counters.dead_engines += 1;
+        self.counters.chunks_recovered += out.len() as u64;
         out
     }
 
@@ -497,7 +570,7 @@ impl Book {
         let mut candidates: Vec<(i32, u64, u64, u64)> = self
             .models
             .iter()
-            .filter(|(_, m)| m.conn != asking)
+            .filter(|(_, m)| m.conn != asking && !m.orphaned)
             .filter_map(|(&k, m)| {
                 let b = self.ledger.models.get(&k)?;
                 let spare = b.used.saturating_sub(b.guarantee);
@@ -570,6 +643,7 @@ impl Book {
                     in_use: m.in_use,
                     idle: m.idle,
                     cached: m.cached,
+                    orphaned: m.orphaned,
                 })
             })
             .collect();

@@ -9,8 +9,10 @@
 //!   the next engine that asks for that size without any release or create (hand-over); when
 //!   the budget is short, idle chunks of other sizes are released and other engines are asked
 //!   to give memory back (lowest priority first, above their guarantees) before anyone is
-//!   refused. A connection that ends (an engine killed with SIGKILL) gives every chunk and
-//!   every charge back. Limits and guarantees change live; lowering a limit asks the engine to
+//!   refused. A connection that ends gives every chunk and every charge back once its process
+//!   is gone (at once for an engine killed with SIGKILL; a process that lives on may still map
+//!   its chunks, so its models stay charged, orphaned, until it exits). The budget never
+//!   exceeds the device's free memory at start. Limits and guarantees change live; lowering a limit asks the engine to
 //!   give back, with a deadline, and keeps the old limit (with the numbers) when it cannot.
 //! - [`BrokerClient`] and [`RemoteModel`]: the engine's side. A remote model dereferences to
 //!   an ordinary [`crate::Pool`]: allocations, range maps, regions and layouts work unchanged.

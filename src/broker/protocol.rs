@@ -377,6 +377,10 @@ pub struct ModelInfo {
     pub idle: u64,
     /// Last report: cached bytes.
     pub cached: u64,
+    /// Its engine's connection ended while the engine's process lived: its chunks (perhaps
+    /// still mapped there) stay charged until that process is gone; it grows no more and its
+    /// name is free.
+    pub orphaned: bool,
 }
 
 /// The broker's counters.
@@ -406,6 +410,9 @@ pub struct BrokerCounters {
     pub refused_connections: u64,
     /// Connection threads that panicked (their memory was taken back, the connection closed).
     pub panics: u64,
+    /// Connections that ended with memory held while their process lived: that memory stays
+    /// charged (orphaned models) until the process is gone.
+    pub orphaned_connections: u64,
     /// Sum of grant latencies (request read to reply queued), microseconds.
     pub grant_micros: u64,
 }

@@ -145,6 +145,7 @@ pub(crate) struct Shared {
 pub struct Broker {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
+    reaper: Option<JoinHandle<()>>,
     dir: SocketDir,
     _lock: File,
 }
@@ -170,13 +171,32 @@ impl Broker {
     /// the same socket, and when the socket's folder, lock file or path is not safe
     /// ([`Error::InsecurePath`]: another user's folder, one others can reach, a symbolic link,
     /// or a file other than a stale socket at the socket's path).
-    pub fn start(backend: Arc<dyn Backend>, config: BrokerConfig) -> Result<Broker> {
+    ///
+    /// The budget never exceeds the device's free memory at start: memory other processes hold
+    /// (engines of an earlier broker that still map its chunks, other programs) is not there
+    /// to grant, so a larger `global_limit` is cut to what is free, with a warning.
+    pub fn start(backend: Arc<dyn Backend>, mut config: BrokerConfig) -> Result<Broker> {
         let info = backend.info().clone();
         if !info.posix_fd_exportable {
             return Err(Error::InvalidArgument(format!(
                 "the broker's {} backend cannot export chunks as POSIX descriptors (host: use ChunkFiles::PerChunk)",
                 info.name
             )));
+        }
+        match backend.memory_info() {
+            Ok(mem) if config.global_limit > mem.free => {
+                tracing::warn!(
+                    asked = config.global_limit,
+                    free = mem.free,
+                    total = mem.total,
+                    "global limit above the device's free memory; the budget is the free memory"
+                );
+                config.global_limit = mem.free;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "the device's free memory is unknown; the budget is taken as given")
+            }
         }
         if config.global_limit < info.granularity as u64 {
             return Err(Error::InvalidArgument(format!(
@@ -228,13 +248,27 @@ impl Broker {
         });
         tracing::info!(socket = %path.display(), global_limit = shared.config.global_limit, backend = %shared.desc.name, "broker listening");
         let s = shared.clone();
+        let reaper = std::thread::Builder::new()
+            .name("broker-reaper".into())
+            .spawn(move || reap_loop(s))
+            .map_err(|e| io_err("spawn", &path, e))?;
+        let s = shared.clone();
         let accept = std::thread::Builder::new()
             .name("broker-accept".into())
-            .spawn(move || super::accept::accept_loop(s, listener))
-            .map_err(|e| io_err("spawn", &path, e))?;
+            .spawn(move || super::accept::accept_loop(s, listener));
+        let accept = match accept {
+            Ok(t) => t,
+            Err(e) => {
+                shared.stopping.store(true, Ordering::SeqCst);
+                shared.changed.notify_all();
+                let _ = reaper.join();
+                return Err(io_err("spawn", &path, e));
+            }
+        };
         Ok(Broker {
             shared,
             accept: Some(accept),
+            reaper: Some(reaper),
             dir,
             _lock: lock,
         })
@@ -291,6 +325,21 @@ impl Broker {
         while Instant::now() < end && !self.shared.book.lock().conns.is_empty() {
             std::thread::sleep(Duration::from_millis(5));
         }
+        self.shared.changed.notify_all();
+        if let Some(t) = self.reaper.take() {
+            let _ = t.join();
+        }
+        // Orphaned memory too: the broker's references go now (processes that still map a
+        // chunk keep their own).
+        let orphaned = {
+            let mut book = self.shared.book.lock();
+            let conns: Vec<u64> = book.orphans.iter().map(|o| o.conn).collect();
+            conns
+                .into_iter()
+                .flat_map(|c| book.reap(c))
+                .collect::<Vec<_>>()
+        };
+        self.shared.release_all(orphaned, None);
         let idle = self.shared.book.lock().take_idle(u64::MAX);
         self.shared.release_all(idle, Some(IDLE));
         self.dir.remove_socket();
@@ -400,11 +449,65 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, role: Role, writer
     }
 }
 
+/// Watches the processes of orphaned connections: when one is gone, its models go with their
+/// chunks and charges. Sleeps on the book's condition variable while there is none.
+fn reap_loop(shared: Arc<Shared>) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let watched: Vec<(u64, i32, Arc<OwnedFd>)> = {
+            let mut book = shared.book.lock();
+            if book.orphans.is_empty() {
+                shared.changed.wait_for(&mut book, Duration::from_secs(1));
+                continue;
+            }
+            book.orphans
+                .iter()
+                .map(|o| (o.conn, o.pid, o.pidfd.clone()))
+                .collect()
+        };
+        let gone: Vec<(u64, i32)> = {
+            let mut fds: Vec<_> = watched
+                .iter()
+                .map(|(_, _, fd)| rustix::event::PollFd::new(&**fd, rustix::event::PollFlags::IN))
+                .collect();
+            let wait = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 200_000_000,
+            };
+            if rustix::event::poll(&mut fds, Some(&wait)).is_err() {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            fds.iter()
+                .zip(&watched)
+                .filter(|(f, _)| !f.revents().is_empty())
+                .map(|(_, &(conn, pid, _))| (conn, pid))
+                .collect()
+        };
+        for (conn, pid) in gone {
+            let chunks = shared.book.lock().reap(conn);
+            let bytes: u64 = chunks.iter().map(|(_, c)| c.size as u64).sum();
+            tracing::warn!(
+                conn,
+                pid,
+                chunks = chunks.len(),
+                bytes,
+                "the process of a closed connection is gone; its memory comes back"
+            );
+            shared.release_all(chunks, None);
+            shared.changed.notify_all();
+        }
+    }
+}
+
 impl Shared {
     /// Run a connection's `body`, then its cleanup, also when `body` panics: every model of
     /// the connection goes, with its chunks and charges, so a bug in serving one engine never
     /// strands memory. (A panic is caught here rather than cleaned up in a `Drop` guard: a
     /// cleanup that itself panicked during unwinding would abort the whole broker.)
+    ///
+    /// When its process still lives (its pidfd says so), the chunks its models hold may still be
+    /// mapped there: they stay charged, orphaned, until the process is gone ([`reap_loop`]),
+    /// instead of being credited while still in use.
     pub(super) fn guarded(&self, conn: u64, peer: PeerCredentials, body: impl FnOnce()) {
         if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
             let why = panic
@@ -415,7 +518,31 @@ impl Shared {
             tracing::error!(conn, pid = peer.pid, panic = %why, "a connection's thread panicked; its memory is taken back and the connection closed");
             self.book.lock().counters.panics += 1;
         }
-        let chunks = self.book.lock().drop_conn(conn);
+        let pidfd = self
+            .book
+            .lock()
+            .conns
+            .get(&conn)
+            .and_then(|c| c.pidfd.clone());
+        let alive = pidfd
+            // A process that dies closes its sockets a moment before its pidfd says so: a
+            // short wait spares the books (and the log) an orphan gone at once.
+            .filter(|fd| !ipc::process_exited(&**fd, Duration::from_millis(20)))
+            .map(|fd| (peer.pid, fd));
+        let orphaning = alive.is_some();
+        let chunks = {
+            let mut book = self.book.lock();
+            let before = book.orphans.len();
+            let chunks = book.end_conn(conn, alive);
+            if orphaning && book.orphans.len() > before {
+                tracing::warn!(
+                    conn,
+                    pid = peer.pid,
+                    "connection closed with memory held by a process that still lives; it stays charged until the process is gone"
+                );
+            }
+            chunks
+        };
         if !chunks.is_empty() {
             let bytes: u64 = chunks.iter().map(|(_, c)| c.size as u64).sum();
             tracing::warn!(
@@ -1079,6 +1206,7 @@ mod tests {
                     peer,
                     writer: writer.clone(),
                     stream: ours,
+                    pidfd: None,
                 },
             );
             conn

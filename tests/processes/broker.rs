@@ -55,6 +55,14 @@ pub const TESTS: &[(&str, fn())] = &[
         set_limit_restores_only_its_own_cap,
     ),
     (
+        "broker::a_closed_connection_keeps_its_charges_while_its_process_lives",
+        a_closed_connection_keeps_its_charges_while_its_process_lives,
+    ),
+    (
+        "broker::a_restarted_broker_budgets_only_free_memory",
+        a_restarted_broker_budgets_only_free_memory,
+    ),
+    (
         "broker::metrics_over_the_socket_and_http",
         metrics_over_the_socket_and_http,
     ),
@@ -71,6 +79,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "engine-scripted" => Some(engine_scripted),
         "engine-grow-forever" => Some(engine_grow_forever),
         "engine-size-at-start" => Some(engine_size_at_start),
+        "engine-cut-off" => Some(engine_cut_off),
         _ => None,
     }
 }
@@ -976,6 +985,108 @@ fn set_limit_restores_only_its_own_cap() {
     e.finish();
 }
 
+/// An engine whose connection the broker closes (a malformed frame) while the engine lives on,
+/// holding its chunks' descriptors (it could still map them): the broker keeps them charged
+/// until the process is gone, so another engine cannot be granted that memory twice; the
+/// model's name is free at once. When the process exits, the memory comes back.
+fn a_closed_connection_keeps_its_charges_while_its_process_lives() {
+    let broker = BrokerProc::start("orphan", 16 * MIB, &[]);
+    let control = broker.control();
+    let mut cut = Script::new(common::spawn_piped(
+        "engine-cut-off",
+        &[("EVMM_SOCKET", broker.socket.display().to_string())],
+    ));
+    let mut line = String::new();
+    cut.stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "cut off holding 8 MiB");
+    // The broker noticed (its books say so within a moment); the process still holds the
+    // descriptors: the charges stay.
+    std::thread::sleep(Duration::from_millis(300));
+    let s = control.snapshot().unwrap();
+    check_books(&s);
+    eprintln!(
+        "  after the cut: global use {} MiB, models {:?}",
+        s.global_used / MIB,
+        s.models
+            .iter()
+            .map(|m| (&m.name, m.used))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        s.models
+            .iter()
+            .any(|m| m.name == "cut" && m.used == 8 * MIB),
+        "the cut-off engine's chunks stay charged while it lives: {:?}",
+        s.models
+    );
+    assert_eq!(s.global_used, 8 * MIB);
+    // Another engine gets only what is really free; the name is free again.
+    let mut other = Script::new(common::spawn_piped(
+        "engine-scripted",
+        &engine_vars(&broker.socket, "cut", 16 * MIB, 0, 0),
+    ));
+    let answer = other.ask("try-alloc 12");
+    assert!(answer.starts_with("refused"), "{answer}");
+    // The process goes: its memory comes back, the other engine can have it.
+    drop(cut.stdin);
+    assert!(common::wait_for(cut.child, 10).success());
+    wait_until("the cut-off engine's memory to come back", 5, || {
+        control
+            .snapshot()
+            .unwrap()
+            .models
+            .iter()
+            .filter(|m| m.name == "cut")
+            .count()
+            == 1
+    });
+    let s = control.snapshot().unwrap();
+    check_books(&s);
+    assert_eq!(other.ask("free-all-but 0"), "ok");
+    assert_eq!(other.ask("try-alloc 12"), "ok");
+    other.finish();
+}
+
+/// A broker dies (SIGKILL) while an engine maps 256 MiB of its chunks, written (resident); a new
+/// broker starts on the same socket asking for the whole machine: its budget is what is free,
+/// so it cannot grant the memory the old engine still holds (the free memory can never include
+/// those pages: at most the total less them).
+fn a_restarted_broker_budgets_only_free_memory() {
+    let total = if common::on_cuda() {
+        cuda().memory_info().unwrap().total
+    } else {
+        HostBackend::new(DEFAULT_GRANULARITY)
+            .unwrap()
+            .memory_info()
+            .unwrap()
+            .total
+    };
+    let mut first = BrokerProc::start("restart", 1024 * MIB, &[]);
+    let mut e = Script::new(common::spawn_piped(
+        "engine-scripted",
+        &engine_vars(&first.socket, "old", 512 * MIB, 0, 0),
+    ));
+    assert_eq!(e.ask("map 256 16 7"), "ok");
+    first.child.kill().unwrap(); // SIGKILL: the engine keeps its mappings
+    first.child.wait().unwrap();
+    assert_eq!(e.ask("check 256 7"), "ok");
+    let second = BrokerProc::start_at(&first.socket, total, &[]);
+    let s = second.control().snapshot().unwrap();
+    eprintln!(
+        "  asked {} MiB (the total), budget {} MiB",
+        total / MIB,
+        s.global_limit / MIB
+    );
+    assert!(
+        s.global_limit <= total - 256 * MIB,
+        "budget {} above the total {} less the 256 MiB the old engine still holds",
+        s.global_limit,
+        total
+    );
+    drop(second);
+    e.finish();
+}
+
 /// Prometheus text over the socket (`ctl metrics`, the broker's user: every model) and on a
 /// loopback port, which every local user can read: aggregate numbers only, unless the operator
 /// opts in with `--metrics-per-model`.
@@ -1339,6 +1450,53 @@ fn engine_size_at_start() {
     for _ in lines {}
     drop(held);
     drop(model);
+}
+
+/// A raw engine that registers "cut", is granted four 2 MiB chunks (descriptors kept), then sends
+/// a malformed frame: the broker closes the connection. Says "cut off holding 8 MiB", then keeps
+/// the descriptors until stdin closes.
+fn engine_cut_off() {
+    let s = raw_hello(Path::new(&common::var("EVMM_SOCKET")), PROTOCOL_VERSION);
+    assert!(matches!(raw_reply(&s), Some(Reply::Welcome { .. })));
+    let Reply::Registered { model } = raw_request(
+        &s,
+        2,
+        Request::Register {
+            model: "cut".into(),
+            limit: 16 * MIB,
+            guarantee: 0,
+            priority: 0,
+        },
+    ) else {
+        panic!("register")
+    };
+    let mut held = Vec::new();
+    for id in 3..7 {
+        let msg = ToBroker {
+            id,
+            request: Request::Grow {
+                model,
+                size: 2 * MIB,
+            },
+        };
+        ipc::send_frame(&s, &ipc::encode(&msg).unwrap(), &[]).unwrap();
+        let f = ipc::recv_frame(&s, ipc::MAX_FRAME).unwrap().unwrap();
+        assert_eq!(f.fds.len(), 1);
+        held.extend(f.fds);
+    }
+    ipc::send_frame(&s, &[0xff; 7], &[]).unwrap();
+    assert!(matches!(
+        raw_reply(&s),
+        Some(Reply::Error {
+            kind: ErrorKind::Malformed,
+            ..
+        })
+    ));
+    assert_closed(&s);
+    println!("cut off holding {} MiB", held.len() as u64 * 2);
+    std::io::stdout().flush().unwrap();
+    for _ in std::io::stdin().lock().lines() {}
+    drop(held);
 }
 
 /// Grows 4 MiB at a time, writing each allocation, until killed.

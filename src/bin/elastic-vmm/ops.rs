@@ -154,13 +154,21 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
         let bound = broker::metrics::serve_metrics(addr, text)?;
         println!("metrics on http://{bound}/metrics");
     }
+    let budget = broker.snapshot().global_limit;
+    if budget < global_limit {
+        eprintln!(
+            "budget cut to the {} free on the device (asked {})",
+            human_bytes(budget),
+            human_bytes(global_limit)
+        );
+    }
     println!(
         "broker pid {} on {} ({} {}, budget {})",
         std::process::id(),
         socket.display(),
         info.name,
         info.device_name,
-        human_bytes(global_limit)
+        human_bytes(budget)
     );
     broker.wait();
     Ok(())
