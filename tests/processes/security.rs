@@ -60,6 +60,16 @@ pub fn role(name: &str) -> Option<fn()> {
 /// The second user (and its group).
 const NOBODY: u32 = 65534;
 
+/// These tests play a second user: they must run as root (to drop a child to uid 65534 and to
+/// make folders of another owner).
+fn require_root() {
+    assert_eq!(
+        rustix::process::geteuid().as_raw(),
+        0,
+        "the security tests need root (they run children as uid 65534 and chown folders to it)"
+    );
+}
+
 fn chown(path: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::chown(path, Some(uid), Some(gid)).unwrap();
 }
@@ -118,6 +128,7 @@ fn private_dir(tag: &str) -> PathBuf {
 /// a symbolic link (nor truncated), and only a stale socket is removed from the socket's path:
 /// a file there is refused and left as it was. Every case is checked; the failures are listed.
 fn socket_folder_cannot_be_taken_over() {
+    require_root();
     let mut failures: Vec<String> = Vec::new();
     let expect = |failures: &mut Vec<String>,
                   case: &str,
@@ -231,6 +242,7 @@ fn socket_folder_cannot_be_taken_over() {
 /// Another user runs a "broker" on a socket the engine was told to use: the engine refuses it
 /// (SO_PEERCRED names the listener's user), before saying anything.
 fn engines_check_the_brokers_uid() {
+    require_root();
     let parent = common::temp_dir("impostor");
     chmod(&parent, 0o711);
     let dir = parent.join("nobody");
@@ -336,6 +348,7 @@ fn threads_of(pid: u32) -> u64 {
 /// hello: the broker holds no thread for them, closes those over the per-user cap at once and
 /// the others at the hello deadline, and answers its operator all along.
 fn hello_flood_holds_no_threads() {
+    require_root();
     let group = NOBODY.to_string();
     let broker = BrokerProc::start(
         "flood",
@@ -400,6 +413,7 @@ fn hello_flood_holds_no_threads() {
 /// Another user (allowed through `--group`) cannot take every model slot, every connection, or
 /// the whole budget as its guarantee: the broker's own user still connects, registers and grows.
 fn one_user_cannot_take_every_slot_or_the_budget() {
+    require_root();
     let group = NOBODY.to_string();
     let broker = BrokerProc::start("caps", 64 * MIB, &["--group", &group]);
     let mut foreign = Script::new(common::spawn_as(
@@ -491,6 +505,7 @@ fn one_user_cannot_take_every_slot_or_the_budget() {
 /// with `--group`, it acts on its own models only (another engine's ids are unknown to it), and
 /// a control connection (operator requests) is refused.
 fn a_second_user_acts_only_on_its_own_models() {
+    require_root();
     // Mode 0600: the other user cannot even connect (the folder, 0700, keeps it out already;
     // opened here to others so that the socket's own mode is what refuses it).
     let broker = BrokerProc::start("private", 64 * MIB, &[]);
