@@ -2,9 +2,9 @@
 //! thread per connection until its hello is accepted.
 //!
 //! A connection is counted from accept: against the total ([`MAX_CONNECTIONS`], of which
-//! [`OPERATOR_RESERVE`] are kept for the broker's own user and root) and against its user's
-//! cap ([`BrokerConfig::max_connections_per_user`](super::BrokerConfig)); over either it gets
-//! an error reply and is closed at once. Until it has said hello it is one socket in this
+//! [`OPERATOR_RESERVE`] are kept for the broker's own user and root) and, for other users,
+//! against its user's cap ([`BrokerConfig::max_connections_per_user`](super::BrokerConfig));
+//! over either it gets an error reply and is closed at once. Until it has said hello it is one socket in this
 //! thread's `poll` set, its bytes gathered as they come ([`PartialFrame`]), with one deadline
 //! for the whole hello ([`BrokerConfig::hello_timeout`](super::BrokerConfig)). A peer of a user
 //! the broker does not serve is refused before it is counted. Only a valid hello gets the
@@ -219,7 +219,7 @@ fn admit(shared: &Shared, peer: PeerCredentials, waiting: &[Waiting]) -> Result<
         ));
     }
     let per_user = shared.config.max_connections_per_user;
-    if mine >= per_user {
+    if !operator(peer.uid) && mine >= per_user {
         return Err(error_reply(
             ErrorKind::Forbidden,
             format!(

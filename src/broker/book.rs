@@ -191,8 +191,9 @@ impl Book {
     }
 
     /// Register a model of connection `conn`, whose user is `uid`: within the model caps
-    /// (on the broker and per user) and the guarantee policy (in all and per user), and if its
-    /// guarantee fits beside everything already used or promised.
+    /// (on the broker, and per user for users other than the broker's own and root) and the
+    /// guarantee policy (in all and per user), and if its guarantee fits beside everything
+    /// already used or promised.
     pub(crate) fn register(
         &mut self,
         conn: u64,
@@ -225,7 +226,8 @@ impl Book {
             )));
         }
         let of_user = self.models.values().filter(|m| m.uid == uid).count();
-        if of_user >= self.policy.max_models_per_user {
+        let operator = uid == self.policy.broker_uid || uid == 0;
+        if !operator && of_user >= self.policy.max_models_per_user {
             return Err(BookError::Forbidden(format!(
                 "model {name:?}: user {uid} has {of_user} models registered, {} allowed per user",
                 self.policy.max_models_per_user

@@ -50,10 +50,12 @@ pub struct BrokerConfig {
     /// How long a new connection has, from accept, to say hello (its whole hello, however
     /// slowly it trickles in); then it is closed.
     pub hello_timeout: Duration,
-    /// Most connections one user may have open at once, counted from accept (those still to
-    /// say hello included).
+    /// Most connections one user other than the broker's own and root may have open at once,
+    /// counted from accept (those still to say hello included). The operator's user is bounded
+    /// by the total only.
     pub max_connections_per_user: usize,
-    /// Most models the engines of one user may have registered at once.
+    /// Most models the engines of one user other than the broker's own and root may have
+    /// registered at once (the operator's user: the total only).
     pub max_models_per_user: usize,
     /// Most bytes the guarantees of all models may add up to; `None`: the global limit.
     pub max_guarantee_total: Option<u64>,
@@ -65,8 +67,9 @@ pub struct BrokerConfig {
 
 impl BrokerConfig {
     /// A broker on `socket` with a global budget of `global_limit` bytes, mode 0600, reclaims
-    /// waited for 2 s, 5 s to say hello, 32 connections and 32 models per user, guarantees up
-    /// to the global limit for the broker's own user and root and none for other users.
+    /// waited for 2 s, 5 s to say hello, 32 connections and 32 models per other user than the
+    /// broker's and root, guarantees up to the global limit for the broker's own user and root
+    /// and none for other users.
     pub fn new(socket: impl Into<PathBuf>, global_limit: u64) -> Self {
         BrokerConfig {
             socket: socket.into(),
@@ -100,13 +103,13 @@ impl BrokerConfig {
         self
     }
 
-    /// Most connections per user (from accept).
+    /// Most connections per user other than the broker's own and root (from accept).
     pub fn max_connections_per_user(mut self, n: usize) -> Self {
         self.max_connections_per_user = n;
         self
     }
 
-    /// Most models per user.
+    /// Most models per user other than the broker's own and root.
     pub fn max_models_per_user(mut self, n: usize) -> Self {
         self.max_models_per_user = n;
         self

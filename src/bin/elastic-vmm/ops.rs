@@ -72,10 +72,12 @@ pub struct BrokerArgs {
     /// How long a new connection has to say hello, in ms (then it is closed).
     #[arg(long, default_value_t = 5000)]
     pub hello_timeout_ms: u64,
-    /// Most connections one user may have open (counted from accept, hello pending included).
+    /// Most connections one user of --group may have open (counted from accept, hello pending
+    /// included). The broker's own user and root are bounded by the total (128) only.
     #[arg(long, default_value_t = 32)]
     pub max_connections_per_user: usize,
-    /// Most models one user's engines may register.
+    /// Most models one user of --group may register (the broker's own user and root: the
+    /// total, 128, only).
     #[arg(long, default_value_t = 32)]
     pub max_models_per_user: usize,
     /// Most bytes all guarantees may add up to (bytes, or with K/M/G/T). Default: the budget.
