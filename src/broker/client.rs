@@ -56,6 +56,9 @@ struct Pending {
     /// How long a request waits for its reply.
     timeout: Option<Duration>,
     closed: bool,
+    /// The broker's last word before it closed the connection (an error about the connection
+    /// itself: refused at accept, a malformed frame): what waiters are told.
+    last_word: Option<(ErrorKind, String)>,
 }
 
 /// What the reclaim worker and the reporter need to reach a model.
@@ -340,9 +343,12 @@ impl ClientInner {
         {
             let mut p = self.pending.lock();
             if p.closed {
-                return Err(Error::Ipc {
-                    op: "broker request",
-                    detail: "the connection to the broker is closed".into(),
+                return Err(match p.last_word.clone() {
+                    Some((kind, message)) => reply_error(kind, message),
+                    None => Error::Ipc {
+                        op: "broker request",
+                        detail: "the connection to the broker is closed".into(),
+                    },
                 });
             }
             p.waiters.insert(id, tx);
@@ -394,10 +400,15 @@ impl ClientInner {
                     detail: format!("no reply within {:.1} s", timeout.as_secs_f64()),
                 })
             }
-            Err(RecvTimeoutError::Disconnected) => Err(Error::Ipc {
-                op: "broker reply",
-                detail: "the broker closed the connection".into(),
-            }),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(match self.pending.lock().last_word.clone() {
+                    Some((kind, message)) => reply_error(kind, message),
+                    None => Error::Ipc {
+                        op: "broker reply",
+                        detail: "the broker closed the connection".into(),
+                    },
+                })
+            }
         }
     }
 
@@ -459,6 +470,9 @@ fn read_loop(
                     None if id == 0 => {
                         // The broker's last word before closing (an error about this connection).
                         tracing::warn!(?reply, "broker closed the connection");
+                        if let Reply::Error { kind, message } = reply {
+                            pending.lock().last_word = Some((kind, message));
+                        }
                     }
                     None => tracing::debug!(id, "reply nobody waits for (timed out)"),
                 }

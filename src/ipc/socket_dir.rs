@@ -152,7 +152,7 @@ impl SocketDir {
             return Err(insecure(
                 &dir_path,
                 format!(
-                    "the socket's folder has mode {mode:04o} (owner uid {}, group {}): others could reach or replace what is in it; it must be {want}",
+                    "the socket's folder has mode {mode:04o} (owner uid {}, group {}): others could reach or replace what is in it; it must be {want} (chmod it, or remove it and let the broker make it)",
                     st.st_uid, st.st_gid
                 ),
             ));

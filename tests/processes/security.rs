@@ -53,6 +53,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "foreign-client" => Some(foreign_client),
         "foreign-flood" => Some(foreign_flood),
         "engine-hostile-reclaim" => Some(engine_hostile_reclaim),
+        "foreign-engine-lib" => Some(foreign_engine_lib),
         _ => None,
     }
 }
@@ -439,6 +440,21 @@ fn one_user_cannot_take_every_slot_or_the_budget() {
     let conns_capped = answer.starts_with("welcomed 31 refused 169")
         && answer
             .contains("user 65534 has 32 connections open or saying hello, 32 allowed per user");
+    // An engine of that user through the library is told why, with the numbers.
+    let mut lib = Script::new(common::spawn_as(
+        "foreign-engine-lib",
+        &[("EVMM_SOCKET", broker.socket.display().to_string())],
+        NOBODY,
+        NOBODY,
+    ));
+    let mut lib_answer = String::new();
+    lib.stdout.read_line(&mut lib_answer).unwrap();
+    eprintln!("  one more engine of that user: {}", lib_answer.trim());
+    assert!(
+        lib_answer.contains("Forbidden") && lib_answer.contains("32 allowed per user"),
+        "{lib_answer}"
+    );
+    lib.finish();
     // The broker's own user: connects, registers, grows.
     let ctl = broker.control();
     let mut mine = Script::new(common::spawn_piped(
@@ -846,6 +862,18 @@ fn engine_hostile_reclaim() {
         out.flush().unwrap();
     }
     drop(held);
+}
+
+/// An engine of another user through the library (`connect_trusting` the broker's user, root):
+/// prints "connected" or "error <why>", then waits for stdin to close.
+fn foreign_engine_lib() {
+    let answer = match BrokerClient::connect_trusting(common::var("EVMM_SOCKET"), "lib", 0) {
+        Ok(_) => "connected".to_string(),
+        Err(e) => format!("error {e}"),
+    };
+    println!("{answer}");
+    std::io::stdout().flush().unwrap();
+    for _ in std::io::stdin().lock().lines() {}
 }
 
 /// Opens `EVMM_COUNT` connections that each send one byte and never a hello; prints
