@@ -222,6 +222,17 @@ pub enum Error {
         detail: String,
     },
 
+    /// A socket's folder, lock file or path is not safe to use: another user owns it, others
+    /// may write it, it is a symbolic link, or something other than a stale socket sits at the
+    /// socket's path. Nothing was changed there.
+    #[error("{path}: {problem}; refused, nothing changed there")]
+    InsecurePath {
+        /// The path.
+        path: std::path::PathBuf,
+        /// What is wrong, with owner and mode.
+        problem: String,
+    },
+
     /// The broker refused a request (other than a growth, which is
     /// [`Error::AdmissionRefused`]).
     #[error("broker: {kind}: {message}")]

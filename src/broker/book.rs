@@ -10,6 +10,7 @@
 //! unused guarantees.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use super::protocol::{
@@ -43,6 +44,14 @@ pub(crate) struct ChunkEntry {
 pub(crate) struct ModelEntry {
     pub(crate) name: Arc<str>,
     pub(crate) conn: u64,
+    /// The user of the engine that registered it (`SO_PEERCRED`).
+    pub(crate) uid: u32,
+    /// Bumped by every limit change: a change that gives up (a lowering past its deadline)
+    /// restores the cap it replaced only if no later change came.
+    pub(crate) limit_change: u64,
+    /// Its connection ended while its process lived (see [`Book::end_conn`]): retired, its name
+    /// free, its chunks and charges kept until the process is gone.
+    pub(crate) orphaned: bool,
     pub(crate) chunks: BTreeSet<u64>,
     pub(crate) in_use: u64,
     pub(crate) idle: u64,
@@ -57,6 +66,19 @@ pub(crate) struct ConnEntry {
     pub(crate) writer: FrameWriter,
     /// Kept to shut the connection down when the broker stops.
     pub(crate) stream: std::os::unix::net::UnixStream,
+    /// The peer's process (a pidfd), if the kernel gave one: whether it still lives decides
+    /// what happens to its memory when the connection ends.
+    pub(crate) pidfd: Option<Arc<OwnedFd>>,
+}
+
+/// The models of a connection that ended while its process lived: their chunks may still be
+/// mapped there, so they stay charged until the process is gone.
+#[derive(Debug)]
+pub(crate) struct Orphan {
+    pub(crate) conn: u64,
+    pub(crate) pid: i32,
+    pub(crate) pidfd: Arc<OwnedFd>,
+    pub(crate) models: Vec<u64>,
 }
 
 /// An outstanding reclaim request.
@@ -66,10 +88,33 @@ pub(crate) struct Ticket {
     pub(crate) model: u64,
 }
 
+/// The operator's caps per user (see [`super::BrokerConfig`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Policy {
+    /// The broker's own user: it (and root) may hold guarantees by default; others may not.
+    pub(crate) broker_uid: u32,
+    pub(crate) max_models_per_user: usize,
+    /// `None`: only the budget bounds guarantees (the ledger refuses one that does not fit).
+    pub(crate) max_guarantee_total: Option<u64>,
+    pub(crate) max_guarantee_per_user: Option<u64>,
+}
+
+impl Policy {
+    /// The most bytes of guarantees the models of `uid` may hold together.
+    pub(crate) fn guarantee_cap(&self, uid: u32) -> u64 {
+        match self.max_guarantee_per_user {
+            Some(cap) => cap,
+            None if uid == self.broker_uid || uid == 0 => u64::MAX,
+            None => 0,
+        }
+    }
+}
+
 /// Everything under the broker's lock.
 #[derive(Debug)]
 pub(crate) struct Book {
     pub(crate) ledger: Ledger,
+    pub(crate) policy: Policy,
     pub(crate) models: BTreeMap<u64, ModelEntry>,
     pub(crate) names: HashMap<Arc<str>, u64>,
     pub(crate) chunks: HashMap<u64, ChunkEntry>,
@@ -77,6 +122,8 @@ pub(crate) struct Book {
     idle: BTreeMap<u64, Vec<u64>>,
     pub(crate) idle_bytes: u64,
     pub(crate) conns: BTreeMap<u64, ConnEntry>,
+    /// Connections ended with memory held by processes that still live.
+    pub(crate) orphans: Vec<Orphan>,
     pub(crate) tickets: HashMap<u64, Ticket>,
     pub(crate) counters: BrokerCounters,
     next_id: u64,
@@ -88,10 +135,12 @@ pub(crate) enum BookError {
     Unknown(String),
     Invalid(String),
     Duplicate(String),
+    /// The operator's policy (caps per user, guarantees) does not allow it.
+    Forbidden(String),
 }
 
 impl Book {
-    pub(crate) fn new(global_limit: u64) -> Book {
+    pub(crate) fn new(global_limit: u64, policy: Policy) -> Book {
         let mut ledger = Ledger::new(global_limit);
         let idle = ModelBook {
             id: "(broker idle)".into(),
@@ -110,12 +159,14 @@ impl Book {
             .expect("a line without guarantee always fits");
         Book {
             ledger,
+            policy,
             models: BTreeMap::new(),
             names: HashMap::new(),
             chunks: HashMap::new(),
             idle: BTreeMap::new(),
             idle_bytes: 0,
             conns: BTreeMap::new(),
+            orphans: Vec::new(),
             tickets: HashMap::new(),
             counters: BrokerCounters::default(),
             next_id: 0,
@@ -139,9 +190,14 @@ impl Book {
         }
     }
 
+    /// Register a model of connection `conn`, whose user is `uid`: within the model caps
+    /// (on the broker, and per user for users other than the broker's own and root) and the
+    /// guarantee policy (in all and per user), and if its guarantee fits beside everything
+    /// already used or promised.
     pub(crate) fn register(
         &mut self,
         conn: u64,
+        uid: u32,
         name: &str,
         limit: u64,
         guarantee: u64,
@@ -169,6 +225,29 @@ impl Book {
                 self.models.len()
             )));
         }
+        let of_user = self.models.values().filter(|m| m.uid == uid).count();
+        let operator = uid == self.policy.broker_uid || uid == 0;
+        if !operator && of_user >= self.policy.max_models_per_user {
+            return Err(BookError::Forbidden(format!(
+                "model {name:?}: user {uid} has {of_user} models registered, {} allowed per user",
+                self.policy.max_models_per_user
+            )));
+        }
+        if guarantee > 0 {
+            let cap = self.policy.guarantee_cap(uid);
+            let held = self.guarantees(|m| m.uid == uid);
+            if held.checked_add(guarantee).is_none_or(|g| g > cap) {
+                let why = if cap == 0 && self.policy.max_guarantee_per_user.is_none() {
+                    format!(" (users other than the broker's, uid {}, and root get none unless the operator allows them some)", self.policy.broker_uid)
+                } else {
+                    String::new()
+                };
+                return Err(BookError::Forbidden(format!(
+                    "model {name:?}: guarantee {guarantee} refused: the models of user {uid} hold guarantees of {held} bytes, {cap} allowed per user{why}"
+                )));
+            }
+            self.check_guarantee_total(name, None, guarantee)?;
+        }
         let id = self.next_id();
         let name: Arc<str> = name.into();
         let book = ModelBook {
@@ -195,6 +274,9 @@ impl Book {
             ModelEntry {
                 name,
                 conn,
+                uid,
+                limit_change: 0,
+                orphaned: false,
                 chunks: BTreeSet::new(),
                 in_use: 0,
                 idle: 0,
@@ -202,6 +284,39 @@ impl Book {
             },
         );
         Ok(id)
+    }
+
+    /// The guarantees of the models `which` selects, added up.
+    fn guarantees(&self, which: impl Fn(&ModelEntry) -> bool) -> u64 {
+        self.models
+            .iter()
+            .filter(|(_, m)| which(m))
+            .filter_map(|(k, _)| self.ledger.models.get(k))
+            .fold(0u64, |sum, b| sum.saturating_add(b.guarantee))
+    }
+
+    /// Whether every model's guarantee together stays within the policy's total when the
+    /// guarantee of `model` (a new one when `None`) becomes `guarantee`.
+    pub(crate) fn check_guarantee_total(
+        &self,
+        name: &str,
+        model: Option<u64>,
+        guarantee: u64,
+    ) -> Result<(), BookError> {
+        let others = self.guarantees(|_| true).saturating_sub(
+            model
+                .and_then(|k| self.ledger.models.get(&k))
+                .map_or(0, |b| b.guarantee),
+        );
+        let Some(max) = self.policy.max_guarantee_total else {
+            return Ok(());
+        };
+        if others.checked_add(guarantee).is_none_or(|g| g > max) {
+            return Err(BookError::Forbidden(format!(
+                "model {name:?}: guarantee {guarantee} refused: the other models hold guarantees of {others} bytes, {max} allowed in all"
+            )));
+        }
+        Ok(())
     }
 
     /// Remove a model; returns its chunks, now moving, their charges credited.
@@ -377,23 +492,75 @@ impl Book {
 
     /// A connection ended: every model it registered goes, with every chunk (returned moving,
     /// charges credited), and its reclaim tickets.
+    #[cfg(test)]
     pub(crate) fn drop_conn(&mut self, conn: u64) -> Vec<(u64, PhysicalChunk)> {
+        self.end_conn(conn, None)
+    }
+
+    /// A connection ended. `alive`: its process still lives (its pid and pidfd): then its models
+    /// that hold chunks stay, orphaned (retired, names freed, chunks and charges kept: the
+    /// process may still map them) until [`Book::reap`]; models holding nothing go. Otherwise
+    /// (or when nothing is held) every model goes with every chunk (returned moving, charges
+    /// credited). Its reclaim tickets go either way.
+    pub(crate) fn end_conn(
+        &mut self,
+        conn: u64,
+        alive: Option<(i32, Arc<OwnedFd>)>,
+    ) -> Vec<(u64, PhysicalChunk)> {
         self.conns.remove(&conn);
         self.tickets.retain(|_, t| t.conn != conn);
         let models: Vec<u64> = self
             .models
             .iter()
-            .filter(|(_, m)| m.conn == conn)
+            .filter(|(_, m)| m.conn == conn && !m.orphaned)
             .map(|(&k, _)| k)
             .collect();
         let mut out = Vec::new();
+        let mut kept = Vec::new();
         for m in models {
-            out.extend(self.unregister(m));
+            let holds = self.models.get(&m).is_some_and(|e| !e.chunks.is_empty());
+            match &alive {
+                Some(_) if holds => {
+                    if let Some(e) = self.models.get_mut(&m) {
+                        e.orphaned = true;
+                        let name = e.name.clone();
+                        self.names.remove(&name);
+                    }
+                    self.ledger.retire(m);
+                    kept.push(m);
+                }
+                _ => out.extend(self.unregister(m)),
+            }
+        }
+        if let (Some((pid, pidfd)), false) = (alive, kept.is_empty()) {
+            self.counters.orphaned_connections += 1;
+            self.orphans.push(Orphan {
+                conn,
+                pid,
+                pidfd,
+                models: kept,
+            });
         }
         if !out.is_empty() {
             self.counters.dead_engines += 1;
             self.counters.chunks_recovered += out.len() as u64;
         }
+        out
+    }
+
+    /// The process of orphaned connection `conn` is gone: its models go, with their chunks
+    /// (returned moving, charges credited).
+    pub(crate) fn reap(&mut self, conn: u64) -> Vec<(u64, PhysicalChunk)> {
+        let Some(i) = self.orphans.iter().position(|o| o.conn == conn) else {
+            return Vec::new();
+        };
+        let orphan = self.orphans.swap_remove(i);
+        let mut out = Vec::new();
+        for m in orphan.models {
+            out.extend(self.unregister(m));
+        }
+        self.counters.dead_engines += 1;
+        self.counters.chunks_recovered += out.len() as u64;
         out
     }
 
@@ -405,7 +572,7 @@ impl Book {
         let mut candidates: Vec<(i32, u64, u64, u64)> = self
             .models
             .iter()
-            .filter(|(_, m)| m.conn != asking)
+            .filter(|(_, m)| m.conn != asking && !m.orphaned)
             .filter_map(|(&k, m)| {
                 let b = self.ledger.models.get(&k)?;
                 let spare = b.used.saturating_sub(b.guarantee);
@@ -478,6 +645,7 @@ impl Book {
                     in_use: m.in_use,
                     idle: m.idle,
                     cached: m.cached,
+                    orphaned: m.orphaned,
                 })
             })
             .collect();
@@ -532,15 +700,25 @@ pub(crate) fn check_name(what: &str, name: &str) -> Result<(), BookError> {
 mod tests {
     use super::*;
 
+    /// The broker runs as uid 0 here; caps generous unless a test says otherwise.
+    fn policy() -> Policy {
+        Policy {
+            broker_uid: 0,
+            max_models_per_user: 32,
+            max_guarantee_total: None,
+            max_guarantee_per_user: None,
+        }
+    }
+
     fn chunk(raw: u64, size: usize) -> PhysicalChunk {
         PhysicalChunk { raw, size }
     }
 
     #[test]
     fn hand_over_moves_charge_without_touching_the_global_use() {
-        let mut b = Book::new(100);
-        let a = b.register(1, "a", 60, 0, 0).unwrap();
-        let c = b.register(2, "c", 60, 0, 0).unwrap();
+        let mut b = Book::new(100, policy());
+        let a = b.register(1, 0, "a", 60, 0, 0).unwrap();
+        let c = b.register(2, 0, "c", 60, 0, 0).unwrap();
         b.charge(a, 40).unwrap();
         let cid = b.add_created(a, chunk(7, 40));
         assert_eq!(
@@ -563,26 +741,72 @@ mod tests {
         let gone = b.drop_conn(2);
         assert_eq!(gone.len(), 1);
         assert_eq!(b.ledger.models[&IDLE].used, 0);
-        assert!(b.register(3, "a b", 1, 0, 0).is_err());
-        assert!(b.register(3, "", 1, 0, 0).is_err());
-        assert!(b.register(3, "x", 1, 2, 0).is_err());
+        assert!(b.register(3, 0, "a b", 1, 0, 0).is_err());
+        assert!(b.register(3, 0, "", 1, 0, 0).is_err());
+        assert!(b.register(3, 0, "x", 1, 2, 0).is_err());
         assert!(matches!(
-            b.register(3, "a", 1, 0, 0),
+            b.register(3, 0, "a", 1, 0, 0),
             Err(BookError::Duplicate(_))
         ));
     }
 
     #[test]
     fn reclaim_plan_takes_lowest_priority_first_and_spares_guarantees() {
-        let mut b = Book::new(1000);
-        let lo = b.register(1, "lo", 500, 100, -1).unwrap();
-        let hi = b.register(2, "hi", 500, 0, 5).unwrap();
-        let mine = b.register(3, "mine", 500, 0, -9).unwrap();
-        b.register(3, "me", 500, 0, 0).unwrap();
+        let mut b = Book::new(1000, policy());
+        let lo = b.register(1, 0, "lo", 500, 100, -1).unwrap();
+        let hi = b.register(2, 0, "hi", 500, 0, 5).unwrap();
+        let mine = b.register(3, 0, "mine", 500, 0, -9).unwrap();
+        b.register(3, 0, "me", 500, 0, 0).unwrap();
         b.charge(lo, 300).unwrap();
         b.charge(hi, 300).unwrap();
         b.charge(mine, 300).unwrap();
         let plan = b.reclaim_plan(3, 250);
         assert_eq!(plan, vec![(lo, 1, 200), (hi, 2, 50)]);
+    }
+
+    #[test]
+    fn caps_per_user_and_guarantee_policy() {
+        let mut b = Book::new(
+            1000,
+            Policy {
+                max_models_per_user: 2,
+                max_guarantee_total: Some(600),
+                ..policy()
+            },
+        );
+        // Another user: no guarantee by default, two models at most.
+        let e = b.register(9, 7, "g", 500, 500, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("guarantee 500 refused") && m.contains("0 allowed per user")),
+            "{e:?}"
+        );
+        b.register(9, 7, "a", 10, 0, 0).unwrap();
+        b.register(9, 7, "b", 10, 0, 0).unwrap();
+        let e = b.register(9, 7, "c", 10, 0, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("user 7 has 2 models registered, 2 allowed per user")),
+            "{e:?}"
+        );
+        // The broker's own user: guarantees up to the policy's total.
+        b.register(1, 0, "own", 1000, 400, 0).unwrap();
+        let e = b.register(1, 0, "own2", 1000, 300, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("hold guarantees of 400 bytes, 600 allowed in all")),
+            "{e:?}"
+        );
+        b.register(1, 0, "own2", 1000, 200, 0).unwrap();
+        // A per-user cap given by the operator applies to every user.
+        b.policy.max_guarantee_per_user = Some(50);
+        b.drop_conn(9);
+        b.register(9, 7, "small", 100, 0, 0).unwrap();
+        let e = b.register(9, 7, "big", 100, 51, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("50 allowed per user")),
+            "{e:?}"
+        );
+        // Peer numbers at the edge do not overflow.
+        let e = b.register(9, 7, "max", u64::MAX, u64::MAX, 0).unwrap_err();
+        assert!(matches!(e, BookError::Forbidden(_)), "{e:?}");
+        b.audit().unwrap();
     }
 }

@@ -56,6 +56,9 @@ struct Pending {
     /// How long a request waits for its reply.
     timeout: Option<Duration>,
     closed: bool,
+    /// The broker's last word before it closed the connection (an error about the connection
+    /// itself: refused at accept, a malformed frame): what waiters are told.
+    last_word: Option<(ErrorKind, String)>,
 }
 
 /// What the reclaim worker and the reporter need to reach a model.
@@ -130,22 +133,55 @@ pub(crate) fn reply_error(kind: ErrorKind, message: String) -> Error {
 }
 
 impl BrokerClient {
-    /// Connect to the broker at `socket` as an engine called `name`.
+    /// Connect to the broker at `socket` as an engine called `name`. The process listening
+    /// there must run as this process's user or root (`SO_PEERCRED`, checked before anything
+    /// is sent): a socket another user listens on is refused, whatever its path.
     pub fn connect(socket: impl AsRef<Path>, name: &str) -> Result<BrokerClient> {
-        Self::connect_as(socket, name, Role::Engine)
+        Self::connect_as(socket, name, Role::Engine, None)
+    }
+
+    /// Connect as an engine to the broker of user `broker_uid` (one that lets this user's
+    /// group in with `--group`): as [`BrokerClient::connect`], with that user trusted too.
+    pub fn connect_trusting(
+        socket: impl AsRef<Path>,
+        name: &str,
+        broker_uid: u32,
+    ) -> Result<BrokerClient> {
+        Self::connect_as(socket, name, Role::Engine, Some(broker_uid))
     }
 
     /// Connect for operator's work (`ctl`, `top`): read everything, change limits; no memory.
+    /// The broker must run as this process's user or root, as for [`BrokerClient::connect`].
     pub fn connect_control(socket: impl AsRef<Path>, name: &str) -> Result<BrokerClient> {
-        Self::connect_as(socket, name, Role::Control)
+        Self::connect_as(socket, name, Role::Control, None)
     }
 
-    fn connect_as(socket: impl AsRef<Path>, name: &str, role: Role) -> Result<BrokerClient> {
+    fn connect_as(
+        socket: impl AsRef<Path>,
+        name: &str,
+        role: Role,
+        trusted: Option<u32>,
+    ) -> Result<BrokerClient> {
         let path = socket.as_ref();
         let stream = UnixStream::connect(path).map_err(|e| Error::Ipc {
             op: "connect to broker",
             detail: format!("{}: {e}", path.display()),
         })?;
+        // Who listens there: a process of another user could hand out chunks it still maps.
+        let broker = crate::ipc::peer_credentials(&stream)?;
+        let me = rustix::process::geteuid().as_raw();
+        if broker.uid != me && broker.uid != 0 && Some(broker.uid) != trusted {
+            return Err(Error::Ipc {
+                op: "connect to broker",
+                detail: format!(
+                    "{}: the process listening there (pid {}) runs as uid {}, neither this user (uid {me}) nor root{}: not a broker this process trusts",
+                    path.display(),
+                    broker.pid,
+                    broker.uid,
+                    trusted.map_or(String::new(), |t| format!(" nor the trusted uid {t}"))
+                ),
+            });
+        }
         crate::ipc::raise_fd_limit();
         let clone = |s: &UnixStream| {
             s.try_clone().map_err(|e| Error::Ipc {
@@ -307,9 +343,12 @@ impl ClientInner {
         {
             let mut p = self.pending.lock();
             if p.closed {
-                return Err(Error::Ipc {
-                    op: "broker request",
-                    detail: "the connection to the broker is closed".into(),
+                return Err(match p.last_word.clone() {
+                    Some((kind, message)) => reply_error(kind, message),
+                    None => Error::Ipc {
+                        op: "broker request",
+                        detail: "the connection to the broker is closed".into(),
+                    },
                 });
             }
             p.waiters.insert(id, tx);
@@ -361,10 +400,15 @@ impl ClientInner {
                     detail: format!("no reply within {:.1} s", timeout.as_secs_f64()),
                 })
             }
-            Err(RecvTimeoutError::Disconnected) => Err(Error::Ipc {
-                op: "broker reply",
-                detail: "the broker closed the connection".into(),
-            }),
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(match self.pending.lock().last_word.clone() {
+                    Some((kind, message)) => reply_error(kind, message),
+                    None => Error::Ipc {
+                        op: "broker reply",
+                        detail: "the broker closed the connection".into(),
+                    },
+                })
+            }
         }
     }
 
@@ -426,6 +470,9 @@ fn read_loop(
                     None if id == 0 => {
                         // The broker's last word before closing (an error about this connection).
                         tracing::warn!(?reply, "broker closed the connection");
+                        if let Reply::Error { kind, message } = reply {
+                            pending.lock().last_word = Some((kind, message));
+                        }
                     }
                     None => tracing::debug!(id, "reply nobody waits for (timed out)"),
                 }

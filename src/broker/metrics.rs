@@ -165,6 +165,29 @@ impl Metrics {
     }
 }
 
+/// The metric families with a series per model (their names start with this).
+const PER_MODEL: &str = "elastic_vmm_broker_model_";
+
+/// `text` without its per-model families (model names and their bytes, limits, guarantees,
+/// refusals): what a loopback port, open to every local user, may show unless the operator
+/// opts in. Aggregate numbers (global use and limit, idle and physical bytes, counters, driver
+/// calls, grant latency) stay.
+pub fn aggregate_only(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let name = line
+            .strip_prefix("# HELP ")
+            .or_else(|| line.strip_prefix("# TYPE "))
+            .or_else(|| line.strip_prefix("# UNIT "))
+            .unwrap_or(line);
+        if !name.starts_with(PER_MODEL) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// Serve `text()` as Prometheus text on `addr`, which must be a loopback address, on a thread of
 /// its own. Every request gets the exposition.
 pub fn serve_metrics(
@@ -206,4 +229,28 @@ pub fn serve_metrics(
             detail: e.to_string(),
         })?;
     Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aggregate_only_drops_every_per_model_family() {
+        let text = "# HELP elastic_vmm_broker_model_bytes Bytes per model and state.\n\
+# TYPE elastic_vmm_broker_model_bytes gauge\n\
+elastic_vmm_broker_model_bytes{model=\"secret\",state=\"charged\"} 5\n\
+# HELP elastic_vmm_broker_global_used_bytes Bytes charged in all.\n\
+# TYPE elastic_vmm_broker_global_used_bytes gauge\n\
+elastic_vmm_broker_global_used_bytes 5\n\
+elastic_vmm_broker_model_refusals_total{model=\"secret\"} 1\n\
+# EOF\n";
+        let out = aggregate_only(text);
+        assert!(!out.contains("secret") && !out.contains("model_"), "{out}");
+        assert!(
+            out.contains("elastic_vmm_broker_global_used_bytes 5\n"),
+            "{out}"
+        );
+        assert!(out.ends_with("# EOF\n"), "{out}");
+    }
 }

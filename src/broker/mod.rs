@@ -3,27 +3,39 @@
 //! - [`Broker`] (`elastic-vmm broker`): a daemon per device (per host on the host backend). It
 //!   owns the global budget (the shared pool's ledger) and every physical chunk, keeping its
 //!   own reference to each. Engines connect over a Unix socket (mode 0600, or 0660 for a
-//!   configured group; `SO_PEERCRED` recorded), register models (limit, guarantee, priority),
+//!   configured group; `SO_PEERCRED` checked and recorded), register models (limit, guarantee, priority),
 //!   grow one chunk at a time and give chunks back. Chunks travel as descriptors with
 //!   `SCM_RIGHTS` ([`crate::ipc`]). A chunk given back waits idle at the broker and goes to
 //!   the next engine that asks for that size without any release or create (hand-over); when
 //!   the budget is short, idle chunks of other sizes are released and other engines are asked
 //!   to give memory back (lowest priority first, above their guarantees) before anyone is
-//!   refused. A connection that ends (an engine killed with SIGKILL) gives every chunk and
-//!   every charge back. Limits and guarantees change live; lowering a limit asks the engine to
+//!   refused. A connection that ends gives every chunk and every charge back once its process
+//!   is gone (at once for an engine killed with SIGKILL; a process that lives on may still map
+//!   its chunks, so its models stay charged, orphaned, until it exits). The budget never
+//!   exceeds the device's free memory at start. Limits and guarantees change live; lowering a limit asks the engine to
 //!   give back, with a deadline, and keeps the old limit (with the numbers) when it cannot.
 //! - [`BrokerClient`] and [`RemoteModel`]: the engine's side. A remote model dereferences to
 //!   an ordinary [`crate::Pool`]: allocations, range maps, regions and layouts work unchanged.
 //! - [`protocol`]: the messages. [`metrics`]: Prometheus text.
 //!
-//! Isolation: an engine sees, maps and changes only its own models and chunks (ids of another
-//! engine's are "unknown" to it); operator requests (limits, trim, metrics, the full view)
-//! need a control connection, open to the broker's own user (or root). A malformed or
-//! oversized message gets an error reply and closes that connection; the broker goes on.
+//! Security model (README, "Security model"): bookkeeping isolation between cooperating
+//! engines, not protection against a process that keeps a mapping of a chunk it gave back.
+//! - Who connects: the socket's folder is private ([`crate::ipc::SocketDir`]), the socket mode
+//!   0600 (0660 for `BrokerConfig::group`); the broker checks the peer's `SO_PEERCRED` at
+//!   accept, engines check the broker's (its user must be theirs or root, or one they name).
+//! - An engine sees, maps and changes only its own models and chunks (ids of another engine's
+//!   are "unknown" to it); every number it sends is checked. Operator requests (limits, trim,
+//!   metrics, the full view) need a control connection, open to the broker's own user or root.
+//! - How much one user may take: connections counted from accept against a total and a
+//!   per-user cap, a deadline for the whole hello with no thread per connection before it
+//!   (`accept.rs`), models per user, guarantees within the operator's policy.
+//! - A malformed or oversized message gets an error reply and closes that connection; a
+//!   connection thread that panics still gives back everything; the broker goes on.
 //!
 //! Memory handed over keeps what its last user wrote (as reused memory in one pool does):
 //! engines that do not trust each other need brokers of their own, or zeroing on allocation.
 
+mod accept;
 mod book;
 mod client;
 pub mod metrics;
@@ -37,12 +49,14 @@ pub use remote::RemoteModel;
 pub use server::{Broker, BrokerConfig};
 
 /// The default socket of the broker of `backend` (`"host"`, or `"cuda"` with a device ordinal):
-/// `$ELASTIC_VMM_BROKER` if set, else `/tmp/elastic-vmm-<uid>/<backend>[<ordinal>].sock`.
+/// `$ELASTIC_VMM_BROKER` if set, else `$TMPDIR/elastic-vmm-<uid>/<backend>[<ordinal>].sock`
+/// (`/tmp` without `TMPDIR`). The broker makes that folder 0700 and refuses it when another user
+/// made it first (the name is predictable); engines refuse a listener of another user there.
 pub fn default_socket(backend: &str, ordinal: Option<i32>) -> std::path::PathBuf {
     if let Some(p) = std::env::var_os("ELASTIC_VMM_BROKER") {
         return p.into();
     }
-    let uid = rustix::process::getuid().as_raw();
+    let uid = rustix::process::geteuid().as_raw();
     let file = match ordinal {
         Some(o) => format!("{backend}{o}.sock"),
         None => format!("{backend}.sock"),

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::ipc::PeerCredentials;
 
 /// Version of this protocol; a peer with another version is refused at [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Most chunks one [`Request::GrowMany`] asks for, and most ids one [`Request::GiveBackMany`]
 /// carries: one frame holds at most [`crate::ipc::MAX_FDS`] descriptors.
@@ -24,7 +24,7 @@ pub const MAX_NAME: usize = 64;
 /// Most models registered on one broker (keeps a snapshot within one frame).
 pub const MAX_MODELS: usize = 128;
 
-/// Most connections served at once.
+/// Most connections served at once, counted from accept (those still to say hello included).
 pub const MAX_CONNECTIONS: usize = 128;
 
 /// What a connection is for.
@@ -377,6 +377,10 @@ pub struct ModelInfo {
     pub idle: u64,
     /// Last report: cached bytes.
     pub cached: u64,
+    /// Its engine's connection ended while the engine's process lived: its chunks (perhaps
+    /// still mapped there) stay charged until that process is gone; it grows no more and its
+    /// name is free.
+    pub orphaned: bool,
 }
 
 /// The broker's counters.
@@ -402,8 +406,13 @@ pub struct BrokerCounters {
     pub chunks_recovered: u64,
     /// Malformed or oversized messages (their connections were closed).
     pub malformed: u64,
-    /// Connections refused (credentials, version).
+    /// Connections refused (credentials, version, caps, no hello in time).
     pub refused_connections: u64,
+    /// Connection threads that panicked (their memory was taken back, the connection closed).
+    pub panics: u64,
+    /// Connections that ended with memory held while their process lived: that memory stays
+    /// charged (orphaned models) until the process is gone.
+    pub orphaned_connections: u64,
     /// Sum of grant latencies (request read to reply queued), microseconds.
     pub grant_micros: u64,
 }

@@ -1,4 +1,6 @@
-//! The broker daemon: a Unix socket, one thread per connection, the books under one lock.
+//! The broker daemon: a Unix socket, one thread accepting every connection and reading every
+//! hello (`accept.rs`), then two threads per connection (its reader and its writer), the books
+//! under one lock.
 //!
 //! Locks: the book ([`Book`], a `parking_lot` mutex) guards bookkeeping only. Driver calls
 //! (create, export, release), socket reads and queued writes all happen without it, on chunks
@@ -8,7 +10,6 @@
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,37 +19,57 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::book::{Book, BookError, ConnEntry, Ticket, IDLE};
+use super::book::{Book, BookError, Policy, Ticket, IDLE};
 use super::metrics::Metrics;
 use super::protocol::{
     BackendDesc, ChangeOutcome, ErrorKind, FromBroker, Push, Reply, Request, Role, Snapshot,
-    ToBroker, MAX_BATCH, MAX_CONNECTIONS, PROTOCOL_VERSION,
+    ToBroker, MAX_BATCH,
 };
 use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
 use crate::error::{Error, Result};
-use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials};
+use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials, SocketDir};
 use crate::shared::ledger::Refusal as LedgerRefusal;
 
 /// How a broker is set up.
 #[derive(Debug, Clone)]
 pub struct BrokerConfig {
-    /// The socket's path.
+    /// The socket's path. Its folder must be private to the broker's user (made 0700 when
+    /// missing; see [`crate::ipc::SocketDir`]).
     pub socket: PathBuf,
     /// The global budget in bytes.
     pub global_limit: u64,
-    /// Group allowed to connect as engines besides the broker's user (socket mode 0660 then);
-    /// `None`: the broker's user only (mode 0600).
+    /// Group allowed to connect as engines besides the broker's user (socket mode 0660 and
+    /// folder 0710 with that group then); `None`: the broker's user only (mode 0600, folder
+    /// 0700). Checked against the peer's primary group (`SO_PEERCRED`).
     pub group: Option<u32>,
     /// How long a growth waits for other engines to give memory back.
     pub reclaim_wait: Duration,
-    /// How long a connection may take to say hello, and a stuck peer may block a write.
+    /// How long a stuck peer may block a write.
     pub io_timeout: Duration,
+    /// How long a new connection has, from accept, to say hello (its whole hello, however
+    /// slowly it trickles in); then it is closed.
+    pub hello_timeout: Duration,
+    /// Most connections one user other than the broker's own and root may have open at once,
+    /// counted from accept (those still to say hello included). The operator's user is bounded
+    /// by the total only.
+    pub max_connections_per_user: usize,
+    /// Most models the engines of one user other than the broker's own and root may have
+    /// registered at once (the operator's user: the total only).
+    pub max_models_per_user: usize,
+    /// Most bytes the guarantees of all models may add up to; `None`: the global limit.
+    pub max_guarantee_total: Option<u64>,
+    /// Most bytes the guarantees of one user's models may add up to. `None`: the global limit
+    /// for the broker's own user and root, nothing for other users (allowed in through
+    /// [`BrokerConfig::group`]).
+    pub max_guarantee_per_user: Option<u64>,
 }
 
 impl BrokerConfig {
     /// A broker on `socket` with a global budget of `global_limit` bytes, mode 0600, reclaims
-    /// waited for 2 s.
+    /// waited for 2 s, 5 s to say hello, 32 connections and 32 models per other user than the
+    /// broker's and root, guarantees up to the global limit for the broker's own user and root
+    /// and none for other users.
     pub fn new(socket: impl Into<PathBuf>, global_limit: u64) -> Self {
         BrokerConfig {
             socket: socket.into(),
@@ -56,6 +77,11 @@ impl BrokerConfig {
             group: None,
             reclaim_wait: Duration::from_secs(2),
             io_timeout: Duration::from_secs(5),
+            hello_timeout: Duration::from_secs(5),
+            max_connections_per_user: 32,
+            max_models_per_user: 32,
+            max_guarantee_total: None,
+            max_guarantee_per_user: None,
         }
     }
 
@@ -70,19 +96,50 @@ impl BrokerConfig {
         self.reclaim_wait = wait;
         self
     }
+
+    /// How long a new connection has to say hello.
+    pub fn hello_timeout(mut self, timeout: Duration) -> Self {
+        self.hello_timeout = timeout;
+        self
+    }
+
+    /// Most connections per user other than the broker's own and root (from accept).
+    pub fn max_connections_per_user(mut self, n: usize) -> Self {
+        self.max_connections_per_user = n;
+        self
+    }
+
+    /// Most models per user other than the broker's own and root.
+    pub fn max_models_per_user(mut self, n: usize) -> Self {
+        self.max_models_per_user = n;
+        self
+    }
+
+    /// Most bytes of guarantees in all.
+    pub fn max_guarantee_total(mut self, bytes: u64) -> Self {
+        self.max_guarantee_total = Some(bytes);
+        self
+    }
+
+    /// Most bytes of guarantees per user (every user, the broker's own and root included).
+    pub fn max_guarantee_per_user(mut self, bytes: u64) -> Self {
+        self.max_guarantee_per_user = Some(bytes);
+        self
+    }
 }
 
 /// State shared by the broker's threads.
 pub(crate) struct Shared {
-    backend: Arc<Counting>,
+    pub(super) backend: Arc<Counting>,
     pub(crate) desc: BackendDesc,
-    config: BrokerConfig,
+    pub(super) config: BrokerConfig,
     pub(crate) book: Mutex<Book>,
     /// Signalled whenever memory comes back or a reclaim ticket is answered.
-    changed: Condvar,
-    pid: u32,
-    uid: u32,
-    stopping: AtomicBool,
+    pub(super) changed: Condvar,
+    pub(super) pid: u32,
+    /// The broker's (effective) user.
+    pub(super) uid: u32,
+    pub(super) stopping: AtomicBool,
     pub(crate) metrics: Metrics,
 }
 
@@ -91,6 +148,8 @@ pub(crate) struct Shared {
 pub struct Broker {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
+    reaper: Option<JoinHandle<()>>,
+    dir: SocketDir,
     _lock: File,
 }
 
@@ -112,8 +171,14 @@ fn io_err(op: &'static str, path: &Path, e: std::io::Error) -> Error {
 impl Broker {
     /// Start a broker owning `backend`'s chunks (it must export them: CUDA with POSIX-fd
     /// support, or a host backend with per-chunk files). Refused when another broker serves
-    /// the same socket.
-    pub fn start(backend: Arc<dyn Backend>, config: BrokerConfig) -> Result<Broker> {
+    /// the same socket, and when the socket's folder, lock file or path is not safe
+    /// ([`Error::InsecurePath`]: another user's folder, one others can reach, a symbolic link,
+    /// or a file other than a stale socket at the socket's path).
+    ///
+    /// The budget never exceeds the device's free memory at start: memory other processes hold
+    /// (engines of an earlier broker that still map its chunks, other programs) is not there
+    /// to grant, so a larger `global_limit` is cut to what is free, with a warning.
+    pub fn start(backend: Arc<dyn Backend>, mut config: BrokerConfig) -> Result<Broker> {
         let info = backend.info().clone();
         if !info.posix_fd_exportable {
             return Err(Error::InvalidArgument(format!(
@@ -121,77 +186,93 @@ impl Broker {
                 info.name
             )));
         }
+        match backend.memory_info() {
+            Ok(mem) if config.global_limit > mem.free => {
+                tracing::warn!(
+                    asked = config.global_limit,
+                    free = mem.free,
+                    total = mem.total,
+                    "global limit above the device's free memory; the budget is the free memory"
+                );
+                config.global_limit = mem.free;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "the device's free memory is unknown; the budget is taken as given")
+            }
+        }
         if config.global_limit < info.granularity as u64 {
             return Err(Error::InvalidArgument(format!(
                 "global limit {} is below one granule of {} bytes",
                 config.global_limit, info.granularity
             )));
         }
+        if config.max_connections_per_user == 0 || config.max_models_per_user == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "at least one connection and one model per user: {} connections and {} models asked",
+                config.max_connections_per_user, config.max_models_per_user
+            )));
+        }
         crate::ipc::raise_fd_limit();
         let path = config.socket.clone();
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| io_err("create socket folder", dir, e))?;
-        }
+        // The folder is checked (or made) private first; everything after goes through it.
+        let dir = SocketDir::claim(&path, config.group)?;
         // One broker per socket: an exclusive lock on a file beside it, held for the broker's
         // life (the kernel drops it when the process dies, so a crashed broker leaves none).
-        let lock_path = path.with_extension("lock");
-        let lock = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| io_err("open lock file", &lock_path, e))?;
-        if let Err(e) =
-            rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-        {
-            let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
-            return Err(Error::Ipc {
-                op: "start broker",
-                detail: format!(
-                    "another broker (pid {}) serves {} ({e})",
-                    holder.trim(),
-                    path.display()
-                ),
-            });
-        }
-        let _ = rustix::fs::ftruncate(&lock, 0);
-        let _ = std::io::Write::write_all(&mut &lock, std::process::id().to_string().as_bytes());
-        // The lock is ours: a socket file left by a dead broker is stale.
-        let _ = std::fs::remove_file(&path);
+        let lock = dir.lock()?;
+        // The lock is ours: a socket left by a dead broker is stale (anything else is refused).
+        dir.clear_stale_socket()?;
         let listener = UnixListener::bind(&path).map_err(|e| io_err("bind", &path, e))?;
         let mode = if config.group.is_some() { 0o660 } else { 0o600 };
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| io_err("chmod socket", &path, e))?;
-        if let Some(gid) = config.group {
-            rustix::fs::chown(&path, None, Some(rustix::process::Gid::from_raw(gid)))
-                .map_err(|e| io_err("chown socket", &path, e.into()))?;
-        }
+        dir.set_socket_access(mode, config.group)?;
         let desc = BackendDesc {
             name: info.name.to_string(),
             device_ordinal: info.device_ordinal,
             granularity: info.granularity as u64,
             device_name: info.device_name.clone(),
         };
+        let uid = rustix::process::geteuid().as_raw();
+        let policy = Policy {
+            broker_uid: uid,
+            max_models_per_user: config.max_models_per_user,
+            max_guarantee_total: config.max_guarantee_total,
+            max_guarantee_per_user: config.max_guarantee_per_user,
+        };
         let shared = Arc::new(Shared {
             backend: Arc::new(Counting::new(backend)),
             desc,
-            book: Mutex::new(Book::new(config.global_limit)),
+            book: Mutex::new(Book::new(config.global_limit, policy)),
             changed: Condvar::new(),
             pid: std::process::id(),
-            uid: rustix::process::getuid().as_raw(),
+            uid,
             stopping: AtomicBool::new(false),
             metrics: Metrics::new(),
             config,
         });
         tracing::info!(socket = %path.display(), global_limit = shared.config.global_limit, backend = %shared.desc.name, "broker listening");
         let s = shared.clone();
+        let reaper = std::thread::Builder::new()
+            .name("broker-reaper".into())
+            .spawn(move || reap_loop(s))
+            .map_err(|e| io_err("spawn", &path, e))?;
+        let s = shared.clone();
         let accept = std::thread::Builder::new()
             .name("broker-accept".into())
-            .spawn(move || accept_loop(s, listener))
-            .map_err(|e| io_err("spawn", &path, e))?;
+            .spawn(move || super::accept::accept_loop(s, listener));
+        let accept = match accept {
+            Ok(t) => t,
+            Err(e) => {
+                shared.stopping.store(true, Ordering::SeqCst);
+                shared.changed.notify_all();
+                let _ = reaper.join();
+                return Err(io_err("spawn", &path, e));
+            }
+        };
         Ok(Broker {
             shared,
             accept: Some(accept),
+            reaper: Some(reaper),
+            dir,
             _lock: lock,
         })
     }
@@ -227,7 +308,7 @@ impl Broker {
 
     fn stop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        // Wake the accept loop.
+        // Wake the accept loop (it also looks at least once a second).
         let _ = UnixStream::connect(&self.shared.config.socket);
         if let Some(t) = self.accept.take() {
             let _ = t.join();
@@ -247,9 +328,24 @@ impl Broker {
         while Instant::now() < end && !self.shared.book.lock().conns.is_empty() {
             std::thread::sleep(Duration::from_millis(5));
         }
+        self.shared.changed.notify_all();
+        if let Some(t) = self.reaper.take() {
+            let _ = t.join();
+        }
+        // Orphaned memory too: the broker's references go now (processes that still map a
+        // chunk keep their own).
+        let orphaned = {
+            let mut book = self.shared.book.lock();
+            let conns: Vec<u64> = book.orphans.iter().map(|o| o.conn).collect();
+            conns
+                .into_iter()
+                .flat_map(|c| book.reap(c))
+                .collect::<Vec<_>>()
+        };
+        self.shared.release_all(orphaned, None);
         let idle = self.shared.book.lock().take_idle(u64::MAX);
         self.shared.release_all(idle, Some(IDLE));
-        let _ = std::fs::remove_file(&self.shared.config.socket);
+        self.dir.remove_socket();
     }
 }
 
@@ -261,46 +357,23 @@ impl Drop for Broker {
     }
 }
 
-fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
-    for stream in listener.incoming() {
-        if shared.stopping.load(Ordering::SeqCst) {
-            break;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let id = shared.book.lock().next_id();
-        let s = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("broker-conn-{id}"))
-            .spawn(move || serve(s, stream, id));
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "cannot spawn a connection thread");
-        }
-    }
-}
-
-fn error_reply(kind: ErrorKind, message: impl Into<String>) -> Reply {
+pub(super) fn error_reply(kind: ErrorKind, message: impl Into<String>) -> Reply {
     Reply::Error {
         kind,
         message: message.into(),
     }
 }
 
-fn book_error(e: BookError) -> Reply {
+pub(super) fn book_error(e: BookError) -> Reply {
     match e {
         BookError::Unknown(m) => error_reply(ErrorKind::Unknown, m),
         BookError::Invalid(m) => error_reply(ErrorKind::InvalidArgument, m),
         BookError::Duplicate(m) => error_reply(ErrorKind::Duplicate, m),
+        BookError::Forbidden(m) => error_reply(ErrorKind::Forbidden, m),
     }
 }
 
-fn send(writer: &FrameWriter, id: u64, reply: Reply, fds: Vec<OwnedFd>) -> Result<()> {
+pub(super) fn send(writer: &FrameWriter, id: u64, reply: Reply, fds: Vec<OwnedFd>) -> Result<()> {
     let payload = match ipc::encode(&FromBroker::Reply { id, reply }) {
         Ok(p) => p,
         // Too large for one frame (metrics of very many models): say so instead.
@@ -312,51 +385,20 @@ fn send(writer: &FrameWriter, id: u64, reply: Reply, fds: Vec<OwnedFd>) -> Resul
     writer.send(Outgoing { payload, fds })
 }
 
-/// One connection, from hello to cleanup.
-fn serve(shared: Arc<Shared>, stream: UnixStream, conn: u64) {
-    let peer = match ipc::peer_credentials(&stream) {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::warn!(error = %e, "no peer credentials; connection closed");
-            return;
-        }
-    };
-    if shared.stopping.load(Ordering::SeqCst) {
-        return;
-    }
-    let _ = stream.set_write_timeout(Some(shared.config.io_timeout));
-    let Ok(clone) = stream.try_clone() else {
-        return;
-    };
-    let Ok((writer, writer_thread)) =
-        FrameWriter::spawn(clone, 1024, &format!("broker-conn-{conn}"))
-    else {
-        return;
-    };
-    match handshake(&shared, &stream, conn, peer, &writer) {
-        Ok(()) => {
-            let _ = stream.set_read_timeout(None);
-            read_loop(&shared, &stream, conn, &writer);
-        }
-        Err(reply) => {
-            shared.book.lock().counters.refused_connections += 1;
-            let _ = send(&writer, 0, reply, Vec::new());
-        }
-    }
-    // Cleanup: every model of this connection goes, with its chunks.
-    let chunks = shared.book.lock().drop_conn(conn);
-    if !chunks.is_empty() {
-        let bytes: u64 = chunks.iter().map(|(_, c)| c.size as u64).sum();
-        tracing::warn!(
-            conn,
-            pid = peer.pid,
-            chunks = chunks.len(),
-            bytes,
-            "connection closed with memory held; taking it back"
-        );
-    }
-    shared.release_all(chunks, None);
-    shared.changed.notify_all();
+/// One connection after its hello (the accept thread welcomed it and registered it in the
+/// book): its requests until it ends, then its cleanup.
+pub(super) fn serve(
+    shared: Arc<Shared>,
+    stream: UnixStream,
+    conn: u64,
+    peer: PeerCredentials,
+    role: Role,
+    writer: FrameWriter,
+    writer_thread: JoinHandle<()>,
+) {
+    shared.guarded(conn, peer, || {
+        read_loop(&shared, &stream, conn, role, &writer)
+    });
     // Let the writer flush what was queued (an error reply), then close.
     drop(writer);
     let _ = writer_thread.join();
@@ -364,102 +406,7 @@ fn serve(shared: Arc<Shared>, stream: UnixStream, conn: u64) {
     tracing::debug!(conn, pid = peer.pid, "connection closed");
 }
 
-fn handshake(
-    shared: &Shared,
-    stream: &UnixStream,
-    conn: u64,
-    peer: PeerCredentials,
-    writer: &FrameWriter,
-) -> std::result::Result<(), Reply> {
-    let _ = stream.set_read_timeout(Some(shared.config.io_timeout));
-    let same_user = peer.uid == shared.uid || peer.uid == 0;
-    let in_group = shared.config.group.is_some_and(|g| g == peer.gid);
-    if !same_user && !in_group {
-        return Err(error_reply(
-            ErrorKind::Forbidden,
-            format!("user {} is not allowed on this broker", peer.uid),
-        ));
-    }
-    let frame = match ipc::recv_frame(stream, ipc::MAX_FRAME) {
-        Ok(Some(f)) if f.fds.is_empty() => f,
-        Ok(Some(_)) => {
-            return Err(error_reply(
-                ErrorKind::Malformed,
-                "descriptors attached to hello",
-            ))
-        }
-        // A probe (or a peer that died at once): nothing to answer.
-        Ok(None) => return Err(error_reply(ErrorKind::Malformed, "closed before hello")),
-        Err(e) => return Err(error_reply(ErrorKind::Malformed, e.to_string())),
-    };
-    let msg: ToBroker = ipc::decode(&frame.payload)
-        .map_err(|e| error_reply(ErrorKind::Malformed, e.to_string()))?;
-    let Request::Hello {
-        version,
-        role,
-        name,
-    } = msg.request
-    else {
-        return Err(error_reply(
-            ErrorKind::Malformed,
-            "the first message must be hello",
-        ));
-    };
-    if version != PROTOCOL_VERSION {
-        return Err(error_reply(
-            ErrorKind::InvalidArgument,
-            format!("protocol version {version}, this broker speaks {PROTOCOL_VERSION}"),
-        ));
-    }
-    super::book::check_name("engine name", &name).map_err(book_error)?;
-    if role == Role::Control && !same_user {
-        return Err(error_reply(
-            ErrorKind::Forbidden,
-            format!(
-                "control connections are for user {} (or root), not {}",
-                shared.uid, peer.uid
-            ),
-        ));
-    }
-    let Ok(stream_clone) = stream.try_clone() else {
-        return Err(error_reply(ErrorKind::Backend, "cannot clone the socket"));
-    };
-    {
-        let mut book = shared.book.lock();
-        if book.conns.len() >= MAX_CONNECTIONS {
-            return Err(error_reply(
-                ErrorKind::Forbidden,
-                format!(
-                    "{} connections open, {MAX_CONNECTIONS} allowed",
-                    book.conns.len()
-                ),
-            ));
-        }
-        book.conns.insert(
-            conn,
-            ConnEntry {
-                name: name.clone(),
-                role,
-                peer,
-                writer: writer.clone(),
-                stream: stream_clone,
-            },
-        );
-    }
-    tracing::info!(conn, name = %name, ?role, pid = peer.pid, uid = peer.uid, gid = peer.gid, "connected");
-    let welcome = Reply::Welcome {
-        broker_pid: shared.pid,
-        backend: shared.desc.clone(),
-        global_limit: shared.config.global_limit,
-        engine: conn,
-    };
-    send(writer, msg.id, welcome, Vec::new())
-        .map_err(|e| error_reply(ErrorKind::Backend, e.to_string()))
-}
-
-fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, writer: &FrameWriter) {
-    let role = shared.book.lock().conns.get(&conn).map(|c| c.role);
-    let Some(role) = role else { return };
+fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, role: Role, writer: &FrameWriter) {
     loop {
         let frame = match ipc::recv_frame(stream, ipc::MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -494,7 +441,9 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, writer: &FrameWrit
         let (reply, fd) = shared.handle(conn, role, msg.request);
         if is_grow && matches!(reply, Reply::Granted { .. } | Reply::GrantedMany { .. }) {
             shared.metrics.observe_grant(started.elapsed());
-            shared.book.lock().counters.grant_micros += started.elapsed().as_micros() as u64;
+            let mut book = shared.book.lock();
+            let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+            book.counters.grant_micros = book.counters.grant_micros.saturating_add(micros);
         }
         if let Err(e) = send(writer, msg.id, reply, fd) {
             tracing::debug!(conn, error = %e, "reply not sent; closing");
@@ -503,7 +452,114 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, writer: &FrameWrit
     }
 }
 
+/// Watches the processes of orphaned connections: when one is gone, its models go with their
+/// chunks and charges. Sleeps on the book's condition variable while there is none.
+fn reap_loop(shared: Arc<Shared>) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let watched: Vec<(u64, i32, Arc<OwnedFd>)> = {
+            let mut book = shared.book.lock();
+            if book.orphans.is_empty() {
+                shared.changed.wait_for(&mut book, Duration::from_secs(1));
+                continue;
+            }
+            book.orphans
+                .iter()
+                .map(|o| (o.conn, o.pid, o.pidfd.clone()))
+                .collect()
+        };
+        let gone: Vec<(u64, i32)> = {
+            let mut fds: Vec<_> = watched
+                .iter()
+                .map(|(_, _, fd)| rustix::event::PollFd::new(&**fd, rustix::event::PollFlags::IN))
+                .collect();
+            let wait = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 200_000_000,
+            };
+            if rustix::event::poll(&mut fds, Some(&wait)).is_err() {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            fds.iter()
+                .zip(&watched)
+                .filter(|(f, _)| !f.revents().is_empty())
+                .map(|(_, &(conn, pid, _))| (conn, pid))
+                .collect()
+        };
+        for (conn, pid) in gone {
+            let chunks = shared.book.lock().reap(conn);
+            let bytes: u64 = chunks.iter().map(|(_, c)| c.size as u64).sum();
+            tracing::warn!(
+                conn,
+                pid,
+                chunks = chunks.len(),
+                bytes,
+                "the process of a closed connection is gone; its memory comes back"
+            );
+            shared.release_all(chunks, None);
+            shared.changed.notify_all();
+        }
+    }
+}
+
 impl Shared {
+    /// Run a connection's `body`, then its cleanup, also when `body` panics: every model of
+    /// the connection goes, with its chunks and charges, so a bug in serving one engine never
+    /// strands memory. (A panic is caught here rather than cleaned up in a `Drop` guard: a
+    /// cleanup that itself panicked during unwinding would abort the whole broker.)
+    ///
+    /// When its process still lives (its pidfd says so), the chunks its models hold may still be
+    /// mapped there: they stay charged, orphaned, until the process is gone ([`reap_loop`]),
+    /// instead of being credited while still in use.
+    pub(super) fn guarded(&self, conn: u64, peer: PeerCredentials, body: impl FnOnce()) {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(conn, pid = peer.pid, panic = %why, "a connection's thread panicked; its memory is taken back and the connection closed");
+            self.book.lock().counters.panics += 1;
+        }
+        let pidfd = self
+            .book
+            .lock()
+            .conns
+            .get(&conn)
+            .and_then(|c| c.pidfd.clone());
+        let alive = pidfd
+            // A process that dies closes its sockets a moment before its pidfd says so: a
+            // short wait spares the books (and the log) an orphan gone at once.
+            .filter(|fd| !ipc::process_exited(&**fd, Duration::from_millis(20)))
+            .map(|fd| (peer.pid, fd));
+        let orphaning = alive.is_some();
+        let chunks = {
+            let mut book = self.book.lock();
+            let before = book.orphans.len();
+            let chunks = book.end_conn(conn, alive);
+            if orphaning && book.orphans.len() > before {
+                tracing::warn!(
+                    conn,
+                    pid = peer.pid,
+                    "connection closed with memory held by a process that still lives; it stays charged until the process is gone"
+                );
+            }
+            chunks
+        };
+        if !chunks.is_empty() {
+            let bytes: u64 = chunks.iter().map(|(_, c)| c.size as u64).sum();
+            tracing::warn!(
+                conn,
+                pid = peer.pid,
+                chunks = chunks.len(),
+                bytes,
+                "connection closed with memory held; taking it back"
+            );
+        }
+        self.release_all(chunks, None);
+        self.changed.notify_all();
+    }
+
     fn malformed(&self, writer: &FrameWriter, id: u64, why: String) {
         self.book.lock().counters.malformed += 1;
         tracing::warn!(error = %why, "malformed message; connection closed");
@@ -580,10 +636,13 @@ impl Shared {
                 if role != Role::Engine {
                     return (engine_only(Reply::Done), Vec::new());
                 }
-                let r = self
-                    .book
-                    .lock()
-                    .register(conn, &model, limit, guarantee, priority);
+                let r = {
+                    let mut book = self.book.lock();
+                    match book.conns.get(&conn).map(|c| c.peer.uid) {
+                        Some(uid) => book.register(conn, uid, &model, limit, guarantee, priority),
+                        None => Err(BookError::Unknown(format!("connection {conn} is closing"))),
+                    }
+                };
                 match r {
                     Ok(id) => {
                         tracing::info!(conn, model = %model, id, limit, guarantee, priority, "model registered");
@@ -646,7 +705,8 @@ impl Shared {
                             Err(
                                 BookError::Unknown(m)
                                 | BookError::Invalid(m)
-                                | BookError::Duplicate(m),
+                                | BookError::Duplicate(m)
+                                | BookError::Forbidden(m),
                             ) => unknown.push(m),
                         }
                     }
@@ -677,19 +737,30 @@ impl Shared {
             }
             Request::ReclaimDone { ticket, freed } => {
                 let mut book = self.book.lock();
+                let mut reply = Reply::Done;
                 if let Some(t) = book
                     .tickets
                     .get(&ticket)
                     .copied()
                     .filter(|t| t.conn == conn)
                 {
+                    // Answered, however badly: the growth waiting for it goes on.
                     book.tickets.remove(&ticket);
-                    book.ledger.note_reclaimed(t.model, freed);
+                    let so_far = book.ledger.models.get(&t.model).map_or(0, |b| b.reclaimed);
+                    let global = book.ledger.global_limit;
+                    if freed > global || so_far.checked_add(freed).is_none() {
+                        reply = error_reply(
+                            ErrorKind::InvalidArgument,
+                            format!("reclaim {ticket}: {freed} bytes freed claimed, more than the global budget of {global}; not counted"),
+                        );
+                    } else {
+                        book.ledger.note_reclaimed(t.model, freed);
+                    }
                 }
                 drop(book);
                 tracing::debug!(conn, ticket, freed, "reclaim answered");
                 self.changed.notify_all();
-                (Reply::Done, Vec::new())
+                (reply, Vec::new())
             }
             Request::Report {
                 model,
@@ -700,6 +771,16 @@ impl Shared {
                 let mut book = self.book.lock();
                 if let Err(e) = book.own_model(conn, model) {
                     return (book_error(e), Vec::new());
+                }
+                let global = book.ledger.global_limit;
+                if [in_use, idle, cached].iter().any(|&v| v > global) {
+                    return (
+                        error_reply(
+                            ErrorKind::InvalidArgument,
+                            format!("report of model {model}: {in_use} in use, {idle} idle, {cached} cached: each at most the global budget of {global}"),
+                        ),
+                        Vec::new(),
+                    );
                 }
                 if let Some(m) = book.models.get_mut(&model) {
                     m.in_use = in_use;
@@ -949,8 +1030,14 @@ impl Shared {
         }
     }
 
+    /// Change a model's limit. Raising (or lowering to no less than its use) is immediate;
+    /// lowering below its use stops growth at the new limit at once (the cap), asks the engine
+    /// to give back, and waits up to `deadline`. A later change of the same model replaces this
+    /// one (it stops waiting and says so); a lowering that times out puts the cap back to the
+    /// standing limit only if no later change came (compare-and-restore), so it never clobbers
+    /// a change made while it waited.
     fn set_limit(&self, name: &str, limit: u64, deadline: Duration) -> Reply {
-        let (key, conn, old, used, guarantee) = {
+        let (key, conn, old, used, guarantee, change) = {
             let mut book = self.book.lock();
             let Some(&key) = book.names.get(name) else {
                 return error_reply(
@@ -958,14 +1045,31 @@ impl Shared {
                     format!("no model {name:?} is registered"),
                 );
             };
-            let b = &book.ledger.models[&key];
-            let (old, used, guarantee) = (b.limit, b.used, b.guarantee);
+            let Some((old, used, guarantee)) = book
+                .ledger
+                .models
+                .get(&key)
+                .map(|b| (b.limit, b.used, b.guarantee))
+            else {
+                return error_reply(
+                    ErrorKind::Unknown,
+                    format!("no model {name:?} is registered"),
+                );
+            };
             if limit == 0 || limit < guarantee {
                 return error_reply(
                     ErrorKind::InvalidArgument,
                     format!("model {name:?}: limit {limit} must be positive and at least its guarantee {guarantee}"),
                 );
             }
+            let Some(entry) = book.models.get_mut(&key) else {
+                return error_reply(
+                    ErrorKind::Unknown,
+                    format!("no model {name:?} is registered"),
+                );
+            };
+            entry.limit_change += 1;
+            let (change, conn) = (entry.limit_change, entry.conn);
             if used <= limit {
                 book.ledger.set_limit(key, limit);
                 tracing::info!(model = %name, old, limit, "limit changed");
@@ -979,7 +1083,7 @@ impl Shared {
             }
             // Growth stops at the new limit at once; the engine is asked for the rest.
             book.ledger.set_cap(key, limit);
-            (key, book.models[&key].conn, old, used, guarantee)
+            (key, conn, old, used, guarantee, change)
         };
         let ticket = {
             let mut book = self.book.lock();
@@ -993,33 +1097,44 @@ impl Shared {
         let mut book = self.book.lock();
         loop {
             let now_used = book.ledger.models.get(&key).map_or(0, |b| b.used);
-            let gone = !book.models.contains_key(&key);
-            if gone || now_used <= limit {
+            let Some(latest) = book.models.get(&key).map(|m| m.limit_change) else {
                 book.tickets.remove(&ticket);
-                if gone {
-                    return error_reply(ErrorKind::Unknown, format!("model {name:?} went away"));
-                }
+                return error_reply(ErrorKind::Unknown, format!("model {name:?} went away"));
+            };
+            if latest != change {
+                book.tickets.remove(&ticket);
+                let now = book.ledger.models.get(&key).map_or(0, |b| b.limit);
+                return error_reply(
+                    ErrorKind::NotReached,
+                    format!("model {name:?}: the change of its limit to {limit} bytes was replaced by a later change while it waited (the limit is {now})"),
+                );
+            }
+            if now_used <= limit {
+                book.tickets.remove(&ticket);
                 book.ledger.set_limit(key, limit);
-                tracing::info!(model = %name, old, limit, reclaimed = used - now_used, "limit lowered");
+                tracing::info!(model = %name, old, limit, reclaimed = used.saturating_sub(now_used), "limit lowered");
                 return Reply::Changed(ChangeOutcome {
                     model: name.into(),
                     limit,
                     guarantee,
                     used: now_used,
-                    reclaimed: used - now_used,
+                    reclaimed: used.saturating_sub(now_used),
                 });
             }
             if self.changed.wait_until(&mut book, end).timed_out() {
                 let now_used = book.ledger.models.get(&key).map_or(0, |b| b.used);
-                if now_used <= limit {
+                let latest = book.models.get(&key).map(|m| m.limit_change);
+                if now_used <= limit || latest != Some(change) {
                     continue;
                 }
                 book.tickets.remove(&ticket);
-                book.ledger.set_cap(key, old);
+                // Still our cap (no later change): back to the standing limit.
+                let standing = book.ledger.models.get(&key).map_or(old, |b| b.limit);
+                book.ledger.set_cap(key, standing);
                 return error_reply(
                     ErrorKind::NotReached,
                     format!(
-                        "model {name:?}: cannot set limit to {limit} bytes within {} ms: it still uses {now_used} bytes after giving back {}; the limit stays {old}",
+                        "model {name:?}: cannot set limit to {limit} bytes within {} ms: it still uses {now_used} bytes after giving back {}; the limit stays {standing}",
                         deadline.as_millis(),
                         used.saturating_sub(now_used)
                     ),
@@ -1044,6 +1159,9 @@ impl Shared {
                 format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
             );
         }
+        if let Err(e) = book.check_guarantee_total(name, Some(key), guarantee) {
+            return book_error(e);
+        }
         match book.ledger.try_set_guarantee(key, guarantee) {
             Ok(()) => Reply::Changed(ChangeOutcome { model: name.into(), limit, guarantee, used, reclaimed: 0 }),
             Err(max) => error_reply(
@@ -1051,5 +1169,89 @@ impl Shared {
                 format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", book.ledger.global_limit),
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+
+    /// A connection's thread that panics (here: in the middle of serving, holding a model and a
+    /// chunk) still gives everything back: the cleanup runs after the unwind, the books balance.
+    #[test]
+    fn a_panicking_connection_gives_everything_back() {
+        let dir = std::env::temp_dir().join(format!("evmm-unit-panic-{}", std::process::id()));
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker = Broker::start(
+            Arc::new(host),
+            BrokerConfig::new(dir.join("b.sock"), 64 << 20),
+        )
+        .unwrap();
+        let shared = broker.shared.clone();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (writer, writer_thread) =
+            FrameWriter::spawn(ours.try_clone().unwrap(), 8, "unit").unwrap();
+        let peer = PeerCredentials {
+            pid: 1,
+            uid: 0,
+            gid: 0,
+        };
+        let conn = {
+            let mut book = shared.book.lock();
+            let conn = book.next_id();
+            book.conns.insert(
+                conn,
+                super::super::book::ConnEntry {
+                    name: "unit".into(),
+                    role: Role::Engine,
+                    peer,
+                    writer: writer.clone(),
+                    stream: ours,
+                    pidfd: None,
+                },
+            );
+            conn
+        };
+        shared.guarded(conn, peer, || {
+            let Reply::Registered { model } = shared
+                .handle(
+                    conn,
+                    Role::Engine,
+                    Request::Register {
+                        model: "m".into(),
+                        limit: 32 << 20,
+                        guarantee: 4 << 20,
+                        priority: 0,
+                    },
+                )
+                .0
+            else {
+                panic!("register")
+            };
+            let (granted, fds) = shared.handle(
+                conn,
+                Role::Engine,
+                Request::Grow {
+                    model,
+                    size: 2 << 20,
+                },
+            );
+            assert!(matches!(granted, Reply::Granted { .. }), "{granted:?}");
+            assert_eq!(fds.len(), 1);
+            assert_eq!(shared.snapshot(None).global_used, 2 << 20);
+            panic!("injected panic while serving a connection");
+        });
+        let s = broker.snapshot();
+        assert_eq!(s.audit, None);
+        assert!(s.models.is_empty() && s.engines.is_empty(), "{s:?}");
+        assert_eq!((s.global_used, s.idle), (0, 0));
+        assert_eq!(s.counters.panics, 1);
+        assert_eq!(s.counters.releases, 1, "the chunk went back to the driver");
+        drop((writer, theirs));
+        writer_thread.join().unwrap();
+        drop(broker);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

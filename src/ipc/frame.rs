@@ -192,6 +192,97 @@ pub fn recv_frame(socket: impl AsFd, max_payload: usize) -> Result<Option<Frame>
     Ok(Some(Frame { payload, fds }))
 }
 
+/// A frame arriving on a non-blocking socket, read as its bytes come, by a thread that serves
+/// many sockets (the broker's hello stage): [`PartialFrame::read_available`] takes what is
+/// there and never waits.
+#[derive(Debug, Default)]
+pub struct PartialFrame {
+    header: [u8; HEADER],
+    payload: Vec<u8>,
+    got: usize,
+    fds: Vec<OwnedFd>,
+}
+
+impl PartialFrame {
+    /// Read what the socket (non-blocking) has. `Ok(Some)`: the whole frame; `Ok(None)`: not
+    /// yet; an error: the peer closed, sent a frame over `max_payload` bytes, or attached
+    /// descriptors (a frame read this way carries none).
+    pub fn read_available(
+        &mut self,
+        socket: impl AsFd,
+        max_payload: usize,
+    ) -> Result<Option<Frame>> {
+        let socket = socket.as_fd();
+        let max_payload = max_payload.min(MAX_FRAME);
+        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+        loop {
+            let total = HEADER + self.payload.len();
+            if self.got >= HEADER && self.got == total {
+                return Ok(Some(Frame {
+                    payload: std::mem::take(&mut self.payload),
+                    fds: std::mem::take(&mut self.fds),
+                }));
+            }
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let buf: &mut [u8] = if self.got < HEADER {
+                &mut self.header[self.got..]
+            } else {
+                &mut self.payload[self.got - HEADER..]
+            };
+            let mut iov = [IoSliceMut::new(buf)];
+            let msg = match recvmsg(
+                socket,
+                &mut iov,
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
+            ) {
+                Ok(m) => m,
+                Err(Errno::INTR) => continue,
+                Err(Errno::AGAIN) => return Ok(None),
+                Err(e) => return Err(errno_error("receive frame", e)),
+            };
+            for m in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(received) = m {
+                    self.fds.extend(received);
+                }
+            }
+            if !self.fds.is_empty() || msg.flags.contains(ReturnFlags::CTRUNC) {
+                // Closed here as they drop.
+                self.fds.clear();
+                return Err(ipc_error("receive frame", "descriptors attached"));
+            }
+            if msg.bytes == 0 {
+                return Err(ipc_error(
+                    DISCONNECTED,
+                    format!("connection closed {} bytes into a frame", self.got),
+                ));
+            }
+            self.got += msg.bytes;
+            if self.got == HEADER {
+                let len = u32::from_le_bytes([
+                    self.header[0],
+                    self.header[1],
+                    self.header[2],
+                    self.header[3],
+                ]) as usize;
+                if len == 0 || len > max_payload {
+                    return Err(ipc_error(
+                        "receive frame",
+                        format!("frame of {len} bytes announced (1 to {max_payload} allowed)"),
+                    ));
+                }
+                if self.header[4] != 0 {
+                    return Err(ipc_error(
+                        "receive frame",
+                        format!("{} descriptors announced (none allowed)", self.header[4]),
+                    ));
+                }
+                self.payload = vec![0u8; len];
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::Write;
@@ -221,6 +312,43 @@ mod tests {
         assert_eq!(got, "x");
         drop(a);
         assert!(recv_frame(&b, MAX_FRAME).unwrap().is_none());
+    }
+
+    #[test]
+    fn partial_frames_are_read_as_bytes_come() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let mut p = PartialFrame::default();
+        assert!(p.read_available(&b, 64).unwrap().is_none());
+        a.write_all(&3u32.to_le_bytes()).unwrap();
+        assert!(p.read_available(&b, 64).unwrap().is_none());
+        a.write_all(&[0, b'a']).unwrap();
+        assert!(p.read_available(&b, 64).unwrap().is_none());
+        a.write_all(b"bc").unwrap();
+        let f = p.read_available(&b, 64).unwrap().unwrap();
+        assert_eq!(f.payload, b"abc");
+        // Over the bound, descriptors announced, descriptors attached, closed: errors.
+        let mut p = PartialFrame::default();
+        a.write_all(&65u32.to_le_bytes()).unwrap();
+        a.write_all(&[0]).unwrap();
+        let e = p.read_available(&b, 64).unwrap_err().to_string();
+        assert!(
+            e.contains("frame of 65 bytes announced (1 to 64 allowed)"),
+            "{e}"
+        );
+        let (a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        send_frame(&a, b"x", &[a.as_fd()]).unwrap();
+        let e = PartialFrame::default()
+            .read_available(&b, 64)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("descriptors"), "{e}");
+        let (a, b) = UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        drop(a);
+        let e = PartialFrame::default().read_available(&b, 64).unwrap_err();
+        assert!(is_disconnect(&e), "{e}");
     }
 
     #[test]

@@ -15,16 +15,22 @@
 //! - [`writer`]: a connection's outgoing frames go through one writer thread with a bounded
 //!   queue, so no lock is ever held across a socket write and a peer that stops reading cannot
 //!   block the sender.
-//! - [`peer`]: the peer's credentials (`SO_PEERCRED`).
+//! - [`peer`]: the peer's credentials (`SO_PEERCRED`) and process (a pidfd).
+//! - [`socket_dir`]: a listening socket's folder, lock file and path, checked private before
+//!   anything is made there.
 
 pub mod codec;
 pub mod frame;
 pub mod peer;
+pub mod socket_dir;
 pub mod writer;
 
 pub use codec::{decode, encode};
-pub use frame::{is_disconnect, recv_frame, send_frame, Frame, DISCONNECTED, MAX_FDS, MAX_FRAME};
-pub use peer::{peer_credentials, PeerCredentials};
+pub use frame::{
+    is_disconnect, recv_frame, send_frame, Frame, PartialFrame, DISCONNECTED, MAX_FDS, MAX_FRAME,
+};
+pub use peer::{peer_credentials, peer_pidfd, process_exited, PeerCredentials};
+pub use socket_dir::SocketDir;
 pub use writer::{FrameWriter, Outgoing};
 
 /// Raise the soft descriptor limit to the hard one: every chunk is a descriptor.

@@ -51,6 +51,18 @@ pub const TESTS: &[(&str, fn())] = &[
         limit_changes_reclaim_with_a_deadline,
     ),
     (
+        "broker::set_limit_restores_only_its_own_cap",
+        set_limit_restores_only_its_own_cap,
+    ),
+    (
+        "broker::a_closed_connection_keeps_its_charges_while_its_process_lives",
+        a_closed_connection_keeps_its_charges_while_its_process_lives,
+    ),
+    (
+        "broker::a_restarted_broker_budgets_only_free_memory",
+        a_restarted_broker_budgets_only_free_memory,
+    ),
+    (
         "broker::metrics_over_the_socket_and_http",
         metrics_over_the_socket_and_http,
     ),
@@ -67,14 +79,15 @@ pub fn role(name: &str) -> Option<fn()> {
         "engine-scripted" => Some(engine_scripted),
         "engine-grow-forever" => Some(engine_grow_forever),
         "engine-size-at-start" => Some(engine_size_at_start),
+        "engine-cut-off" => Some(engine_cut_off),
         _ => None,
     }
 }
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 /// The `elastic-vmm` binary: `EVMM_CLI` where the tests run away from their build (the GPU
 /// machine), else the one cargo built next to this test.
-fn cli() -> PathBuf {
+pub(crate) fn cli() -> PathBuf {
     std::env::var_os("EVMM_CLI")
         .map(PathBuf::from)
         .unwrap_or_else(|| env!("CARGO_BIN_EXE_elastic-vmm").into())
@@ -83,17 +96,24 @@ fn cli() -> PathBuf {
 // ---------------------------------------------------------------- helpers
 
 /// A broker process (the real `elastic-vmm broker`), killed on drop.
-struct BrokerProc {
-    child: Child,
-    socket: PathBuf,
-    dir: PathBuf,
-    stdout: Option<ChildStdout>,
+pub(crate) struct BrokerProc {
+    pub(crate) child: Child,
+    pub(crate) socket: PathBuf,
+    pub(crate) dir: PathBuf,
+    pub(crate) stdout: Option<ChildStdout>,
 }
 
 impl BrokerProc {
-    fn start(tag: &str, global: u64, extra: &[&str]) -> BrokerProc {
+    pub(crate) fn start(tag: &str, global: u64, extra: &[&str]) -> BrokerProc {
         let dir = common::temp_dir(tag);
-        let socket = dir.join("broker.sock");
+        let mut b = BrokerProc::start_at(&dir.join("broker.sock"), global, extra);
+        b.dir = dir;
+        b
+    }
+
+    /// A broker on `socket`, whose folder the caller owns (left in place on drop).
+    pub(crate) fn start_at(socket: &Path, global: u64, extra: &[&str]) -> BrokerProc {
+        let socket = socket.to_path_buf();
         let mut child = Command::new(cli())
             .args(["--backend", &common::backend_kind(), "broker", "--socket"])
             .arg(&socket)
@@ -113,12 +133,12 @@ impl BrokerProc {
         BrokerProc {
             child,
             socket,
-            dir,
+            dir: PathBuf::new(),
             stdout,
         }
     }
 
-    fn control(&self) -> BrokerClient {
+    pub(crate) fn control(&self) -> BrokerClient {
         BrokerClient::connect_control(&self.socket, "test").expect("control connection")
     }
 }
@@ -127,11 +147,13 @@ impl Drop for BrokerProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.dir.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
-fn wait_connectable(socket: &Path) {
+pub(crate) fn wait_connectable(socket: &Path) {
     let end = Instant::now() + Duration::from_secs(20);
     while UnixStream::connect(socket).is_err() {
         assert!(
@@ -143,7 +165,7 @@ fn wait_connectable(socket: &Path) {
     }
 }
 
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let end = Instant::now() + Duration::from_secs(secs);
     while !f() {
         assert!(Instant::now() < end, "timed out waiting for {what}");
@@ -151,7 +173,7 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn engine_vars(
+pub(crate) fn engine_vars(
     socket: &Path,
     model: &str,
     limit: u64,
@@ -190,7 +212,7 @@ fn connect_engine() -> (BrokerClient, elastic_vmm::broker::RemoteModel) {
 }
 
 /// Checks every rule the broker promises on one snapshot.
-fn check_books(s: &Snapshot) {
+pub(crate) fn check_books(s: &Snapshot) {
     assert_eq!(s.audit, None, "the broker's books balance");
     assert!(
         s.global_used <= s.global_limit,
@@ -217,14 +239,14 @@ fn check_books(s: &Snapshot) {
 }
 
 /// A driver for a piped child: send lines, read lines.
-struct Script {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+pub(crate) struct Script {
+    pub(crate) child: Child,
+    pub(crate) stdin: ChildStdin,
+    pub(crate) stdout: BufReader<ChildStdout>,
 }
 
 impl Script {
-    fn new(mut child: Child) -> Script {
+    pub(crate) fn new(mut child: Child) -> Script {
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Script {
@@ -235,7 +257,7 @@ impl Script {
     }
 
     /// Send a command, return the child's one-line answer.
-    fn ask(&mut self, cmd: &str) -> String {
+    pub(crate) fn ask(&mut self, cmd: &str) -> String {
         writeln!(self.stdin, "{cmd}").unwrap();
         self.stdin.flush().unwrap();
         let mut line = String::new();
@@ -244,7 +266,7 @@ impl Script {
         line.trim().to_string()
     }
 
-    fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         drop(self.stdin);
         assert!(
             common::wait_for(self.child, 30).success(),
@@ -544,7 +566,7 @@ fn shmem() -> u64 {
         * 1024
 }
 
-fn raw_hello(socket: &Path, version: u32) -> UnixStream {
+pub(crate) fn raw_hello(socket: &Path, version: u32) -> UnixStream {
     let s = UnixStream::connect(socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let hello = ToBroker {
@@ -559,7 +581,7 @@ fn raw_hello(socket: &Path, version: u32) -> UnixStream {
     s
 }
 
-fn raw_reply(s: &UnixStream) -> Option<Reply> {
+pub(crate) fn raw_reply(s: &UnixStream) -> Option<Reply> {
     let f = ipc::recv_frame(s, ipc::MAX_FRAME).ok()??;
     match ipc::decode::<FromBroker>(&f.payload).unwrap() {
         FromBroker::Reply { reply, .. } => Some(reply),
@@ -567,7 +589,7 @@ fn raw_reply(s: &UnixStream) -> Option<Reply> {
     }
 }
 
-fn raw_request(s: &UnixStream, id: u64, request: Request) -> Reply {
+pub(crate) fn raw_request(s: &UnixStream, id: u64, request: Request) -> Reply {
     ipc::send_frame(s, &ipc::encode(&ToBroker { id, request }).unwrap(), &[]).unwrap();
     raw_reply(s).expect("a reply")
 }
@@ -919,48 +941,210 @@ fn limit_changes_reclaim_with_a_deadline() {
     e.finish();
 }
 
-/// Prometheus text over the socket (`ctl metrics`) and on a loopback port.
-fn metrics_over_the_socket_and_http() {
-    let mut broker = BrokerProc::start("metrics", 64 * MIB, &["--metrics-addr", "127.0.0.1:0"]);
-    let mut line = String::new();
-    BufReader::new(broker.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("metrics on http://")
-        .and_then(|r| r.strip_suffix("/metrics"))
-        .unwrap_or_else(|| panic!("{line}"))
-        .to_string();
+/// Two limit changes at once: one lowering that cannot be reached (it times out) and one
+/// raising that lands while the first waits. The first, timing out, must not restore the cap it
+/// found (a stale one): the second's limit holds, and growth up to it is admitted.
+fn set_limit_restores_only_its_own_cap() {
+    let broker = BrokerProc::start("cas-limit", 256 * MIB, &[]);
     let mut e = Script::new(common::spawn_piped(
         "engine-scripted",
-        &engine_vars(&broker.socket, "prom", 32 * MIB, 0, 0),
+        &engine_vars(&broker.socket, "m", 128 * MIB, 0, 0),
     ));
-    assert_eq!(e.ask("alloc 8"), "ok");
-    let out = Command::new(cli())
-        .args(["ctl", "--socket"])
-        .arg(&broker.socket)
-        .arg("metrics")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    for want in [
-        "elastic_vmm_broker_model_bytes{model=\"prom\",state=\"charged\"}",
-        "elastic_vmm_broker_driver_calls_total{call=\"create\"}",
-        "elastic_vmm_broker_grant_seconds_bucket",
-        "elastic_vmm_broker_global_limit_bytes 67108864",
-    ] {
-        assert!(text.contains(want), "{want} missing:\n{text}");
-    }
-    let mut http = std::net::TcpStream::connect(&addr).unwrap();
-    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut body = String::new();
-    http.read_to_string(&mut body).unwrap();
+    assert_eq!(e.ask("alloc 96"), "ok");
+    let ctl = |args: &[&str]| {
+        Command::new(cli())
+            .args(["ctl", "--socket"])
+            .arg(&broker.socket)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // A: lower to 8 MiB within 1.5 s (the engine keeps its 96 MiB in use: it times out).
+    let lowering = ctl(&["set-limit", "m", "8M", "--deadline-ms", "1500"]);
+    std::thread::sleep(Duration::from_millis(300));
+    // B: raise to 200 MiB while A waits: immediate.
+    let raising = ctl(&["set-limit", "m", "200M"]).wait_with_output().unwrap();
     assert!(
-        body.starts_with("HTTP/1.0 200 OK") && body.contains("model=\"prom\""),
-        "{body}"
+        raising.status.success(),
+        "{}",
+        String::from_utf8_lossy(&raising.stderr)
     );
+    let lowered = lowering.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&lowered.stderr);
+    assert!(
+        !lowered.status.success() && err.contains("NotReached"),
+        "{err}"
+    );
+    // B's limit holds: growth to 160 MiB is admitted.
+    assert_eq!(e.ask("try-alloc 64"), "ok");
+    let s = broker.control().snapshot().unwrap();
+    check_books(&s);
+    assert_eq!(s.models[0].limit, 200 * MIB);
     e.finish();
+}
+
+/// An engine whose connection the broker closes (a malformed frame) while the engine lives on,
+/// holding its chunks' descriptors (it could still map them): the broker keeps them charged
+/// until the process is gone, so another engine cannot be granted that memory twice; the
+/// model's name is free at once. When the process exits, the memory comes back.
+fn a_closed_connection_keeps_its_charges_while_its_process_lives() {
+    let broker = BrokerProc::start("orphan", 16 * MIB, &[]);
+    let control = broker.control();
+    let mut cut = Script::new(common::spawn_piped(
+        "engine-cut-off",
+        &[("EVMM_SOCKET", broker.socket.display().to_string())],
+    ));
+    let mut line = String::new();
+    cut.stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "cut off holding 8 MiB");
+    // The broker noticed (its books say so within a moment); the process still holds the
+    // descriptors: the charges stay.
+    std::thread::sleep(Duration::from_millis(300));
+    let s = control.snapshot().unwrap();
+    check_books(&s);
+    eprintln!(
+        "  after the cut: global use {} MiB, models {:?}",
+        s.global_used / MIB,
+        s.models
+            .iter()
+            .map(|m| (&m.name, m.used))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        s.models
+            .iter()
+            .any(|m| m.name == "cut" && m.used == 8 * MIB),
+        "the cut-off engine's chunks stay charged while it lives: {:?}",
+        s.models
+    );
+    assert_eq!(s.global_used, 8 * MIB);
+    // Another engine gets only what is really free; the name is free again.
+    let mut other = Script::new(common::spawn_piped(
+        "engine-scripted",
+        &engine_vars(&broker.socket, "cut", 16 * MIB, 0, 0),
+    ));
+    let answer = other.ask("try-alloc 12");
+    assert!(answer.starts_with("refused"), "{answer}");
+    // The process goes: its memory comes back, the other engine can have it.
+    drop(cut.stdin);
+    assert!(common::wait_for(cut.child, 10).success());
+    wait_until("the cut-off engine's memory to come back", 5, || {
+        control
+            .snapshot()
+            .unwrap()
+            .models
+            .iter()
+            .filter(|m| m.name == "cut")
+            .count()
+            == 1
+    });
+    let s = control.snapshot().unwrap();
+    check_books(&s);
+    assert_eq!(other.ask("free-all-but 0"), "ok");
+    assert_eq!(other.ask("try-alloc 12"), "ok");
+    other.finish();
+}
+
+/// A broker dies (SIGKILL) while an engine maps 256 MiB of its chunks, written (resident); a new
+/// broker starts on the same socket asking for the whole machine: its budget is what is free,
+/// so it cannot grant the memory the old engine still holds (the free memory can never include
+/// those pages: at most the total less them).
+fn a_restarted_broker_budgets_only_free_memory() {
+    let total = if common::on_cuda() {
+        cuda().memory_info().unwrap().total
+    } else {
+        HostBackend::new(DEFAULT_GRANULARITY)
+            .unwrap()
+            .memory_info()
+            .unwrap()
+            .total
+    };
+    let mut first = BrokerProc::start("restart", 1024 * MIB, &[]);
+    let mut e = Script::new(common::spawn_piped(
+        "engine-scripted",
+        &engine_vars(&first.socket, "old", 512 * MIB, 0, 0),
+    ));
+    assert_eq!(e.ask("map 256 16 7"), "ok");
+    first.child.kill().unwrap(); // SIGKILL: the engine keeps its mappings
+    first.child.wait().unwrap();
+    assert_eq!(e.ask("check 256 7"), "ok");
+    let second = BrokerProc::start_at(&first.socket, total, &[]);
+    let s = second.control().snapshot().unwrap();
+    eprintln!(
+        "  asked {} MiB (the total), budget {} MiB",
+        total / MIB,
+        s.global_limit / MIB
+    );
+    assert!(
+        s.global_limit <= total - 256 * MIB,
+        "budget {} above the total {} less the 256 MiB the old engine still holds",
+        s.global_limit,
+        total
+    );
+    drop(second);
+    e.finish();
+}
+
+/// Prometheus text over the socket (`ctl metrics`, the broker's user: every model) and on a
+/// loopback port, which every local user can read: aggregate numbers only, unless the operator
+/// opts in with `--metrics-per-model`.
+fn metrics_over_the_socket_and_http() {
+    for per_model in [false, true] {
+        let mut args = vec!["--metrics-addr", "127.0.0.1:0"];
+        if per_model {
+            args.push("--metrics-per-model");
+        }
+        let mut broker = BrokerProc::start("metrics", 64 * MIB, &args);
+        // Kept open to the end: the broker prints more lines.
+        let mut stdout = BufReader::new(broker.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("metrics on http://")
+            .and_then(|r| r.strip_suffix("/metrics"))
+            .unwrap_or_else(|| panic!("{line}"))
+            .to_string();
+        let mut e = Script::new(common::spawn_piped(
+            "engine-scripted",
+            &engine_vars(&broker.socket, "prom", 32 * MIB, 0, 0),
+        ));
+        assert_eq!(e.ask("alloc 8"), "ok");
+        let out = Command::new(cli())
+            .args(["ctl", "--socket"])
+            .arg(&broker.socket)
+            .arg("metrics")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        for want in [
+            "elastic_vmm_broker_model_bytes{model=\"prom\",state=\"charged\"}",
+            "elastic_vmm_broker_driver_calls_total{call=\"create\"}",
+            "elastic_vmm_broker_grant_seconds_bucket",
+            "elastic_vmm_broker_global_limit_bytes 67108864",
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        let mut http = std::net::TcpStream::connect(&addr).unwrap();
+        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        http.read_to_string(&mut body).unwrap();
+        assert!(
+            body.starts_with("HTTP/1.0 200 OK")
+                && body.contains("elastic_vmm_broker_global_limit_bytes 67108864")
+                && body.contains("elastic_vmm_broker_driver_calls_total{call=\"create\"}"),
+            "{body}"
+        );
+        assert_eq!(
+            body.contains("model=\"prom\""),
+            per_model,
+            "per-model series on the port only when opted in:\n{body}"
+        );
+        e.finish();
+        drop(stdout);
+    }
 }
 
 /// `elastic-vmm top` in a real terminal (tmux), showing the engines and their models.
@@ -1190,6 +1374,24 @@ fn engine_scripted() {
                 }
                 "ok".into()
             }
+            // try-alloc MIB: like alloc, but a refusal is an answer ("refused: <why>").
+            Some("try-alloc") => {
+                let mut got = Vec::new();
+                let mut answer = "ok".to_string();
+                for _ in 0..arg(1) {
+                    match model.allocate(1 << 20) {
+                        Ok(a) => got.push(a),
+                        Err(e) => {
+                            answer = format!("refused: {e}");
+                            break;
+                        }
+                    }
+                }
+                if answer == "ok" {
+                    held.lock().extend(got);
+                }
+                answer
+            }
             Some("free-all-but") => {
                 held.lock().truncate(arg(1) as usize);
                 "ok".into()
@@ -1248,6 +1450,53 @@ fn engine_size_at_start() {
     for _ in lines {}
     drop(held);
     drop(model);
+}
+
+/// A raw engine that registers "cut", is granted four 2 MiB chunks (descriptors kept), then sends
+/// a malformed frame: the broker closes the connection. Says "cut off holding 8 MiB", then keeps
+/// the descriptors until stdin closes.
+fn engine_cut_off() {
+    let s = raw_hello(Path::new(&common::var("EVMM_SOCKET")), PROTOCOL_VERSION);
+    assert!(matches!(raw_reply(&s), Some(Reply::Welcome { .. })));
+    let Reply::Registered { model } = raw_request(
+        &s,
+        2,
+        Request::Register {
+            model: "cut".into(),
+            limit: 16 * MIB,
+            guarantee: 0,
+            priority: 0,
+        },
+    ) else {
+        panic!("register")
+    };
+    let mut held = Vec::new();
+    for id in 3..7 {
+        let msg = ToBroker {
+            id,
+            request: Request::Grow {
+                model,
+                size: 2 * MIB,
+            },
+        };
+        ipc::send_frame(&s, &ipc::encode(&msg).unwrap(), &[]).unwrap();
+        let f = ipc::recv_frame(&s, ipc::MAX_FRAME).unwrap().unwrap();
+        assert_eq!(f.fds.len(), 1);
+        held.extend(f.fds);
+    }
+    ipc::send_frame(&s, &[0xff; 7], &[]).unwrap();
+    assert!(matches!(
+        raw_reply(&s),
+        Some(Reply::Error {
+            kind: ErrorKind::Malformed,
+            ..
+        })
+    ));
+    assert_closed(&s);
+    println!("cut off holding {} MiB", held.len() as u64 * 2);
+    std::io::stdout().flush().unwrap();
+    for _ in std::io::stdin().lock().lines() {}
+    drop(held);
 }
 
 /// Grows 4 MiB at a time, writing each allocation, until killed.

@@ -17,6 +17,23 @@ pub fn spawn(role: &str, vars: &[(&str, String)]) -> Child {
     cmd.spawn().expect("spawn child process")
 }
 
+/// Spawn this binary as `role` under another user and group (the tests run as root; the child
+/// drops to `uid`/`gid` before it runs, with no supplementary groups), stdin and stdout piped.
+pub fn spawn_as(role: &str, vars: &[(&str, String)], uid: u32, gid: u32) -> Child {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = Command::new(exe);
+    cmd.env(ROLE_VAR, role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .uid(uid)
+        .gid(gid);
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn child process under another user")
+}
+
 /// Spawn this binary as `role` with stdin and stdout piped (the parent drives it line by line).
 pub fn spawn_piped(role: &str, vars: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().expect("current_exe");
@@ -46,7 +63,8 @@ pub fn var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("child needs {name}"))
 }
 
-/// A fresh temporary folder for sockets, removed by the caller (or left in /tmp).
+/// A fresh temporary folder for sockets (private: mode 0700, as a broker's socket folder must
+/// be), removed by the caller (or left in /tmp).
 pub fn temp_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
         "evmm-{tag}-{}-{}",
@@ -57,6 +75,7 @@ pub fn temp_dir(tag: &str) -> PathBuf {
             .as_nanos()
     ));
     std::fs::create_dir_all(&d).unwrap();
+    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     d
 }
 
@@ -80,6 +99,7 @@ pub fn wait_for(mut child: Child, secs: u64) -> std::process::ExitStatus {
 pub fn run_child(role: &str) -> ExitCode {
     let f: fn() = match super::chunks::role(role)
         .or_else(|| super::broker::role(role))
+        .or_else(|| super::security::role(role))
         .or_else(|| super::p2p::role(role))
     {
         Some(f) => f,

@@ -9,6 +9,7 @@ mod broker;
 mod chunks;
 mod common;
 mod p2p;
+mod security;
 
 use std::process::ExitCode;
 
@@ -18,6 +19,7 @@ fn tests() -> Vec<Test> {
     let mut t: Vec<Test> = Vec::new();
     t.extend(chunks::TESTS);
     t.extend(broker::TESTS);
+    t.extend(security::TESTS);
     t.extend(p2p::TESTS);
     t
 }

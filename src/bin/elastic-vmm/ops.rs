@@ -65,15 +65,39 @@ pub struct BrokerArgs {
     /// Kept free when the budget is taken from the free memory.
     #[arg(long, value_parser = parse_size, default_value = "1G")]
     pub margin: u64,
-    /// Let this group id connect engines too (socket mode 0660 instead of 0600).
+    /// Let this group id connect engines too (socket mode 0660 instead of 0600, the socket's
+    /// folder 0710 with that group instead of 0700). Its members act on their own models only.
     #[arg(long)]
     pub group: Option<u32>,
+    /// How long a new connection has to say hello, in ms (then it is closed).
+    #[arg(long, default_value_t = 5000)]
+    pub hello_timeout_ms: u64,
+    /// Most connections one user of --group may have open (counted from accept, hello pending
+    /// included). The broker's own user and root are bounded by the total (128) only.
+    #[arg(long, default_value_t = 32)]
+    pub max_connections_per_user: usize,
+    /// Most models one user of --group may register (the broker's own user and root: the
+    /// total, 128, only).
+    #[arg(long, default_value_t = 32)]
+    pub max_models_per_user: usize,
+    /// Most bytes all guarantees may add up to (bytes, or with K/M/G/T). Default: the budget.
+    #[arg(long, value_parser = parse_size)]
+    pub max_guarantee_total: Option<u64>,
+    /// Most bytes the guarantees of one user's models may add up to, for every user. Default:
+    /// the budget for the broker's own user and root, none for the users of --group.
+    #[arg(long, value_parser = parse_size)]
+    pub max_guarantee_per_user: Option<u64>,
     /// How long a growth waits for other engines to give memory back, in ms.
     #[arg(long, default_value_t = 2000)]
     pub reclaim_wait_ms: u64,
-    /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464).
+    /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464). Every local
+    /// user can read that port: it shows aggregate numbers only, unless --metrics-per-model.
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Show each model's series (names, bytes, limits, guarantees) on --metrics-addr too, to
+    /// every local user. Over the socket (`ctl metrics`, the broker's user) they always show.
+    #[arg(long, requires = "metrics_addr")]
+    pub metrics_per_model: bool,
 }
 
 pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Result<(), BoxError> {
@@ -111,22 +135,34 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
             })?
         }
     };
-    let config = BrokerConfig::new(&socket, global_limit)
-        .reclaim_wait(Duration::from_millis(args.reclaim_wait_ms));
-    let config = match args.group {
-        Some(g) => config.group(g),
-        None => config,
-    };
+    let mut config = BrokerConfig::new(&socket, global_limit)
+        .reclaim_wait(Duration::from_millis(args.reclaim_wait_ms))
+        .hello_timeout(Duration::from_millis(args.hello_timeout_ms))
+        .max_connections_per_user(args.max_connections_per_user)
+        .max_models_per_user(args.max_models_per_user);
+    config.group = args.group;
+    config.max_guarantee_total = args.max_guarantee_total;
+    config.max_guarantee_per_user = args.max_guarantee_per_user;
     let broker = Broker::start(backend, config)?;
     if let Some(addr) = args.metrics_addr {
         let b = Arc::new(broker::BrokerClient::connect_control(&socket, "metrics")?);
+        let per_model = args.metrics_per_model;
         let text = Arc::new(move || match b.request(Request::Metrics) {
-            Ok((Reply::Metrics(t), _)) => t,
+            Ok((Reply::Metrics(t), _)) if per_model => t,
+            Ok((Reply::Metrics(t), _)) => broker::metrics::aggregate_only(&t),
             Ok((other, _)) => format!("# broker answered {other:?}\n"),
             Err(e) => format!("# {e}\n"),
         });
         let bound = broker::metrics::serve_metrics(addr, text)?;
         println!("metrics on http://{bound}/metrics");
+    }
+    let budget = broker.snapshot().global_limit;
+    if budget < global_limit {
+        eprintln!(
+            "budget cut to the {} free on the device (asked {})",
+            human_bytes(budget),
+            human_bytes(global_limit)
+        );
     }
     println!(
         "broker pid {} on {} ({} {}, budget {})",
@@ -134,7 +170,7 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
         socket.display(),
         info.name,
         info.device_name,
-        human_bytes(global_limit)
+        human_bytes(budget)
     );
     broker.wait();
     Ok(())

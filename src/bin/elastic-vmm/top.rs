@@ -306,6 +306,7 @@ mod tests {
                 in_use: 1 << 28,
                 idle: 1 << 28,
                 cached: 0,
+                orphaned: false,
             }],
             counters: BrokerCounters::default(),
             audit: None,
