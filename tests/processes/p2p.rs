@@ -578,6 +578,8 @@ fn peers_of_another_user_are_refused_unless_allowed() {
     }
     use std::os::unix::fs::PermissionsExt;
     let dir = common::temp_dir("p2p-user");
+    // temp_dir is private (0700); this test opens the folder and the socket to everyone.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
     let sock = dir.join("s");
     let listener = p2p::listen(&sock).unwrap();
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
