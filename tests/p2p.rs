@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use elastic_vmm::backend::delay::DelayInjector;
-use elastic_vmm::backend::fault::FaultInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::backend::testing::DelayInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::backend::{BackendInfo, MemoryInfo, PhysicalChunk};
 use elastic_vmm::layout::{ElasticLayout, LayoutBuilder, LayoutConfig};
 use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, Peers, TransferPath};

@@ -3,13 +3,16 @@
 //! A backend offers the CUDA virtual-memory model: reserve a virtual range, create physical
 //! chunks, map a chunk at an address, grant access, unmap, release. The [`host`] backend gives the
 //! same semantics with `mmap` and a `memfd` on any Linux machine; the [`cuda`] backend uses the
-//! CUDA driver's VMM API. Adaptors such as [`fault::FaultInjector`] wrap any backend.
+//! CUDA driver's VMM API. One adaptor, [`intercept::Intercept`], wraps any backend and shows
+//! its VMM calls to a hook: counting ([`counting::Counting`]), and for tests delays and faults
+//! ([`testing`]).
 
 pub mod counting;
 pub mod cuda;
-pub mod delay;
-pub mod fault;
 pub mod host;
+pub mod intercept;
+#[doc(hidden)]
+pub mod testing;
 
 mod cuda_staging;
 pub(crate) mod driver;
@@ -197,12 +200,110 @@ impl fmt::Display for DriverCall {
     }
 }
 
-/// Implements [`Backend`] methods that an adaptor passes on unchanged to the backend it wraps
-/// (`self.$inner`): `forward_backend!(inner: staging_alloc, marker_wait)`. Methods an adaptor
-/// counts, delays or fails stay written out in it.
+/// Implements [`Backend`] methods that a wrapper passes on unchanged to the backend it wraps
+/// (`self.$inner`): `forward_backend!(inner: staging_alloc, marker_wait)`. Used by the two
+/// wrappers: [`intercept::Intercept`] and the broker's model backend.
 macro_rules! forward_backend {
     ($inner:ident: $($method:ident),+ $(,)?) => {
         $( $crate::backend::forward_backend!(@one $inner $method); )+
+    };
+    (@one $inner:ident reserve) => {
+        fn reserve(&self, size: usize, alignment: usize) -> $crate::error::Result<u64> {
+            self.$inner.reserve(size, alignment)
+        }
+    };
+    (@one $inner:ident free_reservation) => {
+        unsafe fn free_reservation(&self, base: u64, size: usize) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.free_reservation(base, size) }
+        }
+    };
+    (@one $inner:ident map) => {
+        unsafe fn map(
+            &self,
+            addr: u64,
+            chunk: $crate::backend::PhysicalChunk,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.map(addr, chunk) }
+        }
+    };
+    (@one $inner:ident set_access) => {
+        unsafe fn set_access(&self, addr: u64, size: usize) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.set_access(addr, size) }
+        }
+    };
+    (@one $inner:ident unmap) => {
+        unsafe fn unmap(&self, addr: u64, size: usize) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.unmap(addr, size) }
+        }
+    };
+    (@one $inner:ident export_chunk) => {
+        fn export_chunk(
+            &self,
+            chunk: $crate::backend::PhysicalChunk,
+        ) -> $crate::error::Result<std::os::fd::OwnedFd> {
+            self.$inner.export_chunk(chunk)
+        }
+    };
+    (@one $inner:ident info) => {
+        fn info(&self) -> &$crate::backend::BackendInfo {
+            self.$inner.info()
+        }
+    };
+    (@one $inner:ident memory_info) => {
+        fn memory_info(&self) -> $crate::error::Result<$crate::backend::MemoryInfo> {
+            self.$inner.memory_info()
+        }
+    };
+    (@one $inner:ident physical_bytes) => {
+        fn physical_bytes(&self) -> $crate::error::Result<u64> {
+            self.$inner.physical_bytes()
+        }
+    };
+    (@one $inner:ident write) => {
+        unsafe fn write(&self, addr: u64, data: &[u8]) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.write(addr, data) }
+        }
+    };
+    (@one $inner:ident read) => {
+        unsafe fn read(&self, addr: u64, out: &mut [u8]) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.read(addr, out) }
+        }
+    };
+    (@one $inner:ident fill) => {
+        unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.fill(addr, len, byte) }
+        }
+    };
+    (@one $inner:ident copy_async) => {
+        unsafe fn copy_async(
+            &self,
+            dst: u64,
+            src: u64,
+            bytes: usize,
+            stream: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.copy_async(dst, src, bytes, stream) }
+        }
+    };
+    (@one $inner:ident fill_async) => {
+        unsafe fn fill_async(
+            &self,
+            addr: u64,
+            bytes: usize,
+            byte: u8,
+            stream: u64,
+        ) -> $crate::error::Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.$inner.fill_async(addr, bytes, byte, stream) }
+        }
     };
     (@one $inner:ident staging_alloc) => {
         fn staging_alloc(&self, bytes: usize) -> $crate::error::Result<*mut u8> {

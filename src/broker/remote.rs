@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest};
 use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
-use crate::backend::{Backend, BackendInfo, MemoryInfo, Need, PhysicalChunk};
+use crate::backend::{Backend, Need, PhysicalChunk};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolConfig};
 use crate::shared::ModelConfig;
@@ -367,19 +367,6 @@ impl ModelBackend {
 }
 
 impl Backend for ModelBackend {
-    fn info(&self) -> &BackendInfo {
-        self.local.info()
-    }
-
-    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
-        self.local.reserve(size, alignment)
-    }
-
-    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.free_reservation(base, size) }
-    }
-
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
         let (reply, mut fds) = self.client.request(Request::Grow {
             model: self.model,
@@ -581,60 +568,12 @@ impl Backend for ModelBackend {
         Ok(())
     }
 
-    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.map(addr, chunk) }
-    }
-
-    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.set_access(addr, size) }
-    }
-
-    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.unmap(addr, size) }
-    }
-
-    fn memory_info(&self) -> Result<MemoryInfo> {
-        self.local.memory_info()
-    }
-
     fn physical_bytes(&self) -> Result<u64> {
         Ok(self.held.load(Ordering::Relaxed))
     }
 
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.write(addr, data) }
-    }
-
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.read(addr, out) }
-    }
-
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.fill(addr, len, byte) }
-    }
-
-    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
-        self.local.export_chunk(chunk)
-    }
-
     fn chunk_lender(&self) -> Option<String> {
         Some(format!("the broker (chunks of model {})", self.name))
-    }
-
-    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.copy_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.fill_async(addr, bytes, byte, stream) }
     }
 
     // Sleep and wake stage through the engine's own backend (pinned memory and a copy stream
@@ -642,6 +581,19 @@ impl Backend for ModelBackend {
     // themselves come from and go back to the broker as above.
     crate::backend::forward_backend!(
         local:
+        info,
+        reserve,
+        free_reservation,
+        map,
+        set_access,
+        unmap,
+        memory_info,
+        write,
+        read,
+        fill,
+        export_chunk,
+        copy_async,
+        fill_async,
         set_access_mode,
         copy_batch_async,
         synchronize,
@@ -965,7 +917,7 @@ mod tests {
     /// straight back, so the broker does not keep them charged to this engine.
     #[test]
     fn chunks_granted_after_a_timeout_go_back() {
-        use crate::backend::delay::DelayInjector;
+        use crate::backend::testing::DelayInjector;
         use crate::backend::DriverCall;
         const MIB: u64 = 1 << 20;
         let host =

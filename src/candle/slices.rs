@@ -495,8 +495,8 @@ mod tests {
 
     #[test]
     fn a_backend_that_queues_no_gpu_work_is_refused_up_front() {
-        use crate::backend::fault::FaultInjector;
         use crate::backend::host::{HostBackend, DEFAULT_GRANULARITY};
+        use crate::backend::testing::FaultInjector;
 
         let host: Arc<dyn Backend> = Arc::new(HostBackend::new(DEFAULT_GRANULARITY).unwrap());
         let wrapped: Arc<dyn Backend> = Arc::new(FaultInjector::new(host.clone()));

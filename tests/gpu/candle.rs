@@ -12,7 +12,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaContext, DevicePtr};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, IndexOp, Storage, Tensor};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::backend::Backend;
 use elastic_vmm::candle::{
     detached_copy, reap_orphans_blocking, ElasticKv, TensorPool, SUPPORTED_DTYPES,

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::backend::delay::DelayInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::backend::testing::DelayInjector;
 use elastic_vmm::backend::Backend;
 use elastic_vmm::broker::protocol::{
     ErrorKind, FromBroker, Reply, Request, Role, ToBroker, PROTOCOL_VERSION,

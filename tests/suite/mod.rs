@@ -158,7 +158,7 @@ macro_rules! suite_tests {
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::{Backend, DriverCall, Error, Pool, PoolConfig};
 
 pub const MIB: u64 = 1 << 20;

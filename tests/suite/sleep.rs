@@ -6,8 +6,8 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
-use elastic_vmm::backend::delay::DelayInjector;
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::DelayInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::{
     AfterWake, Allocation, Backend, BlockBacking, DriverCall, Error, HostStaging, MappingHook,
     ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig, SleepAction, SleepPolicy,

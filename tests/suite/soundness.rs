@@ -6,8 +6,8 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use elastic_vmm::backend::delay::DelayInjector;
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::DelayInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::{
     Backend, DriverCall, Error, ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig,
 };
