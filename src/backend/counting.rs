@@ -207,12 +207,12 @@ mod tests {
         unsafe { c.set_access(base + GRAN as u64, 2 * GRAN) }.expect("access");
         let at = base + GRAN as u64 + 10;
         // SAFETY: mapped with access; nothing else uses it.
-        unsafe { c.write(at, b"counted") }.expect("write");
+        unsafe { c.copies().write(at, b"counted") }.expect("write");
         // SAFETY: as above.
-        unsafe { c.fill(at + 7, 3, b'!') }.expect("fill");
+        unsafe { c.copies().fill(at + 7, 3, b'!') }.expect("fill");
         let mut out = [0u8; 10];
         // SAFETY: as above.
-        unsafe { c.read(at, &mut out) }.expect("read");
+        unsafe { c.copies().read(at, &mut out) }.expect("read");
         assert_eq!(&out, b"counted!!!");
         // SAFETY: the whole chunk, unused from here on.
         unsafe { c.unmap(base + GRAN as u64, 2 * GRAN) }.expect("unmap");

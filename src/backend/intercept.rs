@@ -9,7 +9,7 @@ use std::ops::Deref;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use super::{AccessMode, Backend, BackendInfo, DriverCall, Need, PhysicalChunk};
+use super::{AccessMode, Backend, BackendInfo, Copies, DriverCall, Need, PhysicalChunk};
 use crate::error::{Error, Result};
 
 /// A call an [`Intercept`] shows its hook, with its arguments.
@@ -79,8 +79,8 @@ pub enum Call {
         /// Bytes.
         size: usize,
     },
-    /// A staging copy of sleep or wake ([`Backend::copy_to_host_async`],
-    /// [`Backend::copy_from_host_async`]).
+    /// A staging copy of sleep or wake ([`Copies::copy_to_host_async`],
+    /// [`Copies::copy_from_host_async`]).
     StagingCopy {
         /// Bytes.
         bytes: usize,
@@ -176,6 +176,13 @@ impl<H: Hook> Intercept<H> {
         let r = f();
         self.hook.after(&call, pass, r.as_ref().map(value));
         r
+    }
+}
+
+impl<H> Intercept<H> {
+    /// The upstream's copies and streams.
+    fn up(&self) -> &dyn Copies {
+        self.inner.copies()
     }
 }
 
@@ -323,6 +330,22 @@ impl<H: Hook> Backend for Intercept<H> {
         self.around(Call::Import { size }, f, |c| c.raw)
     }
 
+    fn copies(&self) -> &dyn Copies {
+        self
+    }
+
+    crate::backend::forward_backend!(
+        inner:
+        info,
+        memory_info,
+        physical_bytes,
+        chunk_lender,
+        reach,
+    );
+}
+
+/// Staging copies go through the hook; the rest straight to the upstream's copies.
+impl<H: Hook> Copies for Intercept<H> {
     unsafe fn copy_to_host_async(
         &self,
         dst: *mut u8,
@@ -335,7 +358,7 @@ impl<H: Hook> Backend for Intercept<H> {
             direction: StagingDirection::ToHost,
         };
         // SAFETY: forwarded contract.
-        let f = || unsafe { self.inner.copy_to_host_async(dst, src, bytes, stream) };
+        let f = || unsafe { self.up().copy_to_host_async(dst, src, bytes, stream) };
         self.around(call, f, none)
     }
 
@@ -351,21 +374,15 @@ impl<H: Hook> Backend for Intercept<H> {
             direction: StagingDirection::FromHost,
         };
         // SAFETY: forwarded contract.
-        let f = || unsafe { self.inner.copy_from_host_async(dst, src, bytes, stream) };
+        let f = || unsafe { self.up().copy_from_host_async(dst, src, bytes, stream) };
         self.around(call, f, none)
     }
 
-    // Not VMM calls: passed on unchanged.
     crate::backend::forward_backend!(
-        inner:
-        info,
-        memory_info,
-        physical_bytes,
+        up():
         write,
         read,
         fill,
-        chunk_lender,
-        reach,
         copy_async,
         copy_batch_async,
         gather_async,

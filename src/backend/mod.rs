@@ -201,87 +201,90 @@ impl fmt::Display for DriverCall {
 }
 
 /// Implements [`Backend`] methods that a wrapper passes on unchanged to the backend it wraps
-/// (`self.$inner`): `forward_backend!(inner: staging_alloc, marker_wait)`. Used by the two
+/// (`self.$inner`, or `self.$inner()`): `forward_backend!(inner: reach, chunk_lender)`. Used by the two
 /// wrappers: [`intercept::Intercept`] and the broker's model backend.
 macro_rules! forward_backend {
     ($inner:ident: $($method:ident),+ $(,)?) => {
-        $( $crate::backend::forward_backend!(@one $inner $method); )+
+        $( $crate::backend::forward_backend!(@one [$inner] $method); )+
     };
-    (@one $inner:ident reserve) => {
+    ($inner:ident(): $($method:ident),+ $(,)?) => {
+        $( $crate::backend::forward_backend!(@one [$inner()] $method); )+
+    };
+    (@one [$($inner:tt)*] reserve) => {
         fn reserve(&self, size: usize, alignment: usize) -> $crate::error::Result<u64> {
-            self.$inner.reserve(size, alignment)
+            self.$($inner)*.reserve(size, alignment)
         }
     };
-    (@one $inner:ident free_reservation) => {
+    (@one [$($inner:tt)*] free_reservation) => {
         unsafe fn free_reservation(&self, base: u64, size: usize) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.free_reservation(base, size) }
+            unsafe { self.$($inner)*.free_reservation(base, size) }
         }
     };
-    (@one $inner:ident map) => {
+    (@one [$($inner:tt)*] map) => {
         unsafe fn map(
             &self,
             addr: u64,
             chunk: $crate::backend::PhysicalChunk,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.map(addr, chunk) }
+            unsafe { self.$($inner)*.map(addr, chunk) }
         }
     };
-    (@one $inner:ident set_access) => {
+    (@one [$($inner:tt)*] set_access) => {
         unsafe fn set_access(&self, addr: u64, size: usize) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.set_access(addr, size) }
+            unsafe { self.$($inner)*.set_access(addr, size) }
         }
     };
-    (@one $inner:ident unmap) => {
+    (@one [$($inner:tt)*] unmap) => {
         unsafe fn unmap(&self, addr: u64, size: usize) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.unmap(addr, size) }
+            unsafe { self.$($inner)*.unmap(addr, size) }
         }
     };
-    (@one $inner:ident export_chunk) => {
+    (@one [$($inner:tt)*] export_chunk) => {
         fn export_chunk(
             &self,
             chunk: $crate::backend::PhysicalChunk,
         ) -> $crate::error::Result<std::os::fd::OwnedFd> {
-            self.$inner.export_chunk(chunk)
+            self.$($inner)*.export_chunk(chunk)
         }
     };
-    (@one $inner:ident info) => {
+    (@one [$($inner:tt)*] info) => {
         fn info(&self) -> &$crate::backend::BackendInfo {
-            self.$inner.info()
+            self.$($inner)*.info()
         }
     };
-    (@one $inner:ident memory_info) => {
+    (@one [$($inner:tt)*] memory_info) => {
         fn memory_info(&self) -> $crate::error::Result<$crate::backend::MemoryInfo> {
-            self.$inner.memory_info()
+            self.$($inner)*.memory_info()
         }
     };
-    (@one $inner:ident physical_bytes) => {
+    (@one [$($inner:tt)*] physical_bytes) => {
         fn physical_bytes(&self) -> $crate::error::Result<u64> {
-            self.$inner.physical_bytes()
+            self.$($inner)*.physical_bytes()
         }
     };
-    (@one $inner:ident write) => {
+    (@one [$($inner:tt)*] write) => {
         unsafe fn write(&self, addr: u64, data: &[u8]) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.write(addr, data) }
+            unsafe { self.$($inner)*.write(addr, data) }
         }
     };
-    (@one $inner:ident read) => {
+    (@one [$($inner:tt)*] read) => {
         unsafe fn read(&self, addr: u64, out: &mut [u8]) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.read(addr, out) }
+            unsafe { self.$($inner)*.read(addr, out) }
         }
     };
-    (@one $inner:ident fill) => {
+    (@one [$($inner:tt)*] fill) => {
         unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.fill(addr, len, byte) }
+            unsafe { self.$($inner)*.fill(addr, len, byte) }
         }
     };
-    (@one $inner:ident copy_async) => {
+    (@one [$($inner:tt)*] copy_async) => {
         unsafe fn copy_async(
             &self,
             dst: u64,
@@ -290,10 +293,10 @@ macro_rules! forward_backend {
             stream: u64,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_async(dst, src, bytes, stream) }
+            unsafe { self.$($inner)*.copy_async(dst, src, bytes, stream) }
         }
     };
-    (@one $inner:ident fill_async) => {
+    (@one [$($inner:tt)*] fill_async) => {
         unsafe fn fill_async(
             &self,
             addr: u64,
@@ -302,32 +305,32 @@ macro_rules! forward_backend {
             stream: u64,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.fill_async(addr, bytes, byte, stream) }
+            unsafe { self.$($inner)*.fill_async(addr, bytes, byte, stream) }
         }
     };
-    (@one $inner:ident staging_alloc) => {
+    (@one [$($inner:tt)*] staging_alloc) => {
         fn staging_alloc(&self, bytes: usize) -> $crate::error::Result<*mut u8> {
-            self.$inner.staging_alloc(bytes)
+            self.$($inner)*.staging_alloc(bytes)
         }
     };
-    (@one $inner:ident staging_free) => {
+    (@one [$($inner:tt)*] staging_free) => {
         unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.staging_free(ptr, bytes) }
+            unsafe { self.$($inner)*.staging_free(ptr, bytes) }
         }
     };
-    (@one $inner:ident copy_stream_create) => {
+    (@one [$($inner:tt)*] copy_stream_create) => {
         fn copy_stream_create(&self) -> $crate::error::Result<u64> {
-            self.$inner.copy_stream_create()
+            self.$($inner)*.copy_stream_create()
         }
     };
-    (@one $inner:ident copy_stream_destroy) => {
+    (@one [$($inner:tt)*] copy_stream_destroy) => {
         unsafe fn copy_stream_destroy(&self, stream: u64) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_stream_destroy(stream) }
+            unsafe { self.$($inner)*.copy_stream_destroy(stream) }
         }
     };
-    (@one $inner:ident copy_to_host_async) => {
+    (@one [$($inner:tt)*] copy_to_host_async) => {
         unsafe fn copy_to_host_async(
             &self,
             dst: *mut u8,
@@ -336,10 +339,10 @@ macro_rules! forward_backend {
             stream: u64,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_to_host_async(dst, src, bytes, stream) }
+            unsafe { self.$($inner)*.copy_to_host_async(dst, src, bytes, stream) }
         }
     };
-    (@one $inner:ident copy_from_host_async) => {
+    (@one [$($inner:tt)*] copy_from_host_async) => {
         unsafe fn copy_from_host_async(
             &self,
             dst: u64,
@@ -348,37 +351,37 @@ macro_rules! forward_backend {
             stream: u64,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_from_host_async(dst, src, bytes, stream) }
+            unsafe { self.$($inner)*.copy_from_host_async(dst, src, bytes, stream) }
         }
     };
-    (@one $inner:ident marker_record) => {
+    (@one [$($inner:tt)*] marker_record) => {
         unsafe fn marker_record(&self, stream: u64) -> $crate::error::Result<u64> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.marker_record(stream) }
+            unsafe { self.$($inner)*.marker_record(stream) }
         }
     };
-    (@one $inner:ident marker_wait) => {
+    (@one [$($inner:tt)*] marker_wait) => {
         unsafe fn marker_wait(&self, marker: u64) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.marker_wait(marker) }
+            unsafe { self.$($inner)*.marker_wait(marker) }
         }
     };
-    (@one $inner:ident synchronize) => {
+    (@one [$($inner:tt)*] synchronize) => {
         fn synchronize(&self, stream: u64) -> $crate::error::Result<()> {
-            self.$inner.synchronize(stream)
+            self.$($inner)*.synchronize(stream)
         }
     };
-    (@one $inner:ident copy_batch_async) => {
+    (@one [$($inner:tt)*] copy_batch_async) => {
         unsafe fn copy_batch_async(
             &self,
             copies: &[(u64, u64, usize)],
             stream: u64,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_batch_async(copies, stream) }
+            unsafe { self.$($inner)*.copy_batch_async(copies, stream) }
         }
     };
-    (@one $inner:ident set_access_mode) => {
+    (@one [$($inner:tt)*] set_access_mode) => {
         unsafe fn set_access_mode(
             &self,
             addr: u64,
@@ -386,10 +389,10 @@ macro_rules! forward_backend {
             mode: $crate::backend::AccessMode,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.set_access_mode(addr, size, mode) }
+            unsafe { self.$($inner)*.set_access_mode(addr, size, mode) }
         }
     };
-    (@one $inner:ident set_import_access) => {
+    (@one [$($inner:tt)*] set_import_access) => {
         unsafe fn set_import_access(
             &self,
             addr: u64,
@@ -398,20 +401,20 @@ macro_rules! forward_backend {
             owner: Option<i32>,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.set_import_access(addr, size, mode, owner) }
+            unsafe { self.$($inner)*.set_import_access(addr, size, mode, owner) }
         }
     };
-    (@one $inner:ident reach) => {
+    (@one [$($inner:tt)*] reach) => {
         fn reach(&self, uuid: &[u8; 16]) -> $crate::error::Result<$crate::backend::DeviceReach> {
-            self.$inner.reach(uuid)
+            self.$($inner)*.reach(uuid)
         }
     };
-    (@one $inner:ident chunk_lender) => {
+    (@one [$($inner:tt)*] chunk_lender) => {
         fn chunk_lender(&self) -> Option<String> {
-            self.$inner.chunk_lender()
+            self.$($inner)*.chunk_lender()
         }
     };
-    (@one $inner:ident gather_async) => {
+    (@one [$($inner:tt)*] gather_async) => {
         unsafe fn gather_async(
             &self,
             pieces: &[$crate::backend::GatherPiece],
@@ -419,7 +422,7 @@ macro_rules! forward_backend {
             stream: u64,
         ) -> $crate::error::Result<()> {
             // SAFETY: forwarded contract.
-            unsafe { self.$inner.gather_async(pieces, shifts, stream) }
+            unsafe { self.$($inner)*.gather_async(pieces, shifts, stream) }
         }
     };
 }
@@ -439,8 +442,7 @@ pub enum Need {
 /// The virtual-memory driver interface. Implementations are thin: no caching, no policy.
 ///
 /// Addresses are absolute (`u64`, as CUDA's `CUdeviceptr`); sizes are multiples of
-/// [`BackendInfo::granularity`] except for the data-movement helpers at the end, which take any
-/// byte range inside mapped, accessible memory.
+/// [`BackendInfo::granularity`]. Moving bytes is [`Copies`]' business.
 ///
 /// The calls that change mappings or touch memory are `unsafe`: on the host backend a wrong
 /// address unmaps or overwrites memory the process uses for something else. The pool is the only
@@ -597,24 +599,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// the system where possible (host: the memfd's allocated blocks), else from its own counts.
     fn physical_bytes(&self) -> Result<u64>;
 
-    /// Copy `data` into memory at `addr`.
-    ///
-    /// # Safety
-    /// `addr..addr + data.len()` must be mapped with access, and no one else may use it meanwhile.
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()>;
-
-    /// Copy memory at `addr` into `out`.
-    ///
-    /// # Safety
-    /// `addr..addr + out.len()` must be mapped with access.
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()>;
-
-    /// Set `len` bytes at `addr` to `byte`.
-    ///
-    /// # Safety
-    /// As for [`Backend::write`].
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
-
     /// Export `chunk` as a POSIX file descriptor another process can import with
     /// [`Backend::import_chunk`] (sent over a Unix socket with `SCM_RIGHTS`, see
     /// [`crate::ipc`]). The descriptor gives access to this chunk only, and keeps its memory
@@ -662,6 +646,35 @@ pub trait Backend: Send + Sync + fmt::Debug {
         ))
     }
 
+    /// Copies and streams on this backend's memory ([`Copies`]): usually the backend itself;
+    /// a wrapper returns the one it wraps, or itself where it intercepts copies.
+    fn copies(&self) -> &dyn Copies;
+}
+
+/// Copies and streams: moving bytes in and out of mapped memory, synchronously or on GPU
+/// streams, and the host staging of sleep and wake. Reached through [`Backend::copies`], so a
+/// wrapper of the VMM core forwards one method, not these.
+///
+/// Sizes here are any byte range inside mapped, accessible memory.
+pub trait Copies: Backend {
+    /// Copy `data` into memory at `addr`.
+    ///
+    /// # Safety
+    /// `addr..addr + data.len()` must be mapped with access, and no one else may use it meanwhile.
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()>;
+
+    /// Copy memory at `addr` into `out`.
+    ///
+    /// # Safety
+    /// `addr..addr + out.len()` must be mapped with access.
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()>;
+
+    /// Set `len` bytes at `addr` to `byte`.
+    ///
+    /// # Safety
+    /// As for [`Copies::write`].
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
+
     /// Queue a copy of `bytes` bytes from device memory at `src` to `dst` on the GPU stream
     /// `stream` (a raw `CUstream` handle as an integer: `1` is CUDA's legacy default stream,
     /// `2` the calling thread's per-thread default stream), in stream order, without waiting.
@@ -692,12 +705,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// Queue every copy of `copies` (`(dst, src, bytes)`) on `stream`, in stream order, as
-    /// [`Backend::copy_async`] would one after the other; a backend may submit them as one
+    /// [`Copies::copy_async`] would one after the other; a backend may submit them as one
     /// batch (CUDA: `cuMemcpyBatchAsync` where the driver has it, on streams other than the
     /// legacy default one). This default queues them one by one.
     ///
     /// # Safety
-    /// As for [`Backend::copy_async`], for every copy; no destination overlaps another copy's
+    /// As for [`Copies::copy_async`], for every copy; no destination overlaps another copy's
     /// source or destination.
     unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
         for &(dst, src, bytes) in copies {
@@ -714,10 +727,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// Backends without such a kernel keep this default, which fails with a
     /// [`crate::Error::Backend`] whose code is `UNSUPPORTED`; the caller then copies with
-    /// [`Backend::copy_batch_async`]. A failure queues nothing that reads or writes the ranges.
+    /// [`Copies::copy_batch_async`]. A failure queues nothing that reads or writes the ranges.
     ///
     /// # Safety
-    /// As for [`Backend::copy_async`], for every copy the pattern makes; no copy's destination
+    /// As for [`Copies::copy_async`], for every copy the pattern makes; no copy's destination
     /// overlaps another copy's destination or any copy's source. The stream is not being
     /// captured into a CUDA graph (the descriptors' buffers are reused once the launch ran,
     /// which a graph's replays would not respect).
@@ -737,7 +750,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// Wait until every piece of work queued on the GPU stream `stream` (a raw `CUstream` or one
-    /// of the special handles of [`Backend::copy_async`]) has run.
+    /// of the special handles of [`Copies::copy_async`]) has run.
     ///
     /// Backends that queue no GPU work keep this default, which fails with code `UNSUPPORTED`.
     fn synchronize(&self, stream: u64) -> Result<()> {
@@ -752,7 +765,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Queue setting `bytes` bytes at `addr` to `byte` on the GPU stream `stream`, in stream
     /// order, without waiting. Handles, zero sizes and the default as for
-    /// [`Backend::copy_async`].
+    /// [`Copies::copy_async`].
     ///
     /// # Safety
     /// - `addr..addr + bytes` lies in memory of this backend's device that is mapped with
@@ -779,7 +792,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Allocate `bytes` of host memory for staging copies (CUDA: page-locked with
     /// `cuMemHostAlloc`, which costs about 0.6 s per GiB; host: ordinary memory). The memory's
-    /// contents are unspecified; it is given back with [`Backend::staging_free`].
+    /// contents are unspecified; it is given back with [`Copies::staging_free`].
     fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
         let layout = staging_layout(bytes)?;
         // SAFETY: the layout has a non-zero size (checked by `staging_layout`).
@@ -798,7 +811,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Give back staging memory.
     ///
     /// # Safety
-    /// `ptr` and `bytes` come from one [`Backend::staging_alloc`] of this backend, freed once,
+    /// `ptr` and `bytes` come from one [`Copies::staging_alloc`] of this backend, freed once,
     /// with no copy on it still queued.
     unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
         let layout = staging_layout(bytes)?;
@@ -813,7 +826,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(0)
     }
 
-    /// Destroy a stream from [`Backend::copy_stream_create`].
+    /// Destroy a stream from [`Copies::copy_stream_create`].
     ///
     /// # Safety
     /// `stream` came from this backend's `copy_stream_create`, is destroyed once, and nothing
@@ -882,7 +895,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 }
 
-/// One piece of a gather copy's pattern ([`Backend::gather_async`]): `len` bytes from offset
+/// One piece of a gather copy's pattern ([`Copies::gather_async`]): `len` bytes from offset
 /// `src` to offset `dst`, both relative to a [`GatherShift`]. Laid out as the kernel reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C)]
@@ -895,7 +908,7 @@ pub struct GatherPiece {
     pub len: u64,
 }
 
-/// Where one repetition of a gather copy's pattern lies ([`Backend::gather_async`]): the
+/// Where one repetition of a gather copy's pattern lies ([`Copies::gather_async`]): the
 /// pattern's offsets are added to these addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C)]

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest};
 use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
-use crate::backend::{Backend, Need, PhysicalChunk};
+use crate::backend::{Backend, Copies, Need, PhysicalChunk};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolConfig};
 use crate::shared::ModelConfig;
@@ -579,6 +579,10 @@ impl Backend for ModelBackend {
     // Sleep and wake stage through the engine's own backend (pinned memory and a copy stream
     // on CUDA), and copies (p2p's too: batches, gathers, waits) run on it; the chunks
     // themselves come from and go back to the broker as above.
+    fn copies(&self) -> &dyn Copies {
+        self.local.copies()
+    }
+
     crate::backend::forward_backend!(
         local:
         info,
@@ -586,28 +590,12 @@ impl Backend for ModelBackend {
         free_reservation,
         map,
         set_access,
+        set_access_mode,
+        set_import_access,
         unmap,
         memory_info,
-        write,
-        read,
-        fill,
         export_chunk,
-        copy_async,
-        fill_async,
-        set_access_mode,
-        copy_batch_async,
-        synchronize,
-        staging_alloc,
-        staging_free,
-        copy_stream_create,
-        copy_stream_destroy,
-        marker_record,
-        marker_wait,
-        gather_async,
-        set_import_access,
         reach,
-        copy_to_host_async,
-        copy_from_host_async,
     );
 }
 
@@ -700,6 +688,7 @@ mod tests {
         // SAFETY: [0, 64 MiB) was just mapped with access; nothing else uses it.
         unsafe {
             a.backend()
+                .copies()
                 .fill(a.base(), (64 * MIB) as usize, 0xab)
                 .unwrap()
         };
@@ -717,7 +706,12 @@ mod tests {
         let mut byte = [0u8; 1];
         for i in 0..32u64 {
             // SAFETY: mapped with access just above.
-            unsafe { b.backend().read(b.base() + i * 2 * MIB, &mut byte).unwrap() };
+            unsafe {
+                b.backend()
+                    .copies()
+                    .read(b.base() + i * 2 * MIB, &mut byte)
+                    .unwrap()
+            };
             assert_eq!(byte[0], 0xab, "chunk {i}");
         }
         let after = other.snapshot().unwrap().counters;

@@ -1211,12 +1211,12 @@ fn write_mapped(model: &elastic_vmm::broker::RemoteModel, data: &[u8]) {
     // The range API maps [0, len) of the reservation; the pool's backend writes it.
     // SAFETY: the range was mapped with access by `map_chunked` just before, and nothing else
     // in this process uses it.
-    unsafe { model.backend().write(model.base(), data).unwrap() };
+    unsafe { model.backend().copies().write(model.base(), data).unwrap() };
 }
 
 fn read_mapped(model: &elastic_vmm::broker::RemoteModel, out: &mut [u8]) {
     // SAFETY: as for `write_mapped`; the range is mapped by an earlier `map`.
-    unsafe { model.backend().read(model.base(), out).unwrap() };
+    unsafe { model.backend().copies().read(model.base(), out).unwrap() };
 }
 
 /// Connects, says "ready", waits for "go", then registers with its guarantee and grows to it

@@ -271,11 +271,15 @@ pub fn failed_unmap_restore_never_aliases(backend: Arc<dyn Backend>) {
     let mut back = vec![0u8; g as usize];
     // SAFETY: both ranges are mapped (checked above) and nothing else touches them.
     unsafe {
-        faults.write(pool.base(), &a).expect("write first");
+        faults.copies().write(pool.base(), &a).expect("write first");
         faults
+            .copies()
             .write(pool.base() + 16 * g, &b)
             .expect("write second");
-        faults.read(pool.base(), &mut back).expect("read first");
+        faults
+            .copies()
+            .read(pool.base(), &mut back)
+            .expect("read first");
     }
     assert!(back == a, "two ranges share physical memory");
     pool.unmap(0, g).expect("unmap restored");

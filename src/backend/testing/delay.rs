@@ -223,16 +223,16 @@ mod tests {
         // SAFETY: the chunk was just mapped there.
         unsafe { d.set_access(base, gran) }.expect("access");
         // SAFETY: mapped with access above; nothing else uses it.
-        unsafe { d.write(base + 100, b"through the adaptor") }.expect("write");
+        unsafe { d.copies().write(base + 100, b"through the adaptor") }.expect("write");
         let mut out = [0u8; 19];
         // SAFETY: as above.
-        unsafe { d.read(base + 100, &mut out) }.expect("read");
+        unsafe { d.copies().read(base + 100, &mut out) }.expect("read");
         assert_eq!(&out, b"through the adaptor");
         // SAFETY: as above.
-        unsafe { d.fill(base, 4, 0xAB) }.expect("fill");
+        unsafe { d.copies().fill(base, 4, 0xAB) }.expect("fill");
         let mut four = [0u8; 4];
         // SAFETY: as above.
-        unsafe { d.read(base, &mut four) }.expect("read");
+        unsafe { d.copies().read(base, &mut four) }.expect("read");
         assert_eq!(four, [0xAB; 4]);
         // SAFETY: the whole chunk mapped above, unused from here on.
         unsafe { d.unmap(base, gran) }.expect("unmap");

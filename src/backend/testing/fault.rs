@@ -69,7 +69,7 @@ impl Faults {
     }
 
     /// How many staging copies went through this adaptor (failed ones included).
-    pub fn copies(&self) -> u64 {
+    pub fn staging_copies(&self) -> u64 {
         self.copies.load(Ordering::SeqCst)
     }
 
