@@ -1,15 +1,18 @@
 //! The one backend adaptor: [`Intercept`] wraps an upstream backend and shows each VMM call to
 //! a [`Hook`] before the call goes up and after it came back, as RMM's resource adaptors wrap
 //! an upstream resource. Counting ([`super::counting::Counter`]), delaying and failing
-//! ([`super::testing`]) are hooks; everything else (data movement, copies, streams, queries)
-//! goes straight to the upstream backend.
+//! ([`super::testing`]) are hooks; everything else (queries, data movement, copies and streams
+//! but the staging copies of sleep and wake) goes straight to the upstream backend.
 
 use std::fmt;
 use std::ops::Deref;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use super::{AccessMode, Backend, BackendInfo, Copies, DriverCall, Need, PhysicalChunk};
+use super::{
+    AccessMode, Backend, BackendInfo, Copies, DeviceReach, DriverCall, GatherPiece, GatherShift,
+    MemoryInfo, Need, PhysicalChunk,
+};
 use crate::error::{Error, Result};
 
 /// A call an [`Intercept`] shows its hook, with its arguments.
@@ -334,14 +337,25 @@ impl<H: Hook> Backend for Intercept<H> {
         self
     }
 
-    crate::backend::forward_backend!(
-        inner:
-        info,
-        memory_info,
-        physical_bytes,
-        chunk_lender,
-        reach,
-    );
+    fn info(&self) -> &BackendInfo {
+        self.inner.info()
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        self.inner.memory_info()
+    }
+
+    fn physical_bytes(&self) -> Result<u64> {
+        self.inner.physical_bytes()
+    }
+
+    fn chunk_lender(&self) -> Option<String> {
+        self.inner.chunk_lender()
+    }
+
+    fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
+        self.inner.reach(uuid)
+    }
 }
 
 /// Staging copies go through the hook; the rest straight to the upstream's copies.
@@ -378,21 +392,72 @@ impl<H: Hook> Copies for Intercept<H> {
         self.around(call, f, none)
     }
 
-    crate::backend::forward_backend!(
-        up():
-        write,
-        read,
-        fill,
-        copy_async,
-        copy_batch_async,
-        gather_async,
-        fill_async,
-        synchronize,
-        staging_alloc,
-        staging_free,
-        copy_stream_create,
-        copy_stream_destroy,
-        marker_record,
-        marker_wait,
-    );
+    // The rest: passed on unchanged, each under the caller's contract.
+
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().write(addr, data) }
+    }
+
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().read(addr, out) }
+    }
+
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().fill(addr, len, byte) }
+    }
+
+    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().copy_async(dst, src, bytes, stream) }
+    }
+
+    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().copy_batch_async(copies, stream) }
+    }
+
+    unsafe fn gather_async(&self, p: &[GatherPiece], s: &[GatherShift], stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().gather_async(p, s, stream) }
+    }
+
+    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().fill_async(addr, bytes, byte, stream) }
+    }
+
+    fn synchronize(&self, stream: u64) -> Result<()> {
+        self.up().synchronize(stream)
+    }
+
+    fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
+        self.up().staging_alloc(bytes)
+    }
+
+    unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().staging_free(ptr, bytes) }
+    }
+
+    fn copy_stream_create(&self) -> Result<u64> {
+        self.up().copy_stream_create()
+    }
+
+    unsafe fn copy_stream_destroy(&self, stream: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().copy_stream_destroy(stream) }
+    }
+
+    unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().marker_record(stream) }
+    }
+
+    unsafe fn marker_wait(&self, marker: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().marker_wait(marker) }
+    }
 }

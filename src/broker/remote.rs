@@ -15,7 +15,9 @@ use parking_lot::Mutex;
 
 use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest};
 use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
-use crate::backend::{Backend, Copies, Need, PhysicalChunk};
+use crate::backend::{
+    AccessMode, Backend, BackendInfo, Copies, DeviceReach, MemoryInfo, Need, PhysicalChunk,
+};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolConfig};
 use crate::shared::ModelConfig;
@@ -583,20 +585,63 @@ impl Backend for ModelBackend {
         self.local.copies()
     }
 
-    crate::backend::forward_backend!(
-        local:
-        info,
-        reserve,
-        free_reservation,
-        map,
-        set_access,
-        set_access_mode,
-        set_import_access,
-        unmap,
-        memory_info,
-        export_chunk,
-        reach,
-    );
+    // The rest of the VMM core: the engine's own backend, under the caller's contracts.
+
+    fn info(&self) -> &BackendInfo {
+        self.local.info()
+    }
+
+    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
+        self.local.reserve(size, alignment)
+    }
+
+    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.free_reservation(base, size) }
+    }
+
+    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.map(addr, chunk) }
+    }
+
+    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.set_access(addr, size) }
+    }
+
+    unsafe fn set_access_mode(&self, addr: u64, size: usize, mode: AccessMode) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.set_access_mode(addr, size, mode) }
+    }
+
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.set_import_access(addr, size, mode, owner) }
+    }
+
+    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.unmap(addr, size) }
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        self.local.memory_info()
+    }
+
+    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+        self.local.export_chunk(chunk)
+    }
+
+    fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
+        self.local.reach(uuid)
+    }
 }
 
 #[cfg(test)]
