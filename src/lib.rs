@@ -74,7 +74,7 @@ pub mod stats;
 mod tag;
 
 pub use backend::{
-    AccessMode, Backend, BackendInfo, DeviceReach, DriverCall, MemoryInfo, MemoryKind,
+    AccessMode, Backend, BackendInfo, Copies, DeviceReach, DriverCall, MemoryInfo, MemoryKind,
     PhysicalChunk,
 };
 pub use backing::{

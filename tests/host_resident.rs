@@ -47,6 +47,7 @@ fn resident_memory_drops_after_unmap_and_trim() {
     // SAFETY: the range was just mapped and nothing else uses it.
     unsafe {
         backend
+            .copies()
             .fill(pool.base() + (4 << 30), (128 * MIB) as usize, 7)
             .expect("touch")
     };

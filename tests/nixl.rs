@@ -181,7 +181,7 @@ fn two_processes_exchange_and_write() {
                 let base = l.views().block(0)?[0].addr;
                 nixl_peer::write_pattern(n, block, |off, bytes| {
                     // SAFETY: inside the layout's `n` blocks, all backed; nothing else uses them.
-                    unsafe { backend.write(base + off, bytes) }.map_err(|e| e.into())
+                    unsafe { backend.copies().write(base + off, bytes) }.map_err(|e| e.into())
                 })?;
             }
             let local = [
@@ -302,7 +302,7 @@ fn peer_decode(path: &std::path::Path) {
         let zero = |base: u64| {
             // SAFETY: the layout's `n` blocks, all backed; no WRITE into them runs (none has
             // started, or the prefill said its round is over).
-            unsafe { backend.fill(base, len as usize, 0) }.expect("zero");
+            unsafe { backend.copies().fill(base, len as usize, 0) }.expect("zero");
         };
         bases.iter().for_each(|&b| zero(b));
         let sets = layouts
@@ -321,7 +321,7 @@ fn peer_decode(path: &std::path::Path) {
                 let reports = w.outcome.unwrap_or_else(|e| panic!("{what}: {e}"));
                 let checked = nixl_peer::verify_pattern(n, block, |off, out| {
                     // SAFETY: as in `zero`: the round is over.
-                    unsafe { backend.read(base + off, out) }.map_err(|e| e.into())
+                    unsafe { backend.copies().read(base + off, out) }.map_err(|e| e.into())
                 });
                 if checked.is_ok() && w.more {
                     zero(base);

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use elastic_vmm::backend::delay::DelayInjector;
-use elastic_vmm::backend::fault::FaultInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
-use elastic_vmm::backend::{BackendInfo, MemoryInfo, PhysicalChunk};
+use elastic_vmm::backend::testing::DelayInjector;
+use elastic_vmm::backend::testing::FaultInjector;
+use elastic_vmm::backend::{BackendInfo, Copies, MemoryInfo, PhysicalChunk};
 use elastic_vmm::layout::{ElasticLayout, LayoutBuilder, LayoutConfig};
 use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, Peers, TransferPath};
 use elastic_vmm::{
@@ -452,7 +452,7 @@ fn ranges_are_granted_and_copied() {
     assert_eq!((report.bytes, report.copies), (3 * G, 1));
     let mut got = vec![0u8; (3 * G) as usize];
     // SAFETY: mapped above, the copy completed, nobody writes it.
-    unsafe { rp.backend().read(rp.base() + G, &mut got).unwrap() };
+    unsafe { rp.backend().copies().read(rp.base() + G, &mut got).unwrap() };
     assert!(got == data, "the range arrived byte for byte");
     // A range beyond what is mapped here: refused.
     assert!(matches!(
@@ -768,15 +768,6 @@ impl Backend for Wrap {
     fn physical_bytes(&self) -> Result<u64> {
         self.inner.physical_bytes()
     }
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        unsafe { self.inner.write(addr, data) }
-    }
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
-        unsafe { self.inner.read(addr, out) }
-    }
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
-        unsafe { self.inner.fill(addr, len, byte) }
-    }
     fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
         let ms = self.export_delay_ms.load(Ordering::SeqCst);
         if ms > 0 {
@@ -786,6 +777,21 @@ impl Backend for Wrap {
     }
     fn import_chunk(&self, fd: OwnedFd, size: usize) -> Result<PhysicalChunk> {
         self.inner.import_chunk(fd, size)
+    }
+    fn copies(&self) -> &dyn Copies {
+        self
+    }
+}
+
+impl Copies for Wrap {
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
+        unsafe { self.inner.copies().write(addr, data) }
+    }
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        unsafe { self.inner.copies().read(addr, out) }
+    }
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
+        unsafe { self.inner.copies().fill(addr, len, byte) }
     }
     fn synchronize(&self, _stream: u64) -> Result<()> {
         Ok(())
@@ -860,8 +866,8 @@ fn broker_model_backends_forward_waits_and_links_take_the_engines_backend() {
     let model = client
         .register(ModelConfig::new("m", 1 << 30, 64 << 20))
         .unwrap();
-    assert!(local.synchronize(1).is_ok());
-    model.backend().synchronize(1).unwrap();
+    assert!(local.copies().synchronize(1).is_ok());
+    model.backend().copies().synchronize(1).unwrap();
 
     let (x, y) = UnixStream::pair().unwrap();
     let e = PeerLink::over(x, "decode", model.backend().clone())

@@ -8,8 +8,8 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream};
-use elastic_vmm::backend::delay::{Delay, DelayInjector};
 use elastic_vmm::backend::host::HostBackend;
+use elastic_vmm::backend::testing::{Delay, DelayInjector};
 use elastic_vmm::route::{self, DefaultRoute};
 use elastic_vmm::{
     AfterWake, Backend, DriverCall, ModelConfig, Pool, SharedPool, SharedPoolConfig, SleepPolicy,

@@ -73,7 +73,11 @@ pub fn run() -> Result<(), BoxError> {
     for (round, threads) in [(3u8, 1usize), (4, 4)] {
         a.map_chunked(0, SPAN, CHUNK)?;
         // SAFETY: [0, SPAN) was just mapped with access; nothing else uses it.
-        unsafe { a.backend().fill(a.base(), SPAN as usize, 0x40 + round)? };
+        unsafe {
+            a.backend()
+                .copies()
+                .fill(a.base(), SPAN as usize, 0x40 + round)?
+        };
         a.unmap(0, SPAN)?;
         a.trim()?;
         let answer = ask(&format!("probe {threads} {}", 0x40 + round))?;
@@ -93,7 +97,11 @@ pub fn run() -> Result<(), BoxError> {
         a.map_chunked(0, SPAN, CHUNK)?;
         let a_map = t.elapsed();
         // SAFETY: [0, SPAN) was just mapped with access; nothing else uses it.
-        unsafe { a.backend().fill(a.base(), SPAN as usize, 0x40 + round)? };
+        unsafe {
+            a.backend()
+                .copies()
+                .fill(a.base(), SPAN as usize, 0x40 + round)?
+        };
         a.unmap(0, SPAN)?;
         if !via_reclaim {
             a.trim()?;
@@ -180,8 +188,11 @@ pub fn engine_b() -> Result<(), BoxError> {
                     let mut buf = [0u8; 2];
                     // SAFETY: [0, SPAN) is mapped with access by `map`.
                     unsafe {
-                        b.backend().read(b.base() + i * CHUNK, &mut buf[..1])?;
                         b.backend()
+                            .copies()
+                            .read(b.base() + i * CHUNK, &mut buf[..1])?;
+                        b.backend()
+                            .copies()
                             .read(b.base() + (i + 1) * CHUNK - 1, &mut buf[1..])?;
                     }
                     ok &= buf == [byte, byte];
@@ -292,7 +303,7 @@ fn probe(
     for i in 0..n as u64 {
         let mut buf = [0u8; 1];
         // SAFETY: mapped with access above.
-        unsafe { local.read(base + i * CHUNK, &mut buf)? };
+        unsafe { local.copies().read(base + i * CHUNK, &mut buf)? };
         ok &= buf[0] == byte;
     }
     let t = Instant::now();

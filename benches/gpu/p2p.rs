@@ -186,9 +186,13 @@ fn prefill(device: i32, decode_device: i32) -> Result<(), BoxError> {
         for r in kv.regions() {
             // SAFETY: the layout's regions are mapped (every block backed) and nothing else
             // uses them; the legacy stream is synchronized right after.
-            unsafe { backend.fill_async(r.addr, r.len as usize, 0x5a, 1)? };
+            unsafe {
+                backend
+                    .copies()
+                    .fill_async(r.addr, r.len as usize, 0x5a, 1)?
+            };
         }
-        backend.synchronize(1)?;
+        backend.copies().synchronize(1)?;
         let blocks: Vec<usize> = (0..n).collect();
         let g = link.grant(&kv, &blocks, AccessMode::ReadOnly)?;
         g.wait_released(WAIT)?;
@@ -306,10 +310,14 @@ pub fn decode() -> Result<(), BoxError> {
             // before either goes.
             unsafe {
                 backend
+                    .copies()
                     .copy_async(raw_dst.addr(), range.addr, range.len as usize, raw_stream)
                     .expect("raw copy");
             }
-            backend.synchronize(raw_stream).expect("synchronize");
+            backend
+                .copies()
+                .synchronize(raw_stream)
+                .expect("synchronize");
             t.elapsed().as_secs_f64()
         });
         // What an engine would do by hand: one copy per run merged on both sides.
@@ -324,11 +332,15 @@ pub fn decode() -> Result<(), BoxError> {
                     // synchronized before either goes, and nothing else uses the blocks.
                     unsafe {
                         backend
+                            .copies()
                             .copy_async(d, s, len as usize, raw_stream)
                             .expect("raw copy");
                     }
                 }
-                backend.synchronize(raw_stream).expect("synchronize");
+                backend
+                    .copies()
+                    .synchronize(raw_stream)
+                    .expect("synchronize");
                 t.elapsed().as_secs_f64()
             };
             once();

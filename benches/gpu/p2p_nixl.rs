@@ -166,7 +166,7 @@ fn put_pattern(
         // SAFETY: `[addr + off, + len)` lies in the caller's `blocks` blocks, mapped with
         // access (a backed fully contiguous layout or a live cuMemAlloc buffer of the backend's
         // context), and nothing else uses them now.
-        unsafe { backend.write(addr + off, bytes) }.map_err(|e| e.into())
+        unsafe { backend.copies().write(addr + off, bytes) }.map_err(|e| e.into())
     })
     .map_err(boxed)
 }
@@ -181,7 +181,7 @@ fn check_pattern(
     peer::verify_pattern(blocks, block, |off, out| {
         // SAFETY: as in `put_pattern`; no WRITE into these bytes is running (the prefill said
         // its round is over).
-        unsafe { backend.read(addr + off, out) }.map_err(|e| e.into())
+        unsafe { backend.copies().read(addr + off, out) }.map_err(|e| e.into())
     })
     .map_err(boxed)
 }
@@ -189,7 +189,7 @@ fn check_pattern(
 fn zero(backend: &Arc<dyn Backend>, addr: u64, len: u64) -> Result<(), BoxError> {
     // SAFETY: as in `put_pattern` (no WRITE into these bytes is running: none has started,
     // or the prefill said its round is over); the fill is finished when this returns.
-    unsafe { backend.fill(addr, usize::try_from(len)?, 0) }?;
+    unsafe { backend.copies().fill(addr, usize::try_from(len)?, 0) }?;
     Ok(())
 }
 

@@ -29,13 +29,13 @@ fn raw_copies(
     bytes: u64,
 ) -> Result<(Duration, Duration), BoxError> {
     let t = Instant::now();
-    let host = backend.staging_alloc(bytes as usize)?;
+    let host = backend.copies().staging_alloc(bytes as usize)?;
     println!(
         "pinning {} of host memory (cuMemHostAlloc): {:.2} s (never on the sleep path)",
         human(bytes),
         t.elapsed().as_secs_f64()
     );
-    let stream = backend.copy_stream_create()?;
+    let stream = backend.copies().copy_stream_create()?;
     let mut d2h = Vec::new();
     let mut h2d = Vec::new();
     for _ in 0..3 {
@@ -43,19 +43,27 @@ fn raw_copies(
         // is the pinned buffer just made; the copy is waited for before anything else.
         unsafe {
             let t = Instant::now();
-            backend.copy_to_host_async(host, dev, bytes as usize, stream)?;
-            backend.marker_wait(backend.marker_record(stream)?)?;
+            backend
+                .copies()
+                .copy_to_host_async(host, dev, bytes as usize, stream)?;
+            backend
+                .copies()
+                .marker_wait(backend.copies().marker_record(stream)?)?;
             d2h.push(t.elapsed());
             let t = Instant::now();
-            backend.copy_from_host_async(dev, host, bytes as usize, stream)?;
-            backend.marker_wait(backend.marker_record(stream)?)?;
+            backend
+                .copies()
+                .copy_from_host_async(dev, host, bytes as usize, stream)?;
+            backend
+                .copies()
+                .marker_wait(backend.copies().marker_record(stream)?)?;
             h2d.push(t.elapsed());
         }
     }
     // SAFETY: every copy on the stream and buffer was waited for above.
     unsafe {
-        backend.copy_stream_destroy(stream)?;
-        backend.staging_free(host, bytes as usize)?;
+        backend.copies().copy_stream_destroy(stream)?;
+        backend.copies().staging_free(host, bytes as usize)?;
     }
     Ok((best(&d2h), best(&h2d)))
 }

@@ -1,54 +1,42 @@
-//! A backend adaptor that counts every driver call by kind and traces it with its arguments.
-//! It wraps any backend and changes nothing about the calls: it is the one place a stack of
-//! adaptors (or a pool) gets its driver-call statistics from.
+//! Counting and tracing driver calls: the [`Counter`] hook of an [`Intercept`]. It changes
+//! nothing about the calls: it is the one place a stack of adaptors (or the broker) gets its
+//! driver-call statistics from.
 
 use std::fmt;
-use std::sync::Arc;
 
-use super::{Backend, BackendInfo, DriverCall, MemoryInfo, PhysicalChunk};
+use super::intercept::{Call, Hook, Intercept, Outcome};
+use super::BackendInfo;
 use crate::error::Result;
 use crate::stats::{DriverCalls, DriverCounters};
 
-/// Wraps a backend, counts its driver calls by [`DriverCall`] kind and emits a
-/// `tracing::trace!` event per call (target `elastic_vmm::backend::counting`) with the call's
-/// arguments and outcome.
+/// A backend that counts its driver calls: [`Intercept`] with a [`Counter`]
+/// (`Counting::new(inner)`, then `counts()`).
+pub type Counting = Intercept<Counter>;
+
+/// Counts driver calls by [`DriverCall`] kind and emits a `tracing::trace!` event per call
+/// (target `elastic_vmm::backend::counting`) with the call's arguments and outcome.
 ///
 /// A call is counted when it is made, before it reaches the wrapped backend, so calls that fail
-/// count too (as a pool's [`crate::PoolStats::driver_calls`] does). Counting is a relaxed atomic
-/// increment: no lock, safe from any thread. The data-movement helpers (`write`, `read`,
-/// `fill`) and the queries (`memory_info`, `physical_bytes`) are not driver calls of the
-/// virtual-memory model; they are traced, not counted.
-#[derive(Debug)]
-pub struct Counting {
-    inner: Arc<dyn Backend>,
+/// count too (as a pool's [`crate::PoolStats::driver_calls`] does); a batch create counts its
+/// chunks. Counting is a relaxed atomic increment: no lock, safe from any thread. Exports,
+/// imports and staging copies are traced, not counted; data movement and queries neither.
+#[derive(Debug, Default)]
+pub struct Counter {
     counters: DriverCounters,
 }
 
-impl Counting {
-    /// Wrap `inner`, with every count at zero.
-    pub fn new(inner: Arc<dyn Backend>) -> Counting {
-        Counting {
-            inner,
-            counters: DriverCounters::default(),
-        }
-    }
-
+impl Counter {
     /// The calls made so far, by kind: a snapshot (each kind read atomically, the kinds one
     /// after another). Use [`DriverCalls::since`] for the calls between two snapshots.
     pub fn counts(&self) -> DriverCalls {
         self.counters.snapshot()
     }
-
-    /// The wrapped backend.
-    pub fn inner(&self) -> &Arc<dyn Backend> {
-        &self.inner
-    }
 }
 
 /// `ok`, or the error, for the trace of a finished call (formatted only when traced).
-struct Outcome<'a, T>(&'a Result<T>);
+struct Shown<'a>(Outcome<'a>);
 
-impl<T> fmt::Display for Outcome<'_, T> {
+impl fmt::Display for Shown<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.0 {
             Ok(_) => f.write_str("ok"),
@@ -58,222 +46,68 @@ impl<T> fmt::Display for Outcome<'_, T> {
 }
 
 /// A `u64` address in hex, for traces.
-fn hex(addr: u64) -> impl fmt::Display {
-    struct Hex(u64);
-    impl fmt::Display for Hex {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            write!(f, "{:#x}", self.0)
-        }
+struct Hex(u64);
+
+impl fmt::Display for Hex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
     }
-    Hex(addr)
 }
 
-impl Backend for Counting {
-    fn info(&self) -> &BackendInfo {
-        self.inner.info()
+impl Hook for Counter {
+    type Pass = ();
+
+    fn before(&self, call: &Call, _: &BackendInfo) -> Result<()> {
+        if let Some(kind) = call.kind() {
+            self.counters.bump_by(kind, call.count());
+        }
+        Ok(())
     }
 
-    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
-        self.counters.bump(DriverCall::Reserve);
-        let r = self.inner.reserve(size, alignment);
-        tracing::trace!(
-            call = "reserve",
-            size,
-            alignment,
-            base = r.as_ref().map_or(0, |&b| b),
-            outcome = %Outcome(&r),
-            "driver call"
-        );
-        r
+    fn after(&self, call: &Call, _: (), outcome: Outcome<'_>) {
+        let value = *outcome.as_ref().unwrap_or(&0);
+        let outcome = Shown(outcome);
+        match *call {
+            Call::Reserve { size, alignment } => {
+                tracing::trace!(call = "reserve", size, alignment, base = value, %outcome, "driver call")
+            }
+            Call::FreeReservation { base, size } => {
+                tracing::trace!(call = "free_reservation", base = %Hex(base), size, %outcome, "driver call")
+            }
+            Call::Create { size, count: 1 } => {
+                tracing::trace!(call = "create", size, handle = value, %outcome, "driver call")
+            }
+            Call::Create { size, count } => {
+                tracing::trace!(call = "create_many", size, count, %outcome, "driver call")
+            }
+            Call::Release { chunk, .. } => {
+                tracing::trace!(call = "release", handle = chunk.raw, size = chunk.size, %outcome, "driver call")
+            }
+            Call::Map { addr, chunk } => {
+                tracing::trace!(call = "map", addr = %Hex(addr), handle = chunk.raw, size = chunk.size, %outcome, "driver call")
+            }
+            Call::SetAccess {
+                addr,
+                size,
+                mode,
+                owner,
+            } => {
+                tracing::trace!(call = "set_access", addr = %Hex(addr), size, ?mode, ?owner, %outcome, "driver call")
+            }
+            Call::Unmap { addr, size } => {
+                tracing::trace!(call = "unmap", addr = %Hex(addr), size, %outcome, "driver call")
+            }
+            Call::Export { chunk } => {
+                tracing::trace!(call = "export_chunk", handle = chunk.raw, size = chunk.size, %outcome, "driver call")
+            }
+            Call::Import { size } => {
+                tracing::trace!(call = "import_chunk", size, handle = value, %outcome, "driver call")
+            }
+            Call::StagingCopy { bytes, direction } => {
+                tracing::trace!(call = "staging_copy", bytes, ?direction, %outcome, "data movement")
+            }
+        }
     }
-
-    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
-        self.counters.bump(DriverCall::FreeReservation);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.free_reservation(base, size) };
-        tracing::trace!(call = "free_reservation", base = %hex(base), size, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    fn create(&self, size: usize) -> Result<PhysicalChunk> {
-        self.counters.bump(DriverCall::Create);
-        let r = self.inner.create(size);
-        tracing::trace!(
-            call = "create",
-            size,
-            handle = r.as_ref().map_or(0, |c| c.raw),
-            outcome = %Outcome(&r),
-            "driver call"
-        );
-        r
-    }
-
-    fn create_many(
-        &self,
-        size: usize,
-        count: usize,
-        need: super::Need,
-    ) -> Result<Vec<PhysicalChunk>> {
-        self.counters.bump_by(DriverCall::Create, count as u64);
-        let r = self.inner.create_many(size, count, need);
-        tracing::trace!(
-            call = "create_many",
-            size,
-            count,
-            ok = r.is_ok(),
-            "driver call"
-        );
-        r
-    }
-
-    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
-        self.counters
-            .bump_by(DriverCall::Release, chunks.len() as u64);
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.release_many(chunks) }
-    }
-
-    unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
-        self.counters.bump(DriverCall::Release);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.release(chunk) };
-        tracing::trace!(call = "release", handle = chunk.raw, size = chunk.size, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
-        self.counters.bump(DriverCall::Map);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.map(addr, chunk) };
-        tracing::trace!(
-            call = "map",
-            addr = %hex(addr),
-            handle = chunk.raw,
-            size = chunk.size,
-            outcome = %Outcome(&r),
-            "driver call"
-        );
-        r
-    }
-
-    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
-        self.counters.bump(DriverCall::SetAccess);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.set_access(addr, size) };
-        tracing::trace!(call = "set_access", addr = %hex(addr), size, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    unsafe fn set_access_mode(
-        &self,
-        addr: u64,
-        size: usize,
-        mode: super::AccessMode,
-    ) -> Result<()> {
-        self.counters.bump(DriverCall::SetAccess);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.set_access_mode(addr, size, mode) };
-        tracing::trace!(call = "set_access_mode", addr = %hex(addr), size, ?mode, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    unsafe fn set_import_access(
-        &self,
-        addr: u64,
-        size: usize,
-        mode: super::AccessMode,
-        owner: Option<i32>,
-    ) -> Result<()> {
-        self.counters.bump(DriverCall::SetAccess);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.set_import_access(addr, size, mode, owner) };
-        tracing::trace!(call = "set_import_access", addr = %hex(addr), size, ?mode, ?owner, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
-        self.counters.bump(DriverCall::Unmap);
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.unmap(addr, size) };
-        tracing::trace!(call = "unmap", addr = %hex(addr), size, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    fn memory_info(&self) -> Result<MemoryInfo> {
-        self.inner.memory_info()
-    }
-
-    fn physical_bytes(&self) -> Result<u64> {
-        self.inner.physical_bytes()
-    }
-
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.write(addr, data) };
-        tracing::trace!(call = "write", addr = %hex(addr), len = data.len(), outcome = %Outcome(&r), "data movement");
-        r
-    }
-
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.read(addr, out) };
-        tracing::trace!(call = "read", addr = %hex(addr), len = out.len(), outcome = %Outcome(&r), "data movement");
-        r
-    }
-
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
-        // SAFETY: forwarded contract.
-        let r = unsafe { self.inner.fill(addr, len, byte) };
-        tracing::trace!(call = "fill", addr = %hex(addr), len, byte, outcome = %Outcome(&r), "data movement");
-        r
-    }
-
-    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<std::os::fd::OwnedFd> {
-        let r = self.inner.export_chunk(chunk);
-        tracing::trace!(call = "export_chunk", handle = chunk.raw, size = chunk.size, outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    fn import_chunk(&self, fd: std::os::fd::OwnedFd, size: usize) -> Result<PhysicalChunk> {
-        let r = self.inner.import_chunk(fd, size);
-        tracing::trace!(call = "import_chunk", size, handle = r.as_ref().map_or(0, |c| c.raw), outcome = %Outcome(&r), "driver call");
-        r
-    }
-
-    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_batch_async(copies, stream) }
-    }
-
-    fn synchronize(&self, stream: u64) -> Result<()> {
-        self.inner.synchronize(stream)
-    }
-
-    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.fill_async(addr, bytes, byte, stream) }
-    }
-
-    // Passed on unchanged.
-    crate::backend::forward_backend!(
-        inner:
-        chunk_lender,
-        staging_alloc,
-        staging_free,
-        copy_stream_create,
-        copy_stream_destroy,
-        marker_record,
-        marker_wait,
-        gather_async,
-        reach,
-        copy_to_host_async,
-        copy_from_host_async,
-    );
 }
 
 #[cfg(test)]
@@ -286,9 +120,11 @@ mod tests {
     use tracing::{Event, Metadata};
 
     use super::*;
-    use crate::backend::fault::FaultInjector;
     use crate::backend::host::HostBackend;
+    use crate::backend::testing::FaultInjector;
+    use crate::backend::{Backend, DriverCall};
     use crate::{Pool, PoolConfig};
+    use std::sync::Arc;
 
     const GRAN: usize = 2 << 20;
 
@@ -371,12 +207,12 @@ mod tests {
         unsafe { c.set_access(base + GRAN as u64, 2 * GRAN) }.expect("access");
         let at = base + GRAN as u64 + 10;
         // SAFETY: mapped with access; nothing else uses it.
-        unsafe { c.write(at, b"counted") }.expect("write");
+        unsafe { c.copies().write(at, b"counted") }.expect("write");
         // SAFETY: as above.
-        unsafe { c.fill(at + 7, 3, b'!') }.expect("fill");
+        unsafe { c.copies().fill(at + 7, 3, b'!') }.expect("fill");
         let mut out = [0u8; 10];
         // SAFETY: as above.
-        unsafe { c.read(at, &mut out) }.expect("read");
+        unsafe { c.copies().read(at, &mut out) }.expect("read");
         assert_eq!(&out, b"counted!!!");
         // SAFETY: the whole chunk, unused from here on.
         unsafe { c.unmap(base + GRAN as u64, 2 * GRAN) }.expect("unmap");

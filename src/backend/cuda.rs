@@ -18,7 +18,7 @@ use cudarc::driver::sys;
 use super::cuda_staging::DescriptorStaging;
 pub use super::cuda_staging::GatherUploads;
 use super::{
-    gather_size, pack_gather, write_gather, Backend, BackendInfo, GatherPiece, GatherShift,
+    gather_size, pack_gather, write_gather, Backend, BackendInfo, Copies, GatherPiece, GatherShift,
     MemoryInfo, MemoryKind, PhysicalChunk,
 };
 use crate::error::{Error, Result};
@@ -727,6 +727,12 @@ impl Backend for CudaBackend {
         Ok(self.physical.load(Ordering::Relaxed))
     }
 
+    fn copies(&self) -> &dyn Copies {
+        self
+    }
+}
+
+impl Copies for CudaBackend {
     unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
         let _bound = self.bind()?;
         // SAFETY: the caller guarantees the destination is mapped with access.

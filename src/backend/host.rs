@@ -23,7 +23,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use parking_lot::Mutex;
 
-use super::{Backend, BackendInfo, MemoryInfo, MemoryKind, PhysicalChunk};
+use super::{Backend, BackendInfo, Copies, MemoryInfo, MemoryKind, PhysicalChunk};
 use crate::error::{Error, Result};
 
 /// Default mapping granularity of the host backend: 2 MiB, as CUDA's on the H100.
@@ -585,6 +585,12 @@ impl Backend for HostBackend {
         Ok(self.adopt_file(fd, FileOrigin::Imported, size))
     }
 
+    fn copies(&self) -> &dyn Copies {
+        self
+    }
+}
+
+impl Copies for HostBackend {
     unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
         // SAFETY: the caller guarantees the destination is mapped read-write and unshared.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };

@@ -3,13 +3,16 @@
 //! A backend offers the CUDA virtual-memory model: reserve a virtual range, create physical
 //! chunks, map a chunk at an address, grant access, unmap, release. The [`host`] backend gives the
 //! same semantics with `mmap` and a `memfd` on any Linux machine; the [`cuda`] backend uses the
-//! CUDA driver's VMM API. Adaptors such as [`fault::FaultInjector`] wrap any backend.
+//! CUDA driver's VMM API. One adaptor, [`intercept::Intercept`], wraps any backend and shows
+//! its VMM calls to a hook: counting ([`counting::Counting`]), and for tests delays and faults
+//! ([`testing`]).
 
 pub mod counting;
 pub mod cuda;
-pub mod delay;
-pub mod fault;
 pub mod host;
+pub mod intercept;
+#[doc(hidden)]
+pub mod testing;
 
 mod cuda_staging;
 pub(crate) mod driver;
@@ -197,133 +200,6 @@ impl fmt::Display for DriverCall {
     }
 }
 
-/// Implements [`Backend`] methods that an adaptor passes on unchanged to the backend it wraps
-/// (`self.$inner`): `forward_backend!(inner: staging_alloc, marker_wait)`. Methods an adaptor
-/// counts, delays or fails stay written out in it.
-macro_rules! forward_backend {
-    ($inner:ident: $($method:ident),+ $(,)?) => {
-        $( $crate::backend::forward_backend!(@one $inner $method); )+
-    };
-    (@one $inner:ident staging_alloc) => {
-        fn staging_alloc(&self, bytes: usize) -> $crate::error::Result<*mut u8> {
-            self.$inner.staging_alloc(bytes)
-        }
-    };
-    (@one $inner:ident staging_free) => {
-        unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.staging_free(ptr, bytes) }
-        }
-    };
-    (@one $inner:ident copy_stream_create) => {
-        fn copy_stream_create(&self) -> $crate::error::Result<u64> {
-            self.$inner.copy_stream_create()
-        }
-    };
-    (@one $inner:ident copy_stream_destroy) => {
-        unsafe fn copy_stream_destroy(&self, stream: u64) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_stream_destroy(stream) }
-        }
-    };
-    (@one $inner:ident copy_to_host_async) => {
-        unsafe fn copy_to_host_async(
-            &self,
-            dst: *mut u8,
-            src: u64,
-            bytes: usize,
-            stream: u64,
-        ) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_to_host_async(dst, src, bytes, stream) }
-        }
-    };
-    (@one $inner:ident copy_from_host_async) => {
-        unsafe fn copy_from_host_async(
-            &self,
-            dst: u64,
-            src: *const u8,
-            bytes: usize,
-            stream: u64,
-        ) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_from_host_async(dst, src, bytes, stream) }
-        }
-    };
-    (@one $inner:ident marker_record) => {
-        unsafe fn marker_record(&self, stream: u64) -> $crate::error::Result<u64> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.marker_record(stream) }
-        }
-    };
-    (@one $inner:ident marker_wait) => {
-        unsafe fn marker_wait(&self, marker: u64) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.marker_wait(marker) }
-        }
-    };
-    (@one $inner:ident synchronize) => {
-        fn synchronize(&self, stream: u64) -> $crate::error::Result<()> {
-            self.$inner.synchronize(stream)
-        }
-    };
-    (@one $inner:ident copy_batch_async) => {
-        unsafe fn copy_batch_async(
-            &self,
-            copies: &[(u64, u64, usize)],
-            stream: u64,
-        ) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.copy_batch_async(copies, stream) }
-        }
-    };
-    (@one $inner:ident set_access_mode) => {
-        unsafe fn set_access_mode(
-            &self,
-            addr: u64,
-            size: usize,
-            mode: $crate::backend::AccessMode,
-        ) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.set_access_mode(addr, size, mode) }
-        }
-    };
-    (@one $inner:ident set_import_access) => {
-        unsafe fn set_import_access(
-            &self,
-            addr: u64,
-            size: usize,
-            mode: $crate::backend::AccessMode,
-            owner: Option<i32>,
-        ) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.set_import_access(addr, size, mode, owner) }
-        }
-    };
-    (@one $inner:ident reach) => {
-        fn reach(&self, uuid: &[u8; 16]) -> $crate::error::Result<$crate::backend::DeviceReach> {
-            self.$inner.reach(uuid)
-        }
-    };
-    (@one $inner:ident chunk_lender) => {
-        fn chunk_lender(&self) -> Option<String> {
-            self.$inner.chunk_lender()
-        }
-    };
-    (@one $inner:ident gather_async) => {
-        unsafe fn gather_async(
-            &self,
-            pieces: &[$crate::backend::GatherPiece],
-            shifts: &[$crate::backend::GatherShift],
-            stream: u64,
-        ) -> $crate::error::Result<()> {
-            // SAFETY: forwarded contract.
-            unsafe { self.$inner.gather_async(pieces, shifts, stream) }
-        }
-    };
-}
-pub(crate) use forward_backend;
-
 /// How much a batch of new chunks is needed, for backends whose chunks come from a shared
 /// budget (the broker's engines): a required chunk may cost other users their idle memory (the
 /// broker asks them to give back), a look-ahead chunk is taken only if it is free at once.
@@ -338,8 +214,7 @@ pub enum Need {
 /// The virtual-memory driver interface. Implementations are thin: no caching, no policy.
 ///
 /// Addresses are absolute (`u64`, as CUDA's `CUdeviceptr`); sizes are multiples of
-/// [`BackendInfo::granularity`] except for the data-movement helpers at the end, which take any
-/// byte range inside mapped, accessible memory.
+/// [`BackendInfo::granularity`]. Moving bytes is [`Copies`]' business.
 ///
 /// The calls that change mappings or touch memory are `unsafe`: on the host backend a wrong
 /// address unmaps or overwrites memory the process uses for something else. The pool is the only
@@ -446,7 +321,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// and, with `owner`, to that device of this process too: the GPU the chunks live on
     /// ([`DeviceReach::Peer`]), so a copy queued on either device may read them. The default
     /// is [`Backend::set_access_mode`] and refuses an `owner` (`UNSUPPORTED`): a backend that
-    /// wraps another forwards this (as the adaptors here do), or imports from another GPU fail.
+    /// wraps another forwards this (as the interceptor and the broker model do), or imports
+    /// from another GPU fail.
     ///
     /// # Safety
     /// As for [`Backend::set_access`].
@@ -496,24 +372,6 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// the system where possible (host: the memfd's allocated blocks), else from its own counts.
     fn physical_bytes(&self) -> Result<u64>;
 
-    /// Copy `data` into memory at `addr`.
-    ///
-    /// # Safety
-    /// `addr..addr + data.len()` must be mapped with access, and no one else may use it meanwhile.
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()>;
-
-    /// Copy memory at `addr` into `out`.
-    ///
-    /// # Safety
-    /// `addr..addr + out.len()` must be mapped with access.
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()>;
-
-    /// Set `len` bytes at `addr` to `byte`.
-    ///
-    /// # Safety
-    /// As for [`Backend::write`].
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
-
     /// Export `chunk` as a POSIX file descriptor another process can import with
     /// [`Backend::import_chunk`] (sent over a Unix socket with `SCM_RIGHTS`, see
     /// [`crate::ipc`]). The descriptor gives access to this chunk only, and keeps its memory
@@ -561,6 +419,35 @@ pub trait Backend: Send + Sync + fmt::Debug {
         ))
     }
 
+    /// Copies and streams on this backend's memory ([`Copies`]): usually the backend itself;
+    /// a wrapper returns the one it wraps, or itself where it intercepts copies.
+    fn copies(&self) -> &dyn Copies;
+}
+
+/// Copies and streams: moving bytes in and out of mapped memory, synchronously or on GPU
+/// streams, and the host staging of sleep and wake. Reached through [`Backend::copies`], so a
+/// wrapper of the VMM core forwards one method, not these.
+///
+/// Sizes here are any byte range inside mapped, accessible memory.
+pub trait Copies: Backend {
+    /// Copy `data` into memory at `addr`.
+    ///
+    /// # Safety
+    /// `addr..addr + data.len()` must be mapped with access, and no one else may use it meanwhile.
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()>;
+
+    /// Copy memory at `addr` into `out`.
+    ///
+    /// # Safety
+    /// `addr..addr + out.len()` must be mapped with access.
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()>;
+
+    /// Set `len` bytes at `addr` to `byte`.
+    ///
+    /// # Safety
+    /// As for [`Copies::write`].
+    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()>;
+
     /// Queue a copy of `bytes` bytes from device memory at `src` to `dst` on the GPU stream
     /// `stream` (a raw `CUstream` handle as an integer: `1` is CUDA's legacy default stream,
     /// `2` the calling thread's per-thread default stream), in stream order, without waiting.
@@ -591,12 +478,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// Queue every copy of `copies` (`(dst, src, bytes)`) on `stream`, in stream order, as
-    /// [`Backend::copy_async`] would one after the other; a backend may submit them as one
+    /// [`Copies::copy_async`] would one after the other; a backend may submit them as one
     /// batch (CUDA: `cuMemcpyBatchAsync` where the driver has it, on streams other than the
     /// legacy default one). This default queues them one by one.
     ///
     /// # Safety
-    /// As for [`Backend::copy_async`], for every copy; no destination overlaps another copy's
+    /// As for [`Copies::copy_async`], for every copy; no destination overlaps another copy's
     /// source or destination.
     unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
         for &(dst, src, bytes) in copies {
@@ -613,10 +500,10 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// Backends without such a kernel keep this default, which fails with a
     /// [`crate::Error::Backend`] whose code is `UNSUPPORTED`; the caller then copies with
-    /// [`Backend::copy_batch_async`]. A failure queues nothing that reads or writes the ranges.
+    /// [`Copies::copy_batch_async`]. A failure queues nothing that reads or writes the ranges.
     ///
     /// # Safety
-    /// As for [`Backend::copy_async`], for every copy the pattern makes; no copy's destination
+    /// As for [`Copies::copy_async`], for every copy the pattern makes; no copy's destination
     /// overlaps another copy's destination or any copy's source. The stream is not being
     /// captured into a CUDA graph (the descriptors' buffers are reused once the launch ran,
     /// which a graph's replays would not respect).
@@ -636,7 +523,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// Wait until every piece of work queued on the GPU stream `stream` (a raw `CUstream` or one
-    /// of the special handles of [`Backend::copy_async`]) has run.
+    /// of the special handles of [`Copies::copy_async`]) has run.
     ///
     /// Backends that queue no GPU work keep this default, which fails with code `UNSUPPORTED`.
     fn synchronize(&self, stream: u64) -> Result<()> {
@@ -651,7 +538,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Queue setting `bytes` bytes at `addr` to `byte` on the GPU stream `stream`, in stream
     /// order, without waiting. Handles, zero sizes and the default as for
-    /// [`Backend::copy_async`].
+    /// [`Copies::copy_async`].
     ///
     /// # Safety
     /// - `addr..addr + bytes` lies in memory of this backend's device that is mapped with
@@ -678,7 +565,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Allocate `bytes` of host memory for staging copies (CUDA: page-locked with
     /// `cuMemHostAlloc`, which costs about 0.6 s per GiB; host: ordinary memory). The memory's
-    /// contents are unspecified; it is given back with [`Backend::staging_free`].
+    /// contents are unspecified; it is given back with [`Copies::staging_free`].
     fn staging_alloc(&self, bytes: usize) -> Result<*mut u8> {
         let layout = staging_layout(bytes)?;
         // SAFETY: the layout has a non-zero size (checked by `staging_layout`).
@@ -697,7 +584,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Give back staging memory.
     ///
     /// # Safety
-    /// `ptr` and `bytes` come from one [`Backend::staging_alloc`] of this backend, freed once,
+    /// `ptr` and `bytes` come from one [`Copies::staging_alloc`] of this backend, freed once,
     /// with no copy on it still queued.
     unsafe fn staging_free(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
         let layout = staging_layout(bytes)?;
@@ -712,7 +599,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
         Ok(0)
     }
 
-    /// Destroy a stream from [`Backend::copy_stream_create`].
+    /// Destroy a stream from [`Copies::copy_stream_create`].
     ///
     /// # Safety
     /// `stream` came from this backend's `copy_stream_create`, is destroyed once, and nothing
@@ -781,7 +668,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 }
 
-/// One piece of a gather copy's pattern ([`Backend::gather_async`]): `len` bytes from offset
+/// One piece of a gather copy's pattern ([`Copies::gather_async`]): `len` bytes from offset
 /// `src` to offset `dst`, both relative to a [`GatherShift`]. Laid out as the kernel reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C)]
@@ -794,7 +681,7 @@ pub struct GatherPiece {
     pub len: u64,
 }
 
-/// Where one repetition of a gather copy's pattern lies ([`Backend::gather_async`]): the
+/// Where one repetition of a gather copy's pattern lies ([`Copies::gather_async`]): the
 /// pattern's offsets are added to these addresses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(C)]

@@ -15,7 +15,9 @@ use parking_lot::Mutex;
 
 use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest};
 use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
-use crate::backend::{Backend, BackendInfo, MemoryInfo, Need, PhysicalChunk};
+use crate::backend::{
+    AccessMode, Backend, BackendInfo, Copies, DeviceReach, MemoryInfo, Need, PhysicalChunk,
+};
 use crate::error::{Error, Result};
 use crate::pool::{Pool, PoolConfig};
 use crate::shared::ModelConfig;
@@ -367,19 +369,6 @@ impl ModelBackend {
 }
 
 impl Backend for ModelBackend {
-    fn info(&self) -> &BackendInfo {
-        self.local.info()
-    }
-
-    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
-        self.local.reserve(size, alignment)
-    }
-
-    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.free_reservation(base, size) }
-    }
-
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
         let (reply, mut fds) = self.client.request(Request::Grow {
             model: self.model,
@@ -581,6 +570,36 @@ impl Backend for ModelBackend {
         Ok(())
     }
 
+    fn physical_bytes(&self) -> Result<u64> {
+        Ok(self.held.load(Ordering::Relaxed))
+    }
+
+    fn chunk_lender(&self) -> Option<String> {
+        Some(format!("the broker (chunks of model {})", self.name))
+    }
+
+    // Sleep and wake stage through the engine's own backend (pinned memory and a copy stream
+    // on CUDA), and copies (p2p's too: batches, gathers, waits) run on it; the chunks
+    // themselves come from and go back to the broker as above.
+    fn copies(&self) -> &dyn Copies {
+        self.local.copies()
+    }
+
+    // The rest of the VMM core: the engine's own backend, under the caller's contracts.
+
+    fn info(&self) -> &BackendInfo {
+        self.local.info()
+    }
+
+    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
+        self.local.reserve(size, alignment)
+    }
+
+    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.free_reservation(base, size) }
+    }
+
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.local.map(addr, chunk) }
@@ -589,6 +608,22 @@ impl Backend for ModelBackend {
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.local.set_access(addr, size) }
+    }
+
+    unsafe fn set_access_mode(&self, addr: u64, size: usize, mode: AccessMode) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.set_access_mode(addr, size, mode) }
+    }
+
+    unsafe fn set_import_access(
+        &self,
+        addr: u64,
+        size: usize,
+        mode: AccessMode,
+        owner: Option<i32>,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.set_import_access(addr, size, mode, owner) }
     }
 
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
@@ -600,63 +635,13 @@ impl Backend for ModelBackend {
         self.local.memory_info()
     }
 
-    fn physical_bytes(&self) -> Result<u64> {
-        Ok(self.held.load(Ordering::Relaxed))
-    }
-
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.write(addr, data) }
-    }
-
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.read(addr, out) }
-    }
-
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.fill(addr, len, byte) }
-    }
-
     fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
         self.local.export_chunk(chunk)
     }
 
-    fn chunk_lender(&self) -> Option<String> {
-        Some(format!("the broker (chunks of model {})", self.name))
+    fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
+        self.local.reach(uuid)
     }
-
-    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.copy_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.local.fill_async(addr, bytes, byte, stream) }
-    }
-
-    // Sleep and wake stage through the engine's own backend (pinned memory and a copy stream
-    // on CUDA), and copies (p2p's too: batches, gathers, waits) run on it; the chunks
-    // themselves come from and go back to the broker as above.
-    crate::backend::forward_backend!(
-        local:
-        set_access_mode,
-        copy_batch_async,
-        synchronize,
-        staging_alloc,
-        staging_free,
-        copy_stream_create,
-        copy_stream_destroy,
-        marker_record,
-        marker_wait,
-        gather_async,
-        set_import_access,
-        reach,
-        copy_to_host_async,
-        copy_from_host_async,
-    );
 }
 
 #[cfg(test)]
@@ -748,6 +733,7 @@ mod tests {
         // SAFETY: [0, 64 MiB) was just mapped with access; nothing else uses it.
         unsafe {
             a.backend()
+                .copies()
                 .fill(a.base(), (64 * MIB) as usize, 0xab)
                 .unwrap()
         };
@@ -765,7 +751,12 @@ mod tests {
         let mut byte = [0u8; 1];
         for i in 0..32u64 {
             // SAFETY: mapped with access just above.
-            unsafe { b.backend().read(b.base() + i * 2 * MIB, &mut byte).unwrap() };
+            unsafe {
+                b.backend()
+                    .copies()
+                    .read(b.base() + i * 2 * MIB, &mut byte)
+                    .unwrap()
+            };
             assert_eq!(byte[0], 0xab, "chunk {i}");
         }
         let after = other.snapshot().unwrap().counters;
@@ -965,7 +956,7 @@ mod tests {
     /// straight back, so the broker does not keep them charged to this engine.
     #[test]
     fn chunks_granted_after_a_timeout_go_back() {
-        use crate::backend::delay::DelayInjector;
+        use crate::backend::testing::DelayInjector;
         use crate::backend::DriverCall;
         const MIB: u64 = 1 << 20;
         let host =

@@ -60,8 +60,8 @@
 //!
 //! What goes there: the copies of [`TensorPool::copy_in`], [`ElasticKv::write`],
 //! [`ElasticKv::write_blocks`] and [`detached_copy`], the fill of [`TensorPool::zeros`] (all
-//! queued through the pool's [`crate::backend::Backend::copy_async`] and
-//! [`crate::backend::Backend::fill_async`]), the fences that decide when memory goes back, and
+//! queued through the pool's [`crate::backend::Copies::copy_async`] and
+//! [`crate::backend::Copies::fill_async`]), the fences that decide when memory goes back, and
 //! what cudarc does through a pool tensor's own slice (host reads, `Tensor::copy`). So a tensor
 //! computed by one thread can be copied into the pool by another, and a pool tensor zeroed or
 //! written by one thread can be read by kernels of another, with no synchronisation of the

@@ -184,8 +184,8 @@ impl Queue {
     pub(crate) fn check_supported(&self) -> Result<()> {
         // SAFETY: zero bytes name no memory; the stream is the device's ordering stream.
         unsafe {
-            self.backend.copy_async(0, 0, 0, self.stream)?;
-            self.backend.fill_async(0, 0, 0, self.stream)
+            self.backend.copies().copy_async(0, 0, 0, self.stream)?;
+            self.backend.copies().fill_async(0, 0, 0, self.stream)
         }
     }
 
@@ -198,7 +198,11 @@ impl Queue {
     /// them is a candle kernel of the device or work on the ordering stream.
     pub(crate) unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
         // SAFETY: the caller's contract is the backend's, and the stream is the ordering stream.
-        unsafe { self.backend.copy_async(dst, src, bytes, self.stream) }
+        unsafe {
+            self.backend
+                .copies()
+                .copy_async(dst, src, bytes, self.stream)
+        }
     }
 
     /// Zero `bytes` at `addr`, in order on the ordering stream.
@@ -207,7 +211,11 @@ impl Queue {
     /// As for [`Queue::copy`], for the one range.
     pub(crate) unsafe fn zero(&self, addr: u64, bytes: usize) -> Result<()> {
         // SAFETY: as above.
-        unsafe { self.backend.fill_async(addr, bytes, 0, self.stream) }
+        unsafe {
+            self.backend
+                .copies()
+                .fill_async(addr, bytes, 0, self.stream)
+        }
     }
 }
 
@@ -495,8 +503,8 @@ mod tests {
 
     #[test]
     fn a_backend_that_queues_no_gpu_work_is_refused_up_front() {
-        use crate::backend::fault::FaultInjector;
         use crate::backend::host::{HostBackend, DEFAULT_GRANULARITY};
+        use crate::backend::testing::FaultInjector;
 
         let host: Arc<dyn Backend> = Arc::new(HostBackend::new(DEFAULT_GRANULARITY).unwrap());
         let wrapped: Arc<dyn Backend> = Arc::new(FaultInjector::new(host.clone()));

@@ -131,7 +131,7 @@ impl Layout {
         let pool = self.pool_span(addr, data.len() as u64)?;
         // SAFETY: the bytes lie in the layout's pool memory, mapped with access for as long as
         // the layout lives (checked above); exclusive use is the caller's promise.
-        unsafe { pool.backend().write(addr, data) }
+        unsafe { pool.backend().copies().write(addr, data) }
     }
 
     /// Copy the bytes at `addr` (inside one region of the layout) into `out`.
@@ -141,7 +141,7 @@ impl Layout {
     pub unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
         let pool = self.pool_span(addr, out.len() as u64)?;
         // SAFETY: as in `write`; no writer is the caller's promise.
-        unsafe { pool.backend().read(addr, out) }
+        unsafe { pool.backend().copies().read(addr, out) }
     }
 }
 

@@ -329,7 +329,11 @@ impl ImportedGrant {
             // not overlap (distinct blocks of one layout, or one packed range; claimed against
             // every other copy in flight); the stream is the legacy one or one the caller
             // vouched for in `CopyStream::from_raw`.
-            match unsafe { backend.gather_async(&pieces, &plan.shifts, stream.raw()) } {
+            match unsafe {
+                backend
+                    .copies()
+                    .gather_async(&pieces, &plan.shifts, stream.raw())
+            } {
                 Ok(()) => {
                     completion.report.launches = 1;
                     completion.report.tasks = pieces.len() as u64 * blocks as u64;
@@ -358,7 +362,7 @@ impl ImportedGrant {
             let mut batch: Vec<(u64, u64, usize)> = Vec::with_capacity(copies as usize);
             plan.for_each_copy(&plan.runs(), |d, s, len| batch.push((d, s, len as usize)));
             // SAFETY: as for the kernel above, copy by copy.
-            if let Err(e) = unsafe { backend.copy_batch_async(&batch, stream.raw()) } {
+            if let Err(e) = unsafe { backend.copies().copy_batch_async(&batch, stream.raw()) } {
                 // Copies queued before must run before the pins go: `completion` waits for
                 // them as it drops.
                 completion.failed = true;
@@ -404,7 +408,7 @@ impl Completion {
             return Ok(());
         };
         if self.memory == MemoryKind::Device {
-            if let Err(e) = self.backend.synchronize(self.stream) {
+            if let Err(e) = self.backend.copies().synchronize(self.stream) {
                 // Whether the copies ran is unknown: keep their memory mapped for good rather
                 // than unmap it under them.
                 tracing::error!(error = %e, "waiting for p2p copies failed; their memory stays mapped and pinned");

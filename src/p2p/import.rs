@@ -708,7 +708,7 @@ impl ImportedGrant {
         }
         // SAFETY: inside our mapping (checked), which lives as long as `self`; no writer is the
         // caller's promise.
-        unsafe { m.backend.read(addr, out) }
+        unsafe { m.backend.copies().read(addr, out) }
     }
 }
 

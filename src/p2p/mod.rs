@@ -67,7 +67,7 @@
 //! and its spans are the layout's block-0 pattern moved by a stride. A copy is that pattern and
 //! one shift per block pair, built in O(blocks) ([`ImportedGrant::copy_into`]): few large runs
 //! go to `cuMemcpyAsync`, everything else to one launch of the gather kernel
-//! ([`crate::backend::Backend::gather_async`]); [`CopyReport::engine`] says which, and
+//! ([`crate::backend::Copies::gather_async`]); [`CopyReport::engine`] says which, and
 //! [`EngineChoice`] forces one. Destinations are claimed by block (or by range for
 //! [`ImportedGrant::copy_to`]): two copies in flight into the same bytes are refused.
 //!

@@ -105,7 +105,12 @@ impl Allocation {
         // SAFETY: the range lies inside this allocation, which is mapped with access while it
         // lives and the pool is awake (the pin keeps a sleep from starting meanwhile);
         // `&mut self` rules out concurrent use through this handle.
-        unsafe { self.inner().backend.write(self.addr() + at as u64, data) }
+        unsafe {
+            self.inner()
+                .backend
+                .copies()
+                .write(self.addr() + at as u64, data)
+        }
     }
 
     /// Copy bytes from the allocation at byte `at` into `out`. Refused while the pool sleeps.
@@ -113,7 +118,12 @@ impl Allocation {
         self.check(at, out.len())?;
         let _pin = CopyPin::new(self, "read")?;
         // SAFETY: the range lies inside this allocation, mapped while the pin holds.
-        unsafe { self.inner().backend.read(self.addr() + at as u64, out) }
+        unsafe {
+            self.inner()
+                .backend
+                .copies()
+                .read(self.addr() + at as u64, out)
+        }
     }
 
     /// Set every byte of the allocation to `byte`. Refused while the pool sleeps.
@@ -121,7 +131,12 @@ impl Allocation {
         let _pin = CopyPin::new(self, "fill")?;
         // SAFETY: the whole allocation is mapped with access while the pin holds; `&mut self`
         // as in `write`.
-        unsafe { self.inner().backend.fill(self.addr(), self.size, byte) }
+        unsafe {
+            self.inner()
+                .backend
+                .copies()
+                .fill(self.addr(), self.size, byte)
+        }
     }
 }
 

@@ -188,7 +188,12 @@ impl Region {
         let pin = self.pinned_span(at, data.len() as u64)?;
         // SAFETY: mapped with access and pinned against unmapping while `pin` lives; exclusive
         // use is the caller's promise.
-        unsafe { self.pool.backend().write(self.pool.base() + pin.abs, data) }
+        unsafe {
+            self.pool
+                .backend()
+                .copies()
+                .write(self.pool.base() + pin.abs, data)
+        }
     }
 
     /// Copy bytes of the region at `at` into `out`. The range must be mapped; it stays mapped
@@ -200,7 +205,12 @@ impl Region {
         let pin = self.pinned_span(at, out.len() as u64)?;
         // SAFETY: mapped with access and pinned against unmapping while `pin` lives; no writer
         // is the caller's promise.
-        unsafe { self.pool.backend().read(self.pool.base() + pin.abs, out) }
+        unsafe {
+            self.pool
+                .backend()
+                .copies()
+                .read(self.pool.base() + pin.abs, out)
+        }
     }
 
     /// `[at, at + len)` checked to lie in the region and be mapped, and pinned against

@@ -82,7 +82,7 @@ pub fn fill(kv: &ElasticLayout, block: usize, seed: u64) {
 /// memory may return before its DMA finished): a grant promises complete bytes.
 pub fn settle(backend: &Arc<dyn Backend>) {
     if backend.info().memory_kind == elastic_vmm::MemoryKind::Device {
-        backend.synchronize(1).expect("synchronize");
+        backend.copies().synchronize(1).expect("synchronize");
     }
 }
 

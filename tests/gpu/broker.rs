@@ -34,7 +34,12 @@ fn chunks_travel_between_engines_without_create_or_release() {
         .unwrap();
     a.map_chunked(0, GIB, 64 * MIB).unwrap();
     // SAFETY: [0, 1 GiB) was just mapped with access and nothing else uses it.
-    unsafe { a.backend().fill(a.base(), GIB as usize, 0x3c).unwrap() };
+    unsafe {
+        a.backend()
+            .copies()
+            .fill(a.base(), GIB as usize, 0x3c)
+            .unwrap()
+    };
     a.unmap(0, GIB).unwrap();
     a.trim().unwrap();
     let before = broker.snapshot().counters;
@@ -44,7 +49,12 @@ fn chunks_travel_between_engines_without_create_or_release() {
     let after = broker.snapshot().counters;
     let mut byte = [0u8; 1];
     // SAFETY: mapped with access just above.
-    unsafe { b.backend().read(b.base() + GIB - 1, &mut byte).unwrap() };
+    unsafe {
+        b.backend()
+            .copies()
+            .read(b.base() + GIB - 1, &mut byte)
+            .unwrap()
+    };
     println!("1 GiB handed over in {took:.2?}; {after:?}");
     assert_eq!(byte[0], 0x3c, "B sees A's bytes: the same device memory");
     assert_eq!(after.creates, before.creates);
@@ -115,8 +125,8 @@ fn a_same_process_import_leaves_the_original_alive() {
     unsafe {
         cuda.map(base, c).unwrap();
         cuda.set_access(base, g).unwrap();
-        cuda.write(base, &[0x5a; 4096]).unwrap();
-        cuda.read(base, &mut back).unwrap();
+        cuda.copies().write(base, &[0x5a; 4096]).unwrap();
+        cuda.copies().read(base, &mut back).unwrap();
         cuda.unmap(base, g).unwrap();
         cuda.release(c).unwrap();
         cuda.free_reservation(base, g).unwrap();

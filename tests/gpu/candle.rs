@@ -12,7 +12,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaContext, DevicePtr};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, IndexOp, Storage, Tensor};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::backend::Backend;
 use elastic_vmm::candle::{
     detached_copy, reap_orphans_blocking, ElasticKv, TensorPool, SUPPORTED_DTYPES,
@@ -1271,24 +1271,29 @@ fn the_cuda_backend_queues_copies_and_fills() {
         // else uses them; the reads below are synchronous on the legacy stream, after these.
         unsafe {
             backend
+                .copies()
                 .fill_async(a.addr(), len, 0x5a, LEGACY_STREAM)
                 .expect("fill");
             backend
+                .copies()
                 .fill_async(b.addr(), len, 0x00, LEGACY_STREAM)
                 .expect("fill");
             backend
+                .copies()
                 .copy_async(b.addr() + 1, a.addr(), len - 1, LEGACY_STREAM)
                 .expect("copy");
             backend
+                .copies()
                 .copy_async(0, 0, 0, LEGACY_STREAM)
                 .expect("zero-size copy");
             backend
+                .copies()
                 .fill_async(0, 0, 0, LEGACY_STREAM)
                 .expect("zero-size fill");
         }
         let mut out = vec![0xffu8; len];
         // SAFETY: `b` is live and mapped.
-        unsafe { backend.read(b.addr(), &mut out) }.expect("read");
+        unsafe { backend.copies().read(b.addr(), &mut out) }.expect("read");
         assert_eq!(out[0], 0, "the copy started one byte in");
         assert!(
             out[1..].iter().all(|&v| v == 0x5a),

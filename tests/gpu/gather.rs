@@ -1,4 +1,4 @@
-//! The gather kernel on its own (`Backend::gather_async` of the CUDA backend): pieces of 1, 3,
+//! The gather kernel on its own (`Copies::gather_async` of the CUDA backend): pieces of 1, 3,
 //! 17 and 1000 bytes and larger, at odd addresses, with source and destination aligned alike
 //! or differently modulo 16 (every word width the kernel has), pieces far larger than the
 //! 64 KiB a p2p copy splits to, many shifts; every byte of the destination checked against
@@ -68,8 +68,8 @@ fn run(stream_kind: &str) {
     let before = bytes(11, LEN);
     // SAFETY: both allocations are mapped and used by nothing else.
     unsafe {
-        backend.write(src.addr(), &data).unwrap();
-        backend.write(dst.addr(), &before).unwrap();
+        backend.copies().write(src.addr(), &data).unwrap();
+        backend.copies().write(dst.addr(), &before).unwrap();
     }
     let slot = 256 << 10;
     let pieces = pieces(slot);
@@ -98,11 +98,16 @@ fn run(stream_kind: &str) {
     };
     // SAFETY: every copy reads `src` and writes `dst` (both mapped, with access, until the
     // stream is synchronized below); destinations do not overlap one another or any source.
-    unsafe { backend.gather_async(&pieces, &shifts, stream).unwrap() };
-    backend.synchronize(stream).unwrap();
+    unsafe {
+        backend
+            .copies()
+            .gather_async(&pieces, &shifts, stream)
+            .unwrap()
+    };
+    backend.copies().synchronize(stream).unwrap();
     let mut got = vec![0u8; LEN];
     // SAFETY: mapped, and the copies completed.
-    unsafe { backend.read(dst.addr(), &mut got).unwrap() };
+    unsafe { backend.copies().read(dst.addr(), &mut got).unwrap() };
     if let Some(i) = got.iter().zip(&expect).position(|(a, b)| a != b) {
         panic!(
             "byte {i} of the destination is {:#04x}, expected {:#04x} ({stream_kind} stream)",
@@ -111,7 +116,7 @@ fn run(stream_kind: &str) {
     }
     // Nothing to do is nothing queued.
     // SAFETY: no copies.
-    unsafe { backend.gather_async(&[], &shifts, stream).unwrap() };
+    unsafe { backend.copies().gather_async(&[], &shifts, stream).unwrap() };
 }
 
 #[test]
@@ -154,7 +159,7 @@ fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
     let scratch = pool.allocate(THREADS as usize * SRC).unwrap();
     let data = bytes(23, SRC);
     // SAFETY: mapped and used by nothing else.
-    unsafe { backend.write(src.addr(), &data).unwrap() };
+    unsafe { backend.copies().write(src.addr(), &data).unwrap() };
     // Round r of thread t copies 64 KiB pieces from pseudo-random 16-byte aligned sources.
     let source = |t: u64, r: u64, k: u64| {
         let mut x = (t * 1_000_003 + r * 7919 + k * 104_729) | 1;
@@ -181,7 +186,7 @@ fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
                 for _ in 0..4 {
                     // SAFETY: `src` and this thread's scratch are mapped until the stream is
                     // synchronized below; nothing else writes the scratch.
-                    unsafe { backend.copy_async(scratch, src, SRC, raw).unwrap() };
+                    unsafe { backend.copies().copy_async(scratch, src, SRC, raw).unwrap() };
                 }
                 for r in 0..ROUNDS {
                     let shifts: Vec<GatherShift> = (0..SHIFTS)
@@ -192,9 +197,9 @@ fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
                         .collect();
                     // SAFETY: sources and destinations are mapped until the stream is
                     // synchronized below; destinations are this launch's own region.
-                    unsafe { backend.gather_async(&piece, &shifts, raw).unwrap() };
+                    unsafe { backend.copies().gather_async(&piece, &shifts, raw).unwrap() };
                 }
-                backend.synchronize(raw).unwrap();
+                backend.copies().synchronize(raw).unwrap();
             });
         }
     });
@@ -209,7 +214,7 @@ fn gather_descriptors_are_not_reused_while_a_launch_reads_them() {
     assert!(uploads.slots <= 8, "{uploads:?}");
     let mut got = vec![0u8; (THREADS * ROUNDS * per_round) as usize];
     // SAFETY: mapped, and every stream was synchronized.
-    unsafe { backend.read(dst.addr(), &mut got).unwrap() };
+    unsafe { backend.copies().read(dst.addr(), &mut got).unwrap() };
     for t in 0..THREADS {
         for r in 0..ROUNDS {
             for k in 0..SHIFTS {

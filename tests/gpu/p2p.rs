@@ -388,7 +388,12 @@ fn odd_decode(link: &PeerLink, backend: Arc<dyn Backend>, stream: CopyStream) {
         assert_eq!((r.engine, r.bytes), (CopyEngine::Kernel, bytes), "{r:?}");
         let mut got = vec![0u8; bytes as usize];
         // SAFETY: the range is mapped (above) and the copy into it completed.
-        unsafe { backend.read(packed.base() + gran, &mut got).unwrap() };
+        unsafe {
+            backend
+                .copies()
+                .read(packed.base() + gran, &mut got)
+                .unwrap()
+        };
         for (i, s) in ODD_SRC_BLOCKS.into_iter().enumerate() {
             assert!(
                 got[i * len..(i + 1) * len] == scenario::pattern(round as u64, s, len)[..],

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::backend::delay::DelayInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::backend::testing::DelayInjector;
 use elastic_vmm::backend::Backend;
 use elastic_vmm::broker::protocol::{
     ErrorKind, FromBroker, Reply, Request, Role, ToBroker, PROTOCOL_VERSION,
@@ -1413,12 +1413,12 @@ fn write_mapped(model: &elastic_vmm::broker::RemoteModel, data: &[u8]) {
     // The range API maps [0, len) of the reservation; the pool's backend writes it.
     // SAFETY: the range was mapped with access by `map_chunked` just before, and nothing else
     // in this process uses it.
-    unsafe { model.backend().write(model.base(), data).unwrap() };
+    unsafe { model.backend().copies().write(model.base(), data).unwrap() };
 }
 
 fn read_mapped(model: &elastic_vmm::broker::RemoteModel, out: &mut [u8]) {
     // SAFETY: as for `write_mapped`; the range is mapped by an earlier `map`.
-    unsafe { model.backend().read(model.base(), out).unwrap() };
+    unsafe { model.backend().copies().read(model.base(), out).unwrap() };
 }
 
 /// Connects, says "ready", waits for "go", then registers with its guarantee and grows to it

@@ -44,7 +44,7 @@ fn exported_chunk_is_shared_memory() {
     unsafe {
         backend.map(base, chunk).unwrap();
         backend.set_access(base, CHUNK).unwrap();
-        backend.write(base, &pattern(1)).unwrap();
+        backend.copies().write(base, &pattern(1)).unwrap();
     }
     let dir = common::temp_dir("chunks");
     let path = dir.join("s");
@@ -68,7 +68,7 @@ fn exported_chunk_is_shared_memory() {
     assert_eq!(answer, "written");
     let mut seen = vec![0u8; CHUNK];
     // SAFETY: mapped with access above, and the child has finished writing.
-    unsafe { backend.read(base, &mut seen).unwrap() };
+    unsafe { backend.copies().read(base, &mut seen).unwrap() };
     assert!(
         seen == pattern(2),
         "the child's bytes are visible in the parent"
@@ -121,14 +121,14 @@ fn importer() {
     unsafe {
         backend.map(base, chunk).unwrap();
         backend.set_access(base, size as usize).unwrap();
-        backend.read(base, &mut seen).unwrap();
+        backend.copies().read(base, &mut seen).unwrap();
     }
     assert!(
         seen == pattern(1),
         "the parent's bytes are visible in the child"
     );
     // SAFETY: as above; the parent reads only after our answer.
-    unsafe { backend.write(base, &pattern(2)).unwrap() };
+    unsafe { backend.copies().write(base, &pattern(2)).unwrap() };
     // Imported memory is not counted as created here.
     assert_eq!(backend.physical_bytes().unwrap(), 0);
     ipc::send_frame(&conn, &ipc::encode(&"written".to_string()).unwrap(), &[]).unwrap();

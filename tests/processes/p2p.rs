@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use elastic_vmm::backend::delay::DelayInjector;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+use elastic_vmm::backend::testing::DelayInjector;
 use elastic_vmm::layout::LayoutKind;
 use elastic_vmm::p2p::{self, CopyStream, GrantStatus, LinkOptions, PeerLink};
 use elastic_vmm::{AccessMode, Backend, DriverCall, Error};

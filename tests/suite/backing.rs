@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::backing::RegionInfo;
 use elastic_vmm::{
     Backend, BlockBacking, BlockGeometry, DriverCall, Error, MappingHook, ModelConfig, Pool,

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::layout::{
     BlockDim, ElasticLayout, Layout, LayoutBuilder, LayoutConfig, LayoutKind, LayoutViews,
     MemoryRange, MemoryView, REGION_ALIGNMENT,
@@ -598,7 +598,7 @@ pub mod nixl {
     use std::sync::{Arc, Barrier};
     use std::time::{Duration, Instant};
 
-    use elastic_vmm::backend::fault::FaultInjector;
+    use elastic_vmm::backend::testing::FaultInjector;
     use elastic_vmm::layout::{BlockDim, KvLayout, LayoutBuilder, LayoutConfig, MemoryRange};
     use elastic_vmm::nixl::{
         sys, transfer_blocks, BlockSet, NixlAgent, TransferOp, TransferReport,

@@ -158,7 +158,7 @@ macro_rules! suite_tests {
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::{Backend, DriverCall, Error, Pool, PoolConfig};
 
 pub const MIB: u64 = 1 << 20;
@@ -480,12 +480,12 @@ pub fn range_api(backend: Arc<dyn Backend>) {
     let addr = p.base() + 5 * g;
     let data = pattern(3, 4096);
     // SAFETY: [addr, addr + 4096) lies in the range mapped above, which nothing else uses.
-    unsafe { backend.write(addr, &data).expect("write") };
+    unsafe { backend.copies().write(addr, &data).expect("write") };
     // Partial unmap of per-granule chunks is fine and keeps the rest.
     p.unmap(4 * g, g).expect("unmap one granule");
     let mut back = vec![0u8; 4096];
     // SAFETY: still mapped.
-    unsafe { backend.read(addr, &mut back).expect("read") };
+    unsafe { backend.copies().read(addr, &mut back).expect("read") };
     assert_eq!(back, data);
     // Unmapped chunks are cached and reused: no create for the next map.
     let before = p.stats().driver_calls;

@@ -6,8 +6,9 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
-use elastic_vmm::backend::delay::DelayInjector;
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::DelayInjector;
+use elastic_vmm::backend::testing::FaultInjector;
+use elastic_vmm::backend::Copies;
 use elastic_vmm::{
     AfterWake, Allocation, Backend, BlockBacking, DriverCall, Error, HostStaging, MappingHook,
     ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig, SleepAction, SleepPolicy,
@@ -557,7 +558,7 @@ pub fn backing_hears_sleep(backend: Arc<dyn Backend>) {
     b.ensure_backed(0..4).expect("back");
     let data = pattern(5, (8 * MIB) as usize);
     // SAFETY: blocks 0..4 are backed (mapped with access) and nothing else uses them.
-    unsafe { backend.write(b.addr(), &data) }.expect("write");
+    unsafe { backend.copies().write(b.addr(), &data) }.expect("write");
     assert_eq!(hook.mapped.load(Ordering::SeqCst), 8 * MIB);
     let pin = b.pin(0..2, "test transfer").expect("pin");
     let e = p.sleep(&SleepPolicy::offload_all()).expect_err("pinned");
@@ -585,7 +586,7 @@ pub fn backing_hears_sleep(backend: Arc<dyn Backend>) {
     );
     let mut out = vec![0u8; data.len()];
     // SAFETY: mapped again by the wake.
-    unsafe { backend.read(b.addr(), &mut out) }.expect("read");
+    unsafe { backend.copies().read(b.addr(), &mut out) }.expect("read");
     assert!(out == data, "block contents differ after wake");
     drop(b.pin(0..4, "after wake").expect("pins work again"));
     b.release(0..4).expect("release");
@@ -668,22 +669,28 @@ impl Backend for DeferredCopies {
     fn physical_bytes(&self) -> elastic_vmm::Result<u64> {
         self.inner.physical_bytes()
     }
+    fn copies(&self) -> &dyn Copies {
+        self
+    }
+}
+
+impl Copies for DeferredCopies {
     unsafe fn write(&self, addr: u64, data: &[u8]) -> elastic_vmm::Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.inner.write(addr, data) }
+        unsafe { self.inner.copies().write(addr, data) }
     }
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> elastic_vmm::Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.inner.read(addr, out) }
+        unsafe { self.inner.copies().read(addr, out) }
     }
     unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> elastic_vmm::Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.inner.fill(addr, len, byte) }
+        unsafe { self.inner.copies().fill(addr, len, byte) }
     }
     fn staging_alloc(&self, bytes: usize) -> elastic_vmm::Result<*mut u8> {
         self.in_staging_alloc.store(true, Ordering::SeqCst);
         thread::sleep(self.staging_delay);
-        let r = self.inner.staging_alloc(bytes);
+        let r = self.inner.copies().staging_alloc(bytes);
         self.in_staging_alloc.store(false, Ordering::SeqCst);
         r
     }
@@ -693,7 +700,7 @@ impl Backend for DeferredCopies {
             "staging freed under queued copies"
         );
         // SAFETY: forwarded contract.
-        unsafe { self.inner.staging_free(ptr, bytes) }
+        unsafe { self.inner.copies().staging_free(ptr, bytes) }
     }
     unsafe fn copy_to_host_async(
         &self,
@@ -743,12 +750,12 @@ impl Backend for DeferredCopies {
             // marker is waited for; `unmap` above checks the device side.
             unsafe {
                 if to_host {
-                    self.inner.read(
+                    self.inner.copies().read(
                         src as u64,
                         std::slice::from_raw_parts_mut(dst as *mut u8, len),
                     )?;
                 } else {
-                    self.inner.write(
+                    self.inner.copies().write(
                         dst as u64,
                         std::slice::from_raw_parts(src as *const u8, len),
                     )?;

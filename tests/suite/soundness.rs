@@ -6,8 +6,8 @@ use std::sync::{mpsc, Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use elastic_vmm::backend::delay::DelayInjector;
-use elastic_vmm::backend::fault::FaultInjector;
+use elastic_vmm::backend::testing::DelayInjector;
+use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::{
     Backend, DriverCall, Error, ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig,
 };
@@ -271,11 +271,15 @@ pub fn failed_unmap_restore_never_aliases(backend: Arc<dyn Backend>) {
     let mut back = vec![0u8; g as usize];
     // SAFETY: both ranges are mapped (checked above) and nothing else touches them.
     unsafe {
-        faults.write(pool.base(), &a).expect("write first");
+        faults.copies().write(pool.base(), &a).expect("write first");
         faults
+            .copies()
             .write(pool.base() + 16 * g, &b)
             .expect("write second");
-        faults.read(pool.base(), &mut back).expect("read first");
+        faults
+            .copies()
+            .read(pool.base(), &mut back)
+            .expect("read first");
     }
     assert!(back == a, "two ranges share physical memory");
     pool.unmap(0, g).expect("unmap restored");

@@ -56,7 +56,7 @@ impl Pieces {
             }
             self.waited += 1;
             // SAFETY: a marker we recorded, waited for once (`waited` moves past it first).
-            unsafe { inner.backend.marker_wait(m) }?;
+            unsafe { inner.backend.copies().marker_wait(m) }?;
         }
         Ok(())
     }
@@ -67,7 +67,7 @@ impl Pieces {
         while let Some(&(_, m)) = self.markers.get(self.waited) {
             self.waited += 1;
             // SAFETY: as in `wait_through`.
-            if let Err(e) = unsafe { inner.backend.marker_wait(m) } {
+            if let Err(e) = unsafe { inner.backend.copies().marker_wait(m) } {
                 first.get_or_insert(e);
             }
         }
@@ -463,13 +463,13 @@ impl Inner {
         // access until their unmap, which waits for the marker recorded below; the staging
         // range lies in the buffer (`at` checks) and only this sleep uses it.
         unsafe {
-            self.backend.copy_to_host_async(
+            self.backend.copies().copy_to_host_async(
                 s.at(r.host, r.len),
                 self.base + r.offset,
                 r.len as usize,
                 s.stream(),
             )?;
-            let m = self.backend.marker_record(s.stream())?;
+            let m = self.backend.copies().marker_record(s.stream())?;
             pieces.markers.push((r.offset, m));
         }
         Ok(())
@@ -670,13 +670,13 @@ impl Inner {
         // else can use it (the phase refuses every use); it stays mapped until the marker
         // recorded below is waited for (also on failure); the staging range lies in the buffer.
         unsafe {
-            self.backend.copy_from_host_async(
+            self.backend.copies().copy_from_host_async(
                 self.base + r.offset,
                 s.at(r.host, r.len),
                 r.len as usize,
                 s.stream(),
             )?;
-            let m = self.backend.marker_record(s.stream())?;
+            let m = self.backend.copies().marker_record(s.stream())?;
             pieces.markers.push((r.offset, m));
         }
         Ok(())

@@ -37,12 +37,12 @@ impl Staging {
             what: "staging buffer",
             detail: format!("{bytes} bytes do not fit in usize"),
         })?;
-        let ptr = backend.staging_alloc(len)?;
-        let stream = match backend.copy_stream_create() {
+        let ptr = backend.copies().staging_alloc(len)?;
+        let stream = match backend.copies().copy_stream_create() {
             Ok(s) => s,
             Err(e) => {
                 // SAFETY: the buffer was just allocated by this backend and nothing uses it.
-                let _ = unsafe { backend.staging_free(ptr, len) };
+                let _ = unsafe { backend.copies().staging_free(ptr, len) };
                 return Err(e);
             }
         };
@@ -78,11 +78,15 @@ impl Drop for Staging {
     fn drop(&mut self) {
         // SAFETY: the stream is ours; every copy on it was waited for by the operation that
         // queued it (sleep and wake wait for all their markers, also when they fail).
-        if let Err(e) = unsafe { self.backend.copy_stream_destroy(self.stream) } {
+        if let Err(e) = unsafe { self.backend.copies().copy_stream_destroy(self.stream) } {
             tracing::warn!(error = %e, "destroying the staging copy stream failed");
         }
         // SAFETY: allocated by this backend with this size; no copy on it is queued any more.
-        if let Err(e) = unsafe { self.backend.staging_free(self.ptr, self.bytes as usize) } {
+        if let Err(e) = unsafe {
+            self.backend
+                .copies()
+                .staging_free(self.ptr, self.bytes as usize)
+        } {
             tracing::warn!(error = %e, bytes = self.bytes, "freeing the staging buffer failed");
         }
     }

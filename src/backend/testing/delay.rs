@@ -1,16 +1,15 @@
-//! A backend adaptor that sleeps inside chosen driver calls, to widen race windows in tests: a
-//! map that takes 20 ms leaves time for another thread to release, trim or change a limit in
-//! the middle of it. It wraps any backend; calls without a planned delay go straight through.
+//! Delays: a hook of [`Intercept`] that sleeps inside chosen driver calls, to widen race
+//! windows in tests: a map that takes 20 ms leaves time for another thread to release, trim or
+//! change a limit in the middle of it. Calls without a planned delay go straight through.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Backend, BackendInfo, DriverCall, MemoryInfo, PhysicalChunk};
+use crate::backend::intercept::{Call, Hook, Intercept, Outcome};
+use crate::backend::{BackendInfo, DriverCall};
 use crate::error::Result;
-
 /// Whether the delay comes before the call reaches the wrapped backend or after it returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DelayPoint {
@@ -66,30 +65,35 @@ struct Plan {
     armed_at: u64,
 }
 
-/// Wraps a backend and sleeps inside the driver calls chosen with [`DelayInjector::set`].
+/// A backend that sleeps inside the driver calls chosen with [`Delays::set`]:
+/// [`Intercept`] with [`Delays`] (`DelayInjector::new(inner)`).
+pub type DelayInjector = Intercept<Delays>;
+
+/// Sleeps inside the driver calls chosen with [`Delays::set`]. A batch (a create of many
+/// chunks, a release of many) is one call: it sleeps once, as a broker serves it in one
+/// request.
 ///
 /// Thread-safe and reconfigurable while calls are in flight: a change applies to calls that
 /// start after it. The plan is read under a short lock and the sleep happens with no lock held,
 /// so concurrent calls sleep side by side rather than one after another.
 #[derive(Debug)]
-pub struct DelayInjector {
-    inner: Arc<dyn Backend>,
+pub struct Delays {
     calls: [AtomicU64; DriverCall::ALL.len()],
     delayed: [AtomicU64; DriverCall::ALL.len()],
     plans: Mutex<[Option<Plan>; DriverCall::ALL.len()]>,
 }
 
-impl DelayInjector {
-    /// Wrap `inner`. No call is delayed until a delay is set.
-    pub fn new(inner: Arc<dyn Backend>) -> Self {
-        DelayInjector {
-            inner,
+impl Default for Delays {
+    fn default() -> Self {
+        Delays {
             calls: Default::default(),
             delayed: Default::default(),
             plans: Mutex::new([None; DriverCall::ALL.len()]),
         }
     }
+}
 
+impl Delays {
     /// Sleep `duration` in every call of kind `call` from now on, before forwarding it.
     /// Replaces any delay set for that kind.
     pub fn set_delay(&self, call: DriverCall, duration: Duration) {
@@ -125,11 +129,6 @@ impl DelayInjector {
         self.delayed[call.index()].load(Ordering::SeqCst)
     }
 
-    /// The wrapped backend.
-    pub fn inner(&self) -> &Arc<dyn Backend> {
-        &self.inner
-    }
-
     /// Count the call and decide whether (and where) it sleeps.
     fn plan(&self, call: DriverCall) -> Option<Delay> {
         // Counted under the lock, so a concurrent `set` sees either all of this call or none.
@@ -148,181 +147,34 @@ impl DelayInjector {
         tracing::trace!(%call, duration = ?delay.duration, point = ?delay.point, "delaying a driver call");
         std::thread::sleep(delay.duration);
     }
-
-    /// Forward `f` with the delay planned for `call`, if any.
-    fn around<T>(&self, call: DriverCall, f: impl FnOnce() -> T) -> T {
-        match self.plan(call) {
-            None => f(),
-            Some(d) if d.point == DelayPoint::Before => {
-                Self::sleep(call, d);
-                f()
-            }
-            Some(d) => {
-                let out = f();
-                Self::sleep(call, d);
-                out
-            }
-        }
-    }
 }
 
-impl Backend for DelayInjector {
-    fn info(&self) -> &BackendInfo {
-        self.inner.info()
-    }
+impl Hook for Delays {
+    /// A delay to sleep after the call.
+    type Pass = Option<(DriverCall, Delay)>;
 
-    fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
-        self.around(DriverCall::Reserve, || self.inner.reserve(size, alignment))
-    }
-
-    unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
-        self.around(DriverCall::FreeReservation, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.free_reservation(base, size) }
+    fn before(&self, call: &Call, _: &BackendInfo) -> Result<Self::Pass> {
+        // One decision per batch: its first chunk stands for it.
+        let Some(kind) = call
+            .kind()
+            .filter(|_| !matches!(call, Call::Release { index: 1.., .. }))
+        else {
+            return Ok(None);
+        };
+        Ok(match self.plan(kind) {
+            Some(d) if d.point == DelayPoint::Before => {
+                Self::sleep(kind, d);
+                None
+            }
+            after => after.map(|d| (kind, d)),
         })
     }
 
-    fn create(&self, size: usize) -> Result<PhysicalChunk> {
-        self.around(DriverCall::Create, || self.inner.create(size))
+    fn after(&self, _: &Call, pass: Self::Pass, _: Outcome<'_>) {
+        if let Some((kind, d)) = pass {
+            Self::sleep(kind, d);
+        }
     }
-
-    fn create_many(
-        &self,
-        size: usize,
-        count: usize,
-        need: super::Need,
-    ) -> Result<Vec<PhysicalChunk>> {
-        // One delay for the batch: it is one request where chunks come from a broker.
-        self.around(DriverCall::Create, || {
-            self.inner.create_many(size, count, need)
-        })
-    }
-
-    unsafe fn release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
-        self.around(DriverCall::Release, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.release_many(chunks) }
-        })
-    }
-
-    unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
-        self.around(DriverCall::Release, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.release(chunk) }
-        })
-    }
-
-    unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
-        self.around(DriverCall::Map, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.map(addr, chunk) }
-        })
-    }
-
-    unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
-        self.around(DriverCall::SetAccess, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.set_access(addr, size) }
-        })
-    }
-
-    unsafe fn set_access_mode(
-        &self,
-        addr: u64,
-        size: usize,
-        mode: super::AccessMode,
-    ) -> Result<()> {
-        self.around(DriverCall::SetAccess, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.set_access_mode(addr, size, mode) }
-        })
-    }
-
-    unsafe fn set_import_access(
-        &self,
-        addr: u64,
-        size: usize,
-        mode: super::AccessMode,
-        owner: Option<i32>,
-    ) -> Result<()> {
-        self.around(DriverCall::SetAccess, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.set_import_access(addr, size, mode, owner) }
-        })
-    }
-
-    unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
-        self.around(DriverCall::Unmap, || {
-            // SAFETY: forwarded contract.
-            unsafe { self.inner.unmap(addr, size) }
-        })
-    }
-
-    fn memory_info(&self) -> Result<MemoryInfo> {
-        self.inner.memory_info()
-    }
-
-    fn physical_bytes(&self) -> Result<u64> {
-        self.inner.physical_bytes()
-    }
-
-    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.write(addr, data) }
-    }
-
-    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.read(addr, out) }
-    }
-
-    unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.fill(addr, len, byte) }
-    }
-
-    fn export_chunk(&self, chunk: PhysicalChunk) -> Result<std::os::fd::OwnedFd> {
-        self.inner.export_chunk(chunk)
-    }
-
-    fn import_chunk(&self, fd: std::os::fd::OwnedFd, size: usize) -> Result<PhysicalChunk> {
-        self.inner.import_chunk(fd, size)
-    }
-
-    unsafe fn copy_async(&self, dst: u64, src: u64, bytes: usize, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_async(dst, src, bytes, stream) }
-    }
-
-    unsafe fn copy_batch_async(&self, copies: &[(u64, u64, usize)], stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.copy_batch_async(copies, stream) }
-    }
-
-    fn synchronize(&self, stream: u64) -> Result<()> {
-        self.inner.synchronize(stream)
-    }
-
-    unsafe fn fill_async(&self, addr: u64, bytes: usize, byte: u8, stream: u64) -> Result<()> {
-        // SAFETY: forwarded contract.
-        unsafe { self.inner.fill_async(addr, bytes, byte, stream) }
-    }
-
-    // Passed on unchanged.
-    crate::backend::forward_backend!(
-        inner:
-        chunk_lender,
-        staging_alloc,
-        staging_free,
-        copy_stream_create,
-        copy_stream_destroy,
-        marker_record,
-        marker_wait,
-        gather_async,
-        reach,
-        copy_to_host_async,
-        copy_from_host_async,
-    );
 }
 
 #[cfg(test)]
@@ -331,6 +183,8 @@ mod tests {
 
     use super::*;
     use crate::backend::host::HostBackend;
+    use crate::backend::Backend;
+    use std::sync::Arc;
 
     const GRAN: usize = 2 << 20;
     const D: Duration = Duration::from_millis(40);
@@ -369,16 +223,16 @@ mod tests {
         // SAFETY: the chunk was just mapped there.
         unsafe { d.set_access(base, gran) }.expect("access");
         // SAFETY: mapped with access above; nothing else uses it.
-        unsafe { d.write(base + 100, b"through the adaptor") }.expect("write");
+        unsafe { d.copies().write(base + 100, b"through the adaptor") }.expect("write");
         let mut out = [0u8; 19];
         // SAFETY: as above.
-        unsafe { d.read(base + 100, &mut out) }.expect("read");
+        unsafe { d.copies().read(base + 100, &mut out) }.expect("read");
         assert_eq!(&out, b"through the adaptor");
         // SAFETY: as above.
-        unsafe { d.fill(base, 4, 0xAB) }.expect("fill");
+        unsafe { d.copies().fill(base, 4, 0xAB) }.expect("fill");
         let mut four = [0u8; 4];
         // SAFETY: as above.
-        unsafe { d.read(base, &mut four) }.expect("read");
+        unsafe { d.copies().read(base, &mut four) }.expect("read");
         assert_eq!(four, [0xAB; 4]);
         // SAFETY: the whole chunk mapped above, unused from here on.
         unsafe { d.unmap(base, gran) }.expect("unmap");
