@@ -102,6 +102,7 @@ macro_rules! sleep_suite {
             async_copies_are_waited_for,
             reserving_staging_does_not_block,
             trim_during_undone_wake,
+            failed_sleep_rollback_keeps_lost_chunks_asleep,
         );
     };
 }

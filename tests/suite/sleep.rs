@@ -347,6 +347,112 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
     settled("end");
 }
 
+/// A sleep whose unmap fails and whose rollback cannot map a chunk back with access (issue 22,
+/// defect 4) never leaves the pool awake over unmapped memory: the pool stays asleep with the
+/// chunk kept (its contents in it, still charged), every use is refused, and a wake maps it
+/// back with its contents. Two ways to get there: the remap fails (`Unmap` #2, `Map` #1), or it
+/// maps but cannot grant access nor undo itself (`Unmap` #2, `SetAccess` #1, `Unmap` #3).
+pub fn failed_sleep_rollback_keeps_lost_chunks_asleep(backend: Arc<dyn Backend>) {
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let fb: Arc<dyn Backend> = faults.clone();
+    let config = PoolConfig::new(1 << 30).max_chunk(4 * MIB as usize);
+    let p = Pool::new(fb, config).expect("pool");
+    let mut l = load(&p, &[4 * MIB as usize; 3], Tag::Weights, 17);
+    let scenarios: [&[(DriverCall, u64)]; 2] = [
+        &[(DriverCall::Unmap, 2), (DriverCall::Map, 1)],
+        &[
+            (DriverCall::Unmap, 2),
+            (DriverCall::SetAccess, 1),
+            (DriverCall::Unmap, 3),
+        ],
+    ];
+    for faults_armed in scenarios {
+        // Nothing idle: the sleep's own trim makes no unmap, so the counts hit the sleep's.
+        p.trim().expect("trim");
+        for &(call, n) in faults_armed {
+            faults.fail_nth(call, n);
+        }
+        let e = p
+            .sleep(&SleepPolicy::offload_all())
+            .expect_err("the sleep's unmap fails");
+        faults.clear();
+        let what = format!("{faults_armed:?}");
+        p.audit()
+            .unwrap_or_else(|a| panic!("{what}: audit after a failed sleep ({e}): {a}"));
+        let st = p.sleep_stats();
+        assert_eq!(
+            st.status,
+            SleepStatus::Asleep,
+            "{what}: a chunk could not be mapped back ({e}), yet the pool is {:?} with live allocations over it",
+            st.status
+        );
+        assert!(st.asleep_bytes >= 4 * MIB, "{what}: {st:?}");
+        // Every use through the safe API is refused, none touches the memory.
+        for (a, data, _) in &mut l.allocs {
+            let mut out = vec![0u8; data.len()];
+            let r = a.read(0, &mut out);
+            assert!(matches!(r, Err(Error::Asleep { .. })), "{what}: read {r:?}");
+            let r = a.write(0, data);
+            assert!(
+                matches!(r, Err(Error::Asleep { .. })),
+                "{what}: write {r:?}"
+            );
+        }
+        assert!(matches!(
+            p.allocate(MIB as usize),
+            Err(Error::Asleep { .. })
+        ));
+        let s = p.stats();
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached + s.in_flight,
+            "{what}: the kept chunk is still the pool's: {s:?}"
+        );
+        // A wake that fails keeps it asleep, the chunk kept.
+        faults.fail_nth(DriverCall::Map, 1);
+        p.wake(AfterWake::KeepHostMemory)
+            .expect_err("the wake's first map fails");
+        faults.clear();
+        assert!(p.is_asleep(), "{what}: a failed wake stays asleep");
+        p.audit().expect("audit after a failed wake");
+        let s = p.stats();
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached + s.in_flight,
+            "{what}: after a failed wake: {s:?}"
+        );
+        p.wake(AfterWake::KeepHostMemory)
+            .expect("wake maps the kept chunk");
+        check(&l, &format!("{what}: after the wake"));
+        p.audit().expect("audit after the wake");
+        let s = p.stats();
+        assert_eq!(s.in_flight, 0, "{what}: {s:?}");
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached,
+            "{what}: backend and pool disagree"
+        );
+        // The pool works as before: a full sleep and wake.
+        p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+        p.wake(AfterWake::KeepHostMemory).expect("wake");
+        check(&l, &format!("{what}: after a second round"));
+    }
+    // Dropped while a failed sleep keeps a chunk: everything goes back all the same.
+    faults.fail_nth(DriverCall::Unmap, 2);
+    faults.fail_nth(DriverCall::Map, 1);
+    p.sleep(&SleepPolicy::offload_all())
+        .expect_err("the sleep's unmap fails");
+    faults.clear();
+    assert!(p.is_asleep());
+    drop(l);
+    drop(p);
+    assert_eq!(
+        backend.physical_bytes().expect("physical"),
+        0,
+        "all released"
+    );
+}
+
 /// Sleep credits the model's charge at once (another model uses the memory); waking without
 /// room is refused with the numbers and the model stays asleep; once the other model's memory
 /// is idle, waking takes it over (donation) and the contents are back.

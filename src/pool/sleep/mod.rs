@@ -11,7 +11,9 @@
 //!   offloaded contents back.
 //! - Both are all or nothing: a failure half way (no room, a driver error at any chunk, a hook
 //!   error) undoes what was done; the pool is awake or asleep, never half, and host copies are
-//!   never dropped before the device has them back.
+//!   never dropped before the device has them back. A failed sleep whose rollback cannot map a
+//!   chunk back with access leaves the pool asleep (never awake over unmapped memory): that
+//!   chunk is kept with its contents ([`Kept`]) and the wake maps it again.
 //! - While asleep (or falling asleep, or waking) allocations, maps, unmaps, region copies and
 //!   allocation copies are refused with [`crate::Error::Asleep`]; block pins of backings on the
 //!   pool are refused too. Addresses stay reserved, so live allocations, views and tensors stay
@@ -230,6 +232,20 @@ pub(crate) struct Slot {
     pub(crate) offset: u64,
     pub(crate) size: u64,
     pub(crate) host: Option<u64>,
+    /// The chunk itself, when a failed sleep could not map it back (see [`Kept`]).
+    pub(crate) kept: Option<Kept>,
+}
+
+/// A chunk that a failed sleep unmapped and could not map back with access. It holds the
+/// contents and stays the pool's (charged, counted in flight): the pool stays asleep over it
+/// (so nothing reads or writes through its addresses) and a wake maps it again instead of
+/// obtaining new memory; teardown releases it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Kept {
+    pub(crate) chunk: PhysicalChunk,
+    /// Still mapped at its slot, perhaps without access (the rollback of a failed access grant
+    /// could not unmap it): a wake unmaps it first.
+    pub(crate) mapped: bool,
 }
 
 /// The sleep part of a pool's state (under the pool's lock).
@@ -327,7 +343,9 @@ impl Pool {
     /// for (up to 5 s) while new ones are refused. Refused, nothing changed, when the pool is
     /// not awake, while a block of a backing on the pool is pinned, or while a
     /// `RegisteredLayout` holds NIXL registrations of its memory. The caller makes sure no
-    /// kernel still uses the memory.
+    /// kernel still uses the memory. On a driver error the pool is awake as before, unless a
+    /// chunk could not even be mapped back: then it is asleep ([`Pool::is_asleep`]) and
+    /// [`Pool::wake`] maps that chunk back with its contents.
     pub fn sleep(&self, policy: &SleepPolicy) -> Result<SleepReport> {
         // Blocks routing keeps for same-stream reuse go back to the pool first: they are idle,
         // and a sleep should not copy them.
