@@ -248,9 +248,15 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         // No allocation and no handle is left: everything can go.
-        let (mapped, cached) = {
+        let (mapped, cached, kept) = {
             let st = self.state.get_mut();
             st.flush_quick();
+            // Chunks a failed sleep kept asleep are counted in flight already.
+            let kept: Vec<(Placed, bool)> = std::mem::take(&mut st.sleep.slots)
+                .into_iter()
+                .filter_map(|s| s.kept.map(|k| ((s.offset, k.chunk), k.mapped)))
+                .collect();
+            st.sleep.asleep = 0;
             let mapped: Vec<Placed> = std::mem::take(&mut st.chunks).into_iter().collect();
             let mut cached = st.cache.drain();
             cached.append(&mut st.given_away);
@@ -260,13 +266,22 @@ impl Drop for Inner {
             st.mapped -= bytes;
             self.in_flight
                 .fetch_add(bytes + bytes_of(&cached), Ordering::AcqRel);
-            (mapped, cached)
+            (mapped, cached, kept)
         };
+        let (kept_mapped, kept_unmapped): (Vec<_>, Vec<_>) = kept.into_iter().partition(|k| k.1);
+        let mapped = mapped
+            .into_iter()
+            .chain(kept_mapped.into_iter().map(|(p, _)| p));
         // SAFETY: no allocation, handle or range user is left; the chunks are ours and mapped.
-        let out = unsafe { self.unmap_placed(mapped) };
+        let out = unsafe { self.unmap_placed(mapped.collect()) };
         let still_mapped = bytes_of(out.kept.iter().map(|(_, c)| c));
-        let release: Vec<PhysicalChunk> =
-            out.gone.into_iter().map(|(_, c)| c).chain(cached).collect();
+        let release: Vec<PhysicalChunk> = out
+            .gone
+            .into_iter()
+            .map(|(_, c)| c)
+            .chain(cached)
+            .chain(kept_unmapped.into_iter().map(|((_, c), _)| c))
+            .collect();
         if let Some(keeper) = super::keeper::active() {
             // Released whatever peers keep imported (nothing is left to charge them to): they
             // are told to forget them, and the keeper forgets the handles first, so one the

@@ -348,6 +348,178 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
     settled("end");
 }
 
+/// A sleep whose unmap fails and whose rollback cannot map a chunk back with access (issue 22,
+/// defect 4) never leaves the pool awake over unmapped memory: the pool stays asleep with the
+/// chunk kept (its contents in it, still charged), every use is refused, and a wake maps it
+/// back with its contents. Two ways to get there: the remap fails (`Unmap` #2, `Map` #1), or it
+/// maps but cannot grant access nor undo itself (`Unmap` #2, `SetAccess` #1, `Unmap` #3).
+pub fn failed_sleep_rollback_keeps_lost_chunks_asleep(backend: Arc<dyn Backend>) {
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let fb: Arc<dyn Backend> = faults.clone();
+    let config = PoolConfig::new(1 << 30).max_chunk(4 * MIB as usize);
+    let p = Pool::new(fb, config).expect("pool");
+    let mut l = load(&p, &[4 * MIB as usize; 3], Tag::Weights, 17);
+    let scenarios: [&[(DriverCall, u64)]; 2] = [
+        &[(DriverCall::Unmap, 2), (DriverCall::Map, 1)],
+        &[
+            (DriverCall::Unmap, 2),
+            (DriverCall::SetAccess, 1),
+            (DriverCall::Unmap, 3),
+        ],
+    ];
+    for faults_armed in scenarios {
+        // Nothing idle: the sleep's own trim makes no unmap, so the counts hit the sleep's.
+        p.trim().expect("trim");
+        for &(call, n) in faults_armed {
+            faults.fail_nth(call, n);
+        }
+        let e = p
+            .sleep(&SleepPolicy::offload_all())
+            .expect_err("the sleep's unmap fails");
+        faults.clear();
+        let what = format!("{faults_armed:?}");
+        p.audit()
+            .unwrap_or_else(|a| panic!("{what}: audit after a failed sleep ({e}): {a}"));
+        let st = p.sleep_stats();
+        assert_eq!(
+            st.status,
+            SleepStatus::Asleep,
+            "{what}: a chunk could not be mapped back ({e}), yet the pool is {:?} with live allocations over it",
+            st.status
+        );
+        assert!(st.asleep_bytes >= 4 * MIB, "{what}: {st:?}");
+        // Every use through the safe API is refused, none touches the memory.
+        for (a, data, _) in &mut l.allocs {
+            let mut out = vec![0u8; data.len()];
+            let r = a.read(0, &mut out);
+            assert!(matches!(r, Err(Error::Asleep { .. })), "{what}: read {r:?}");
+            let r = a.write(0, data);
+            assert!(
+                matches!(r, Err(Error::Asleep { .. })),
+                "{what}: write {r:?}"
+            );
+        }
+        assert!(matches!(
+            p.allocate(MIB as usize),
+            Err(Error::Asleep { .. })
+        ));
+        let s = p.stats();
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached + s.in_flight,
+            "{what}: the kept chunk is still the pool's: {s:?}"
+        );
+        // A wake that fails keeps it asleep, the chunk kept.
+        faults.fail_nth(DriverCall::Map, 1);
+        p.wake(AfterWake::KeepHostMemory)
+            .expect_err("the wake's first map fails");
+        faults.clear();
+        assert!(p.is_asleep(), "{what}: a failed wake stays asleep");
+        p.audit().expect("audit after a failed wake");
+        let s = p.stats();
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached + s.in_flight,
+            "{what}: after a failed wake: {s:?}"
+        );
+        p.wake(AfterWake::KeepHostMemory)
+            .expect("wake maps the kept chunk");
+        check(&l, &format!("{what}: after the wake"));
+        p.audit().expect("audit after the wake");
+        let s = p.stats();
+        assert_eq!(s.in_flight, 0, "{what}: {s:?}");
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached,
+            "{what}: backend and pool disagree"
+        );
+        // The pool works as before: a full sleep and wake.
+        p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+        p.wake(AfterWake::KeepHostMemory).expect("wake");
+        check(&l, &format!("{what}: after a second round"));
+    }
+    // Dropped while a failed sleep keeps a chunk: everything goes back all the same.
+    faults.fail_nth(DriverCall::Unmap, 2);
+    faults.fail_nth(DriverCall::Map, 1);
+    p.sleep(&SleepPolicy::offload_all())
+        .expect_err("the sleep's unmap fails");
+    faults.clear();
+    assert!(p.is_asleep());
+    drop(l);
+    drop(p);
+    assert_eq!(
+        backend.physical_bytes().expect("physical"),
+        0,
+        "all released"
+    );
+}
+
+/// KV structures are tagged `Kv` unless told otherwise (issue 22, defect 3): a sleep that
+/// discards `Kv` and offloads the rest (the README's own policy) discards the memory of an
+/// elastic layout, a block backing and layouts in an allocation and in a mapped region, and
+/// offloads the weights and a backing explicitly tagged otherwise.
+pub fn kv_structures_are_discarded_by_tag(backend: Arc<dyn Backend>) {
+    use elastic_vmm::layout::{BlockDim, LayoutBuilder, LayoutConfig};
+    let g = backend.info().granularity;
+    let p = Pool::new(backend, PoolConfig::new(4 << 30)).expect("pool");
+    let weights = load(&p, &[3 * g], Tag::Weights, 29);
+    // 8 blocks, 2 layers, K and V, 16 tokens of 64 bf16 values: 4 KiB per unit.
+    let config = LayoutConfig::new(8, 2, 2, 16, 64, 2);
+    let elastic = LayoutBuilder::new()
+        .config(config)
+        .layer_separate(BlockDim::First)
+        .elastic(&p)
+        .build()
+        .expect("elastic layout");
+    elastic.ensure_backed(0..4).expect("back blocks");
+    let in_alloc = LayoutBuilder::new()
+        .config(config)
+        .fully_contiguous()
+        .allocate(&p)
+        .build()
+        .expect("layout in an allocation");
+    let in_region = LayoutBuilder::new()
+        .config(config)
+        .fully_contiguous()
+        .map_region(&p)
+        .build()
+        .expect("layout in a mapped region");
+    let blocks =
+        BlockBacking::reserve(&p, UniformBlocks::packed(4, g as u64), None, None).expect("backing");
+    blocks.ensure_backed(0..2).expect("back");
+    let acts = BlockBacking::reserve_tagged(
+        &p,
+        UniformBlocks::packed(2, g as u64),
+        None,
+        None,
+        Tag::Activations,
+    )
+    .expect("backing tagged otherwise");
+    acts.ensure_backed(0..2).expect("back");
+    let mapped = p.stats().mapped;
+    let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
+    let r = p.sleep(&policy).expect("sleep");
+    let by_tag = p.sleep_stats().asleep_by_tag;
+    let bytes = |t: Tag| by_tag.iter().find(|(x, _)| *x == t).map_or(0, |(_, n)| *n);
+    assert_eq!(
+        bytes(Tag::Scratch),
+        0,
+        "no KV structure is left untagged: {by_tag:?}"
+    );
+    assert!(bytes(Tag::Kv) > 0, "{by_tag:?}");
+    assert_eq!(bytes(Tag::Activations), 2 * g as u64, "{by_tag:?}");
+    assert_eq!(
+        r.offloaded,
+        (3 + 2) * g as u64,
+        "only the weights and the backing tagged Activations are offloaded, the KV caches discarded: {r:?}, {by_tag:?}"
+    );
+    assert_eq!(r.offloaded + r.discarded, mapped, "{r:?}");
+    p.wake(AfterWake::KeepHostMemory).expect("wake");
+    check(&weights, "weights after the wake");
+    drop((elastic, in_alloc, in_region, blocks, acts));
+    p.audit().expect("audit");
+}
+
 /// Sleep credits the model's charge at once (another model uses the memory); waking without
 /// room is refused with the numbers and the model stays asleep; once the other model's memory
 /// is idle, waking takes it over (donation) and the contents are back.
@@ -885,4 +1057,64 @@ pub fn trim_during_undone_wake(backend: Arc<dyn Backend>) {
     check(&keep, "after the undone wake");
     p.trim().expect("trim when awake");
     p.audit().expect("audit");
+}
+
+/// A failed wake whose own rollback cannot unmap a chunk (`Map` #2, then `Unmap` #1) keeps that
+/// chunk in the asleep slot it lies in: trim never releases it into the free address space
+/// while allocations still own the addresses (found with defect 4 of issue 22: it was kept as
+/// "stuck", and trim handed its range to the free space, under live allocations).
+pub fn failed_wake_rollback_keeps_addresses_owned(backend: Arc<dyn Backend>) {
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let fb: Arc<dyn Backend> = faults.clone();
+    let config = PoolConfig::new(1 << 30).max_chunk(4 * MIB as usize);
+    let p = Pool::new(fb, config).expect("pool");
+    let l = load(&p, &[4 * MIB as usize; 3], Tag::Weights, 23);
+    p.trim().expect("trim");
+    for (what, second) in [
+        ("offloaded", SleepPolicy::offload_all()),
+        ("discarded", SleepPolicy::discard_all()),
+    ] {
+        p.sleep(&second).expect("sleep");
+        faults.fail_nth(DriverCall::Map, 2);
+        faults.fail_nth(DriverCall::Unmap, 1);
+        let e = p
+            .wake(AfterWake::KeepHostMemory)
+            .expect_err("the wake's second map fails");
+        faults.clear();
+        assert!(p.is_asleep(), "{what}: {e}");
+        p.audit()
+            .unwrap_or_else(|a| panic!("{what}: audit after the undone wake ({e}): {a}"));
+        p.trim().expect("trim while asleep");
+        p.audit()
+            .unwrap_or_else(|a| panic!("{what}: audit after trim: {a}"));
+        let s = p.stats();
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            s.mapped + s.cached + s.in_flight,
+            "{what}: {s:?}"
+        );
+        p.wake(AfterWake::KeepHostMemory).expect("wake");
+        p.audit().expect("audit after the wake");
+        assert_eq!(p.stats().in_flight, 0);
+        if what == "offloaded" {
+            check(&l, "after the wake");
+        }
+        // Fresh allocations never land on the live ones.
+        let extra = p.allocate(4 * MIB as usize).expect("allocate");
+        for (a, _, _) in &l.allocs {
+            let (s, e) = (a.offset(), a.offset() + a.footprint());
+            assert!(
+                extra.offset() + extra.footprint() <= s || e <= extra.offset(),
+                "{what}: a new allocation at {:#x} lies on a live one at {s:#x}",
+                extra.offset()
+            );
+        }
+    }
+    drop(l);
+    drop(p);
+    assert_eq!(
+        backend.physical_bytes().expect("physical"),
+        0,
+        "all released"
+    );
 }

@@ -11,7 +11,9 @@
 //!   offloaded contents back.
 //! - Both are all or nothing: a failure half way (no room, a driver error at any chunk, a hook
 //!   error) undoes what was done; the pool is awake or asleep, never half, and host copies are
-//!   never dropped before the device has them back.
+//!   never dropped before the device has them back. A failed sleep whose rollback cannot map a
+//!   chunk back with access leaves the pool asleep (never awake over unmapped memory): that
+//!   chunk is kept with its contents ([`Kept`]) and the wake maps it again.
 //! - While asleep (or falling asleep, or waking) allocations, maps, unmaps, region copies and
 //!   allocation copies are refused with [`crate::Error::Asleep`]; block pins of backings on the
 //!   pool are refused too, and front caches (`front.rs`: routing's freed blocks) serve and keep
@@ -232,6 +234,22 @@ pub(crate) struct Slot {
     pub(crate) offset: u64,
     pub(crate) size: u64,
     pub(crate) host: Option<u64>,
+    /// The chunk itself, when a failed sleep could not map it back (see [`Kept`]).
+    pub(crate) kept: Option<Kept>,
+}
+
+/// A chunk an asleep slot keeps: one that a failed sleep unmapped and could not map back with
+/// access (it holds the contents; the slot has no host copy), or one that a failed wake mapped
+/// and could not unmap (the contents are in the slot's host copy, if any). It stays the pool's
+/// (charged, counted in flight) and the pool asleep over it, so nothing reads or writes
+/// through its addresses; a wake maps it again instead of obtaining new memory (copying the
+/// host copy back as for any slot); teardown releases it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Kept {
+    pub(crate) chunk: PhysicalChunk,
+    /// Still mapped at its slot, perhaps without access (the rollback of a failed access grant
+    /// could not unmap it): a wake unmaps it first.
+    pub(crate) mapped: bool,
 }
 
 /// The sleep part of a pool's state (under the pool's lock).
@@ -329,7 +347,9 @@ impl Pool {
     /// for (up to 5 s) while new ones are refused. Refused, nothing changed, when the pool is
     /// not awake, while a block of a backing on the pool is pinned, or while a
     /// `RegisteredLayout` holds NIXL registrations of its memory. The caller makes sure no
-    /// kernel still uses the memory.
+    /// kernel still uses the memory. On a driver error the pool is awake as before, unless a
+    /// chunk could not even be mapped back: then it is asleep ([`Pool::is_asleep`]) and
+    /// [`Pool::wake`] maps that chunk back with its contents.
     pub fn sleep(&self, policy: &SleepPolicy) -> Result<SleepReport> {
         self.inner().sleep(policy)
     }

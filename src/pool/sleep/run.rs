@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{AfterWake, HostStaging, SleepAction, SleepPolicy, SleepReport, SleepStatus};
-use super::{SleepWatcher, Slot, Staging, WakeReport};
+use super::{Kept, SleepWatcher, Slot, Staging, WakeReport};
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
 use crate::pool::admission::{Fit, Urgency};
@@ -72,6 +72,22 @@ impl Pieces {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+}
+
+/// A failed sleep: why, and whether its rollback left the pool asleep (a chunk it could not map
+/// back with access, see `restore_after_failed_sleep`) rather than awake as before.
+struct Failed {
+    error: Error,
+    asleep: bool,
+}
+
+impl From<Error> for Failed {
+    fn from(error: Error) -> Self {
+        Failed {
+            error,
+            asleep: false,
+        }
     }
 }
 
@@ -160,7 +176,8 @@ impl Inner {
     }
 
     /// Sleep with the phase held: freeze the watchers, then the rest; thaw and go back to
-    /// awake on failure.
+    /// awake on failure, unless the rollback left the pool asleep (then the watchers stay
+    /// frozen and told of no mapping, as after a sleep, and the wake tells them).
     fn sleep_frozen(
         &self,
         policy: &SleepPolicy,
@@ -174,12 +191,13 @@ impl Inner {
                 return Err(e);
             }
         }
-        let outcome = self.sleep_claimed(policy, watchers, t0);
-        if outcome.is_err() {
-            watchers.iter().for_each(|w| w.thaw());
-            self.set_status(SleepStatus::Awake);
-        }
-        outcome
+        self.sleep_claimed(policy, watchers, t0).map_err(|f| {
+            if !f.asleep {
+                watchers.iter().for_each(|w| w.thaw());
+                self.set_status(SleepStatus::Awake);
+            }
+            f.error
+        })
     }
 
     fn sleep_claimed(
@@ -187,7 +205,7 @@ impl Inner {
         policy: &SleepPolicy,
         watchers: &[Arc<dyn SleepWatcher>],
         t0: Instant,
-    ) -> Result<SleepReport> {
+    ) -> Result<SleepReport, Failed> {
         // Idle and cached memory goes first: nobody needs its contents.
         let trimmed = match self.trim(u64::MAX, TrimScope::IdleAndCache) {
             Ok(r) => r.released,
@@ -203,14 +221,14 @@ impl Inner {
         };
         let mut staging = staging;
         if let Err(e) = self.staging_for(host_needed, &mut staging, policy.staging) {
-            self.unclaim(&claimed, staging);
-            return Err(e);
+            self.unclaim(&claimed, Vec::new(), staging);
+            return Err(e.into());
         }
         let mut pieces = Pieces::new();
         if let Err(e) = self.queue_sleep_copies(&claimed, staging.as_ref(), &mut pieces) {
             let _ = pieces.drain(self);
-            self.unclaim(&claimed, staging);
-            return Err(e);
+            self.unclaim(&claimed, Vec::new(), staging);
+            return Err(e.into());
         }
         // Copies run; the hooks let go of the mappings before the first unmap.
         watchers.iter().for_each(|w| w.unmapping_all());
@@ -236,13 +254,13 @@ impl Inner {
         }
         if let Some(error) = failure {
             let _ = pieces.drain(self);
-            self.restore_after_failed_sleep(&claimed, gone, staging, watchers);
-            return Err(error);
+            let asleep = self.restore_after_failed_sleep(&claimed, gone, staging, watchers);
+            return Err(Failed { error, asleep });
         }
-        if let Err(e) = pieces.drain(self) {
+        if let Err(error) = pieces.drain(self) {
             // Every piece was waited for above; a late error still means a bad copy.
-            self.restore_after_failed_sleep(&claimed, gone, staging, watchers);
-            return Err(e);
+            let asleep = self.restore_after_failed_sleep(&claimed, gone, staging, watchers);
+            return Err(Failed { error, asleep });
         }
         let chunks: Vec<PhysicalChunk> = claimed.iter().map(|c| c.chunk).collect();
         let total = bytes_of(&chunks);
@@ -328,6 +346,7 @@ impl Inner {
                 offset: o,
                 size: c.size as u64,
                 host: offload.then_some(host),
+                kept: None,
             };
             if offload {
                 host += slot.size;
@@ -344,8 +363,11 @@ impl Inner {
         claimed
     }
 
-    /// Put claimed chunks back in the mapping (nothing was unmapped) and forget the slots.
-    fn unclaim(&self, claimed: &[Claimed], staging: Option<Staging>) {
+    /// Put claimed chunks back in the mapping (nothing was unmapped, or it was mapped back) and
+    /// forget their slots. `asleep`: chunks that could not be mapped back, kept in their slots
+    /// (still in flight); when there are any, the pool is asleep from here on, in the same
+    /// critical section.
+    fn unclaim(&self, claimed: &[Claimed], asleep: Vec<Slot>, staging: Option<Staging>) {
         let mut st = self.state.lock();
         for c in claimed {
             st.chunks.insert(c.slot.offset, c.chunk);
@@ -353,8 +375,11 @@ impl Inner {
         }
         let total: u64 = claimed.iter().map(|c| c.slot.size).sum();
         self.in_flight.fetch_sub(total, Ordering::AcqRel);
-        st.sleep.slots.clear();
-        st.sleep.asleep = 0;
+        st.sleep.asleep = asleep.iter().map(|s| s.size).sum();
+        if !asleep.is_empty() {
+            st.sleep.status = SleepStatus::Asleep;
+        }
+        st.sleep.slots = asleep;
         st.sleep.by_tag.clear();
         let old = std::mem::replace(&mut st.sleep.staging, staging);
         drop(st);
@@ -363,37 +388,53 @@ impl Inner {
     }
 
     /// An unmap (or a copy) failed half way through a sleep: map back what was unmapped (the
-    /// chunks were not released: their contents are intact), tell the hooks, put it all back.
+    /// chunks were not released: their contents are intact). Returns whether the pool is left
+    /// asleep.
+    ///
+    /// When every chunk is back with access, the pool is put back as it was (awake; the hooks
+    /// hear of the mappings). A chunk that cannot be mapped back with access must never lie
+    /// under an allocation or a range of an awake pool (a read through it would touch unmapped
+    /// memory), so the pool stays *asleep* over it instead: the chunk is kept in its slot with
+    /// its contents (still charged, in flight), everything else is mapped again as before, every
+    /// use is refused as in any asleep pool, the hooks are not told of any mapping, and
+    /// [`Inner::wake`] maps the kept chunk back like any asleep memory.
     fn restore_after_failed_sleep(
         &self,
         claimed: &[Claimed],
         gone: Vec<Placed>,
         staging: Option<Staging>,
         watchers: &[Arc<dyn SleepWatcher>],
-    ) {
+    ) -> bool {
         // SAFETY: the ranges were unmapped by this sleep and are still claimed by it (the phase
         // refuses every other use); the chunks are ours.
         let back = unsafe { self.remap_each(gone) };
-        let lost: Vec<u64> = back.unmapped.iter().map(|(o, _)| *o).collect();
-        if !lost.is_empty() || !back.stuck.is_empty() {
-            tracing::error!(pool = %self.name, unmapped = lost.len(), stuck = back.stuck.len(), "a failed sleep could not map every chunk back; those addresses stay unmapped until trim");
-        }
-        let kept: Vec<Claimed> = claimed
+        let unmapped = back.unmapped.iter().map(|&p| (p, false));
+        let lost: Vec<Slot> = unmapped
+            .chain(back.stuck.iter().map(|&p| (p, true)))
+            .map(|((offset, chunk), mapped)| Slot {
+                offset,
+                size: chunk.size as u64,
+                host: None,
+                kept: Some(Kept { chunk, mapped }),
+            })
+            .collect();
+        let back_in: Vec<Claimed> = claimed
             .iter()
-            .filter(|c| !lost.contains(&c.slot.offset))
+            .filter(|c| !lost.iter().any(|s| s.offset == c.slot.offset))
             .copied()
             .collect();
-        self.unclaim(&kept, staging);
-        if !back.unmapped.is_empty() {
-            let chunks: Vec<PhysicalChunk> = back.unmapped.iter().map(|(_, c)| *c).collect();
-            // They were counted in flight with the claim; `stash` takes them out again.
-            self.stash(chunks);
-        }
-        for w in watchers {
-            if let Err(e) = w.mapped_all() {
-                tracing::error!(pool = %self.name, error = %e, "a mapping hook refused the memory a failed sleep mapped back");
+        if lost.is_empty() {
+            self.unclaim(&back_in, Vec::new(), staging);
+            for w in watchers {
+                if let Err(e) = w.mapped_all() {
+                    tracing::error!(pool = %self.name, error = %e, "a mapping hook refused the memory a failed sleep mapped back");
+                }
             }
+            return false;
         }
+        tracing::error!(pool = %self.name, chunks = lost.len(), bytes = lost.iter().map(|s| s.size).sum::<u64>(), "a failed sleep could not map every chunk back with access; the pool stays asleep over them, their contents kept in them, until a wake maps them");
+        self.unclaim(&back_in, lost, staging);
+        true
     }
 
     /// Make `staging` at least `needed` bytes: keep it if big enough, else replace it when the
@@ -490,23 +531,44 @@ impl Inner {
             (st.sleep.slots.clone(), st.sleep.staging.take())
         };
         let watchers = self.watchers();
-        let result = self.wake_held(&slots, staging, after, &watchers, t0);
+        let result = self.wake_held(slots, staging, after, &watchers, t0);
         drop(watchers);
         result
     }
 
     fn wake_held(
         &self,
-        slots: &[Slot],
+        mut slots: Vec<Slot>,
         staging: Option<Staging>,
         after: AfterWake,
         watchers: &[Arc<dyn SleepWatcher>],
         t0: Instant,
     ) -> Result<WakeReport> {
         let asked: u64 = slots.iter().map(|s| s.size).sum();
-        // 1. Physical memory for every slot, admitted as any growth (donation, reclaim).
+        // 0. A kept chunk still mapped (perhaps without access) is unmapped, to map as any.
+        for s in &mut slots {
+            let Some(k) = s.kept.as_mut().filter(|k| k.mapped) else {
+                continue;
+            };
+            // SAFETY: the chunk is mapped at its slot, claimed by this wake (the phase refuses
+            // every other use) and used by nobody (the pool has been asleep over it).
+            let u = unsafe { self.unmap_placed(vec![(s.offset, k.chunk)]) };
+            if let Some(e) = u.error {
+                self.back_to_sleep(staging);
+                return Err(e);
+            }
+            k.mapped = false;
+            set_kept_mapped(&mut self.state.lock(), s.offset, false);
+        }
+        let slots = slots;
+        // 1. Physical memory for every slot, admitted as any growth (donation, reclaim); a kept
+        // chunk is the pool's already.
         let mut got: Vec<Vec<PhysicalChunk>> = Vec::with_capacity(slots.len());
-        for s in slots {
+        for s in &slots {
+            if let Some(k) = s.kept {
+                got.push(vec![k.chunk]);
+                continue;
+            }
             let fit = Fit {
                 max_chunk: s.size,
                 room: s.size,
@@ -514,7 +576,11 @@ impl Inner {
             match self.obtain(s.size, Urgency::Required, fit) {
                 Ok(o) => got.push(o.donated.into_iter().chain(o.created).collect()),
                 Err(e) => {
-                    let _ = self.release_chunks(got.into_iter().flatten().collect());
+                    let obtained = got
+                        .into_iter()
+                        .zip(&slots)
+                        .filter(|(_, s)| s.kept.is_none());
+                    let _ = self.release_chunks(obtained.flat_map(|(g, _)| g).collect());
                     self.back_to_sleep(staging);
                     let (free, limit) = self.room();
                     return Err(Error::WakeRefused {
@@ -535,7 +601,7 @@ impl Inner {
         let mut run: Option<Run> = None;
         let mut restored = 0u64;
         let mut got = got.into_iter();
-        for s in slots {
+        for s in &slots {
             let chunks = got.next().unwrap_or_default();
             if failure.is_some() {
                 unplaced.extend(chunks);
@@ -596,7 +662,7 @@ impl Inner {
             }
         }
         if let Some((error, stuck)) = failure {
-            self.undo_wake(placed, unplaced, &stuck, staging);
+            self.undo_wake(placed, unplaced, &stuck, staging, &slots);
             return Err(error);
         }
         // 3. The chunks enter the books (hooks look them up), still under the waking phase;
@@ -622,10 +688,10 @@ impl Inner {
                     }
                     st.mapped -= mapped;
                     self.in_flight.fetch_add(mapped, Ordering::AcqRel);
-                    st.sleep.slots = slots.to_vec();
+                    st.sleep.slots = slots.clone();
                     st.sleep.asleep = asked;
                 }
-                self.undo_wake(placed, unplaced, &[], staging);
+                self.undo_wake(placed, unplaced, &[], staging, &slots);
                 return Err(e);
             }
         }
@@ -683,26 +749,37 @@ impl Inner {
     }
 
     /// Undo a wake half way: unmap what it mapped, give every chunk back, stay asleep with the
-    /// host copies. A chunk whose unmap fails is kept out of use (stuck), as everywhere.
+    /// host copies. A chunk whose unmap fails is kept out of use (stuck), as everywhere. Kept
+    /// chunks of `slots` (see [`Kept`]) stay in their slots whatever happened to them: they
+    /// hold the contents.
     fn undo_wake(
         &self,
         placed: Vec<Placed>,
         mut unplaced: Vec<PhysicalChunk>,
         stuck: &[Placed],
         staging: Option<Staging>,
+        slots: &[Slot],
     ) {
+        let kept: Vec<PhysicalChunk> = slots
+            .iter()
+            .filter_map(|s| s.kept)
+            .map(|k| k.chunk)
+            .collect();
         // SAFETY: mapped by this wake, seen by nobody (the phase refuses every use, hooks were
         // told of nothing or told to let go), every copy onto them waited for.
         let u = unsafe { self.unmap_placed(placed) };
         unplaced.extend(u.gone.into_iter().map(|(_, c)| c));
+        unplaced.retain(|c| !kept.contains(c));
         let mut all_stuck: Vec<Placed> = stuck.to_vec();
         all_stuck.extend(u.kept);
         if !all_stuck.is_empty() {
-            tracing::error!(pool = %self.name, chunks = all_stuck.len(), "undoing a wake left chunks mapped; they are kept out of use");
+            // Not `stuck` (which trim releases, returning the range to the free space): these
+            // lie under allocations and ranges that sleep, so they stay in their slots.
+            tracing::error!(pool = %self.name, chunks = all_stuck.len(), "undoing a wake left chunks mapped; each stays in its slot, kept out of use, and the next wake unmaps it first");
             let mut st = self.state.lock();
-            st.put_stuck(&all_stuck);
-            self.in_flight
-                .fetch_sub(bytes_of(all_stuck.iter().map(|(_, c)| c)), Ordering::AcqRel);
+            for p in all_stuck {
+                keep_in_slot(&mut st, p);
+            }
         }
         let _ = self.release_chunks(unplaced);
         self.back_to_sleep(staging);
@@ -775,6 +852,56 @@ impl Inner {
         let bytes = old.as_ref().map_or(0, Staging::bytes);
         drop(old);
         Ok(bytes)
+    }
+}
+
+/// Keep a chunk that a wake mapped at `offset` and could not unmap again in the slot it lies
+/// in, as [`Kept`] and mapped: the slot is split around it (its host copy, if any, goes with
+/// each part). It stays in flight, as it was.
+fn keep_in_slot(st: &mut State, (offset, chunk): Placed) {
+    let slots = &mut st.sleep.slots;
+    let Some(i) = slots
+        .iter()
+        .position(|s| s.offset <= offset && offset < s.offset + s.size)
+    else {
+        tracing::error!(
+            offset,
+            "a chunk a wake could not unmap lies in no asleep slot"
+        );
+        return;
+    };
+    let s = slots[i];
+    if let Some(k) = slots[i].kept.as_mut().filter(|k| k.chunk == chunk) {
+        k.mapped = true;
+        return;
+    }
+    let part = |from: u64, to: u64, kept: Option<Kept>| Slot {
+        offset: from,
+        size: to - from,
+        host: s.host.map(|h| h + (from - s.offset)),
+        kept,
+    };
+    let (end, slot_end) = (offset + chunk.size as u64, s.offset + s.size);
+    let mut parts = Vec::with_capacity(3);
+    if s.offset < offset {
+        parts.push(part(s.offset, offset, None));
+    }
+    let mapped = Kept {
+        chunk,
+        mapped: true,
+    };
+    parts.push(part(offset, end, Some(mapped)));
+    if end < slot_end {
+        parts.push(part(end, slot_end, None));
+    }
+    slots.splice(i..=i, parts);
+}
+
+/// Record whether the kept chunk of the slot at `offset` is still mapped there.
+fn set_kept_mapped(st: &mut State, offset: u64, mapped: bool) {
+    let slot = st.sleep.slots.iter_mut().find(|s| s.offset == offset);
+    if let Some(k) = slot.and_then(|s| s.kept.as_mut()) {
+        k.mapped = mapped;
     }
 }
 
