@@ -46,12 +46,66 @@ pub const TESTS: &[(&str, fn())] = &[
         "security::a_second_user_acts_only_on_its_own_models",
         a_second_user_acts_only_on_its_own_models,
     ),
+    (
+        "security::a_reconnecting_user_cannot_stall_the_operators_hello",
+        a_reconnecting_user_cannot_stall_the_operators_hello,
+    ),
 ];
+
+/// A group user at its connection cap reconnects in a tight loop (each connection refused):
+/// the single accept/hello thread must still read the operator's hellos. Before the fix it
+/// looped in accept while the backlog refilled, and an operator's connect took seconds.
+fn a_reconnecting_user_cannot_stall_the_operators_hello() {
+    require_root();
+    let group = NOBODY.to_string();
+    let broker = BrokerProc::start("reconnect-hammer", 64 * MIB, &["--group", &group]);
+    let connect_worst = |label: &str, for_how_long: Duration| {
+        let (mut worst, mut n) = (Duration::ZERO, 0u32);
+        let end = Instant::now() + for_how_long;
+        while Instant::now() < end {
+            let t = Instant::now();
+            let c = BrokerClient::connect(&broker.socket, "operator").expect("operator connect");
+            worst = worst.max(t.elapsed());
+            drop(c);
+            n += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("  {label}: {n} operator connects, worst {worst:?}");
+        worst
+    };
+    connect_worst("calm", Duration::from_millis(500));
+    let hammer = common::spawn_as(
+        "foreign-reconnect-hammer",
+        &[
+            ("EVMM_SOCKET", broker.socket.display().to_string()),
+            ("EVMM_COUNT", "32".to_string()),
+            ("EVMM_SECS", "6".to_string()),
+        ],
+        NOBODY,
+        NOBODY,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let worst = connect_worst("hammered", Duration::from_secs(4));
+    let out = hammer.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    eprintln!("  hammer: {}", said.trim());
+    let connects: u64 = said
+        .trim()
+        .strip_prefix("connects ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(connects > 100, "the hammer barely ran: {said}");
+    assert!(
+        worst < Duration::from_secs(1),
+        "an operator connect took {worst:?} while user {NOBODY} reconnected {connects} times"
+    );
+}
 
 pub fn role(name: &str) -> Option<fn()> {
     match name {
         "foreign-client" => Some(foreign_client),
         "foreign-flood" => Some(foreign_flood),
+        "foreign-reconnect-hammer" => Some(foreign_reconnect_hammer),
         "engine-hostile-reclaim" => Some(engine_hostile_reclaim),
         "foreign-engine-lib" => Some(foreign_engine_lib),
         _ => None,
@@ -878,6 +932,39 @@ fn foreign_engine_lib() {
 
 /// Opens `EVMM_COUNT` connections that each send one byte and never a hello; prints
 /// `flooded <connected> of <count>`; then, for each line `closed?`, how many the broker closed.
+/// A user at its connection cap (EVMM_COUNT connections held, each with one byte of a hello)
+/// that reconnects in a loop from four threads for EVMM_SECS seconds; prints how many connects
+/// it made.
+fn foreign_reconnect_hammer() {
+    let socket = common::var("EVMM_SOCKET");
+    let count: usize = common::var("EVMM_COUNT").parse().unwrap();
+    let secs: u64 = common::var("EVMM_SECS").parse().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..count {
+        if let Ok(mut s) = UnixStream::connect(&socket) {
+            let _ = s.write_all(&[1]);
+            held.push(s);
+        }
+    }
+    let end = Instant::now() + Duration::from_secs(secs);
+    let loops: Vec<_> = (0..4)
+        .map(|_| {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while Instant::now() < end {
+                    if UnixStream::connect(&socket).is_ok() {
+                        n += 1;
+                    }
+                }
+                n
+            })
+        })
+        .collect();
+    let n: u64 = loops.into_iter().map(|t| t.join().unwrap()).sum();
+    println!("connects {n}");
+}
+
 fn foreign_flood() {
     let socket = common::var("EVMM_SOCKET");
     let count: usize = common::var("EVMM_COUNT").parse().unwrap();
