@@ -50,6 +50,10 @@ pub const TESTS: &[(&str, fn())] = &[
         "security::a_reconnecting_user_cannot_stall_the_operators_hello",
         a_reconnecting_user_cannot_stall_the_operators_hello,
     ),
+    (
+        "security::a_group_user_cannot_take_and_strand_the_whole_budget",
+        a_group_user_cannot_take_and_strand_the_whole_budget,
+    ),
 ];
 
 /// A group user at its connection cap reconnects in a tight loop (each connection refused):
@@ -99,6 +103,71 @@ fn a_reconnecting_user_cannot_stall_the_operators_hello() {
         worst < Duration::from_secs(1),
         "an operator connect took {worst:?} while user {NOBODY} reconnected {connects} times"
     );
+}
+
+/// A user let in with `--group` (no guarantee) grows one model as far as it can, then drops
+/// its connection while its process lives (its model is orphaned, kept charged). Its bytes are
+/// capped (half the budget by default, orphaned models counted), so the operator's engine still
+/// gets memory. Before the fix it took all 64 MiB and the operator's engine was refused.
+fn a_group_user_cannot_take_and_strand_the_whole_budget() {
+    require_root();
+    let group = NOBODY.to_string();
+    let broker = BrokerProc::start("user-bytes", 64 * MIB, &["--group", &group]);
+    let mut foreign = Script::new(common::spawn_as(
+        "foreign-client",
+        &[("EVMM_SOCKET", broker.socket.display().to_string())],
+        NOBODY,
+        NOBODY,
+    ));
+    assert_eq!(foreign.ask("hello engine"), "welcome");
+    let reg = foreign.ask(&format!("register hog {} 0", 64 * MIB));
+    let model: u64 = reg
+        .strip_prefix("registered ")
+        .expect(&reg)
+        .parse()
+        .unwrap();
+    let (mut granted, mut refusal) = (0u64, None);
+    for _ in 0..32 {
+        let a = foreign.ask(&format!("grow {model} {}", 2 * MIB));
+        if a.starts_with("granted") {
+            granted += 1;
+        } else if refusal.is_none() {
+            refusal = Some(a);
+        }
+    }
+    let refusal = refusal.unwrap_or_default();
+    assert_eq!(
+        granted, 16,
+        "user {NOBODY} was granted {granted} x 2 MiB of 64 MiB"
+    );
+    assert!(
+        refusal.contains(&format!("{} allowed per user", 32 * MIB))
+            && refusal.contains(&format!("hold {} bytes", 32 * MIB)),
+        "{refusal}"
+    );
+    // The connection goes (a new hello replaces it); the process lives: the model is orphaned.
+    assert_eq!(foreign.ask("hello engine"), "welcome");
+    let ctl = broker.control();
+    wait_until("the model is orphaned", 5, || {
+        ctl.snapshot().unwrap().models.iter().any(|m| m.orphaned)
+    });
+    // Orphaned bytes still count: a new model of that user gets nothing more.
+    let reg = foreign.ask(&format!("register hog2 {} 0", 64 * MIB));
+    let model2: u64 = reg
+        .strip_prefix("registered ")
+        .expect(&reg)
+        .parse()
+        .unwrap();
+    let again = foreign.ask(&format!("grow {model2} {}", 2 * MIB));
+    assert!(again.contains("orphaned ones included"), "{again}");
+    let mut mine = Script::new(common::spawn_piped(
+        "engine-scripted",
+        &engine_vars(&broker.socket, "mine", 64 * MIB, 0, 0),
+    ));
+    let answer = mine.ask("try-alloc 8");
+    mine.finish();
+    foreign.finish();
+    assert_eq!(answer, "ok", "the operator's engine was refused 8 MiB");
 }
 
 pub fn role(name: &str) -> Option<fn()> {
