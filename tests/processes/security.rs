@@ -312,15 +312,15 @@ fn socket_folder_cannot_be_taken_over() {
     let victim = tmp.join("victim.txt");
     std::fs::write(&victim, "precious").unwrap();
     // (What a broker that followed the folder's link left there.)
-    let _ = std::fs::remove_file(real.join("b.lock"));
+    let _ = std::fs::remove_file(real.join("b.sock.lock"));
     let _ = std::fs::remove_file(real.join("b.sock"));
-    std::os::unix::fs::symlink(&victim, real.join("b.lock")).unwrap();
+    std::os::unix::fs::symlink(&victim, real.join("b.sock.lock")).unwrap();
     let sock = real.join("b.sock");
     expect(
         &mut failures,
         "a lock file that is a symbolic link",
         broker_refuses(&["--socket", sock.to_str().unwrap()], &[]),
-        &["b.lock", "symbolic link"],
+        &["b.sock.lock", "symbolic link"],
     );
     let content = std::fs::read_to_string(&victim).unwrap();
     if content != "precious" {
@@ -328,7 +328,7 @@ fn socket_folder_cannot_be_taken_over() {
             "the file the lock link points at was overwritten: {content:?}"
         ));
     }
-    let _ = std::fs::remove_file(real.join("b.lock"));
+    let _ = std::fs::remove_file(real.join("b.sock.lock"));
     let _ = std::fs::remove_file(&sock);
     // 5. A file at the socket's path: refused, left as it was.
     let config = real.join("config.toml");
