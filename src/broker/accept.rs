@@ -47,13 +47,16 @@ const IDLE_POLL: Duration = Duration::from_secs(1);
 const ACCEPT_BATCH: usize = 16;
 
 /// A user (other than the operator's) refused this many times within [`REFUSAL_WINDOW`] is
-/// muted for [`REFUSAL_MUTE`]: its new connections are closed at accept, with no reply and no
+/// muted (far more than a user at its caps meets by mistake: 200 connections at once over a
+/// cap of 32 are 168 refusals, each answered with the reason; a reconnect loop makes tens of
+/// thousands a second) and
+/// stays so for [`REFUSAL_MUTE`]: its new connections are closed at accept, with no reply and no
 /// look at the book.
-const REFUSAL_BURST: u32 = 8;
+const REFUSAL_BURST: u32 = 512;
 /// See [`REFUSAL_BURST`].
 const REFUSAL_WINDOW: Duration = Duration::from_secs(1);
 /// See [`REFUSAL_BURST`].
-const REFUSAL_MUTE: Duration = Duration::from_secs(2);
+const REFUSAL_MUTE: Duration = Duration::from_secs(1);
 
 /// One user's recent refusals (this thread's own state, no lock).
 struct Refusals {

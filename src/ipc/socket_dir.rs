@@ -67,13 +67,27 @@ fn kind_of(st: &rustix::fs::Stat) -> &'static str {
 /// open: the name there cannot have been replaced since, so what is opened is what was made).
 fn walk(dir_path: &Path) -> Result<(OwnedFd, bool)> {
     use std::path::Component;
+    // Folders on the way are opened `O_PATH` (search permission is enough, as for a path
+    // lookup); the socket's folder itself is opened for reading (to fchmod/fchown it).
+    let path_flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let open_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let start = if dir_path.is_absolute() { "/" } else { "." };
     let mut here = PathBuf::from(start);
-    let mut dir = rustix::fs::open(start, open_flags, Mode::empty())
+    let parts: Vec<_> = dir_path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir | Component::CurDir))
+        .collect();
+    let last = parts.len().saturating_sub(1);
+    let first = if parts.is_empty() {
+        open_flags
+    } else {
+        path_flags
+    };
+    let mut dir = rustix::fs::open(start, first, Mode::empty())
         .map_err(|e| io_error("open socket folder", &here, e))?;
     let mut made = false;
-    for part in dir_path.components() {
+    for (i, part) in parts.into_iter().enumerate() {
+        let flags = if i == last { open_flags } else { path_flags };
         let name = match part {
             Component::RootDir | Component::CurDir => continue,
             Component::Prefix(_) => return Err(insecure(dir_path, "a path prefix")),
@@ -98,14 +112,14 @@ fn walk(dir_path: &Path) -> Result<(OwnedFd, bool)> {
         }
         here.push(name);
         made = false;
-        let next = match rustix::fs::openat(&dir, name, open_flags, Mode::empty()) {
+        let next = match rustix::fs::openat(&dir, name, flags, Mode::empty()) {
             Err(Errno::NOENT) => {
                 match rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(0o700)) {
                     Ok(()) => made = true,
                     Err(Errno::EXIST) => {}
                     Err(e) => return Err(io_error("create socket folder", &here, e)),
                 }
-                rustix::fs::openat(&dir, name, open_flags, Mode::empty())
+                rustix::fs::openat(&dir, name, flags, Mode::empty())
             }
             other => other,
         };
