@@ -224,8 +224,8 @@ pub enum Error {
 
     /// A socket's folder, lock file or path is not safe to use: another user owns it, others
     /// may write it, it is a symbolic link, or something other than a stale socket sits at the
-    /// socket's path. Nothing was changed there.
-    #[error("{path}: {problem}; refused, nothing changed there")]
+    /// socket's path. The path named is left as it was.
+    #[error("{path}: {problem}; refused, {path} left as it was")]
     InsecurePath {
         /// The path.
         path: std::path::PathBuf,

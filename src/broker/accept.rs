@@ -9,6 +9,12 @@
 //! for the whole hello ([`BrokerConfig::hello_timeout`](super::BrokerConfig)). A peer of a user
 //! the broker does not serve is refused before it is counted. Only a valid hello gets the
 //! connection its reader and writer threads.
+//!
+//! One user cannot keep this thread from the others' hellos: at most [`ACCEPT_BATCH`]
+//! connections are accepted per round before the waiting hellos are read, and a user other
+//! than the operator refused [`REFUSAL_BURST`] times within [`REFUSAL_WINDOW`] has its new
+//! connections closed at accept, unanswered and without the book's lock, for [`REFUSAL_MUTE`].
+//! The operator (the broker's own user and root) is never muted.
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
@@ -36,6 +42,86 @@ pub const OPERATOR_RESERVE: usize = 16;
 /// The longest this thread sleeps in `poll` (it then looks whether the broker stops).
 const IDLE_POLL: Duration = Duration::from_secs(1);
 
+/// Most connections accepted per `poll` round: the hellos already waiting are read between
+/// batches, so a user that reconnects in a loop cannot keep this thread in `accept`.
+const ACCEPT_BATCH: usize = 16;
+
+/// A user (other than the operator's) refused this many times within [`REFUSAL_WINDOW`] is
+/// muted (far more than a user at its caps meets by mistake: 200 connections at once over a
+/// cap of 32 are 168 refusals, each answered with the reason; a reconnect loop makes tens of
+/// thousands a second) and
+/// stays so for [`REFUSAL_MUTE`]: its new connections are closed at accept, with no reply and no
+/// look at the book.
+const REFUSAL_BURST: u32 = 512;
+/// See [`REFUSAL_BURST`].
+const REFUSAL_WINDOW: Duration = Duration::from_secs(1);
+/// See [`REFUSAL_BURST`].
+const REFUSAL_MUTE: Duration = Duration::from_secs(1);
+
+/// One user's recent refusals (this thread's own state, no lock).
+struct Refusals {
+    window_start: Instant,
+    count: u32,
+    muted_until: Option<Instant>,
+}
+
+/// The accept thread's refusal bookkeeping: per user, and a count not yet added to the book's
+/// counters (added once per round, so a refusal costs no lock of the book).
+#[derive(Default)]
+struct Door {
+    by_uid: std::collections::HashMap<u32, Refusals>,
+    refused: u64,
+}
+
+impl Door {
+    /// Whether `uid`'s connections are closed unanswered for now.
+    fn muted(&mut self, uid: u32, now: Instant) -> bool {
+        match self.by_uid.get(&uid).and_then(|r| r.muted_until) {
+            Some(until) if now < until => true,
+            Some(_) => {
+                self.by_uid.remove(&uid);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Count a refusal of `uid` (`operator`: never muted).
+    fn refused(&mut self, uid: u32, operator: bool, now: Instant) {
+        self.refused += 1;
+        if operator {
+            return;
+        }
+        let r = self.by_uid.entry(uid).or_insert(Refusals {
+            window_start: now,
+            count: 0,
+            muted_until: None,
+        });
+        if now.saturating_duration_since(r.window_start) > REFUSAL_WINDOW {
+            r.window_start = now;
+            r.count = 0;
+        }
+        r.count += 1;
+        if r.count >= REFUSAL_BURST && r.muted_until.is_none() {
+            r.muted_until = Some(now + REFUSAL_MUTE);
+            tracing::warn!(
+                uid,
+                refusals = r.count,
+                mute_ms = REFUSAL_MUTE.as_millis() as u64,
+                "a user keeps connecting over its caps; its new connections are closed unanswered for a while"
+            );
+        }
+    }
+
+    /// Forget users whose window and mute are over (keeps the map small).
+    fn tidy(&mut self, now: Instant) {
+        self.by_uid.retain(|_, r| match r.muted_until {
+            Some(until) => now < until,
+            None => now.saturating_duration_since(r.window_start) <= REFUSAL_WINDOW,
+        });
+    }
+}
+
 /// A connection still to say hello.
 struct Waiting {
     stream: UnixStream,
@@ -51,6 +137,7 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
         return;
     }
     let mut waiting: Vec<Waiting> = Vec::new();
+    let mut door = Door::default();
     while !shared.stopping.load(Ordering::SeqCst) {
         let now = Instant::now();
         let wait = waiting
@@ -89,18 +176,17 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
             if readable {
                 match w.hello.read_available(&w.stream, MAX_HELLO) {
                     Ok(Some(frame)) => {
-                        welcome(&shared, w, frame);
+                        if !welcome(&shared, w, frame) {
+                            door.refused += 1;
+                        }
                         continue;
                     }
                     Ok(None) => {}
                     // A probe, or a peer that died at once: nothing to answer.
                     Err(e) if ipc::is_disconnect(&e) => continue,
                     Err(e) => {
-                        refuse(
-                            &shared,
-                            &w.stream,
-                            error_reply(ErrorKind::Malformed, e.to_string()),
-                        );
+                        refuse(&w.stream, error_reply(ErrorKind::Malformed, e.to_string()));
+                        door.refused(w.peer.uid, is_operator(&shared, w.peer.uid), now);
                         continue;
                     }
                 }
@@ -114,28 +200,44 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
                     "no hello in time; closed"
                 );
                 refuse(
-                    &shared,
                     &w.stream,
                     error_reply(
                         ErrorKind::Malformed,
                         format!("no hello within {ms} ms of connecting"),
                     ),
                 );
+                door.refused(w.peer.uid, is_operator(&shared, w.peer.uid), now);
                 continue;
             }
             still.push(w);
         }
         waiting = still;
         if listener_ready {
-            accept_ready(&shared, &listener, &mut waiting);
+            accept_ready(&shared, &listener, &mut waiting, &mut door);
         }
+        if door.refused > 0 {
+            shared.book.lock().counters.refused_connections += door.refused;
+            door.refused = 0;
+        }
+        door.tidy(Instant::now());
     }
     // Stopping: connections still to say hello close as `waiting` drops.
 }
 
-/// Accept every connection waiting at the socket; count it, or refuse it at once.
-fn accept_ready(shared: &Shared, listener: &UnixListener, waiting: &mut Vec<Waiting>) {
-    loop {
+/// Whether `uid` is the operator's: the broker's own user or root.
+fn is_operator(shared: &Shared, uid: u32) -> bool {
+    uid == shared.uid || uid == 0
+}
+
+/// Accept up to [`ACCEPT_BATCH`] connections waiting at the socket; count each, or refuse it at
+/// once (a muted user's without a reply).
+fn accept_ready(
+    shared: &Shared,
+    listener: &UnixListener,
+    waiting: &mut Vec<Waiting>,
+    door: &mut Door,
+) {
+    for _ in 0..ACCEPT_BATCH {
         let stream = match listener.accept() {
             Ok((s, _)) => s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
@@ -156,6 +258,12 @@ fn accept_ready(shared: &Shared, listener: &UnixListener, waiting: &mut Vec<Wait
                 continue;
             }
         };
+        let now = Instant::now();
+        let operator = is_operator(shared, peer.uid);
+        if !operator && door.muted(peer.uid, now) {
+            door.refused += 1;
+            continue;
+        }
         if let Err(e) = stream.set_nonblocking(true) {
             tracing::warn!(error = %e, "cannot make a connection non-blocking; closed");
             continue;
@@ -163,7 +271,8 @@ fn accept_ready(shared: &Shared, listener: &UnixListener, waiting: &mut Vec<Wait
         let conn = match admit(shared, peer, waiting) {
             Ok(conn) => conn,
             Err(reply) => {
-                refuse(shared, &stream, reply);
+                refuse(&stream, reply);
+                door.refused(peer.uid, operator, now);
                 continue;
             }
         };
@@ -180,7 +289,7 @@ fn accept_ready(shared: &Shared, listener: &UnixListener, waiting: &mut Vec<Wait
 /// Whether a new connection of `peer` may wait for its hello: a user the broker serves, within
 /// the total and its user's cap (both counted with the connections still to say hello). Its id.
 fn admit(shared: &Shared, peer: PeerCredentials, waiting: &[Waiting]) -> Result<u64, Reply> {
-    let operator = |uid: u32| uid == shared.uid || uid == 0;
+    let operator = |uid: u32| is_operator(shared, uid);
     let in_group = shared.config.group.is_some_and(|g| g == peer.gid);
     if !operator(peer.uid) && !in_group {
         return Err(error_reply(
@@ -231,9 +340,9 @@ fn admit(shared: &Shared, peer: PeerCredentials, waiting: &[Waiting]) -> Result<
     Ok(book.next_id())
 }
 
-/// Answer `reply` (best effort: the socket is non-blocking and the reply small) and close.
-fn refuse(shared: &Shared, stream: &UnixStream, reply: Reply) {
-    shared.book.lock().counters.refused_connections += 1;
+/// Answer `reply` (best effort: the socket is non-blocking and the reply small) and close; the
+/// caller counts the refusal.
+fn refuse(stream: &UnixStream, reply: Reply) {
     if let Ok(payload) = ipc::encode(&crate::broker::protocol::FromBroker::Reply { id: 0, reply }) {
         let _ = ipc::send_frame(stream, &payload, &[]);
     }
@@ -277,16 +386,17 @@ fn check_hello(
     Ok((msg.id, role, name))
 }
 
-/// A complete hello: check it, then give the connection its threads and welcome it.
-fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) {
+/// A complete hello: check it, then give the connection its threads and welcome it. False when
+/// it was refused.
+fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) -> bool {
     let Waiting {
         stream, peer, conn, ..
     } = w;
     let (id, role, name) = match check_hello(shared, peer, &frame) {
         Ok(h) => h,
         Err(reply) => {
-            refuse(shared, &stream, reply);
-            return;
+            refuse(&stream, reply);
+            return false;
         }
     };
     let ready = stream
@@ -295,21 +405,19 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) {
         .and_then(|()| Ok((stream.try_clone()?, stream.try_clone()?)));
     let Ok((for_writer, for_book)) = ready else {
         refuse(
-            shared,
             &stream,
             error_reply(ErrorKind::Backend, "cannot set the socket up"),
         );
-        return;
+        return false;
     };
     let Ok((writer, writer_thread)) =
         FrameWriter::spawn(for_writer, 1024, &format!("broker-conn-{conn}"))
     else {
         refuse(
-            shared,
             &stream,
             error_reply(ErrorKind::Backend, "cannot start the connection's writer"),
         );
-        return;
+        return false;
     };
     shared.book.lock().conns.insert(
         conn,
@@ -344,4 +452,5 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+    true
 }

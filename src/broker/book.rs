@@ -97,6 +97,9 @@ pub(crate) struct Policy {
     /// `None`: only the budget bounds guarantees (the ledger refuses one that does not fit).
     pub(crate) max_guarantee_total: Option<u64>,
     pub(crate) max_guarantee_per_user: Option<u64>,
+    /// The most bytes the models of one user other than the broker's and root may hold
+    /// together, orphaned models included.
+    pub(crate) max_bytes_per_user: u64,
 }
 
 impl Policy {
@@ -370,6 +373,32 @@ impl Book {
         self.counters.handovers += 1;
         self.counters.grants += 1;
         Some((cid, chunk))
+    }
+
+    /// Whether `model`'s user may hold `size` bytes more: users other than the broker's and root
+    /// are bounded by [`Policy::max_bytes_per_user`], counting every model of theirs (orphaned
+    /// ones included, whose memory stays charged while their process lives).
+    pub(crate) fn check_user_bytes(&self, model: u64, size: u64) -> Result<(), BookError> {
+        let Some(uid) = self.models.get(&model).map(|m| m.uid) else {
+            return Ok(());
+        };
+        if uid == self.policy.broker_uid || uid == 0 {
+            return Ok(());
+        }
+        let held: u64 = self
+            .models
+            .iter()
+            .filter(|(_, m)| m.uid == uid)
+            .filter_map(|(id, _)| self.ledger.models.get(id))
+            .map(|b| b.used)
+            .fold(0u64, u64::saturating_add);
+        let cap = self.policy.max_bytes_per_user;
+        if held.checked_add(size).is_none_or(|t| t > cap) {
+            return Err(BookError::Forbidden(format!(
+                "model {model}: {size} bytes more refused: the models of user {uid} hold {held} bytes (orphaned ones included), {cap} allowed per user"
+            )));
+        }
+        Ok(())
     }
 
     /// Charge `size` to `model` for a chunk about to be created.
@@ -707,6 +736,7 @@ mod tests {
             max_models_per_user: 32,
             max_guarantee_total: None,
             max_guarantee_per_user: None,
+            max_bytes_per_user: u64::MAX,
         }
     }
 

@@ -63,6 +63,11 @@ pub struct BrokerConfig {
     /// for the broker's own user and root, nothing for other users (allowed in through
     /// [`BrokerConfig::group`]).
     pub max_guarantee_per_user: Option<u64>,
+    /// Most bytes the models of one user other than the broker's own and root may hold
+    /// together, orphaned models included (their memory stays charged while their process
+    /// lives). `None`: half the global limit, so that no other user can take the whole budget
+    /// and the operator's engines always have half of it to grow or reclaim into.
+    pub max_bytes_per_user: Option<u64>,
 }
 
 impl BrokerConfig {
@@ -82,6 +87,7 @@ impl BrokerConfig {
             max_models_per_user: 32,
             max_guarantee_total: None,
             max_guarantee_per_user: None,
+            max_bytes_per_user: None,
         }
     }
 
@@ -124,6 +130,13 @@ impl BrokerConfig {
     /// Most bytes of guarantees per user (every user, the broker's own and root included).
     pub fn max_guarantee_per_user(mut self, bytes: u64) -> Self {
         self.max_guarantee_per_user = Some(bytes);
+        self
+    }
+
+    /// Most bytes one user other than the broker's own and root may hold (see
+    /// [`BrokerConfig::max_bytes_per_user`]).
+    pub fn max_bytes_per_user(mut self, bytes: u64) -> Self {
+        self.max_bytes_per_user = Some(bytes);
         self
     }
 }
@@ -237,6 +250,7 @@ impl Broker {
             max_models_per_user: config.max_models_per_user,
             max_guarantee_total: config.max_guarantee_total,
             max_guarantee_per_user: config.max_guarantee_per_user,
+            max_bytes_per_user: config.max_bytes_per_user.unwrap_or(config.global_limit / 2),
         };
         let shared = Arc::new(Shared {
             backend: Arc::new(Counting::new(backend)),
@@ -932,6 +946,10 @@ impl Shared {
             let next = {
                 let mut book = self.book.lock();
                 if let Err(e) = book.own_model(conn, model) {
+                    return Err(book_error(e));
+                }
+                if let Err(e) = book.check_user_bytes(model, size) {
+                    book.counters.refusals += 1;
                     return Err(book_error(e));
                 }
                 if let Some((cid, chunk)) = book.hand_over(model, size) {

@@ -3,9 +3,14 @@
 //! A socket's folder must be private to the listener's user: it is made so when missing (0700,
 //! or 0710 with the group that may connect), and an existing one is refused when another user
 //! owns it, others could write or reach it, or it is a symbolic link, with the path, owner and
-//! mode in the error ([`Error::InsecurePath`]). Everything after that check works through the
+//! mode in the error ([`Error::InsecurePath`]). The folder is reached one component at a time
+//! from the root, each opened relative to its parent without following a symbolic link, and a
+//! folder above it that others may write is refused unless it is sticky (see [`walk`]): no
+//! other user can swap a parent to make the broker chmod or chown a folder it did not make.
+//! Everything after that check works through the
 //! folder's descriptor (opened without following a link), so the folder checked is the folder
-//! used: the lock file beside the socket is opened with `O_NOFOLLOW` and must be a regular file
+//! used: the socket's path is checked first, then the lock file beside the socket
+//! (`<socket's name>.lock`) is opened with `O_NOFOLLOW` and must be a regular file
 //! of ours (then it is rewritten, never anyone else's file), and only a stale socket of ours is
 //! removed from the socket's path; any other file there is refused and left as it was.
 
@@ -13,7 +18,6 @@ use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{Read, Seek, Write};
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
@@ -54,6 +58,89 @@ fn kind_of(st: &rustix::fs::Stat) -> &'static str {
     }
 }
 
+/// Open (making what is missing, 0700) the folder `dir_path` one component at a time from
+/// the root (or from the working folder for a relative path), each relative to its parent's
+/// descriptor with `O_NOFOLLOW | O_DIRECTORY`: no symbolic link is followed anywhere on the
+/// path, and a parent that others may write is refused unless it is sticky (there only the
+/// owner may rename or remove what is ours), so no other user can swap a folder under us.
+/// Returns the folder and whether this call made it (made with `mkdirat` in the parent held
+/// open: the name there cannot have been replaced since, so what is opened is what was made).
+fn walk(dir_path: &Path) -> Result<(OwnedFd, bool)> {
+    use std::path::Component;
+    // Folders on the way are opened `O_PATH` (search permission is enough, as for a path
+    // lookup); the socket's folder itself is opened for reading (to fchmod/fchown it).
+    let path_flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let open_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let start = if dir_path.is_absolute() { "/" } else { "." };
+    let mut here = PathBuf::from(start);
+    let parts: Vec<_> = dir_path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir | Component::CurDir))
+        .collect();
+    let last = parts.len().saturating_sub(1);
+    let first = if parts.is_empty() {
+        open_flags
+    } else {
+        path_flags
+    };
+    let mut dir = rustix::fs::open(start, first, Mode::empty())
+        .map_err(|e| io_error("open socket folder", &here, e))?;
+    let mut made = false;
+    for (i, part) in parts.into_iter().enumerate() {
+        let flags = if i == last { open_flags } else { path_flags };
+        let name = match part {
+            Component::RootDir | Component::CurDir => continue,
+            Component::Prefix(_) => return Err(insecure(dir_path, "a path prefix")),
+            Component::ParentDir => {
+                return Err(insecure(
+                    dir_path,
+                    "the socket's path must not contain `..`",
+                ))
+            }
+            Component::Normal(n) => n,
+        };
+        let st = rustix::fs::fstat(&dir).map_err(|e| io_error("stat", &here, e))?;
+        if st.st_mode & 0o002 != 0 && st.st_mode & 0o1000 == 0 {
+            return Err(insecure(
+                &here,
+                format!(
+                    "a folder above the socket's has mode {:04o} (owner uid {}): anyone may replace what is in it; use a path whose folders others cannot write (or that are sticky, like /tmp)",
+                    mode_of(&st),
+                    st.st_uid
+                ),
+            ));
+        }
+        here.push(name);
+        made = false;
+        let next = match rustix::fs::openat(&dir, name, flags, Mode::empty()) {
+            Err(Errno::NOENT) => {
+                match rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(0o700)) {
+                    Ok(()) => made = true,
+                    Err(Errno::EXIST) => {}
+                    Err(e) => return Err(io_error("create socket folder", &here, e)),
+                }
+                rustix::fs::openat(&dir, name, flags, Mode::empty())
+            }
+            other => other,
+        };
+        dir = match next {
+            Ok(d) => d,
+            Err(Errno::LOOP | Errno::NOTDIR) => {
+                let link = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink);
+                let what = if link {
+                    "the folder is a symbolic link (no link is followed on the socket's path)"
+                } else {
+                    "not a folder"
+                };
+                return Err(insecure(&here, what));
+            }
+            Err(e) => return Err(io_error("open socket folder", &here, e)),
+        };
+    }
+    Ok((dir, made))
+}
+
 /// A socket's folder, checked private, held open; and the socket's name in it.
 #[derive(Debug)]
 pub struct SocketDir {
@@ -66,7 +153,8 @@ impl SocketDir {
     /// Check (or make) the folder of `socket`. `group`: the group that may connect too (the
     /// folder is then 0710 with that group, so its members can reach the socket and nothing
     /// else); `None`: the folder is 0700. A missing folder (and missing folders above it) is
-    /// made so; an existing one must be a real folder (no symbolic link), owned by this
+    /// made so (no symbolic link is followed on the path; a folder above it others may write
+    /// must be sticky); an existing one must be a real folder, owned by this
     /// process's user, with no access for others and no write access for its group. A private
     /// folder of ours (no access for group or others) is given to `group` when one is asked.
     pub fn claim(socket: &Path, group: Option<u32>) -> Result<SocketDir> {
@@ -78,39 +166,7 @@ impl SocketDir {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        let made = match std::fs::symlink_metadata(&dir_path) {
-            Ok(_) => false,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&dir_path)
-                    .map_err(|e| io_error("create socket folder", &dir_path, e))?;
-                true
-            }
-            Err(e) => return Err(io_error("inspect socket folder", &dir_path, e)),
-        };
-        let dir = match rustix::fs::open(
-            &dir_path,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        ) {
-            Ok(d) => d,
-            Err(Errno::LOOP) => return Err(insecure(&dir_path, "the folder is a symbolic link")),
-            Err(Errno::NOTDIR) => {
-                let what = std::fs::symlink_metadata(&dir_path)
-                    .map(|m| {
-                        if m.file_type().is_symlink() {
-                            "the folder is a symbolic link"
-                        } else {
-                            "not a folder"
-                        }
-                    })
-                    .unwrap_or("not a folder");
-                return Err(insecure(&dir_path, what));
-            }
-            Err(e) => return Err(io_error("open socket folder", &dir_path, e)),
-        };
+        let (dir, made) = walk(&dir_path)?;
         let me = rustix::process::geteuid().as_raw();
         let st = rustix::fs::fstat(&dir).map_err(|e| io_error("stat", &dir_path, e))?;
         if st.st_uid != me {
@@ -127,7 +183,9 @@ impl SocketDir {
         let mode = mode_of(&st);
         let private = mode & 0o077 == 0;
         if made || (private && group.is_some()) {
-            // Ours and private (or just made): set exactly what is needed.
+            // Made by this call (see `walk`), or ours and private: set exactly what is needed.
+            // The socket is later bound by path through this folder; its parents cannot be
+            // swapped (checked in `walk`) and the folder itself is private and ours.
             if let Some(gid) = group {
                 rustix::fs::fchown(&dir, None, Some(rustix::process::Gid::from_raw(gid)))
                     .map_err(|e| io_error("chown socket folder", &dir_path, e))?;
@@ -169,12 +227,16 @@ impl SocketDir {
         self.dir_path.join(&self.name)
     }
 
-    /// Open and lock the lock file beside the socket (`<socket>` with extension `lock`) and
-    /// write this process's id in it. It is opened without following a symbolic link and must
-    /// be a regular file of this user with no other link; another process holding the lock is
-    /// an error naming the pid it wrote.
+    /// Open and lock the lock file beside the socket (`<socket's file name>.lock`, so it can
+    /// never be a neighbour such as `Cargo.lock` for a socket `Cargo.toml`) and write this
+    /// process's id in it. The socket's path is checked first (nothing, or a socket of this
+    /// user): a refused path creates and rewrites nothing. The lock file is opened without
+    /// following a symbolic link and must be a regular file of this user with no other link;
+    /// another process holding the lock is an error naming the pid it wrote.
     pub fn lock(&self) -> Result<File> {
-        let lock_name = Path::new(&self.name).with_extension("lock");
+        self.check_socket_path()?;
+        let mut lock_name = self.name.clone();
+        lock_name.push(".lock");
         let path = self.dir_path.join(&lock_name);
         let fd = match rustix::fs::openat(
             &self.dir,
@@ -238,10 +300,21 @@ impl SocketDir {
     /// listener (the caller holds the lock) is removed; anything else (a file, a link, another
     /// user's socket) is refused and left as it was.
     pub fn clear_stale_socket(&self) -> Result<()> {
+        if !self.check_socket_path()? {
+            return Ok(());
+        }
+        let path = self.socket_path();
+        rustix::fs::unlinkat(&self.dir, &self.name, AtFlags::empty())
+            .map_err(|e| io_error("remove stale socket", &path, e))
+    }
+
+    /// Whether a socket of ours sits at the socket's path (false: nothing there); anything
+    /// else there is refused, left as it was.
+    fn check_socket_path(&self) -> Result<bool> {
         let path = self.socket_path();
         let st = match rustix::fs::statat(&self.dir, &self.name, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
-            Err(Errno::NOENT) => return Ok(()),
+            Err(Errno::NOENT) => return Ok(false),
             Err(e) => return Err(io_error("stat", &path, e)),
         };
         let me = rustix::process::geteuid().as_raw();
@@ -257,8 +330,7 @@ impl SocketDir {
                 ),
             ));
         }
-        rustix::fs::unlinkat(&self.dir, &self.name, AtFlags::empty())
-            .map_err(|e| io_error("remove stale socket", &path, e))
+        Ok(true)
     }
 
     /// Set the socket's mode and group (after bind, in the folder already checked).
@@ -353,6 +425,109 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("not a folder"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A folder above the socket's swapped for a symbolic link (to a folder of ours that claim
+    /// did not make) while claim runs: claim must never chmod that folder. The old claim
+    /// resolved the path three times (stat, mkdir -p, open) and took what it opened for what
+    /// it made. Both a parent others may write (refused outright now) and a sticky one (no
+    /// link followed now) are tried, with the swap in a loop on another thread.
+    #[test]
+    fn a_swapped_ancestor_never_gets_its_target_chmodded() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        for parent_mode in [0o777, 0o1777] {
+            let base = scratch(&format!("swap{parent_mode:o}"));
+            // The victim: an existing folder of ours, 0755, that claim did not make.
+            let victim = base.join("victim/bin");
+            std::fs::create_dir_all(&victim).unwrap();
+            std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o755)).unwrap();
+            // A folder others may write: a real folder `a` and a link `l` to the victim's
+            // parent, exchanged in a loop.
+            let x = base.join("x");
+            std::fs::create_dir_all(x.join("a")).unwrap();
+            std::os::unix::fs::symlink(base.join("victim"), x.join("l")).unwrap();
+            std::fs::set_permissions(&x, std::fs::Permissions::from_mode(parent_mode)).unwrap();
+            let xdir = File::open(&x).unwrap();
+            let stop = Arc::new(AtomicBool::new(false));
+            let swapper = {
+                let stop = stop.clone();
+                let xdir = xdir.try_clone().unwrap();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let _ = rustix::fs::renameat_with(
+                            &xdir,
+                            "a",
+                            &xdir,
+                            "l",
+                            rustix::fs::RenameFlags::EXCHANGE,
+                        );
+                    }
+                })
+            };
+            let sock = x.join("a/bin/b.sock");
+            let end = Instant::now() + Duration::from_secs(2);
+            let (mut tries, mut clobbered) = (0u64, None);
+            while Instant::now() < end {
+                tries += 1;
+                // What a previous round made goes again (whichever name is the real folder).
+                for n in ["a", "l"] {
+                    if let Ok(d) = rustix::fs::openat(
+                        &xdir,
+                        n,
+                        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW,
+                        Mode::empty(),
+                    ) {
+                        let _ = rustix::fs::unlinkat(&d, "bin", AtFlags::REMOVEDIR);
+                    }
+                }
+                let _ = SocketDir::claim(&sock, None);
+                let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o7777;
+                if mode != 0o755 {
+                    clobbered = Some(mode);
+                    break;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            swapper.join().unwrap();
+            let _ = std::fs::remove_dir_all(&base);
+            assert!(
+                clobbered.is_none(),
+                "parent mode {parent_mode:04o}: after {tries} claims, {} (not made by claim) has mode {:04o}",
+                victim.display(),
+                clobbered.unwrap_or(0)
+            );
+        }
+    }
+
+    /// A socket path naming a neighbour's file (`--socket dir/Cargo.toml`) is refused before
+    /// anything is made: the old lock name (`with_extension("lock")`) truncated `Cargo.lock`.
+    #[test]
+    fn a_refused_socket_path_leaves_its_neighbours_alone() {
+        let d = scratch("neighbours");
+        std::fs::write(d.join("Cargo.toml"), "[package]\n").unwrap();
+        std::fs::write(d.join("Cargo.lock"), "version = 4\n# precious\n").unwrap();
+        let s = SocketDir::claim(&d.join("Cargo.toml"), None).unwrap();
+        let e = s.lock().unwrap_err().to_string();
+        assert!(
+            e.contains("a regular file") && e.contains("left as it was"),
+            "{e}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("Cargo.lock")).unwrap(),
+            "version = 4\n# precious\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("Cargo.toml")).unwrap(),
+            "[package]\n"
+        );
+        assert!(!d.join("Cargo.toml.lock").exists());
+        // A free path gets `<name>.lock`, never a neighbour's lock.
+        let s = SocketDir::claim(&d.join("b.sock"), None).unwrap();
+        drop(s.lock().unwrap());
+        assert!(d.join("b.sock.lock").exists() && !d.join("b.lock").exists());
         let _ = std::fs::remove_dir_all(&d);
     }
 }

@@ -46,12 +46,135 @@ pub const TESTS: &[(&str, fn())] = &[
         "security::a_second_user_acts_only_on_its_own_models",
         a_second_user_acts_only_on_its_own_models,
     ),
+    (
+        "security::a_reconnecting_user_cannot_stall_the_operators_hello",
+        a_reconnecting_user_cannot_stall_the_operators_hello,
+    ),
+    (
+        "security::a_group_user_cannot_take_and_strand_the_whole_budget",
+        a_group_user_cannot_take_and_strand_the_whole_budget,
+    ),
 ];
+
+/// A group user at its connection cap reconnects in a tight loop (each connection refused):
+/// the single accept/hello thread must still read the operator's hellos. Before the fix it
+/// looped in accept while the backlog refilled, and an operator's connect took seconds.
+fn a_reconnecting_user_cannot_stall_the_operators_hello() {
+    require_root();
+    let group = NOBODY.to_string();
+    let broker = BrokerProc::start("reconnect-hammer", 64 * MIB, &["--group", &group]);
+    let connect_worst = |label: &str, for_how_long: Duration| {
+        let (mut worst, mut n) = (Duration::ZERO, 0u32);
+        let end = Instant::now() + for_how_long;
+        while Instant::now() < end {
+            let t = Instant::now();
+            let c = BrokerClient::connect(&broker.socket, "operator").expect("operator connect");
+            worst = worst.max(t.elapsed());
+            drop(c);
+            n += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("  {label}: {n} operator connects, worst {worst:?}");
+        worst
+    };
+    connect_worst("calm", Duration::from_millis(500));
+    let hammer = common::spawn_as(
+        "foreign-reconnect-hammer",
+        &[
+            ("EVMM_SOCKET", broker.socket.display().to_string()),
+            ("EVMM_COUNT", "32".to_string()),
+            ("EVMM_SECS", "6".to_string()),
+        ],
+        NOBODY,
+        NOBODY,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let worst = connect_worst("hammered", Duration::from_secs(4));
+    let out = hammer.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    eprintln!("  hammer: {}", said.trim());
+    let connects: u64 = said
+        .trim()
+        .strip_prefix("connects ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(connects > 100, "the hammer barely ran: {said}");
+    assert!(
+        worst < Duration::from_secs(1),
+        "an operator connect took {worst:?} while user {NOBODY} reconnected {connects} times"
+    );
+}
+
+/// A user let in with `--group` (no guarantee) grows one model as far as it can, then drops
+/// its connection while its process lives (its model is orphaned, kept charged). Its bytes are
+/// capped (half the budget by default, orphaned models counted), so the operator's engine still
+/// gets memory. Before the fix it took all 64 MiB and the operator's engine was refused.
+fn a_group_user_cannot_take_and_strand_the_whole_budget() {
+    require_root();
+    let group = NOBODY.to_string();
+    let broker = BrokerProc::start("user-bytes", 64 * MIB, &["--group", &group]);
+    let mut foreign = Script::new(common::spawn_as(
+        "foreign-client",
+        &[("EVMM_SOCKET", broker.socket.display().to_string())],
+        NOBODY,
+        NOBODY,
+    ));
+    assert_eq!(foreign.ask("hello engine"), "welcome");
+    let reg = foreign.ask(&format!("register hog {} 0", 64 * MIB));
+    let model: u64 = reg
+        .strip_prefix("registered ")
+        .expect(&reg)
+        .parse()
+        .unwrap();
+    let (mut granted, mut refusal) = (0u64, None);
+    for _ in 0..32 {
+        let a = foreign.ask(&format!("grow {model} {}", 2 * MIB));
+        if a.starts_with("granted") {
+            granted += 1;
+        } else if refusal.is_none() {
+            refusal = Some(a);
+        }
+    }
+    let refusal = refusal.unwrap_or_default();
+    assert_eq!(
+        granted, 16,
+        "user {NOBODY} was granted {granted} x 2 MiB of 64 MiB"
+    );
+    assert!(
+        refusal.contains(&format!("{} allowed per user", 32 * MIB))
+            && refusal.contains(&format!("hold {} bytes", 32 * MIB)),
+        "{refusal}"
+    );
+    // The connection goes (a new hello replaces it); the process lives: the model is orphaned.
+    assert_eq!(foreign.ask("hello engine"), "welcome");
+    let ctl = broker.control();
+    wait_until("the model is orphaned", 5, || {
+        ctl.snapshot().unwrap().models.iter().any(|m| m.orphaned)
+    });
+    // Orphaned bytes still count: a new model of that user gets nothing more.
+    let reg = foreign.ask(&format!("register hog2 {} 0", 64 * MIB));
+    let model2: u64 = reg
+        .strip_prefix("registered ")
+        .expect(&reg)
+        .parse()
+        .unwrap();
+    let again = foreign.ask(&format!("grow {model2} {}", 2 * MIB));
+    assert!(again.contains("orphaned ones included"), "{again}");
+    let mut mine = Script::new(common::spawn_piped(
+        "engine-scripted",
+        &engine_vars(&broker.socket, "mine", 64 * MIB, 0, 0),
+    ));
+    let answer = mine.ask("try-alloc 8");
+    mine.finish();
+    foreign.finish();
+    assert_eq!(answer, "ok", "the operator's engine was refused 8 MiB");
+}
 
 pub fn role(name: &str) -> Option<fn()> {
     match name {
         "foreign-client" => Some(foreign_client),
         "foreign-flood" => Some(foreign_flood),
+        "foreign-reconnect-hammer" => Some(foreign_reconnect_hammer),
         "engine-hostile-reclaim" => Some(engine_hostile_reclaim),
         "foreign-engine-lib" => Some(foreign_engine_lib),
         _ => None,
@@ -189,15 +312,15 @@ fn socket_folder_cannot_be_taken_over() {
     let victim = tmp.join("victim.txt");
     std::fs::write(&victim, "precious").unwrap();
     // (What a broker that followed the folder's link left there.)
-    let _ = std::fs::remove_file(real.join("b.lock"));
+    let _ = std::fs::remove_file(real.join("b.sock.lock"));
     let _ = std::fs::remove_file(real.join("b.sock"));
-    std::os::unix::fs::symlink(&victim, real.join("b.lock")).unwrap();
+    std::os::unix::fs::symlink(&victim, real.join("b.sock.lock")).unwrap();
     let sock = real.join("b.sock");
     expect(
         &mut failures,
         "a lock file that is a symbolic link",
         broker_refuses(&["--socket", sock.to_str().unwrap()], &[]),
-        &["b.lock", "symbolic link"],
+        &["b.sock.lock", "symbolic link"],
     );
     let content = std::fs::read_to_string(&victim).unwrap();
     if content != "precious" {
@@ -205,7 +328,7 @@ fn socket_folder_cannot_be_taken_over() {
             "the file the lock link points at was overwritten: {content:?}"
         ));
     }
-    let _ = std::fs::remove_file(real.join("b.lock"));
+    let _ = std::fs::remove_file(real.join("b.sock.lock"));
     let _ = std::fs::remove_file(&sock);
     // 5. A file at the socket's path: refused, left as it was.
     let config = real.join("config.toml");
@@ -878,6 +1001,39 @@ fn foreign_engine_lib() {
 
 /// Opens `EVMM_COUNT` connections that each send one byte and never a hello; prints
 /// `flooded <connected> of <count>`; then, for each line `closed?`, how many the broker closed.
+/// A user at its connection cap (EVMM_COUNT connections held, each with one byte of a hello)
+/// that reconnects in a loop from four threads for EVMM_SECS seconds; prints how many connects
+/// it made.
+fn foreign_reconnect_hammer() {
+    let socket = common::var("EVMM_SOCKET");
+    let count: usize = common::var("EVMM_COUNT").parse().unwrap();
+    let secs: u64 = common::var("EVMM_SECS").parse().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..count {
+        if let Ok(mut s) = UnixStream::connect(&socket) {
+            let _ = s.write_all(&[1]);
+            held.push(s);
+        }
+    }
+    let end = Instant::now() + Duration::from_secs(secs);
+    let loops: Vec<_> = (0..4)
+        .map(|_| {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while Instant::now() < end {
+                    if UnixStream::connect(&socket).is_ok() {
+                        n += 1;
+                    }
+                }
+                n
+            })
+        })
+        .collect();
+    let n: u64 = loops.into_iter().map(|t| t.join().unwrap()).sum();
+    println!("connects {n}");
+}
+
 fn foreign_flood() {
     let socket = common::var("EVMM_SOCKET");
     let count: usize = common::var("EVMM_COUNT").parse().unwrap();

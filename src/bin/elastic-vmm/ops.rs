@@ -87,6 +87,11 @@ pub struct BrokerArgs {
     /// the budget for the broker's own user and root, none for the users of --group.
     #[arg(long, value_parser = parse_size)]
     pub max_guarantee_per_user: Option<u64>,
+    /// Most bytes the models of one user of --group may hold together, orphaned ones included
+    /// (bytes, or with K/M/G/T). Default: half the budget. The broker's own user and root are
+    /// bounded by the budget only.
+    #[arg(long, value_parser = parse_size)]
+    pub max_bytes_per_user: Option<u64>,
     /// How long a growth waits for other engines to give memory back, in ms.
     #[arg(long, default_value_t = 2000)]
     pub reclaim_wait_ms: u64,
@@ -143,6 +148,7 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
     config.group = args.group;
     config.max_guarantee_total = args.max_guarantee_total;
     config.max_guarantee_per_user = args.max_guarantee_per_user;
+    config.max_bytes_per_user = args.max_bytes_per_user;
     let broker = Broker::start(backend, config)?;
     if let Some(addr) = args.metrics_addr {
         let b = Arc::new(broker::BrokerClient::connect_control(&socket, "metrics")?);
