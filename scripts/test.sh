@@ -2,7 +2,8 @@
 # The project's test command (README, command 2); CI's .ci/run calls it on a clean clone.
 # On a fresh machine of this kind (Debian, 2 cores, no GPU) it installs what it needs by itself.
 #
-#   scripts/test.sh          format, lints, every host test, NIXL, every feature, the CLI
+#   scripts/test.sh          format, lints, docs, the crate as packaged, every host test, NIXL,
+#                            every feature (candle, NIXL), the CLI
 #
 # Everything is built and run in ONE cargo profile, `ci` (Cargo.toml): optimised like release,
 # with debug assertions and overflow checks on, so the tests catch broken invariants and
@@ -45,6 +46,11 @@ finish() {
   printf '  %6d.%01ds  total%s\n' $((ms / 1000)) $((ms % 1000 / 100)) "$([[ $rc -ne 0 ]] && echo ", FAILED (exit $rc)")"
 }
 trap finish EXIT
+# A value from the package's manifest (cargo metadata): m is the metadata, p our package.
+manifest() {
+  cargo metadata --no-deps --format-version 1 |
+    python3 -c "import json, sys; m = json.load(sys.stdin); p = m['packages'][0]; print($1)"
+}
 
 step "format"
 cargo fmt --all -- --check
@@ -54,6 +60,26 @@ cargo clippy --profile "$profile" --all-targets --features gpu-tests -- -D warni
 
 step "lint (the library alone, no default features: no clap, no tracing-subscriber)"
 cargo clippy --profile "$profile" --lib --no-default-features -- -D warnings
+
+step "docs, warnings and broken intra-doc links as errors (default features; the library alone)"
+# After the lints: the dependencies' metadata they checked is what rustdoc reads.
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps --lib --no-default-features
+
+step "the crate as published (cargo package): its default features and docs build from it alone"
+# What the package holds is Cargo.toml's `include`. Unpacked into the temporary folder and checked
+# in our target folder, it shares the lints' dependencies (cargo package's own verification would
+# build them all again, unoptimised).
+cargo package --no-verify --allow-dirty --quiet
+target_dir=$(manifest 'm["target_directory"]')
+version=$(manifest 'p["version"]')
+# -m: the files get the time of unpacking, not the package's fixed one (long past: cargo
+# would take an earlier check of changed sources as fresh).
+tar -xzmf "$target_dir/package/elastic-vmm-$version.crate" -C "$tmp"
+packaged="$tmp/elastic-vmm-$version"
+cargo check --profile "$profile" --manifest-path "$packaged/Cargo.toml" --target-dir "$target_dir"
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps \
+  --manifest-path "$packaged/Cargo.toml" --target-dir "$target_dir"
 
 step "tests on the host backend (real memfd memory), debug assertions and overflow checks on"
 # The broker's process tests drive `elastic-vmm top` in a real terminal: tmux.
@@ -107,6 +133,11 @@ fi
 # A missing library fails these tests instead of skipping them.
 LD_LIBRARY_PATH="$nixl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ELASTIC_VMM_REQUIRE_NIXL=1 \
   cargo test --profile "$profile" --features nixl --test nixl -- --nocapture
+
+step "docs as docs.rs builds them (the features in Cargo.toml's docs.rs metadata), warnings as errors"
+# Here, where libclang (for nixl-sys) is installed.
+docs_rs_features=$(manifest '",".join(p["metadata"]["docs"]["rs"]["features"])')
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps --features "$docs_rs_features"
 
 step "every feature (candle with its CUDA backend, NIXL): build and lint, no GPU needed; committed PTX up to date"
 # The CUDA 13 compiler comes from PyPI wheels (../shared/tools/cuda13-toolchain.sh, ~130 MB once,
