@@ -12,11 +12,12 @@
 #    13.0 driver API, feature cuda-13000).
 # 2. Otherwise (a machine with no toolkit, e.g. building on a CPU box for a GPU box) the CUDA 13.0
 #    compiler, headers and libraries come from NVIDIA's PyPI wheels, downloaded once with pip and
-#    unpacked into ${XDG_CACHE_HOME:-~/.cache}/elastic-vmm/cuda-13.0 (about 130 MB with
-#    --compile-only; linking adds cuBLAS, cuRAND and NVRTC, about 550 MB more). To link, the
-#    wheels lack libcuda, which the driver provides: a link-only stub is made, lib/stubs/libcuda.so
-#    (SONAME libcuda.so.1, every function returns CUDA_ERROR_STUB_LIBRARY). Never ship it or put
-#    it on LD_LIBRARY_PATH on the GPU machine: there the driver's libcuda.so.1 must load.
+#    unpacked into ${XDG_CACHE_HOME:-~/.cache}/elastic-vmm/cuda-13.0: about 100 MB to download
+#    (0.3 GB unpacked) with --compile-only; linking adds cuBLAS, cuRAND and NVRTC, about 550 MB
+#    more (1.3 GB in all). To link, the wheels lack libcuda, which the driver provides: a
+#    link-only stub is made, lib/stubs/libcuda.so (SONAME libcuda.so.1, every function returns
+#    CUDA_ERROR_STUB_LIBRARY). Never ship it or put it on LD_LIBRARY_PATH on the GPU machine:
+#    there the driver's libcuda.so.1 must load.
 #
 # CUDA_COMPUTE_CAP (the GPU candle's kernels are compiled for) is left alone when set or when
 # nvidia-smi can name this machine's GPU; otherwise it is set to 90 (H100, H200).
@@ -73,8 +74,8 @@ if [[ -n "$root" ]]; then
   exit 0
 fi
 
-# 2. CUDA 13.0 from PyPI wheels. The versions are those of CUDA 13.0 Update 1 (nvcc V13.0.88),
-# which made the committed PTX (scripts/gen-ptx.sh).
+# 2. CUDA 13.0 from PyPI wheels: nvcc V13.0.88 (which made the committed PTX, scripts/gen-ptx.sh)
+# and the libraries of the same release.
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/elastic-vmm/cuda-13.0"
 compile=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
   nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Regenerate the PTX of the crate's CUDA kernels (src/backend/kernels/*.cu -> *.ptx), which is
 # committed and embedded with include_str!, so that building the crate needs no CUDA compiler.
-# The committed PTX is what nvcc V13.0.88 (CUDA 13.0 Update 1) makes of the source; its header
+# The committed PTX is what nvcc V13.0.88 makes of the source; its header
 # names that compiler, and another nvcc writes other bytes. So this script uses that nvcc: the one
 # on PATH when it is that version, else the one scripts/cuda-toolchain.sh fetches from PyPI wheels
-# (about 130 MB, once).
+# (about 100 MB, once).
 #
 #   scripts/gen-ptx.sh            rewrite the committed PTX
 #   scripts/gen-ptx.sh --check    regenerate into a temporary folder and fail if it differs
