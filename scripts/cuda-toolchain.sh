@@ -20,7 +20,8 @@
 #    there the driver's libcuda.so.1 must load.
 #
 # CUDA_COMPUTE_CAP (the GPU candle's kernels are compiled for) is left alone when set or when
-# nvidia-smi can name this machine's GPU; otherwise it is set to 90 (H100, H200).
+# nvidia-smi can name this machine's GPU; otherwise it is set to 90 (H100, H200). CUDAFORGE_THREADS
+# (how many nvcc candle-kernels runs at once) is set to the number of cores unless set.
 set -euo pipefail
 
 compile_only=0
@@ -41,11 +42,13 @@ for arg in "$@"; do
 done
 say() { printf 'cuda-toolchain: %s\n' "$*" >&2; }
 
-compute_cap_line() {
+build_lines() {
   if [[ -z "${CUDA_COMPUTE_CAP:-}" ]] &&
     ! nvidia-smi --query-gpu=compute_cap --format=csv,noheader >/dev/null 2>&1; then
     echo 'export CUDA_COMPUTE_CAP=90'
   fi
+  # candle-kernels' build tool (cudaforge) runs nvcc on half the cores unless told otherwise.
+  [[ -n "${CUDAFORGE_THREADS:-}" ]] || echo "export CUDAFORGE_THREADS=$(nproc)"
 }
 
 # 1. An installed toolkit.
@@ -70,7 +73,7 @@ if [[ -n "$root" ]]; then
   say "using the installed CUDA toolkit in $root (nvcc $release)"
   printf 'export CUDA_ROOT=%q\n' "$root"
   printf 'export PATH=%q:"$PATH"\n' "$root/bin"
-  compute_cap_line
+  build_lines
   exit 0
 fi
 
@@ -158,4 +161,4 @@ fi
 say "using CUDA 13.0 from PyPI wheels in $root"
 printf 'export CUDA_ROOT=%q\n' "$root"
 printf 'export PATH=%q:"$PATH"\n' "$root/bin"
-compute_cap_line
+build_lines
