@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Regenerate the PTX of the crate's CUDA kernels (src/backend/kernels/*.cu -> *.ptx), which is
 # committed and embedded with include_str!, so that building the crate needs no CUDA compiler.
-# Needs nvcc 13.0: eval "$(../shared/tools/cuda13-toolchain.sh)" first (CUDA13_LINK=0 is enough).
+# The committed PTX is what nvcc V13.0.88 makes of the source; its header
+# names that compiler, and another nvcc writes other bytes. So this script uses that nvcc: the one
+# on PATH when it is that version, else the one scripts/cuda-toolchain.sh fetches from PyPI wheels
+# (about 100 MB, once).
 #
 #   scripts/gen-ptx.sh            rewrite the committed PTX
 #   scripts/gen-ptx.sh --check    regenerate into a temporary folder and fail if it differs
@@ -12,8 +15,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 check=0
 [[ "${1:-}" == "--check" ]] && check=1
-command -v nvcc >/dev/null || {
-  echo "gen-ptx: nvcc not found (eval \"\$(../shared/tools/cuda13-toolchain.sh)\" first)" >&2
+want=V13.0.88
+have() { nvcc --version 2>/dev/null | sed -n 's/.*release .*, \(V[0-9.]*\).*/\1/p'; }
+[[ "$(have)" == "$want" ]] || eval "$(scripts/cuda-toolchain.sh --wheels --compile-only)"
+[[ "$(have)" == "$want" ]] || {
+  echo "gen-ptx: need nvcc $want, the one on PATH is $(have)" >&2
   exit 1
 }
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-vmm-ptx.XXXXXX")

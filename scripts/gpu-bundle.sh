@@ -3,7 +3,9 @@
 # example in release mode, strip them and pack them into .carry/bundle.tar.xz for the GPU
 # machine (which has no Rust); with nixl, also the NIXL runtime (.carry/nixl-runtime.tar.xz).
 # Usage: scripts/gpu-bundle.sh [extra features, e.g. candle-example,nixl]
-# With candle, set up the CUDA toolchain first: eval "$(../shared/tools/cuda13-toolchain.sh)".
+# It installs what each feature needs to build: with candle or candle-example, a CUDA toolchain
+# (scripts/cuda-toolchain.sh: the installed toolkit if there is one, else CUDA 13.0 from PyPI
+# wheels); with nixl, libclang and the NIXL runtime (scripts/nixl-runtime.sh).
 #
 # On the GPU machine (carry .carry/bundle.tar.xz and .carry/nixl-runtime.tar.xz):
 #   tar -xJf .carry/bundle.tar.xz -C /tmp && tar -xJf .carry/nixl-runtime.tar.xz -C /tmp
@@ -14,14 +16,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 features="gpu-tests${1:+,$1}"
+has() { [[ ",$features," == *",$1,"* ]]; }
+if has candle || has candle-example; then
+  eval "$(scripts/cuda-toolchain.sh)"
+fi
+if has nixl; then
+  # nixl-sys's build script needs libclang; the runtime travels beside the bundle.
+  if [[ -e .carry/nixl-runtime.tar.xz ]]; then scripts/nixl-runtime.sh; else scripts/nixl-runtime.sh --pack; fi >/dev/null
+fi
 out=.carry/bundle
 rm -rf "$out" && mkdir -p "$out"
 json=$(mktemp)
 cargo build --release --features "$features" --test gpu --test processes --bench gpu --bins --message-format=json-render-diagnostics >"$json"
-if [[ ",$features," == *",candle,"* || ",$features," == *",candle-example,"* ]]; then
+if has candle || has candle-example; then
   cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
 fi
-if [[ ",$features," == *",candle-example,"* ]]; then
+if has candle-example; then
   cargo build --release --features "$features" --example routed_llama --message-format=json-render-diagnostics >>"$json"
 fi
 python3 - "$json" "$out" <<'PY'
@@ -43,7 +53,4 @@ strip "$out"/*
 cp ../shared/tools/torch_probe.py "$out/" 2>/dev/null || true
 tar -C .carry -cJf .carry/bundle.tar.xz bundle
 rm -rf "$out" # only the archives travel
-if [[ ",$features," == *",nixl,"* && ! -e .carry/nixl-runtime.tar.xz ]]; then
-  scripts/nixl-runtime.sh --pack >/dev/null
-fi
 ls -la .carry/

@@ -2,7 +2,8 @@
 # The project's test command (README, command 2); CI's .ci/run calls it on a clean clone.
 # On a fresh machine of this kind (Debian, 2 cores, no GPU) it installs what it needs by itself.
 #
-#   scripts/test.sh          format, lints, every host test, NIXL, every feature, the CLI
+#   scripts/test.sh          format, lints, docs, the crate as packaged, every host test, NIXL,
+#                            every feature (candle, NIXL), the CLI
 #
 # Everything is built and run in ONE cargo profile, `ci` (Cargo.toml): optimised like release,
 # with debug assertions and overflow checks on, so the tests catch broken invariants and
@@ -45,6 +46,11 @@ finish() {
   printf '  %6d.%01ds  total%s\n' $((ms / 1000)) $((ms % 1000 / 100)) "$([[ $rc -ne 0 ]] && echo ", FAILED (exit $rc)")"
 }
 trap finish EXIT
+# A value from the package's manifest (cargo metadata): m is the metadata, p our package.
+manifest() {
+  cargo metadata --no-deps --format-version 1 |
+    python3 -c "import json, sys; m = json.load(sys.stdin); p = m['packages'][0]; print($1)"
+}
 
 step "format"
 cargo fmt --all -- --check
@@ -54,6 +60,26 @@ cargo clippy --profile "$profile" --all-targets --features gpu-tests -- -D warni
 
 step "lint (the library alone, no default features: no clap, no tracing-subscriber)"
 cargo clippy --profile "$profile" --lib --no-default-features -- -D warnings
+
+step "docs, warnings and broken intra-doc links as errors (default features; the library alone)"
+# After the lints: the dependencies' metadata they checked is what rustdoc reads.
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps --lib --no-default-features
+
+step "the crate as published (cargo package): its default features and docs build from it alone"
+# What the package holds is Cargo.toml's `include`. Unpacked into the temporary folder and checked
+# in our target folder, it shares the lints' dependencies (cargo package's own verification would
+# build them all again, unoptimised).
+cargo package --no-verify --allow-dirty --quiet
+target_dir=$(manifest 'm["target_directory"]')
+version=$(manifest 'p["version"]')
+# -m: the files get the time of unpacking, not the package's fixed one (long past: cargo
+# would take an earlier check of changed sources as fresh).
+tar -xzmf "$target_dir/package/elastic-vmm-$version.crate" -C "$tmp"
+packaged="$tmp/elastic-vmm-$version"
+cargo check --profile "$profile" --manifest-path "$packaged/Cargo.toml" --target-dir "$target_dir"
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps \
+  --manifest-path "$packaged/Cargo.toml" --target-dir "$target_dir"
 
 step "tests on the host backend (real memfd memory), debug assertions and overflow checks on"
 # The broker's process tests drive `elastic-vmm top` in a real terminal: tmux.
@@ -108,17 +134,33 @@ fi
 LD_LIBRARY_PATH="$nixl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ELASTIC_VMM_REQUIRE_NIXL=1 \
   cargo test --profile "$profile" --features nixl --test nixl -- --nocapture
 
-step "every feature (candle with its CUDA backend, NIXL): build and lint, no GPU needed; committed PTX up to date"
-# The CUDA 13 compiler comes from PyPI wheels (../shared/tools/cuda13-toolchain.sh, ~130 MB once,
-# cached in ~/.cache/cuda13-wheels); candle's kernels take ~5 minutes to compile on 2 cores.
-command -v unzip >/dev/null || {
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends unzip
-}
+step "docs as docs.rs builds them (the features in Cargo.toml's docs.rs metadata), warnings as errors"
+# Here, where libclang (for nixl-sys) is installed.
+docs_rs_features=$(manifest '",".join(p["metadata"]["docs"]["rs"]["features"])')
+RUSTDOCFLAGS="-D warnings" cargo doc --profile "$profile" --no-deps --features "$docs_rs_features"
+
+step "every feature (candle with its CUDA backend, NIXL): lint, docs, examples; committed PTX up to date"
 (
-  eval "$(CUDA13_LINK=0 ../shared/tools/cuda13-toolchain.sh)"
-  # The committed PTX of our kernels (src/backend/kernels) is what this nvcc makes of the source.
+  # A CUDA compiler: the installed toolkit, else CUDA 13.0 from PyPI wheels (~100 MB once, cached).
+  eval "$(scripts/cuda-toolchain.sh --compile-only)"
+  # The committed PTX of our kernels (src/backend/kernels) is what nvcc 13.0.88 makes of the
+  # source (the script fetches that nvcc if the one here is another).
   scripts/gen-ptx.sh --check
-  cargo clippy --profile "$profile" --all-targets --features gpu-tests,candle-example,nixl -- -D warnings
+  # candle-kernels' build script compiles candle's CUDA kernels (11 PTX files, and a static
+  # library of 15 MoE and GGUF kernels) even for a lint, which only needs them to exist. At -O3
+  # for sm_90a that took 406 s of CPU on this 2-core machine; in nvcc's fast-compile mode
+  # (-Ofc=max, nvcc 12.8 and later, appended through NVCC_APPEND_FLAGS) 112 s, every kernel still
+  # compiled by the real nvcc. A profile setting only this step uses gives candle-kernels'
+  # build-script output a folder of its own, so no other build in this profile can pick up
+  # kernels compiled for a lint. The examples that need candle (elastic_kv_cache, routed_llama)
+  # are among the targets clippy checks; hotloop, which needs no feature, is built by the tests.
+  lint=(--profile "$profile" --features gpu-tests,candle-example,nixl
+    --config "profile.$profile.package.candle-kernels.opt-level=0")
+  if [[ "$(nvcc --help)" == *--Ofast-compile* ]]; then
+    export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }-Ofc=max"
+  fi
+  cargo clippy "${lint[@]}" --all-targets -- -D warnings
+  RUSTDOCFLAGS="-D warnings" cargo doc "${lint[@]}" --no-deps
 )
 
 end_step

@@ -1,5 +1,5 @@
 //! Prometheus metrics of the broker (prometheus-client, text exposition): bytes per model and
-//! state, refusals, driver calls, grant latency. Served over the socket ([`super::Request::Metrics`],
+//! state, refusals, driver calls, grant latency. Served over the socket ([`super::protocol::Request::Metrics`],
 //! `elastic-vmm ctl metrics`) and, when asked, on a localhost TCP port.
 
 use std::io::{Read, Write};
