@@ -149,6 +149,16 @@ pub fn run() -> Result<(), BoxError> {
     let ctl = BrokerClient::connect_control(&socket, "bench")?;
     ctl.request(elastic_vmm::broker::protocol::Request::Trim)?;
     let f_after = cuda.memory_info()?.free;
+    let end = broker.snapshot();
+    println!(
+        "  broker after the trim: used {}, idle {}, models {:?}",
+        crate::human(end.global_used),
+        crate::human(end.idle),
+        end.models
+            .iter()
+            .map(|m| (m.name.as_str(), crate::human(m.used), m.orphaned))
+            .collect::<Vec<_>>()
+    );
     println!(
         "  B killed holding 40 GiB: noticed in {:.2} ms, {recovered} chunks taken back, device free memory {} before its map, {} after (audit {:?})",
         noticed.as_secs_f64() * 1e3,
