@@ -103,6 +103,7 @@ macro_rules! sleep_suite {
             reserving_staging_does_not_block,
             trim_during_undone_wake,
             failed_sleep_rollback_keeps_lost_chunks_asleep,
+            failed_wake_rollback_keeps_addresses_owned,
         );
     };
 }

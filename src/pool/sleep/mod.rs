@@ -236,10 +236,12 @@ pub(crate) struct Slot {
     pub(crate) kept: Option<Kept>,
 }
 
-/// A chunk that a failed sleep unmapped and could not map back with access. It holds the
-/// contents and stays the pool's (charged, counted in flight): the pool stays asleep over it
-/// (so nothing reads or writes through its addresses) and a wake maps it again instead of
-/// obtaining new memory; teardown releases it.
+/// A chunk an asleep slot keeps: one that a failed sleep unmapped and could not map back with
+/// access (it holds the contents; the slot has no host copy), or one that a failed wake mapped
+/// and could not unmap (the contents are in the slot's host copy, if any). It stays the pool's
+/// (charged, counted in flight) and the pool asleep over it, so nothing reads or writes
+/// through its addresses; a wake maps it again instead of obtaining new memory (copying the
+/// host copy back as for any slot); teardown releases it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Kept {
     pub(crate) chunk: PhysicalChunk,

@@ -745,9 +745,9 @@ impl Inner {
     }
 
     /// Undo a wake half way: unmap what it mapped, give every chunk back, stay asleep with the
-    /// host copies. A chunk whose unmap fails is kept out of use (stuck), as everywhere. Kept
-    /// chunks of `slots` (see [`Kept`]) stay in their slots whatever happened to them: they
-    /// hold the contents.
+    /// host copies. A chunk whose unmap fails stays in its slot as [`Kept`] (mapped, out of
+    /// every use: the pool is asleep over it), and kept chunks of `slots` stay in their slots
+    /// whatever happened to them (those of a failed sleep hold the contents).
     fn undo_wake(
         &self,
         placed: Vec<Placed>,
@@ -768,18 +768,13 @@ impl Inner {
         unplaced.retain(|c| !kept.contains(c));
         let mut all_stuck: Vec<Placed> = stuck.to_vec();
         all_stuck.extend(u.kept);
-        let (kept_mapped, all_stuck): (Vec<Placed>, Vec<Placed>) =
-            all_stuck.into_iter().partition(|(_, c)| kept.contains(c));
-        {
+        if !all_stuck.is_empty() {
+            // Not `stuck` (which trim releases, returning the range to the free space): these
+            // lie under allocations and ranges that sleep, so they stay in their slots.
+            tracing::error!(pool = %self.name, chunks = all_stuck.len(), "undoing a wake left chunks mapped; each stays in its slot, kept out of use, and the next wake unmaps it first");
             let mut st = self.state.lock();
-            for &(o, _) in &kept_mapped {
-                set_kept_mapped(&mut st, o, true);
-            }
-            if !all_stuck.is_empty() {
-                tracing::error!(pool = %self.name, chunks = all_stuck.len(), "undoing a wake left chunks mapped; they are kept out of use");
-                st.put_stuck(&all_stuck);
-                self.in_flight
-                    .fetch_sub(bytes_of(all_stuck.iter().map(|(_, c)| c)), Ordering::AcqRel);
+            for p in all_stuck {
+                keep_in_slot(&mut st, p);
             }
         }
         let _ = self.release_chunks(unplaced);
@@ -854,6 +849,48 @@ impl Inner {
         drop(old);
         Ok(bytes)
     }
+}
+
+/// Keep a chunk that a wake mapped at `offset` and could not unmap again in the slot it lies
+/// in, as [`Kept`] and mapped: the slot is split around it (its host copy, if any, goes with
+/// each part). It stays in flight, as it was.
+fn keep_in_slot(st: &mut State, (offset, chunk): Placed) {
+    let slots = &mut st.sleep.slots;
+    let Some(i) = slots
+        .iter()
+        .position(|s| s.offset <= offset && offset < s.offset + s.size)
+    else {
+        tracing::error!(
+            offset,
+            "a chunk a wake could not unmap lies in no asleep slot"
+        );
+        return;
+    };
+    let s = slots[i];
+    if let Some(k) = slots[i].kept.as_mut().filter(|k| k.chunk == chunk) {
+        k.mapped = true;
+        return;
+    }
+    let part = |from: u64, to: u64, kept: Option<Kept>| Slot {
+        offset: from,
+        size: to - from,
+        host: s.host.map(|h| h + (from - s.offset)),
+        kept,
+    };
+    let (end, slot_end) = (offset + chunk.size as u64, s.offset + s.size);
+    let mut parts = Vec::with_capacity(3);
+    if s.offset < offset {
+        parts.push(part(s.offset, offset, None));
+    }
+    let mapped = Kept {
+        chunk,
+        mapped: true,
+    };
+    parts.push(part(offset, end, Some(mapped)));
+    if end < slot_end {
+        parts.push(part(end, slot_end, None));
+    }
+    slots.splice(i..=i, parts);
 }
 
 /// Record whether the kept chunk of the slot at `offset` is still mapped there.
