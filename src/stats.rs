@@ -127,7 +127,10 @@ pub struct PoolStats {
     pub mapped_chunks: u64,
     /// Physical chunks in the cache.
     pub cached_chunks: u64,
-    /// Driver calls made, by kind.
+    /// Driver calls made, by kind. Creates and releases count the chunks made and given back
+    /// (a failed one is not counted: it changed nothing), so for a pool that neither received
+    /// nor handed over chunks (shared-pool donation, p2p hand-off), creates minus releases is
+    /// the chunks it holds. Other kinds count every call, failed ones included.
     pub driver_calls: DriverCalls,
     /// Bytes of address space whose physical memory sleeps ([`crate::Pool::sleep`]); not
     /// counted in `mapped`.

@@ -1,6 +1,8 @@
 //! The mapper: the only code of the pool that calls the backend, and the one rollback routine.
 //!
-//! Every driver call is counted (the pool's [`crate::stats::DriverCalls`]) and traced here. Map
+//! Every driver call is counted (the pool's [`crate::stats::DriverCalls`]) and traced here;
+//! creates and releases count the chunks made and given back (a failed one changes nothing, so
+//! creates minus releases is always the chunks the pool holds, however a batch fails). Map
 //! and unmap work on *placed* chunks (`(offset, chunk)`), one driver call per chunk, and report
 //! exactly which chunks ended up where, so that no caller ever has to guess whether a chunk is
 //! still mapped after a failure:
@@ -60,37 +62,45 @@ impl Inner {
         self.base + offset
     }
 
-    /// `count` chunks of `size` bytes, all or none.
+    /// `count` chunks of `size` bytes, all or none. Counted as the chunks made: a batch that
+    /// fails made none (what the backend made of it before the failure it released again).
     pub(super) fn call_create_many(
         &self,
         size: u64,
         count: usize,
         need: crate::backend::Need,
     ) -> Result<Vec<PhysicalChunk>> {
-        self.drivers.bump_by(DriverCall::Create, count as u64);
         tracing::trace!(pool = %self.name, size, count, "create many");
-        self.backend.create_many(size as usize, count, need)
+        let made = self.backend.create_many(size as usize, count, need)?;
+        self.drivers.bump_by(DriverCall::Create, made.len() as u64);
+        Ok(made)
     }
 
-    /// One result per chunk, in order.
+    /// One result per chunk, in order. Counted as the chunks released (a failed release
+    /// leaves the chunk the pool's).
     ///
     /// # Safety
     /// Every chunk is this pool's, mapped nowhere, and nothing refers to it any more.
     pub(super) unsafe fn call_release_many(&self, chunks: &[PhysicalChunk]) -> Vec<Result<()>> {
-        self.drivers
-            .bump_by(DriverCall::Release, chunks.len() as u64);
         tracing::trace!(pool = %self.name, chunks = chunks.len(), "release many");
         // SAFETY: forwarded from the caller.
-        unsafe { self.backend.release_many(chunks) }
+        let results = unsafe { self.backend.release_many(chunks) };
+        let released = results.iter().take(chunks.len()).filter(|r| r.is_ok());
+        self.drivers
+            .bump_by(DriverCall::Release, released.count() as u64);
+        results
     }
 
+    /// Counted if it released the chunk.
+    ///
     /// # Safety
     /// `chunk` is this pool's, mapped nowhere, and nothing refers to it any more.
     pub(super) unsafe fn call_release(&self, chunk: PhysicalChunk) -> Result<()> {
-        self.drivers.bump(DriverCall::Release);
         tracing::trace!(pool = %self.name, size = chunk.size, "release");
         // SAFETY: forwarded from the caller.
-        unsafe { self.backend.release(chunk) }
+        unsafe { self.backend.release(chunk) }?;
+        self.drivers.bump(DriverCall::Release);
+        Ok(())
     }
 
     /// # Safety

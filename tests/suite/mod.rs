@@ -24,6 +24,7 @@ macro_rules! pool_suite {
             range_api,
             bad_input_is_refused_cleanly,
             failures_roll_back,
+            driver_counts_match_chunks_held,
             pool_drop_reports_and_releases,
             region_takes_space_from_idle_memory,
         );
@@ -598,6 +599,53 @@ pub fn bad_input_is_refused_cleanly(backend: Arc<dyn Backend>) {
         Pool::new(backend.clone(), PoolConfig::new(GIB as usize).alignment(3)),
         Err(Error::InvalidArgument(_))
     ));
+}
+
+/// The pool's driver-call counts follow the chunks it holds whatever fails (issue 22, defect
+/// 12): creates minus releases is the chunks mapped and cached, after a batch create that
+/// fails at its k-th chunk and after a release that fails.
+pub fn driver_counts_match_chunks_held(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity;
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let fb: Arc<dyn Backend> = faults.clone();
+    let p = pool(&fb, PoolConfig::new(1 << 30).max_chunk(g));
+    let held = |what: &str| {
+        let s = p.stats();
+        let (made, gone) = (
+            s.driver_calls.get(DriverCall::Create),
+            s.driver_calls.get(DriverCall::Release),
+        );
+        assert_eq!(
+            made.checked_sub(gone),
+            Some(s.mapped_chunks + s.cached_chunks),
+            "{what}: {made} creates, {gone} releases, but {} chunks mapped and {} cached",
+            s.mapped_chunks,
+            s.cached_chunks
+        );
+    };
+    let keep = p.allocate(g).expect("allocate");
+    held("one chunk");
+    // One growth of 8 chunks of one granule: one batch of 8.
+    for k in [1, 3, 8] {
+        faults.fail_nth(DriverCall::Create, k);
+        let e = p.allocate(8 * g).expect_err("the batch fails");
+        faults.clear();
+        held(&format!("a batch of 8 failing at chunk {k} ({e})"));
+    }
+    let more = p.allocate(8 * g).expect("allocate");
+    held("a batch of 8");
+    drop(more);
+    drop(keep);
+    faults.fail_nth(DriverCall::Release, 2);
+    p.trim().expect_err("the second release fails");
+    faults.clear();
+    held("a failed release");
+    assert!(p.stats().cached_chunks > 0, "the chunk stays cached");
+    p.trim().expect("trim");
+    held("trimmed");
+    assert_eq!(p.stats().mapped_chunks + p.stats().cached_chunks, 0);
+    p.audit().expect("audit");
+    assert_backend_matches(&backend, &p);
 }
 
 /// A driver failure half way through a multi-chunk operation rolls back: nothing stays mapped,
