@@ -38,8 +38,10 @@ impl Inner {
 
     /// New physical memory for at least `bytes` (chunks fitting `fit`): admission first (which
     /// may hand over idle chunks of other models), then the backend for what was charged. The
-    /// chunks come back in flight. On failure nothing stays in flight: donated chunks go to the
-    /// cache, created ones back to the driver, uncreated charges are credited.
+    /// chunks come back in flight. On failure nothing stays in flight: created chunks go back
+    /// to the driver, uncreated charges are credited, and donated chunks go to the cache when
+    /// the driver failed, back to the driver when admission refused (a refused request keeps
+    /// nothing it was handed: its budget is everyone's again).
     pub(super) fn obtain(&self, bytes: u64, urgency: Urgency, fit: Fit) -> Result<Obtained> {
         if bytes == 0 {
             return Ok(Obtained::default());
@@ -55,7 +57,7 @@ impl Inner {
                 // against the limit too: give them back and ask once more for what is missing.
                 let have = bytes_of(&donated);
                 if let Err(release) = self.release_cached(0) {
-                    self.stash(donated);
+                    let _ = self.release_chunks(donated);
                     return Err(release);
                 }
                 // What was handed over already takes room: the rest must fit what is left.
@@ -68,13 +70,13 @@ impl Inner {
                 match again.charged {
                     Ok(n) => n,
                     Err(_) => {
-                        self.stash(donated);
+                        let _ = self.release_chunks(donated);
                         return Err(e);
                     }
                 }
             }
             Err(e) => {
-                self.stash(donated);
+                let _ = self.release_chunks(donated);
                 return Err(e);
             }
         };

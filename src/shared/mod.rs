@@ -890,7 +890,10 @@ impl SharedInner {
 
     /// Admission for one growth of model `key`, counted in its pool's `in_flight`. When the
     /// global budget is full, idle memory of other models makes room: first handed over as
-    /// whole chunks that fit (no release, no create), then released.
+    /// whole chunks that fit (no release, no create), then released. A request that cannot fit
+    /// even with all of it takes none of it (handed over to a request refused anyway, it would
+    /// stay charged to the refused model, out of everyone's reach); one that loses a race for
+    /// it comes back refused with what it was handed, which the pool releases.
     fn acquire(
         &self,
         key: u64,
@@ -923,10 +926,20 @@ impl SharedInner {
             if urgency == Urgency::LookAhead || attempt == 2 {
                 break;
             }
+            let donors = self.donors(Some(key));
+            if donors.iter().map(|(n, _)| *n).sum::<u64>() < short {
+                tracing::debug!(
+                    model = key,
+                    short,
+                    "other models' spare memory cannot make room"
+                );
+                break;
+            }
             if attempt == 0 {
                 let room = fit.room.saturating_sub(bytes - left);
                 // Only what the budget lacks moves: the rest is charged and created as usual.
-                let got = self.donate_to(key, short.min(left), fit.max_chunk, room, in_flight);
+                let want = short.min(left);
+                let got = self.donate_to(key, &donors, want, fit.max_chunk, room, in_flight);
                 let n: u64 = got.iter().map(|c| c.size() as u64).sum();
                 donated.extend(got);
                 if n >= left {
@@ -940,7 +953,7 @@ impl SharedInner {
                     continue;
                 }
             }
-            if self.reclaim_for(Some(key), short) == 0 {
+            if self.reclaim_from(&donors, short) == 0 {
                 break;
             }
         }
@@ -999,6 +1012,7 @@ impl SharedInner {
     fn donate_to(
         &self,
         key: u64,
+        donors: &[(u64, ModelRef)],
         want: u64,
         max_chunk: u64,
         room: u64,
@@ -1006,7 +1020,7 @@ impl SharedInner {
     ) -> Vec<PhysicalChunk> {
         let mut out = Vec::new();
         let mut got = 0;
-        for (spare, donor) in self.donors(Some(key)) {
+        for &(spare, ref donor) in donors {
             if got >= want || got >= room {
                 break;
             }
@@ -1050,8 +1064,17 @@ impl SharedInner {
     /// Reclaim up to `want` bytes of memory other models hold but do not use, above their
     /// guarantees, lowest priority first. Returns the bytes released.
     fn reclaim_for(&self, for_key: Option<u64>, want: u64) -> u64 {
+        let donors = self.donors(for_key);
+        let got = self.reclaim_from(&donors, want);
+        // The references are dropped with no lock held.
+        drop(donors);
+        got
+    }
+
+    /// [`SharedInner::reclaim_for`] from donors measured already.
+    fn reclaim_from(&self, donors: &[(u64, ModelRef)], want: u64) -> u64 {
         let mut got = 0;
-        for (spare, donor) in self.donors(for_key) {
+        for &(spare, ref donor) in donors {
             if got >= want {
                 break;
             }

@@ -44,6 +44,7 @@ macro_rules! shared_suite {
             live_limit_changes,
             unregister_credits_everything,
             hand_over_moves_chunks,
+            refused_growth_takes_nothing,
         );
     };
 }

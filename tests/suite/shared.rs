@@ -571,3 +571,74 @@ pub fn hand_over_moves_chunks(backend: Arc<dyn Backend>) {
     s.audit().expect("audit after range hand-over");
     c.unmap(64 * g, 16 * g).expect("unmap");
 }
+
+/// A growth that cannot fit takes nothing (issue 22, defect 10). With 7/8 of the budget held,
+/// two models loop on requests that can never fit while a third allocates and frees a small
+/// block: the third is never refused (the free eighth is its to use), and the refused models
+/// hold no charge afterwards (they took no other model's idle memory on the way to a refusal).
+pub fn refused_growth_takes_nothing(backend: Arc<dyn Backend>) {
+    const ROUNDS: u64 = 3000;
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 64 * g);
+    let model = |id: &str| {
+        s.register(ModelConfig::new(id, (128 * g) as usize, 64 * g))
+            .expect("register")
+    };
+    let big = model("big");
+    let held = big.allocate((56 * g) as usize).expect("7/8 of the budget");
+    let doomed = [model("b"), model("c")];
+    let small = model("small");
+    let stop = AtomicBool::new(false);
+    let outcome = std::thread::scope(|sc| {
+        for m in &doomed {
+            let stop = &stop;
+            sc.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match m.allocate((16 * g) as usize) {
+                        Ok(_) => panic!("{} got 16 granules with 8 free", m.id()),
+                        Err(Error::AdmissionRefused { .. }) => {}
+                        Err(e) => panic!("{}: {e}", m.id()),
+                    }
+                }
+            });
+        }
+        let small = &small;
+        let stop = &stop;
+        sc.spawn(move || {
+            let mut result = Ok(());
+            for round in 0..ROUNDS {
+                match small.allocate((g / 2) as usize) {
+                    // Idle for a while: the window in which a doomed request finds it idle.
+                    Ok(a) => {
+                        drop(a);
+                        std::thread::sleep(std::time::Duration::from_micros(20));
+                    }
+                    Err(e) => {
+                        result = Err(format!("refused in round {round}: {e}"));
+                        break;
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            result
+        })
+        .join()
+        .expect("small model's thread")
+    });
+    let stats = s.stats();
+    if let Err(e) = outcome {
+        panic!("the small model was {e} ({stats:?})");
+    }
+    for m in &doomed {
+        let used = used(&s, m.id());
+        assert_eq!(
+            used,
+            0,
+            "model {} was refused every time, yet holds a charge of {used} bytes ({:?})",
+            m.id(),
+            m.model_stats()
+        );
+    }
+    s.audit().expect("audit");
+    drop(held);
+}
