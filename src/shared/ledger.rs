@@ -63,6 +63,10 @@ pub(crate) struct Ledger {
     /// Sum of every model's unused guarantee, kept up to date on each change.
     unused_guarantees: u64,
     pub(crate) models: BTreeMap<u64, ModelBook>,
+    /// Caps held below models' limits while a lower limit is being reached, as `(ticket, cap)`
+    /// by model (see [`Ledger::hold_cap`]): a model's cap is its limit or the lowest hold.
+    holds: BTreeMap<u64, Vec<(u64, u64)>>,
+    next_hold: u64,
 }
 
 impl Ledger {
@@ -73,6 +77,8 @@ impl Ledger {
             leaked: 0,
             unused_guarantees: 0,
             models: BTreeMap::new(),
+            holds: BTreeMap::new(),
+            next_hold: 0,
         }
     }
 
@@ -112,6 +118,7 @@ impl Ledger {
     /// Drop a model's line. Memory still charged to it (its release failed at teardown)
     /// still exists: it stays counted as leaked.
     pub(crate) fn remove(&mut self, key: u64) {
+        self.holds.remove(&key);
         if let Some(m) = self.models.remove(&key) {
             self.unused_guarantees -= m.unused_guarantee();
             if m.used > 0 {
@@ -216,11 +223,41 @@ impl Ledger {
         self.update(key, |m| m.cap = cap);
     }
 
+    /// Set a model's limit; its cap becomes the limit, or the lowest cap still held.
     pub(crate) fn set_limit(&mut self, key: u64, limit: u64) {
-        self.update(key, |m| {
-            m.limit = limit;
-            m.cap = limit;
-        });
+        self.update(key, |m| m.limit = limit);
+        self.settle_cap(key);
+    }
+
+    /// Hold model `key`'s growth at or below `cap` until [`Ledger::release_cap`] of the ticket
+    /// returned: other holds and limit changes meanwhile never lift it, and releasing it never
+    /// lifts theirs (so concurrent limit changes cannot restore a stale cap over each other).
+    pub(crate) fn hold_cap(&mut self, key: u64, cap: u64) -> u64 {
+        self.next_hold += 1;
+        let ticket = self.next_hold;
+        self.holds.entry(key).or_default().push((ticket, cap));
+        self.settle_cap(key);
+        ticket
+    }
+
+    /// End the hold `ticket` on model `key`'s cap.
+    pub(crate) fn release_cap(&mut self, key: u64, ticket: u64) {
+        if let Some(h) = self.holds.get_mut(&key) {
+            h.retain(|&(t, _)| t != ticket);
+            if h.is_empty() {
+                self.holds.remove(&key);
+            }
+        }
+        self.settle_cap(key);
+    }
+
+    /// A model's cap from its limit and the caps held.
+    fn settle_cap(&mut self, key: u64) {
+        let held = self
+            .holds
+            .get(&key)
+            .and_then(|h| h.iter().map(|&(_, c)| c).min());
+        self.update(key, |m| m.cap = held.map_or(m.limit, |c| c.min(m.limit)));
     }
 
     /// Set a guarantee if it fits; else return the largest guarantee that would fit now.
@@ -347,6 +384,18 @@ mod tests {
         l.try_charge(1, 10).unwrap();
         assert_eq!(l.try_set_guarantee(1, 2000), Err(1000));
         l.try_set_guarantee(1, 50).unwrap();
+        // Holds stack: releasing one never lifts another, nor does a new limit.
+        let first = l.hold_cap(1, 40);
+        let second = l.hold_cap(1, 30);
+        assert_eq!(l.models[&1].cap, 30);
+        l.release_cap(1, first);
+        assert_eq!(l.models[&1].cap, 30);
+        l.set_limit(1, 45);
+        assert_eq!(l.models[&1].cap, 30);
+        l.release_cap(1, second);
+        assert_eq!(l.models[&1].cap, 45);
+        l.set_limit(1, 50);
+        assert_eq!(l.models[&1].cap, 50);
         l.retire(1);
         assert_eq!(l.try_charge(1, 1), Err(Refusal::Retired));
         assert_eq!(l.unused_guarantees(), 0);

@@ -170,9 +170,42 @@ pub(crate) struct ModelParts<'a> {
 }
 
 /// One device's physical memory shared by several models. Cheap to clone.
+///
+/// The shared pools made by [`SharedPool::new`] and their clones own the registry of models:
+/// when the last of them is dropped, the registry lets go of every model still registered (and
+/// of its reclaim callback). Such a model lives on while a [`ModelHandle`] of it does, under the
+/// same budget, but no longer listed. The shared pool a handle reaches ([`ModelHandle::shared`])
+/// does not keep the registry, so a reclaim callback that holds its own model's handle is no
+/// `Arc` cycle.
 #[derive(Clone, Debug)]
 pub struct SharedPool {
     inner: Arc<SharedInner>,
+    /// Held for its drop (the registry's end); `None` in the shared pool of a [`ModelHandle`].
+    _owner: Option<Arc<Owner>>,
+}
+
+/// What the owning [`SharedPool`]s share: its drop empties the registry.
+#[derive(Debug)]
+struct Owner {
+    inner: Weak<SharedInner>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let Some(s) = self.inner.upgrade() else {
+            return;
+        };
+        let models = std::mem::take(&mut *s.models.lock());
+        if !models.is_empty() {
+            tracing::debug!(
+                models = models.len(),
+                "shared pool dropped; its registry lets go of its models"
+            );
+        }
+        // With no lock held: a model's last pool handle closes its pool (driver calls, credits).
+        drop(models);
+        drop(s);
+    }
 }
 
 struct SharedInner {
@@ -192,7 +225,7 @@ impl fmt::Debug for SharedInner {
 }
 
 /// A registered model in the registry. The registry's `Pool` handle keeps the model open until
-/// it is unregistered.
+/// it is unregistered or the last owning [`SharedPool`] is dropped.
 #[derive(Clone)]
 struct ModelSlot {
     key: u64,
@@ -236,7 +269,9 @@ impl ModelHandle {
         &self.pool
     }
 
-    /// The shared pool it belongs to.
+    /// The shared pool it belongs to. This one does not keep the registry of models (see
+    /// [`SharedPool`]): a model handle, even one held by the model's own reclaim callback,
+    /// never keeps the registry, and with it the callback, alive.
     pub fn shared(&self) -> &SharedPool {
         &self.shared
     }
@@ -423,14 +458,27 @@ impl SharedPool {
             });
         }
         tracing::info!(backend = backend.info().name, limit, "shared pool");
+        let inner = Arc::new(SharedInner {
+            backend,
+            ledger: Mutex::new(Ledger::new(limit)),
+            models: Mutex::new(BTreeMap::new()),
+            next_key: AtomicU64::new(1),
+        });
+        let owner = Arc::new(Owner {
+            inner: Arc::downgrade(&inner),
+        });
         Ok(SharedPool {
-            inner: Arc::new(SharedInner {
-                backend,
-                ledger: Mutex::new(Ledger::new(limit)),
-                models: Mutex::new(BTreeMap::new()),
-                next_key: AtomicU64::new(1),
-            }),
+            inner,
+            _owner: Some(owner),
         })
+    }
+
+    /// This shared pool, not owning the registry: what a [`ModelHandle`] holds.
+    fn unowned(&self) -> SharedPool {
+        SharedPool {
+            inner: self.inner.clone(),
+            _owner: None,
+        }
     }
 
     /// The backend every model maps from.
@@ -531,7 +579,7 @@ impl SharedPool {
             pool,
             id: id.as_str().into(),
             key,
-            shared: self.clone(),
+            shared: self.unowned(),
         })
     }
 
@@ -553,7 +601,7 @@ impl SharedPool {
             pool: slot.pool,
             id: id.into(),
             key: slot.key,
-            shared: self.clone(),
+            shared: self.unowned(),
         })
     }
 
@@ -601,11 +649,12 @@ impl SharedPool {
     /// Change a model's limit. Raising takes effect at once. Lowering below what the model uses
     /// gives back its cached and idle memory, then calls its reclaim callback and gives back what
     /// that freed; if the model still uses more than `limit`, the old limit stays and the error
-    /// says how far it got.
+    /// says how far it got. Growth is held below `limit` meanwhile; concurrent changes each
+    /// hold their own cap, and a failed one lifts only its own (never one set since).
     pub fn set_limit(&self, id: &str, limit: u64) -> Result<ChangeReport> {
         let slot = self.slot(id)?;
         let key = slot.key;
-        let used = {
+        let (used, hold) = {
             let mut l = self.inner.ledger.lock();
             let m = &l.models[&key];
             if limit < m.guarantee {
@@ -628,8 +677,7 @@ impl SharedPool {
                 });
             }
             // Hold growth below the new limit while memory is reclaimed.
-            l.set_cap(key, limit);
-            used
+            (used, l.hold_cap(key, limit))
         };
         let mut report = ChangeReport::default();
         // Freed blocks routing keeps for reuse go back to the pool first, where they are idle.
@@ -659,6 +707,7 @@ impl SharedPool {
             }
         }
         let mut l = self.inner.ledger.lock();
+        l.release_cap(key, hold);
         let reclaimed = report.reclaimed_idle + report.reclaimed_by_callback;
         l.note_reclaimed(key, reclaimed);
         let (used, old_limit) = (l.models[&key].used, l.models[&key].limit);
@@ -669,7 +718,6 @@ impl SharedPool {
             tracing::info!(model = %id, limit, reclaimed, "limit lowered");
             return result.map(|()| report);
         }
-        l.set_cap(key, old_limit);
         drop(l);
         tracing::warn!(model = %id, limit, used, reclaimed, "limit could not be lowered");
         result?;

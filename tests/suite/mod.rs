@@ -45,6 +45,8 @@ macro_rules! shared_suite {
             unregister_credits_everything,
             hand_over_moves_chunks,
             refused_growth_takes_nothing,
+            failed_limit_change_keeps_concurrent_cap,
+            reclaim_callback_holding_its_handle_is_released,
         );
     };
 }

@@ -642,3 +642,110 @@ pub fn refused_growth_takes_nothing(backend: Arc<dyn Backend>) {
     s.audit().expect("audit");
     drop(held);
 }
+
+/// Two limit changes at once (issue 22, defect 13): a lowering that fails lifts only its own
+/// cap, never one a concurrent change holds. `x` lowers the limit to 24 granules and `y` to 16
+/// while the model uses 32 that its callback cannot free; `x` fails first: the model must stay
+/// held below 16 while `y` is still reclaiming.
+pub fn failed_limit_change_keeps_concurrent_cap(backend: Arc<dyn Backend>) {
+    use std::sync::mpsc;
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 128 * g);
+    let (entered_tx, entered) = mpsc::channel::<u64>();
+    // One gate per change, told apart by what each asks the callback to free.
+    let (go_x, gate_x) = mpsc::channel::<()>();
+    let (go_y, gate_y) = mpsc::channel::<()>();
+    let gates = [(8 * g, Mutex::new(gate_x)), (16 * g, Mutex::new(gate_y))];
+    let m = s
+        .register(
+            ModelConfig::new("m", (256 * g) as usize, 64 * g)
+                .pool_config(exact(0))
+                // Frees nothing: waits to be let go, so both changes are under way at once.
+                .on_reclaim(move |bytes| {
+                    entered_tx.send(bytes).expect("entered");
+                    let (_, gate) = gates
+                        .iter()
+                        .find(|(b, _)| *b == bytes)
+                        .expect("asked for 8 or 16 granules");
+                    // Bounded: a failing test must not leave a change waiting for ever.
+                    let _ = gate.lock().recv_timeout(std::time::Duration::from_secs(10));
+                }),
+        )
+        .expect("m");
+    let busy = m.allocate((32 * g) as usize).expect("32 granules in use");
+    let wait = |what: &str| {
+        entered
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{what}: the reclaim callback was not called: {e}"))
+    };
+    std::thread::scope(|sc| {
+        let x = sc.spawn(|| s.set_limit("m", 24 * g));
+        assert_eq!(wait("x"), 8 * g);
+        let y = sc.spawn(|| s.set_limit("m", 16 * g));
+        assert_eq!(wait("y"), 16 * g);
+        go_x.send(()).expect("let x go");
+        let e = x
+            .join()
+            .expect("x")
+            .expect_err("x cannot reach 24 granules");
+        assert!(matches!(e, Error::ChangeNotReached { .. }), "{e}");
+        // `y` still holds the model below 16 granules: no growth at all is admitted.
+        let while_y = m.check_admission(g);
+        // Let `y` go before asserting: a failure must not leave it waiting.
+        go_y.send(()).expect("let y go");
+        y.join()
+            .expect("y")
+            .expect_err("y cannot reach 16 granules");
+        assert!(
+            while_y.is_err(),
+            "after x failed, a growth was admitted while y held the cap at 16 granules (x put back a stale cap over y's)"
+        );
+    });
+    // Both failed: the limit stays and growth is admitted again.
+    m.check_admission(g).expect("after both failed");
+    assert_eq!(m.model_stats().expect("stats").limit, 64 * g);
+    drop(busy);
+    s.audit().expect("audit");
+}
+
+/// A reclaim callback that holds its own model's handle is no `Arc` cycle (issue 22, defect 13):
+/// the callback, and the handle in it, are released when the model is unregistered, and when
+/// the shared pool is dropped without unregistering; then every byte goes back to the driver.
+pub fn reclaim_callback_holding_its_handle_is_released(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    for unregister in [true, false] {
+        let s = shared(&backend, 64 * g);
+        let marker = Arc::new(());
+        let held = Arc::downgrade(&marker);
+        let own: Arc<Mutex<Option<ModelHandle>>> = Arc::new(Mutex::new(None));
+        let cb_own = own.clone();
+        let m = s
+            .register(
+                ModelConfig::new("m", (64 * g) as usize, 32 * g).on_reclaim(move |_| {
+                    let _keep = &marker;
+                    if let Some(m) = cb_own.lock().as_ref() {
+                        let _ = m.trim();
+                    }
+                }),
+            )
+            .expect("m");
+        *own.lock() = Some(m.clone());
+        drop(own);
+        // Idle memory, which only the pool's close gives back.
+        drop(m.allocate((4 * g) as usize).expect("allocate"));
+        if unregister {
+            s.unregister("m").expect("unregister");
+        }
+        drop(m);
+        drop(s);
+        assert!(
+            held.upgrade().is_none(),
+            "unregister {unregister}: the reclaim callback (and the handle it holds) is still alive"
+        );
+        assert_eq!(
+            backend.physical_bytes().expect("physical"),
+            0,
+            "unregister {unregister}: the model's memory was never given back"
+        );
+    }
+}
