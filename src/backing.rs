@@ -55,6 +55,7 @@ use crate::backend::MemoryKind;
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
 use crate::pool::{ChunkFate, ChunkSpan, Pool, Region, SleepWatcher};
+use crate::tag::Tag;
 
 /// Where each block's bytes lie inside a region.
 pub trait BlockGeometry: Send + Sync {
@@ -451,16 +452,28 @@ impl<G: BlockGeometry + 'static> BlockBacking<G> {
     }
 
     /// As [`BlockBacking::new`] over a region of `pool` reserved for it, covering the blocks in
-    /// whole pages.
+    /// whole pages. Its memory is tagged [`Tag::Kv`] (a KV cache's blocks; sleep policies and
+    /// stats go by it): see [`BlockBacking::reserve_tagged`] for other contents.
     pub fn reserve(
         pool: &Pool,
         geometry: G,
         page_size: Option<u64>,
         hook: Option<Arc<dyn MappingHook>>,
     ) -> Result<Self> {
+        Self::reserve_tagged(pool, geometry, page_size, hook, Tag::Kv)
+    }
+
+    /// As [`BlockBacking::reserve`], with the [`Tag`] every page of the backing carries.
+    pub fn reserve_tagged(
+        pool: &Pool,
+        geometry: G,
+        page_size: Option<u64>,
+        hook: Option<Arc<dyn MappingHook>>,
+        tag: Tag,
+    ) -> Result<Self> {
         let g = pool.granularity();
         let (_, need) = page_layout(g, page_size, geometry.extent()?)?;
-        let region = pool.reserve_region(need.max(g))?;
+        let region = pool.reserve_region_tagged(need.max(g), tag)?;
         Self::new(region, geometry, page_size, hook)
     }
 }
@@ -1739,5 +1752,23 @@ mod tests {
             }
             assert_eq!(b.stats().pinned_blocks, 0, "the pin went with its thread");
         }
+    }
+
+    /// Adopted memory carries the backing's tag like memory it maps itself (issue 22, defect
+    /// 3): a sleep that discards `Kv` discards both.
+    #[test]
+    fn adopted_pages_carry_the_tag() {
+        let b = backing(2, None);
+        let pool = b.pool().clone();
+        b.ensure_backed([1]).expect("back block 1");
+        let chunk = pool.backend().create(4096).expect("a chunk to adopt");
+        b.adopt(&[0], vec![(0, chunk)]).expect("adopt block 0");
+        let policy = crate::SleepPolicy::offload_all().tag(Tag::Kv, crate::SleepAction::Discard);
+        let r = pool.sleep(&policy).expect("sleep");
+        let by_tag = pool.sleep_stats().asleep_by_tag;
+        assert_eq!(by_tag, vec![(Tag::Kv, 8192)], "{r:?}");
+        assert_eq!((r.offloaded, r.discarded), (0, 8192), "{r:?}");
+        pool.wake(crate::AfterWake::KeepHostMemory).expect("wake");
+        pool.audit().expect("audit");
     }
 }

@@ -28,6 +28,7 @@ use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker
 use super::{candle_error, element_size, TensorPool};
 use crate::backing::{BackingChange, BackingStats, BlockBacking, UniformBlocks};
 use crate::error::{Error, Result};
+use crate::tag::Tag;
 
 /// Views are pruned on creation once they exceed twice the survivors of the last prune plus
 /// this many.
@@ -233,11 +234,24 @@ impl ElasticKv {
     /// A tensor `[max_blocks, ...block_shape]` of `dtype` in `tensors`' pool: the address space
     /// of all blocks is reserved, nothing is backed yet. `block_shape` needs at least one
     /// dimension (the first is the one [`ElasticKv::write`] indexes, tokens in a KV block).
+    /// Its memory is tagged [`Tag::Kv`] (sleep policies and stats go by it); see
+    /// [`ElasticKv::new_tagged`].
     pub fn new(
         tensors: &TensorPool,
         max_blocks: usize,
         block_shape: &[usize],
         dtype: DType,
+    ) -> Result<ElasticKv> {
+        Self::new_tagged(tensors, max_blocks, block_shape, dtype, Tag::Kv)
+    }
+
+    /// As [`ElasticKv::new`], with the [`Tag`] its memory carries.
+    pub fn new_tagged(
+        tensors: &TensorPool,
+        max_blocks: usize,
+        block_shape: &[usize],
+        dtype: DType,
+        tag: Tag,
     ) -> Result<ElasticKv> {
         let elem = element_size(dtype)?;
         if max_blocks == 0 || max_blocks > u32::MAX as usize {
@@ -263,7 +277,7 @@ impl ElasticKv {
         let total = block_bytes
             .checked_mul(max_blocks as u64)
             .ok_or_else(overflow)?;
-        let region = tensors.pool().reserve_region(total)?;
+        let region = tensors.pool().reserve_region_tagged(total, tag)?;
         let addr = region.addr();
         let backing = BlockBacking::new(
             region,

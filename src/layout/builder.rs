@@ -29,6 +29,7 @@ use crate::backend::MemoryKind;
 use crate::backing::{BlockBacking, MappingHook};
 use crate::error::{round_up, Error, Result};
 use crate::pool::Pool;
+use crate::tag::Tag;
 
 /// Builder state: no config yet.
 #[derive(Debug, Default)]
@@ -42,13 +43,17 @@ pub struct NoMemory;
 
 /// Builder memory: one allocation of a pool.
 #[derive(Debug)]
-pub struct PoolAllocation<'a>(&'a Pool);
+pub struct PoolAllocation<'a> {
+    pool: &'a Pool,
+    tag: Tag,
+}
 
 /// Builder memory: a region of a pool, mapped in full in chunks of up to `chunk` bytes.
 #[derive(Debug)]
 pub struct PoolRegion<'a> {
     pool: &'a Pool,
     chunk: Option<u64>,
+    tag: Tag,
 }
 
 /// Builder memory: ranges the caller supplies, one per layout region.
@@ -60,6 +65,7 @@ pub struct ElasticRegion<'a> {
     pool: &'a Pool,
     page_size: Option<u64>,
     hook: Option<Arc<dyn MappingHook>>,
+    tag: Tag,
 }
 
 /// The typed layout builder; see the module documentation.
@@ -120,21 +126,27 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
     }
 
     /// Place the layout in one allocation of `pool` (regions carved out of it at 512-byte
-    /// aligned offsets). Its memory may share physical chunks with other allocations.
+    /// aligned offsets). Its memory may share physical chunks with other allocations. Tagged
+    /// [`Tag::Kv`] unless [`LayoutBuilder::tag`] says otherwise.
     pub fn allocate(
         self,
         pool: &Pool,
     ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
-        self.with(PoolAllocation(pool))
+        self.with(PoolAllocation { pool, tag: Tag::Kv })
     }
 
     /// Place the layout in a region of `pool` of its own, mapped in full (see
-    /// [`LayoutBuilder::chunk_size`]): its chunks hold nothing else.
+    /// [`LayoutBuilder::chunk_size`]): its chunks hold nothing else. Tagged [`Tag::Kv`] unless
+    /// [`LayoutBuilder::tag`] says otherwise.
     pub fn map_region(
         self,
         pool: &Pool,
     ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'_>> {
-        self.with(PoolRegion { pool, chunk: None })
+        self.with(PoolRegion {
+            pool,
+            chunk: None,
+            tag: Tag::Kv,
+        })
     }
 
     /// Place the layout in memory the caller owns: one range per layout region (1 for fully
@@ -155,7 +167,8 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
     }
 
     /// Lay the layout out over a region of `pool` with no physical memory yet: blocks are
-    /// backed with [`ElasticLayout::ensure_backed`].
+    /// backed with [`ElasticLayout::ensure_backed`]. Tagged [`Tag::Kv`] unless
+    /// [`LayoutBuilder::tag`] says otherwise.
     pub fn elastic(
         self,
         pool: &Pool,
@@ -164,6 +177,7 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
             pool,
             page_size: None,
             hook: None,
+            tag: Tag::Kv,
         })
     }
 }
@@ -195,16 +209,24 @@ fn extent_usize(geometry: &LayoutGeometry, pad: u64) -> Result<usize> {
 }
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
+    /// What the layout's memory holds, for sleep policies and stats (default [`Tag::Kv`]).
+    pub fn tag(mut self, tag: Tag) -> Self {
+        self.memory.tag = tag;
+        self
+    }
+
     /// Validate, allocate and carve.
     pub fn build(self) -> Result<Layout> {
         let geometry = self.geometry()?;
-        let pool = self.memory.0;
-        let mut alloc = pool.allocate_named(extent_usize(&geometry, 0)?, "kv-layout")?;
+        let PoolAllocation { pool, tag } = self.memory;
+        let name = "kv-layout";
+        let bytes = extent_usize(&geometry, 0)?;
+        let mut alloc = pool.allocate_named_tagged(bytes, name, tag.clone())?;
         if alloc.addr() % REGION_ALIGNMENT != 0 {
             // A pool configured with a smaller alignment: ask for room to align the start.
             drop(alloc);
-            alloc =
-                pool.allocate_named(extent_usize(&geometry, REGION_ALIGNMENT - 1)?, "kv-layout")?;
+            let bytes = extent_usize(&geometry, REGION_ALIGNMENT - 1)?;
+            alloc = pool.allocate_named_tagged(bytes, name, tag)?;
         }
         let start = alloc.addr().next_multiple_of(REGION_ALIGNMENT);
         let views = carved(geometry, start, pool);
@@ -221,6 +243,12 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
 }
 
 impl<'a> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'a>> {
+    /// What the layout's memory holds, for sleep policies and stats (default [`Tag::Kv`]).
+    pub fn tag(mut self, tag: Tag) -> Self {
+        self.memory.tag = tag;
+        self
+    }
+
     /// Physical chunks of up to `bytes` (a multiple of the granularity) for
     /// [`LayoutBuilder::map_region`]; default: the pool's largest chunk, 1 GiB. Each chunk is
     /// one NIXL registration.
@@ -241,7 +269,7 @@ impl<'a> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'a>> {
                 pool.granularity(),
             )?,
         };
-        let region = pool.reserve_region(geometry.extent())?;
+        let region = pool.reserve_region_tagged(geometry.extent(), self.memory.tag)?;
         // A failed map leaves nothing mapped; dropping the region returns its address space.
         region.map_chunked(0, region.len(), chunk)?;
         let views = carved(geometry, region.addr(), pool);
@@ -307,6 +335,12 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
 }
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
+    /// What the layout's memory holds, for sleep policies and stats (default [`Tag::Kv`]).
+    pub fn tag(mut self, tag: Tag) -> Self {
+        self.memory.tag = tag;
+        self
+    }
+
     /// Map in pages of `bytes` (a multiple of the granularity; default: the granularity).
     /// Each page is whole physical chunks of its own (one NIXL registration per chunk), so it
     /// can be unmapped alone; the range reserved covers the layout in whole pages.
@@ -329,9 +363,10 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
             pool,
             page_size,
             hook,
+            tag,
         } = self.memory;
         // Whole pages: the last page may reach past the layout's last byte.
-        let backing = BlockBacking::reserve(pool, geometry, page_size, hook)?;
+        let backing = BlockBacking::reserve_tagged(pool, geometry, page_size, hook, tag)?;
         let views = carved(geometry, backing.addr(), pool);
         tracing::debug!(kind = %geometry.kind(), addr = backing.addr(), bytes = backing.len(), page = backing.page_size(), "elastic layout reserved");
         Ok(ElasticLayout::new(views, backing))
@@ -344,6 +379,7 @@ impl std::fmt::Debug for ElasticRegion<'_> {
             .field("pool", &self.pool.name())
             .field("page_size", &self.page_size)
             .field("hook", &self.hook.is_some())
+            .field("tag", &self.tag)
             .finish()
     }
 }

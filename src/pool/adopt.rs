@@ -11,6 +11,7 @@ use super::sources::KeepFailed;
 use super::{Inner, Region};
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
+use crate::tag::Tag;
 
 impl Inner {
     /// Put chunks just unmapped (in flight) where `fate` says.
@@ -28,13 +29,15 @@ impl Inner {
 
     /// Map `chunks` (this backend's, imported from another process, mapped nowhere) back to
     /// back from `offset` of `space`, charged to admission like created memory (no donation:
-    /// the memory exists already). From then on the pool owns them. On failure nothing stays
-    /// mapped or charged here and every chunk is released (this process lets go of it).
+    /// the memory exists already), the range tagged `tag` like any range mapping. From then on
+    /// the pool owns them. On failure nothing stays mapped or charged here and every chunk is
+    /// released (this process lets go of it).
     pub(crate) fn adopt_range(
         &self,
         offset: u64,
         chunks: Vec<PhysicalChunk>,
         space: Space,
+        tag: Tag,
     ) -> Result<()> {
         let len = bytes_of(&chunks);
         let release_all = |chunks: &[PhysicalChunk]| {
@@ -126,6 +129,7 @@ impl Inner {
         st.in_transit -= len;
         st.growing -= 1;
         st.ranges.insert(offset, end);
+        st.range_tags.insert(offset, end, tag);
         st.note_peaks();
         drop(st);
         tracing::debug!(pool = %self.name, offset, len, chunks = chunks.len(), "imported chunks adopted");
@@ -135,12 +139,18 @@ impl Inner {
 
 impl Region {
     /// Map `chunks` (imported, mapped nowhere) back to back from `at`, which must be unmapped;
-    /// see [`Inner::adopt_range`]. The chunks are consumed either way.
+    /// see [`Inner::adopt_range`]. They carry the region's tag. The chunks are consumed either
+    /// way.
     pub(crate) fn adopt(&self, at: u64, chunks: Vec<PhysicalChunk>) -> Result<()> {
         let len = bytes_of(&chunks);
         let inner = self.pool().inner();
         match at.checked_add(len).filter(|&e| e <= self.len()) {
-            Some(_) => inner.adopt_range(self.offset() + at, chunks, Space::Region),
+            Some(_) => inner.adopt_range(
+                self.offset() + at,
+                chunks,
+                Space::Region,
+                self.tag().clone(),
+            ),
             None => {
                 for c in chunks {
                     // SAFETY: the caller's chunks, mapped nowhere.

@@ -108,6 +108,7 @@ macro_rules! sleep_suite {
             trim_during_undone_wake,
             failed_sleep_rollback_keeps_lost_chunks_asleep,
             failed_wake_rollback_keeps_addresses_owned,
+            kv_structures_are_discarded_by_tag,
         );
     };
 }

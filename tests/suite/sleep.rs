@@ -453,6 +453,72 @@ pub fn failed_sleep_rollback_keeps_lost_chunks_asleep(backend: Arc<dyn Backend>)
     );
 }
 
+/// KV structures are tagged `Kv` unless told otherwise (issue 22, defect 3): a sleep that
+/// discards `Kv` and offloads the rest (the README's own policy) discards the memory of an
+/// elastic layout, a block backing and layouts in an allocation and in a mapped region, and
+/// offloads the weights and a backing explicitly tagged otherwise.
+pub fn kv_structures_are_discarded_by_tag(backend: Arc<dyn Backend>) {
+    use elastic_vmm::layout::{BlockDim, LayoutBuilder, LayoutConfig};
+    let g = backend.info().granularity;
+    let p = Pool::new(backend, PoolConfig::new(4 << 30)).expect("pool");
+    let weights = load(&p, &[3 * g], Tag::Weights, 29);
+    // 8 blocks, 2 layers, K and V, 16 tokens of 64 bf16 values: 4 KiB per unit.
+    let config = LayoutConfig::new(8, 2, 2, 16, 64, 2);
+    let elastic = LayoutBuilder::new()
+        .config(config)
+        .layer_separate(BlockDim::First)
+        .elastic(&p)
+        .build()
+        .expect("elastic layout");
+    elastic.ensure_backed(0..4).expect("back blocks");
+    let in_alloc = LayoutBuilder::new()
+        .config(config)
+        .fully_contiguous()
+        .allocate(&p)
+        .build()
+        .expect("layout in an allocation");
+    let in_region = LayoutBuilder::new()
+        .config(config)
+        .fully_contiguous()
+        .map_region(&p)
+        .build()
+        .expect("layout in a mapped region");
+    let blocks =
+        BlockBacking::reserve(&p, UniformBlocks::packed(4, g as u64), None, None).expect("backing");
+    blocks.ensure_backed(0..2).expect("back");
+    let acts = BlockBacking::reserve_tagged(
+        &p,
+        UniformBlocks::packed(2, g as u64),
+        None,
+        None,
+        Tag::Activations,
+    )
+    .expect("backing tagged otherwise");
+    acts.ensure_backed(0..2).expect("back");
+    let mapped = p.stats().mapped;
+    let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
+    let r = p.sleep(&policy).expect("sleep");
+    let by_tag = p.sleep_stats().asleep_by_tag;
+    let bytes = |t: Tag| by_tag.iter().find(|(x, _)| *x == t).map_or(0, |(_, n)| *n);
+    assert_eq!(
+        bytes(Tag::Scratch),
+        0,
+        "no KV structure is left untagged: {by_tag:?}"
+    );
+    assert!(bytes(Tag::Kv) > 0, "{by_tag:?}");
+    assert_eq!(bytes(Tag::Activations), 2 * g as u64, "{by_tag:?}");
+    assert_eq!(
+        r.offloaded,
+        (3 + 2) * g as u64,
+        "only the weights and the backing tagged Activations are offloaded, the KV caches discarded: {r:?}, {by_tag:?}"
+    );
+    assert_eq!(r.offloaded + r.discarded, mapped, "{r:?}");
+    p.wake(AfterWake::KeepHostMemory).expect("wake");
+    check(&weights, "weights after the wake");
+    drop((elastic, in_alloc, in_region, blocks, acts));
+    p.audit().expect("audit");
+}
+
 /// Sleep credits the model's charge at once (another model uses the memory); waking without
 /// room is refused with the numbers and the model stays asleep; once the other model's memory
 /// is idle, waking takes it over (donation) and the contents are back.
