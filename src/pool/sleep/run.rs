@@ -749,9 +749,9 @@ impl Inner {
     }
 
     /// Undo a wake half way: unmap what it mapped, give every chunk back, stay asleep with the
-    /// host copies. A chunk whose unmap fails is kept out of use (stuck), as everywhere. Kept
-    /// chunks of `slots` (see [`Kept`]) stay in their slots whatever happened to them: they
-    /// hold the contents.
+    /// host copies. A chunk whose unmap fails stays in its slot as [`Kept`] (mapped, out of
+    /// every use: the pool is asleep over it), and kept chunks of `slots` stay in their slots
+    /// whatever happened to them (those of a failed sleep hold the contents).
     fn undo_wake(
         &self,
         placed: Vec<Placed>,
