@@ -148,7 +148,19 @@ pub fn run() -> Result<(), BoxError> {
     drop(a_client);
     let ctl = BrokerClient::connect_control(&socket, "bench")?;
     ctl.request(elastic_vmm::broker::protocol::Request::Trim)?;
-    let f_after = cuda.memory_info()?.free;
+    let mut f_after = cuda.memory_info()?.free;
+    // The last engine's teardown may finish on another thread: how long until the device has
+    // its memory back (up to 3 s).
+    let t = Instant::now();
+    while f_after < f_before + SPAN / 2 && t.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(10));
+        f_after = cuda.memory_info()?.free;
+    }
+    println!(
+        "  device memory after the trim: {} free after {:.0} ms of waiting",
+        crate::human(f_after),
+        t.elapsed().as_secs_f64() * 1e3
+    );
     let end = broker.snapshot();
     println!(
         "  broker after the trim: used {}, idle {}, models {:?}",

@@ -219,6 +219,9 @@ impl Ledger {
         self.update(key, |m| m.reclaimed += bytes);
     }
 
+    /// The broker's limit changes set a model's cap directly (the shared pool holds caps per
+    /// change: [`Ledger::hold_cap`]).
+    #[cfg(any(feature = "broker", test))]
     pub(crate) fn set_cap(&mut self, key: u64, cap: u64) {
         self.update(key, |m| m.cap = cap);
     }
