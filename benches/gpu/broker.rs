@@ -150,9 +150,9 @@ pub fn run() -> Result<(), BoxError> {
     ctl.request(elastic_vmm::broker::protocol::Request::Trim)?;
     let mut f_after = cuda.memory_info()?.free;
     // The last engine's teardown may finish on another thread: how long until the device has
-    // its memory back (up to 3 s).
+    // its memory back (up to 5 s).
     let t = Instant::now();
-    while f_after < f_before + SPAN / 2 && t.elapsed() < Duration::from_secs(3) {
+    while f_after < f_before + SPAN - GIB && t.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(10));
         f_after = cuda.memory_info()?.free;
     }
