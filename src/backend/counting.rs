@@ -13,7 +13,7 @@ use crate::stats::{DriverCalls, DriverCounters};
 /// (`Counting::new(inner)`, then `counts()`).
 pub type Counting = Intercept<Counter>;
 
-/// Counts driver calls by [`DriverCall`] kind and emits a `tracing::trace!` event per call
+/// Counts driver calls by [`DriverCall`](crate::DriverCall) kind and emits a `tracing::trace!` event per call
 /// (target `elastic_vmm::backend::counting`) with the call's arguments and outcome.
 ///
 /// A call is counted when it is made, before it reaches the wrapped backend, so calls that fail

@@ -5,7 +5,7 @@
 //! owns it, others could write or reach it, or it is a symbolic link, with the path, owner and
 //! mode in the error ([`Error::InsecurePath`]). The folder is reached one component at a time
 //! from the root, each opened relative to its parent without following a symbolic link, and a
-//! folder above it that others may write is refused unless it is sticky (see [`walk`]): no
+//! folder above it that others may write is refused unless it is sticky (see `walk`): no
 //! other user can swap a parent to make the broker chmod or chown a folder it did not make.
 //! Everything after that check works through the
 //! folder's descriptor (opened without following a link), so the folder checked is the folder
