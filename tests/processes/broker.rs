@@ -999,10 +999,17 @@ fn a_closed_connection_keeps_its_charges_while_its_process_lives() {
     let mut line = String::new();
     cut.stdout.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "cut off holding 8 MiB");
-    // The broker noticed (its books say so within a moment); the process still holds the
-    // descriptors: the charges stay.
-    std::thread::sleep(Duration::from_millis(300));
-    let s = control.snapshot().unwrap();
+    // The broker notices the cut (its books mark the model orphaned; waited for, up to 10 s, so
+    // a loaded machine is no failure); the process still holds the descriptors: the charges stay.
+    let t = Instant::now();
+    let s = loop {
+        let s = control.snapshot().unwrap();
+        let noticed = s.models.iter().any(|m| m.name == "cut" && m.orphaned);
+        if noticed || t.elapsed() > Duration::from_secs(10) {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     check_books(&s);
     eprintln!(
         "  after the cut: global use {} MiB, models {:?}",
