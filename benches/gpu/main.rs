@@ -36,6 +36,14 @@ pub fn ratio_line(label: &str, peer: f64, ours: f64) {
     println!("{label}: {:.2}x", peer / ours);
 }
 
+/// One headline figure for the README's results table: a line
+/// `RESULT|key|what|ours|peer|peer's figure|ratio` that `tests/results.rs` reads from the saved
+/// runs in `docs/results/` to generate (and check) the table. `ratio` is oriented so that above
+/// 1 means elastic-vmm is better.
+pub fn result(key: &str, what: &str, ours: String, peer: &str, peer_figure: String, ratio: f64) {
+    println!("RESULT|{key}|{what}|{ours}|{peer}|{peer_figure}|{ratio:.2}x");
+}
+
 pub fn human(bytes: u64) -> String {
     elastic_vmm::stats::human_bytes(bytes)
 }

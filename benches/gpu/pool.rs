@@ -86,6 +86,16 @@ pub fn run() -> Result<(), BoxError> {
             elastic,
         );
         ratio_line("  elastic-vmm vs cuMemAlloc+Free", plain, elastic);
+        if size == 2 * MIB as usize {
+            crate::result(
+                "pool/hot-pair",
+                "hot allocate+free, 2 MiB",
+                format!("{elastic:.0} ns"),
+                "cuMemAllocAsync+FreeAsync",
+                format!("{asynch:.0} ns"),
+                asynch / elastic,
+            );
+        }
 
         // Batch pattern of a serving step: 256 blocks live at once, all freed, stream synced.
         const BATCH: usize = 256;
@@ -214,6 +224,14 @@ pub fn run() -> Result<(), BoxError> {
         "  elastic-vmm 2 MiB steps vs raw per-page path",
         raw_page_s,
         steps_s,
+    );
+    crate::result(
+        "pool/growth",
+        "growth of 8 GiB in 2 MiB steps",
+        format!("{:.0} GiB/s", gib_s(steps_s)),
+        "raw per-page cuMemCreate+Map+SetAccess",
+        format!("{:.0} GiB/s", gib_s(raw_page_s)),
+        raw_page_s / steps_s,
     );
     println!(
         "  regrowth from idle memory (no driver call): {:.2} ms = {:.0} GiB/s",

@@ -137,6 +137,22 @@ pub fn run() -> Result<(), BoxError> {
         human(bytes),
         wk.as_secs_f64() * 1e3
     );
+    crate::result(
+        "sleep/wake",
+        &format!("wake {} of weights (host to device)", human(bytes)),
+        format!("{:.1} GB/s", gbps(bytes, wk)),
+        "raw pinned cuMemcpyHtoD",
+        format!("{:.1} GB/s", gbps(bytes, raw_h2d)),
+        raw_h2d.as_secs_f64() / wk.as_secs_f64(),
+    );
+    crate::result(
+        "sleep/sleep",
+        &format!("sleep {} of weights (device to host)", human(bytes)),
+        format!("{:.1} GB/s", gbps(bytes, s)),
+        "raw pinned cuMemcpyDtoH",
+        format!("{:.1} GB/s", gbps(bytes, raw_d2h)),
+        raw_d2h.as_secs_f64() / s.as_secs_f64(),
+    );
     drop(w);
     drop(p);
     #[cfg(feature = "candle")]
