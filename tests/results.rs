@@ -13,6 +13,7 @@ use std::path::Path;
 const BEGIN: &str = "<!-- results: generated from docs/results/ by tests/results.rs -->";
 const END: &str = "<!-- end of results -->";
 
+#[derive(Debug)]
 struct Run {
     file: String,
     gpu: String,
