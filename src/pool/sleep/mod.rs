@@ -34,6 +34,8 @@
 
 mod run;
 mod staging;
+#[cfg(test)]
+mod tests;
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -267,6 +269,10 @@ pub(crate) struct SleepBook {
     pub(crate) staging_bytes: u64,
     /// A [`Pool::reserve_host_staging`] is making a buffer (with no lock held): sleeps wait.
     pub(crate) staging_busy: bool,
+    /// A wake has marked the pool awake and is thawing its watchers (with no lock held): a
+    /// sleep now would freeze them and then see that thaw undo its freeze, so sleeps are
+    /// refused until it is done, as while waking.
+    pub(crate) thawing: bool,
     pub(crate) last_sleep: Option<Duration>,
     pub(crate) last_wake: Option<Duration>,
     pub(crate) sleeps: u64,

@@ -135,6 +135,13 @@ impl Inner {
                 let s = st.sleep.status.name();
                 return Err(self.sleep_refused("sleep", format!("the pool is {s}")));
             }
+            if st.sleep.thawing {
+                return Err(self.sleep_refused(
+                    "sleep",
+                    "the pool is waking (its watchers are being thawed); retry when it is done"
+                        .into(),
+                ));
+            }
             if st.sleep.staging_busy {
                 return Err(self.sleep_refused(
                     "sleep",
@@ -703,6 +710,7 @@ impl Inner {
             st.sleep.by_tag.clear();
             st.sleep.offloaded = 0;
             self.set_status_in(&mut st, SleepStatus::Awake);
+            st.sleep.thawing = true;
             st.sleep.last_wake = Some(duration);
             st.sleep.wakes += 1;
             st.note_peaks();
@@ -719,6 +727,7 @@ impl Inner {
         };
         drop(freed);
         watchers.iter().for_each(|w| w.thaw());
+        self.state.lock().sleep.thawing = false;
         tracing::info!(pool = %self.name, mapped, restored, ms = duration.as_secs_f64() * 1e3, "awake");
         Ok(WakeReport {
             mapped,
