@@ -4,10 +4,17 @@
 // The benchmark's modules, shared with the GPU binary; not every item is used here.
 #![allow(dead_code)]
 
+#[path = "../examples/serve/cluster.rs"]
+mod cluster;
+#[path = "../examples/serve/engine.rs"]
+mod engine;
+#[path = "../examples/serve/host.rs"]
+mod host;
 #[path = "../examples/serve/trace.rs"]
 mod trace;
 
-use trace::{Trace, TraceConfig};
+use engine::{CountingKv, Engine, EngineConfig, KvBlocks, SeqView, SimCost, StepModel};
+use trace::{Request, Trace, TraceConfig};
 
 mod trace_tests {
     use super::*;
@@ -84,5 +91,290 @@ mod trace_tests {
             early(0),
             early(1)
         );
+    }
+}
+
+/// A simulated model that checks every step's batch: each sequence has the blocks for its
+/// context, no block belongs to two sequences, the batch is within its limit.
+struct Checked {
+    cost: SimCost,
+    block_tokens: u32,
+    max_batch: usize,
+    steps: Vec<(bool, usize)>,
+}
+
+impl Checked {
+    fn check(&self, seqs: &[SeqView]) {
+        assert!(
+            !seqs.is_empty() && seqs.len() <= self.max_batch,
+            "batch of {}",
+            seqs.len()
+        );
+        let mut seen = std::collections::HashSet::new();
+        for s in seqs {
+            assert!(
+                s.blocks.len() as u64 * self.block_tokens as u64 >= s.context as u64,
+                "{} blocks of {} tokens for a context of {}",
+                s.blocks.len(),
+                self.block_tokens,
+                s.context
+            );
+            for b in s.blocks {
+                assert!(seen.insert(*b), "block {b} in two sequences");
+            }
+        }
+    }
+}
+
+impl StepModel for Checked {
+    fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
+        self.check(seqs);
+        self.steps.push((true, seqs.len()));
+        self.cost.prefill(seqs)
+    }
+    fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
+        self.check(seqs);
+        self.steps.push((false, seqs.len()));
+        self.cost.decode(seqs)
+    }
+}
+
+fn req(id: u64, prompt: u32, output: u32) -> Request {
+    Request {
+        id,
+        model: 0,
+        arrival_us: 0,
+        prompt,
+        output,
+    }
+}
+
+fn engine(blocks: usize, max_batch: usize) -> Engine<CountingKv, Checked> {
+    let model = Checked {
+        cost: SimCost::small(),
+        block_tokens: 16,
+        max_batch,
+        steps: Vec::new(),
+    };
+    Engine::new(
+        CountingKv::new(blocks, 16),
+        model,
+        EngineConfig {
+            max_batch,
+            max_prefill_tokens: 4096,
+        },
+    )
+}
+
+/// Run to completion; returns the time.
+fn drain(e: &mut Engine<CountingKv, Checked>) -> f64 {
+    let mut now = 0.0;
+    for _ in 0..100_000 {
+        if !e.has_work() {
+            return now;
+        }
+        let dt = e.step(now);
+        assert!(dt > 0.0, "a step with work did nothing: {:?}", e.load());
+        now += dt;
+    }
+    panic!("engine did not finish: {:?}", e.load());
+}
+
+mod scheduler_tests {
+    use super::*;
+
+    #[test]
+    fn admits_only_when_the_blocks_can_be_had() {
+        let mut e = engine(10, 8);
+        // 100 prompt tokens and the next one: 7 blocks of 16.
+        e.submit(req(0, 100, 4));
+        e.submit(req(1, 100, 4));
+        let dt = e.step(0.0);
+        assert!(dt > 0.0);
+        assert_eq!(
+            e.load(),
+            (1, 1),
+            "the second request waits for its 7 blocks"
+        );
+        assert_eq!(e.kv.used(), 7);
+        assert_eq!(e.model.steps, vec![(true, 1)]);
+        // The first finishes (3 more decode steps), then the second is admitted.
+        let end = drain(&mut e);
+        assert_eq!(e.finished.len(), 2);
+        assert_eq!(e.kv.used(), 0, "every block given back");
+        let second = e.finished.iter().find(|f| f.req.id == 1).unwrap();
+        let first = e.finished.iter().find(|f| f.req.id == 0).unwrap();
+        assert!(
+            second.first_token >= first.done,
+            "admitted only after the first freed its blocks"
+        );
+        assert!(end >= second.done);
+        assert_eq!(e.counters.preemptions, 0);
+        assert_eq!(e.counters.tokens, 8);
+    }
+
+    #[test]
+    fn a_request_that_can_never_fit_is_refused() {
+        let mut e = engine(4, 8);
+        e.submit(req(0, 60, 10)); // 70 tokens: 5 blocks of 16, only 4 exist
+        assert_eq!(e.counters.refused, 1);
+        assert_eq!(e.refused.len(), 1);
+        assert!(!e.has_work());
+        e.submit(req(1, 40, 10)); // 50 tokens: 4 blocks
+        drain(&mut e);
+        assert_eq!(e.finished.len(), 1);
+    }
+
+    #[test]
+    fn decode_without_a_block_preempts_the_newest_and_recomputes_it() {
+        // 6 blocks; two requests of 15 prompt tokens each need 1 block to start and 3 at the
+        // end (48 tokens): together 6 only at the very end, so the newer one gets preempted.
+        let mut e = engine(6, 8);
+        e.submit(req(0, 15, 40));
+        e.submit(req(1, 15, 40));
+        e.submit(req(2, 15, 40));
+        let end = drain(&mut e);
+        assert!(
+            e.counters.preemptions > 0,
+            "no preemption: {:?}",
+            e.counters
+        );
+        assert_eq!(e.finished.len(), 3);
+        assert_eq!(e.kv.used(), 0);
+        // Recomputed tokens are not counted twice; a preempted request keeps its first token.
+        assert_eq!(e.counters.tokens, 120);
+        let pre: Vec<_> = e.finished.iter().filter(|f| f.preemptions > 0).collect();
+        assert!(!pre.is_empty());
+        for f in &e.finished {
+            assert!(f.first_token <= f.done && f.done <= end);
+        }
+        // A recompute is a prefill of the prompt and the tokens generated before.
+        let prefills = e.model.steps.iter().filter(|s| s.0).count();
+        assert!(prefills as u64 >= 1 + e.counters.preemptions.min(1));
+    }
+
+    /// Many random requests through a small cache: the checks of every step hold, everything
+    /// finishes, no block leaks, tokens add up.
+    #[test]
+    fn random_requests_all_finish_with_the_invariants_held() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for round in 0..20 {
+            let blocks = rng.random_range(8..64);
+            let mut e = engine(blocks, rng.random_range(1..16));
+            let mut want = 0u64;
+            let mut accepted = 0;
+            for id in 0..rng.random_range(1..60) {
+                let (p, o) = (rng.random_range(1..200), rng.random_range(1..200));
+                e.submit(req(id, p, o));
+                if e.refused.is_empty() {
+                    want += o as u64;
+                    accepted += 1;
+                } else {
+                    assert!((p + o).div_ceil(16) as usize > blocks);
+                    e.refused.clear();
+                }
+            }
+            drain(&mut e);
+            assert_eq!(e.finished.len(), accepted, "round {round}");
+            assert_eq!(e.counters.tokens, want, "round {round}");
+            assert_eq!(e.kv.used(), 0, "round {round}");
+            assert_eq!(e.counters.oom, 0);
+        }
+    }
+}
+
+mod end_to_end {
+    use super::*;
+    use cluster::{Policy, RunOptions, RunSummary};
+
+    fn trace(peak: f64) -> Trace {
+        let mut c = TraceConfig::kvcached_like(42, 3, peak, 20.0);
+        c.prompt_mean = 96.0;
+        c.output_mean = 96.0;
+        c.max_len = 512;
+        Trace::generate(&c).unwrap()
+    }
+
+    fn run(policy: Policy, t: &Trace) -> (RunSummary, bool) {
+        let (gpu, mut models) = host::cluster(host::HostSizes::tiny(3, 150)).unwrap();
+        let opts = RunOptions {
+            drain_s: 20.0,
+            sample_s: 0.25,
+        };
+        let s = cluster::run(&gpu, &mut models, t, policy, "host", opts, &|| Ok(())).unwrap();
+        let intact = models
+            .iter()
+            .all(|m| m.engine.model.weights_intact().unwrap());
+        let g = gpu.stats().global;
+        assert!(g.used <= g.limit);
+        assert_eq!(gpu.audit(), Ok(()));
+        (s, intact)
+    }
+
+    /// The three policies on the host backend (real memory, real sleep and wake) over one
+    /// trace: no out-of-memory, every request accounted for, static held to its share, elastic
+    /// lets a busy model past it, sleep sleeps and wakes with the weights intact.
+    #[test]
+    fn three_policies_on_the_host() {
+        let t = trace(4.0);
+        let (st, _) = run(Policy::Static, &t);
+        let (el, _) = run(Policy::Elastic, &t);
+        let (sl, intact) = run(Policy::Sleep { idle_s: 1.0 }, &t);
+        for s in [&st, &el, &sl] {
+            let o = &s.overall;
+            eprintln!(
+                "{:<8} finished {:>4}/{:<4} ttft p50 {:>7.3} p99 {:>7.3} s, preemptions {:>4}, peak {:>6} KiB, sleeps {} wakes {} errors {:?}",
+                s.policy.name(), o.finished, o.requests, o.ttft_p50, o.ttft_p99, o.preemptions,
+                o.peak_bytes >> 10, o.sleeps, o.wakes, s.errors
+            );
+        }
+        for s in [&st, &el, &sl] {
+            let o = &s.overall;
+            assert_eq!(o.oom, 0, "{}: {:?}", s.policy.name(), s.errors);
+            assert_eq!(o.requests, t.requests.len() as u64);
+            assert_eq!(
+                o.finished + o.unfinished + o.refused,
+                o.requests,
+                "{}",
+                s.policy.name()
+            );
+            assert!(
+                o.finished >= o.requests * 9 / 10,
+                "{}: {o:?}",
+                s.policy.name()
+            );
+            assert!(s.errors.is_empty(), "{:?}", s.errors);
+        }
+        let share = st.kv_budget / 3;
+        let base = (2 << 20) + (1 << 20);
+        for m in &st.models {
+            assert!(
+                m.peak_bytes <= base + share,
+                "static {}: peak {} over {}",
+                m.id,
+                m.peak_bytes,
+                base + share
+            );
+        }
+        assert!(
+            el.models.iter().any(|m| m.peak_bytes > base + share),
+            "elastic: no model grew past its static share: {:?}",
+            el.models.iter().map(|m| m.peak_bytes).collect::<Vec<_>>()
+        );
+        // Static and elastic run in virtual time only (no wall-clock sleep or wake in them):
+        // deterministic for the seed. Above static's knee, shared memory cuts the tail.
+        assert!(
+            el.overall.ttft_p99 < st.overall.ttft_p99,
+            "elastic p99 TTFT {} not below static's {}",
+            el.overall.ttft_p99,
+            st.overall.ttft_p99
+        );
+        assert!(
+            sl.overall.sleeps > 0 && sl.overall.wakes > 0,
+            "{:?}",
+            sl.overall
+        );
+        assert!(intact, "a model's weights changed across sleep and wake");
     }
 }
