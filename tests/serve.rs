@@ -13,7 +13,7 @@ mod host;
 #[path = "../examples/serve/trace.rs"]
 mod trace;
 
-use engine::{CountingKv, Engine, EngineConfig, KvBlocks, SeqView, SimCost, StepModel};
+use engine::{Engine, EngineConfig, KvBlocks, SeqView, SimCost, StepModel};
 use trace::{Request, Trace, TraceConfig};
 
 mod trace_tests {
@@ -62,7 +62,7 @@ mod trace_tests {
         for (name, c, tol) in [("trend", &plain, 0.05), ("trend+noise+crowds", &full, 0.15)] {
             let t = Trace::generate(c).unwrap();
             for m in 0..c.models {
-                let n = t.of_model(m).count() as f64;
+                let n = of_model(&t, m).count() as f64;
                 let want = c.expected_rate(m) * c.duration_s;
                 assert!(
                     (n / want - 1.0).abs() < tol,
@@ -84,7 +84,7 @@ mod trace_tests {
         // The trend makes the models take turns: in the first quarter period model 0 ramps up
         // from its floor while model 1 (half a period ahead) is near its peak.
         let t = Trace::generate(&plain).unwrap();
-        let early = |m: usize| t.of_model(m).filter(|r| r.arrival() < 50.0).count();
+        let early = |m: usize| of_model(&t, m).filter(|r| r.arrival() < 50.0).count();
         assert!(
             early(1) > 5 * early(0),
             "model 0 {} model 1 {}",
@@ -92,6 +92,55 @@ mod trace_tests {
             early(1)
         );
     }
+}
+
+/// A KV cache that is only a counter of `total` blocks.
+#[derive(Debug)]
+pub struct CountingKv {
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Blocks in all.
+    pub total: usize,
+    free: Vec<u32>,
+}
+
+impl CountingKv {
+    /// `total` blocks of `block_tokens` tokens.
+    pub fn new(total: usize, block_tokens: u32) -> Self {
+        CountingKv {
+            block_tokens,
+            total,
+            free: (0..total as u32).rev().collect(),
+        }
+    }
+}
+
+impl KvBlocks for CountingKv {
+    fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+    fn available(&mut self) -> usize {
+        self.free.len()
+    }
+    fn capacity(&self) -> usize {
+        self.total
+    }
+    fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.free.len() {
+            return None;
+        }
+        Some(self.free.split_off(self.free.len() - n))
+    }
+    fn free(&mut self, ids: &[u32]) {
+        self.free.extend_from_slice(ids);
+    }
+    fn used(&self) -> usize {
+        self.total - self.free.len()
+    }
+}
+
+fn of_model(t: &Trace, model: usize) -> impl Iterator<Item = &Request> {
+    t.requests.iter().filter(move |r| r.model == model)
 }
 
 /// A simulated model that checks every step's batch: each sequence has the blocks for its

@@ -247,6 +247,9 @@ pub struct RunOptions {
     pub drain_s: f64,
     /// Memory sampling period (seconds of virtual time).
     pub sample_s: f64,
+    /// The budget all models share (bytes): the shared pool's global limit, or less where
+    /// the rest of it is held back (a guarantee of a model that holds nothing).
+    pub budget: u64,
 }
 
 /// Per model results of one run.
@@ -384,8 +387,8 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
     gpu: &SharedPool,
     models: &mut [Served<S, M>],
     policy: Policy,
+    budget: u64,
 ) -> Result<u64, String> {
-    let budget = gpu.global_limit();
     let k = models.len() as u64;
     let bases: u64 = models.iter().map(|m| m.base).sum();
     let kv = budget
@@ -437,7 +440,7 @@ pub fn run<S: BlockStore, M: StepModel>(
     sync: &dyn Fn() -> Result<(), String>,
 ) -> Result<RunSummary, String> {
     let wall = Instant::now();
-    let kv_budget = apply_policy(gpu, models, policy)?;
+    let kv_budget = apply_policy(gpu, models, policy, opts.budget)?;
     let k = models.len();
     let mut tally: Vec<Tally> = (0..k).map(|_| Tally::default()).collect();
     let mut errors = Vec::new();
@@ -613,7 +616,7 @@ pub fn run<S: BlockStore, M: StepModel>(
         duration_s: trace.config.duration_s,
         span_s: span,
         wall_s: wall.elapsed().as_secs_f64(),
-        budget: gpu.global_limit(),
+        budget: opts.budget,
         kv_budget,
         models: per,
         overall,

@@ -126,6 +126,22 @@ fn blocks_for(tokens: u32, block_tokens: u32) -> usize {
     tokens.div_ceil(block_tokens.max(1)) as usize
 }
 
+/// The scheduler's own invariant, checked before every step: each sequence holds the blocks
+/// for its context.
+fn covered(views: &[SeqView], block_tokens: u32) -> Result<(), String> {
+    match views
+        .iter()
+        .find(|v| blocks_for(v.context, block_tokens) > v.blocks.len())
+    {
+        None => Ok(()),
+        Some(v) => Err(format!(
+            "scheduler bug: a context of {} tokens over {} blocks of {block_tokens}",
+            v.context,
+            v.blocks.len()
+        )),
+    }
+}
+
 impl<K: KvBlocks, M: StepModel> Engine<K, M> {
     /// An idle engine.
     pub fn new(kv: K, model: M, config: EngineConfig) -> Self {
@@ -228,7 +244,8 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
                     context: s.context(),
                 })
                 .collect();
-            let r = self.model.prefill(&views);
+            let bt = self.kv.block_tokens();
+            let r = covered(&views, bt).and_then(|()| self.model.prefill(&views));
             drop(views);
             self.counters.prefills += 1;
             let dt = match r {
@@ -282,7 +299,7 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
                 context: s.context() + 1,
             })
             .collect();
-        let r = self.model.decode(&views);
+        let r = covered(&views, bt).and_then(|()| self.model.decode(&views));
         drop(views);
         self.counters.decodes += 1;
         let dt = match r {
@@ -339,52 +356,6 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
         }
         self.waiting.clear();
         n
-    }
-}
-
-/// A KV cache that is only a counter of `total` blocks: what the scheduler tests use, and what
-/// `static` partitioning looks like without memory behind it.
-#[derive(Debug)]
-pub struct CountingKv {
-    /// Tokens per block.
-    pub block_tokens: u32,
-    /// Blocks in all.
-    pub total: usize,
-    free: Vec<u32>,
-}
-
-impl CountingKv {
-    /// `total` blocks of `block_tokens` tokens.
-    pub fn new(total: usize, block_tokens: u32) -> Self {
-        CountingKv {
-            block_tokens,
-            total,
-            free: (0..total as u32).rev().collect(),
-        }
-    }
-}
-
-impl KvBlocks for CountingKv {
-    fn block_tokens(&self) -> u32 {
-        self.block_tokens
-    }
-    fn available(&mut self) -> usize {
-        self.free.len()
-    }
-    fn capacity(&self) -> usize {
-        self.total
-    }
-    fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
-        if n > self.free.len() {
-            return None;
-        }
-        Some(self.free.split_off(self.free.len() - n))
-    }
-    fn free(&mut self, ids: &[u32]) {
-        self.free.extend_from_slice(ids);
-    }
-    fn used(&self) -> usize {
-        self.total - self.free.len()
     }
 }
 

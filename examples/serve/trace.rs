@@ -237,9 +237,4 @@ impl Trace {
         let bytes = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
         serde_json::from_slice(&bytes).map_err(|e| format!("parsing {}: {e}", path.display()))
     }
-
-    /// Requests of `model`.
-    pub fn of_model(&self, model: usize) -> impl Iterator<Item = &Request> {
-        self.requests.iter().filter(move |r| r.model == model)
-    }
 }
