@@ -10,6 +10,8 @@ mod cluster;
 mod engine;
 #[path = "../examples/serve/host.rs"]
 mod host;
+#[path = "../examples/serve/report.rs"]
+mod report;
 #[path = "../examples/serve/trace.rs"]
 mod trace;
 
@@ -350,6 +352,7 @@ mod end_to_end {
         let opts = RunOptions {
             drain_s: 20.0,
             sample_s: 0.25,
+            budget: gpu.global_limit(),
         };
         let s = cluster::run(&gpu, &mut models, t, policy, "host", opts, &|| Ok(())).unwrap();
         let intact = models
@@ -425,5 +428,23 @@ mod end_to_end {
             sl.overall
         );
         assert!(intact, "a model's weights changed across sleep and wake");
+
+        // What a run leaves behind: its summary as JSON (read back whole), the plots.
+        let dir = std::env::temp_dir().join(format!("serve-e2e-{}", std::process::id()));
+        let path = report::save(&dir, &el).unwrap();
+        let back: RunSummary = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(back.overall.finished, el.overall.finished);
+        assert_eq!(back.timeline.len(), el.timeline.len());
+        assert!(el.timeline.len() > 10);
+        let mem = report::memory_svg(&el);
+        let ttft = report::ttft_svg("host", &[st.clone(), el.clone(), sl.clone()]);
+        for svg in [&mem, &ttft] {
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+            assert!(svg.contains("<polyline"));
+        }
+        assert_eq!(mem.matches("<polyline").count(), 3, "one line per model");
+        assert_eq!(ttft.matches("<polyline").count(), 3, "one line per policy");
+        assert!(report::lines(&el).lines().count() >= 4);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
