@@ -11,9 +11,9 @@
 //!   of it guaranteed (a fixed reservation, as `--gpu-memory-utilization` makes);
 //! - `elastic`: one budget; each model is guaranteed its weights and activations, and its KV
 //!   grows into whatever the others do not hold. A model holds more than its fair share (1/K of
-//!   the KV budget) only while no other model waits for memory: once one does, the big one
-//!   admits nothing more until it is back under its share (running requests finish, nothing is
-//!   preempted across models);
+//!   the KV budget) only while no other model waits for memory: once one's next request cannot
+//!   get its blocks, the others admit nothing more while over their share (running requests
+//!   finish, nothing is preempted across models);
 //! - `sleep`: `elastic`, and a model idle for `idle_s` sleeps (weights and activations
 //!   offloaded to host memory, KV discarded, its guarantee dropped to 0); a request for it
 //!   wakes it, preempting other models' requests when its memory is held.
@@ -168,6 +168,14 @@ impl<S: BlockStore> PoolKv<S> {
     pub fn block_bytes(&self) -> u64 {
         self.block_bytes
     }
+
+    /// Blocks it could have now by its hard cap and the memory left (not the fair share).
+    pub fn memory_available(&self) -> usize {
+        let by_cap = self.cap.saturating_sub(self.used());
+        let kv = self.kv_bytes(self.used());
+        let by_memory = (kv_headroom(&self.model, self.base, kv) / self.block_bytes) as usize;
+        self.free.len().min(by_cap).min(by_memory)
+    }
 }
 
 impl<S: BlockStore> KvBlocks for PoolKv<S> {
@@ -175,10 +183,8 @@ impl<S: BlockStore> KvBlocks for PoolKv<S> {
         self.block_tokens
     }
     fn available(&mut self) -> usize {
-        let by_cap = self.cap.min(self.admit_cap).saturating_sub(self.used());
-        let kv = self.kv_bytes(self.used());
-        let by_memory = (kv_headroom(&self.model, self.base, kv) / self.block_bytes) as usize;
-        self.free.len().min(by_cap).min(by_memory)
+        let by_cap = self.admit_cap.saturating_sub(self.used());
+        self.memory_available().min(by_cap)
     }
     fn capacity(&self) -> usize {
         self.max_cap.min(self.total)
@@ -483,9 +489,17 @@ pub fn run<S: BlockStore, M: StepModel>(
             models[r.model].engine.submit(r);
             last_active[r.model] = now;
         }
-        // Elastic: a model over its fair share admits nothing more while another waits.
+        // Elastic: a model over its fair share admits nothing more while another waits for
+        // memory.
         if policy != Policy::Static {
-            let waiting: Vec<bool> = models.iter().map(|m| m.engine.load().0 > 0).collect();
+            let waiting: Vec<bool> = models
+                .iter()
+                .map(|m| {
+                    m.engine
+                        .head_need()
+                        .is_some_and(|n| n > m.engine.kv.memory_available())
+                })
+                .collect();
             for i in 0..k {
                 let contended = (0..k).any(|j| j != i && waiting[j]);
                 models[i].engine.kv.admit_cap = if contended { fair[i] } else { full_cap[i] };
@@ -573,7 +587,10 @@ pub fn run<S: BlockStore, M: StepModel>(
             } else {
                 // Work left that cannot run (every model with work waits for memory no one
                 // will free): stop and count it unfinished.
-                errors.push(format!("stalled at {now:.1} s with work queued"));
+                let loads: Vec<_> = models.iter().map(|m| m.engine.load()).collect();
+                errors.push(format!(
+                    "stalled at {now:.1} s with work queued (queued, running per model: {loads:?})"
+                ));
                 break;
             }
         }

@@ -180,6 +180,14 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
         !self.waiting.is_empty() || !self.running.is_empty()
     }
 
+    /// Blocks the request at the head of the queue needs to be admitted (`None` when nothing
+    /// waits or the batch is full: not waiting for memory).
+    pub fn head_need(&self) -> Option<usize> {
+        let head = self.waiting.front()?;
+        (self.running.len() < self.config.max_batch)
+            .then(|| blocks_for(head.context() + 1, self.kv.block_tokens()))
+    }
+
     /// Requests queued, running.
     pub fn load(&self) -> (usize, usize) {
         (self.waiting.len(), self.running.len())

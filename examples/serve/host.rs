@@ -103,16 +103,11 @@ impl HostSizes {
     }
 }
 
+/// A model of a host cluster.
+pub type HostServed = Served<BlockBacking<UniformBlocks>, SimModel>;
+
 /// A shared pool on the host backend with `sizes.models` simulated models loaded.
-pub fn cluster(
-    sizes: HostSizes,
-) -> Result<
-    (
-        SharedPool,
-        Vec<Served<BlockBacking<UniformBlocks>, SimModel>>,
-    ),
-    String,
-> {
+pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String> {
     let e = |e: elastic_vmm::Error| e.to_string();
     let g = sizes.granularity;
     let base = sizes.weights + sizes.act_reserve;

@@ -28,6 +28,9 @@ use crate::engine::{Engine, EngineConfig, SeqView, StepModel};
 const DTYPE: DType = DType::BF16;
 /// Blocks of KV read per gather (bounds the gather's output: 64 pages).
 const GATHER_BLOCKS: usize = 64;
+/// Most tokens in one prefill forward: longer contexts (recomputed ones) go in pieces, which
+/// bounds the attention's `[heads, n, n]` scores (0.5 GiB in f32 for the 8B shape).
+pub const PREFILL_CHUNK: usize = 2048;
 
 /// A model size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,12 +124,16 @@ impl StepModel for LlamaModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
         let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens as usize).collect();
         self.run(|m| {
-            for &n in &lens {
-                let n = n.min(m.config.max_position_embeddings);
-                // A fresh cache: its causal masks are per length and would pile up.
-                let mut cache = Cache::new(false, DTYPE, &m.config, &m.device)?;
-                let ids = Tensor::zeros((1, n), DType::U32, &m.device)?;
-                m.llama.forward(&ids, 0, &mut cache)?;
+            for &len in &lens {
+                let mut left = len;
+                while left > 0 {
+                    let n = left.min(PREFILL_CHUNK);
+                    left -= n;
+                    // A fresh cache: its causal masks are per length and would pile up.
+                    let mut cache = Cache::new(false, DTYPE, &m.config, &m.device)?;
+                    let ids = Tensor::zeros((1, n), DType::U32, &m.device)?;
+                    m.llama.forward(&ids, 0, &mut cache)?;
+                }
             }
             Ok(())
         })
@@ -259,14 +266,15 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             device: device.clone(),
         };
         let pkv = PoolKv::new(kv, handle.clone(), max_blocks, block_tokens, page);
-        loaded.push((handle, model, pkv, tensors));
+        loaded.push((handle, model, pkv, tensors, weights));
     }
     // Warm: the largest prefill and decode steps, so each model's activations are at their
-    // peak once; the base is what it holds then, with a quarter more as margin.
+    // peak once; the base is what it holds then, with a quarter of the activations more as
+    // margin.
     let mut models = Vec::new();
     let mut tensor_pools = Vec::new();
-    for (handle, mut model, pkv, tensors) in loaded {
-        let prompt = sizes.engine.max_prefill_tokens;
+    for (handle, mut model, pkv, tensors, weights) in loaded {
+        let prompt = PREFILL_CHUNK as u32;
         let blocks: Vec<u32> = Vec::new();
         model.prefill(&[SeqView {
             blocks: &blocks,
@@ -283,7 +291,7 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
         model.decode(&batch)?;
         let st = handle.model_stats().ok_or("model gone")?;
         let weights_and_act = st.used;
-        let base = weights_and_act + weights_and_act / 4;
+        let base = weights_and_act + weights_and_act.saturating_sub(weights) / 4;
         progress(&format!(
             "warmed {}: {:.2} GiB with activations, base {:.2} GiB",
             handle.id(),

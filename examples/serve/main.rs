@@ -97,7 +97,7 @@ fn parse() -> Result<Args, String> {
         ],
         models: 3,
         kv_share_small: 0.25,
-        kv_share_8b: 6.0,
+        kv_share_8b: 5.0,
         max_batch: 64,
         probe_s: 10.0,
         trace: None,
