@@ -400,8 +400,9 @@ fn run_gpu(a: &Args, start: Instant) -> Result<(), String> {
             kv_share: (share * (1u64 << 30) as f64) as u64,
             engine: engine::EngineConfig {
                 max_batch: a.max_batch,
-                max_prefill_tokens: 4096,
+                max_prefill_tokens: llama::PREFILL_CHUNK as u32,
             },
+            staging: a.policies.iter().any(|p| matches!(p, Policy::Sleep { .. })),
         };
         let c = llama::cluster(sizes, &|m| progress(start, m))?;
         let device = c.device.clone();
