@@ -21,6 +21,20 @@
 //! and of memory per model over time (point 2, each policy) follow each size.
 //!
 //! Needs a CUDA GPU and the `candle-example` feature, except with `--sim`.
+//!
+//! On a GPU machine without Rust (`scripts/gpu-bundle.sh candle-example` puts `serve` in the
+//! bundle), in three commands of under 10 minutes each (wall times are estimates from the trace
+//! volume, not measured):
+//!
+//! ```text
+//! ./serve --sizes small --points 0,1,2     # ~5 min: 3 small models, probe, 9 runs; prints
+//!                                          # the load points as --loads-small a,b,c,d,e
+//! ./serve --sizes small --points 3,4 --loads-small a,b,c,d,e   # ~7 min: 6 runs
+//! ./serve --sizes 8b                       # ~8 min: 3 x 16 GB models, staging, probe, 6 runs
+//! ```
+//!
+//! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
+//! saturation takes about the trace and its drain (60 + 15 s). `--duration` shortens them.
 
 mod cluster;
 mod engine;
