@@ -83,12 +83,15 @@ pub fn kv_headroom(model: &ModelHandle, base: u64, kv: u64) -> u64 {
     let Some(me) = st.models.iter().find(|m| m.id == model.id()) else {
         return 0;
     };
-    let mine = (me.in_use + me.in_flight).max(base + kv);
+    // In use counts allocations whose memory sleeps (uncharged): not a claim on the budget.
+    let awake_use =
+        |m: &elastic_vmm::shared::ModelStats| (m.in_use + m.in_flight).saturating_sub(m.asleep);
+    let mine = awake_use(me).max(base + kv);
     let others: u64 = st
         .models
         .iter()
         .filter(|m| m.id != model.id())
-        .map(|m| (m.in_use + m.in_flight).max(m.guarantee))
+        .map(|m| awake_use(m).max(m.guarantee))
         .sum();
     me.limit
         .min(st.global.limit.saturating_sub(others))
@@ -387,47 +390,81 @@ pub fn sleep_policy() -> SleepPolicy {
     SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard)
 }
 
-/// Set every model's limit, guarantee and KV cap for `policy` under `budget` bytes.
-/// Returns the KV budget.
+/// Put model `m` to sleep (weights and activations offloaded, KV discarded, its guarantee
+/// dropped). Returns the seconds it took.
+fn put_to_sleep<S: BlockStore, M: StepModel>(
+    gpu: &SharedPool,
+    m: &Served<S, M>,
+    sync: &dyn Fn() -> Result<(), String>,
+) -> Result<f64, String> {
+    sync()?;
+    let t = Instant::now();
+    gpu.set_guarantee(m.handle.id(), 0)
+        .map_err(|e| e.to_string())?;
+    m.handle
+        .sleep(&sleep_policy())
+        .map_err(|e| format!("sleep {}: {e}", m.handle.id()))?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Set every model's limit, guarantee and KV cap for `policy` under `budget` bytes, and its
+/// starting state: `static` and `elastic` keep every model resident (an error if their weights
+/// and activations do not fit); `sleep` starts with every model awake when they all fit, else
+/// with every model asleep (more models than fit: they wake on demand). Returns the KV budget
+/// (what the resident models' bases leave).
 pub fn apply_policy<S: BlockStore, M: StepModel>(
     gpu: &SharedPool,
     models: &mut [Served<S, M>],
     policy: Policy,
     budget: u64,
+    sync: &dyn Fn() -> Result<(), String>,
 ) -> Result<u64, String> {
     let k = models.len() as u64;
     let bases: u64 = models.iter().map(|m| m.base).sum();
-    let kv = budget
-        .checked_sub(bases)
-        .ok_or_else(|| format!("the models' weights and activations ({bases} bytes) exceed the budget of {budget} bytes"))?;
+    // Lower every guarantee first (a raised guarantee must fit beside the others').
+    for m in models.iter() {
+        gpu.set_guarantee(m.handle.id(), 0)
+            .map_err(|e| e.to_string())?;
+    }
+    let resident = bases <= budget;
+    if !resident && !matches!(policy, Policy::Sleep { .. }) {
+        return Err(format!(
+            "{}: the {k} models' weights and activations ({bases} bytes) exceed the budget of {budget} bytes; only the sleep policy serves more models than fit",
+            policy.name()
+        ));
+    }
+    for m in models.iter() {
+        if resident && m.handle.is_asleep() {
+            m.handle
+                .wake(AfterWake::KeepHostMemory)
+                .map_err(|e| format!("wake {}: {e}", m.handle.id()))?;
+        } else if !resident && !m.handle.is_asleep() {
+            put_to_sleep(gpu, m, sync)?;
+        }
+    }
+    let kv = budget.saturating_sub(if resident { bases } else { 0 });
     for m in models.iter_mut() {
         let bb = m.engine.kv.block_bytes();
         let share = kv / k / bb * bb;
-        let (limit, guarantee, cap, max_cap) = match policy {
+        let (limit, guarantee, cap) = match policy {
             Policy::Static => {
                 let l = m.base + share;
-                (l, l, share / bb, share / bb)
+                (l, l, share / bb)
             }
-            Policy::Elastic | Policy::Sleep { .. } => (
-                budget,
-                m.base,
-                (kv / bb) as usize as u64,
-                (kv / bb) as usize as u64,
-            ),
+            Policy::Elastic => (budget, m.base, kv / bb),
+            // A model may grow into whatever the others' bases leave when they sleep.
+            Policy::Sleep { .. } => (budget, m.base, budget.saturating_sub(m.base) / bb),
         };
-        // Lower the guarantee first (a raised guarantee must fit beside the others').
-        gpu.set_guarantee(m.handle.id(), 0)
-            .map_err(|e| e.to_string())?;
         gpu.set_limit(m.handle.id(), limit)
             .map_err(|e| e.to_string())?;
         m.engine.kv.cap = cap as usize;
         m.engine.kv.admit_cap = cap as usize;
-        m.engine.kv.max_cap = max_cap as usize;
+        m.engine.kv.max_cap = cap as usize;
         m.engine.kv.base = m.base;
         m.engine.kv.reserve = policy != Policy::Static;
         m.guarantee = guarantee;
     }
-    for m in models.iter() {
+    for m in models.iter().filter(|m| !m.handle.is_asleep()) {
         gpu.set_guarantee(m.handle.id(), m.guarantee)
             .map_err(|e| e.to_string())?;
     }
@@ -435,7 +472,8 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
 }
 
 /// Serve `trace` with `models` under `policy`. `sync` waits for the device to finish queued
-/// work (sleep needs it). Every model must be awake and idle before and is after.
+/// work (sleep needs it). Every model is idle before and after; which models are asleep at
+/// the start is [`apply_policy`]'s to say, and the end leaves them as they are.
 pub fn run<S: BlockStore, M: StepModel>(
     gpu: &SharedPool,
     models: &mut [Served<S, M>],
@@ -446,11 +484,11 @@ pub fn run<S: BlockStore, M: StepModel>(
     sync: &dyn Fn() -> Result<(), String>,
 ) -> Result<RunSummary, String> {
     let wall = Instant::now();
-    let kv_budget = apply_policy(gpu, models, policy, opts.budget)?;
+    let kv_budget = apply_policy(gpu, models, policy, opts.budget, sync)?;
     let k = models.len();
     let mut tally: Vec<Tally> = (0..k).map(|_| Tally::default()).collect();
     let mut errors = Vec::new();
-    let mut asleep = vec![false; k];
+    let mut asleep: Vec<bool> = models.iter().map(|m| m.handle.is_asleep()).collect();
     let mut last_active = vec![0.0f64; k];
     let mut timeline = Vec::new();
     let fair: Vec<usize> = models
@@ -478,16 +516,33 @@ pub fn run<S: BlockStore, M: StepModel>(
             if r.model >= k {
                 return Err(format!("request {} for model {} of {k}", r.id, r.model));
             }
-            if asleep[r.model] {
-                let dt = wake(gpu, models, r.model, &mut errors)?;
-                now += dt;
-                asleep[r.model] = false;
-                tally[r.model].wakes += 1;
-                tally[r.model].wake_s += dt;
-            }
             tally[r.model].requests += 1;
             models[r.model].engine.submit(r);
             last_active[r.model] = now;
+        }
+        // A sleeping model with requests wakes (other idle models sleeping, or other models'
+        // requests preempted, to make room); when no room can be made it tries again later.
+        for i in 0..k {
+            if asleep[i] && models[i].engine.has_work() {
+                let t = Instant::now();
+                let woke = wake(
+                    gpu,
+                    models,
+                    i,
+                    &mut asleep,
+                    &last_active,
+                    opts.budget,
+                    sync,
+                    &mut tally,
+                    &mut errors,
+                )?;
+                now += t.elapsed().as_secs_f64();
+                if woke {
+                    tally[i].wakes += 1;
+                    tally[i].wake_s += t.elapsed().as_secs_f64();
+                    last_active[i] = now;
+                }
+            }
         }
         // Elastic: a model over its fair share admits nothing more while another waits for
         // memory.
@@ -544,15 +599,7 @@ pub fn run<S: BlockStore, M: StepModel>(
         if let Policy::Sleep { idle_s } = policy {
             for i in 0..k {
                 if !asleep[i] && !models[i].engine.has_work() && now - last_active[i] >= idle_s {
-                    sync()?;
-                    let t = Instant::now();
-                    gpu.set_guarantee(models[i].handle.id(), 0)
-                        .map_err(|e| e.to_string())?;
-                    models[i]
-                        .handle
-                        .sleep(&sleep_policy())
-                        .map_err(|e| format!("sleep {}: {e}", models[i].handle.id()))?;
-                    now += t.elapsed().as_secs_f64();
+                    now += put_to_sleep(gpu, &models[i], sync)?;
                     asleep[i] = true;
                     tally[i].sleeps += 1;
                 }
@@ -580,6 +627,31 @@ pub fn run<S: BlockStore, M: StepModel>(
             break;
         }
         if !progressed {
+            // Sleep: awake models that all wait for memory (nothing running, their next request
+            // cannot get its blocks) with more than one awake: the least recently active of
+            // those with nothing running sleeps, its base making room for the others (it wakes
+            // again when a model goes idle).
+            if matches!(policy, Policy::Sleep { .. }) {
+                let still = |m: &Served<S, M>| m.engine.load().1 == 0;
+                let stuck = (0..k).any(|i| {
+                    !asleep[i]
+                        && still(&models[i])
+                        && models[i]
+                            .engine
+                            .head_need()
+                            .is_some_and(|n| n > models[i].engine.kv.memory_available())
+                });
+                let awake = asleep.iter().filter(|a| !**a).count();
+                let lru = (0..k)
+                    .filter(|&i| !asleep[i] && still(&models[i]))
+                    .min_by(|&a, &b| last_active[a].total_cmp(&last_active[b]));
+                if let (true, true, Some(j)) = (stuck, awake > 1, lru) {
+                    now += put_to_sleep(gpu, &models[j], sync)?;
+                    asleep[j] = true;
+                    tally[j].sleeps += 1;
+                    continue;
+                }
+            }
             if next < trace.requests.len() {
                 now = now.max(trace.requests[next].arrival());
             } else if models.iter().all(|m| !m.engine.has_work()) {
@@ -587,23 +659,37 @@ pub fn run<S: BlockStore, M: StepModel>(
             } else {
                 // Work left that cannot run (every model with work waits for memory no one
                 // will free): stop and count it unfinished.
-                let loads: Vec<_> = models.iter().map(|m| m.engine.load()).collect();
+                let loads: Vec<_> = models
+                    .iter()
+                    .map(|m| {
+                        let (q, r) = m.engine.load();
+                        let st = m.handle.model_stats();
+                        format!(
+                            "{}: {q} queued, {r} running, needs {:?} blocks, {} to be had, {} held, in use {:?} guarantee {:?}, asleep {}",
+                            m.handle.id(),
+                            m.engine.head_need(),
+                            m.engine.kv.memory_available(),
+                            m.engine.kv.used(),
+                            st.as_ref().map(|s| s.in_use),
+                            st.as_ref().map(|s| s.guarantee),
+                            m.handle.is_asleep()
+                        )
+                    })
+                    .collect();
                 errors.push(format!(
-                    "stalled at {now:.1} s with work queued (queued, running per model: {loads:?})"
+                    "stalled at {now:.1} s with work queued: {}",
+                    loads.join("; ")
                 ));
                 break;
             }
         }
     }
-    // Leave every model awake and idle.
+    // Leave every model idle.
     for i in 0..k {
         tally[i].unfinished += models[i].engine.abandon() as u64;
         tally[i].counters = models[i].engine.counters;
         models[i].engine.counters = EngineCounters::default();
         models[i].engine.refused.clear();
-        if asleep[i] {
-            wake(gpu, models, i, &mut errors)?;
-        }
         models[i].engine.kv.admit_cap = full_cap[i];
     }
     let span = now.max(1e-9);
@@ -642,38 +728,55 @@ pub fn run<S: BlockStore, M: StepModel>(
     })
 }
 
-/// Wake model `i`, preempting other models' newest requests while its memory is held.
-/// Returns the seconds it took.
+/// Wake model `i`. While its memory is held: the least recently active idle awake model
+/// sleeps, else, when the awake models' bases leave room for its base, the newest request of
+/// the model holding the most KV is preempted. Returns whether it woke (`false`: no room can
+/// be made now; it stays asleep and is tried again after the next step).
+#[allow(clippy::too_many_arguments)]
 fn wake<S: BlockStore, M: StepModel>(
     gpu: &SharedPool,
     models: &mut [Served<S, M>],
     i: usize,
+    asleep: &mut [bool],
+    last_active: &[f64],
+    budget: u64,
+    sync: &dyn Fn() -> Result<(), String>,
+    tally: &mut [Tally],
     errors: &mut Vec<String>,
-) -> Result<f64, String> {
-    let t = Instant::now();
+) -> Result<bool, String> {
     loop {
-        match models[i].handle.wake(AfterWake::KeepHostMemory) {
+        let e = match models[i].handle.wake(AfterWake::KeepHostMemory) {
             Ok(_) => break,
-            Err(e) => {
-                // Free the most KV another model holds, one request at a time.
-                let victim = (0..models.len())
-                    .filter(|&j| j != i)
-                    .max_by_key(|&j| models[j].engine.kv.used());
-                let freed = victim.is_some_and(|j| models[j].engine.preempt_one());
-                if !freed {
-                    return Err(format!(
-                        "wake {}: {e} (nothing left to preempt)",
-                        models[i].handle.id()
-                    ));
-                }
-            }
+            Err(e) => e,
+        };
+        let idle = (0..models.len())
+            .filter(|&j| j != i && !asleep[j] && !models[j].engine.has_work())
+            .min_by(|&a, &b| last_active[a].total_cmp(&last_active[b]));
+        if let Some(j) = idle {
+            put_to_sleep(gpu, &models[j], sync)?;
+            asleep[j] = true;
+            tally[j].sleeps += 1;
+            continue;
+        }
+        // Preempting KV helps only if the awake models' bases leave room for this one's.
+        let bases: u64 = (0..models.len())
+            .filter(|&j| j == i || !asleep[j])
+            .map(|j| models[j].base)
+            .sum();
+        let victim = (0..models.len())
+            .filter(|&j| j != i && !asleep[j])
+            .max_by_key(|&j| models[j].engine.kv.used());
+        if bases > budget || !victim.is_some_and(|j| models[j].engine.preempt_one()) {
+            tracing::debug!(model = models[i].handle.id(), error = %e, "no room to wake yet");
+            return Ok(false);
         }
     }
+    asleep[i] = false;
     // Its guarantee back: room for its activations.
     let id = models[i].handle.id().to_string();
     while let Err(e) = gpu.set_guarantee(&id, models[i].guarantee) {
         let victim = (0..models.len())
-            .filter(|&j| j != i)
+            .filter(|&j| j != i && !asleep[j])
             .max_by_key(|&j| models[j].engine.kv.used());
         if !victim.is_some_and(|j| models[j].engine.preempt_one()) {
             if errors.len() < 8 {
@@ -682,5 +785,5 @@ fn wake<S: BlockStore, M: StepModel>(
             break;
         }
     }
-    Ok(t.elapsed().as_secs_f64())
+    Ok(true)
 }

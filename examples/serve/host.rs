@@ -65,6 +65,9 @@ impl StepModel for SimModel {
 pub struct HostSizes {
     /// Models.
     pub models: usize,
+    /// Models whose weights, activations and KV share the budget holds (fewer than `models`:
+    /// only the sleep policy serves them all).
+    pub resident: usize,
     /// Weights per model (bytes).
     pub weights: u64,
     /// Activation bytes per token of a step.
@@ -88,6 +91,7 @@ impl HostSizes {
     pub fn tiny(models: usize, kv_blocks: u64) -> Self {
         HostSizes {
             models,
+            resident: models,
             weights: 2 << 20,
             act_bytes_per_token: 256,
             act_reserve: 1 << 20,
@@ -111,7 +115,7 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
     let e = |e: elastic_vmm::Error| e.to_string();
     let g = sizes.granularity;
     let base = sizes.weights + sizes.act_reserve;
-    let budget = base * sizes.models as u64 + sizes.kv_blocks * g;
+    let budget = base * sizes.resident as u64 + sizes.kv_blocks * g;
     let backend = Arc::new(HostBackend::new(g as usize).map_err(e)?);
     let gpu = SharedPool::new(backend, SharedPoolConfig::new().global_limit(budget)).map_err(e)?;
     let mut models = Vec::new();

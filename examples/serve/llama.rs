@@ -216,6 +216,9 @@ pub struct GpuSizes {
     pub size: Size,
     /// Models.
     pub models: usize,
+    /// Models the budget holds (bases and KV shares); fewer than `models` is the sleep
+    /// policy's case (the models start asleep and wake on demand).
+    pub resident: usize,
     /// KV bytes per model under `static` (the budget is the models' bases plus K of these).
     pub kv_share: u64,
     /// Engine limits.
@@ -354,15 +357,26 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
         });
         tensor_pools.push(tensors);
     }
-    let budget = models.iter().map(|m| m.base).sum::<u64>() + sizes.kv_share * sizes.models as u64;
+    let bases = models.iter().map(|m| m.base).sum::<u64>();
+    let resident = sizes.resident.clamp(1, sizes.models) as u64;
+    let budget = bases / sizes.models as u64 * resident + sizes.kv_share * resident;
     if budget > device_budget {
         return Err(format!(
             "the budget of {:.2} GiB (bases and {} x {:.2} GiB of KV) exceeds the device's {:.2} GiB: lower --kv-share-gib or --models",
             budget as f64 / (1u64 << 30) as f64,
-            sizes.models,
+            resident,
             sizes.kv_share as f64 / (1u64 << 30) as f64,
             device_budget as f64 / (1u64 << 30) as f64
         ));
+    }
+    if bases > budget {
+        // More models than the budget holds: all of them asleep before the budget is set.
+        device.synchronize().map_err(ce)?;
+        for m in &models {
+            m.handle
+                .sleep(&crate::cluster::sleep_policy())
+                .map_err(|e| format!("sleep {}: {e}", m.handle.id()))?;
+        }
     }
     // The device's memory beyond the budget is held back by a model that only holds a
     // guarantee (nothing mapped): no policy can use it.

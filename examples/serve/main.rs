@@ -7,6 +7,7 @@
 //! serve [--sizes small,8b] [--duration S] [--drain S] [--points 0,1,2,3,4] [--loads-small R,..]
 //!       [--loads-8b R,..] [--policies static,elastic,sleep] [--models K] [--idle S]
 //!       [--kv-share-gib-small G] [--kv-share-gib-8b G] [--max-batch N] [--seed N] [--out DIR]
+//!       [--resident N]
 //! serve --trace FILE ... the policies on one saved trace (a `traces/*.json` of an earlier run)
 //! serve --sim ...        the same on the host backend with simulated compute (no GPU)
 //! ```
@@ -31,6 +32,17 @@
 //!                                          # the load points as --loads-small a,b,c,d,e
 //! ./serve --sizes small --points 3,4 --loads-small a,b,c,d,e   # ~7 min: 6 runs
 //! ./serve --sizes 8b                       # ~8 min: 3 x 16 GB models, staging, probe, 6 runs
+//! ```
+//!
+//! More models than fit (the sleep goal: models served at one p99-TTFT SLO): `--resident N`
+//! sizes the budget for N models (their bases and KV shares) while `--models` loads more; only
+//! `sleep` serves them (the models start asleep and wake on demand; the other policies report
+//! that they do not fit). Compare `--models N --policies static` against `--models 2N
+//! --resident N --policies sleep` at the same `--loads-small`:
+//!
+//! ```text
+//! ./serve --sizes small --models 3 --policies static --points 2 --loads-small a,b,c,d,e
+//! ./serve --sizes small --models 6 --resident 3 --policies sleep --points 2 --loads-small a,b,c,d,e
 //! ```
 //!
 //! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
@@ -71,6 +83,7 @@ struct Args {
     loads_8b: Option<Vec<f64>>,
     policies: Vec<Policy>,
     models: usize,
+    resident: Option<usize>,
     kv_share_small: f64,
     kv_share_8b: f64,
     max_batch: usize,
@@ -110,6 +123,7 @@ fn parse() -> Result<Args, String> {
             Policy::Sleep { idle_s: 2.0 },
         ],
         models: 3,
+        resident: None,
         kv_share_small: 0.25,
         kv_share_8b: 5.0,
         max_batch: 64,
@@ -147,6 +161,7 @@ fn parse() -> Result<Args, String> {
             "--policies" => policies = Some(list(&v)?),
             "--idle" => idle = num(&v)?,
             "--models" => a.models = num(&v)? as usize,
+            "--resident" => a.resident = Some(num(&v)? as usize),
             "--kv-share-gib-small" => a.kv_share_small = num(&v)?,
             "--kv-share-gib-8b" => a.kv_share_8b = num(&v)?,
             "--max-batch" => a.max_batch = num(&v)? as usize,
@@ -283,6 +298,7 @@ fn sweep_traces<S: BlockStore, M: StepModel>(
 ) -> Result<Vec<RunSummary>, String> {
     let total = traces.len() * a.policies.len();
     let mut done = Vec::new();
+    let mut failed = Vec::new();
     println!("{}", report::header());
     for (p, t) in &traces {
         let p = *p;
@@ -304,7 +320,16 @@ fn sweep_traces<S: BlockStore, M: StepModel>(
                 sample_s: 0.25,
                 budget: r.budget,
             };
-            let s = cluster::run(r.gpu, r.models, t, policy, &label, opts, r.sync)?;
+            // A run that fails (a policy that cannot hold the models, a device error) is
+            // reported and the sweep goes on: the next run sets its policy afresh.
+            let s = match cluster::run(r.gpu, r.models, t, policy, &label, opts, r.sync) {
+                Ok(s) => s,
+                Err(e) => {
+                    println!("{label} {}: FAILED: {e}", policy.name());
+                    failed.push(format!("{label} {}: {e}", policy.name()));
+                    continue;
+                }
+            };
             print!("{}", report::lines(&s));
             report::save(&a.out, &s)?;
             if p == 2 {
@@ -315,6 +340,10 @@ fn sweep_traces<S: BlockStore, M: StepModel>(
             }
             done.push(s);
         }
+    }
+    if !failed.is_empty() {
+        let path = a.out.join(format!("{}-failed.txt", r.name));
+        std::fs::write(&path, failed.join("\n")).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     report::write_svg(
         &a.out.join(format!("{}-ttft-p99.svg", r.name)),
@@ -352,14 +381,23 @@ fn verdict(runs: &[RunSummary]) {
             .map(|r| r.overall.oom)
             .sum();
         println!(
-            "{label}: p99 TTFT static {:.3} s / elastic {:.3} s = {ratio:.2}x; throughput elastic/static {tput:.3}{sleep}; oom {oom}",
-            st.overall.ttft_p99, el.overall.ttft_p99
+            "{label}: p99 TTFT static {:.3} s / elastic {:.3} s = {ratio:.2}x; throughput elastic/static {tput:.3}; finished static {}/{} elastic {}/{}{sleep}; oom {oom}",
+            st.overall.ttft_p99,
+            el.overall.ttft_p99,
+            st.overall.finished,
+            st.overall.requests,
+            el.overall.finished,
+            el.overall.requests
         );
     }
 }
 
 fn run_sim(a: &Args, start: Instant) -> Result<(), String> {
-    let sizes = host::HostSizes::tiny(a.models, 128 * a.models as u64);
+    let resident = a.resident.unwrap_or(a.models).clamp(1, a.models);
+    let sizes = host::HostSizes {
+        resident,
+        ..host::HostSizes::tiny(a.models, 128 * resident as u64)
+    };
     let (gpu, mut models) = host::cluster(sizes)?;
     let budget = gpu.global_limit();
     let mut r = SizeRun {
@@ -378,15 +416,29 @@ fn run_sim(a: &Args, start: Instant) -> Result<(), String> {
     );
     let runs = sweep(a, &mut r, a.loads_small.as_ref(), &a.points, start)?;
     verdict(&runs);
-    // Every sleep and wake left the weights as they were.
+    // Every sleep and wake left the weights as they were: each model woken alone (the others
+    // asleep: more models than fit may be loaded) and read.
+    let policy = cluster::sleep_policy();
+    let e = |e: elastic_vmm::Error| e.to_string();
+    for m in models.iter().filter(|m| !m.handle.is_asleep()) {
+        m.handle.sleep(&policy).map_err(e)?;
+    }
     for m in &models {
+        m.handle
+            .wake(elastic_vmm::AfterWake::KeepHostMemory)
+            .map_err(e)?;
         if !m.engine.model.weights_intact()? {
             return Err(format!(
                 "{}: weights changed across sleep and wake",
                 m.handle.id()
             ));
         }
+        m.handle.sleep(&policy).map_err(e)?;
     }
+    progress(
+        start,
+        "sim: every model's weights intact after its sleeps and wakes",
+    );
     Ok(())
 }
 
@@ -411,6 +463,7 @@ fn run_gpu(a: &Args, start: Instant) -> Result<(), String> {
         let sizes = llama::GpuSizes {
             size: sz,
             models: a.models,
+            resident: a.resident.unwrap_or(a.models),
             kv_share: (share * (1u64 << 30) as f64) as u64,
             engine: engine::EngineConfig {
                 max_batch: a.max_batch,
