@@ -685,6 +685,12 @@ pub fn run<S: BlockStore, M: StepModel>(
         }
     }
     // Leave every model idle.
+    for m in models.iter_mut() {
+        let n = std::mem::take(&mut m.engine.kv.release_errors);
+        if n > 0 {
+            errors.push(format!("{}: {n} KV releases failed", m.handle.id()));
+        }
+    }
     for i in 0..k {
         tally[i].unfinished += models[i].engine.abandon() as u64;
         tally[i].counters = models[i].engine.counters;

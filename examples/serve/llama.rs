@@ -276,8 +276,9 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
         .map_err(e)?
         .map_err(ce)?;
         device.synchronize().map_err(ce)?;
-        route::flush(&handle);
-        let weights = handle.model_stats().map_or(0, |s| s.used);
+        // The f32 draws the weights were converted from go back to the device.
+        handle.trim().map_err(e)?;
+        let weights = handle.model_stats().map_or(0, |s| s.in_use);
         progress(&format!(
             "loaded {id}: {:.2} GiB of random weights on the device in {:.1} s",
             weights as f64 / (1u64 << 30) as f64,
