@@ -310,6 +310,58 @@ mod scheduler_tests {
         assert!(prefills >= 2, "no recompute prefill: {:?}", e.model.steps);
     }
 
+    /// A step that fails (out of memory) is counted, its sequences go back to the queue with
+    /// their blocks freed, and they finish once steps work again.
+    #[test]
+    fn a_failed_step_is_counted_and_its_requests_retried() {
+        struct Flaky {
+            fail: u32,
+        }
+        impl StepModel for Flaky {
+            fn prefill(&mut self, _: &[SeqView]) -> Result<f64, String> {
+                Ok(1e-3)
+            }
+            fn decode(&mut self, _: &[SeqView]) -> Result<f64, String> {
+                if self.fail > 0 {
+                    self.fail -= 1;
+                    return Err("out of memory (test)".into());
+                }
+                Ok(1e-3)
+            }
+        }
+        let mut e = Engine::new(
+            CountingKv::new(16, 16),
+            Flaky { fail: 2 },
+            EngineConfig {
+                max_batch: 8,
+                max_prefill_tokens: 4096,
+            },
+        );
+        e.submit(req(0, 20, 5));
+        e.submit(req(1, 20, 5));
+        e.step(0.0); // prefill both
+        assert_eq!(e.kv.used(), 4);
+        assert_eq!(e.step(0.0), 0.0, "a failed step takes no time");
+        assert_eq!(e.counters.oom, 1);
+        assert_eq!(e.load(), (2, 0), "both back in the queue");
+        assert_eq!(e.kv.used(), 0, "their blocks freed");
+        assert!(e
+            .last_error
+            .as_deref()
+            .is_some_and(|m| m.contains("out of memory")));
+        let mut now = 0.0;
+        for _ in 0..100 {
+            if !e.has_work() {
+                break;
+            }
+            now += e.step(now);
+        }
+        assert_eq!(e.counters.oom, 2);
+        assert_eq!(e.finished.len(), 2);
+        assert_eq!(e.counters.tokens, 10, "recomputed, not regenerated");
+        assert_eq!(e.kv.used(), 0);
+    }
+
     /// Many random requests through a small cache: the checks of every step hold, everything
     /// finishes, no block leaks, tokens add up.
     #[test]

@@ -28,6 +28,9 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{Engine, EngineCounters, KvBlocks, StepModel};
 use crate::trace::Trace;
 
+/// Failed steps in a row after which a run stops (a failed step takes no time).
+const MAX_FAILED_STEPS: u32 = 100;
+
 /// A memory policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Policy {
@@ -502,14 +505,15 @@ pub fn run<S: BlockStore, M: StepModel>(
     let mut rr = 0usize;
     let mut last_sample = f64::NEG_INFINITY;
     let mut sample_t = 0.0f64;
+    let mut failures = 0u32;
     let sample = |models: &[Served<S, M>]| -> Vec<u64> {
         models
             .iter()
             .map(|m| m.handle.model_stats().map_or(0, |s| s.used))
             .collect()
     };
-    loop {
-        // Arrivals up to now; a request for a sleeping model wakes it.
+    'run: loop {
+        // Arrivals up to now (a sleeping model with requests wakes below).
         while next < trace.requests.len() && trace.requests[next].arrival() <= now {
             let r = trace.requests[next];
             next += 1;
@@ -576,6 +580,16 @@ pub fn run<S: BlockStore, M: StepModel>(
                         errors.push(format!("{}: {e}", models[i].handle.id()));
                     }
                 }
+                // A failed step takes no time: failing again and again would spin in place.
+                failures += 1;
+                if failures > MAX_FAILED_STEPS {
+                    errors.push(format!(
+                        "{MAX_FAILED_STEPS} failed steps in a row: run stopped at {now:.1} s"
+                    ));
+                    break 'run;
+                }
+            } else {
+                failures = 0;
             }
             if after.prefills + after.decodes > before.prefills + before.decodes {
                 now += dt;
