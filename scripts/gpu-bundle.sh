@@ -32,7 +32,7 @@ if has candle || has candle-example; then
   cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
 fi
 if has candle-example; then
-  cargo build --release --features "$features" --example routed_llama --message-format=json-render-diagnostics >>"$json"
+  cargo build --release --features "$features" --example routed_llama --example serve --message-format=json-render-diagnostics >>"$json"
 fi
 python3 - "$json" "$out" <<'PY'
 import json, shutil, sys

@@ -112,6 +112,26 @@ head -c 5 "$svg" | grep -q '^<svg' || {
   exit 1
 }
 
+step "serving benchmark (examples/serve): its whole driver on the host backend, simulated compute"
+# Calibration, five loads x three policies, a JSON summary per run, the plots (a second or two;
+# tests/serve.rs tests the parts). The example the tests built, found as the CLI is above.
+serve=$(cargo test --profile "$profile" --no-run --quiet --message-format=json | python3 -c '
+import json, sys
+exes = [m["executable"] for m in map(json.loads, sys.stdin)
+        if m.get("reason") == "compiler-artifact" and m["target"]["kind"] == ["example"]
+        and m["target"]["name"] == "serve" and m["executable"]]
+print(exes[0] if exes else "")
+')
+[[ -x "$serve" ]] || {
+  echo "cargo reported no serve example" >&2
+  exit 1
+}
+"$serve" --sim --duration 20 --out "$tmp/serve" >/dev/null
+[[ -s "$tmp/serve/small-ttft-p99.svg" && -s "$tmp/serve/small-p4-sleep.json" ]] || {
+  echo "serve --sim wrote no summaries or plots to $tmp/serve" >&2
+  exit 1
+}
+
 step "NIXL: the real library (PyPI wheel nixl-cu13), registration and transfers on host memory"
 nixl_libs=$(scripts/nixl-runtime.sh) # installs libclang-dev and g++ when missing; cached
 # UCX fails on an empty UCX_TLS; it moves host memory with CMA, and over TCP where CMA is blocked.

@@ -1,0 +1,162 @@
+//! The benchmark on the host backend: models whose weights, activations and KV blocks are real
+//! memory of one shared pool (memfd chunks), compute modelled by [`SimCost`]. Used by the host
+//! tests and by `serve --sim` (the whole sweep without a GPU, to check the driver).
+
+use std::sync::Arc;
+
+use elastic_vmm::backend::host::HostBackend;
+use elastic_vmm::{
+    Allocation, BlockBacking, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag,
+    UniformBlocks,
+};
+
+use crate::cluster::{PoolKv, Served};
+use crate::engine::{Engine, EngineConfig, SeqView, SimCost, StepModel};
+
+/// A simulated model over real memory: its weights are an allocation with a known pattern (a
+/// sleep must bring them back intact), each step allocates (and frees) its activations in the
+/// model's pool, so a step that cannot get its memory fails like an out-of-memory would.
+pub struct SimModel {
+    model: ModelHandle,
+    cost: SimCost,
+    act_bytes_per_token: u64,
+    weights: Allocation,
+    pattern: u8,
+}
+
+impl SimModel {
+    /// Whether the weights still hold their pattern (first and last bytes of every page).
+    pub fn weights_intact(&self) -> Result<bool, String> {
+        let size = self.weights.size();
+        let mut b = [0u8; 1];
+        for at in (0..size).step_by(4096).chain([size - 1]) {
+            self.weights.read(at, &mut b).map_err(|e| e.to_string())?;
+            if b[0] != self.pattern {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn activations(&self, tokens: u64) -> Result<(), String> {
+        let bytes = (tokens * self.act_bytes_per_token).max(1) as usize;
+        let mut a = self
+            .model
+            .allocate_tagged(bytes, Tag::Activations)
+            .map_err(|e| format!("activations of {bytes} bytes: {e}"))?;
+        a.write(0, &[1]).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+impl StepModel for SimModel {
+    fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
+        self.activations(seqs.iter().map(|s| s.new_tokens as u64).sum())?;
+        self.cost.prefill(seqs)
+    }
+    fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
+        self.activations(seqs.len() as u64)?;
+        self.cost.decode(seqs)
+    }
+}
+
+/// Sizes of a host cluster.
+#[derive(Debug, Clone, Copy)]
+pub struct HostSizes {
+    /// Models.
+    pub models: usize,
+    /// Models whose weights, activations and KV share the budget holds (fewer than `models`:
+    /// only the sleep policy serves them all).
+    pub resident: usize,
+    /// Weights per model (bytes).
+    pub weights: u64,
+    /// Activation bytes per token of a step.
+    pub act_bytes_per_token: u64,
+    /// Activation bytes reserved per model (guaranteed with the weights).
+    pub act_reserve: u64,
+    /// KV blocks of all models together.
+    pub kv_blocks: u64,
+    /// Tokens per KV block (a block is one granule).
+    pub block_tokens: u32,
+    /// The host backend's granularity (bytes of a block).
+    pub granularity: u64,
+    /// Engine limits.
+    pub engine: EngineConfig,
+    /// Step costs.
+    pub cost: SimCost,
+}
+
+impl HostSizes {
+    /// Small enough for CI: 64 KiB granules of 16 tokens, 2 MiB of weights per model.
+    pub fn tiny(models: usize, kv_blocks: u64) -> Self {
+        HostSizes {
+            models,
+            resident: models,
+            weights: 2 << 20,
+            act_bytes_per_token: 256,
+            act_reserve: 1 << 20,
+            kv_blocks,
+            block_tokens: 16,
+            granularity: 64 << 10,
+            engine: EngineConfig {
+                max_batch: 32,
+                max_prefill_tokens: 2048,
+            },
+            cost: SimCost::small(),
+        }
+    }
+}
+
+/// A model of a host cluster.
+pub type HostServed = Served<BlockBacking<UniformBlocks>, SimModel>;
+
+/// A shared pool on the host backend with `sizes.models` simulated models loaded.
+pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String> {
+    let e = |e: elastic_vmm::Error| e.to_string();
+    let g = sizes.granularity;
+    let base = sizes.weights + sizes.act_reserve;
+    let budget = base * sizes.resident as u64 + sizes.kv_blocks * g;
+    let backend = Arc::new(HostBackend::new(g as usize).map_err(e)?);
+    let gpu = SharedPool::new(backend, SharedPoolConfig::new().global_limit(budget)).map_err(e)?;
+    let mut models = Vec::new();
+    for i in 0..sizes.models {
+        let id = format!("sim-{i}");
+        let virt = (2 * budget + (64 << 20)) as usize;
+        let handle = gpu
+            .register(ModelConfig::new(&id, virt, budget))
+            .map_err(e)?;
+        let mut weights = handle
+            .allocate_tagged(sizes.weights as usize, Tag::Weights)
+            .map_err(e)?;
+        let pattern = 0x5A ^ i as u8;
+        weights.fill(pattern).map_err(e)?;
+        let store = BlockBacking::reserve(
+            &handle,
+            UniformBlocks::packed(sizes.kv_blocks as usize, g),
+            None,
+            None,
+        )
+        .map_err(e)?;
+        let kv = PoolKv::new(
+            store,
+            handle.clone(),
+            sizes.kv_blocks as usize,
+            sizes.block_tokens,
+            g,
+        );
+        let model = SimModel {
+            model: handle.clone(),
+            cost: sizes.cost,
+            act_bytes_per_token: sizes.act_bytes_per_token,
+            weights,
+            pattern,
+        };
+        models.push(Served {
+            handle,
+            engine: Engine::new(kv, model, sizes.engine),
+            base,
+            guarantee: 0,
+        });
+    }
+    Ok((gpu, models))
+}

@@ -1,0 +1,540 @@
+//! Many models on one GPU, end to end (issue 24): K candle Llama models with random weights,
+//! every allocation routed into its model of one shared pool, each behind a continuous-batching
+//! engine, serve one seeded bursty trace under three memory policies (static 1/K partitions,
+//! elastic, elastic with sleep), swept over load.
+//!
+//! ```text
+//! serve [--sizes small,8b] [--duration S] [--drain S] [--points 0,1,2,3,4] [--loads-small R,..]
+//!       [--loads-8b R,..] [--policies static,elastic,sleep] [--models K] [--idle S]
+//!       [--kv-share-gib-small G] [--kv-share-gib-8b G] [--max-batch N] [--seed N] [--out DIR]
+//!       [--resident N]
+//! serve --trace FILE ... the policies on one saved trace (a `traces/*.json` of an earlier run)
+//! serve --sim ...        the same on the host backend with simulated compute (no GPU)
+//! ```
+//!
+//! Per size: a calibration probe (10 s at a rate no model keeps up with, elastic) measures the
+//! device's capacity in output tokens per second; the load points are fractions
+//! 0.25, 0.5, 0.75, 1.0, 1.5 of the peak rate per model at which the trace's mean demand equals
+//! that capacity (`--loads-*` gives them instead and skips the probe). The 8B-shaped models run
+//! only points 2 and 4 (the knee and saturation) unless `--points-8b` says otherwise. Each run
+//! prints its summary lines as it finishes and saves them as JSON under `--out` (default
+//! `$OUT/serve`, else `target/serve`), with the traces; SVGs of p99 TTFT against load per size
+//! and of memory per model over time (point 2, each policy) follow each size.
+//!
+//! Needs a CUDA GPU and the `candle-example` feature, except with `--sim`.
+//!
+//! On a GPU machine without Rust (`scripts/gpu-bundle.sh candle-example` puts `serve` in the
+//! bundle), in three commands of under 10 minutes each (wall times are estimates from the trace
+//! volume, not measured):
+//!
+//! ```text
+//! ./serve --sizes small --points 0,1,2     # ~5 min: 3 small models, probe, 9 runs; prints
+//!                                          # the load points as --loads-small a,b,c,d,e
+//! ./serve --sizes small --points 3,4 --loads-small a,b,c,d,e   # ~7 min: 6 runs
+//! ./serve --sizes 8b                       # ~8 min: 3 x 16 GB models, staging, probe, 6 runs
+//! ```
+//!
+//! More models than fit (the sleep goal: models served at one p99-TTFT SLO): `--resident N`
+//! sizes the budget for N models (their bases and KV shares) while `--models` loads more; only
+//! `sleep` serves them (the models start asleep and wake on demand; the other policies report
+//! that they do not fit). Compare `--models N --policies static` against `--models 2N
+//! --resident N --policies sleep` at the same `--loads-small`:
+//!
+//! ```text
+//! ./serve --sizes small --models 3 --policies static --points 2 --loads-small a,b,c,d,e
+//! ./serve --sizes small --models 6 --resident 3 --policies sleep --points 2 --loads-small a,b,c,d,e
+//! ```
+//!
+//! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
+//! saturation takes about the trace and its drain (60 + 15 s). `--duration` shortens them.
+
+mod cluster;
+mod engine;
+mod host;
+#[cfg(feature = "candle-example")]
+mod llama;
+mod report;
+mod trace;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use cluster::{BlockStore, Policy, RunOptions, RunSummary, Served};
+use engine::StepModel;
+use trace::{Trace, TraceConfig};
+
+#[cfg(feature = "candle-example")]
+elastic_vmm::route_cuda_allocations!();
+
+/// Fractions of the calibrated saturation load.
+const FRACTIONS: [f64; 5] = [0.25, 0.5, 0.75, 1.0, 1.5];
+
+struct Args {
+    sim: bool,
+    sizes: Vec<String>,
+    duration: f64,
+    drain: f64,
+    seed: u64,
+    out: PathBuf,
+    points: Vec<usize>,
+    points_8b: Vec<usize>,
+    loads_small: Option<Vec<f64>>,
+    loads_8b: Option<Vec<f64>>,
+    policies: Vec<Policy>,
+    models: usize,
+    resident: Option<usize>,
+    kv_share_small: f64,
+    kv_share_8b: f64,
+    max_batch: usize,
+    probe_s: f64,
+    trace: Option<PathBuf>,
+}
+
+fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String> {
+    s.split(',')
+        .map(|x| {
+            x.trim()
+                .parse()
+                .map_err(|_| format!("bad list item {x:?} in {s:?}"))
+        })
+        .collect()
+}
+
+fn parse() -> Result<Args, String> {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let out_default = std::env::var_os("OUT")
+        .map(|o| PathBuf::from(o).join("serve"))
+        .unwrap_or_else(|| PathBuf::from("target/serve"));
+    let mut a = Args {
+        sim: false,
+        sizes: vec!["small".into(), "8b".into()],
+        duration: 60.0,
+        drain: 15.0,
+        seed: 42,
+        out: out_default,
+        points: (0..FRACTIONS.len()).collect(),
+        points_8b: vec![2, 4],
+        loads_small: None,
+        loads_8b: None,
+        policies: vec![
+            Policy::Static,
+            Policy::Elastic,
+            Policy::Sleep { idle_s: 2.0 },
+        ],
+        models: 3,
+        resident: None,
+        kv_share_small: 0.25,
+        kv_share_8b: 5.0,
+        max_batch: 64,
+        probe_s: 10.0,
+        trace: None,
+    };
+    let mut idle = 2.0;
+    let mut policies: Option<Vec<String>> = None;
+    let mut i = 0;
+    while i < argv.len() {
+        let flag = argv[i].as_str();
+        if flag == "--sim" {
+            a.sim = true;
+            i += 1;
+            continue;
+        }
+        let v = argv
+            .get(i + 1)
+            .ok_or_else(|| format!("{flag} needs a value"))?
+            .clone();
+        let num = |v: &str| {
+            v.parse::<f64>()
+                .map_err(|_| format!("{flag}: bad number {v:?}"))
+        };
+        match flag {
+            "--sizes" => a.sizes = list(&v)?,
+            "--duration" => a.duration = num(&v)?,
+            "--drain" => a.drain = num(&v)?,
+            "--seed" => a.seed = num(&v)? as u64,
+            "--out" => a.out = PathBuf::from(v),
+            "--points" => a.points = list(&v)?,
+            "--points-8b" => a.points_8b = list(&v)?,
+            "--loads-small" => a.loads_small = Some(list(&v)?),
+            "--loads-8b" => a.loads_8b = Some(list(&v)?),
+            "--policies" => policies = Some(list(&v)?),
+            "--idle" => idle = num(&v)?,
+            "--models" => a.models = num(&v)? as usize,
+            "--resident" => a.resident = Some(num(&v)? as usize),
+            "--kv-share-gib-small" => a.kv_share_small = num(&v)?,
+            "--kv-share-gib-8b" => a.kv_share_8b = num(&v)?,
+            "--max-batch" => a.max_batch = num(&v)? as usize,
+            "--probe" => a.probe_s = num(&v)?,
+            "--trace" => a.trace = Some(PathBuf::from(v)),
+            _ => return Err(format!("unknown flag {flag} (see the example's docs)")),
+        }
+        i += 2;
+    }
+    if let Some(p) = policies {
+        a.policies = p
+            .iter()
+            .map(|n| match n.as_str() {
+                "static" => Ok(Policy::Static),
+                "elastic" => Ok(Policy::Elastic),
+                "sleep" => Ok(Policy::Sleep { idle_s: idle }),
+                _ => Err(format!("unknown policy {n:?}: static, elastic or sleep")),
+            })
+            .collect::<Result<_, _>>()?;
+    } else {
+        a.policies[2] = Policy::Sleep { idle_s: idle };
+    }
+    if a.models == 0 || a.duration <= 0.0 {
+        return Err("--models and --duration must be positive".into());
+    }
+    Ok(a)
+}
+
+fn progress(start: Instant, msg: &str) {
+    println!("[{:>7.1} s] {msg}", start.elapsed().as_secs_f64());
+}
+
+/// Everything a sweep over one model size needs.
+struct SizeRun<'a, S: BlockStore, M: StepModel> {
+    name: &'a str,
+    gpu: &'a elastic_vmm::SharedPool,
+    models: &'a mut [Served<S, M>],
+    budget: u64,
+    sync: &'a dyn Fn() -> Result<(), String>,
+}
+
+fn trace_config(a: &Args, peak: f64) -> TraceConfig {
+    TraceConfig::kvcached_like(a.seed, a.models, peak, a.duration)
+}
+
+/// The peak rate per model at which the trace's mean demand is the measured capacity.
+fn probe<S: BlockStore, M: StepModel>(
+    a: &Args,
+    r: &mut SizeRun<S, M>,
+    start: Instant,
+) -> Result<f64, String> {
+    let mut c = trace_config(a, 1000.0 / a.models as f64);
+    c.duration_s = a.probe_s;
+    c.base_rate = c.peak_rate;
+    c.ou_sigma = 0.0;
+    c.crowd_rate = 0.0;
+    let t = Trace::generate(&c)?;
+    let opts = RunOptions {
+        drain_s: 0.0,
+        sample_s: 1.0,
+        budget: r.budget,
+    };
+    let s = cluster::run(r.gpu, r.models, &t, Policy::Elastic, "probe", opts, r.sync)?;
+    let tokens_per_s = s.overall.throughput;
+    let unit = trace_config(a, 1.0);
+    let demand_per_peak: f64 =
+        (0..a.models).map(|m| unit.expected_rate(m)).sum::<f64>() * unit.output_mean;
+    let peak = tokens_per_s / demand_per_peak;
+    progress(
+        start,
+        &format!(
+            "{}: capacity {tokens_per_s:.0} output tokens/s (probe of {:.0} s, {} preemptions, oom {}): saturation at a peak of {peak:.3} requests/s per model",
+            r.name, a.probe_s, s.overall.preemptions, s.overall.oom
+        ),
+    );
+    Ok(peak)
+}
+
+fn sweep<S: BlockStore, M: StepModel>(
+    a: &Args,
+    r: &mut SizeRun<S, M>,
+    loads: Option<&Vec<f64>>,
+    points: &[usize],
+    start: Instant,
+) -> Result<Vec<RunSummary>, String> {
+    if let Some(path) = &a.trace {
+        let t = Trace::load(path)?;
+        if t.config.models != r.models.len() {
+            return Err(format!(
+                "{} is a trace for {} models, not {}",
+                path.display(),
+                t.config.models,
+                r.models.len()
+            ));
+        }
+        return sweep_traces(a, r, vec![(0, t)], start);
+    }
+    let loads: Vec<f64> = match loads {
+        Some(l) => l.clone(),
+        None => {
+            let sat = probe(a, r, start)?;
+            let l: Vec<f64> = FRACTIONS.iter().map(|f| f * sat).collect();
+            println!(
+                "load points (peak requests/s per model): {}   (to reuse: --loads-{} {})",
+                l.iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                r.name,
+                l.iter()
+                    .map(|x| format!("{x:.3}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            l
+        }
+    };
+    let dir = a.out.join("traces");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut traces = Vec::new();
+    for &p in points.iter().filter(|&&p| p < loads.len()) {
+        let t = Trace::generate(&trace_config(a, loads[p]))?;
+        t.save(&dir.join(format!("{}-p{p}.json", r.name)))?;
+        traces.push((p, t));
+    }
+    sweep_traces(a, r, traces, start)
+}
+
+fn sweep_traces<S: BlockStore, M: StepModel>(
+    a: &Args,
+    r: &mut SizeRun<S, M>,
+    traces: Vec<(usize, Trace)>,
+    start: Instant,
+) -> Result<Vec<RunSummary>, String> {
+    let total = traces.len() * a.policies.len();
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    println!("{}", report::header());
+    for (p, t) in &traces {
+        let p = *p;
+        for &policy in &a.policies {
+            progress(
+                start,
+                &format!(
+                    "[{}/{total}] {} point {p} (peak {:.3}/s per model, {} requests) {}",
+                    done.len() + 1,
+                    r.name,
+                    t.config.peak_rate,
+                    t.requests.len(),
+                    policy.name()
+                ),
+            );
+            let label = format!("{}-p{p}", r.name);
+            let opts = RunOptions {
+                drain_s: a.drain,
+                sample_s: 0.25,
+                budget: r.budget,
+            };
+            // A run that fails (a policy that cannot hold the models, a device error) is
+            // reported and the sweep goes on: the next run sets its policy afresh.
+            let s = match cluster::run(r.gpu, r.models, t, policy, &label, opts, r.sync) {
+                Ok(s) => s,
+                Err(e) => {
+                    println!("{label} {}: FAILED: {e}", policy.name());
+                    failed.push(format!("{label} {}: {e}", policy.name()));
+                    continue;
+                }
+            };
+            print!("{}", report::lines(&s));
+            report::save(&a.out, &s)?;
+            if p == 2 {
+                report::write_svg(
+                    &a.out.join(format!("{label}-{}-memory.svg", policy.name())),
+                    &report::memory_svg(&s),
+                )?;
+            }
+            done.push(s);
+        }
+    }
+    if !failed.is_empty() {
+        let path = a.out.join(format!("{}-failed.txt", r.name));
+        std::fs::write(&path, failed.join("\n")).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    report::write_svg(
+        &a.out.join(format!("{}-ttft-p99.svg", r.name)),
+        &report::ttft_svg(
+            &format!("{} x{}: p99 TTFT against load", r.name, a.models),
+            &done,
+        ),
+    )?;
+    Ok(done)
+}
+
+/// The goals of issue 24, checked on one size's runs (printed; not an exit status).
+fn verdict(runs: &[RunSummary]) {
+    let find = |label: &str, name: &str| {
+        runs.iter()
+            .find(|r| r.label == label && r.policy.name() == name)
+    };
+    let mut labels: Vec<&str> = runs.iter().map(|r| r.label.as_str()).collect();
+    labels.dedup();
+    for label in labels {
+        let (Some(st), Some(el)) = (find(label, "static"), find(label, "elastic")) else {
+            continue;
+        };
+        let ratio = st.overall.ttft_p99 / el.overall.ttft_p99;
+        let tput = el.overall.throughput / st.overall.throughput;
+        let sleep = find(label, "sleep").map_or(String::new(), |s| {
+            format!(
+                ", sleep p99 {:.3} s ({} sleeps)",
+                s.overall.ttft_p99, s.overall.sleeps
+            )
+        });
+        let oom: u64 = runs
+            .iter()
+            .filter(|r| r.label == label)
+            .map(|r| r.overall.oom)
+            .sum();
+        println!(
+            "{label}: p99 TTFT static {:.3} s / elastic {:.3} s = {ratio:.2}x; throughput elastic/static {tput:.3}; finished static {}/{} elastic {}/{}{sleep}; oom {oom}",
+            st.overall.ttft_p99,
+            el.overall.ttft_p99,
+            st.overall.finished,
+            st.overall.requests,
+            el.overall.finished,
+            el.overall.requests
+        );
+    }
+}
+
+fn run_sim(a: &Args, start: Instant) -> Result<(), String> {
+    let resident = a.resident.unwrap_or(a.models).clamp(1, a.models);
+    let sizes = host::HostSizes {
+        resident,
+        ..host::HostSizes::tiny(a.models, 128 * resident as u64)
+    };
+    let (gpu, mut models) = host::cluster(sizes)?;
+    let budget = gpu.global_limit();
+    let mut r = SizeRun {
+        name: "small",
+        gpu: &gpu,
+        models: &mut models,
+        budget,
+        sync: &|| Ok(()),
+    };
+    progress(
+        start,
+        &format!(
+            "sim: {} models on the host backend, budget {budget} bytes",
+            a.models
+        ),
+    );
+    let runs = sweep(a, &mut r, a.loads_small.as_ref(), &a.points, start)?;
+    verdict(&runs);
+    // Every sleep and wake left the weights as they were: each model woken alone (the others
+    // asleep: more models than fit may be loaded) and read.
+    let policy = cluster::sleep_policy();
+    let e = |e: elastic_vmm::Error| e.to_string();
+    for m in models.iter().filter(|m| !m.handle.is_asleep()) {
+        m.handle.sleep(&policy).map_err(e)?;
+    }
+    for m in &models {
+        m.handle
+            .wake(elastic_vmm::AfterWake::KeepHostMemory)
+            .map_err(e)?;
+        if !m.engine.model.weights_intact()? {
+            return Err(format!(
+                "{}: weights changed across sleep and wake",
+                m.handle.id()
+            ));
+        }
+        m.handle.sleep(&policy).map_err(e)?;
+    }
+    progress(
+        start,
+        "sim: every model's weights intact after its sleeps and wakes",
+    );
+    Ok(())
+}
+
+#[cfg(feature = "candle-example")]
+fn run_gpu(a: &Args, start: Instant) -> Result<(), String> {
+    for size in &a.sizes {
+        let (sz, share, loads, points) = match size.as_str() {
+            "small" => (
+                llama::Size::Small,
+                a.kv_share_small,
+                a.loads_small.as_ref(),
+                &a.points,
+            ),
+            "8b" => (
+                llama::Size::Llama8B,
+                a.kv_share_8b,
+                a.loads_8b.as_ref(),
+                &a.points_8b,
+            ),
+            other => return Err(format!("unknown size {other:?}: small or 8b")),
+        };
+        let sizes = llama::GpuSizes {
+            size: sz,
+            models: a.models,
+            resident: a.resident.unwrap_or(a.models),
+            kv_share: (share * (1u64 << 30) as f64) as u64,
+            engine: engine::EngineConfig {
+                max_batch: a.max_batch,
+                max_prefill_tokens: llama::PREFILL_CHUNK as u32,
+            },
+            staging: a.policies.iter().any(|p| matches!(p, Policy::Sleep { .. })),
+        };
+        let c = llama::cluster(sizes, &|m| progress(start, m))?;
+        let device = c.device.clone();
+        let sync = move || device.synchronize().map_err(|e| e.to_string());
+        let llama::GpuCluster {
+            gpu,
+            mut models,
+            tensor_pools,
+            budget,
+            ..
+        } = c;
+        progress(
+            start,
+            &format!(
+                "{size}: {} models, budget {:.2} GiB",
+                a.models,
+                budget as f64 / (1u64 << 30) as f64
+            ),
+        );
+        let mut r = SizeRun {
+            name: sz.name(),
+            gpu: &gpu,
+            models: &mut models,
+            budget,
+            sync: &sync,
+        };
+        let runs = sweep(a, &mut r, loads, points, start)?;
+        verdict(&runs);
+        drop(models);
+        drop(tensor_pools);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "candle-example"))]
+fn run_gpu(_: &Args, _: Instant) -> Result<(), String> {
+    Err("built without the candle-example feature: only --sim runs".into())
+}
+
+fn main() -> ExitCode {
+    let start = Instant::now();
+    let result = parse().and_then(|a| {
+        println!(
+            "serve: {} models, {} s traces (+{} s drain), seed {}, policies {:?}, output in {}",
+            a.models,
+            a.duration,
+            a.drain,
+            a.seed,
+            a.policies.iter().map(|p| p.name()).collect::<Vec<_>>(),
+            a.out.display()
+        );
+        if a.sim {
+            run_sim(&a, start)
+        } else {
+            run_gpu(&a, start)
+        }
+    });
+    match result {
+        Ok(()) => {
+            progress(start, "done");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("serve: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
