@@ -11,7 +11,7 @@ use elastic_vmm::layout::{
     BlockDim, LayoutBuilder, LayoutConfig, LayoutGeometry, LayoutKind, MemoryRange, MemoryView,
     Span, REGION_ALIGNMENT,
 };
-use elastic_vmm::{Backend, BlockGeometry, Error, MemoryKind};
+use elastic_vmm::{Backend, BlockGeometry, Error, MemOptions, MemoryKind};
 
 use suite::layout::{expected_place, KINDS};
 
@@ -186,7 +186,7 @@ fn views_of_runs() {
     let l = LayoutBuilder::new()
         .config(c)
         .layer_separate(BlockDim::First)
-        .allocate(&pool)
+        .allocate(&pool, &MemOptions::new())
         .build()
         .expect("layout");
     let views = l.runs(&[0, 1, 2, 7, 8, 4]).expect("runs");
@@ -250,7 +250,7 @@ fn bad_configs_are_refused_with_numbers() {
     let e = LayoutBuilder::new()
         .config(big)
         .fully_contiguous()
-        .elastic(&pool)
+        .elastic(&pool, &MemOptions::new())
         .build()
         .expect_err("too big");
     assert!(matches!(e, Error::OutOfAddressSpace { .. }), "{e}");
@@ -259,7 +259,7 @@ fn bad_configs_are_refused_with_numbers() {
     let e = LayoutBuilder::new()
         .config(zero)
         .fully_contiguous()
-        .allocate(&pool)
+        .allocate(&pool, &MemOptions::new())
         .build()
         .expect_err("zero");
     assert!(matches!(e, Error::InvalidLayout(_)), "{e}");
