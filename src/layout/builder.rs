@@ -216,7 +216,7 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
         let geometry = self.geometry()?;
         let PoolAllocation { pool, opts } = self.memory;
         let mut opts = opts.clone().tag(opts.tag_or(Tag::Kv));
-        if opts.name_arc().is_none() {
+        if opts.name.is_none() {
             opts = opts.name("kv-layout");
         }
         let bytes = extent_usize(&geometry, 0)?;
@@ -259,7 +259,7 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'_>> {
         let region = pool.reserve_region_with(geometry.extent(), &reserve)?;
         // A failed map leaves nothing mapped; dropping the region returns its address space.
         region.map(0, region.len())?;
-        if opts.is_zeroed() {
+        if opts.zeroed {
             let inner = pool.inner();
             inner.zero_mapped(region.offset(), region.len(), Space::Region)?;
         }

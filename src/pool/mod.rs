@@ -286,8 +286,8 @@ impl Pool {
     pub fn allocate_with(&self, bytes: usize, opts: &MemOptions) -> Result<Allocation> {
         opts.refuse("Pool::allocate_with", &["chunk"])?;
         let tag = opts.tag_or(Tag::default());
-        let mut a = self.inner().allocate(bytes, opts.name_arc(), tag)?;
-        if opts.is_zeroed() {
+        let mut a = self.inner().allocate(bytes, opts.name.clone(), tag)?;
+        if opts.zeroed {
             a.fill(0)?;
         }
         Ok(a)
@@ -310,7 +310,7 @@ impl Pool {
         let chunk = opts.chunk_checked(inner.gran)?.unwrap_or(inner.range_chunk);
         let tag = opts.tag_or(Tag::default());
         inner.map_range(offset, len, chunk, Space::Pool, tag)?;
-        if opts.is_zeroed() {
+        if opts.zeroed {
             inner.zero_mapped(offset, len, Space::Pool)?;
         }
         Ok(())

@@ -33,8 +33,8 @@ use crate::tag::Tag;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemOptions {
     tag: Option<Tag>,
-    name: Option<Arc<str>>,
-    zeroed: bool,
+    pub(crate) name: Option<Arc<str>>,
+    pub(crate) zeroed: bool,
     chunk: Option<u64>,
 }
 
@@ -72,14 +72,6 @@ impl MemOptions {
     /// The tag, or `default` when none was set.
     pub(crate) fn tag_or(&self, default: Tag) -> Tag {
         self.tag.clone().unwrap_or(default)
-    }
-
-    pub(crate) fn name_arc(&self) -> Option<Arc<str>> {
-        self.name.clone()
-    }
-
-    pub(crate) fn is_zeroed(&self) -> bool {
-        self.zeroed
     }
 
     /// The chunk size, checked to be a non-zero multiple of `gran`.

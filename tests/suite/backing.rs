@@ -698,7 +698,7 @@ pub fn backing_refuses_bad_input(backend: Arc<dyn Backend>) {
             None,
         );
         assert!(
-            matches!(r, Err(Error::Misaligned { what: "page size", value, .. }) if value == page),
+            matches!(r, Err(Error::Misaligned { what: "chunk", value, .. }) if value == page),
             "page {page}: {r:?}"
         );
     }

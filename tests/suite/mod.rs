@@ -495,23 +495,23 @@ pub fn mem_options(backend: Arc<dyn Backend>) {
     );
     assert_eq!(s.driver_calls.get(DriverCall::Create), 0, "nothing created");
 
-    // Reused chunks keep their bytes; `zeroed` clears them.
-    let data = pattern(7, (2 * g) as usize);
-    p.map(0, 2 * g).expect("map");
+    // A reused chunk keeps its bytes; `zeroed` clears them.
+    let data = pattern(7, g as usize);
+    p.map(0, g).expect("map");
     // SAFETY: mapped just above; nothing else uses it.
     unsafe { backend.copies().write(p.base(), &data).expect("write") };
-    p.unmap(0, 2 * g).expect("to the cache");
+    p.unmap(0, g).expect("to the cache");
     let before = p.stats().driver_calls;
-    p.map(0, 2 * g).expect("map again");
+    p.map(0, g).expect("map again");
     let mut back = vec![0u8; data.len()];
     // SAFETY: mapped just above.
     unsafe { backend.copies().read(p.base(), &mut back).expect("read") };
     assert!(
         back == data,
-        "a plain map of reused chunks keeps their bytes"
+        "a plain map of a reused chunk keeps its bytes"
     );
-    p.unmap(0, 2 * g).expect("to the cache");
-    p.map_with(0, 2 * g, &opt.clone().zeroed().tag(Tag::Kv))
+    p.unmap(0, g).expect("to the cache");
+    p.map_with(0, g, &opt.clone().zeroed().tag(Tag::Kv))
         .expect("zeroed map");
     let calls = p.stats().driver_calls.since(&before);
     assert_eq!(
@@ -522,9 +522,10 @@ pub fn mem_options(backend: Arc<dyn Backend>) {
     // SAFETY: mapped just above.
     unsafe { backend.copies().read(p.base(), &mut back).expect("read") };
     assert!(back.iter().all(|&b| b == 0), "map_with(zeroed) left bytes");
-    p.unmap(0, 2 * g).expect("unmap");
+    p.unmap(0, g).expect("unmap");
 
-    // A region's chunk is what its maps use.
+    // A region's chunk is what its maps use (the cache emptied: it would serve granules).
+    p.trim().expect("trim");
     let r = p
         .reserve_region_with(8 * g, &opt.clone().chunk(2 * g).tag(Tag::Kv))
         .expect("region");
