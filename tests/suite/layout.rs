@@ -601,7 +601,7 @@ pub mod nixl {
     use elastic_vmm::nixl::{
         sys, transfer_blocks, BlockSet, NixlAgent, TransferOp, TransferReport,
     };
-    use elastic_vmm::{Backend, DriverCall, Error, MemoryKind};
+    use elastic_vmm::{Backend, DriverCall, Error, MemOptions, MemoryKind};
 
     use super::{check, fill, held_matches, pool, Bytes, Rng};
 
