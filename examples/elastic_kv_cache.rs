@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
 use elastic_vmm::candle::{ElasticKv, TensorPool};
+use elastic_vmm::MemOptions;
 use elastic_vmm::Pool;
 
 type BoxError = Box<dyn std::error::Error>;
@@ -130,11 +131,13 @@ fn run(sequences: usize) -> Result<f64, BoxError> {
         MAX_BLOCKS,
         &[BLOCK_SIZE, KV_HEADS, HEAD_DIM],
         DType::F32,
+        &MemOptions::new(),
     )?);
     let elastic_v = Cache::Elastic(tensors.elastic_kv(
         MAX_BLOCKS,
         &[BLOCK_SIZE, KV_HEADS, HEAD_DIM],
         DType::F32,
+        &MemOptions::new(),
     )?);
     let static_k = Cache::new_static(&device)?;
     let static_v = Cache::new_static(&device)?;

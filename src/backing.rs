@@ -10,7 +10,7 @@
 //! them is backed.
 //!
 //! # Pages
-//! A page is `page_size` bytes (a multiple of the granularity) and is made of whole physical
+//! A page is the region's chunk ([`MemOptions::chunk`], a multiple of the granularity) and is made of whole physical
 //! chunks of its own: no chunk crosses a page boundary, so every page can be unmapped on its own
 //! and registered on its own (UCX exports only the first chunk of a range backed by several).
 //! The region covers whole pages ([`BlockBacking::reserve`] reserves it so; [`BlockBacking::new`]
@@ -54,7 +54,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::backend::MemoryKind;
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
-use crate::pool::{ChunkFate, ChunkSpan, Pool, Region, SleepWatcher};
+use crate::pool::{ChunkFate, ChunkSpan, MemOptions, Pool, Region, SleepWatcher};
 use crate::tag::Tag;
 
 /// Where each block's bytes lie inside a region.
@@ -376,36 +376,25 @@ fn runs(pages: &BTreeSet<usize>) -> Vec<(usize, usize)> {
     out
 }
 
-/// The page size to use and the bytes of region the blocks need (whole pages), checked.
-fn page_layout(granularity: u64, page_size: Option<u64>, extent: u64) -> Result<(u64, u64)> {
-    let page = page_size.unwrap_or(granularity);
-    if page == 0 || page % granularity != 0 {
-        return Err(Error::Misaligned {
-            what: "page size",
-            value: page,
-            alignment: granularity,
-        });
-    }
+/// The bytes of region the blocks need (whole pages of `page`), checked.
+fn page_layout(page: u64, extent: u64) -> Result<u64> {
     let pages = extent.div_ceil(page);
     let need = pages.checked_mul(page).ok_or_else(|| Error::SizeOverflow {
         what: "backing region",
         detail: format!("{pages} pages of {page} bytes"),
     })?;
-    Ok((page, need))
+    Ok(need)
 }
 
 impl<G: BlockGeometry + 'static> BlockBacking<G> {
-    /// Blocks laid out by `geometry` over `region`, mapped in pages of `page_size` bytes (a
-    /// multiple of the granularity; `None`: the granularity). The region must cover the blocks
-    /// in whole pages (see [`BlockBacking::reserve`]). Nothing is mapped yet.
-    pub fn new(
-        region: Region,
-        geometry: G,
-        page_size: Option<u64>,
-        hook: Option<Arc<dyn MappingHook>>,
-    ) -> Result<Self> {
+    /// Blocks laid out by `geometry` over `region`, mapped in pages of the region's chunk
+    /// ([`Region::chunk`]: [`MemOptions::chunk`] at reserve, default the pool's range chunk).
+    /// The region must cover the blocks in whole pages (see [`BlockBacking::reserve`]).
+    /// Nothing is mapped yet.
+    pub fn new(region: Region, geometry: G, hook: Option<Arc<dyn MappingHook>>) -> Result<Self> {
         let extent = geometry.extent()?;
-        let (page, need) = page_layout(region.granularity(), page_size, extent)?;
+        let page = region.chunk();
+        let need = page_layout(page, extent)?;
         if need > region.len() {
             return Err(Error::InvalidArgument(format!(
                 "the blocks span {extent} bytes, {need} bytes in whole pages of {page}, but the region has only {} (BlockBacking::reserve reserves whole pages)",
@@ -452,29 +441,22 @@ impl<G: BlockGeometry + 'static> BlockBacking<G> {
     }
 
     /// As [`BlockBacking::new`] over a region of `pool` reserved for it, covering the blocks in
-    /// whole pages. Its memory is tagged [`Tag::Kv`] (a KV cache's blocks; sleep policies and
-    /// stats go by it): see [`BlockBacking::reserve_tagged`] for other contents.
+    /// whole pages. [`MemOptions`]: `chunk` is the page size (a multiple of the granularity;
+    /// default: the granularity), `tag` what every page holds (default [`Tag::Kv`], a KV
+    /// cache's blocks; sleep policies and stats go by it); `name` and `zeroed` are refused.
     pub fn reserve(
         pool: &Pool,
         geometry: G,
-        page_size: Option<u64>,
+        opts: &MemOptions,
         hook: Option<Arc<dyn MappingHook>>,
     ) -> Result<Self> {
-        Self::reserve_tagged(pool, geometry, page_size, hook, Tag::Kv)
-    }
-
-    /// As [`BlockBacking::reserve`], with the [`Tag`] every page of the backing carries.
-    pub fn reserve_tagged(
-        pool: &Pool,
-        geometry: G,
-        page_size: Option<u64>,
-        hook: Option<Arc<dyn MappingHook>>,
-        tag: Tag,
-    ) -> Result<Self> {
+        opts.refuse("BlockBacking::reserve", &["name", "zeroed"])?;
         let g = pool.granularity();
-        let (_, need) = page_layout(g, page_size, geometry.extent()?)?;
-        let region = pool.reserve_region_tagged(need.max(g), tag)?;
-        Self::new(region, geometry, page_size, hook)
+        let page = opts.chunk_checked(g)?.unwrap_or(g);
+        let need = page_layout(page, geometry.extent()?)?;
+        let opts = MemOptions::new().tag(opts.tag_or(Tag::Kv)).chunk(page);
+        let region = pool.reserve_region_with(need.max(g), &opts)?;
+        Self::new(region, geometry, hook)
     }
 }
 
@@ -943,12 +925,12 @@ impl<G: BlockGeometry> Core<G> {
     fn map_run(&self, at: u64, len: u64) -> Result<()> {
         if self.page == self.region.granularity() {
             // Chunks are whole granules here: none can cross a page.
-            return self.region.map_chunked(at, len, self.page);
+            return self.region.map(at, len);
         }
         // Page by page: a run in one call could take cached chunks that straddle pages.
         let mut done = 0;
         while done < len {
-            if let Err(e) = self.region.map_chunked(at + done, self.page, self.page) {
+            if let Err(e) = self.region.map(at + done, self.page) {
                 if done > 0 {
                     if let Err(u) = self.region.unmap(at, done) {
                         tracing::error!(at, len = done, error = %u, "unmap during rollback failed");
@@ -1529,7 +1511,13 @@ mod tests {
     fn backing(n: usize, hook: Option<Arc<dyn MappingHook>>) -> BlockBacking<UniformBlocks> {
         let backend = Arc::new(HostBackend::new(4096).expect("host backend"));
         let pool = Pool::new(backend, PoolConfig::new(n * 8192)).expect("pool");
-        BlockBacking::reserve(&pool, UniformBlocks::packed(n, 4096), None, hook).expect("backing")
+        BlockBacking::reserve(
+            &pool,
+            UniformBlocks::packed(n, 4096),
+            &MemOptions::new(),
+            hook,
+        )
+        .expect("backing")
     }
 
     fn pins(b: &BlockBacking<UniformBlocks>) -> Vec<u32> {

@@ -36,6 +36,15 @@ pub enum Error {
         alignment: u64,
     },
 
+    /// A [`crate::MemOptions`] option was set on a call it does not apply to.
+    #[error("option `{option}` does not apply to {call}")]
+    OptionNotApplicable {
+        /// The option (`name`, `zeroed`, `chunk`).
+        option: &'static str,
+        /// The call that refused it.
+        call: &'static str,
+    },
+
     /// A configuration value or argument is invalid.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -37,7 +37,7 @@
 //! Memory from [`Pool::allocate`] has unspecified contents. Physical memory freshly created on
 //! the host backend reads as zero (it comes from a `memfd`); CUDA makes no such promise. Memory
 //! reused from the pool (idle mapped memory or cached chunks) keeps whatever was written to it
-//! last. Use [`Pool::allocate_zeroed`] or [`Allocation::fill`] when zeros are needed.
+//! last. Use [`MemOptions::zeroed`] or [`Allocation::fill`] when zeros are needed.
 //!
 //! ## Example
 //! ```
@@ -82,8 +82,8 @@ pub use backing::{
 };
 pub use error::{Error, Result};
 pub use pool::{
-    AfterWake, Allocation, ChunkSpan, HostStaging, LiveAllocation, Pool, PoolConfig, Region,
-    SleepAction, SleepPolicy, SleepReport, SleepStats, SleepStatus, TrimReport, WakeReport,
+    AfterWake, Allocation, ChunkSpan, HostStaging, LiveAllocation, MemOptions, Pool, PoolConfig,
+    Region, SleepAction, SleepPolicy, SleepReport, SleepStats, SleepStatus, TrimReport, WakeReport,
     DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK,
 };
 pub use shared::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig};

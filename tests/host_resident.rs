@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
-use elastic_vmm::{AfterWake, Backend, Pool, PoolConfig, SleepPolicy, Tag};
+use elastic_vmm::{AfterWake, Backend, MemOptions, Pool, PoolConfig, SleepPolicy, Tag};
 
 /// `(VmRSS, RssShmem)` of this process in bytes, from `/proc/self/status`. Differences below
 /// saturate: resident memory can move either way, and a drop where a rise was expected must fail
@@ -117,7 +117,7 @@ fn resident_memory_follows_sleep_and_wake() {
     let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(2 << 20).expect("host"));
     let pool = Pool::new(backend.clone(), PoolConfig::new(4 << 30)).expect("pool");
     let mut a = pool
-        .allocate_tagged((256 * MIB) as usize, Tag::Weights)
+        .allocate_with((256 * MIB) as usize, &MemOptions::new().tag(Tag::Weights))
         .expect("allocate");
     a.fill(0x5a).expect("touch every page");
     let loaded = shmem();

@@ -11,7 +11,7 @@ use elastic_vmm::layout::{
     BlockDim, LayoutBuilder, LayoutConfig, LayoutGeometry, LayoutKind, MemoryRange, MemoryView,
     Span, REGION_ALIGNMENT,
 };
-use elastic_vmm::{Backend, BlockGeometry, Error, MemoryKind};
+use elastic_vmm::{Backend, BlockGeometry, Error, MemOptions, MemoryKind};
 
 use suite::layout::{expected_place, KINDS};
 
@@ -186,7 +186,7 @@ fn views_of_runs() {
     let l = LayoutBuilder::new()
         .config(c)
         .layer_separate(BlockDim::First)
-        .allocate(&pool)
+        .allocate(&pool, &MemOptions::new())
         .build()
         .expect("layout");
     let views = l.runs(&[0, 1, 2, 7, 8, 4]).expect("runs");
@@ -250,7 +250,7 @@ fn bad_configs_are_refused_with_numbers() {
     let e = LayoutBuilder::new()
         .config(big)
         .fully_contiguous()
-        .elastic(&pool)
+        .elastic(&pool, &MemOptions::new())
         .build()
         .expect_err("too big");
     assert!(matches!(e, Error::OutOfAddressSpace { .. }), "{e}");
@@ -259,7 +259,7 @@ fn bad_configs_are_refused_with_numbers() {
     let e = LayoutBuilder::new()
         .config(zero)
         .fully_contiguous()
-        .allocate(&pool)
+        .allocate(&pool, &MemOptions::new())
         .build()
         .expect_err("zero");
     assert!(matches!(e, Error::InvalidLayout(_)), "{e}");
@@ -396,4 +396,51 @@ fn caller_regions_share_one_storage_kind() {
         ],
         &["region 1", "Some(1)", "one storage kind"],
     );
+}
+
+/// Layout memories take [`MemOptions`]: `zeroed` on a mapped region clears chunks the cache
+/// hands back dirty, an option a memory does not take is refused by name at build.
+#[test]
+fn layout_memory_options() {
+    let backend = host();
+    let g = backend.info().granularity as u64;
+    let p = elastic_vmm::Pool::new(backend.clone(), elastic_vmm::PoolConfig::new(1 << 30))
+        .expect("pool");
+    // Dirty chunks in the cache.
+    p.map(0, 4 * g).expect("map");
+    // SAFETY: mapped just above; nothing else uses it.
+    unsafe { backend.copies().fill(p.base(), (4 * g) as usize, 0xAB) }.expect("fill");
+    p.unmap(0, 4 * g).expect("to the cache");
+    let c = LayoutConfig::new(4, 2, 2, 16, (g / 256) as usize, 2); // a block is g
+    let opts = MemOptions::new().zeroed().chunk(g);
+    let kv = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .map_region(&p, &opts)
+        .build()
+        .expect("zeroed region");
+    assert_eq!(
+        p.stats().driver_calls.get(elastic_vmm::DriverCall::Create),
+        4
+    );
+    for b in 0..4 {
+        for v in kv.block(b).expect("block") {
+            let mut back = vec![1u8; v.len as usize];
+            // SAFETY: the layout's region is mapped while `kv` lives.
+            unsafe { backend.copies().read(v.addr, &mut back) }.expect("read");
+            assert!(back.iter().all(|&x| x == 0), "block {b} not zeroed");
+        }
+    }
+    drop(kv);
+    let refused = |r: Result<(), Error>, option: &str| match r {
+        Err(Error::OptionNotApplicable { option: o, .. }) => assert_eq!(o, option),
+        other => panic!("`{option}` should be refused, got {other:?}"),
+    };
+    let b = || LayoutBuilder::new().config(c).fully_contiguous();
+    let chunk = MemOptions::new().chunk(g);
+    let name = MemOptions::new().name("n");
+    refused(b().allocate(&p, &chunk).build().map(drop), "chunk");
+    refused(b().map_region(&p, &name).build().map(drop), "name");
+    refused(b().elastic(&p, &name).build().map(drop), "name");
+    assert_eq!(p.stats().reserved_regions, 0, "refusals keep nothing");
 }

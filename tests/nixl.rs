@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::nixl::{self, NixlAgent};
-use elastic_vmm::{Backend, Error};
+use elastic_vmm::{Backend, Error, MemOptions};
 
 fn host() -> Arc<dyn Backend> {
     Arc::new(HostBackend::new(2 << 20).expect("host backend"))
@@ -166,13 +166,13 @@ fn two_processes_exchange_and_write() {
                 LayoutBuilder::new()
                     .config(peer_config(n))
                     .fully_contiguous()
-                    .allocate(&pool)
+                    .allocate(&pool, &MemOptions::new())
                     .build()?,
             )?;
             let kv = LayoutBuilder::new()
                 .config(peer_config(n))
                 .fully_contiguous()
-                .elastic(&pool)
+                .elastic(&pool, &MemOptions::new())
                 .hook(agent.mapping_hook())
                 .build()?;
             kv.ensure_backed(0..n)?;
@@ -283,7 +283,7 @@ fn peer_decode(path: &std::path::Path) {
                 LayoutBuilder::new()
                     .config(peer_config(n))
                     .fully_contiguous()
-                    .allocate(&pool)
+                    .allocate(&pool, &MemOptions::new())
                     .build()
                     .expect("plain layout"),
             )
@@ -291,8 +291,7 @@ fn peer_decode(path: &std::path::Path) {
         let kv = LayoutBuilder::new()
             .config(peer_config(n))
             .fully_contiguous()
-            .elastic(&pool)
-            .page_size(4 << 20)
+            .elastic(&pool, &MemOptions::new().chunk(4 << 20))
             .hook(agent.mapping_hook())
             .build()
             .expect("elastic layout");

@@ -14,7 +14,8 @@ use elastic_vmm::backend::{BackendInfo, Copies, MemoryInfo, PhysicalChunk};
 use elastic_vmm::layout::{ElasticLayout, LayoutBuilder, LayoutConfig};
 use elastic_vmm::p2p::{CopyStream, GrantStatus, PeerLink, Peers, TransferPath};
 use elastic_vmm::{
-    AccessMode, Backend, DeviceReach, DriverCall, Error, MemoryKind, Pool, PoolConfig, Result,
+    AccessMode, Backend, DeviceReach, DriverCall, Error, MemOptions, MemoryKind, Pool, PoolConfig,
+    Result,
 };
 
 fn exportable() -> Arc<dyn Backend> {
@@ -34,7 +35,7 @@ fn kv(backend: Arc<dyn Backend>, blocks: usize) -> (Pool, ElasticLayout) {
     let kv = LayoutBuilder::new()
         .config(LayoutConfig::new(blocks, 2, 2, 16, 256, 2))
         .fully_contiguous()
-        .elastic(&pool)
+        .elastic(&pool, &MemOptions::new())
         .build()
         .unwrap();
     (pool, kv)
@@ -205,7 +206,7 @@ fn page_blocks(pool: &Pool) -> ElasticLayout {
     LayoutBuilder::new()
         .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
         .fully_contiguous()
-        .elastic(pool)
+        .elastic(pool, &MemOptions::new())
         .build()
         .unwrap()
 }
@@ -425,9 +426,12 @@ fn ranges_are_granted_and_copied() {
         .grant_range(&sp, region.offset(), G, AccessMode::ReadOnly)
         .unwrap_err();
     assert!(matches!(e, Error::RangeNotMapped { .. }), "{e}");
-    region.map_chunked(5 * G, 2 * G, 2 * G).unwrap();
+    let big = sp
+        .reserve_region_with(2 * G, &MemOptions::new().chunk(2 * G))
+        .unwrap();
+    big.map(0, 2 * G).unwrap();
     let e = p
-        .grant_range(&sp, region.offset() + 5 * G, G, AccessMode::ReadOnly)
+        .grant_range(&sp, big.offset(), G, AccessMode::ReadOnly)
         .unwrap_err()
         .to_string();
     assert!(e.contains("whole chunks"), "{e}");
@@ -1182,7 +1186,7 @@ fn grants_of_many_blocks_span_frames() {
         let kv = LayoutBuilder::new()
             .config(LayoutConfig::new(N, 1, 1, 16, 8, 2)) // 256-byte blocks
             .fully_contiguous()
-            .elastic(&pool)
+            .elastic(&pool, &MemOptions::new())
             .build()
             .unwrap();
         kv.ensure_backed(0..N).unwrap();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
-use elastic_vmm::{Backend, ModelConfig, PoolConfig};
+use elastic_vmm::{Backend, MemOptions, ModelConfig, PoolConfig};
 
 use crate::{BoxError, GIB};
 
@@ -71,7 +71,7 @@ pub fn run() -> Result<(), BoxError> {
     println!("broker: 40 GiB from engine A to engine B (another process), 1 GiB chunks");
     // Where the time goes: B's growth by phase, with the chunks imported on 1 and on 4 threads.
     for (round, threads) in [(3u8, 1usize), (4, 4)] {
-        a.map_chunked(0, SPAN, CHUNK)?;
+        a.map_with(0, SPAN, &MemOptions::new().chunk(CHUNK))?;
         // SAFETY: [0, SPAN) was just mapped with access; nothing else uses it.
         unsafe {
             a.backend()
@@ -94,7 +94,7 @@ pub fn run() -> Result<(), BoxError> {
     for (round, via_reclaim, threads) in rounds {
         ask(&format!("threads {threads}"))?;
         let t = Instant::now();
-        a.map_chunked(0, SPAN, CHUNK)?;
+        a.map_with(0, SPAN, &MemOptions::new().chunk(CHUNK))?;
         let a_map = t.elapsed();
         // SAFETY: [0, SPAN) was just mapped with access; nothing else uses it.
         unsafe {
@@ -209,7 +209,7 @@ pub fn engine_b() -> Result<(), BoxError> {
         let answer = match line.split_whitespace().collect::<Vec<_>>().as_slice() {
             ["map"] => {
                 let t = Instant::now();
-                b.map_chunked(0, SPAN, CHUNK)?;
+                b.map_with(0, SPAN, &MemOptions::new().chunk(CHUNK))?;
                 format!("mapped {:.3}", t.elapsed().as_secs_f64() * 1e3)
             }
             ["check", byte] => {

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
 use elastic_vmm::candle::{ElasticKv, TensorPool};
+use elastic_vmm::MemOptions;
 use elastic_vmm::Pool;
 
 use crate::{median, ratio_line, BoxError, GIB};
@@ -293,8 +294,10 @@ fn decode_step(
 ) -> Result<(), BoxError> {
     let max_blocks = SEQS * bps;
     let shape = [BLOCK_SIZE, KV_HEADS, HEAD_DIM];
-    let ek = Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32)?);
-    let ev = Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32)?);
+    let ek =
+        Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32, &MemOptions::new())?);
+    let ev =
+        Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32, &MemOptions::new())?);
     let sk = static_cache(device, None, max_blocks)?;
     let sv = static_cache(device, None, max_blocks)?;
     let pk = static_cache(device, Some(tensors), max_blocks)?;

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::layout::{BlockDim, ElasticLayout, LayoutBuilder, LayoutConfig, LayoutKind};
 use elastic_vmm::p2p::{self, CopyStream, EngineChoice, ImportedGrant, PeerLink};
-use elastic_vmm::{AccessMode, Backend, Pool, PoolConfig};
+use elastic_vmm::{AccessMode, Backend, MemOptions, Pool, PoolConfig};
 
 use crate::{median, BoxError, GIB, MIB};
 
@@ -110,15 +110,15 @@ fn page_size() -> Option<u64> {
 }
 
 fn layout(pool: &Pool, case: Case, n: usize) -> Result<ElasticLayout, BoxError> {
-    let b = LayoutBuilder::new()
+    let opts = match page_size() {
+        Some(p) => MemOptions::new().chunk(p),
+        None => MemOptions::new(),
+    };
+    Ok(LayoutBuilder::new()
         .config(config(case.block, n))
         .kind(case.kind)
-        .elastic(pool);
-    Ok(match page_size() {
-        Some(p) => b.page_size(p),
-        None => b,
-    }
-    .build()?)
+        .elastic(pool, &opts)
+        .build()?)
 }
 
 fn device_count() -> i32 {

@@ -31,7 +31,7 @@ use elastic_vmm::layout::{
     ElasticLayout, KvLayout, LayoutBuilder, LayoutConfig, MemoryRange, REGION_ALIGNMENT,
 };
 use elastic_vmm::nixl::{self, NixlAgent, RegisteredLayout};
-use elastic_vmm::{Backend, MemoryKind, Pool};
+use elastic_vmm::{Backend, MemOptions, MemoryKind, Pool};
 
 use super::{config, RUNS, WAIT};
 use crate::nixl_peer::{self as peer, Offer, PeerError, Remote, TransferReport, Written};
@@ -143,7 +143,7 @@ fn vmm(agent: &NixlAgent, pool: &Pool, config: LayoutConfig) -> Result<ElasticLa
     let kv = LayoutBuilder::new()
         .config(config)
         .fully_contiguous()
-        .elastic(pool)
+        .elastic(pool, &MemOptions::new())
         .hook(agent.mapping_hook())
         .build()?;
     kv.ensure_backed(0..config.num_blocks)?;

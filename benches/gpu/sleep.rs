@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::{
-    AfterWake, Backend, HostStaging, ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig,
-    SleepPolicy, Tag,
+    AfterWake, Backend, HostStaging, MemOptions, ModelConfig, Pool, PoolConfig, SharedPool,
+    SharedPoolConfig, SleepPolicy, Tag,
 };
 
 use crate::{human, BoxError, GIB};
@@ -85,7 +85,7 @@ pub fn run() -> Result<(), BoxError> {
         backend.clone(),
         PoolConfig::new((4 * bytes) as usize).name("weights"),
     )?;
-    let mut w = p.allocate_tagged(bytes as usize, Tag::Weights)?;
+    let mut w = p.allocate_with(bytes as usize, &MemOptions::new().tag(Tag::Weights))?;
     w.fill(0x3c)?;
     let (raw_d2h, raw_h2d) = raw_copies(&backend, w.addr(), bytes)?;
     println!(
@@ -177,10 +177,10 @@ pub fn run() -> Result<(), BoxError> {
     let b = shared.register(ModelConfig::new("b", (4 * half) as usize, half * 3 / 2))?;
     a.reserve_host_staging(half)?;
     b.reserve_host_staging(half)?;
-    let mut wa = a.allocate_tagged(half as usize, Tag::Weights)?;
+    let mut wa = a.allocate_with(half as usize, &MemOptions::new().tag(Tag::Weights))?;
     wa.fill(1)?;
     a.sleep(&policy)?;
-    let mut wb = b.allocate_tagged(half as usize, Tag::Weights)?;
+    let mut wb = b.allocate_with(half as usize, &MemOptions::new().tag(Tag::Weights))?;
     wb.fill(2)?;
     let mut switches = Vec::new();
     for i in 0..4 {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::{
-    Allocation, BlockBacking, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag,
-    UniformBlocks,
+    Allocation, BlockBacking, MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig,
+    Tag, UniformBlocks,
 };
 
 use crate::cluster::{PoolKv, Served};
@@ -42,7 +42,7 @@ impl SimModel {
         let bytes = (tokens * self.act_bytes_per_token).max(1) as usize;
         let mut a = self
             .model
-            .allocate_tagged(bytes, Tag::Activations)
+            .allocate_with(bytes, &MemOptions::new().tag(Tag::Activations))
             .map_err(|e| format!("activations of {bytes} bytes: {e}"))?;
         a.write(0, &[1]).map_err(|e| e.to_string())?;
         Ok(())
@@ -126,7 +126,7 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
             .register(ModelConfig::new(&id, virt, budget))
             .map_err(e)?;
         let mut weights = handle
-            .allocate_tagged(sizes.weights as usize, Tag::Weights)
+            .allocate_with(sizes.weights as usize, &MemOptions::new().tag(Tag::Weights))
             .map_err(e)?;
         let pattern = 0x5A ^ i as u8;
         weights.fill(pattern).map_err(e)?;

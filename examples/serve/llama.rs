@@ -21,7 +21,7 @@ use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::candle::{ElasticKv, TensorPool};
 use elastic_vmm::route;
-use elastic_vmm::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
+use elastic_vmm::{MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
 
 use crate::cluster::{BlockStore, PoolKv, Served};
 use crate::engine::{Engine, EngineConfig, SeqView, StepModel};
@@ -296,8 +296,14 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
         // Room for every policy: the KV of all models together.
         let max_blocks = (sizes.kv_share * sizes.models as u64 / page) as usize + 1;
         let kv = Arc::new(
-            ElasticKv::new(&tensors, max_blocks, &[block_tokens as usize, elems], DTYPE)
-                .map_err(e)?,
+            ElasticKv::new(
+                &tensors,
+                max_blocks,
+                &[block_tokens as usize, elems],
+                DTYPE,
+                &MemOptions::new(),
+            )
+            .map_err(e)?,
         );
         let model = LlamaModel {
             handle: handle.clone(),

@@ -651,6 +651,7 @@ mod tests {
     use super::*;
     use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
     use crate::broker::{Broker, BrokerConfig};
+    use crate::MemOptions;
 
     fn socket(tag: &str) -> std::path::PathBuf {
         std::env::temp_dir()
@@ -715,7 +716,9 @@ mod tests {
             .register(ModelConfig::new("a", 1 << 30, 80 * MIB))
             .unwrap();
         // 50 chunks of 2 MiB = 4 batches; the limit refuses chunk 41, in the third batch.
-        let e = a.map_chunked(0, 100 * MIB, 2 * MIB).unwrap_err();
+        let e = a
+            .map_with(0, 100 * MIB, &MemOptions::new().chunk(2 * MIB))
+            .unwrap_err();
         assert!(
             matches!(e, Error::AdmissionRefused { model_limit, .. } if model_limit == 80 * MIB),
             "{e}"
@@ -729,7 +732,8 @@ mod tests {
         // takes them over.
         let created = s.counters.creates;
         assert!(created >= 32, "{:?}", s.counters);
-        a.map_chunked(0, 64 * MIB, 2 * MIB).unwrap();
+        a.map_with(0, 64 * MIB, &MemOptions::new().chunk(2 * MIB))
+            .unwrap();
         // SAFETY: [0, 64 MiB) was just mapped with access; nothing else uses it.
         unsafe {
             a.backend()
@@ -747,7 +751,8 @@ mod tests {
         let b = other
             .register(ModelConfig::new("b", 1 << 30, 64 * MIB))
             .unwrap();
-        b.map_chunked(0, 64 * MIB, 2 * MIB).unwrap();
+        b.map_with(0, 64 * MIB, &MemOptions::new().chunk(2 * MIB))
+            .unwrap();
         let mut byte = [0u8; 1];
         for i in 0..32u64 {
             // SAFETY: mapped with access just above.
@@ -932,7 +937,9 @@ mod tests {
         let ctl = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
         let before = ctl.snapshot().unwrap().counters.reclaim_requests;
         // 128 chunks of 2 MiB: 8 batches.
-        let e = b.map_chunked(0, 256 * MIB, 2 * MIB).unwrap_err();
+        let e = b
+            .map_with(0, 256 * MIB, &MemOptions::new().chunk(2 * MIB))
+            .unwrap_err();
         assert!(e.is_out_of_memory(), "{e}");
         let s = ctl.snapshot().unwrap();
         let pushed = s.counters.reclaim_requests - before;

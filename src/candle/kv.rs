@@ -28,7 +28,7 @@ use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker
 use super::{candle_error, element_size, TensorPool};
 use crate::backing::{BackingChange, BackingStats, BlockBacking, UniformBlocks};
 use crate::error::{Error, Result};
-use crate::tag::Tag;
+use crate::pool::MemOptions;
 
 /// Views are pruned on creation once they exceed twice the survivors of the last prune plus
 /// this many.
@@ -51,12 +51,12 @@ const PRUNE_SLACK: usize = 16;
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use candle_core::{DType, Device, Tensor};
-/// use elastic_vmm::{candle::TensorPool, Pool};
+/// use elastic_vmm::{candle::TensorPool, MemOptions, Pool};
 ///
 /// let device = Device::new_cuda(0)?;
 /// let tensors = TensorPool::new(&Pool::cuda(0, 64 << 30)?, &device)?;
 /// // 4096 blocks of 16 tokens x 8 KV heads x 128 dims: 8 GiB virtual, nothing physical yet.
-/// let k = tensors.elastic_kv(4096, &[16, 8, 128], DType::F16)?;
+/// let k = tensors.elastic_kv(4096, &[16, 8, 128], DType::F16, &MemOptions::new())?;
 /// k.ensure_backed(0..2)?; // maps the pages under blocks 0 and 1
 /// let token = Tensor::zeros((1, 8, 128), DType::F16, &device)?;
 /// k.write(1, 5, &token)?; // token 5 of block 1
@@ -234,24 +234,14 @@ impl ElasticKv {
     /// A tensor `[max_blocks, ...block_shape]` of `dtype` in `tensors`' pool: the address space
     /// of all blocks is reserved, nothing is backed yet. `block_shape` needs at least one
     /// dimension (the first is the one [`ElasticKv::write`] indexes, tokens in a KV block).
-    /// Its memory is tagged [`Tag::Kv`] (sleep policies and stats go by it); see
-    /// [`ElasticKv::new_tagged`].
+    /// [`MemOptions`] as for [`BlockBacking::reserve`]: the tag defaults to [`crate::Tag::Kv`]
+    /// (sleep policies and stats go by it), `chunk` is the page size (default: the granularity).
     pub fn new(
         tensors: &TensorPool,
         max_blocks: usize,
         block_shape: &[usize],
         dtype: DType,
-    ) -> Result<ElasticKv> {
-        Self::new_tagged(tensors, max_blocks, block_shape, dtype, Tag::Kv)
-    }
-
-    /// As [`ElasticKv::new`], with the [`Tag`] its memory carries.
-    pub fn new_tagged(
-        tensors: &TensorPool,
-        max_blocks: usize,
-        block_shape: &[usize],
-        dtype: DType,
-        tag: Tag,
+        opts: &MemOptions,
     ) -> Result<ElasticKv> {
         let elem = element_size(dtype)?;
         if max_blocks == 0 || max_blocks > u32::MAX as usize {
@@ -277,14 +267,9 @@ impl ElasticKv {
         let total = block_bytes
             .checked_mul(max_blocks as u64)
             .ok_or_else(overflow)?;
-        let region = tensors.pool().reserve_region_tagged(total, tag)?;
-        let addr = region.addr();
-        let backing = BlockBacking::new(
-            region,
-            UniformBlocks::packed(max_blocks, block_bytes),
-            None,
-            None,
-        )?;
+        let geometry = UniformBlocks::packed(max_blocks, block_bytes);
+        let backing = BlockBacking::reserve(tensors.pool(), geometry, opts, None)?;
+        let addr = backing.addr();
         let mut dims = vec![max_blocks];
         dims.extend_from_slice(block_shape);
         let shape = Shape::from(dims);

@@ -3,14 +3,14 @@
 //!
 //! ```
 //! use elastic_vmm::layout::{BlockDim, LayoutBuilder, LayoutConfig};
-//! use elastic_vmm::Pool;
+//! use elastic_vmm::{MemOptions, Pool};
 //! # fn main() -> elastic_vmm::Result<()> {
 //! let pool = Pool::host(1 << 30)?;
 //! let config = LayoutConfig::new(16, 4, 2, 16, 128, 2); // blocks, layers, K/V, tokens, inner, bf16
 //! let kv = LayoutBuilder::new()
 //!     .config(config)
 //!     .layer_separate(BlockDim::First)
-//!     .allocate(&pool)
+//!     .allocate(&pool, &MemOptions::new())
 //!     .build()?;
 //! let k = kv.unit(3, 1, 0)?; // block 3, layer 1, K: an offset view of the allocation
 //! assert_eq!(k.len, 16 * 128 * 2);
@@ -28,7 +28,7 @@ use super::{LayoutConfig, REGION_ALIGNMENT};
 use crate::backend::MemoryKind;
 use crate::backing::{BlockBacking, MappingHook};
 use crate::error::{round_up, Error, Result};
-use crate::pool::Pool;
+use crate::pool::{MemOptions, Pool, Space};
 use crate::tag::Tag;
 
 /// Builder state: no config yet.
@@ -45,15 +45,14 @@ pub struct NoMemory;
 #[derive(Debug)]
 pub struct PoolAllocation<'a> {
     pool: &'a Pool,
-    tag: Tag,
+    opts: MemOptions,
 }
 
-/// Builder memory: a region of a pool, mapped in full in chunks of up to `chunk` bytes.
+/// Builder memory: a region of a pool, mapped in full.
 #[derive(Debug)]
 pub struct PoolRegion<'a> {
     pool: &'a Pool,
-    chunk: Option<u64>,
-    tag: Tag,
+    opts: MemOptions,
 }
 
 /// Builder memory: ranges the caller supplies, one per layout region.
@@ -63,9 +62,8 @@ pub struct CallerRegions(Vec<MemoryRange>);
 /// Builder memory: a region of a pool backed block by block on demand.
 pub struct ElasticRegion<'a> {
     pool: &'a Pool,
-    page_size: Option<u64>,
+    opts: MemOptions,
     hook: Option<Arc<dyn MappingHook>>,
-    tag: Tag,
 }
 
 /// The typed layout builder; see the module documentation.
@@ -126,27 +124,28 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
     }
 
     /// Place the layout in one allocation of `pool` (regions carved out of it at 512-byte
-    /// aligned offsets). Its memory may share physical chunks with other allocations. Tagged
-    /// [`Tag::Kv`] unless [`LayoutBuilder::tag`] says otherwise.
-    pub fn allocate(
+    /// aligned offsets). Its memory may share physical chunks with other allocations.
+    /// [`MemOptions`] as for [`Pool::allocate_with`], except that the tag defaults to
+    /// [`Tag::Kv`] and the name to `kv-layout`.
+    pub fn allocate<'a>(
         self,
-        pool: &Pool,
-    ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
-        self.with(PoolAllocation { pool, tag: Tag::Kv })
+        pool: &'a Pool,
+        opts: &MemOptions,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'a>> {
+        let opts = opts.clone();
+        self.with(PoolAllocation { pool, opts })
     }
 
-    /// Place the layout in a region of `pool` of its own, mapped in full (see
-    /// [`LayoutBuilder::chunk_size`]): its chunks hold nothing else. Tagged [`Tag::Kv`] unless
-    /// [`LayoutBuilder::tag`] says otherwise.
-    pub fn map_region(
+    /// Place the layout in a region of `pool` of its own, mapped in full: its chunks hold
+    /// nothing else. [`MemOptions`]: `tag` (default [`Tag::Kv`]), `chunk` (default the pool's
+    /// largest chunk, 1 GiB; each chunk is one NIXL registration), `zeroed`; `name` is refused.
+    pub fn map_region<'a>(
         self,
-        pool: &Pool,
-    ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'_>> {
-        self.with(PoolRegion {
-            pool,
-            chunk: None,
-            tag: Tag::Kv,
-        })
+        pool: &'a Pool,
+        opts: &MemOptions,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'a>> {
+        let opts = opts.clone();
+        self.with(PoolRegion { pool, opts })
     }
 
     /// Place the layout in memory the caller owns: one range per layout region (1 for fully
@@ -167,17 +166,20 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
     }
 
     /// Lay the layout out over a region of `pool` with no physical memory yet: blocks are
-    /// backed with [`ElasticLayout::ensure_backed`]. Tagged [`Tag::Kv`] unless
-    /// [`LayoutBuilder::tag`] says otherwise.
-    pub fn elastic(
+    /// backed with [`ElasticLayout::ensure_backed`]. [`MemOptions`] as for
+    /// [`BlockBacking::reserve`]: `chunk` is the page size (default: the granularity; each page
+    /// is whole physical chunks of its own, one NIXL registration per chunk, so it can be
+    /// unmapped alone), `tag` defaults to [`Tag::Kv`].
+    pub fn elastic<'a>(
         self,
-        pool: &Pool,
-    ) -> LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
+        pool: &'a Pool,
+        opts: &MemOptions,
+    ) -> LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'a>> {
+        let opts = opts.clone();
         self.with(ElasticRegion {
             pool,
-            page_size: None,
+            opts,
             hook: None,
-            tag: Tag::Kv,
         })
     }
 }
@@ -209,24 +211,21 @@ fn extent_usize(geometry: &LayoutGeometry, pad: u64) -> Result<usize> {
 }
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
-    /// What the layout's memory holds, for sleep policies and stats (default [`Tag::Kv`]).
-    pub fn tag(mut self, tag: Tag) -> Self {
-        self.memory.tag = tag;
-        self
-    }
-
     /// Validate, allocate and carve.
     pub fn build(self) -> Result<Layout> {
         let geometry = self.geometry()?;
-        let PoolAllocation { pool, tag } = self.memory;
-        let name = "kv-layout";
+        let PoolAllocation { pool, opts } = self.memory;
+        let mut opts = opts.clone().tag(opts.tag_or(Tag::Kv));
+        if opts.name.is_none() {
+            opts = opts.name("kv-layout");
+        }
         let bytes = extent_usize(&geometry, 0)?;
-        let mut alloc = pool.allocate_named_tagged(bytes, name, tag.clone())?;
+        let mut alloc = pool.allocate_with(bytes, &opts)?;
         if alloc.addr() % REGION_ALIGNMENT != 0 {
             // A pool configured with a smaller alignment: ask for room to align the start.
             drop(alloc);
             let bytes = extent_usize(&geometry, REGION_ALIGNMENT - 1)?;
-            alloc = pool.allocate_named_tagged(bytes, name, tag)?;
+            alloc = pool.allocate_with(bytes, &opts)?;
         }
         let start = alloc.addr().next_multiple_of(REGION_ALIGNMENT);
         let views = carved(geometry, start, pool);
@@ -242,26 +241,13 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, PoolAllocation<'_>> {
     }
 }
 
-impl<'a> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'a>> {
-    /// What the layout's memory holds, for sleep policies and stats (default [`Tag::Kv`]).
-    pub fn tag(mut self, tag: Tag) -> Self {
-        self.memory.tag = tag;
-        self
-    }
-
-    /// Physical chunks of up to `bytes` (a multiple of the granularity) for
-    /// [`LayoutBuilder::map_region`]; default: the pool's largest chunk, 1 GiB. Each chunk is
-    /// one NIXL registration.
-    pub fn chunk_size(mut self, bytes: u64) -> Self {
-        self.memory.chunk = Some(bytes);
-        self
-    }
-
+impl LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'_>> {
     /// Validate, reserve a region, map it and carve. On failure nothing stays mapped.
     pub fn build(self) -> Result<Layout> {
         let geometry = self.geometry()?;
-        let pool = self.memory.pool;
-        let chunk = match self.memory.chunk {
+        let PoolRegion { pool, opts } = self.memory;
+        opts.refuse("LayoutBuilder::map_region", &["name"])?;
+        let chunk = match opts.chunk_checked(pool.granularity())? {
             Some(c) => c,
             None => round_up(
                 "default layout chunk",
@@ -269,9 +255,14 @@ impl<'a> LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'a>> {
                 pool.granularity(),
             )?,
         };
-        let region = pool.reserve_region_tagged(geometry.extent(), self.memory.tag)?;
+        let reserve = MemOptions::new().tag(opts.tag_or(Tag::Kv)).chunk(chunk);
+        let region = pool.reserve_region_with(geometry.extent(), &reserve)?;
         // A failed map leaves nothing mapped; dropping the region returns its address space.
-        region.map_chunked(0, region.len(), chunk)?;
+        region.map(0, region.len())?;
+        if opts.zeroed {
+            let inner = pool.inner();
+            inner.zero_mapped(region.offset(), region.len(), Space::Region)?;
+        }
         let views = carved(geometry, region.addr(), pool);
         tracing::debug!(kind = %geometry.kind(), addr = region.addr(), bytes = region.len(), chunk, "layout region mapped");
         Ok(Layout::new(views, LayoutMemory::Region(region)))
@@ -335,20 +326,6 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
 }
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
-    /// What the layout's memory holds, for sleep policies and stats (default [`Tag::Kv`]).
-    pub fn tag(mut self, tag: Tag) -> Self {
-        self.memory.tag = tag;
-        self
-    }
-
-    /// Map in pages of `bytes` (a multiple of the granularity; default: the granularity).
-    /// Each page is whole physical chunks of its own (one NIXL registration per chunk), so it
-    /// can be unmapped alone; the range reserved covers the layout in whole pages.
-    pub fn page_size(mut self, bytes: u64) -> Self {
-        self.memory.page_size = Some(bytes);
-        self
-    }
-
     /// Tell `hook` of every page mapped and unmapped (NIXL registration:
     /// `NixlAgent::mapping_hook` with the `nixl` feature).
     pub fn hook(mut self, hook: Arc<dyn MappingHook>) -> Self {
@@ -359,14 +336,9 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, ElasticRegion<'_>> {
     /// Validate and reserve the region; nothing physical is mapped.
     pub fn build(self) -> Result<ElasticLayout> {
         let geometry = self.geometry()?;
-        let ElasticRegion {
-            pool,
-            page_size,
-            hook,
-            tag,
-        } = self.memory;
+        let ElasticRegion { pool, opts, hook } = self.memory;
         // Whole pages: the last page may reach past the layout's last byte.
-        let backing = BlockBacking::reserve_tagged(pool, geometry, page_size, hook, tag)?;
+        let backing = BlockBacking::reserve(pool, geometry, &opts, hook)?;
         let views = carved(geometry, backing.addr(), pool);
         tracing::debug!(kind = %geometry.kind(), addr = backing.addr(), bytes = backing.len(), page = backing.page_size(), "elastic layout reserved");
         Ok(ElasticLayout::new(views, backing))
@@ -377,9 +349,8 @@ impl std::fmt::Debug for ElasticRegion<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ElasticRegion")
             .field("pool", &self.pool.name())
-            .field("page_size", &self.page_size)
+            .field("opts", &self.opts)
             .field("hook", &self.hook.is_some())
-            .field("tag", &self.tag)
             .finish()
     }
 }

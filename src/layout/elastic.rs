@@ -28,12 +28,13 @@ use crate::pool::ChunkSpan;
 ///
 /// ```
 /// # use elastic_vmm::layout::{LayoutBuilder, LayoutConfig};
+/// # use elastic_vmm::MemOptions;
 /// # fn main() -> elastic_vmm::Result<()> {
 /// let pool = elastic_vmm::Pool::host(1 << 30)?;
 /// let kv = LayoutBuilder::new()
 ///     .config(LayoutConfig::new(4, 1, 1, 16, 64, 2))
 ///     .fully_contiguous()
-///     .elastic(&pool)
+///     .elastic(&pool, &MemOptions::new())
 ///     .build()?;
 /// kv.ensure_backed([0])?;
 /// assert!(kv.backing().is_range_mapped(0, kv.backing().granularity()));
@@ -41,12 +42,13 @@ use crate::pool::ChunkSpan;
 /// ```
 /// ```compile_fail
 /// # use elastic_vmm::layout::{LayoutBuilder, LayoutConfig};
+/// # use elastic_vmm::MemOptions;
 /// # fn main() -> elastic_vmm::Result<()> {
 /// # let pool = elastic_vmm::Pool::host(1 << 30)?;
 /// # let kv = LayoutBuilder::new()
 /// #     .config(LayoutConfig::new(4, 1, 1, 16, 64, 2))
 /// #     .fully_contiguous()
-/// #     .elastic(&pool)
+/// #     .elastic(&pool, &MemOptions::new())
 /// #     .build()?;
 /// kv.ensure_backed([0])?;
 /// kv.region().unmap(0, kv.backing().granularity())?; // no `&Region` to unmap with
@@ -54,12 +56,13 @@ use crate::pool::ChunkSpan;
 /// ```
 /// ```compile_fail
 /// # use elastic_vmm::layout::{LayoutBuilder, LayoutConfig};
+/// # use elastic_vmm::MemOptions;
 /// # fn main() -> elastic_vmm::Result<()> {
 /// # let pool = elastic_vmm::Pool::host(1 << 30)?;
 /// # let kv = LayoutBuilder::new()
 /// #     .config(LayoutConfig::new(4, 1, 1, 16, 64, 2))
 /// #     .fully_contiguous()
-/// #     .elastic(&pool)
+/// #     .elastic(&pool, &MemOptions::new())
 /// #     .build()?;
 /// kv.ensure_backed([0])?;
 /// kv.backing().region().unmap(0, kv.backing().granularity())?; // nor from the backing

@@ -31,16 +31,16 @@
 //! ```no_run
 //! use elastic_vmm::layout::{BlockDim, LayoutBuilder, LayoutConfig};
 //! use elastic_vmm::nixl::{transfer_blocks, BlockSet, NixlAgent, TransferOp};
-//! use elastic_vmm::Pool;
+//! use elastic_vmm::{MemOptions, Pool};
 //! # fn main() -> elastic_vmm::Result<()> {
 //! let pool = Pool::host(1 << 30)?;
 //! let (a, b) = (NixlAgent::new("prefill")?, NixlAgent::new("decode")?);
 //! let config = LayoutConfig::new(64, 4, 2, 16, 128, 2);
-//! let src = a.register(LayoutBuilder::new().config(config).fully_contiguous().allocate(&pool).build()?)?;
+//! let src = a.register(LayoutBuilder::new().config(config).fully_contiguous().allocate(&pool, &MemOptions::new()).build()?)?;
 //! let dst = LayoutBuilder::new()
 //!     .config(config)
 //!     .layer_separate(BlockDim::First)
-//!     .elastic(&pool)
+//!     .elastic(&pool, &MemOptions::new())
 //!     .hook(b.mapping_hook())
 //!     .build()?;
 //! dst.ensure_backed([7, 8])?; // mapped and registered with `b`, page by page

@@ -14,6 +14,7 @@ use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use crate::backend::{AccessMode, Backend};
 use crate::ipc;
 use crate::layout::{LayoutConfig, LayoutKind};
+use crate::MemOptions;
 
 fn backend() -> Arc<dyn Backend> {
     Arc::new(HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap())
@@ -80,7 +81,7 @@ fn page_blocks(backed: &[usize]) -> (crate::Pool, crate::layout::ElasticLayout) 
     let kv = crate::layout::LayoutBuilder::new()
         .config(LayoutConfig::new(8, 2, 2, 16, 16384, 2))
         .fully_contiguous()
-        .elastic(&pool)
+        .elastic(&pool, &MemOptions::new())
         .build()
         .unwrap();
     kv.ensure_backed(backed.iter().copied()).unwrap();
@@ -780,7 +781,7 @@ fn a_sender_keeps_no_more_chunks_at_a_peer_than_the_peer_keeps() {
     let kv = crate::layout::LayoutBuilder::new()
         .config(LayoutConfig::new(n, 1, 1, 16, 65536, 2))
         .fully_contiguous()
-        .elastic(&pool)
+        .elastic(&pool, &MemOptions::new())
         .build()
         .unwrap();
     kv.ensure_backed(0..n).unwrap();

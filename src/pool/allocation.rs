@@ -73,7 +73,7 @@ impl Allocation {
             .and_then(|r| r.name.as_deref().map(str::to_owned))
     }
 
-    /// What the memory holds ([`crate::Pool::allocate_tagged`]; untagged: [`Tag::Scratch`]).
+    /// What the memory holds ([`crate::MemOptions::tag`]; untagged: [`Tag::Scratch`]).
     pub fn tag(&self) -> Tag {
         let st = self.inner().state.lock();
         st.live

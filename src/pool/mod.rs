@@ -40,6 +40,7 @@ mod giveback;
 mod intervals;
 pub(crate) mod keeper;
 mod mapper;
+mod options;
 mod ranges;
 mod region;
 mod sleep;
@@ -54,6 +55,7 @@ use parking_lot::Mutex;
 
 pub use allocation::Allocation;
 pub use config::{PoolConfig, DEFAULT_ALIGNMENT, DEFAULT_GROWTH_DIVISOR, DEFAULT_MAX_CHUNK};
+pub use options::MemOptions;
 pub use region::Region;
 pub(crate) use sleep::SleepWatcher;
 pub use sleep::{
@@ -274,55 +276,44 @@ impl Pool {
 
     /// Allocate `bytes` backed by physical memory; contents are unspecified (see the crate
     /// documentation on zeroing). Dropping the [`Allocation`] frees it.
-    /// The allocation is tagged [`Tag::Scratch`]; see [`Pool::allocate_tagged`].
+    /// The allocation is tagged [`Tag::Scratch`]; see [`Pool::allocate_with`].
     pub fn allocate(&self, bytes: usize) -> Result<Allocation> {
         self.inner().allocate(bytes, None, Tag::default())
     }
 
-    /// As [`Pool::allocate`], with a [`Tag`] saying what the memory holds: sleep policies
-    /// ([`Pool::sleep`]) and per-tag stats go by it.
-    pub fn allocate_tagged(&self, bytes: usize, tag: Tag) -> Result<Allocation> {
-        self.inner().allocate(bytes, None, tag)
-    }
-
-    /// As [`Pool::allocate`], with a name that shows in reports and leak warnings.
-    pub fn allocate_named(&self, bytes: usize, name: &str) -> Result<Allocation> {
-        self.inner()
-            .allocate(bytes, Some(name.into()), Tag::default())
-    }
-
-    /// As [`Pool::allocate_named`], with a [`Tag`].
-    pub fn allocate_named_tagged(&self, bytes: usize, name: &str, tag: Tag) -> Result<Allocation> {
-        self.inner().allocate(bytes, Some(name.into()), tag)
-    }
-
-    /// As [`Pool::allocate`], with every byte set to zero.
-    pub fn allocate_zeroed(&self, bytes: usize) -> Result<Allocation> {
-        let mut a = self.inner().allocate(bytes, None, Tag::default())?;
-        a.fill(0)?;
+    /// As [`Pool::allocate`], with [`MemOptions`]: `tag`, `name` and `zeroed` apply, `chunk` is
+    /// refused (the allocator chooses its chunks).
+    pub fn allocate_with(&self, bytes: usize, opts: &MemOptions) -> Result<Allocation> {
+        opts.refuse("Pool::allocate_with", &["chunk"])?;
+        let tag = opts.tag_or(Tag::default());
+        let mut a = self.inner().allocate(bytes, opts.name.clone(), tag)?;
+        if opts.zeroed {
+            a.fill(0)?;
+        }
         Ok(a)
     }
 
     /// Back `[offset, offset + len)` of the reservation with physical memory (range API).
     /// Both must be multiples of the granularity; the range must be unmapped and used neither by
-    /// the allocator nor by a [`Region`]. Physical chunks are at most the configured range chunk (default: one granule).
-    /// The mapping is tagged [`Tag::Scratch`]; see [`Pool::map_tagged`].
+    /// the allocator nor by a [`Region`]. Physical chunks are at most the configured range chunk
+    /// (default: one granule). The mapping is tagged [`Tag::Scratch`]; see [`Pool::map_with`].
     pub fn map(&self, offset: u64, len: u64) -> Result<()> {
-        self.map_tagged(offset, len, Tag::default())
+        self.map_with(offset, len, &MemOptions::new())
     }
 
-    /// As [`Pool::map`], with a [`Tag`] saying what the range holds (sleep policies and stats).
-    pub fn map_tagged(&self, offset: u64, len: u64, tag: Tag) -> Result<()> {
-        self.inner()
-            .map_range(offset, len, self.inner().range_chunk, Space::Pool, tag)
-    }
-
-    /// As [`Pool::map`] with chunks of up to `max_chunk` bytes: fewer driver calls, but
-    /// [`Pool::unmap`] must then cover whole chunks.
-    pub fn map_chunked(&self, offset: u64, len: u64, max_chunk: u64) -> Result<()> {
-        self.inner().check_chunk_size(max_chunk)?;
-        self.inner()
-            .map_range(offset, len, max_chunk, Space::Pool, Tag::default())
+    /// As [`Pool::map`], with [`MemOptions`]: `tag` says what the range holds, `chunk` is the
+    /// largest physical chunk ([`Pool::unmap`] must then cover whole chunks), `zeroed` fills the
+    /// range with zeros (on failure nothing stays mapped); `name` is refused.
+    pub fn map_with(&self, offset: u64, len: u64, opts: &MemOptions) -> Result<()> {
+        let inner = self.inner();
+        opts.refuse("Pool::map_with", &["name"])?;
+        let chunk = opts.chunk_checked(inner.gran)?.unwrap_or(inner.range_chunk);
+        let tag = opts.tag_or(Tag::default());
+        inner.map_range(offset, len, chunk, Space::Pool, tag)?;
+        if opts.zeroed {
+            inner.zero_mapped(offset, len, Space::Pool)?;
+        }
+        Ok(())
     }
 
     /// Give back the physical memory under `[offset, offset + len)`, which must be mapped through

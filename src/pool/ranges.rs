@@ -30,13 +30,25 @@ pub(crate) enum Space {
 }
 
 impl Inner {
-    pub(super) fn check_chunk_size(&self, max_chunk: u64) -> Result<()> {
-        if max_chunk == 0 || max_chunk % self.gran != 0 {
-            return Err(Error::Misaligned {
-                what: "max_chunk",
-                value: max_chunk,
-                alignment: self.gran,
-            });
+    /// Fill `[offset, offset + len)` of `space`, just mapped by the caller, with zeros; on
+    /// failure unmap it again, so that a zeroed map is all or nothing.
+    pub(crate) fn zero_mapped(&self, offset: u64, len: u64, space: Space) -> Result<()> {
+        let filled = self.pin(offset, len).and_then(|()| {
+            // SAFETY: mapped with access, and pinned against unmapping and sleep until the
+            // unpin below; the caller has not handed the range to anyone yet.
+            let r = unsafe {
+                self.backend
+                    .copies()
+                    .fill(self.base + offset, len as usize, 0)
+            };
+            self.unpin(offset, len);
+            r
+        });
+        if let Err(e) = filled {
+            if let Err(u) = self.unmap_range(offset, len, space) {
+                tracing::error!(pool = %self.name, offset, len, error = %u, "unmapping a range whose zeroing failed failed");
+            }
+            return Err(e);
         }
         Ok(())
     }

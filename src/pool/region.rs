@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use super::{ChunkSpan, Pool, Space};
+use super::{ChunkSpan, MemOptions, Pool, Space};
 use crate::error::{round_up, Error, Result};
 use crate::tag::Tag;
 
@@ -22,6 +22,8 @@ pub struct Region {
     len: u64,
     /// What its mappings hold (for sleep policies and stats).
     tag: Tag,
+    /// Largest physical chunk [`Region::map`] uses.
+    chunk: u64,
 }
 
 impl Pool {
@@ -30,12 +32,17 @@ impl Pool {
     /// address space, away from where the allocator grows; when idle mapped memory holds the
     /// address space, it is unmapped first.
     pub fn reserve_region(&self, len: u64) -> Result<Region> {
-        self.reserve_region_tagged(len, Tag::default())
+        self.reserve_region_with(len, &MemOptions::new())
     }
 
-    /// As [`Pool::reserve_region`], with the [`Tag`] every mapping of the region carries (for
-    /// sleep policies and stats; [`Pool::reserve_region`] tags [`Tag::Scratch`]).
-    pub fn reserve_region_tagged(&self, len: u64, tag: Tag) -> Result<Region> {
+    /// As [`Pool::reserve_region`], with [`MemOptions`]: `tag` is what every mapping of the
+    /// region carries (default [`Tag::Scratch`]), `chunk` the largest physical chunk
+    /// [`Region::map`] uses (default: the pool's range chunk); `name` and `zeroed` are refused.
+    pub fn reserve_region_with(&self, len: u64, opts: &MemOptions) -> Result<Region> {
+        opts.refuse("Pool::reserve_region_with", &["name", "zeroed"])?;
+        let chunk = opts
+            .chunk_checked(self.granularity())?
+            .unwrap_or(self.inner().range_chunk);
         if len == 0 {
             return Err(Error::ZeroSize {
                 what: "region length",
@@ -57,7 +64,8 @@ impl Pool {
             pool: self.clone(),
             offset,
             len,
-            tag,
+            tag: opts.tag_or(Tag::default()),
+            chunk,
         })
     }
 }
@@ -93,6 +101,11 @@ impl Region {
     /// The tag every mapping of the region carries.
     pub fn tag(&self) -> &Tag {
         &self.tag
+    }
+
+    /// The largest physical chunk [`Region::map`] uses (set at reserve).
+    pub fn chunk(&self) -> u64 {
+        self.chunk
     }
 
     /// Offset of the region's first byte in the pool's reservation.
@@ -132,22 +145,14 @@ impl Region {
         }
     }
 
-    /// Back `[at, at + len)` of the region with physical memory, one chunk per granule (so any
-    /// granule of it can be unmapped alone). Both must be multiples of the granularity and the
-    /// range must be unmapped. On failure nothing stays mapped.
+    /// Back `[at, at + len)` of the region with physical memory in chunks of up to
+    /// [`Region::chunk`] bytes (by default one granule, so any granule of it can be unmapped
+    /// alone; [`Region::unmap`] must cover whole chunks). Both must be multiples of the
+    /// granularity and the range must be unmapped. On failure nothing stays mapped.
     pub fn map(&self, at: u64, len: u64) -> Result<()> {
-        let inner = self.pool.inner();
         let abs = self.absolute(at, len)?;
-        inner.map_range(abs, len, inner.range_chunk, Space::Region, self.tag.clone())
-    }
-
-    /// As [`Region::map`] with physical chunks of up to `max_chunk` bytes; [`Region::unmap`]
-    /// must then cover whole chunks.
-    pub fn map_chunked(&self, at: u64, len: u64, max_chunk: u64) -> Result<()> {
         let inner = self.pool.inner();
-        inner.check_chunk_size(max_chunk)?;
-        let abs = self.absolute(at, len)?;
-        inner.map_range(abs, len, max_chunk, Space::Region, self.tag.clone())
+        inner.map_range(abs, len, self.chunk, Space::Region, self.tag.clone())
     }
 
     /// Give back the physical memory under `[at, at + len)`: mapped, made of whole chunks.
@@ -272,6 +277,7 @@ impl fmt::Debug for Region {
             .field("pool", &self.pool.name())
             .field("offset", &format_args!("{:#x}", self.offset))
             .field("len", &self.len)
+            .field("chunk", &self.chunk)
             .finish()
     }
 }

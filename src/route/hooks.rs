@@ -17,6 +17,7 @@ use super::table::{self, Block, Origin};
 use super::target::{self, Wait};
 use crate::backend::driver::{self, driver};
 use crate::error::Error;
+use crate::MemOptions;
 
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
@@ -146,7 +147,8 @@ fn routed_alloc(bytes: usize, stream: CUstream, usage: Use) -> Outcome {
         None => {
             // Read only on this path: a cache hit costs no counter reads.
             let calls_before = entry.pool.driver_call_total();
-            let allocate = || entry.pool.allocate_tagged(class, entry.tag.tag.clone());
+            let opts = MemOptions::new().tag(entry.tag.tag.clone());
+            let allocate = || entry.pool.allocate_with(class, &opts);
             let (m, origin) = if capturing {
                 match allocate() {
                     Ok(m) => (m, Origin::Captured),

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use elastic_vmm::layout::{BlockDim, ElasticLayout, LayoutBuilder, LayoutConfig, LayoutKind};
 use elastic_vmm::p2p::{CopyEngine, CopyStream, EngineChoice, GrantStatus, PeerLink, TransferPath};
-use elastic_vmm::{AccessMode, Backend, Error, Pool, PoolConfig};
+use elastic_vmm::{AccessMode, Backend, Error, MemOptions, Pool, PoolConfig};
 
 /// Every kind a layout can have, in the order both sides walk them.
 pub const KINDS: [LayoutKind; 3] = [
@@ -39,7 +39,7 @@ pub fn layout(pool: &Pool, kind: LayoutKind, cfg: LayoutConfig) -> ElasticLayout
     LayoutBuilder::new()
         .config(cfg)
         .kind(kind)
-        .elastic(pool)
+        .elastic(pool, &MemOptions::new())
         .build()
         .expect("layout")
 }

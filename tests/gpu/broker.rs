@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
-use elastic_vmm::{Backend, ModelConfig, PoolConfig};
+use elastic_vmm::{Backend, MemOptions, ModelConfig, PoolConfig};
 
 use crate::suite::{GIB, MIB};
 
@@ -32,7 +32,8 @@ fn chunks_travel_between_engines_without_create_or_release() {
     let b = cb
         .register(ModelConfig::new("b", (8 * GIB) as usize, 2 * GIB).pool_config(cfg()))
         .unwrap();
-    a.map_chunked(0, GIB, 64 * MIB).unwrap();
+    a.map_with(0, GIB, &MemOptions::new().chunk(64 * MIB))
+        .unwrap();
     // SAFETY: [0, 1 GiB) was just mapped with access and nothing else uses it.
     unsafe {
         a.backend()
@@ -44,7 +45,8 @@ fn chunks_travel_between_engines_without_create_or_release() {
     a.trim().unwrap();
     let before = broker.snapshot().counters;
     let t = std::time::Instant::now();
-    b.map_chunked(0, GIB, 64 * MIB).unwrap();
+    b.map_with(0, GIB, &MemOptions::new().chunk(64 * MIB))
+        .unwrap();
     let took = t.elapsed();
     let after = broker.snapshot().counters;
     let mut byte = [0u8; 1];
@@ -62,7 +64,7 @@ fn chunks_travel_between_engines_without_create_or_release() {
     assert_eq!(after.handovers - before.handovers, 16);
     // Refusals carry the numbers.
     let e = b
-        .map_chunked(GIB, 2 * GIB, 64 * MIB)
+        .map_with(GIB, 2 * GIB, &MemOptions::new().chunk(64 * MIB))
         .unwrap_err()
         .to_string();
     assert!(e.contains("limit"), "{e}");

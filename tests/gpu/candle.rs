@@ -17,7 +17,7 @@ use elastic_vmm::backend::Backend;
 use elastic_vmm::candle::{
     detached_copy, reap_orphans_blocking, ElasticKv, TensorPool, SUPPORTED_DTYPES,
 };
-use elastic_vmm::{Error, ModelConfig, Pool, SharedPool, SharedPoolConfig};
+use elastic_vmm::{Error, MemOptions, ModelConfig, Pool, SharedPool, SharedPoolConfig};
 
 use crate::suite::{GIB, MIB};
 
@@ -367,7 +367,7 @@ fn elastic_kv_matches_an_ordinary_tensor() {
     let pool = pool(8 * GIB);
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
     let kv = tensors
-        .elastic_kv(128, &BLOCK, DType::F32)
+        .elastic_kv(128, &BLOCK, DType::F32, &MemOptions::new())
         .expect("elastic");
     let page = kv.page_size();
     assert_eq!(kv.shape().dims(), &[128, 16, 8, 128]);
@@ -544,7 +544,9 @@ fn release_is_refused_while_a_view_lives() {
     let dev = device();
     let pool = pool(4 * GIB);
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
-    let kv = tensors.elastic_kv(64, &BLOCK, DType::F32).expect("elastic");
+    let kv = tensors
+        .elastic_kv(64, &BLOCK, DType::F32, &MemOptions::new())
+        .expect("elastic");
     kv.ensure_backed(0..4).expect("ensure_backed");
     let v = kv.view(1..3).expect("view");
     match kv.release(2..3).expect_err("a view covers block 2") {
@@ -615,7 +617,9 @@ fn two_models_share_one_budget() {
     let small = tb.zeros(mib_f32(32), DType::F32).expect("b: 32 MiB fits");
 
     // b's elastic cache grows under the same budget: refused beyond it, nothing left mapped.
-    let kv = tb.elastic_kv(4096, &BLOCK, DType::F32).expect("elastic");
+    let kv = tb
+        .elastic_kv(4096, &BLOCK, DType::F32, &MemOptions::new())
+        .expect("elastic");
     kv.ensure_backed(0..64).expect("4 MiB fits");
     let backed = kv.physical_bytes();
     let err = kv
@@ -655,7 +659,9 @@ fn several_devices_and_pools() {
     let m1 = x1.matmul(&x1).expect("matmul");
     let m2 = x2.matmul(&x2).expect("matmul");
     assert!(max_abs_diff(&m1, &m2) < 1e-4);
-    let kv: ElasticKv = t2.elastic_kv(32, &BLOCK, DType::F32).expect("elastic");
+    let kv: ElasticKv = t2
+        .elastic_kv(32, &BLOCK, DType::F32, &MemOptions::new())
+        .expect("elastic");
     kv.ensure_backed(0..2).expect("ensure");
     let src = Tensor::randn(0f32, 1., (2, 16, 8, 128), &d2).expect("randn");
     kv.write_blocks(0, &src).expect("write");
@@ -719,7 +725,9 @@ fn owners_dropped_first_keep_memory_until_tensors_go() {
 
     // An elastic tensor dropped (with its tensor pool) while a view of it lives.
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
-    let kv = tensors.elastic_kv(64, &BLOCK, DType::F32).expect("elastic");
+    let kv = tensors
+        .elastic_kv(64, &BLOCK, DType::F32, &MemOptions::new())
+        .expect("elastic");
     kv.ensure_backed(0..1).expect("ensure");
     kv.write_blocks(
         0,
@@ -907,7 +915,7 @@ fn pool_copies_are_ordered_with_kernels_of_other_threads() {
             });
             consumers.push(s.spawn(move || {
                 let kv = tensors
-                    .elastic_kv(8, &BLOCK, DType::F32)
+                    .elastic_kv(8, &BLOCK, DType::F32, &MemOptions::new())
                     .expect("elastic");
                 kv.ensure_backed(0..8).expect("backed");
                 let mut failures = Vec::new();
@@ -1193,7 +1201,9 @@ fn collect_never_waits_for_the_gpu() {
     //    view; the view dies with the chain in flight.
     let pool_c = pool(4 * GIB);
     let c = TensorPool::new(&pool_c, &dev).expect("tensor pool");
-    let kv = c.elastic_kv(64, &BLOCK, DType::F32).expect("elastic");
+    let kv = c
+        .elastic_kv(64, &BLOCK, DType::F32, &MemOptions::new())
+        .expect("elastic");
     kv.ensure_backed(0..64).expect("backed");
     kv.write_blocks(
         0,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::{AfterWake, Backend, Pool, PoolConfig, SleepPolicy, Tag};
+use elastic_vmm::{AfterWake, Backend, MemOptions, Pool, PoolConfig, SleepPolicy, Tag};
 
 fn cuda() -> Arc<dyn Backend> {
     Arc::new(CudaBackend::new(0).expect("CUDA device 0 with VMM support"))
@@ -22,7 +22,9 @@ fn large_offload_through_pinned_staging() {
     p.reserve_host_staging(2 << 30).expect("pin 2 GiB ahead");
     let mut stripes = Vec::new();
     for i in 0..32u8 {
-        let mut a = p.allocate_tagged(64 * MIB, Tag::Weights).expect("allocate");
+        let mut a = p
+            .allocate_with(64 * MIB, &MemOptions::new().tag(Tag::Weights))
+            .expect("allocate");
         a.fill(i.wrapping_mul(7).wrapping_add(1)).expect("fill");
         stripes.push(a);
     }

@@ -20,7 +20,7 @@ use elastic_vmm::broker::protocol::{
     ErrorKind, FromBroker, Reply, Request, Role, ToBroker, PROTOCOL_VERSION,
 };
 use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig, Snapshot};
-use elastic_vmm::{ipc, DriverCall, Error, ModelConfig, PoolConfig};
+use elastic_vmm::{ipc, DriverCall, Error, MemOptions, ModelConfig, PoolConfig};
 
 use super::common;
 
@@ -1355,7 +1355,9 @@ fn engine_scripted() {
         let answer = match words.first().copied() {
             // map MIB CHUNK_MIB BYTE: map [0, MIB) with chunks of CHUNK_MIB, fill with BYTE.
             Some("map") => {
-                model.map_chunked(0, arg(1) * MIB, arg(2) * MIB).unwrap();
+                model
+                    .map_with(0, arg(1) * MIB, &MemOptions::new().chunk(arg(2) * MIB))
+                    .unwrap();
                 if arg(3) != 0 {
                     let region = vec![arg(3) as u8; (arg(1) * MIB) as usize];
                     write_mapped(&model, &region);
@@ -1418,7 +1420,7 @@ fn engine_scripted() {
 
 fn write_mapped(model: &elastic_vmm::broker::RemoteModel, data: &[u8]) {
     // The range API maps [0, len) of the reservation; the pool's backend writes it.
-    // SAFETY: the range was mapped with access by `map_chunked` just before, and nothing else
+    // SAFETY: the range was mapped with access by `map_with` just before, and nothing else
     // in this process uses it.
     unsafe { model.backend().copies().write(model.base(), data).unwrap() };
 }

@@ -6,8 +6,8 @@ use std::sync::{Arc, Barrier};
 use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::backing::RegionInfo;
 use elastic_vmm::{
-    Backend, BlockBacking, BlockGeometry, DriverCall, Error, MappingHook, ModelConfig, Pool,
-    PoolConfig, SharedPool, SharedPoolConfig, UniformBlocks,
+    Backend, BlockBacking, BlockGeometry, DriverCall, Error, MappingHook, MemOptions, ModelConfig,
+    Pool, PoolConfig, SharedPool, SharedPoolConfig, UniformBlocks,
 };
 use parking_lot::Mutex;
 
@@ -173,7 +173,6 @@ pub fn backing_shares_pages(backend: Arc<dyn Backend>) {
     let small = BlockBacking::new(
         p.reserve_region(8 * g).expect("region"),
         UniformBlocks::packed(32, g / 4),
-        None,
         Some(hook.clone()),
     )
     .expect("backing");
@@ -225,7 +224,6 @@ pub fn backing_shares_pages(backend: Arc<dyn Backend>) {
         p.reserve_region(16 * g).expect("region"),
         UniformBlocks::packed(8, 3 * g / 2),
         None,
-        None,
     )
     .expect("backing");
     assert_eq!(big.ensure_backed([0]).expect("b0").bytes, 2 * g);
@@ -271,7 +269,6 @@ pub fn backing_rolls_back(backend: Arc<dyn Backend>) {
     let b = BlockBacking::new(
         p.reserve_region(32 * g).expect("region"),
         UniformBlocks::packed(16, 2 * g),
-        None,
         Some(hook.clone()),
     )
     .expect("backing");
@@ -351,7 +348,6 @@ pub fn backing_respects_model_limits(backend: Arc<dyn Backend>) {
         m.reserve_region(32 * g).expect("region"),
         UniformBlocks::packed(32, g),
         None,
-        None,
     )
     .expect("backing");
     b.ensure_backed(0..4).expect("four pages");
@@ -396,7 +392,6 @@ pub fn backing_concurrent(backend: Arc<dyn Backend>) {
             p.reserve_region(geometry.extent().expect("extent"))
                 .expect("region"),
             geometry,
-            None,
             None,
         )
         .expect("backing"),
@@ -468,12 +463,14 @@ pub fn backing_concurrent(backend: Arc<dyn Backend>) {
 /// Fill the pool's chunk cache with chunks of 2 granules and of 1, as a history of mixed
 /// mappings leaves it.
 fn mixed_cache(p: &Pool, g: u64) {
-    let scratch = p.reserve_region(12 * g).expect("scratch region");
-    scratch
-        .map_chunked(0, 8 * g, 2 * g)
-        .expect("2-granule chunks");
-    scratch.map(8 * g, 4 * g).expect("1-granule chunks");
-    scratch.unmap(0, 12 * g).expect("to the cache");
+    let two = p
+        .reserve_region_with(8 * g, &MemOptions::new().chunk(2 * g))
+        .expect("scratch region");
+    two.map(0, 8 * g).expect("2-granule chunks");
+    let one = p.reserve_region(4 * g).expect("scratch region");
+    one.map(0, 4 * g).expect("1-granule chunks");
+    two.unmap(0, 8 * g).expect("to the cache");
+    one.unmap(0, 4 * g).expect("to the cache");
     assert!(p.stats().cached >= 12 * g, "the cache holds them");
     assert_eq!(p.stats().cached_chunks, 8, "four of each size");
 }
@@ -504,7 +501,7 @@ pub fn backing_pages_hold_whole_chunks(backend: Arc<dyn Backend>) {
     let b = BlockBacking::reserve(
         &p,
         UniformBlocks::packed(6, page),
-        Some(page),
+        &MemOptions::new().chunk(page),
         Some(hook.clone()),
     )
     .expect("backing");
@@ -551,10 +548,10 @@ pub fn backing_covers_whole_pages(backend: Arc<dyn Backend>) {
     let p = pool(&backend, 64 * g);
     let page = 3 * g;
     let geo = UniformBlocks::packed(5, g); // 5 granules: 2 pages of 3
+    let opts = MemOptions::new().chunk(page);
     match BlockBacking::new(
-        p.reserve_region(5 * g).expect("region"),
+        p.reserve_region_with(5 * g, &opts).expect("region"),
         geo,
-        Some(page),
         None,
     ) {
         Err(Error::InvalidArgument(m)) => assert!(
@@ -570,7 +567,7 @@ pub fn backing_covers_whole_pages(backend: Arc<dyn Backend>) {
         0,
         "the refused region went back"
     );
-    let b = BlockBacking::reserve(&p, geo, Some(page), None).expect("backing");
+    let b = BlockBacking::reserve(&p, geo, &MemOptions::new().chunk(page), None).expect("backing");
     assert_eq!(b.len(), 6 * g, "two whole pages");
     assert_eq!(b.physical_bytes_for(0..5).expect("cost"), 2 * page);
     assert_eq!(b.ensure_backed([4]).expect("last block").bytes, page);
@@ -623,8 +620,8 @@ pub fn backing_refuses_bad_input(backend: Arc<dyn Backend>) {
         ],
         extent: 8 * g,
     };
-    let b = BlockBacking::new(p.reserve_region(8 * g).expect("region"), geo, None, None)
-        .expect("backing");
+    let b =
+        BlockBacking::new(p.reserve_region(8 * g).expect("region"), geo, None).expect("backing");
     let refused =
         |r: elastic_vmm::Result<elastic_vmm::BackingChange>, block: usize, why: &str| match r {
             Err(Error::InvalidArgument(m)) => {
@@ -678,12 +675,12 @@ pub fn backing_refuses_bad_input(backend: Arc<dyn Backend>) {
         ),
     ] {
         let region = p.reserve_region(4 * g).expect("region");
-        match BlockBacking::new(region, geo, None, None) {
+        match BlockBacking::new(region, geo, None) {
             Err(e) => assert!(e.to_string().contains(what), "{what}: {e}"),
             Ok(_) => panic!("{geo:?} accepted"),
         }
     }
-    match BlockBacking::new(p.reserve_region(4 * g).expect("region"), huge, None, None) {
+    match BlockBacking::new(p.reserve_region(4 * g).expect("region"), huge, None) {
         Err(e @ Error::SizeOverflow { .. }) => {
             let m = e.to_string();
             assert!(
@@ -694,9 +691,14 @@ pub fn backing_refuses_bad_input(backend: Arc<dyn Backend>) {
         other => panic!("expected SizeOverflow, got {other:?}"),
     }
     for page in [0, g / 2, 3 * g / 2] {
-        let r = BlockBacking::reserve(&p, UniformBlocks::packed(4, g), Some(page), None);
+        let r = BlockBacking::reserve(
+            &p,
+            UniformBlocks::packed(4, g),
+            &MemOptions::new().chunk(page),
+            None,
+        );
         assert!(
-            matches!(r, Err(Error::Misaligned { what: "page size", value, .. }) if value == page),
+            matches!(r, Err(Error::Misaligned { what: "chunk", value, .. }) if value == page),
             "page {page}: {r:?}"
         );
     }
@@ -715,8 +717,13 @@ pub fn backing_pins_hold_blocks(backend: Arc<dyn Backend>) {
     let g = backend.info().granularity as u64;
     let p = pool(&backend, 64 * g);
     let hook = Arc::new(Recorder::default());
-    let b = BlockBacking::reserve(&p, UniformBlocks::packed(8, g), None, Some(hook.clone()))
-        .expect("backing");
+    let b = BlockBacking::reserve(
+        &p,
+        UniformBlocks::packed(8, g),
+        &MemOptions::new(),
+        Some(hook.clone()),
+    )
+    .expect("backing");
     b.ensure_backed(0..4).expect("back");
     // Unsorted with a duplicate: sorted, each block pinned once.
     let twice = b.pin([3, 0, 3, 2], "twice").expect("pin");
@@ -815,8 +822,13 @@ pub fn backing_pins_concurrent(backend: Arc<dyn Backend>) {
     // A page per block: releasing one unmaps its page.
     let bytes = g;
     let b = Arc::new(
-        BlockBacking::reserve(&p, UniformBlocks::packed(BLOCKS, bytes), None, None)
-            .expect("backing"),
+        BlockBacking::reserve(
+            &p,
+            UniformBlocks::packed(BLOCKS, bytes),
+            &MemOptions::new(),
+            None,
+        )
+        .expect("backing"),
     );
     b.ensure_backed(0..BLOCKS).expect("back");
     // One user at a time per block (users write the bytes; releasers never touch them).

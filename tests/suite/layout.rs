@@ -8,7 +8,7 @@ use elastic_vmm::layout::{
     BlockDim, ElasticLayout, Layout, LayoutBuilder, LayoutConfig, LayoutKind, LayoutViews,
     MemoryRange, MemoryView, REGION_ALIGNMENT,
 };
-use elastic_vmm::{Backend, DriverCall, Error, Pool, PoolConfig};
+use elastic_vmm::{Backend, DriverCall, Error, MemOptions, Pool, PoolConfig};
 
 use super::Rng;
 
@@ -150,8 +150,8 @@ pub fn layout_views_place_data(backend: Arc<dyn Backend>) {
         for memory in ["allocation", "region"] {
             let b = LayoutBuilder::new().config(c).kind(kind);
             let l = match memory {
-                "allocation" => b.allocate(&p).build(),
-                _ => b.map_region(&p).chunk_size(g).build(),
+                "allocation" => b.allocate(&p, &MemOptions::new()).build(),
+                _ => b.map_region(&p, &MemOptions::new().chunk(g)).build(),
             }
             .expect("layout");
             let what = format!("{kind} in a pool {memory}");
@@ -408,7 +408,7 @@ pub fn elastic_layout_backs_on_demand(backend: Arc<dyn Backend>) {
     let l = LayoutBuilder::new()
         .config(c)
         .layer_separate(BlockDim::First)
-        .elastic(&p)
+        .elastic(&p, &MemOptions::new())
         .build()
         .expect("elastic");
     assert_eq!(l.stats().mapped_pages, 0, "nothing mapped at build");
@@ -463,7 +463,7 @@ pub fn elastic_layout_backs_on_demand(backend: Arc<dyn Backend>) {
     let ls = LayoutBuilder::new()
         .config(c)
         .layer_separate(BlockDim::Second)
-        .elastic(&p)
+        .elastic(&p, &MemOptions::new())
         .build()
         .expect("block second");
     assert_eq!(ls.physical_bytes_for([5]).expect("cost"), 4 * g);
@@ -477,8 +477,7 @@ pub fn elastic_layout_backs_on_demand(backend: Arc<dyn Backend>) {
     let fc = LayoutBuilder::new()
         .config(c)
         .fully_contiguous()
-        .elastic(&p)
-        .page_size(2 * g)
+        .elastic(&p, &MemOptions::new().chunk(2 * g))
         .build()
         .expect("fully contiguous");
     assert_eq!(fc.backing().page_size(), 2 * g);
@@ -514,7 +513,7 @@ pub fn elastic_layout_rolls_back(backend: Arc<dyn Backend>) {
     let l = LayoutBuilder::new()
         .config(c)
         .layer_separate(BlockDim::First)
-        .elastic(&p)
+        .elastic(&p, &MemOptions::new())
         .build()
         .expect("elastic");
     l.ensure_backed([0]).expect("back");
@@ -555,8 +554,7 @@ pub fn elastic_layout_covers_whole_pages(backend: Arc<dyn Backend>) {
         let l = LayoutBuilder::new()
             .config(c)
             .kind(kind)
-            .elastic(&p)
-            .page_size(page)
+            .elastic(&p, &MemOptions::new().chunk(page))
             .build()
             .unwrap_or_else(|e| panic!("{kind}: {e}"));
         assert_eq!(l.len(), 4 * page, "{kind}: whole pages reserved");
@@ -603,7 +601,7 @@ pub mod nixl {
     use elastic_vmm::nixl::{
         sys, transfer_blocks, BlockSet, NixlAgent, TransferOp, TransferReport,
     };
-    use elastic_vmm::{Backend, DriverCall, Error, MemoryKind};
+    use elastic_vmm::{Backend, DriverCall, Error, MemOptions, MemoryKind};
 
     use super::{check, fill, held_matches, pool, Bytes, Rng};
 
@@ -639,8 +637,7 @@ pub mod nixl {
         let l = LayoutBuilder::new()
             .config(c)
             .fully_contiguous()
-            .map_region(&p)
-            .chunk_size(g)
+            .map_region(&p, &MemOptions::new().chunk(g))
             .build()
             .expect("layout");
         let r = a.register(l).expect("register");
@@ -714,7 +711,7 @@ pub mod nixl {
         let alloc_layout = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::First)
-            .allocate(&p)
+            .allocate(&p, &MemOptions::new())
             .build()
             .expect("layout");
         let rb = b.register(alloc_layout).expect("register allocation");
@@ -742,7 +739,7 @@ pub mod nixl {
         let fixed = LayoutBuilder::new()
             .config(c)
             .fully_contiguous()
-            .map_region(&p)
+            .map_region(&p, &MemOptions::new())
             .build()
             .expect("layout");
         let r = a.register(fixed).expect("register");
@@ -757,7 +754,7 @@ pub mod nixl {
         let l = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::Second)
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(a.mapping_hook())
             .build()
             .expect("elastic");
@@ -792,7 +789,7 @@ pub mod nixl {
         let l = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::Second)
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(a.mapping_hook())
             .build()
             .expect("elastic");
@@ -903,8 +900,7 @@ pub mod nixl {
                 LayoutBuilder::new()
                     .config(c)
                     .fully_contiguous()
-                    .map_region(&p)
-                    .chunk_size(g)
+                    .map_region(&p, &MemOptions::new().chunk(g))
                     .build()
                     .expect("src"),
             )
@@ -912,7 +908,7 @@ pub mod nixl {
         let dst = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::Second)
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(b.mapping_hook())
             .build()
             .expect("dst");
@@ -988,7 +984,7 @@ pub mod nixl {
                 LayoutBuilder::new()
                     .config(c)
                     .layer_separate(BlockDim::First)
-                    .allocate(&p)
+                    .allocate(&p, &MemOptions::new())
                     .build()
                     .expect("src"),
             )
@@ -996,7 +992,7 @@ pub mod nixl {
         let dst = LayoutBuilder::new()
             .config(c)
             .fully_contiguous()
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(b.mapping_hook())
             .build()
             .expect("dst");
@@ -1060,7 +1056,7 @@ pub mod nixl {
         let other = LayoutBuilder::new()
             .config(LayoutConfig::new(8, 2, 1, 16, 128, 2))
             .fully_contiguous()
-            .allocate(&p)
+            .allocate(&p, &MemOptions::new())
             .build()
             .expect("other");
         let other = b.register(other).expect("register");
@@ -1165,7 +1161,7 @@ pub mod nixl {
                 LayoutBuilder::new()
                     .config(c)
                     .fully_contiguous()
-                    .map_region(&p)
+                    .map_region(&p, &MemOptions::new())
                     .build()
                     .expect("src"),
             )
@@ -1173,7 +1169,7 @@ pub mod nixl {
         let dst = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::First)
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(b.mapping_hook())
             .build()
             .expect("dst");
@@ -1205,7 +1201,7 @@ pub mod nixl {
                 LayoutBuilder::new()
                     .config(c)
                     .fully_contiguous()
-                    .map_region(&p)
+                    .map_region(&p, &MemOptions::new())
                     .build()
                     .expect("src"),
             )
@@ -1213,7 +1209,7 @@ pub mod nixl {
         let dst = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::First)
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(b.mapping_hook())
             .build()
             .expect("dst");
@@ -1322,21 +1318,22 @@ pub mod nixl {
     pub fn registration_whole_pages(backend: Arc<dyn Backend>) {
         let g = backend.info().granularity as u64;
         let p = pool(&backend, 128 * g);
-        let scratch = p.reserve_region(12 * g).expect("scratch");
-        scratch
-            .map_chunked(0, 8 * g, 2 * g)
-            .expect("2-granule chunks");
-        scratch.map(8 * g, 4 * g).expect("1-granule chunks");
-        scratch.unmap(0, 12 * g).expect("to the cache");
-        drop(scratch);
+        let two = p
+            .reserve_region_with(8 * g, &MemOptions::new().chunk(2 * g))
+            .expect("scratch");
+        two.map(0, 8 * g).expect("2-granule chunks");
+        let one = p.reserve_region(4 * g).expect("scratch");
+        one.map(0, 4 * g).expect("1-granule chunks");
+        two.unmap(0, 8 * g).expect("to the cache");
+        one.unmap(0, 4 * g).expect("to the cache");
+        drop((two, one));
         let a = agent("pages");
         let c = LayoutConfig::new(12, 1, 1, 16, (g / 32) as usize, 2); // a block is g
         let page = 3 * g;
         let l = LayoutBuilder::new()
             .config(c)
             .fully_contiguous()
-            .elastic(&p)
-            .page_size(page)
+            .elastic(&p, &MemOptions::new().chunk(page))
             .hook(a.mapping_hook())
             .build()
             .expect("elastic");
@@ -1425,7 +1422,7 @@ pub mod nixl {
                 LayoutBuilder::new()
                     .config(c)
                     .fully_contiguous()
-                    .map_region(&p)
+                    .map_region(&p, &MemOptions::new())
                     .build()
                     .expect("src"),
             )
@@ -1433,7 +1430,7 @@ pub mod nixl {
         let dst = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::Second)
-            .elastic(&p)
+            .elastic(&p, &MemOptions::new())
             .hook(b.mapping_hook())
             .build()
             .expect("dst");

@@ -22,6 +22,7 @@ macro_rules! pool_suite {
             large_requests_use_few_chunks,
             trim_returns_physical_memory,
             range_api,
+            mem_options,
             bad_input_is_refused_cleanly,
             failures_roll_back,
             driver_counts_match_chunks_held,
@@ -166,7 +167,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
 use elastic_vmm::backend::testing::FaultInjector;
-use elastic_vmm::{Backend, DriverCall, Error, Pool, PoolConfig};
+use elastic_vmm::{
+    Backend, BlockBacking, DriverCall, Error, MemOptions, Pool, PoolConfig, Tag, UniformBlocks,
+};
 
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
@@ -258,12 +261,14 @@ pub fn data_survives_while_mapped(backend: Arc<dyn Backend>) {
         "reused memory keeps its previous contents"
     );
     drop(b);
-    let z = p.allocate_zeroed(len).expect("zeroed");
+    let z = p
+        .allocate_with(len, &MemOptions::new().zeroed())
+        .expect("zeroed");
     let mut back = vec![1u8; len];
     z.read(0, &mut back).expect("read");
     assert!(
         back.iter().all(|&x| x == 0),
-        "allocate_zeroed returned non-zero bytes"
+        "a zeroed allocation returned non-zero bytes"
     );
     // Out-of-bounds access is an error, not a crash.
     let mut buf = [0u8; 8];
@@ -434,6 +439,109 @@ pub fn trim_returns_physical_memory(backend: Arc<dyn Backend>) {
     assert_backend_matches(&backend, &p);
 }
 
+/// [`MemOptions`]: an option a call does not take is refused by name, a bad chunk with its
+/// numbers, both before anything is mapped; `zeroed` zeroes a range mapped from reused chunks;
+/// `chunk` on a region is its mapping chunk; tag and name reach the allocation.
+pub fn mem_options(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let p = pool(&backend, PoolConfig::new((64 * g) as usize));
+    let refused = |r: Result<(), Error>, option: &str| match r {
+        Err(Error::OptionNotApplicable { option: o, call }) => {
+            assert_eq!(o, option, "refused by the wrong option, by {call}");
+        }
+        other => panic!("`{option}` should be refused, got {other:?}"),
+    };
+    let opt = MemOptions::new();
+    refused(
+        p.allocate_with(g as usize, &opt.clone().chunk(g)).map(drop),
+        "chunk",
+    );
+    refused(p.map_with(0, g, &opt.clone().name("x")), "name");
+    refused(
+        p.reserve_region_with(g, &opt.clone().zeroed()).map(drop),
+        "zeroed",
+    );
+    refused(
+        p.reserve_region_with(g, &opt.clone().name("r")).map(drop),
+        "name",
+    );
+    let geo = UniformBlocks::packed(2, g);
+    refused(
+        BlockBacking::reserve(&p, geo, &opt.clone().name("b"), None).map(drop),
+        "name",
+    );
+    for chunk in [0, g / 2, 3 * g / 2] {
+        match p.map_with(0, 4 * g, &opt.clone().chunk(chunk)) {
+            Err(
+                e @ Error::Misaligned {
+                    value, alignment, ..
+                },
+            ) => {
+                assert_eq!((value, alignment), (chunk, g));
+                assert!(e.to_string().contains("chunk"), "{e}");
+            }
+            other => panic!("chunk {chunk} accepted: {other:?}"),
+        }
+        assert!(matches!(
+            p.reserve_region_with(4 * g, &opt.clone().chunk(chunk)),
+            Err(Error::Misaligned { .. })
+        ));
+    }
+    let s = p.stats();
+    assert_eq!(
+        (s.mapped, s.range_mapped, s.reserved_regions),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.driver_calls.get(DriverCall::Create), 0, "nothing created");
+
+    // A reused chunk keeps its bytes; `zeroed` clears them.
+    let data = pattern(7, g as usize);
+    p.map(0, g).expect("map");
+    // SAFETY: mapped just above; nothing else uses it.
+    unsafe { backend.copies().write(p.base(), &data).expect("write") };
+    p.unmap(0, g).expect("to the cache");
+    let before = p.stats().driver_calls;
+    p.map(0, g).expect("map again");
+    let mut back = vec![0u8; data.len()];
+    // SAFETY: mapped just above.
+    unsafe { backend.copies().read(p.base(), &mut back).expect("read") };
+    assert!(
+        back == data,
+        "a plain map of a reused chunk keeps its bytes"
+    );
+    p.unmap(0, g).expect("to the cache");
+    p.map_with(0, g, &opt.clone().zeroed().tag(Tag::Kv))
+        .expect("zeroed map");
+    let calls = p.stats().driver_calls.since(&before);
+    assert_eq!(
+        calls.get(DriverCall::Create),
+        0,
+        "served from the cache: {calls}"
+    );
+    // SAFETY: mapped just above.
+    unsafe { backend.copies().read(p.base(), &mut back).expect("read") };
+    assert!(back.iter().all(|&b| b == 0), "map_with(zeroed) left bytes");
+    p.unmap(0, g).expect("unmap");
+
+    // A region's chunk is what its maps use (the cache emptied: it would serve granules).
+    p.trim().expect("trim");
+    let r = p
+        .reserve_region_with(8 * g, &opt.clone().chunk(2 * g).tag(Tag::Kv))
+        .expect("region");
+    assert_eq!((r.chunk(), r.tag()), (2 * g, &Tag::Kv));
+    r.map(0, 4 * g).expect("region map");
+    assert_eq!(r.chunks_in(0, 4 * g).len(), 2, "chunks of 2 granules");
+    assert!(matches!(r.unmap(0, g), Err(Error::SplitsChunk { .. })));
+    drop(r);
+    assert_eq!(p.reserve_region(g).expect("default").chunk(), g);
+
+    let a = p
+        .allocate_with(100, &opt.clone().tag(Tag::Weights).name("w").zeroed())
+        .expect("allocate");
+    assert_eq!((a.tag(), a.name().as_deref()), (Tag::Weights, Some("w")));
+}
+
 /// The range API: map, unmap, reuse of cached chunks, and every misuse with its numbers.
 pub fn range_api(backend: Arc<dyn Backend>) {
     let g = backend.info().granularity as u64;
@@ -504,7 +612,8 @@ pub fn range_api(backend: Arc<dyn Backend>) {
         "map must reuse the cached chunk: {calls}"
     );
     // Big chunks: unmap must cover whole chunks.
-    p.map_chunked(32 * g, 8 * g, 4 * g).expect("chunked");
+    p.map_with(32 * g, 8 * g, &MemOptions::new().chunk(4 * g))
+        .expect("chunked");
     assert_eq!(p.chunks_in(32 * g, 8 * g).len(), 2);
     match p.unmap(32 * g, 2 * g) {
         Err(Error::SplitsChunk {
@@ -741,7 +850,9 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
 pub fn pool_drop_reports_and_releases(backend: Arc<dyn Backend>) {
     let g = backend.info().granularity as u64;
     let p = pool(&backend, PoolConfig::new(GIB as usize).name("leaky"));
-    let mut survivor = p.allocate_named(g as usize, "kv-cache").expect("a");
+    let mut survivor = p
+        .allocate_with(g as usize, &MemOptions::new().name("kv-cache"))
+        .expect("a");
     let other = p.allocate(3 * g as usize).expect("b");
     drop(other);
     p.map(512 * MIB, 2 * g).expect("range");

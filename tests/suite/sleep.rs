@@ -11,8 +11,8 @@ use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::backend::Copies;
 use elastic_vmm::{
     AfterWake, Allocation, Backend, BlockBacking, DriverCall, Error, HostStaging, MappingHook,
-    ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig, SleepAction, SleepPolicy,
-    SleepStatus, Tag, UniformBlocks,
+    MemOptions, ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig, SleepAction,
+    SleepPolicy, SleepStatus, Tag, UniformBlocks,
 };
 
 use super::{pattern, MIB};
@@ -25,7 +25,9 @@ struct Loaded {
 fn load(p: &Pool, sizes: &[usize], tag: Tag, seed: u64) -> Loaded {
     let mut allocs = Vec::new();
     for (i, &n) in sizes.iter().enumerate() {
-        let mut a = p.allocate_tagged(n, tag.clone()).expect("allocate");
+        let mut a = p
+            .allocate_with(n, &MemOptions::new().tag(tag.clone()))
+            .expect("allocate");
         let data = pattern(seed + i as u64, n);
         a.write(0, &data).expect("write");
         let addr = a.addr();
@@ -67,7 +69,9 @@ pub fn offload_round_trip(backend: Arc<dyn Backend>) {
         Tag::Weights,
         1,
     );
-    let region = p.reserve_region_tagged(64 * MIB, Tag::Kv).expect("region");
+    let region = p
+        .reserve_region_with(64 * MIB, &MemOptions::new().tag(Tag::Kv))
+        .expect("region");
     region.map(8 * MIB, 16 * MIB).expect("map");
     let kv = pattern(99, (16 * MIB) as usize);
     // SAFETY: the range was just mapped and nothing else uses it.
@@ -187,7 +191,7 @@ pub fn mixed_tags(backend: Arc<dyn Backend>) {
     let p = Pool::new(backend.clone(), PoolConfig::new(4 << 30)).expect("pool");
     let w = load(&p, &[10 * MIB as usize, 6 * MIB as usize], Tag::Weights, 7);
     let kv = load(&p, &[8 * MIB as usize], Tag::Kv, 70);
-    p.map_tagged(2 << 30, 8 * MIB, Tag::named("lora"))
+    p.map_with(2 << 30, 8 * MIB, &MemOptions::new().tag(Tag::named("lora")))
         .expect("map");
     let policy = SleepPolicy::offload_all()
         .tag(Tag::Kv, SleepAction::Discard)
@@ -243,7 +247,8 @@ pub fn failures_roll_back(backend: Arc<dyn Backend>) {
         Tag::Weights,
         3,
     );
-    p.map_tagged(1 << 30, 6 * MIB, Tag::Kv).expect("map");
+    p.map_with(1 << 30, 6 * MIB, &MemOptions::new().tag(Tag::Kv))
+        .expect("map");
     let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
     let settled = |what: &str| {
         p.audit().unwrap_or_else(|e| panic!("{what}: audit: {e}"));
@@ -468,31 +473,35 @@ pub fn kv_structures_are_discarded_by_tag(backend: Arc<dyn Backend>) {
     let elastic = LayoutBuilder::new()
         .config(config)
         .layer_separate(BlockDim::First)
-        .elastic(&p)
+        .elastic(&p, &MemOptions::new())
         .build()
         .expect("elastic layout");
     elastic.ensure_backed(0..4).expect("back blocks");
     let in_alloc = LayoutBuilder::new()
         .config(config)
         .fully_contiguous()
-        .allocate(&p)
+        .allocate(&p, &MemOptions::new())
         .build()
         .expect("layout in an allocation");
     let in_region = LayoutBuilder::new()
         .config(config)
         .fully_contiguous()
-        .map_region(&p)
+        .map_region(&p, &MemOptions::new())
         .build()
         .expect("layout in a mapped region");
-    let blocks =
-        BlockBacking::reserve(&p, UniformBlocks::packed(4, g as u64), None, None).expect("backing");
+    let blocks = BlockBacking::reserve(
+        &p,
+        UniformBlocks::packed(4, g as u64),
+        &MemOptions::new(),
+        None,
+    )
+    .expect("backing");
     blocks.ensure_backed(0..2).expect("back");
-    let acts = BlockBacking::reserve_tagged(
+    let acts = BlockBacking::reserve(
         &p,
         UniformBlocks::packed(2, g as u64),
+        &MemOptions::new().tag(Tag::Activations),
         None,
-        None,
-        Tag::Activations,
     )
     .expect("backing tagged otherwise");
     acts.ensure_backed(0..2).expect("back");
@@ -725,8 +734,13 @@ pub fn backing_hears_sleep(backend: Arc<dyn Backend>) {
     let p = Pool::new(backend.clone(), PoolConfig::new(4 << 30)).expect("pool");
     let hook = Arc::new(Hook::default());
     let h: Arc<dyn MappingHook> = hook.clone();
-    let b = BlockBacking::reserve(&p, UniformBlocks::packed(16, 2 * MIB), None, Some(h))
-        .expect("backing");
+    let b = BlockBacking::reserve(
+        &p,
+        UniformBlocks::packed(16, 2 * MIB),
+        &MemOptions::new(),
+        Some(h),
+    )
+    .expect("backing");
     b.ensure_backed(0..4).expect("back");
     let data = pattern(5, (8 * MIB) as usize);
     // SAFETY: blocks 0..4 are backed (mapped with access) and nothing else uses them.
@@ -985,7 +999,7 @@ pub fn reserving_staging_does_not_block(backend: Arc<dyn Backend>) {
     }
     // Mid-reservation: the pool works, a sleep is refused, nothing changes.
     let mut a = p
-        .allocate_tagged(2 * MIB as usize, Tag::Kv)
+        .allocate_with(2 * MIB as usize, &MemOptions::new().tag(Tag::Kv))
         .expect("allocate while pinning");
     a.fill(9).expect("write while pinning");
     p.map(1 << 30, 2 * MIB).expect("map while pinning");
@@ -1017,8 +1031,13 @@ pub fn trim_during_undone_wake(backend: Arc<dyn Backend>) {
     let p = Pool::new(backend, PoolConfig::new(4 << 30).max_chunk(g)).expect("pool");
     let hook = Arc::new(Hook::default());
     let h: Arc<dyn MappingHook> = hook.clone();
-    let b = BlockBacking::reserve(&p, UniformBlocks::packed(4, g as u64), None, Some(h))
-        .expect("backing");
+    let b = BlockBacking::reserve(
+        &p,
+        UniformBlocks::packed(4, g as u64),
+        &MemOptions::new(),
+        Some(h),
+    )
+    .expect("backing");
     b.ensure_backed(0..2).expect("back");
     let keep = load(&p, &[g, g], Tag::Weights, 51);
     let gone = p.allocate(g).expect("allocate");

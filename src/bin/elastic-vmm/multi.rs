@@ -12,8 +12,8 @@ use std::time::Instant;
 use elastic_vmm::shared::SharedStats;
 use elastic_vmm::stats::human_bytes;
 use elastic_vmm::{
-    AfterWake, Allocation, Backend, Error, ModelConfig, SharedPool, SharedPoolConfig, SleepAction,
-    SleepPolicy, Tag,
+    AfterWake, Allocation, Backend, Error, MemOptions, ModelConfig, SharedPool, SharedPoolConfig,
+    SleepAction, SleepPolicy, Tag,
 };
 
 use crate::output;
@@ -197,9 +197,10 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
     for (i, m) in models.iter_mut().enumerate() {
         let bytes = mul("weights", m.peak, a.weights_percent)? / 100;
         if bytes > 0 {
-            let mut w = m
-                .handle
-                .allocate_tagged(to_usize("weights", bytes)?, Tag::Weights)?;
+            let mut w = m.handle.allocate_with(
+                to_usize("weights", bytes)?,
+                &MemOptions::new().tag(Tag::Weights),
+            )?;
             let byte = 0x41 + i as u8;
             w.fill(byte)?;
             m.weights = Some((w, byte));
@@ -239,7 +240,10 @@ pub fn run(backend: Arc<dyn Backend>, a: &MultiArgs) -> Result<(), BoxError> {
                 m.blocks.pop();
             }
             while m.blocks.len() < target {
-                match m.handle.allocate_tagged(block_len, Tag::Kv) {
+                match m
+                    .handle
+                    .allocate_with(block_len, &MemOptions::new().tag(Tag::Kv))
+                {
                     Ok(b) => m.blocks.push(b),
                     Err(Error::AdmissionRefused { .. }) => {
                         // The request waits for memory: it is retried next step.
