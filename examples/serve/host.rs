@@ -133,7 +133,7 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
         let store = BlockBacking::reserve(
             &handle,
             UniformBlocks::packed(sizes.kv_blocks as usize, g),
-            None,
+            &MemOptions::new(),
             None,
         )
         .map_err(e)?;
