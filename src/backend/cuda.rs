@@ -672,6 +672,53 @@ impl Backend for CudaBackend {
         unsafe { self.set_access_for(addr, size, mode, owner) }
     }
 
+    fn pointer_kind(&self, addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        let _bound = self.bind()?;
+        let mut ty: u32 = 0;
+        // SAFETY: the attribute is a 32-bit CUmemorytype written into `ty`; any address may be
+        // asked about.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ty as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        match r {
+            sys::cudaError_enum::CUDA_SUCCESS => {}
+            // Memory CUDA does not know: pageable host memory.
+            sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE => {
+                return Ok(Some((MemoryKind::Host, None)))
+            }
+            e => {
+                return Err(Error::backend(
+                    NAME,
+                    "cuPointerGetAttribute",
+                    format!("{e:?}"),
+                    format!("MEMORY_TYPE of {addr:#x}"),
+                ))
+            }
+        }
+        if ty != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Ok(Some((MemoryKind::Host, None)));
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: the attribute is an int written into `ordinal`.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        }
+        .result()
+        .map_err(driver_error(
+            "cuPointerGetAttribute",
+            format!("DEVICE_ORDINAL of {addr:#x}"),
+        ))?;
+        Ok(Some((MemoryKind::Device, Some(ordinal))))
+    }
+
     fn reach(&self, uuid: &[u8; 16]) -> Result<super::DeviceReach> {
         use super::DeviceReach;
         if self.info.device_uuid.as_ref() == Some(uuid) {

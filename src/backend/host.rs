@@ -588,6 +588,11 @@ impl Backend for HostBackend {
     fn copies(&self) -> &dyn Copies {
         self
     }
+
+    /// Every address of a process on the host backend is host memory.
+    fn pointer_kind(&self, _addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        Ok(Some((MemoryKind::Host, None)))
+    }
 }
 
 impl Copies for HostBackend {

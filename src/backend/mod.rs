@@ -422,6 +422,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Copies and streams on this backend's memory ([`Copies`]): usually the backend itself;
     /// a wrapper returns the one it wraps, or itself where it intercepts copies.
     fn copies(&self) -> &dyn Copies;
+
+    /// What memory `addr` is, where the driver can tell: its kind and, for device memory, the
+    /// device ordinal (CUDA: `cuPointerGetAttribute`; memory CUDA does not know is pageable
+    /// host memory). `None` (the default) when the backend cannot tell. The layout builder
+    /// checks caller memory's declared kind with it ([`crate::layout::LayoutBuilder::checked_by`]).
+    fn pointer_kind(&self, addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        let _ = addr;
+        Ok(None)
+    }
 }
 
 /// Copies and streams: moving bytes in and out of mapped memory, synchronously or on GPU

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::geometry::{LayoutGeometry, Span};
 use super::kind::LayoutKind;
+use super::storage::StorageKind;
 use super::LayoutConfig;
 use crate::backend::MemoryKind;
 use crate::backing::{BlockPin, PinRefused};
@@ -41,6 +42,7 @@ pub struct LayoutViews {
     bases: Vec<u64>,
     memory: MemoryKind,
     device: Option<i32>,
+    storage: StorageKind,
 }
 
 impl LayoutViews {
@@ -58,7 +60,20 @@ impl LayoutViews {
             bases,
             memory,
             device,
+            storage: StorageKind::of_pool(memory, device),
         }
+    }
+
+    /// The same views, of storage `storage` (pinned host memory, a file).
+    pub(crate) fn with_storage(mut self, storage: StorageKind) -> Self {
+        self.storage = storage;
+        self
+    }
+
+    /// Where the bytes live. For [`StorageKind::Disk`] every view is a byte offset in the
+    /// layout's file, not an address.
+    pub fn storage(&self) -> StorageKind {
+        self.storage
     }
 
     /// Where every unit lies, relative to the regions.

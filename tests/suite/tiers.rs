@@ -1,0 +1,459 @@
+//! Storage kinds and tier moves over any backend: the pool side is the backend's memory (device
+//! memory on CUDA), the host side pinned for it, the disk side a real file.
+
+use std::sync::Arc;
+
+use elastic_vmm::backend::testing::FaultInjector;
+use elastic_vmm::layout::{
+    copy_blocks, BlockDim, KvTiers, Layout, LayoutBuilder, LayoutConfig, LayoutKind, StorageKind,
+};
+use elastic_vmm::{Backend, Error, MemoryKind, Pool, PoolConfig};
+
+use super::Rng;
+
+/// Every test of the tiers suite, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! tiers_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod tiers;
+            blocks_round_trip_through_every_kind,
+            moves_are_checked_before_any_copy,
+            failed_moves_roll_back,
+            tiers_under_many_threads,
+        );
+    };
+}
+
+const KINDS: [LayoutKind; 3] = [
+    LayoutKind::FullyContiguous,
+    LayoutKind::LayerSeparate(BlockDim::First),
+    LayoutKind::LayerSeparate(BlockDim::Second),
+];
+
+/// 32 blocks of 2 layers x K/V x 16 tokens x 64 x 2 bytes = 8 KiB per block.
+fn config(blocks: usize) -> LayoutConfig {
+    LayoutConfig::new(blocks, 2, 2, 16, 64, 2)
+}
+
+fn pool(backend: &Arc<dyn Backend>) -> Pool {
+    let g = backend.info().granularity;
+    Pool::new(backend.clone(), PoolConfig::new(64 * g).growth_divisor(0)).expect("pool")
+}
+
+fn on_pool(p: &Pool, c: LayoutConfig, kind: LayoutKind) -> Layout {
+    LayoutBuilder::new()
+        .config(c)
+        .kind(kind)
+        .map_region(p)
+        .build()
+        .expect("pool layout")
+}
+
+fn byte(tag: u64, i: u64) -> u8 {
+    (tag.wrapping_mul(131).wrapping_add(i.wrapping_mul(7)) % 251) as u8
+}
+
+/// Fill `block` of a pool layout with a pattern of `tag`.
+fn fill(l: &Layout, block: usize, tag: u64) {
+    for (k, v) in l.block(block).expect("block").iter().enumerate() {
+        let data: Vec<u8> = (0..v.len).map(|i| byte(tag, i + k as u64 * 977)).collect();
+        // SAFETY: the view lies in the layout; nobody else uses it in these tests.
+        unsafe { l.write(v.addr, &data) }.expect("write");
+    }
+}
+
+/// Whether `block` of a pool layout holds `tag`'s pattern.
+fn holds(l: &Layout, block: usize, tag: u64) -> bool {
+    l.block(block)
+        .expect("block")
+        .iter()
+        .enumerate()
+        .all(|(k, v)| {
+            let mut out = vec![0u8; v.len as usize];
+            // SAFETY: as in `fill`.
+            unsafe { l.read(v.addr, &mut out) }.expect("read");
+            out.iter()
+                .enumerate()
+                .all(|(i, &b)| b == byte(tag, i as u64 + k as u64 * 977))
+        })
+}
+
+/// Blocks go pool -> pinned -> disk -> system -> pinned -> pool byte-exact for every kind, runs
+/// merged into one copy per view (fully contiguous: one per run); the kinds are what was asked.
+pub fn blocks_round_trip_through_every_kind(backend: Arc<dyn Backend>) {
+    let p = pool(&backend);
+    let device = backend.info().memory_kind == MemoryKind::Device;
+    let dir = std::env::temp_dir();
+    for kind in KINDS {
+        let c = config(32);
+        let a = on_pool(&p, c, kind);
+        let b = LayoutBuilder::new().config(c).kind(kind);
+        let pinned = b.pinned(&p, true).build().expect("pinned");
+        let disk = LayoutBuilder::new()
+            .config(c)
+            .kind(kind)
+            .disk_temp(&dir)
+            .build()
+            .expect("disk");
+        let sys = LayoutBuilder::new()
+            .config(c)
+            .kind(kind)
+            .system()
+            .build()
+            .expect("system");
+        let pool_kind = match backend.info().device_ordinal {
+            Some(d) if device => StorageKind::Device(d),
+            _ => StorageKind::System,
+        };
+        assert_eq!(
+            [a.storage(), pinned.storage(), disk.storage(), sys.storage()],
+            [
+                pool_kind,
+                StorageKind::Pinned,
+                StorageKind::Disk,
+                StorageKind::System
+            ]
+        );
+        let (path, fd) = disk.file().expect("a file");
+        assert!(path.is_none() && fd >= 0, "a temporary file, open");
+        for blk in 0..32 {
+            fill(&a, blk, blk as u64 + 1);
+        }
+        let src = [3usize, 4, 5, 6, 20, 9, 10];
+        let at = [0usize, 1, 2, 3, 10, 30, 31];
+        // SAFETY: the layouts are this test's own; nothing else touches them.
+        let r = unsafe { copy_blocks(&a, &src, &pinned, &at) }.expect("pool -> pinned");
+        let per_block = a.block(0).expect("block").len();
+        assert_eq!(r.copies, 3 * per_block, "{kind}: three runs, merged");
+        assert_eq!(r.bytes, 7 * c.sizes().expect("sizes").block);
+        // SAFETY: as above.
+        unsafe { copy_blocks(&pinned, &at, &disk, &[5, 6, 7, 8, 9, 10, 11]) }
+            .expect("pinned -> disk");
+        // SAFETY: as above.
+        unsafe {
+            copy_blocks(
+                &disk,
+                &[5, 6, 7, 8, 9, 10, 11],
+                &sys,
+                &[11, 12, 13, 14, 0, 1, 2],
+            )
+        }
+        .expect("disk -> system");
+        // Back through pinned memory to other blocks of the pool layout.
+        // SAFETY: as above.
+        unsafe {
+            copy_blocks(
+                &sys,
+                &[11, 12, 13, 14, 0, 1, 2],
+                &pinned,
+                &[20, 21, 22, 23, 24, 25, 26],
+            )
+        }
+        .expect("system -> pinned");
+        let back = [24usize, 25, 26, 27, 28, 29, 31];
+        // SAFETY: as above.
+        unsafe { copy_blocks(&pinned, &[20, 21, 22, 23, 24, 25, 26], &a, &back) }
+            .expect("pinned -> pool");
+        for (i, &s) in src.iter().enumerate() {
+            assert!(
+                holds(&a, back[i], s as u64 + 1),
+                "{kind}: block {s} came back to {}",
+                back[i]
+            );
+        }
+        for blk in [0usize, 1, 2, 7, 8, 11] {
+            assert!(
+                holds(&a, blk, blk as u64 + 1),
+                "{kind}: block {blk} untouched"
+            );
+        }
+        // System memory and the device: refused before any copy (not pinned for it).
+        // SAFETY: refused before any copy, or a copy between this test's layouts.
+        let r = unsafe { copy_blocks(&sys, &[0], &a, &[0]) };
+        if device {
+            let e = r.expect_err("system -> device");
+            assert!(e.to_string().contains("pinned"), "{e}");
+            // Device <-> disk: no GPUDirect Storage.
+            // SAFETY: refused before any copy.
+            let e = unsafe { copy_blocks(&a, &[0], &disk, &[0]) }.expect_err("device -> disk");
+            assert!(e.to_string().contains("GPUDirect"), "{e}");
+        } else {
+            r.expect("host pool <-> system memory");
+        }
+    }
+}
+
+/// A geometry mismatch, unpaired lists, a block out of range, a destination named twice, disk
+/// to disk: refused with the numbers, the destination untouched.
+pub fn moves_are_checked_before_any_copy(backend: Arc<dyn Backend>) {
+    let p = pool(&backend);
+    let c = config(8);
+    let a = on_pool(&p, c, LayoutKind::FullyContiguous);
+    for blk in 0..8 {
+        fill(&a, blk, 100 + blk as u64);
+    }
+    let pinned = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .pinned(&p, false)
+        .build()
+        .expect("pinned");
+    let other = LayoutBuilder::new()
+        .config(config(8))
+        .layer_separate(BlockDim::First)
+        .pinned(&p, false)
+        .build()
+        .expect("pinned, other kind");
+    let small = LayoutBuilder::new()
+        .config(config(4))
+        .fully_contiguous()
+        .pinned(&p, false)
+        .build()
+        .expect("pinned, fewer blocks");
+    // SAFETY (every call): refused before any copy.
+    let e = unsafe { copy_blocks(&pinned, &[0], &other, &[0]) }.expect_err("kind differs");
+    assert!(matches!(e, Error::LayoutMismatch { .. }), "{e}");
+    let e = unsafe { copy_blocks(&pinned, &[0], &small, &[0]) }.expect_err("blocks differ");
+    assert!(
+        e.to_string().contains("num_blocks: 8") && e.to_string().contains("num_blocks: 4"),
+        "{e}"
+    );
+    let e = unsafe { copy_blocks(&pinned, &[0, 1], &a, &[0]) }.expect_err("unpaired");
+    assert!(
+        e.to_string().contains("2 source blocks, 1 destination"),
+        "{e}"
+    );
+    let e = unsafe { copy_blocks(&pinned, &[0, 8], &a, &[0, 1]) }.expect_err("out of range");
+    assert!(
+        matches!(
+            e,
+            Error::OutOfLayout {
+                index: 8,
+                count: 8,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = unsafe { copy_blocks(&pinned, &[0, 1], &a, &[3, 3]) }.expect_err("twice");
+    assert!(
+        e.to_string().contains("destination block 3 is named twice"),
+        "{e}"
+    );
+    let dir = std::env::temp_dir();
+    let d1 = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk_temp(&dir)
+        .build()
+        .expect("disk");
+    let d2 = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk_temp(&dir)
+        .build()
+        .expect("disk");
+    let e = unsafe { copy_blocks(&d1, &[0], &d2, &[0]) }.expect_err("disk to disk");
+    assert!(e.to_string().contains("disk to disk"), "{e}");
+    for blk in 0..8 {
+        assert!(holds(&a, blk, 100 + blk as u64), "block {blk} untouched");
+    }
+}
+
+/// A staging copy that fails part way (fault injected) and a file that shrank under its layout:
+/// the move fails with how far it got, every block stays where it was, the slots taken go back;
+/// the same moves succeed afterwards.
+pub fn failed_moves_roll_back(backend: Arc<dyn Backend>) {
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let faulty: Arc<dyn Backend> = faults.clone();
+    let p = pool(&faulty);
+    let c = config(16);
+    let dir = std::env::temp_dir();
+    let tiers = KvTiers::new(vec![
+        on_pool(&p, c, LayoutKind::LayerSeparate(BlockDim::Second)),
+        LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .pinned(&p, false)
+            .build()
+            .expect("pinned"),
+        LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .disk_temp(&dir)
+            .build()
+            .expect("disk"),
+    ])
+    .expect("tiers");
+    let ids: Vec<u64> = (0..6)
+        .map(|_| {
+            let (id, at) = tiers.insert(0).expect("slot");
+            fill(tiers.tier(0).expect("tier 0"), at.slot, id + 7);
+            id
+        })
+        .collect();
+    let before: Vec<_> = ids.iter().map(|&id| tiers.locate(id)).collect();
+    faults.fail_copy_nth(3);
+    let e = tiers.move_blocks(&ids, 1).expect_err("injected failure");
+    match &e {
+        Error::TierMoveFailed {
+            copied,
+            bytes,
+            blocks,
+            source,
+            ..
+        } => {
+            assert_eq!(*blocks, 6);
+            assert!(copied < bytes, "{e}");
+            assert!(source.to_string().contains("FAULT_INJECTED"), "{e}");
+        }
+        other => panic!("expected TierMoveFailed, got {other:?}"),
+    }
+    let after: Vec<_> = ids.iter().map(|&id| tiers.locate(id)).collect();
+    assert_eq!(before, after, "every block where it was");
+    assert_eq!(tiers.free_slots(1), 16, "the host slots went back");
+    assert!(ids.iter().all(|&id| !tiers.is_moving(id)));
+    // Now it works, and then on to disk.
+    tiers.move_blocks(&ids, 1).expect("to host");
+    tiers.move_blocks(&ids[..4], 2).expect("to disk");
+    assert_eq!(
+        (
+            tiers.free_slots(0),
+            tiers.free_slots(1),
+            tiers.free_slots(2)
+        ),
+        (16, 14, 12)
+    );
+    // The file shrinks under the layout: onboarding from it fails, nothing changes.
+    let (_, fd) = tiers.tier(2).expect("disk").file().expect("file");
+    // SAFETY: shrinking the test's own open file; no memory depends on its length.
+    assert_eq!(unsafe { libc::ftruncate(fd, 4096) }, 0);
+    let before: Vec<_> = ids.iter().map(|&id| tiers.locate(id)).collect();
+    let e = tiers.move_blocks(&ids, 0).expect_err("short file");
+    assert!(e.to_string().contains("pread"), "{e}");
+    assert_eq!(
+        before,
+        ids.iter().map(|&id| tiers.locate(id)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        (
+            tiers.free_slots(0),
+            tiers.free_slots(1),
+            tiers.free_slots(2)
+        ),
+        (16, 14, 12)
+    );
+    // The blocks still on the host tier come home intact.
+    tiers.move_blocks(&ids[4..], 0).expect("host -> pool");
+    for &id in &ids[4..] {
+        let at = tiers.locate(id).expect("known");
+        assert_eq!(at.tier, 0);
+        assert!(
+            holds(tiers.tier(0).expect("tier 0"), at.slot, id + 7),
+            "block {id}"
+        );
+    }
+    let e = tiers.move_blocks(&[ids[4], ids[4]], 1).expect_err("twice");
+    assert!(e.to_string().contains("named twice"), "{e}");
+    let e = tiers.move_blocks(&[999], 1).expect_err("unknown");
+    assert!(e.to_string().contains("no block 999"), "{e}");
+    let e = tiers.move_blocks(&ids[4..], 3).expect_err("no tier");
+    assert!(
+        matches!(
+            e,
+            Error::OutOfLayout {
+                what: "tier",
+                index: 3,
+                count: 3
+            }
+        ),
+        "{e}"
+    );
+}
+
+/// Eight threads move their own blocks between the three tiers at random, and fight over a
+/// few shared ones, for many rounds: every move is all or nothing, the books add up, and every
+/// block comes home byte-exact.
+pub fn tiers_under_many_threads(backend: Arc<dyn Backend>) {
+    let p = pool(&backend);
+    let c = config(64);
+    let kind = LayoutKind::LayerSeparate(BlockDim::First);
+    let dir = std::env::temp_dir();
+    let tiers = Arc::new(
+        KvTiers::new(vec![
+            on_pool(&p, c, kind),
+            LayoutBuilder::new()
+                .config(c)
+                .kind(kind)
+                .pinned(&p, true)
+                .build()
+                .expect("pinned"),
+            LayoutBuilder::new()
+                .config(c)
+                .kind(kind)
+                .disk_temp(&dir)
+                .build()
+                .expect("disk"),
+        ])
+        .expect("tiers"),
+    );
+    let ids: Vec<u64> = (0..40)
+        .map(|_| {
+            let (id, at) = tiers.insert(0).expect("slot");
+            fill(tiers.tier(0).expect("tier 0"), at.slot, id * 3 + 1);
+            id
+        })
+        .collect();
+    let shared: Vec<u64> = ids[32..].to_vec();
+    let refused = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let tiers = tiers.clone();
+            let own: Vec<u64> = ids[t as usize * 4..t as usize * 4 + 4].to_vec();
+            let shared = &shared;
+            let refused = &refused;
+            s.spawn(move || {
+                let mut rng = Rng::new(t + 1);
+                for _ in 0..40 {
+                    let to = (rng.next() % 3) as usize;
+                    let mut set: Vec<u64> = own
+                        .iter()
+                        .copied()
+                        .filter(|_| rng.next() % 2 == 0)
+                        .collect();
+                    if rng.next() % 3 == 0 {
+                        set.push(shared[(rng.next() % shared.len() as u64) as usize]);
+                    }
+                    match tiers.move_blocks(&set, to) {
+                        Ok(_) => {
+                            // Shared blocks may have moved on since; own ones are ours.
+                            for id in set.iter().filter(|id| own.contains(id)) {
+                                assert_eq!(tiers.locate(*id).expect("known").tier, to);
+                            }
+                        }
+                        Err(Error::InvalidArgument(m)) if m.contains("being moved") => {
+                            refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(e) => panic!("thread {t}: {e}"),
+                    }
+                }
+            });
+        }
+    });
+    let used: usize = (0..3).map(|t| 64 - tiers.free_slots(t)).sum();
+    assert_eq!(used, ids.len(), "every block holds exactly one slot");
+    tiers.move_blocks(&ids, 0).expect("all home");
+    for &id in &ids {
+        let at = tiers.locate(id).expect("known");
+        assert!(
+            holds(tiers.tier(0).expect("tier 0"), at.slot, id * 3 + 1),
+            "block {id} intact"
+        );
+    }
+    println!(
+        "{} moves refused while the same shared block was moving",
+        refused.load(std::sync::atomic::Ordering::Relaxed)
+    );
+}
