@@ -501,6 +501,20 @@ pub enum Error {
         blocks: usize,
     },
 
+    /// A NIXL agent has no backend that moves a layout's memory type; refused before any
+    /// registration.
+    #[error("NIXL agent {agent:?} has backends {have:?}, none of which moves {mem} memory ({need} does): add one with NixlAgent::add_backend")]
+    NixlNoBackend {
+        /// The agent.
+        agent: String,
+        /// The memory type (`Dram`, `Vram`, `File`).
+        mem: String,
+        /// Its backends.
+        have: Vec<String>,
+        /// Plugins that would move it.
+        need: &'static str,
+    },
+
     // ---- storage kinds and tier moves ----
     /// Memory or a file for a layout's storage could not be made, read or written.
     #[error("{storage} storage: {op} failed: {detail}")]

@@ -146,7 +146,7 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, DiskStorage> {
         } else {
             DiskFile::at(path, geometry.extent())?
         };
-        let views = views(geometry, 0, StorageKind::Disk)?;
+        let views = views(geometry, 0, StorageKind::Disk)?.with_file(file.fd());
         tracing::debug!(kind = %geometry.kind(), file = %file.describe(), bytes = geometry.extent(), direct = file.direct.is_some(), "layout on disk");
         Ok(Layout::new(views, LayoutMemory::Disk(file)))
     }

@@ -43,6 +43,8 @@ pub struct LayoutViews {
     memory: MemoryKind,
     device: Option<i32>,
     storage: StorageKind,
+    /// The descriptor of a disk layout's file.
+    file: Option<i32>,
 }
 
 impl LayoutViews {
@@ -61,6 +63,7 @@ impl LayoutViews {
             memory,
             device,
             storage: StorageKind::of_pool(memory, device),
+            file: None,
         }
     }
 
@@ -68,6 +71,18 @@ impl LayoutViews {
     pub(crate) fn with_storage(mut self, storage: StorageKind) -> Self {
         self.storage = storage;
         self
+    }
+
+    /// The views of a disk layout, whose file has descriptor `fd`.
+    pub(crate) fn with_file(mut self, fd: i32) -> Self {
+        self.file = Some(fd);
+        self
+    }
+
+    /// The descriptor of a disk layout's file.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn file_fd(&self) -> Option<i32> {
+        self.file
     }
 
     /// Where the bytes live. For [`StorageKind::Disk`] every view is a byte offset in the
