@@ -101,6 +101,10 @@ pub struct BackendInfo {
     pub posix_fd_exportable: bool,
     /// Total memory of the device (or of the host), in bytes.
     pub total_memory: u64,
+    /// Whether the memory is page-locked host memory a device copies at link speed: a host
+    /// tier ([`cuda::CudaBackend::host_tier`], or [`host::HostBackend::locked`] as fallback).
+    /// False for device memory and pageable host memory.
+    pub page_locked: bool,
 }
 
 /// A physical chunk created by a backend: an opaque driver handle and its size.

@@ -23,6 +23,7 @@ use super::elastic::ElasticLayout;
 use super::geometry::LayoutGeometry;
 use super::kind::{BlockDim, LayoutKind};
 use super::mapped::{Layout, LayoutMemory, MemoryRange};
+use super::storage::StorageKind;
 use super::view::LayoutViews;
 use super::{LayoutConfig, REGION_ALIGNMENT};
 use crate::backend::{Backend, MemoryKind};
@@ -200,6 +201,7 @@ fn carved(geometry: LayoutGeometry, base: u64, pool: &Pool) -> LayoutViews {
         .map(|r| base + geometry.region_offset(r))
         .collect();
     LayoutViews::new(geometry, bases, info.memory_kind, info.device_ordinal)
+        .with_storage(StorageKind::of_backend(info))
 }
 
 fn extent_usize(geometry: &LayoutGeometry, pad: u64) -> Result<usize> {

@@ -51,6 +51,15 @@ impl StorageKind {
         }
     }
 
+    /// The kind of a pool's memory on a backend described by `info`: device memory, pinned
+    /// host memory (a host tier), or pageable host memory.
+    pub(crate) fn of_backend(info: &crate::backend::BackendInfo) -> Self {
+        match info.memory_kind {
+            MemoryKind::Host if info.page_locked => StorageKind::Pinned,
+            kind => Self::of_pool(kind, info.device_ordinal),
+        }
+    }
+
     /// Whether the CPU can read and write it through an address (host memory).
     pub fn is_host_memory(self) -> bool {
         matches!(self, StorageKind::System | StorageKind::Pinned)
@@ -388,13 +397,17 @@ impl DiskFile {
         self.check(offset, len)?;
         // SAFETY: the caller's promise; `len` fits the file (checked), so it fits usize.
         let data = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
-        self.pick(addr, offset, len)
-            .write_all_at(data, offset)
-            .map_err(|e| Error::Storage {
-                storage: "disk",
-                op: "pwrite",
-                detail: format!("{len} bytes at offset {offset} of {}: {e}", self.describe()),
-            })
+        let file = self.pick(addr, offset, len);
+        let mut r = file.write_all_at(data, offset);
+        if r.is_err() && !std::ptr::eq(file, &self.file) {
+            // O_DIRECT refused this memory (some mappings cannot be pinned for DMA): buffered.
+            r = self.file.write_all_at(data, offset);
+        }
+        r.map_err(|e| Error::Storage {
+            storage: "disk",
+            op: "pwrite",
+            detail: format!("{len} bytes at offset {offset} of {}: {e}", self.describe()),
+        })
     }
 
     /// Read `len` bytes at `offset` into host memory at `addr`.
@@ -405,19 +418,25 @@ impl DiskFile {
         self.check(offset, len)?;
         // SAFETY: the caller's promise.
         let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
-        self.pick(addr, offset, len)
-            .read_exact_at(out, offset)
-            .map_err(|e| {
-                let now = self.file.metadata().map(|m| m.len()).unwrap_or(0);
-                Error::Storage {
-                    storage: "disk",
-                    op: "pread",
-                    detail: format!(
-                        "{len} bytes at offset {offset} of {} ({now} bytes long now): {e}",
-                        self.describe()
-                    ),
-                }
-            })
+        let file = self.pick(addr, offset, len);
+        let mut r = file.read_exact_at(out, offset);
+        if matches!(&r, Err(e) if e.kind() != std::io::ErrorKind::UnexpectedEof)
+            && !std::ptr::eq(file, &self.file)
+        {
+            // As in `write_from`.
+            r = self.file.read_exact_at(out, offset);
+        }
+        r.map_err(|e| {
+            let now = self.file.metadata().map(|m| m.len()).unwrap_or(0);
+            Error::Storage {
+                storage: "disk",
+                op: "pread",
+                detail: format!(
+                    "{len} bytes at offset {offset} of {} ({now} bytes long now): {e}",
+                    self.describe()
+                ),
+            }
+        })
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<()> {

@@ -91,6 +91,14 @@ fn end_of(layout: &Layout) -> Result<End<'_>> {
     })
 }
 
+/// Whether `host`, a host pool's backend, is a host tier the device of `device` copies to.
+fn reaches(device: &Arc<dyn Backend>, host: &Arc<dyn Backend>) -> bool {
+    let h = host.info();
+    h.memory_kind == MemoryKind::Host
+        && h.page_locked
+        && (h.device_ordinal.is_none() || h.device_ordinal == device.info().device_ordinal)
+}
+
 fn same_backend(a: &Arc<dyn Backend>, b: &Arc<dyn Backend>) -> bool {
     std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
 }
@@ -206,8 +214,14 @@ pub unsafe fn copy_blocks(
             return refuse("no GPUDirect Storage here: stage through a pinned host layout")
         }
         (End::Pool(a), End::Pool(b)) if !device(a) && !device(b) => Way::Memcpy,
+        // Device memory and a host tier it reaches (VMM host memory of the same device, or
+        // the pinned fallback, which has no device).
+        (End::Pool(a), End::Pool(b)) if device(a) && reaches(a, b) => Way::ToHost(a),
+        (End::Pool(a), End::Pool(b)) if device(b) && reaches(b, a) => Way::FromHost(b),
         (End::Pool(_), End::Pool(_)) => {
-            return refuse("device to device: copy within the device (p2p) instead")
+            return refuse(
+                "device to device, or a host pool that is no host tier of this device: copy within the device (p2p), or use Pool::host_tier",
+            )
         }
         (End::Pool(b), End::Host { staging }) | (End::Host { staging }, End::Pool(b)) => {
             if device(b) && !staging.is_some_and(|s| same_backend(s, b)) {

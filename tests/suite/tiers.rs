@@ -22,6 +22,7 @@ macro_rules! tiers_suite {
             moves_are_checked_before_any_copy,
             failed_moves_roll_back,
             tiers_under_many_threads,
+            host_tier_moves_and_budget,
         );
     };
 }
@@ -456,4 +457,89 @@ pub fn tiers_under_many_threads(backend: Arc<dyn Backend>) {
         "{} moves refused while the same shared block was moving",
         refused.load(std::sync::atomic::Ordering::Relaxed)
     );
+}
+
+/// The elastic host tier: a pool over VMM host memory of the device (on CUDA) or pinned host
+/// memory (elsewhere, said by its backend), layouts on it pinned; blocks go device -> host
+/// tier -> disk -> host tier -> device byte-exact; its budget refuses a layout that does not
+/// fit with the numbers, and leaves nothing mapped; many threads filling it never pass the
+/// budget, and everything comes back when they are done.
+pub fn host_tier_moves_and_budget(backend: Arc<dyn Backend>) {
+    let p = pool(&backend);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let budget = 16 << 20;
+    let tier = Pool::host_tier(ordinal, PoolConfig::new(256 << 20).physical_limit(budget))
+        .expect("host tier");
+    let info = tier.backend_info();
+    assert!(
+        info.page_locked && info.memory_kind == MemoryKind::Host,
+        "{info:?}"
+    );
+    println!("host tier: {}", info.device_name);
+    let c = config(32); // 256 KiB per layout
+    let kind = LayoutKind::LayerSeparate(BlockDim::First);
+    let dev = on_pool(&p, c, kind);
+    let host = on_pool(&tier, c, kind);
+    assert_eq!(host.storage(), StorageKind::Pinned);
+    let disk = LayoutBuilder::new()
+        .config(c)
+        .kind(kind)
+        .disk_temp(std::env::temp_dir())
+        .build()
+        .expect("disk");
+    for blk in 0..32 {
+        fill(&dev, blk, blk as u64 + 50);
+    }
+    let ids: Vec<usize> = (0..32).step_by(3).collect();
+    // SAFETY (each move): the test's own layouts, used by nothing else.
+    unsafe { copy_blocks(&dev, &ids, &host, &ids) }.expect("device -> host tier");
+    unsafe { copy_blocks(&host, &ids, &disk, &ids) }.expect("host tier -> disk");
+    unsafe { copy_blocks(&disk, &ids, &host, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) }
+        .expect("disk -> host tier");
+    let back: Vec<usize> = (1..32).step_by(3).collect();
+    unsafe { copy_blocks(&host, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], &dev, &back) }
+        .expect("host tier -> device");
+    for (i, &b) in back.iter().enumerate() {
+        assert!(
+            holds(&dev, b, ids[i] as u64 + 50),
+            "block {} back at {b}",
+            ids[i]
+        );
+    }
+    drop(host);
+    // A layout over the budget: refused with the numbers, nothing left mapped.
+    let big = LayoutBuilder::new()
+        .config(config(4096)) // 32 MiB
+        .kind(kind)
+        .map_region(&tier)
+        .build()
+        .expect_err("over the host budget");
+    assert!(big.is_out_of_memory(), "{big}");
+    assert_eq!(tier.stats().mapped, 0, "nothing left mapped: {big}");
+    // Many threads filling the tier: never past the budget; all of it comes back.
+    let g = tier.granularity() as usize;
+    let peak = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                let mut held = Vec::new();
+                for _ in 0..16 {
+                    match tier.allocate(g) {
+                        Ok(a) => held.push(a),
+                        Err(e) => assert!(e.is_out_of_memory(), "{e}"),
+                    }
+                    let mapped = tier.stats().mapped;
+                    assert!(
+                        mapped <= budget,
+                        "{mapped} bytes mapped over a budget of {budget}"
+                    );
+                    peak.fetch_max(mapped, std::sync::atomic::Ordering::Relaxed);
+                }
+                drop(held);
+            });
+        }
+    });
+    assert!(peak.into_inner() > 0);
+    tier.trim().expect("trim");
+    assert_eq!(tier.stats().mapped, 0, "everything given back");
 }
