@@ -7,7 +7,7 @@ use elastic_vmm::backend::testing::FaultInjector;
 use elastic_vmm::layout::{
     copy_blocks, BlockDim, KvTiers, Layout, LayoutBuilder, LayoutConfig, LayoutKind, StorageKind,
 };
-use elastic_vmm::{Backend, Error, MemoryKind, Pool, PoolConfig};
+use elastic_vmm::{AfterWake, Backend, Error, MemoryKind, Pool, PoolConfig, SleepPolicy};
 
 use super::Rng;
 
@@ -23,6 +23,7 @@ macro_rules! tiers_suite {
             failed_moves_roll_back,
             tiers_under_many_threads,
             host_tier_moves_and_budget,
+            sleep_stages_through_the_host_tier,
         );
     };
 }
@@ -542,4 +543,69 @@ pub fn host_tier_moves_and_budget(backend: Arc<dyn Backend>) {
     assert!(peak.into_inner() > 0);
     tier.trim().expect("trim");
     assert_eq!(tier.stats().mapped, 0, "everything given back");
+}
+
+/// Two pools sleep through one host tier whose budget holds one of them: no pinning of their
+/// own; while the first sleeps the second's sleep is refused (the tier is full) and it stays
+/// awake, intact; once the first wakes and gives its host memory back, the second sleeps in
+/// that memory. Contents come back byte-exact. A tier that is not page-locked is refused.
+pub fn sleep_stages_through_the_host_tier(backend: Arc<dyn Backend>) {
+    const MIB: usize = 1 << 20;
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let g = backend.info().granularity.max(2 * MIB);
+    let bytes = 4 * g;
+    let tier = Pool::host_tier(
+        ordinal,
+        PoolConfig::new(64 * g).physical_limit((bytes + bytes / 2) as u64),
+    )
+    .expect("host tier");
+    let model = |tag: u8| {
+        let p = pool(&backend);
+        p.stage_through(Some(tier.clone()))
+            .expect("stage through the tier");
+        let mut a = p.allocate(bytes).expect("memory");
+        let data: Vec<u8> = (0..bytes).map(|i| (i as u8).wrapping_mul(tag)).collect();
+        a.write(0, &data).expect("write");
+        (p, a, data)
+    };
+    let (pa, aa, da) = model(3);
+    let (pb, ab, db) = model(5);
+    let r = pa
+        .sleep(&SleepPolicy::offload_all())
+        .expect("A sleeps through the tier");
+    assert!(r.offloaded >= bytes as u64, "{r:?}");
+    assert!(
+        tier.stats().mapped >= bytes as u64,
+        "A's copy lives in the tier: {:?}",
+        tier.stats()
+    );
+    let e = pb
+        .sleep(&SleepPolicy::offload_all())
+        .expect_err("the tier is full");
+    assert!(
+        e.is_out_of_memory() || e.to_string().contains("limit"),
+        "{e}"
+    );
+    let mut back = vec![0u8; bytes];
+    ab.read(0, &mut back).expect("B awake");
+    assert!(back == db, "B intact after its refused sleep");
+    pa.wake(AfterWake::FreeHostMemory).expect("A wakes");
+    aa.read(0, &mut back).expect("read A");
+    assert!(back == da, "A byte-exact");
+    pb.sleep(&SleepPolicy::offload_all())
+        .expect("B sleeps in the memory A gave back");
+    pb.wake(AfterWake::FreeHostMemory).expect("B wakes");
+    ab.read(0, &mut back).expect("read B");
+    assert!(back == db, "B byte-exact");
+    assert!(
+        tier.stats().peak_physical <= (bytes + bytes / 2) as u64,
+        "within the budget: {:?}",
+        tier.stats()
+    );
+    // Not a host tier: refused.
+    let plain = Pool::host(64 << 20).expect("plain host pool");
+    let e = pa.stage_through(Some(plain)).expect_err("pageable memory");
+    assert!(e.to_string().contains("not page-locked"), "{e}");
+    pa.stage_through(None)
+        .expect("back to the backend's staging");
 }
