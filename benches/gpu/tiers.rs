@@ -3,6 +3,11 @@
 //! copies made raw with the backend's `copy_to_host_async`/`copy_from_host_async` on one stream
 //! (target >= 0.9x at 256 KiB and up); then pinned host <-> disk against raw `O_DIRECT`
 //! `pwrite`/`pread` of the same bytes to a file in the same directory (target >= 0.8x).
+//! Then the elastic host tier (`Pool::host_tier`): GiB/s made available (reserve + map in 64 MiB
+//! chunks) against `cuMemHostAlloc` of the same bytes; device <-> host-tier moves against the
+//! same raw copies; and sleep + wake of `TIERS_SLEEP_GIB` (default 4) through the tier
+//! (`Pool::stage_through`) against today's staging reserved ahead (`reserve_host_staging`),
+//! with the per-model pinning that staging needs printed beside it.
 //! `TIERS_MIB` sets the bytes moved per case (default 1024), `TIERS_DIR` the directory of the
 //! files (default the temp dir). Ratios are raw time / ours (above 1: ours is faster).
 
@@ -12,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::layout::{copy_blocks, Layout, LayoutBuilder, LayoutConfig};
-use elastic_vmm::{Backend, Pool, PoolConfig};
+use elastic_vmm::{AfterWake, Backend, Pool, PoolConfig, SleepPolicy};
 
-use crate::{BoxError, MIB};
+use crate::{BoxError, GIB, MIB};
 
 fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
@@ -180,5 +185,106 @@ pub fn run() -> Result<(), BoxError> {
             raw_r.as_secs_f64() / ours_r.as_secs_f64(),
         );
     }
+    host_tier(&backend, &pool, total)?;
+    Ok(())
+}
+
+fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), BoxError> {
+    let gib = std::env::var("TIERS_SLEEP_GIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4u64);
+    let bytes = gib * GIB;
+    let tier = Pool::host_tier(0, PoolConfig::new(4 * bytes as usize).name("host-tier"))?;
+    println!("== host tier: {} ==", tier.backend_info().device_name);
+    // Set-up: GiB/s made available.
+    let t = Instant::now();
+    let region = tier.reserve_region(bytes)?;
+    region.map_chunked(0, bytes, 64 * MIB)?;
+    let tier_s = t.elapsed();
+    drop(region);
+    tier.trim()?;
+    let t = Instant::now();
+    let pinned = backend.copies().staging_alloc(bytes as usize)?;
+    let pin_s = t.elapsed();
+    // SAFETY: just allocated by this backend, unused.
+    unsafe { backend.copies().staging_free(pinned, bytes as usize)? };
+    println!(
+        "set-up of {gib} GiB: host tier {:.2} GiB/s, cuMemHostAlloc {:.2} GiB/s, ratio {:.2}x",
+        gib as f64 / tier_s.as_secs_f64(),
+        gib as f64 / pin_s.as_secs_f64(),
+        pin_s.as_secs_f64() / tier_s.as_secs_f64()
+    );
+    // Device <-> host tier moves.
+    for kib in [64u64, 256, 1024, 16384] {
+        let block = kib << 10;
+        let blocks = (total / block).max(4) as usize;
+        let c = LayoutConfig::new(blocks, 1, 1, 16, (block / 32) as usize, 2);
+        let dev = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .map_region(pool)
+            .build()?;
+        let host = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .map_region(&tier)
+            .build()?;
+        let ids: Vec<usize> = (0..blocks).step_by(2).collect();
+        let moved = ids.len() as u64 * block;
+        // SAFETY: the bench's own layouts.
+        let ours_d2h = best(|| Ok(unsafe { copy_blocks(&dev, &ids, &host, &ids) }?.elapsed))?;
+        let raw_d2h = best(|| raw(backend, &dev, &host, &ids, true))?;
+        // SAFETY: as above.
+        let ours_h2d = best(|| Ok(unsafe { copy_blocks(&host, &ids, &dev, &ids) }?.elapsed))?;
+        let raw_h2d = best(|| raw(backend, &dev, &host, &ids, false))?;
+        println!(
+            "{kib:>6} KiB blocks x {} to/from the tier: D2H ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x | H2D ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+            ids.len(),
+            gbps(moved, ours_d2h),
+            gbps(moved, raw_d2h),
+            raw_d2h.as_secs_f64() / ours_d2h.as_secs_f64(),
+            gbps(moved, ours_h2d),
+            gbps(moved, raw_h2d),
+            raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
+        );
+    }
+    // Sleep and wake through the tier against staging pinned ahead.
+    let sleep_wake = |p: &Pool| -> Result<(Duration, Duration), BoxError> {
+        let mut a = p.allocate(bytes as usize)?;
+        a.fill(0x5A)?;
+        let t = Instant::now();
+        p.sleep(&SleepPolicy::offload_all())?;
+        let s = t.elapsed();
+        let t = Instant::now();
+        p.wake(AfterWake::FreeHostMemory)?;
+        let w = t.elapsed();
+        drop(a);
+        p.trim()?;
+        Ok((s, w))
+    };
+    let cfg = || PoolConfig::new(2 * bytes as usize);
+    let staged = Pool::new(backend.clone(), cfg())?;
+    let t = Instant::now();
+    staged.reserve_host_staging(bytes)?;
+    let reserve = t.elapsed();
+    let (ss, sw) = sleep_wake(&staged)?;
+    drop(staged);
+    let tiered = Pool::new(backend.clone(), cfg())?;
+    tiered.stage_through(Some(tier.clone()))?;
+    let (ts, tw) = sleep_wake(&tiered)?;
+    // A second model through the same tier: its memory comes back from the tier's cache.
+    let (ts2, tw2) = sleep_wake(&tiered)?;
+    println!(
+        "sleep+wake {gib} GiB: staging (pinned ahead in {:.2} s per model) sleep {:.2} s wake {:.2} s | host tier (no pinning ahead) sleep {:.2} s wake {:.2} s, again {:.2} s / {:.2} s | ratio (staging / tier, sleep+wake) {:.2}x",
+        reserve.as_secs_f64(),
+        ss.as_secs_f64(),
+        sw.as_secs_f64(),
+        ts.as_secs_f64(),
+        tw.as_secs_f64(),
+        ts2.as_secs_f64(),
+        tw2.as_secs_f64(),
+        (ss + sw).as_secs_f64() / (ts + tw).as_secs_f64()
+    );
     Ok(())
 }

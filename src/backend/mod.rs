@@ -627,7 +627,8 @@ pub trait Copies: Backend {
     ///
     /// # Safety
     /// `src..src + bytes` is mapped with access and stays mapped until the copy ran (wait for a
-    /// marker recorded after it); `dst..dst + bytes` is staging memory of this backend that
+    /// marker recorded after it); `dst..dst + bytes` is staging memory of this backend, or
+    /// mapped memory of a host tier this backend's device reaches (`Pool::host_tier`), that
     /// nothing else reads or writes until then; `stream` came from `copy_stream_create`.
     unsafe fn copy_to_host_async(
         &self,
@@ -646,8 +647,9 @@ pub trait Copies: Backend {
     ///
     /// # Safety
     /// `dst..dst + bytes` is mapped with access, stays mapped until the copy ran, and nothing
-    /// else uses it meanwhile; `src..src + bytes` is staging memory of this backend, unchanged
-    /// until then; `stream` came from `copy_stream_create`.
+    /// else uses it meanwhile; `src..src + bytes` is staging memory of this backend (or of a
+    /// host tier its device reaches, as for [`Copies::copy_to_host_async`]), unchanged until
+    /// then; `stream` came from `copy_stream_create`.
     unsafe fn copy_from_host_async(
         &self,
         dst: u64,

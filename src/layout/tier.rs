@@ -13,6 +13,10 @@
 //!   frees the source slots; on failure every block stays where it was, the destination slots
 //!   go back, and the error says how far it got. Which blocks go where is the engine's policy.
 //!
+//! - Host tiers: a layout on [`crate::Pool::host_tier`] (VMM host memory of the device, or
+//!   pinned fallback) is [`StorageKind::Pinned`]; device <-> host tier goes through the device
+//!   backend's copy stream like device <-> `LayoutBuilder::pinned`.
+//!
 //! Lock order: `KvTiers` has one mutex (its books), never held across a copy.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
