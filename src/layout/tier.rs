@@ -17,7 +17,12 @@
 //!   pinned fallback) is [`StorageKind::Pinned`]; device <-> host tier goes through the device
 //!   backend's copy stream like device <-> `LayoutBuilder::pinned`.
 //!
-//! Lock order: `KvTiers` has one mutex (its books), never held across a copy.
+//! - Pools under tiers cannot sleep under a move: `KvTiers` watches each tier's pool, refuses a
+//!   sleep while a move copies its memory, and refuses a move (nothing changed) while the pool
+//!   is not awake.
+//!
+//! Lock order: `KvTiers` has one mutex (its books), never held across a copy; each pool guard
+//! has one (a count), taken alone, also by the pool's sleep (no pool lock held then).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -174,26 +179,17 @@ fn plan(
     Ok(pieces)
 }
 
-/// Copy `src_blocks` of `src` onto `dst_blocks` of `dst` (paired by position), two layouts of
-/// one geometry. Device <-> host needs the host side pinned by the device pool's backend
-/// (`LayoutBuilder::pinned`); host <-> disk and host <-> host work with any host memory;
-/// device <-> disk and device <-> device are refused (stage through a pinned layout).
-///
-/// Everything is checked before any byte moves. On a failure part way the source is intact and
-/// the destination blocks hold unspecified bytes ([`KvTiers`] rolls its books back); the error
-/// is [`Error::TierMoveFailed`] with the bytes copied.
-///
-/// # Safety
-/// Nobody else writes the source blocks, or uses the destination blocks, until this returns.
-pub unsafe fn copy_blocks(
-    src: &Layout,
-    src_blocks: &[usize],
-    dst: &Layout,
-    dst_blocks: &[usize],
-) -> Result<MoveReport> {
-    let pieces = plan(src.views(), src_blocks, dst.views(), dst_blocks)?;
-    let (from, to) = (end_of(src)?, end_of(dst)?);
-    let (sk, dk) = (src.storage(), dst.storage());
+/// How a copy goes between two storages.
+enum Way<'a> {
+    ToHost(&'a Arc<dyn Backend>),
+    FromHost(&'a Arc<dyn Backend>),
+    Memcpy,
+    Write(&'a DiskFile),
+    Read(&'a DiskFile),
+}
+
+/// The way from `from` to `to`, or why there is none.
+fn way<'a>(from: &End<'a>, to: &End<'a>, sk: StorageKind, dk: StorageKind) -> Result<Way<'a>> {
     let refuse = |why: &str| {
         Err(Error::InvalidArgument(format!(
             "no way to move blocks from {} to {} storage: {why}",
@@ -201,16 +197,8 @@ pub unsafe fn copy_blocks(
             dk.name()
         )))
     };
-    // Which way, checked before any copy.
-    enum Way<'a> {
-        ToHost(&'a Arc<dyn Backend>),
-        FromHost(&'a Arc<dyn Backend>),
-        Memcpy,
-        Write(&'a DiskFile),
-        Read(&'a DiskFile),
-    }
     let device = |b: &Arc<dyn Backend>| b.info().memory_kind == MemoryKind::Device;
-    let way = match (&from, &to) {
+    let way = match (from, to) {
         (End::File(_), End::File(_)) => return refuse("disk to disk"),
         (End::File(f), e) if e.cpu() => Way::Read(f),
         (e, End::File(f)) if e.cpu() => Way::Write(f),
@@ -241,6 +229,37 @@ pub unsafe fn copy_blocks(
         }
         (End::Host { .. }, End::Host { .. }) => Way::Memcpy,
     };
+    Ok(way)
+}
+
+/// Whether blocks can move from `src` to `dst` at all (storage kinds and backends): an error
+/// saying why not, before anything is taken or copied.
+fn check_path(src: &Layout, dst: &Layout) -> Result<()> {
+    let (from, to) = (end_of(src)?, end_of(dst)?);
+    way(&from, &to, src.storage(), dst.storage()).map(|_| ())
+}
+
+/// Copy `src_blocks` of `src` onto `dst_blocks` of `dst` (paired by position), two layouts of
+/// one geometry. Device <-> host needs the host side pinned by the device pool's backend
+/// (`LayoutBuilder::pinned`); host <-> disk and host <-> host work with any host memory;
+/// device <-> disk and device <-> device are refused (stage through a pinned layout).
+///
+/// Everything is checked before any byte moves. On a failure part way the source is intact and
+/// the destination blocks hold unspecified bytes ([`KvTiers`] rolls its books back); the error
+/// is [`Error::TierMoveFailed`] with the bytes copied.
+///
+/// # Safety
+/// Nobody else writes the source blocks, or uses the destination blocks, until this returns.
+pub unsafe fn copy_blocks(
+    src: &Layout,
+    src_blocks: &[usize],
+    dst: &Layout,
+    dst_blocks: &[usize],
+) -> Result<MoveReport> {
+    let pieces = plan(src.views(), src_blocks, dst.views(), dst_blocks)?;
+    let (sk, dk) = (src.storage(), dst.storage());
+    let (from, to) = (end_of(src)?, end_of(dst)?);
+    let way = way(&from, &to, sk, dk)?;
     let bytes: u64 = pieces.iter().map(|p| p.len).sum();
     let started = Instant::now();
     let mut copied = 0u64;
@@ -369,6 +388,71 @@ impl Place {
     }
 }
 
+/// Keeps a tier's pool awake while a move copies its memory (a sleep watcher of the pool).
+struct TierGuard {
+    pool: String,
+    /// (moves copying now, frozen by a sleep)
+    state: Mutex<(usize, bool)>,
+}
+
+impl crate::pool::SleepWatcher for TierGuard {
+    fn freeze(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.0 > 0 {
+            return Err(Error::SleepRefused {
+                pool: self.pool.clone(),
+                op: "sleep",
+                reason: format!(
+                    "{} KvTiers move(s) are copying blocks of its memory; retry when they are done",
+                    st.0
+                ),
+            });
+        }
+        st.1 = true;
+        Ok(())
+    }
+    fn thaw(&self) {
+        self.state.lock().1 = false;
+    }
+    fn unmapping_all(&self) {}
+    fn mapped_all(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A tier's pool and the guard watching it.
+struct Watched {
+    pool: crate::pool::Pool,
+    guard: Arc<TierGuard>,
+    id: u64,
+}
+
+impl Watched {
+    /// Count a move in, unless the pool is (falling) asleep.
+    fn enter(&self) -> Result<()> {
+        let mut st = self.guard.state.lock();
+        if !st.1 {
+            st.0 += 1;
+            drop(st);
+            // A sleep that began before the count went up has its status set already.
+            if self.pool.sleep_stats().status == crate::pool::SleepStatus::Awake {
+                return Ok(());
+            }
+            self.leave();
+        }
+        Err(Error::Asleep {
+            pool: self.pool.name().to_string(),
+            op: "KvTiers::move_blocks",
+            state: self.pool.sleep_stats().status.name(),
+        })
+    }
+
+    fn leave(&self) {
+        let mut st = self.guard.state.lock();
+        st.0 = st.0.saturating_sub(1);
+    }
+}
+
 struct Books {
     free: Vec<BTreeSet<usize>>,
     blocks: HashMap<u64, Place>,
@@ -379,6 +463,8 @@ struct Books {
 /// per tier, whose block slots hold the blocks. See the module documentation.
 pub struct KvTiers {
     tiers: Vec<Layout>,
+    /// Per tier, its pool's guard (`None`: memory that is no pool's).
+    watched: Vec<Option<Watched>>,
     books: Mutex<Books>,
 }
 
@@ -407,8 +493,27 @@ impl KvTiers {
             .iter()
             .map(|t| (0..t.num_blocks()).collect())
             .collect();
+        let watched = tiers
+            .iter()
+            .map(|t| {
+                t.pool().map(|pool| {
+                    let guard = Arc::new(TierGuard {
+                        pool: pool.name().to_string(),
+                        state: Mutex::new((0, false)),
+                    });
+                    let w: Arc<dyn crate::pool::SleepWatcher> = guard.clone();
+                    let id = pool.inner().add_watcher(Arc::downgrade(&w));
+                    Watched {
+                        pool: pool.clone(),
+                        guard,
+                        id,
+                    }
+                })
+            })
+            .collect();
         Ok(KvTiers {
             tiers,
+            watched,
             books: Mutex::new(Books {
                 free,
                 blocks: HashMap::new(),
@@ -501,6 +606,13 @@ impl KvTiers {
                     Some(Place::At(t)) => from.push((id, *t)),
                 }
             }
+            // Every path first (device to disk has none): refused before anything is taken.
+            let mut sources: Vec<usize> = from.iter().map(|(_, t)| t.tier).collect();
+            sources.sort_unstable();
+            sources.dedup();
+            for t in sources {
+                check_path(&self.tiers[t], &self.tiers[to])?;
+            }
             let free = &mut books.free[to];
             if free.len() < from.len() {
                 return Err(Error::InvalidArgument(format!(
@@ -519,10 +631,27 @@ impl KvTiers {
                 books.blocks.insert(*id, Place::Moving(*src));
             }
         }
+        // The pools under the tiers involved stay awake while we copy.
+        let mut involved: Vec<usize> = moves.iter().map(|m| m.1.tier).collect();
+        involved.push(to);
+        involved.sort_unstable();
+        involved.dedup();
+        let mut entered = Vec::with_capacity(involved.len());
+        let mut result = Ok(());
+        for &t in &involved {
+            if let Some(w) = &self.watched[t] {
+                match w.enter() {
+                    Ok(()) => entered.push(w),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
         // Copies, one per source tier, with no lock held.
         let mut total = MoveReport::default();
-        let mut result = Ok(());
-        let mut i = 0;
+        let mut i = if result.is_ok() { 0 } else { moves.len() };
         while i < moves.len() {
             let tier = moves[i].1.tier;
             let n = moves[i..].iter().take_while(|m| m.1.tier == tier).count();
@@ -563,6 +692,7 @@ impl KvTiers {
             }
             i += n;
         }
+        entered.iter().for_each(|w| w.leave());
         let mut books = self.books.lock();
         match result {
             Ok(()) => {
@@ -599,6 +729,14 @@ impl KvTiers {
         Error::InvalidArgument(format!(
             "block {id} is being moved by another call: refused, nothing changed"
         ))
+    }
+}
+
+impl Drop for KvTiers {
+    fn drop(&mut self) {
+        for w in self.watched.iter().flatten() {
+            w.pool.inner().remove_watcher(w.id);
+        }
     }
 }
 

@@ -24,6 +24,7 @@ macro_rules! tiers_suite {
             tiers_under_many_threads,
             host_tier_moves_and_budget,
             sleep_stages_through_the_host_tier,
+            tier_pools_do_not_sleep_under_a_move,
         );
     };
 }
@@ -333,7 +334,7 @@ pub fn failed_moves_roll_back(backend: Arc<dyn Backend>) {
     // SAFETY: shrinking the test's own open file; no memory depends on its length.
     assert_eq!(unsafe { libc::ftruncate(fd, 4096) }, 0);
     let before: Vec<_> = ids.iter().map(|&id| tiers.locate(id)).collect();
-    let e = tiers.move_blocks(&ids, 0).expect_err("short file");
+    let e = tiers.move_blocks(&ids[..4], 1).expect_err("short file");
     assert!(e.to_string().contains("pread"), "{e}");
     assert_eq!(
         before,
@@ -438,6 +439,8 @@ pub fn tiers_under_many_threads(backend: Arc<dyn Backend>) {
                         Err(Error::InvalidArgument(m)) if m.contains("being moved") => {
                             refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
+                        // Device to disk (on a GPU): refused up front, nothing changed.
+                        Err(Error::InvalidArgument(m)) if m.contains("GPUDirect") => {}
                         Err(e) => panic!("thread {t}: {e}"),
                     }
                 }
@@ -446,6 +449,8 @@ pub fn tiers_under_many_threads(backend: Arc<dyn Backend>) {
     });
     let used: usize = (0..3).map(|t| 64 - tiers.free_slots(t)).sum();
     assert_eq!(used, ids.len(), "every block holds exactly one slot");
+    // Through the host tier (a GPU has no path from disk to the device), then home.
+    tiers.move_blocks(&ids, 1).expect("all to the host");
     tiers.move_blocks(&ids, 0).expect("all home");
     for &id in &ids {
         let at = tiers.locate(id).expect("known");
@@ -608,4 +613,96 @@ pub fn sleep_stages_through_the_host_tier(backend: Arc<dyn Backend>) {
     assert!(e.to_string().contains("not page-locked"), "{e}");
     pa.stage_through(None)
         .expect("back to the backend's staging");
+}
+
+/// A pool under a tier cannot sleep while a move copies its memory (the sleep is refused,
+/// naming the moves), and a move is refused, nothing changed, while the pool is asleep. Five
+/// rounds of a move (32 MiB to disk on the host, 512 MiB to the host tier on a GPU) with sleeps
+/// attempted throughout: without the guard a sleep would unmap the memory under the copy.
+pub fn tier_pools_do_not_sleep_under_a_move(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity;
+    let device = backend.info().memory_kind == MemoryKind::Device;
+    // 256 KiB blocks: 32 MiB to disk on the host, 512 MiB to the host tier on a GPU (both take
+    // milliseconds).
+    let n = if device { 2048 } else { 128 };
+    let p = Pool::new(
+        backend.clone(),
+        PoolConfig::new(64 * g + n * (256 << 10)).growth_divisor(0),
+    )
+    .expect("pool");
+    let c = LayoutConfig::new(n, 1, 1, 16, 8192, 2);
+    let tier = Pool::host_tier(
+        backend.info().device_ordinal.unwrap_or(0),
+        PoolConfig::new(n * (256 << 10) + 64 * g),
+    )
+    .expect("host tier");
+    let second = if device {
+        on_pool(&tier, c, LayoutKind::FullyContiguous)
+    } else {
+        LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .disk_temp(std::env::temp_dir())
+            .build()
+            .expect("disk")
+    };
+    let tiers =
+        KvTiers::new(vec![on_pool(&p, c, LayoutKind::FullyContiguous), second]).expect("tiers");
+    let ids: Vec<u64> = (0..n).map(|_| tiers.insert(0).expect("slot").0).collect();
+    for &id in &ids {
+        fill(
+            tiers.tier(0).expect("tier 0"),
+            tiers.locate(id).expect("known").slot,
+            id,
+        );
+    }
+    let mut refused_sleeps = 0;
+    for _ in 0..5 {
+        let (moved, refused) = std::thread::scope(|s| {
+            let mover = s.spawn(|| tiers.move_blocks(&ids, 1));
+            let mut refused = 0;
+            while !mover.is_finished() {
+                if !tiers.is_moving(ids[0]) {
+                    std::thread::yield_now();
+                    continue;
+                }
+                match p.sleep(&SleepPolicy::offload_all()) {
+                    Err(Error::SleepRefused { reason, .. }) if reason.contains("KvTiers") => {
+                        refused += 1
+                    }
+                    Err(e) => panic!("unexpected sleep error: {e}"),
+                    Ok(_) => {
+                        // Only before the move counted itself in (it is then refused) or
+                        // after its copies were done (it then succeeds).
+                        let r = mover.join().expect("mover");
+                        assert!(matches!(r, Ok(_) | Err(Error::Asleep { .. })), "{r:?}");
+                        p.wake(AfterWake::KeepHostMemory).expect("wake");
+                        return (r.is_ok(), refused);
+                    }
+                }
+            }
+            mover.join().expect("mover").expect("move");
+            (true, refused)
+        });
+        refused_sleeps += refused;
+        if moved {
+            tiers.move_blocks(&ids, 0).expect("back");
+        }
+        for &id in &ids {
+            let at = tiers.locate(id).expect("known");
+            assert_eq!(at.tier, 0);
+            assert!(
+                holds(tiers.tier(0).expect("tier 0"), at.slot, id),
+                "block {id}"
+            );
+        }
+    }
+    assert!(refused_sleeps > 0, "no sleep ever met a running move");
+    // Asleep: a move is refused and nothing changes.
+    p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    let e = tiers.move_blocks(&ids[..4], 1).expect_err("asleep");
+    assert!(matches!(e, Error::Asleep { .. }), "{e}");
+    assert_eq!((tiers.free_slots(0), tiers.free_slots(1)), (0, n));
+    p.wake(AfterWake::KeepHostMemory).expect("wake");
+    tiers.move_blocks(&ids[..4], 1).expect("awake again");
 }
