@@ -509,6 +509,61 @@ pub enum Error {
         /// Blocks the release asked for.
         blocks: usize,
     },
+
+    /// A NIXL agent has no backend that moves a layout's memory type; refused before any
+    /// registration.
+    #[error("NIXL agent {agent:?} has backends {have:?}, none of which moves {mem} memory ({need} does): add one with NixlAgent::add_backend")]
+    NixlNoBackend {
+        /// The agent.
+        agent: String,
+        /// The memory type (`Dram`, `Vram`, `File`).
+        mem: String,
+        /// Its backends.
+        have: Vec<String>,
+        /// Plugins that would move it.
+        need: &'static str,
+    },
+
+    // ---- storage kinds and tier moves ----
+    /// Memory or a file for a layout's storage could not be made, read or written.
+    #[error("{storage} storage: {op} failed: {detail}")]
+    Storage {
+        /// `"system"`, `"pinned"` or `"disk"`.
+        storage: &'static str,
+        /// The call that failed.
+        op: &'static str,
+        /// What it was asked, and the OS's answer.
+        detail: String,
+    },
+
+    /// An existing file is smaller than the layout placed in it; refused, the file untouched.
+    #[error("{path} has {len} bytes, the layout needs {need}: refused, the file left as it was")]
+    FileTooSmall {
+        /// The file.
+        path: String,
+        /// Its length.
+        len: u64,
+        /// The layout's extent.
+        need: u64,
+    },
+
+    /// A move of blocks between tiers failed part way; the source blocks are intact and the
+    /// destination's slots were given back (see [`crate::layout::KvTiers`]).
+    #[error("tier move of {blocks} block(s) {from} -> {to} failed after {copied} of {bytes} bytes, rolled back (the blocks stay in {from}): {source}")]
+    TierMoveFailed {
+        /// Blocks asked for.
+        blocks: usize,
+        /// Source storage.
+        from: String,
+        /// Destination storage.
+        to: String,
+        /// Bytes copied before the failure.
+        copied: u64,
+        /// Bytes the move had to copy.
+        bytes: u64,
+        /// The failure.
+        source: Box<Error>,
+    },
 }
 
 impl Error {

@@ -542,3 +542,143 @@ fn offer_wire_format_refuses_bad_input() {
     assert!(e.contains("block 3 of 5: byte 42 (offset 342)"), "{e}");
     assert!(nixl_peer::write_pattern(1, 1, |_, _| Ok(())).is_err());
 }
+
+/// Blocks between system memory and a file through NIXL's POSIX backend, with the real
+/// library: registering a disk layout with a UCX-only agent creates its POSIX backend (FILE
+/// needs one), the file's registrations live apart from memory's, WRITE puts the blocks in the
+/// file (read back with std::fs) and READ brings them into other memory byte-exact. A kind no
+/// backend of the agent moves is refused before any registration, naming the plugins.
+#[test]
+fn blocks_between_memory_and_a_file_through_posix() {
+    use elastic_vmm::layout::{LayoutBuilder, LayoutConfig, MemoryRange, StorageKind};
+    use elastic_vmm::nixl::{transfer_blocks, BlockSet, TransferOp};
+    use elastic_vmm::MemoryKind;
+    if !nixl_ready() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("evmm-nixl-file-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("kv.bin");
+    let c = LayoutConfig::new(16, 2, 2, 16, 64, 2); // 8 KiB blocks
+    let block = c.sizes().expect("sizes").block;
+    let a = NixlAgent::new("files").expect("agent with UCX");
+    assert!(!a.has_backend("POSIX"));
+    let sys = |tag: u8| {
+        let l = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .system()
+            .build()
+            .expect("system");
+        let m = l.chunks()[0];
+        // SAFETY: the layout's own memory, `m.len` bytes, nobody else uses it yet.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(m.addr as *mut u8, m.len as usize) };
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i as u64 * 7 + tag as u64) as u8;
+        }
+        l
+    };
+    let disk = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk(&path)
+        .build()
+        .expect("disk");
+    assert_eq!(disk.storage(), StorageKind::Disk);
+    let disk = a.register(disk).expect("register FILE");
+    assert!(
+        a.has_backend("POSIX"),
+        "POSIX created for the file: {:?}",
+        a.backends()
+    );
+    // Registered after POSIX came: with UCX and POSIX both.
+    let src = a.register(sys(1)).expect("register DRAM");
+    assert_eq!(a.registrations(), 2);
+    let blocks = [2usize, 3, 4, 9];
+    let at = [0usize, 1, 2, 15];
+    let t = std::time::Duration::from_secs(20);
+    let w = transfer_blocks(
+        TransferOp::Write,
+        BlockSet {
+            agent: &a,
+            layout: &src,
+            blocks: &blocks,
+        },
+        BlockSet {
+            agent: &a,
+            layout: &disk,
+            blocks: &at,
+        },
+        t,
+    )
+    .expect("DRAM -> FILE");
+    assert_eq!(w.bytes, 4 * block);
+    let file = std::fs::read(&path).expect("read the file");
+    let expect = |blk: usize, i: usize| ((blk * block as usize + i) as u64 * 7 + 1) as u8;
+    for (&s, &d) in blocks.iter().zip(&at) {
+        let got = &file[d * block as usize..(d + 1) * block as usize];
+        assert!(
+            got.iter().enumerate().all(|(i, &b)| b == expect(s, i)),
+            "block {s} in the file at block {d}"
+        );
+    }
+    let dst = a.register(sys(9)).expect("register DRAM");
+    let r = transfer_blocks(
+        TransferOp::Read,
+        BlockSet {
+            agent: &a,
+            layout: &dst,
+            blocks: &[5, 6, 7, 8],
+        },
+        BlockSet {
+            agent: &a,
+            layout: &disk,
+            blocks: &at,
+        },
+        t,
+    )
+    .expect("FILE -> DRAM");
+    assert_eq!(r.bytes, 4 * block);
+    let m = dst.chunks()[0];
+    // SAFETY: the layout's memory; the transfer finished.
+    let mem = unsafe { std::slice::from_raw_parts(m.addr as *const u8, m.len as usize) };
+    for (k, &s) in blocks.iter().enumerate() {
+        let d = 5 + k;
+        let got = &mem[d * block as usize..(d + 1) * block as usize];
+        assert!(
+            got.iter().enumerate().all(|(i, &b)| b == expect(s, i)),
+            "block {s} back at {d}"
+        );
+    }
+    drop((src, disk, dst));
+    assert_eq!(a.registrations(), 0);
+
+    // A POSIX-only agent cannot move device memory: refused before any registration.
+    let p = NixlAgent::with_backend("posix-only", "POSIX").expect("POSIX agent");
+    let keep = vec![0u8; 128 << 10];
+    let base = (keep.as_ptr() as u64).next_multiple_of(512);
+    // SAFETY: declared as device memory, refused before NIXL sees it; `keep` outlives it.
+    let vram = unsafe {
+        LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .regions(vec![MemoryRange {
+                addr: base,
+                len: block * 16,
+                kind: MemoryKind::Device,
+                device: Some(0),
+            }])
+    }
+    .build()
+    .expect("caller layout");
+    let e = p.register(vram).expect_err("no backend for VRAM");
+    assert!(
+        matches!(&e, Error::NixlNoBackend { have, .. } if have == &vec!["POSIX".to_string()])
+            && e.to_string().contains("UCX or GDS_MT"),
+        "{e}"
+    );
+    assert_eq!(p.registrations(), 0);
+    drop(keep);
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}

@@ -2,7 +2,7 @@
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
 //! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `p2p`,
-//! `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
+//! `tiers`, `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
 
 mod broker;
 #[cfg(feature = "candle")]
@@ -13,6 +13,7 @@ mod p2p;
 mod pool;
 mod shared;
 mod sleep;
+mod tiers;
 
 use std::process::ExitCode;
 
@@ -87,6 +88,7 @@ fn main() -> ExitCode {
         ("sleep", sleep::run),
         ("broker", broker::run),
         ("p2p", p2p::run),
+        ("tiers", tiers::run),
     ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));

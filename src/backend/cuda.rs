@@ -59,6 +59,9 @@ pub struct CudaBackend {
     imported: Mutex<HashSet<u64>>,
     /// The gather kernel in this backend's context, loaded on first use (or why it cannot be).
     gather: std::sync::OnceLock<std::result::Result<GatherKernel, String>>,
+    /// Chunks are host memory (`CU_MEM_LOCATION_TYPE_HOST_NUMA`) that the device and the host
+    /// both access: a host tier ([`CudaBackend::host_tier`]).
+    host_location: bool,
 }
 
 /// The gather kernel's PTX (`src/backend/kernels/gather.cu`, compiled by `scripts/gen-ptx.sh`
@@ -137,6 +140,22 @@ impl CudaBackend {
     /// CUDA VMM on device `ordinal`; `granularity` must be a multiple of the driver's minimum
     /// (`None`: the recommended granularity).
     pub fn with_granularity(ordinal: i32, granularity: Option<usize>) -> Result<Self> {
+        Self::build(ordinal, granularity, false)
+    }
+
+    /// VMM host memory for device `ordinal`: chunks created with `cuMemCreate` at the device's
+    /// host NUMA node (`CU_MEM_LOCATION_TYPE_HOST_NUMA`, id `CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`;
+    /// `CU_MEM_LOCATION_TYPE_HOST` where the driver names no node), mapped into reserved ranges
+    /// and accessible to the device and to the host. A [`crate::Pool`] over it is an elastic
+    /// host tier: page-locked, copied at link speed, created about 2.3x faster than
+    /// `cuMemHostAlloc` (see the H100 facts). Its [`BackendInfo`] says host memory with the
+    /// device's ordinal. Refused ([`Error::BackendUnavailable`]) where the device does not
+    /// support host VMM (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
+    pub fn host_tier(ordinal: i32) -> Result<Self> {
+        Self::build(ordinal, None, true)
+    }
+
+    fn build(ordinal: i32, granularity: Option<usize>, host: bool) -> Result<Self> {
         if !driver_library_present() {
             return Err(unavailable(
                 "libcuda.so.1 not found (no NVIDIA driver on this machine)",
@@ -183,6 +202,28 @@ impl CudaBackend {
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = ordinal;
+        let mut device_name = name.clone();
+        let rdma = rdma && !host;
+        if host {
+            let supported = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
+            if !supported {
+                // SAFETY: retained above, released once.
+                let _ = unsafe { result::primary_ctx::release(device) };
+                return Err(unavailable(format!(
+                    "device {ordinal} does not support host VMM (HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0)"
+                )));
+            }
+            let node = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?;
+            if node >= 0 {
+                prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+                prop.location.id = node;
+                device_name = format!("host memory (VMM, HOST_NUMA node {node}) of {name}");
+            } else {
+                prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
+                prop.location.id = 0;
+                device_name = format!("host memory (VMM, HOST) of {name}");
+            }
+        }
         if posix_fd {
             prop.requestedHandleTypes =
                 sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
@@ -192,16 +233,21 @@ impl CudaBackend {
         let mut backend = CudaBackend {
             info: BackendInfo {
                 name: NAME,
-                memory_kind: MemoryKind::Device,
+                memory_kind: if host {
+                    MemoryKind::Host
+                } else {
+                    MemoryKind::Device
+                },
                 device_ordinal: Some(ordinal),
                 device_uuid: Some(uuid_bytes(&uuid)),
-                device_name: name,
+                device_name,
                 granularity: 0,
                 min_granularity: 0,
                 vmm_supported: true,
                 rdma_capable: rdma,
                 posix_fd_exportable: posix_fd,
                 total_memory: total as u64,
+                page_locked: host,
             },
             device,
             ctx,
@@ -209,6 +255,7 @@ impl CudaBackend {
             physical: AtomicU64::new(0),
             imported: Mutex::new(HashSet::new()),
             gather: std::sync::OnceLock::new(),
+            host_location: host,
         };
         let _bound = backend.bind()?;
         let query = |flag| -> Result<usize> {
@@ -295,8 +342,17 @@ impl CudaBackend {
         }
         let mut theirs = ours;
         theirs.location.id = owner.unwrap_or_default();
+        if self.host_location {
+            // A host tier's chunks: the host reaches them too.
+            theirs.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
+            theirs.location.id = 0;
+        }
         let descs = [ours, theirs];
-        let n = if owner.is_some() { 2 } else { 1 };
+        let n = if owner.is_some() || self.host_location {
+            2
+        } else {
+            1
+        };
         // SAFETY: the caller guarantees the range is made of our mapped chunks; `descs`
         // outlives the call and holds `n` descriptors. For a chunk of another device
         // (imported), this grants our device peer access to it; the owner gets access too
@@ -639,6 +695,10 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
+        if self.host_location {
+            // SAFETY: forwarded contract; device and host access in one call.
+            return unsafe { self.set_access_for(addr, size, super::AccessMode::ReadWrite, None) };
+        }
         let _bound = self.bind()?;
         let desc = self.access_desc();
         // SAFETY: the caller guarantees the range is made of our mapped chunks.
@@ -670,6 +730,53 @@ impl Backend for CudaBackend {
         let owner = owner.filter(|&o| Some(o) != self.info.device_ordinal);
         // SAFETY: forwarded contract.
         unsafe { self.set_access_for(addr, size, mode, owner) }
+    }
+
+    fn pointer_kind(&self, addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        let _bound = self.bind()?;
+        let mut ty: u32 = 0;
+        // SAFETY: the attribute is a 32-bit CUmemorytype written into `ty`; any address may be
+        // asked about.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ty as *mut u32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        match r {
+            sys::cudaError_enum::CUDA_SUCCESS => {}
+            // Memory CUDA does not know: pageable host memory.
+            sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE => {
+                return Ok(Some((MemoryKind::Host, None)))
+            }
+            e => {
+                return Err(Error::backend(
+                    NAME,
+                    "cuPointerGetAttribute",
+                    format!("{e:?}"),
+                    format!("MEMORY_TYPE of {addr:#x}"),
+                ))
+            }
+        }
+        if ty != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Ok(Some((MemoryKind::Host, None)));
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: the attribute is an int written into `ordinal`.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        }
+        .result()
+        .map_err(driver_error(
+            "cuPointerGetAttribute",
+            format!("DEVICE_ORDINAL of {addr:#x}"),
+        ))?;
+        Ok(Some((MemoryKind::Device, Some(ordinal))))
     }
 
     fn reach(&self, uuid: &[u8; 16]) -> Result<super::DeviceReach> {

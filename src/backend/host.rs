@@ -79,6 +79,9 @@ pub struct HostBackend {
     info: BackendInfo,
     memfd: OwnedFd,
     chunk_files: ChunkFiles,
+    /// Mapped chunks are locked in memory (`mlock` when access is granted): the pinned
+    /// fallback of a host tier ([`HostBackend::locked`]).
+    locked: bool,
     offsets: Mutex<FileRanges>,
     /// Lock order: taken alone (never with `offsets`), for bookkeeping only.
     own_files: Mutex<ChunkFileTable>,
@@ -214,12 +217,26 @@ impl HostBackend {
                 rdma_capable: false,
                 posix_fd_exportable: chunk_files == ChunkFiles::PerChunk,
                 total_memory: total,
+                page_locked: false,
             },
             memfd,
             chunk_files,
+            locked: false,
             offsets: Mutex::new(FileRanges::default()),
             own_files: Mutex::new(ChunkFileTable::default()),
         })
+    }
+
+    /// A host backend whose mapped memory is locked (`mlock` as access is granted, unlocked
+    /// when unmapped): page-locked host memory, the host tier's fallback where the device has
+    /// no host VMM (`Pool::host_tier`). Its [`BackendInfo`] says so (`page_locked`, and the
+    /// device name). A lock refused by `RLIMIT_MEMLOCK` fails the mapping with the numbers.
+    pub fn locked(granularity: usize) -> Result<Self> {
+        let mut b = Self::new(granularity)?;
+        b.locked = true;
+        b.info.page_locked = true;
+        b.info.device_name = "host memory (memfd, mlock'd: pinned fallback)".into();
+        Ok(b)
     }
 
     /// Where this backend creates its chunks.
@@ -458,6 +475,25 @@ impl Backend for HostBackend {
         if rc != 0 {
             return Err(os_error("mprotect", format!("{size} bytes at {addr:#x}")));
         }
+        // SAFETY: the range is our own mapping, now readable and writable.
+        if self.locked && unsafe { libc::mlock(addr as *const libc::c_void, size) } != 0 {
+            let e = std::io::Error::last_os_error();
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit writes the struct we pass.
+            unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+            return Err(Error::backend(
+                NAME,
+                "mlock",
+                "ENOMEM",
+                format!(
+                    "{size} bytes at {addr:#x}: {e} (RLIMIT_MEMLOCK {} bytes)",
+                    limit.rlim_cur
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -587,6 +623,11 @@ impl Backend for HostBackend {
 
     fn copies(&self) -> &dyn Copies {
         self
+    }
+
+    /// Every address of a process on the host backend is host memory.
+    fn pointer_kind(&self, _addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        Ok(Some((MemoryKind::Host, None)))
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use super::{
     AccessMode, Backend, BackendInfo, Copies, DeviceReach, DriverCall, GatherPiece, GatherShift,
-    MemoryInfo, Need, PhysicalChunk,
+    MemoryInfo, MemoryKind, Need, PhysicalChunk,
 };
 use crate::error::{Error, Result};
 
@@ -355,6 +355,10 @@ impl<H: Hook> Backend for Intercept<H> {
 
     fn reach(&self, uuid: &[u8; 16]) -> Result<DeviceReach> {
         self.inner.reach(uuid)
+    }
+
+    fn pointer_kind(&self, addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        self.inner.pointer_kind(addr)
     }
 }
 

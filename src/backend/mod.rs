@@ -101,6 +101,10 @@ pub struct BackendInfo {
     pub posix_fd_exportable: bool,
     /// Total memory of the device (or of the host), in bytes.
     pub total_memory: u64,
+    /// Whether the memory is page-locked host memory a device copies at link speed: a host
+    /// tier ([`cuda::CudaBackend::host_tier`], or [`host::HostBackend::locked`] as fallback).
+    /// False for device memory and pageable host memory.
+    pub page_locked: bool,
 }
 
 /// A physical chunk created by a backend: an opaque driver handle and its size.
@@ -422,6 +426,15 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Copies and streams on this backend's memory ([`Copies`]): usually the backend itself;
     /// a wrapper returns the one it wraps, or itself where it intercepts copies.
     fn copies(&self) -> &dyn Copies;
+
+    /// What memory `addr` is, where the driver can tell: its kind and, for device memory, the
+    /// device ordinal (CUDA: `cuPointerGetAttribute`; memory CUDA does not know is pageable
+    /// host memory). `None` (the default) when the backend cannot tell. The layout builder
+    /// checks caller memory's declared kind with it ([`crate::layout::LayoutBuilder::checked_by`]).
+    fn pointer_kind(&self, addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
+        let _ = addr;
+        Ok(None)
+    }
 }
 
 /// Copies and streams: moving bytes in and out of mapped memory, synchronously or on GPU
@@ -614,7 +627,8 @@ pub trait Copies: Backend {
     ///
     /// # Safety
     /// `src..src + bytes` is mapped with access and stays mapped until the copy ran (wait for a
-    /// marker recorded after it); `dst..dst + bytes` is staging memory of this backend that
+    /// marker recorded after it); `dst..dst + bytes` is staging memory of this backend, or
+    /// mapped memory of a host tier this backend's device reaches (`Pool::host_tier`), that
     /// nothing else reads or writes until then; `stream` came from `copy_stream_create`.
     unsafe fn copy_to_host_async(
         &self,
@@ -633,8 +647,9 @@ pub trait Copies: Backend {
     ///
     /// # Safety
     /// `dst..dst + bytes` is mapped with access, stays mapped until the copy ran, and nothing
-    /// else uses it meanwhile; `src..src + bytes` is staging memory of this backend, unchanged
-    /// until then; `stream` came from `copy_stream_create`.
+    /// else uses it meanwhile; `src..src + bytes` is staging memory of this backend (or of a
+    /// host tier its device reaches, as for [`Copies::copy_to_host_async`]), unchanged until
+    /// then; `stream` came from `copy_stream_create`.
     unsafe fn copy_from_host_async(
         &self,
         dst: u64,

@@ -23,9 +23,10 @@ use super::elastic::ElasticLayout;
 use super::geometry::LayoutGeometry;
 use super::kind::{BlockDim, LayoutKind};
 use super::mapped::{Layout, LayoutMemory, MemoryRange};
+use super::storage::StorageKind;
 use super::view::LayoutViews;
 use super::{LayoutConfig, REGION_ALIGNMENT};
-use crate::backend::MemoryKind;
+use crate::backend::{Backend, MemoryKind};
 use crate::backing::{BlockBacking, MappingHook};
 use crate::error::{round_up, Error, Result};
 use crate::pool::{MemOptions, Pool, Space};
@@ -55,9 +56,10 @@ pub struct PoolRegion<'a> {
     opts: MemOptions,
 }
 
-/// Builder memory: ranges the caller supplies, one per layout region.
+/// Builder memory: ranges the caller supplies, one per layout region, and the backend that
+/// checks their declared kind, if one does ([`LayoutBuilder::checked_by`]).
 #[derive(Debug)]
-pub struct CallerRegions(Vec<MemoryRange>);
+pub struct CallerRegions(Vec<MemoryRange>, Option<Arc<dyn Backend>>);
 
 /// Builder memory: a region of a pool backed block by block on demand.
 pub struct ElasticRegion<'a> {
@@ -115,7 +117,7 @@ impl LayoutBuilder<LayoutConfig, NoKind, NoMemory> {
 }
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
-    fn with<M>(self, memory: M) -> LayoutBuilder<LayoutConfig, LayoutKind, M> {
+    pub(super) fn with<M>(self, memory: M) -> LayoutBuilder<LayoutConfig, LayoutKind, M> {
         LayoutBuilder {
             config: self.config,
             kind: self.kind,
@@ -162,7 +164,7 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
         self,
         ranges: Vec<MemoryRange>,
     ) -> LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
-        self.with(CallerRegions(ranges))
+        self.with(CallerRegions(ranges, None))
     }
 
     /// Lay the layout out over a region of `pool` with no physical memory yet: blocks are
@@ -185,8 +187,12 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, NoMemory> {
 }
 
 impl<M> LayoutBuilder<LayoutConfig, LayoutKind, M> {
-    fn geometry(&self) -> Result<LayoutGeometry> {
+    pub(super) fn geometry(&self) -> Result<LayoutGeometry> {
         LayoutGeometry::new(self.config, self.kind)
+    }
+
+    pub(super) fn memory(&self) -> &M {
+        &self.memory
     }
 }
 
@@ -197,6 +203,7 @@ fn carved(geometry: LayoutGeometry, base: u64, pool: &Pool) -> LayoutViews {
         .map(|r| base + geometry.region_offset(r))
         .collect();
     LayoutViews::new(geometry, bases, info.memory_kind, info.device_ordinal)
+        .with_storage(StorageKind::of_backend(info))
 }
 
 fn extent_usize(geometry: &LayoutGeometry, pad: u64) -> Result<usize> {
@@ -270,10 +277,19 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, PoolRegion<'_>> {
 }
 
 impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
+    /// Check every range's declared kind and device with `backend` at build, where its driver
+    /// can tell ([`Backend::pointer_kind`]: on CUDA device memory declared as host memory, or
+    /// host memory declared as device memory, is refused; on the host backend anything
+    /// declared as device memory is).
+    pub fn checked_by(mut self, backend: Arc<dyn Backend>) -> Self {
+        self.memory.1 = Some(backend);
+        self
+    }
+
     /// Validate the config and the ranges, and place the regions in them.
     pub fn build(self) -> Result<Layout> {
         let geometry = self.geometry()?;
-        let ranges = self.memory.0;
+        let CallerRegions(ranges, checker) = self.memory;
         let need = geometry.num_regions();
         if ranges.len() != need {
             return Err(Error::InvalidLayout(format!(
@@ -317,6 +333,22 @@ impl LayoutBuilder<LayoutConfig, LayoutKind, CallerRegions> {
                     "region {i} is {:?} memory of device {:?}, region 0 is {:?} of device {:?}: all regions of a layout share one storage kind",
                     r.kind, r.device, first.kind, first.device
                 )));
+            }
+        }
+        if let Some(backend) = checker {
+            for (i, r) in ranges.iter().enumerate() {
+                let Some((kind, device)) = backend.pointer_kind(r.addr)? else {
+                    break; // The backend cannot tell.
+                };
+                if (kind, device) != (r.kind, r.device) {
+                    return Err(Error::InvalidLayout(format!(
+                        "region {i} at {:#x} is declared {:?} memory of device {:?}, but the {} driver says it is {kind:?} memory of device {device:?}",
+                        r.addr,
+                        r.kind,
+                        r.device,
+                        backend.info().name
+                    )));
+                }
             }
         }
         let bases = ranges.iter().map(|r| r.addr).collect();

@@ -4,6 +4,7 @@
 use std::fmt;
 use std::ops::Deref;
 
+use super::storage::{DiskFile, HostBuffer, StorageKind};
 use super::view::{LayoutViews, MemoryView};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
@@ -39,6 +40,10 @@ pub(crate) enum LayoutMemory {
     Region(Region),
     /// Caller-owned ranges, one per layout region.
     Caller(Vec<MemoryRange>),
+    /// Host memory the layout owns (system or pinned).
+    Host(HostBuffer),
+    /// A file the layout owns (views are offsets in it).
+    Disk(DiskFile),
 }
 
 /// A KV-cache layout over mapped memory; see the module documentation. Dereferences to its
@@ -63,8 +68,34 @@ impl Layout {
         match &self.memory {
             LayoutMemory::Allocation { pool, .. } => Some(pool),
             LayoutMemory::Region(r) => Some(r.pool()),
-            LayoutMemory::Caller(_) => None,
+            LayoutMemory::Caller(_) | LayoutMemory::Host(_) | LayoutMemory::Disk(_) => None,
         }
+    }
+
+    /// Where the bytes live (see [`StorageKind`]).
+    pub fn storage(&self) -> StorageKind {
+        self.views.storage()
+    }
+
+    /// The NUMA node the layout's pinned host memory was bound to, where it was.
+    pub fn numa_node(&self) -> Option<u32> {
+        match &self.memory {
+            LayoutMemory::Host(b) => b.numa_node,
+            _ => None,
+        }
+    }
+
+    /// The file of a [`StorageKind::Disk`] layout: its path (`None` for a temporary file)
+    /// and its descriptor.
+    pub fn file(&self) -> Option<(Option<&std::path::Path>, i32)> {
+        match &self.memory {
+            LayoutMemory::Disk(f) => Some((f.path.as_deref(), f.fd())),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn memory(&self) -> &LayoutMemory {
+        &self.memory
     }
 
     /// The memory under the layout split at physical chunk boundaries, in address order: what
@@ -102,6 +133,14 @@ impl Layout {
                     len: r.len,
                 })
                 .collect(),
+            LayoutMemory::Host(b) => vec![MemoryView {
+                addr: b.addr,
+                len: extent,
+            }],
+            LayoutMemory::Disk(_) => vec![MemoryView {
+                addr: 0,
+                len: extent,
+            }],
         }
     }
 
@@ -116,10 +155,10 @@ impl Layout {
             )));
         }
         self.pool().ok_or_else(|| {
-            Error::InvalidArgument(
-                "the layout lies in caller-supplied memory: copy through the caller's own API"
-                    .into(),
-            )
+            Error::InvalidArgument(format!(
+                "the layout lies in {} memory that is not a pool's: copy through the caller's own API or copy_blocks",
+                self.storage().name()
+            ))
         })
     }
 
@@ -159,11 +198,14 @@ impl fmt::Debug for Layout {
             LayoutMemory::Allocation { .. } => "pool allocation",
             LayoutMemory::Region(_) => "pool region",
             LayoutMemory::Caller(_) => "caller memory",
+            LayoutMemory::Host(_) => "host memory of its own",
+            LayoutMemory::Disk(_) => "a file",
         };
         f.debug_struct("Layout")
             .field("kind", &self.views.kind())
             .field("config", self.views.config())
             .field("memory", &memory)
+            .field("storage", &self.views.storage())
             .field("regions", &self.views.regions())
             .finish()
     }

@@ -9,7 +9,10 @@
 //!   [`REGION_ALIGNMENT`] (512 bytes). Pure arithmetic.
 //! - [`LayoutBuilder`]: config, then kind, then memory, then build. The memory is a pool
 //!   allocation or a fully mapped pool region ([`Layout`]), caller-owned ranges ([`Layout`]),
-//!   or a pool region backed block by block on demand ([`ElasticLayout`]).
+//!   or a pool region backed block by block on demand ([`ElasticLayout`]); or memory of a
+//!   [`StorageKind`] the layout owns: system memory, pinned host memory, a file on disk.
+//! - [`copy_blocks`] and [`KvTiers`]: blocks moved between layouts of one geometry on
+//!   different storage (device, host, disk), runs merged, checked first, rolled back.
 //! - [`LayoutViews`]: a unit, a whole block or a run of consecutive blocks as [`MemoryView`]s,
 //!   merged as far as the kind allows.
 
@@ -19,6 +22,9 @@ mod elastic;
 mod geometry;
 mod kind;
 mod mapped;
+mod place;
+mod storage;
+mod tier;
 mod view;
 
 pub use builder::{
@@ -30,6 +36,9 @@ pub use elastic::ElasticLayout;
 pub use geometry::{LayoutGeometry, Span};
 pub use kind::{BlockDim, LayoutKind};
 pub use mapped::{Layout, MemoryRange};
+pub use place::{DiskStorage, PinnedMemory, SystemMemory};
+pub use storage::StorageKind;
+pub use tier::{copy_blocks, KvTiers, MoveReport, TierBlock};
 #[cfg(feature = "nixl")]
 pub(crate) use view::sealed;
 pub use view::{KvLayout, LayoutPin, LayoutViews, MemoryView};

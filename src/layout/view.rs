@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::geometry::{LayoutGeometry, Span};
 use super::kind::LayoutKind;
+use super::storage::StorageKind;
 use super::LayoutConfig;
 use crate::backend::MemoryKind;
 use crate::backing::{BlockPin, PinRefused};
@@ -41,6 +42,9 @@ pub struct LayoutViews {
     bases: Vec<u64>,
     memory: MemoryKind,
     device: Option<i32>,
+    storage: StorageKind,
+    /// The descriptor of a disk layout's file.
+    file: Option<i32>,
 }
 
 impl LayoutViews {
@@ -58,7 +62,33 @@ impl LayoutViews {
             bases,
             memory,
             device,
+            storage: StorageKind::of_pool(memory, device),
+            file: None,
         }
+    }
+
+    /// The same views, of storage `storage` (pinned host memory, a file).
+    pub(crate) fn with_storage(mut self, storage: StorageKind) -> Self {
+        self.storage = storage;
+        self
+    }
+
+    /// The views of a disk layout, whose file has descriptor `fd`.
+    pub(crate) fn with_file(mut self, fd: i32) -> Self {
+        self.file = Some(fd);
+        self
+    }
+
+    /// The descriptor of a disk layout's file.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn file_fd(&self) -> Option<i32> {
+        self.file
+    }
+
+    /// Where the bytes live. For [`StorageKind::Disk`] every view is a byte offset in the
+    /// layout's file, not an address.
+    pub fn storage(&self) -> StorageKind {
+        self.storage
     }
 
     /// Where every unit lies, relative to the regions.

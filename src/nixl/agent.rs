@@ -57,7 +57,9 @@ pub(crate) fn nixl_error(call: &'static str, detail: impl fmt::Display) -> Error
 pub(crate) struct AgentShared {
     pub(crate) name: String,
     pub(crate) agent: nixl_sys::Agent,
-    pub(crate) backend: nixl_sys::Backend,
+    /// The backends, in creation order: a registration goes to every one that moves its
+    /// memory type then (memory registered before a backend came is not registered with it). Taken alone, never across a NIXL call (the backend's `Arc` is cloned out).
+    pub(crate) backends: Mutex<Vec<BackendEntry>>,
     pub(crate) registry: Mutex<Registry>,
     /// Per remote agent: the registry generation of its metadata we loaded last.
     pub(crate) loaded: Mutex<HashMap<String, u64>>,
@@ -70,7 +72,93 @@ pub(crate) struct AgentShared {
     pub(crate) pending: Mutex<Vec<Parked>>,
 }
 
+/// One backend of an agent and the memory types it moves.
+pub(crate) struct BackendEntry {
+    pub(crate) plugin: String,
+    pub(crate) mems: Vec<MemType>,
+    pub(crate) backend: Arc<nixl_sys::Backend>,
+}
+
+/// What each known plugin moves, where NIXL's plugin parameters list none.
+fn known_mems(plugin: &str) -> Vec<MemType> {
+    match plugin {
+        "UCX" | "UCX_MO" => vec![MemType::Dram, MemType::Vram],
+        "POSIX" => vec![MemType::Dram, MemType::File],
+        "GDS" | "GDS_MT" => vec![MemType::Dram, MemType::Vram, MemType::File],
+        _ => Vec::new(),
+    }
+}
+
+/// Which plugins move `mem`, for messages.
+fn movers_of(mem: MemType) -> &'static str {
+    match mem {
+        MemType::File => "POSIX or GDS_MT",
+        MemType::Vram => "UCX or GDS_MT",
+        _ => "UCX or POSIX",
+    }
+}
+
+fn make_backend(agent: &nixl_sys::Agent, name: &str, plugin: &str) -> Result<BackendEntry> {
+    let (mems, params) = agent
+        .get_plugin_params(plugin)
+        .map_err(|e| nixl_error("get_plugin_params", format!("{e} (plugin {plugin:?})")))?;
+    let mut mems: Vec<MemType> = mems.iter().filter_map(|m| m.ok()).collect();
+    if mems.is_empty() {
+        mems = known_mems(plugin);
+    }
+    let backend = agent.create_backend(plugin, &params).map_err(|e| {
+        nixl_error(
+            "create_backend",
+            format!(
+                "{e} (plugin {plugin:?}, agent {name:?}; with UCX, never set an empty UCX_TLS)"
+            ),
+        )
+    })?;
+    tracing::debug!(agent = name, plugin, ?mems, "NIXL backend created");
+    Ok(BackendEntry {
+        plugin: plugin.to_owned(),
+        mems,
+        backend: Arc::new(backend),
+    })
+}
+
 impl AgentShared {
+    /// Every backend that moves `mem`.
+    fn backends_for(&self, mem: MemType) -> Vec<Arc<nixl_sys::Backend>> {
+        self.backends
+            .lock()
+            .iter()
+            .filter(|b| b.mems.contains(&mem))
+            .map(|b| b.backend.clone())
+            .collect()
+    }
+
+    /// Refuse `mem` unless a backend moves it; for files, create the POSIX backend first when
+    /// none does (a FILE registration needs one: Dynamo had to learn it, their #8806).
+    pub(crate) fn ensure_backend_for(&self, mem: MemType) -> Result<()> {
+        if !self.backends_for(mem).is_empty() {
+            return Ok(());
+        }
+        if mem == MemType::File {
+            available()?;
+            let entry = make_backend(&self.agent, &self.name, "POSIX")?;
+            tracing::info!(agent = %self.name, "POSIX backend created for a FILE layout");
+            self.backends.lock().push(entry);
+            return Ok(());
+        }
+        Err(Error::NixlNoBackend {
+            agent: self.name.clone(),
+            mem: format!("{mem:?}"),
+            have: self
+                .backends
+                .lock()
+                .iter()
+                .map(|b| b.plugin.clone())
+                .collect(),
+            need: movers_of(mem),
+        })
+    }
+
     /// Register `view` (one physical chunk of `kind` memory) with NIXL.
     pub(crate) fn register(
         &self,
@@ -80,9 +168,37 @@ impl AgentShared {
     ) -> Result<()> {
         available()?;
         let (mem_type, device_id) = mem_type_of(kind, device)?;
+        self.register_in(0, view, mem_type, device_id)
+    }
+
+    /// Register `view` of address space `space` (0: memory; a file's own otherwise) as
+    /// `mem_type` of `device_id` with every backend of the agent that moves it (a transfer
+    /// needs one backend holding both sides: DRAM to FILE goes through POSIX).
+    pub(crate) fn register_in(
+        &self,
+        space: u64,
+        view: MemoryView,
+        mem_type: MemType,
+        device_id: u64,
+    ) -> Result<()> {
+        available()?;
+        let backends = self.backends_for(mem_type);
+        if backends.is_empty() {
+            return Err(Error::NixlNoBackend {
+                agent: self.name.clone(),
+                mem: format!("{mem_type:?}"),
+                have: self
+                    .backends
+                    .lock()
+                    .iter()
+                    .map(|b| b.plugin.clone())
+                    .collect(),
+                need: movers_of(mem_type),
+            });
+        }
         self.registry
             .lock()
-            .claim(&self.name, view, mem_type, device_id)?;
+            .claim(&self.name, space, view, mem_type, device_id)?;
         let desc = NixlDescriptor {
             addr: view.addr,
             len: view.len,
@@ -91,18 +207,20 @@ impl AgentShared {
         };
         let result = OptArgs::new()
             .and_then(|mut args| {
-                args.add_backend(&self.backend)?;
+                for b in &backends {
+                    args.add_backend(b)?;
+                }
                 Ok(args)
             })
             .and_then(|args| self.agent.register_memory(&desc, Some(&args)));
         match result {
             Ok(handle) => {
-                self.registry.lock().complete(view.addr, handle);
+                self.registry.lock().complete(space, view.addr, handle);
                 tracing::trace!(agent = %self.name, addr = view.addr, len = view.len, ?mem_type, device_id, "registered with NIXL");
                 Ok(())
             }
             Err(e) => {
-                self.registry.lock().abandon(view.addr);
+                self.registry.lock().abandon(space, view.addr);
                 Err(nixl_error(
                     "register_memory",
                     format!(
@@ -116,10 +234,15 @@ impl AgentShared {
 
     /// Deregister every registration starting in `[addr, addr + len)`; returns how many.
     pub(crate) fn deregister_range(&self, addr: u64, len: u64) -> usize {
+        self.deregister_range_in(0, addr, len)
+    }
+
+    /// [`Self::deregister_range`] in address space `space`.
+    pub(crate) fn deregister_range_in(&self, space: u64, addr: u64, len: u64) -> usize {
         let taken = self
             .registry
             .lock()
-            .take_range(addr, addr.saturating_add(len));
+            .take_range(space, addr, addr.saturating_add(len));
         let n = taken.len();
         for (a, entry) in taken {
             if let Some(mut handle) = entry.handle {
@@ -135,10 +258,13 @@ impl AgentShared {
     /// Descriptors for `view`, split where registrations end.
     pub(crate) fn descriptors_into(
         &self,
+        space: u64,
         view: MemoryView,
         out: &mut Vec<NixlDescriptor>,
     ) -> Result<()> {
-        self.registry.lock().descriptors(&self.name, view, out)
+        self.registry
+            .lock()
+            .descriptors(&self.name, space, view, out)
     }
 }
 
@@ -161,23 +287,13 @@ impl NixlAgent {
         available()?;
         let agent = nixl_sys::Agent::new(name)
             .map_err(|e| nixl_error("create agent", format!("{e} (name {name:?})")))?;
-        let (_mems, params) = agent
-            .get_plugin_params(plugin)
-            .map_err(|e| nixl_error("get_plugin_params", format!("{e} (plugin {plugin:?})")))?;
-        let backend = agent.create_backend(plugin, &params).map_err(|e| {
-            nixl_error(
-                "create_backend",
-                format!(
-                    "{e} (plugin {plugin:?}, agent {name:?}; with UCX, never set an empty UCX_TLS)"
-                ),
-            )
-        })?;
+        let entry = make_backend(&agent, name, plugin)?;
         tracing::debug!(agent = name, plugin, "NIXL agent created");
         Ok(NixlAgent {
             shared: Arc::new(AgentShared {
                 name: name.to_owned(),
                 agent,
-                backend,
+                backends: Mutex::new(vec![entry]),
                 registry: Mutex::new(Registry::default()),
                 loaded: Mutex::new(HashMap::new()),
                 metadata_gate: std::sync::RwLock::new(()),
@@ -189,6 +305,40 @@ impl NixlAgent {
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// Add the backend plugin `plugin` (e.g. `"POSIX"` for files) with its default
+    /// parameters; a plugin the agent has already is refused.
+    pub fn add_backend(&self, plugin: &str) -> Result<()> {
+        available()?;
+        if self.has_backend(plugin) {
+            return Err(Error::InvalidArgument(format!(
+                "NIXL agent {:?} has a {plugin} backend already",
+                self.shared.name
+            )));
+        }
+        let entry = make_backend(&self.shared.agent, &self.shared.name, plugin)?;
+        self.shared.backends.lock().push(entry);
+        Ok(())
+    }
+
+    /// Whether the agent has a backend of plugin `plugin`.
+    pub fn has_backend(&self, plugin: &str) -> bool {
+        self.shared
+            .backends
+            .lock()
+            .iter()
+            .any(|b| b.plugin == plugin)
+    }
+
+    /// The agent's backends (plugin names) and the memory types each moves.
+    pub fn backends(&self) -> Vec<(String, Vec<MemType>)> {
+        self.shared
+            .backends
+            .lock()
+            .iter()
+            .map(|b| (b.plugin.clone(), b.mems.clone()))
+            .collect()
     }
 
     /// The underlying nixl-sys agent, for calls this crate does not wrap. Check
@@ -228,7 +378,7 @@ impl NixlAgent {
     /// whose end does not fit in 64 bits, are errors with the numbers.
     pub fn descriptors(&self, view: MemoryView) -> Result<Vec<NixlDescriptor>> {
         let mut out = Vec::new();
-        self.shared.descriptors_into(view, &mut out)?;
+        self.shared.descriptors_into(0, view, &mut out)?;
         Ok(out)
     }
 

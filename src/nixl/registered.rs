@@ -5,9 +5,12 @@ use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use super::agent::{AgentShared, NixlAgent};
+use nixl_sys::MemType;
+
+use super::agent::{mem_type_of, AgentShared, NixlAgent};
 use crate::backing::PinRefused;
 use crate::error::Result;
+use crate::layout::StorageKind;
 use crate::layout::{KvLayout, Layout, LayoutPin, LayoutViews, MemoryView};
 use crate::pool::SleepWatcher;
 
@@ -22,6 +25,8 @@ pub struct RegisteredLayout {
 /// The registrations and the layout; shared with the pins of transfers over it.
 struct Registered {
     agent: Arc<AgentShared>,
+    /// The registry's address space: 0 for memory, the file's own for a disk layout.
+    space: u64,
     chunks: Vec<MemoryView>,
     /// Keeps the layout's pool from sleeping under the registrations (`None`: caller memory).
     sleep_guard: Option<(crate::Pool, Arc<dyn SleepWatcher>, u64)>,
@@ -54,10 +59,30 @@ impl SleepWatcher for RefuseSleep {
     }
 }
 
+/// The registry space, NIXL memory type and device id of a layout's memory: a disk layout's
+/// file is `FILE` with the descriptor as device id, in a space of its own (its views are
+/// offsets); memory is `DRAM` or `VRAM` by kind, in space 0.
+pub(crate) fn registration_of(views: &LayoutViews) -> Result<(u64, MemType, u64)> {
+    if views.storage() == StorageKind::Disk {
+        let fd = views.file_fd().ok_or_else(|| {
+            crate::Error::InvalidArgument("a disk layout without its file".into())
+        })?;
+        let fd = u64::try_from(fd).map_err(|_| {
+            crate::Error::InvalidArgument(format!("a disk layout's descriptor {fd}"))
+        })?;
+        return Ok((fd + 1, MemType::File, fd));
+    }
+    let (mem, dev) = mem_type_of(views.memory_kind(), views.device())?;
+    Ok((0, mem, dev))
+}
+
 impl RegisteredLayout {
     pub(crate) fn new(agent: Arc<AgentShared>, layout: Layout) -> Result<Self> {
         let chunks = layout.chunks();
-        let (kind, device) = (layout.memory_kind(), layout.device());
+        let (space, mem_type, device_id) = registration_of(layout.views())?;
+        // Before any registration: a backend must move this memory type (POSIX is created
+        // for a file when the agent has none).
+        agent.ensure_backend_for(mem_type)?;
         let sleep_guard = layout.pool().map(|pool| {
             let w: Arc<dyn SleepWatcher> = Arc::new(RefuseSleep {
                 pool: pool.name().to_string(),
@@ -68,13 +93,14 @@ impl RegisteredLayout {
         });
         let mut this = Registered {
             agent,
+            space,
             chunks: Vec::with_capacity(chunks.len()),
             sleep_guard,
             layout,
         };
         for c in chunks {
             // On error `this` drops: the registrations made so far go, then the layout.
-            this.agent.register(c, kind, device)?;
+            this.agent.register_in(space, c, mem_type, device_id)?;
             this.chunks.push(c);
         }
         tracing::debug!(agent = %this.agent.name, chunks = this.chunks.len(), "layout registered with NIXL");
@@ -121,7 +147,7 @@ impl Drop for Registered {
     fn drop(&mut self) {
         // Registrations first, then (as the fields drop) the memory under them.
         for c in self.chunks.drain(..) {
-            self.agent.deregister_range(c.addr, c.len);
+            self.agent.deregister_range_in(self.space, c.addr, c.len);
         }
         if let Some((pool, _, id)) = &self.sleep_guard {
             pool.inner().remove_watcher(*id);

@@ -50,10 +50,12 @@ pub(crate) struct Entry {
     pub(crate) handle: Option<RegistrationHandle>,
 }
 
-/// Registrations by start address; they never overlap.
+/// Registrations by address space and start address; they never overlap within a space. Space
+/// 0 is memory (addresses); a file's registrations live in a space of their own (offsets in
+/// it), so two files' offsets never collide.
 #[derive(Default)]
 pub(crate) struct Registry {
-    entries: BTreeMap<u64, Entry>,
+    entries: BTreeMap<(u64, u64), Entry>,
     /// Bumped whenever a registration appears or goes: remote agents reload our metadata when
     /// it changed.
     pub(crate) generation: u64,
@@ -73,21 +75,22 @@ impl Registry {
     }
 
     /// The first entry overlapping `[addr, end)`, if any.
-    fn overlapping(&self, addr: u64, end: u64) -> Option<(u64, u64)> {
+    fn overlapping(&self, space: u64, addr: u64, end: u64) -> Option<(u64, u64)> {
         let before = self
             .entries
-            .range(..=addr)
+            .range((space, 0)..=(space, addr))
             .next_back()
-            .filter(|(&a, e)| a + e.len > addr);
+            .filter(|(&(_, a), e)| a + e.len > addr);
         before
-            .or_else(|| self.entries.range(addr..end).next())
-            .map(|(&a, e)| (a, e.len))
+            .or_else(|| self.entries.range((space, addr)..(space, end)).next())
+            .map(|(&(_, a), e)| (a, e.len))
     }
 
     /// Claim `view` for a registration in progress; refused if it overlaps one.
     pub(crate) fn claim(
         &mut self,
         agent: &str,
+        space: u64,
         view: MemoryView,
         mem_type: MemType,
         device_id: u64,
@@ -98,7 +101,7 @@ impl Registry {
                 what: "NIXL registration",
             });
         }
-        if let Some((a, l)) = self.overlapping(view.addr, end) {
+        if let Some((a, l)) = self.overlapping(space, view.addr, end) {
             return Err(Error::InvalidArgument(format!(
                 "[{:#x}, {end:#x}) overlaps [{a:#x}, {:#x}), registered already with NIXL agent {agent:?}",
                 view.addr,
@@ -106,7 +109,7 @@ impl Registry {
             )));
         }
         self.entries.insert(
-            view.addr,
+            (space, view.addr),
             Entry {
                 len: view.len,
                 mem_type,
@@ -118,8 +121,8 @@ impl Registry {
     }
 
     /// Complete a claimed registration with its handle.
-    pub(crate) fn complete(&mut self, addr: u64, handle: RegistrationHandle) {
-        if let Some(e) = self.entries.get_mut(&addr) {
+    pub(crate) fn complete(&mut self, space: u64, addr: u64, handle: RegistrationHandle) {
+        if let Some(e) = self.entries.get_mut(&(space, addr)) {
             e.handle = Some(handle);
             self.live += 1;
             self.bytes += e.len;
@@ -128,27 +131,31 @@ impl Registry {
     }
 
     /// Drop a claim whose registration failed.
-    pub(crate) fn abandon(&mut self, addr: u64) {
-        if self.entries.get(&addr).is_some_and(|e| e.handle.is_none()) {
-            self.entries.remove(&addr);
+    pub(crate) fn abandon(&mut self, space: u64, addr: u64) {
+        if self
+            .entries
+            .get(&(space, addr))
+            .is_some_and(|e| e.handle.is_none())
+        {
+            self.entries.remove(&(space, addr));
         }
     }
 
     /// Take every live registration starting in `[addr, end)`; the caller drops their handles
     /// (deregisters) after letting go of the lock.
-    pub(crate) fn take_range(&mut self, addr: u64, end: u64) -> Vec<(u64, Entry)> {
-        let keys: Vec<u64> = self
+    pub(crate) fn take_range(&mut self, space: u64, addr: u64, end: u64) -> Vec<(u64, Entry)> {
+        let keys: Vec<(u64, u64)> = self
             .entries
-            .range(addr..end)
+            .range((space, addr)..(space, end))
             .filter(|(_, e)| e.handle.is_some())
-            .map(|(&a, _)| a)
+            .map(|(&k, _)| k)
             .collect();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
             if let Some(e) = self.entries.remove(&k) {
                 self.live -= 1;
                 self.bytes -= e.len;
-                out.push((k, e));
+                out.push((k.1, e));
             }
         }
         if !out.is_empty() {
@@ -163,6 +170,7 @@ impl Registry {
     pub(crate) fn descriptors(
         &self,
         agent: &str,
+        space: u64,
         view: MemoryView,
         out: &mut Vec<NixlDescriptor>,
     ) -> Result<()> {
@@ -171,15 +179,15 @@ impl Registry {
         while pos < end {
             let hit = self
                 .entries
-                .range(..=pos)
+                .range((space, 0)..=(space, pos))
                 .next_back()
-                .filter(|(&a, e)| e.handle.is_some() && a + e.len > pos);
-            let Some((&base, e)) = hit else {
+                .filter(|(&(_, a), e)| e.handle.is_some() && a + e.len > pos);
+            let Some((&(_, base), e)) = hit else {
                 let next = self
                     .entries
-                    .range(pos..end)
+                    .range((space, pos)..(space, end))
                     .find(|(_, e)| e.handle.is_some())
-                    .map_or(end, |(&a, _)| a);
+                    .map_or(end, |(&(_, a), _)| a);
                 return Err(Error::NotRegistered {
                     agent: agent.to_owned(),
                     addr: view.addr,

@@ -23,7 +23,10 @@ use std::time::{Duration, Instant};
 
 use nixl_sys::{XferDescList, XferOp, XferRequest, XferStatus};
 
+use std::sync::Arc;
+
 use super::agent::{available, nixl_error, AgentShared, NixlAgent};
+use super::registered::registration_of;
 use super::registry::NixlDescriptor;
 use crate::backing::PinRefused;
 use crate::error::{Error, Result};
@@ -204,12 +207,17 @@ pub fn transfer_blocks(
             lc.num_layers, lc.outer_dim, rc.num_layers, rc.outer_dim
         )));
     }
-    if local.agent.name() == remote.agent.name() {
+    // One agent on both sides: a local transfer (host memory to its file through POSIX, say);
+    // two agents of one name are refused.
+    let same = Arc::ptr_eq(&local.agent.shared, &remote.agent.shared);
+    if !same && local.agent.name() == remote.agent.name() {
         return Err(Error::InvalidArgument(format!(
-            "both sides use NIXL agent {:?}; a transfer needs two agents",
+            "both sides use a NIXL agent named {:?}: two agents need two names",
             local.agent.name()
         )));
     }
+    let (lspace, _, _) = registration_of(lv)?;
+    let (rspace, _, _) = registration_of(rv)?;
     // Indices first (an index past the end is an error naming it), then backing: the pins.
     let (local_units, remote_units) = (lv.units_of(local.blocks)?, rv.units_of(remote.blocks)?);
     let blocks = local.blocks.len();
@@ -235,15 +243,21 @@ pub fn transfer_blocks(
     for (l, r) in pairs {
         lp.clear();
         rp.clear();
-        ls.descriptors_into(l, &mut lp)?;
-        rs.descriptors_into(r, &mut rp)?;
+        ls.descriptors_into(lspace, l, &mut lp)?;
+        rs.descriptors_into(rspace, r, &mut rp)?;
         co_split(&lp, &rp, &mut ld, &mut rd);
     }
     let bytes: u64 = ld.iter().map(|d| d.len).sum();
 
     available()?;
     reap(ls);
-    let (_gate, metadata_loaded) = sync_remote(ls, rs)?;
+    let (_gate, metadata_loaded) = if same {
+        // Nothing remote to load: NIXL moves between the agent's own registrations.
+        let gate = ls.metadata_gate.read().unwrap_or_else(|e| e.into_inner());
+        (gate, false)
+    } else {
+        sync_remote(ls, rs)?
+    };
     let list = |descs: &[NixlDescriptor]| -> Result<XferDescList<'static>> {
         let mem = descs
             .first()

@@ -185,6 +185,27 @@ impl Pool {
         Self::new(Arc::new(backend), PoolConfig::new(capacity).name("host"))
     }
 
+    /// An elastic host tier for CUDA device `ordinal`: a pool (reserved once, mapped on
+    /// demand, `config`'s limits as its host budget, the same stats as any pool) over VMM host
+    /// memory the device and the host both access ([`crate::backend::cuda::CudaBackend::host_tier`]),
+    /// or, where that cannot be had (no driver, no device, no host VMM), over page-locked host
+    /// memory ([`crate::backend::host::HostBackend::locked`]). Which one it is shows in its
+    /// backend's `device_name` (and in `page_locked`, true for both); the fallback is logged.
+    /// Layouts on it are [`crate::layout::StorageKind::Pinned`].
+    pub fn host_tier(ordinal: i32, config: PoolConfig) -> Result<Pool> {
+        let backend: Arc<dyn Backend> = match crate::backend::cuda::CudaBackend::host_tier(ordinal)
+        {
+            Ok(b) => Arc::new(b),
+            Err(e) => {
+                tracing::info!(ordinal, reason = %e, "host tier: no VMM host memory, pinned (mlock'd) host memory instead");
+                Arc::new(crate::backend::host::HostBackend::locked(
+                    crate::backend::host::DEFAULT_GRANULARITY,
+                )?)
+            }
+        };
+        Self::new(backend, config)
+    }
+
     /// A pool on CUDA device `ordinal`.
     pub fn cuda(ordinal: i32, capacity: usize) -> Result<Pool> {
         let backend = crate::backend::cuda::CudaBackend::new(ordinal)?;

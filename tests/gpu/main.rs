@@ -14,6 +14,7 @@ mod pool;
 mod shared;
 mod sleep;
 mod soundness;
+mod tiers;
 
 #[cfg(feature = "candle")]
 mod candle;

@@ -9,6 +9,7 @@ pub mod layout;
 pub mod shared;
 pub mod sleep;
 pub mod soundness;
+pub mod tiers;
 
 /// Every test of the pool's suite, as `#[test]` functions over the backend `$make()` returns.
 #[macro_export]

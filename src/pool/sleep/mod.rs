@@ -273,6 +273,9 @@ pub(crate) struct SleepBook {
     /// sleep now would freeze them and then see that thaw undo its freeze, so sleeps are
     /// refused until it is done, as while waking.
     pub(crate) thawing: bool,
+    /// The host tier staging buffers come from ([`Pool::stage_through`]); `None`: the
+    /// backend's own staging memory.
+    pub(crate) host_tier: Option<Pool>,
     pub(crate) last_sleep: Option<Duration>,
     pub(crate) last_wake: Option<Duration>,
     pub(crate) sleeps: u64,
@@ -374,6 +377,18 @@ impl Pool {
     /// (its copies live in the buffer).
     pub fn reserve_host_staging(&self, bytes: u64) -> Result<()> {
         self.inner().reserve_staging(bytes)
+    }
+
+    /// Stage sleeps through `tier`, an elastic host tier ([`Pool::host_tier`]), instead of a
+    /// staging buffer of this pool's own (`None`: back to the backend's staging memory). The
+    /// buffer becomes a region of the tier, mapped when a sleep (or
+    /// [`Pool::reserve_host_staging`]) needs it, under the tier's budget: no pinning per pool,
+    /// and host memory one pool gives back ([`AfterWake::FreeHostMemory`]) serves the next
+    /// pool's sleep from the tier's cache. Any staging buffer held now is freed. Refused while
+    /// the pool is not awake, for a tier that is not page-locked host memory this pool's
+    /// device reaches, and for the pool itself.
+    pub fn stage_through(&self, tier: Option<Pool>) -> Result<()> {
+        self.inner().stage_through(tier)
     }
 
     /// Free the host staging memory of an awake pool; returns the bytes freed.

@@ -466,7 +466,8 @@ impl Inner {
         drop(staging.take());
         self.state.lock().sleep.staging_bytes = 0;
         let t = Instant::now();
-        let made = Staging::new(&self.backend, needed);
+        let tier = self.state.lock().sleep.host_tier.clone();
+        let made = Staging::new(&self.backend, needed, tier.as_ref());
         let ms = t.elapsed().as_secs_f64() * 1e3;
         tracing::warn!(pool = %self.name, bytes = needed, had = have, ms, "allocated host staging on the sleep path; reserve it ahead with Pool::reserve_host_staging");
         let s = made?;
@@ -833,15 +834,59 @@ impl Inner {
             // meanwhile, but allocations and maps go on.
             st.sleep.staging_busy = true;
             st.sleep.staging_bytes = 0;
-            st.sleep.staging.take()
+            (st.sleep.staging.take(), st.sleep.host_tier.clone())
         };
+        let (old, tier) = old;
         drop(old);
-        let made = Staging::new(&self.backend, bytes);
+        let made = Staging::new(&self.backend, bytes, tier.as_ref());
         let mut st = self.state.lock();
         st.sleep.staging_busy = false;
         let s = made?;
         st.sleep.staging_bytes = s.bytes();
         st.sleep.staging = Some(s);
+        Ok(())
+    }
+
+    pub(crate) fn stage_through(&self, tier: Option<crate::Pool>) -> Result<()> {
+        if let Some(t) = &tier {
+            let (h, ours) = (t.backend_info(), self.backend.info());
+            let reaches = h.memory_kind == crate::backend::MemoryKind::Host
+                && h.page_locked
+                && (h.device_ordinal.is_none() || h.device_ordinal == ours.device_ordinal);
+            if !reaches {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {} cannot stage through pool {}: {:?} memory of device {:?} ({}), not page-locked host memory that device {:?} reaches (Pool::host_tier)",
+                    self.name,
+                    t.name(),
+                    h.memory_kind,
+                    h.device_ordinal,
+                    h.device_name,
+                    ours.device_ordinal
+                )));
+            }
+            if std::ptr::eq(&**t.inner(), self) {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {} cannot stage through itself",
+                    self.name
+                )));
+            }
+        }
+        let old = {
+            let mut st = self.state.lock();
+            if st.sleep.status != SleepStatus::Awake || st.sleep.staging_busy {
+                let s = st.sleep.status.name();
+                return Err(self.sleep_refused(
+                    "stage_through",
+                    format!("the pool is {s}, or a reservation is under way"),
+                ));
+            }
+            st.sleep.staging_bytes = 0;
+            // The old tier handle is dropped below, with no lock held (it may be the last).
+            let old_tier = std::mem::replace(&mut st.sleep.host_tier, tier);
+            (st.sleep.staging.take(), old_tier)
+        };
+        // Driver calls (or a region's unmap): no lock held.
+        drop(old);
         Ok(())
     }
 

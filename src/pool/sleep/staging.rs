@@ -1,10 +1,14 @@
 //! The host staging buffer a pool sleeps into: allocated once (pinned on CUDA, which is slow),
-//! reused by every later sleep, with the copy stream beside it.
+//! reused by every later sleep, with the copy stream beside it. With a host tier
+//! ([`crate::Pool::stage_through`]) the buffer is a region of the tier, mapped in full: no
+//! per-pool pinning, and the tier's chunks it gives back serve the next pool's staging.
 
 use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::Result;
+use crate::pool::{Pool, Region};
+use crate::MemOptions;
 
 /// Host memory and a copy stream of one backend. Dropping it frees both: it runs driver calls,
 /// so it is never dropped under a lock (the pool takes it out of its state first).
@@ -13,6 +17,9 @@ pub(crate) struct Staging {
     ptr: *mut u8,
     bytes: u64,
     stream: u64,
+    /// The host tier's region the buffer is, if it is one (`None`: the backend's staging
+    /// memory, freed with `staging_free`).
+    region: Option<Region>,
 }
 
 // SAFETY: the buffer is owned by this value alone (no alias outlives it) and only the sleep or
@@ -31,18 +38,38 @@ impl std::fmt::Debug for Staging {
 }
 
 impl Staging {
-    /// Allocate `bytes` of staging memory and a copy stream.
-    pub(crate) fn new(backend: &Arc<dyn Backend>, bytes: u64) -> Result<Staging> {
+    /// Allocate `bytes` of staging memory and a copy stream: the backend's staging memory, or
+    /// a region of `tier` mapped in full (under the tier's budget).
+    pub(crate) fn new(
+        backend: &Arc<dyn Backend>,
+        bytes: u64,
+        tier: Option<&Pool>,
+    ) -> Result<Staging> {
         let len = usize::try_from(bytes).map_err(|_| crate::error::Error::SizeOverflow {
             what: "staging buffer",
             detail: format!("{bytes} bytes do not fit in usize"),
         })?;
-        let ptr = backend.copies().staging_alloc(len)?;
+        let (ptr, region) = match tier {
+            Some(tier) => {
+                // On failure the region drops: nothing stays mapped.
+                let chunk = crate::error::round_up(
+                    "host tier staging chunk",
+                    crate::DEFAULT_MAX_CHUNK as u64,
+                    tier.granularity(),
+                )?;
+                let region = tier.reserve_region_with(bytes, &MemOptions::new().chunk(chunk))?;
+                region.map(0, region.len())?;
+                (region.addr() as *mut u8, Some(region))
+            }
+            None => (backend.copies().staging_alloc(len)?, None),
+        };
         let stream = match backend.copies().copy_stream_create() {
             Ok(s) => s,
             Err(e) => {
-                // SAFETY: the buffer was just allocated by this backend and nothing uses it.
-                let _ = unsafe { backend.copies().staging_free(ptr, len) };
+                if region.is_none() {
+                    // SAFETY: the buffer was just allocated by this backend; nothing uses it.
+                    let _ = unsafe { backend.copies().staging_free(ptr, len) };
+                }
                 return Err(e);
             }
         };
@@ -51,6 +78,7 @@ impl Staging {
             ptr,
             bytes,
             stream,
+            region,
         })
     }
 
@@ -80,6 +108,10 @@ impl Drop for Staging {
         // queued it (sleep and wake wait for all their markers, also when they fail).
         if let Err(e) = unsafe { self.backend.copies().copy_stream_destroy(self.stream) } {
             tracing::warn!(error = %e, "destroying the staging copy stream failed");
+        }
+        if self.region.take().is_some() {
+            // The tier's region went (unmapped, its chunks back to the tier).
+            return;
         }
         // SAFETY: allocated by this backend with this size; no copy on it is queued any more.
         if let Err(e) = unsafe {

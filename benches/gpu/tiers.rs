@@ -1,0 +1,290 @@
+//! KV tiers on the GPU: blocks of 64 KiB to 16 MiB moved device -> pinned host and back with
+//! `copy_blocks` (every other block, so no run merges: one copy per block) against the same
+//! copies made raw with the backend's `copy_to_host_async`/`copy_from_host_async` on one stream
+//! (target >= 0.9x at 256 KiB and up); then pinned host <-> disk against raw `O_DIRECT`
+//! `pwrite`/`pread` of the same bytes to a file in the same directory (target >= 0.8x).
+//! Then the elastic host tier (`Pool::host_tier`): GiB/s made available (reserve + map in 64 MiB
+//! chunks) against `cuMemHostAlloc` of the same bytes; device <-> host-tier moves against the
+//! same raw copies; and sleep + wake of `TIERS_SLEEP_GIB` (default 4) through the tier
+//! (`Pool::stage_through`) against today's staging reserved ahead (`reserve_host_staging`),
+//! with the per-model pinning that staging needs printed beside it.
+//! `TIERS_MIB` sets the bytes moved per case (default 1024), `TIERS_DIR` the directory of the
+//! files (default the temp dir). Ratios are raw time / ours (above 1: ours is faster).
+
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use elastic_vmm::backend::cuda::CudaBackend;
+use elastic_vmm::layout::{copy_blocks, Layout, LayoutBuilder, LayoutConfig};
+use elastic_vmm::{AfterWake, Backend, MemOptions, Pool, PoolConfig, SleepPolicy};
+
+use crate::{BoxError, GIB, MIB};
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn best(mut f: impl FnMut() -> Result<Duration, BoxError>) -> Result<Duration, BoxError> {
+    let mut b = Duration::MAX;
+    for _ in 0..3 {
+        b = b.min(f()?);
+    }
+    Ok(b)
+}
+
+/// The same copies, raw, on one stream of the backend.
+fn raw(
+    backend: &Arc<dyn Backend>,
+    dev: &Layout,
+    host: &Layout,
+    ids: &[usize],
+    to_host: bool,
+) -> Result<Duration, BoxError> {
+    let c = backend.copies();
+    let stream = c.copy_stream_create()?;
+    let t = Instant::now();
+    for &b in ids {
+        let (d, h) = (dev.block(b)?[0], host.block(b)?[0]);
+        // SAFETY: views of live layouts (device memory of this backend, its pinned memory),
+        // awaited below.
+        unsafe {
+            if to_host {
+                c.copy_to_host_async(h.addr as *mut u8, d.addr, d.len as usize, stream)?;
+            } else {
+                c.copy_from_host_async(d.addr, h.addr as *const u8, d.len as usize, stream)?;
+            }
+        }
+    }
+    // SAFETY: the stream is ours; the marker is waited once.
+    unsafe { c.marker_wait(c.marker_record(stream)?)? };
+    let e = t.elapsed();
+    // SAFETY: everything on it ran.
+    unsafe { c.copy_stream_destroy(stream)? };
+    Ok(e)
+}
+
+pub fn run() -> Result<(), BoxError> {
+    let total = std::env::var("TIERS_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024u64)
+        * MIB;
+    let dir = std::env::var_os("TIERS_DIR")
+        .map(Into::into)
+        .unwrap_or_else(std::env::temp_dir);
+    let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(0)?);
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig::new(2 * total as usize + 256 * MIB as usize),
+    )?;
+    println!(
+        "== tiers: device <-> pinned host, {} MiB per case, every other block ==",
+        total / MIB
+    );
+    for kib in [64u64, 256, 1024, 4096, 16384] {
+        let block = kib << 10;
+        let blocks = (total / block).max(4) as usize;
+        // 1 layer, 1 outer, 16 tokens, block / 32 elements of 2 bytes: one view per block.
+        let c = LayoutConfig::new(blocks, 1, 1, 16, (block / 32) as usize, 2);
+        let dev = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .map_region(&pool, &MemOptions::new())
+            .build()?;
+        let host = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .pinned(&pool, true)
+            .build()?;
+        let ids: Vec<usize> = (0..blocks).step_by(2).collect();
+        let bytes = ids.len() as u64 * block;
+        // SAFETY: the bench's own layouts, nothing else uses them.
+        let ours_d2h = best(|| Ok(unsafe { copy_blocks(&dev, &ids, &host, &ids) }?.elapsed))?;
+        let raw_d2h = best(|| raw(&backend, &dev, &host, &ids, true))?;
+        // SAFETY: as above.
+        let ours_h2d = best(|| Ok(unsafe { copy_blocks(&host, &ids, &dev, &ids) }?.elapsed))?;
+        let raw_h2d = best(|| raw(&backend, &dev, &host, &ids, false))?;
+        println!(
+            "{kib:>6} KiB blocks x {}: D2H ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x | H2D ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+            ids.len(),
+            gbps(bytes, ours_d2h),
+            gbps(bytes, raw_d2h),
+            raw_d2h.as_secs_f64() / ours_d2h.as_secs_f64(),
+            gbps(bytes, ours_h2d),
+            gbps(bytes, raw_h2d),
+            raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
+        );
+    }
+    println!(
+        "== tiers: pinned host <-> disk ({}), {} MiB per case ==",
+        dir.display(),
+        total / MIB
+    );
+    for kib in [256u64, 1024, 16384] {
+        let block = kib << 10;
+        let blocks = (total / block).max(4) as usize;
+        let c = LayoutConfig::new(blocks, 1, 1, 16, (block / 32) as usize, 2);
+        let host = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .pinned(&pool, true)
+            .build()?;
+        let disk = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .disk_temp(&dir)
+            .build()?;
+        let ids: Vec<usize> = (0..blocks).step_by(2).collect();
+        let bytes = ids.len() as u64 * block;
+        // SAFETY: the bench's own layouts.
+        let ours_w = best(|| Ok(unsafe { copy_blocks(&host, &ids, &disk, &ids) }?.elapsed))?;
+        // SAFETY: as above.
+        let ours_r = best(|| Ok(unsafe { copy_blocks(&disk, &ids, &host, &ids) }?.elapsed))?;
+        let path = dir.join(format!(".evmm-bench-raw-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)?;
+        f.set_len(c.sizes()?.block * blocks as u64)?;
+        let _ = std::fs::remove_file(&path);
+        let io = |write: bool| -> Result<Duration, BoxError> {
+            let t = Instant::now();
+            for &b in &ids {
+                let h = host.block(b)?[0];
+                let off = b as u64 * block;
+                // SAFETY: the pinned layout's memory, `h.len` bytes, unused meanwhile.
+                unsafe {
+                    if write {
+                        f.write_all_at(
+                            std::slice::from_raw_parts(h.addr as *const u8, h.len as usize),
+                            off,
+                        )?;
+                    } else {
+                        f.read_exact_at(
+                            std::slice::from_raw_parts_mut(h.addr as *mut u8, h.len as usize),
+                            off,
+                        )?;
+                    }
+                }
+            }
+            Ok(t.elapsed())
+        };
+        let raw_w = best(|| io(true))?;
+        let raw_r = best(|| io(false))?;
+        println!(
+            "{kib:>6} KiB blocks x {}: write ours {:.2} GB/s raw O_DIRECT {:.2} GB/s ratio {:.2}x | read ours {:.2} GB/s raw {:.2} GB/s ratio {:.2}x",
+            ids.len(),
+            gbps(bytes, ours_w),
+            gbps(bytes, raw_w),
+            raw_w.as_secs_f64() / ours_w.as_secs_f64(),
+            gbps(bytes, ours_r),
+            gbps(bytes, raw_r),
+            raw_r.as_secs_f64() / ours_r.as_secs_f64(),
+        );
+    }
+    host_tier(&backend, &pool, total)?;
+    Ok(())
+}
+
+fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), BoxError> {
+    let gib = std::env::var("TIERS_SLEEP_GIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4u64);
+    let bytes = gib * GIB;
+    let tier = Pool::host_tier(0, PoolConfig::new(4 * bytes as usize).name("host-tier"))?;
+    println!("== host tier: {} ==", tier.backend_info().device_name);
+    // Set-up: GiB/s made available.
+    let t = Instant::now();
+    let region = tier.reserve_region_with(bytes, &MemOptions::new().chunk(64 * MIB))?;
+    region.map(0, bytes)?;
+    let tier_s = t.elapsed();
+    drop(region);
+    tier.trim()?;
+    let t = Instant::now();
+    let pinned = backend.copies().staging_alloc(bytes as usize)?;
+    let pin_s = t.elapsed();
+    // SAFETY: just allocated by this backend, unused.
+    unsafe { backend.copies().staging_free(pinned, bytes as usize)? };
+    println!(
+        "set-up of {gib} GiB: host tier {:.2} GiB/s, cuMemHostAlloc {:.2} GiB/s, ratio {:.2}x",
+        gib as f64 / tier_s.as_secs_f64(),
+        gib as f64 / pin_s.as_secs_f64(),
+        pin_s.as_secs_f64() / tier_s.as_secs_f64()
+    );
+    // Device <-> host tier moves.
+    for kib in [64u64, 256, 1024, 16384] {
+        let block = kib << 10;
+        let blocks = (total / block).max(4) as usize;
+        let c = LayoutConfig::new(blocks, 1, 1, 16, (block / 32) as usize, 2);
+        let dev = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .map_region(pool, &MemOptions::new())
+            .build()?;
+        let host = LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .map_region(&tier, &MemOptions::new())
+            .build()?;
+        let ids: Vec<usize> = (0..blocks).step_by(2).collect();
+        let moved = ids.len() as u64 * block;
+        // SAFETY: the bench's own layouts.
+        let ours_d2h = best(|| Ok(unsafe { copy_blocks(&dev, &ids, &host, &ids) }?.elapsed))?;
+        let raw_d2h = best(|| raw(backend, &dev, &host, &ids, true))?;
+        // SAFETY: as above.
+        let ours_h2d = best(|| Ok(unsafe { copy_blocks(&host, &ids, &dev, &ids) }?.elapsed))?;
+        let raw_h2d = best(|| raw(backend, &dev, &host, &ids, false))?;
+        println!(
+            "{kib:>6} KiB blocks x {} to/from the tier: D2H ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x | H2D ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+            ids.len(),
+            gbps(moved, ours_d2h),
+            gbps(moved, raw_d2h),
+            raw_d2h.as_secs_f64() / ours_d2h.as_secs_f64(),
+            gbps(moved, ours_h2d),
+            gbps(moved, raw_h2d),
+            raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
+        );
+    }
+    // Sleep and wake through the tier against staging pinned ahead.
+    let sleep_wake = |p: &Pool| -> Result<(Duration, Duration), BoxError> {
+        let mut a = p.allocate(bytes as usize)?;
+        a.fill(0x5A)?;
+        let t = Instant::now();
+        p.sleep(&SleepPolicy::offload_all())?;
+        let s = t.elapsed();
+        let t = Instant::now();
+        p.wake(AfterWake::FreeHostMemory)?;
+        let w = t.elapsed();
+        drop(a);
+        p.trim()?;
+        Ok((s, w))
+    };
+    let cfg = || PoolConfig::new(2 * bytes as usize);
+    let staged = Pool::new(backend.clone(), cfg())?;
+    let t = Instant::now();
+    staged.reserve_host_staging(bytes)?;
+    let reserve = t.elapsed();
+    let (ss, sw) = sleep_wake(&staged)?;
+    drop(staged);
+    let tiered = Pool::new(backend.clone(), cfg())?;
+    tiered.stage_through(Some(tier.clone()))?;
+    let (ts, tw) = sleep_wake(&tiered)?;
+    // A second model through the same tier: its memory comes back from the tier's cache.
+    let (ts2, tw2) = sleep_wake(&tiered)?;
+    println!(
+        "sleep+wake {gib} GiB: staging (pinned ahead in {:.2} s per model) sleep {:.2} s wake {:.2} s | host tier (no pinning ahead) sleep {:.2} s wake {:.2} s, again {:.2} s / {:.2} s | ratio (staging / tier, sleep+wake) {:.2}x",
+        reserve.as_secs_f64(),
+        ss.as_secs_f64(),
+        sw.as_secs_f64(),
+        ts.as_secs_f64(),
+        tw.as_secs_f64(),
+        ts2.as_secs_f64(),
+        tw2.as_secs_f64(),
+        (ss + sw).as_secs_f64() / (ts + tw).as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,203 @@
+//! Storage kinds and tier moves on the host backend: system memory, pinned (mlock'd) memory,
+//! real files on disk, caller memory's declared kind, and the tiers suite (also run on CUDA by
+//! the GPU target).
+
+#[path = "suite/mod.rs"]
+mod suite;
+
+use std::sync::Arc;
+
+use elastic_vmm::backend::host::HostBackend;
+use elastic_vmm::layout::{LayoutBuilder, LayoutConfig, MemoryRange, StorageKind};
+use elastic_vmm::{Backend, Error, MemoryKind};
+
+fn host() -> Arc<dyn Backend> {
+    Arc::new(HostBackend::new(2 << 20).expect("host backend"))
+}
+
+crate::tiers_suite!(host);
+
+fn config() -> LayoutConfig {
+    LayoutConfig::new(8, 2, 2, 16, 64, 2) // 8 KiB blocks, 64 KiB
+}
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("evmm-tiers-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// A disk layout at a path: created and sized to the layout, kept after the layout goes and
+/// reused with its contents; a smaller file and a path that cannot be created are refused
+/// with the numbers, the file left as it was.
+#[test]
+fn disk_layouts_at_a_path() {
+    let dir = scratch("disk");
+    let path = dir.join("kv.bin");
+    let c = config();
+    let extent = 64 << 10;
+    let l = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk(&path)
+        .build()
+        .expect("disk");
+    assert_eq!(l.storage(), StorageKind::Disk);
+    assert_eq!(l.file().expect("file").0, Some(path.as_path()));
+    assert_eq!(std::fs::metadata(&path).expect("created").len(), extent);
+    assert_eq!(
+        l.block(1).expect("block")[0].addr,
+        8 << 10,
+        "views are file offsets"
+    );
+    drop(l);
+    assert!(path.exists(), "the file stays");
+    std::fs::write(&path, vec![7u8; extent as usize + 100]).expect("grow");
+    let l = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk(&path)
+        .build()
+        .expect("larger file");
+    drop(l);
+    assert_eq!(
+        std::fs::read(&path).expect("read")[..4],
+        [7, 7, 7, 7],
+        "contents kept"
+    );
+    std::fs::write(&path, vec![1u8; 1000]).expect("shrink");
+    let e = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk(&path)
+        .build()
+        .expect_err("small");
+    assert!(
+        matches!(&e, Error::FileTooSmall { len: 1000, need, .. } if *need == extent),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::metadata(&path).expect("kept").len(),
+        1000,
+        "left as it was"
+    );
+    let bad = dir.join("no-such-dir").join("kv.bin");
+    let e = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk(&bad)
+        .build()
+        .expect_err("no dir");
+    assert!(
+        matches!(
+            &e,
+            Error::Storage {
+                storage: "disk",
+                op: "create",
+                ..
+            }
+        ) && e.to_string().contains("no-such-dir"),
+        "{e}"
+    );
+    let e = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .disk_temp(dir.join("nope"))
+        .build()
+        .expect_err("no dir");
+    assert!(e.to_string().contains("nope"), "{e}");
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+/// System and pinned memory are zeroed, page aligned, owned (their chunks are the layout);
+/// pinned memory on the host backend is locked (VmLck grows) and NUMA-bound only where the
+/// machine has several nodes.
+#[test]
+fn host_memory_kinds() {
+    let pool = elastic_vmm::Pool::host(64 << 20).expect("pool");
+    let c = LayoutConfig::new(64, 4, 2, 16, 128, 2); // 64 blocks of 32 KiB = 2 MiB
+    let locked = || {
+        std::fs::read_to_string("/proc/self/status")
+            .expect("status")
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("VmLck:")
+                    .map(|v| v.trim().trim_end_matches(" kB").parse::<u64>().expect("kB"))
+            })
+            .expect("VmLck")
+    };
+    let before = locked();
+    let pinned = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .pinned(&pool, true)
+        .build()
+        .expect("pinned");
+    assert_eq!(pinned.storage(), StorageKind::Pinned);
+    assert!(
+        locked() >= before + 2048,
+        "2 MiB locked: {} -> {} kB",
+        before,
+        locked()
+    );
+    let nodes = std::fs::read_to_string("/sys/devices/system/node/online").unwrap_or_default();
+    if nodes.trim() == "0" {
+        assert_eq!(pinned.numa_node(), None, "one node: nothing to bind");
+    }
+    let sys = LayoutBuilder::new()
+        .config(c)
+        .layer_separate(elastic_vmm::layout::BlockDim::First)
+        .system()
+        .build()
+        .expect("system");
+    assert_eq!(sys.storage(), StorageKind::System);
+    for l in [&pinned, &sys] {
+        let chunks = l.chunks();
+        assert_eq!(chunks.len(), 1);
+        assert_eq!(chunks[0].addr % 4096, 0);
+        assert!(l.pool().is_none());
+        // SAFETY: the layout's own memory, 2 MiB long, nobody else uses it.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(chunks[0].addr as *const u8, chunks[0].len as usize)
+        };
+        assert!(bytes.iter().all(|&b| b == 0), "zeroed");
+        let e = unsafe { l.write(chunks[0].addr, &[1]) }.expect_err("no pool copy path");
+        assert!(e.to_string().contains("copy_blocks"), "{e}");
+    }
+    drop(pinned);
+    assert!(locked() < before + 2048, "unlocked when the layout goes");
+}
+
+/// Caller memory's declared kind, checked by the backend that can tell: on the host backend
+/// every address is host memory, so memory declared as a device's is refused.
+#[test]
+fn caller_memory_kind_is_checked() {
+    let pool = elastic_vmm::Pool::host(64 << 20).expect("pool");
+    let owner = pool.allocate(1 << 20).expect("memory");
+    let c = config();
+    let range = |kind, device| MemoryRange {
+        addr: owner.addr(),
+        len: 64 << 10,
+        kind,
+        device,
+    };
+    // SAFETY: the range lies in `owner`, which outlives the layouts (dropped at once).
+    let build = |r: MemoryRange| {
+        unsafe {
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .regions(vec![r])
+        }
+        .checked_by(pool.backend().clone())
+        .build()
+    };
+    let e = build(range(MemoryKind::Device, Some(0))).expect_err("declared device");
+    assert!(
+        e.to_string().contains("declared Device")
+            && e.to_string().contains("driver says it is Host"),
+        "{e}"
+    );
+    build(range(MemoryKind::Host, None)).expect("host memory declared host");
+}
