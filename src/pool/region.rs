@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use super::{ChunkSpan, Pool, Space};
+use super::{ChunkSpan, Pool, Space, Urgency};
 use crate::error::{round_up, Error, Result};
 use crate::tag::Tag;
 
@@ -22,6 +22,8 @@ pub struct Region {
     len: u64,
     /// What its mappings hold (for sleep policies and stats).
     tag: Tag,
+    /// Unbacked granules alias the pool's zero page (see [`Pool::reserve_region_zeroed`]).
+    zeroed: bool,
 }
 
 impl Pool {
@@ -58,7 +60,27 @@ impl Pool {
             offset,
             len,
             tag,
+            zeroed: false,
         })
+    }
+
+    /// As [`Pool::reserve_region_tagged`], with every granule that is not mapped aliased
+    /// read-only to the pool's zero page (one granule of zeros, made once per pool, shown in
+    /// [`crate::PoolStats::zero_page`]): a read of an unbacked part of the region returns
+    /// zeros instead of faulting, a write faults (host: `SIGSEGV`; CUDA: an illegal-address
+    /// error that poisons the context). [`Region::map`] replaces the aliases under the range
+    /// it maps; [`Region::unmap`] puts them back. Aliases are not memory: they count in
+    /// [`crate::PoolStats::zero_aliased`], never in `mapped`, limits, sleep or trim (a pool
+    /// asleep leaves discarded ranges unmapped, not aliased, until it wakes).
+    ///
+    /// Refused, with the backend's error, where the backend cannot map memory read-only
+    /// ([`crate::backend::Backend::set_access_mode`]); nothing is left reserved or mapped.
+    pub fn reserve_region_zeroed(&self, len: u64, tag: Tag) -> Result<Region> {
+        let mut region = self.reserve_region_tagged(len, tag)?;
+        region.zeroed = true;
+        // On failure the region's drop takes back what was aliased.
+        self.inner().zero_alias(region.offset, region.len)?;
+        Ok(region)
     }
 }
 
@@ -110,6 +132,11 @@ impl Region {
         false
     }
 
+    /// Whether unbacked granules alias the zero page ([`Pool::reserve_region_zeroed`]).
+    pub fn is_zeroed(&self) -> bool {
+        self.zeroed
+    }
+
     /// Address of the region's first byte (a device pointer on CUDA).
     pub fn addr(&self) -> u64 {
         self.pool.base() + self.offset
@@ -150,12 +177,32 @@ impl Region {
         inner.map_range(abs, len, max_chunk, Space::Region, self.tag.clone())
     }
 
+    /// Map every `(at, len)` of `ranges` (disjoint, unmapped, granule-aligned, relative to the
+    /// region) in one operation with chunks of one granule: one request for new memory, all or
+    /// nothing. [`Urgency::LookAhead`] takes only memory admitted at once (never reclaimed or
+    /// handed over from another model).
+    pub(crate) fn map_batch(&self, ranges: &[(u64, u64)], urgency: Urgency) -> Result<()> {
+        let inner = self.pool.inner();
+        let mut abs = Vec::with_capacity(ranges.len());
+        for &(at, len) in ranges {
+            abs.push((self.absolute(at, len)?, len));
+        }
+        inner.map_batch(&abs, inner.gran, Space::Region, self.tag.clone(), urgency)
+    }
+
     /// Give back the physical memory under `[at, at + len)`: mapped, made of whole chunks.
     /// Its chunks go to the pool's cache. Refused (`RangeInUse`) while a [`Region::read`] or
     /// [`Region::write`] is copying any byte of it.
     pub fn unmap(&self, at: u64, len: u64) -> Result<()> {
         let abs = self.absolute(at, len)?;
-        self.pool.inner().unmap_range(abs, len, Space::Region)
+        self.pool.inner().unmap_range(abs, len, Space::Region)?;
+        if self.zeroed {
+            if let Err(e) = self.pool.inner().zero_alias(abs, len) {
+                // The memory went back; only the alias is missing (reads of it fault).
+                tracing::error!(pool = %self.pool.name(), offset = abs, len, error = %e, "aliasing an unmapped range to the zero page failed");
+            }
+        }
+        Ok(())
     }
 
     /// Whether all of `[at, at + len)` is mapped.
@@ -286,6 +333,9 @@ impl Drop for Region {
             if let Err(e) = inner.unmap_range(c.offset, c.size, Space::Region) {
                 tracing::error!(pool = %inner.name, error = %e, offset = c.offset, "unmapping a region's chunk at drop failed; it stays mapped until the pool goes");
             }
+        }
+        if self.zeroed {
+            inner.zero_unalias(self.offset, self.len);
         }
         let mut st = inner.state.lock();
         let held: Vec<(u64, u64)> = st
