@@ -656,9 +656,23 @@ impl Core {
         taken.len()
     }
 
-    /// Map up to `want` cold blocks ahead of need with memory given at once. Returns the
-    /// blocks made warm.
+    /// Map up to `want` cold blocks ahead of need with memory given at once, one page per
+    /// tensor at a time (so a budget that holds part of `want` is used, and a refusal costs one
+    /// request). Returns the blocks made warm.
     pub(crate) fn map_ahead(&self, want: usize) -> usize {
+        let per_group = (self.page / self.geo.unit).max(1) as usize;
+        let mut done = 0;
+        while done < want {
+            let n = self.map_ahead_once((want - done).min(per_group));
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        done
+    }
+
+    fn map_ahead_once(&self, want: usize) -> usize {
         let taken: Vec<usize> = {
             let mut book = self.book.lock();
             if book.asleep {
