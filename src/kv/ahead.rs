@@ -43,15 +43,16 @@ fn run(core: &Core, w: Watermarks) {
             if book.stop {
                 return;
             }
-            let warm = core_warm(&book, core);
+            let warm = book.warm_len();
             let idle = book.last_alloc.elapsed() >= w.idle_after;
-            if !(warm < w.low && !book.asleep || idle && warm > w.low) {
+            let work = (warm < w.low && !book.asleep) || (idle && warm > w.low);
+            if !work {
                 core.wake.wait_for(&mut book, w.tick);
                 if book.stop {
                     return;
                 }
             }
-            let warm = core_warm(&book, core);
+            let warm = book.warm_len();
             let idle = book.last_alloc.elapsed() >= w.idle_after;
             let refill = (warm < w.low && !book.asleep).then(|| w.high - warm);
             let trim = idle && warm > w.low;
@@ -72,8 +73,4 @@ fn run(core: &Core, w: Watermarks) {
             book.last_alloc = Instant::now();
         }
     }
-}
-
-fn core_warm(book: &super::paged::Book, _core: &Core) -> usize {
-    book.warm_len()
 }

@@ -282,7 +282,13 @@ pub(crate) struct Core {
     pub(crate) wake: Condvar,
     pool: Pool,
     watcher: u64,
+    /// Called before pages may be unmapped (set once by a face whose device queues work, e.g.
+    /// the candle one: waits for the GPU to finish what was queued on the blocks).
+    before_release: std::sync::OnceLock<BeforeRelease>,
 }
+
+/// See `Core::before_release`.
+pub(crate) type BeforeRelease = Box<dyn Fn() -> Result<()> + Send + Sync>;
 
 /// A paged KV cache over a pool; see the [module documentation](crate::kv).
 /// `Send + Sync`; every method takes `&self`.
@@ -354,6 +360,7 @@ impl PagedKv {
                 wake: Condvar::new(),
                 pool: pool.clone(),
                 watcher: inner.add_watcher(watcher),
+                before_release: std::sync::OnceLock::new(),
             }
         });
         let ahead = match config.watermarks {
@@ -362,6 +369,13 @@ impl PagedKv {
         };
         tracing::debug!(pool = %pool.name(), ?config, bytes = geo.region_bytes(), "paged KV cache reserved");
         Ok(PagedKv { core, ahead })
+    }
+
+    /// Make `f` run before any page of the cache may be unmapped (a release of blocks), once
+    /// per release; an error keeps the blocks mapped (warm). Set once, by a face that queues
+    /// device work on the blocks, right after `new`; later calls are ignored.
+    pub(crate) fn set_before_release(&self, f: BeforeRelease) {
+        let _ = self.core.before_release.set(f);
     }
 
     /// What the cache was made with.
@@ -620,7 +634,12 @@ impl Core {
         if blocks.is_empty() {
             return;
         }
-        match self.backing.release(blocks.iter().copied()) {
+        let ready = match self.before_release.get() {
+            Some(f) => f(),
+            None => Ok(()),
+        };
+        let released = ready.and_then(|()| self.backing.release(blocks.iter().copied()));
+        match released {
             Ok(_) => {
                 let mut book = self.book.lock();
                 for &b in blocks {
@@ -630,7 +649,8 @@ impl Core {
                 }
             }
             Err(e) => {
-                // Not expected (the cache pins nothing): keep them warm, still backed.
+                // The device wait failed, or the release did (the cache pins nothing): keep
+                // them warm, still backed.
                 tracing::error!(error = %e, blocks = blocks.len(), "releasing KV blocks failed; they stay mapped as warm blocks");
                 let mut book = self.book.lock();
                 book.warm.extend(blocks.iter().copied());

@@ -79,43 +79,13 @@ impl Inner {
         let made = self.backend.create(self.gran as usize)?;
         self.drivers.bump(DriverCall::Create);
         // Fresh memory need not be zero (CUDA): map it read-write once, clear it, unmap.
-        let cleared = (|| -> Result<()> {
-            let addr = {
-                let mut st = self.state.lock();
-                let Some((s, _)) = st.cold.iter().find(|(s, e)| e - s >= self.gran) else {
-                    return Err(Error::OutOfAddressSpace {
-                        requested: self.gran,
-                        largest_free: st.cold.iter().map(|(s, e)| e - s).max().unwrap_or(0),
-                        capacity: self.capacity,
-                    });
-                };
-                st.cold.remove(s, s + self.gran);
-                st.in_transit += self.gran;
-                s
-            };
-            // SAFETY: `[addr, addr + gran)` was claimed above (unmapped, ours); the chunk is
-            // new and mapped nowhere.
-            let r = match unsafe { self.map_run(addr, &[made]) } {
-                Ok(()) => {
-                    let zeros = vec![0u8; self.gran as usize];
-                    // SAFETY: mapped with access just above; nobody else knows the range.
-                    let w = unsafe { self.backend.copies().write(self.base + addr, &zeros) };
-                    // SAFETY: the one chunk mapped above, unused now.
-                    let u = unsafe { self.unmap_placed(vec![(addr, made)]) };
-                    w.and(u.error.map_or(Ok(()), Err))
+        let cleared = self.clear_chunk(made);
+        if let Err((e, free)) = cleared {
+            if free {
+                // SAFETY: made above and mapped nowhere now.
+                if let Err(r) = unsafe { self.call_release(made) } {
+                    tracing::error!(pool = %self.name, error = %r, "releasing a zero page that could not be cleared failed");
                 }
-                Err(f) => Err(f.error),
-            };
-            let mut st = self.state.lock();
-            st.in_transit -= self.gran;
-            st.cold.insert(addr, addr + self.gran);
-            r
-        })();
-        if let Err(e) = cleared {
-            // SAFETY: made above, mapped nowhere (a failed unmap would leave it mapped: then
-            // it is leaked, logged, rather than released under a mapping).
-            if let Err(r) = unsafe { self.call_release(made) } {
-                tracing::error!(pool = %self.name, error = %r, "releasing a zero page that could not be cleared failed");
             }
             return Err(e);
         }
@@ -132,6 +102,50 @@ impl Inner {
         st.zero.chunk = Some(made);
         tracing::debug!(pool = %self.name, bytes = self.gran, "zero page made");
         Ok(made)
+    }
+
+    /// Map `made` (one new granule) read-write at a free place, write zeros, unmap it. On
+    /// failure, whether the chunk is still free to release (false: it stays mapped, stuck).
+    fn clear_chunk(&self, made: PhysicalChunk) -> Result<(), (Error, bool)> {
+        let addr = {
+            let mut st = self.state.lock();
+            let Some((s, _)) = st.cold.iter().find(|(s, e)| e - s >= self.gran) else {
+                let largest_free = st.cold.iter().map(|(s, e)| e - s).max().unwrap_or(0);
+                return Err((
+                    Error::OutOfAddressSpace {
+                        requested: self.gran,
+                        largest_free,
+                        capacity: self.capacity,
+                    },
+                    true,
+                ));
+            };
+            st.cold.remove(s, s + self.gran);
+            st.in_transit += self.gran;
+            s
+        };
+        // SAFETY: `[addr, addr + gran)` was claimed above (unmapped, ours); the chunk is
+        // new and mapped nowhere.
+        let (r, stuck) = match unsafe { self.map_run(addr, &[made]) } {
+            Ok(()) => {
+                let zeros = vec![0u8; self.gran as usize];
+                // SAFETY: mapped with access just above; nobody else knows the range.
+                let w = unsafe { self.backend.copies().write(self.base + addr, &zeros) };
+                // SAFETY: the one chunk mapped above, unused now.
+                let u = unsafe { self.unmap_placed(vec![(addr, made)]) };
+                (w.and(u.error.map_or(Ok(()), Err)), u.kept)
+            }
+            Err(f) => (Err(f.error), f.stuck),
+        };
+        let mut st = self.state.lock();
+        st.in_transit -= self.gran;
+        if stuck.is_empty() {
+            st.cold.insert(addr, addr + self.gran);
+        } else {
+            // Still mapped: kept out of every use, retried by trim and teardown.
+            st.put_stuck(&stuck);
+        }
+        r.map_err(|e| (e, stuck.is_empty()))
     }
 
     /// Alias the unmapped, unaliased granules of `[offset, offset + len)` (inside a region) to

@@ -8,6 +8,7 @@ mod suite;
 mod backing;
 mod broker;
 mod gather;
+mod kv;
 mod layout;
 mod p2p;
 mod pool;
@@ -17,6 +18,8 @@ mod soundness;
 
 #[cfg(feature = "candle")]
 mod candle;
+#[cfg(feature = "candle")]
+mod paged_kv;
 #[cfg(feature = "candle")]
 mod route;
 

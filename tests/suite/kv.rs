@@ -388,7 +388,11 @@ pub fn kv_ahead_takes_only_its_high_watermark(backend: Arc<dyn Backend>) {
     // A required alloc may reclaim a's idle memory.
     // Beyond the warm blocks, 5 fresh ones (10 granules): within b's limit, more than the
     // budget's free part once b's look-ahead took it.
-    assert_eq!(b.stats().mapped, 12 * g, "b's look-ahead took the free budget");
+    assert_eq!(
+        b.stats().mapped,
+        12 * g,
+        "b's look-ahead took the free budget"
+    );
     let ids = kv.alloc(s.warm + 5).expect("required growth");
     assert!(
         a.stats().mapped < a_idle,
@@ -524,13 +528,15 @@ pub fn kv_sleep_discards_kv_keeps_weights(backend: Arc<dyn Backend>) {
     books_hold(&backend, &p);
 }
 
+/// The engine side of the reclaim test: its cache and the blocks its sequences hold.
+type Engine = (Arc<PagedKv>, parking_lot::Mutex<Vec<usize>>);
+
 /// A model's reclaim callback frees blocks (and trims warm ones): lowering its limit succeeds
 /// and the memory goes back.
 pub fn kv_reclaim_callback_frees_blocks(backend: Arc<dyn Backend>) {
     let g = gran(&backend);
     let shared = SharedPool::new(backend.clone(), SharedPoolConfig::new()).expect("shared");
-    let slot: Arc<OnceLock<(Arc<PagedKv>, parking_lot::Mutex<Vec<usize>>)>> =
-        Arc::new(OnceLock::new());
+    let slot: Arc<OnceLock<Engine>> = Arc::new(OnceLock::new());
     let cb = slot.clone();
     let asked = Arc::new(AtomicUsize::new(0));
     let asked2 = asked.clone();
@@ -558,9 +564,12 @@ pub fn kv_reclaim_callback_frees_blocks(backend: Arc<dyn Backend>) {
     };
     let kv = Arc::new(PagedKv::new(&m, config(g, 2, 1, 64).watermarks(w)).expect("cache"));
     let ids = kv.alloc(20).expect("alloc");
-    slot.set((kv.clone(), parking_lot::Mutex::new(ids)))
-        .ok()
-        .expect("set once");
+    if slot
+        .set((kv.clone(), parking_lot::Mutex::new(ids)))
+        .is_err()
+    {
+        panic!("the slot is set once");
+    }
     assert!(m.stats().mapped >= 20 * g);
     shared.set_limit("m", 10 * g).expect("limit lowered");
     assert!(asked.load(Ordering::SeqCst) > 0, "the callback was asked");
