@@ -30,6 +30,7 @@ json=$(mktemp)
 cargo build --release --features "$features" --test gpu --test processes --bench gpu --bins --message-format=json-render-diagnostics >"$json"
 if has candle || has candle-example; then
   cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
+  cargo build --release --features "$features" --example paged_kv_attention --message-format=json-render-diagnostics >>"$json"
 fi
 if has candle-example; then
   cargo build --release --features "$features" --example routed_llama --example serve --message-format=json-render-diagnostics >>"$json"

@@ -54,7 +54,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::backend::MemoryKind;
 use crate::backend::PhysicalChunk;
 use crate::error::{Error, Result};
-use crate::pool::{ChunkFate, ChunkSpan, MemOptions, Pool, Region, SleepWatcher};
+use crate::pool::{ChunkFate, ChunkSpan, MemOptions, Pool, Region, SleepWatcher, Urgency};
 use crate::tag::Tag;
 
 /// Where each block's bytes lie inside a region.
@@ -590,7 +590,16 @@ impl<G: BlockGeometry> BlockBacking<G> {
     /// error, a hook error, bad input) nothing changes: what was mapped on the way is unmapped
     /// again.
     pub fn ensure_backed(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
-        self.core.ensure_backed(blocks)
+        self.core.ensure_backed(blocks, Urgency::Required)
+    }
+
+    /// As [`BlockBacking::ensure_backed`], with memory taken only if the pool's admission gives
+    /// it at once: never reclaimed or handed over from another model (growth ahead of need).
+    pub(crate) fn ensure_backed_ahead(
+        &self,
+        blocks: impl IntoIterator<Item = usize>,
+    ) -> Result<BackingChange> {
+        self.core.ensure_backed(blocks, Urgency::LookAhead)
     }
 
     /// Release `blocks`: unmap the pages no other backed block touches. Every block must be
@@ -943,7 +952,11 @@ impl<G: BlockGeometry> Core<G> {
         Ok(())
     }
 
-    fn ensure_backed(&self, blocks: impl IntoIterator<Item = usize>) -> Result<BackingChange> {
+    fn ensure_backed(
+        &self,
+        blocks: impl IntoIterator<Item = usize>,
+        urgency: Urgency,
+    ) -> Result<BackingChange> {
         let blocks = self.checked(blocks)?;
         // The geometry is asked before the lock is taken (it is the caller's code).
         let mut per_block = self.pages_per_block(&blocks)?;
@@ -979,12 +992,32 @@ impl<G: BlockGeometry> Core<G> {
         }
         let mut done: Vec<(u64, u64)> = Vec::new();
         let mut failure = None;
-        for (first, last) in runs(&to_map) {
-            let at = first as u64 * self.page;
-            let len = (last - first + 1) as u64 * self.page;
-            if let Err(e) = self.map_run(at, len) {
+        let runs: Vec<(u64, u64)> = runs(&to_map)
+            .into_iter()
+            .map(|(first, last)| {
+                (
+                    first as u64 * self.page,
+                    (last - first + 1) as u64 * self.page,
+                )
+            })
+            .collect();
+        // Pages of one granule: every run in one batch (one request for memory, all or
+        // nothing); larger pages: run by run, page by page (see `map_run`).
+        let batched = self.page == self.region.granularity() && !runs.is_empty();
+        if batched {
+            if let Err(e) = self.region.map_batch(&runs, urgency) {
                 failure = Some(e);
-                break;
+            }
+        }
+        let mut next = 0;
+        while failure.is_none() && next < runs.len() {
+            let (at, len) = runs[next];
+            next += 1;
+            if !batched {
+                if let Err(e) = self.map_run(at, len) {
+                    failure = Some(e);
+                    break;
+                }
             }
             if let Some(hook) = &self.hook {
                 if let Err(e) = hook.mapped(self.info(), at, len) {
@@ -994,6 +1027,12 @@ impl<G: BlockGeometry> Core<G> {
                 }
             }
             done.push((at, len));
+        }
+        if batched && failure.is_some() && next > 0 {
+            // A hook refused: the runs after it were mapped in the batch but never told.
+            for &(at, len) in &runs[next..] {
+                self.unmap_quietly(at, len, Hooked::NotTold);
+            }
         }
         if let Some(e) = failure {
             for &(at, len) in &done {

@@ -483,6 +483,28 @@ pub enum Error {
         max_blocks: usize,
     },
 
+    /// A [`crate::kv::PagedKv`] has fewer free blocks than asked for; nothing was allocated.
+    #[error("paged KV cache: {requested} blocks asked for, {free} free of {max_blocks}")]
+    KvOutOfBlocks {
+        /// Blocks asked for.
+        requested: usize,
+        /// Blocks free (allocated by nobody) now.
+        free: usize,
+        /// Blocks of the cache.
+        max_blocks: usize,
+    },
+
+    /// A block id given to a [`crate::kv::PagedKv`] is wrong; nothing was changed.
+    #[error("paged KV cache: block {block} (of {max_blocks}): {reason}")]
+    KvBadBlock {
+        /// The block id.
+        block: usize,
+        /// Blocks of the cache (ids are `0..max_blocks`).
+        max_blocks: usize,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
     /// A block of an elastic tensor is still used (by a live view, or an operation queuing a
     /// kernel) and cannot be released; nothing was changed.
     #[error("elastic tensor: block {block} is in use by {users} user(s): {detail}")]

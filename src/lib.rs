@@ -63,6 +63,7 @@ pub mod broker;
 pub mod candle;
 mod error;
 pub mod ipc;
+pub mod kv;
 pub mod layout;
 #[cfg(feature = "nixl")]
 pub mod nixl;

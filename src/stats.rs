@@ -144,6 +144,12 @@ pub struct PoolStats {
     /// [`crate::p2p`]): never reused, still held (and charged) until every such peer forgot
     /// them, released then.
     pub peer_held: u64,
+    /// Bytes of the pool's zero page (one granule once a zero-filled region was made, else 0):
+    /// physical memory, not charged to the pool's limit, not in `mapped`.
+    pub zero_page: u64,
+    /// Bytes of address space mapped read-only to the zero page (unbacked parts of
+    /// zero-filled regions): no memory of their own, not in `mapped`.
+    pub zero_aliased: u64,
 }
 
 impl PoolStats {

@@ -2,11 +2,12 @@
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
 //! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `p2p`,
-//! `tiers`, `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
+//! `tiers`, `kv`, `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
 
 mod broker;
 #[cfg(feature = "candle")]
 mod candle;
+mod kv;
 #[cfg(feature = "nixl")]
 mod nixl_peer;
 mod p2p;
@@ -89,6 +90,7 @@ fn main() -> ExitCode {
         ("broker", broker::run),
         ("p2p", p2p::run),
         ("tiers", tiers::run),
+        ("kv", kv::run),
     ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));

@@ -292,7 +292,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// # Safety
     /// `addr..addr + chunk.size` must lie in a reservation of this backend and be unmapped;
     /// `chunk` must come from this backend (`create` or `import_chunk`), be live, and be mapped
-    /// nowhere else in this process.
+    /// nowhere else in this process, unless every mapping of it is only ever granted
+    /// [`AccessMode::ReadOnly`] (a pool's zero page, aliased under many addresses).
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()>;
 
     /// Grant read-write access to the owning device over a mapped range.

@@ -82,12 +82,14 @@
 
 mod kv;
 mod orphans;
+mod paged;
 mod retire;
 mod slices;
 mod tensor_pool;
 
 pub use kv::{ElasticKv, KvStats};
 pub use orphans::{reap_orphans, reap_orphans_blocking};
+pub use paged::PagedKvTensors;
 pub use tensor_pool::{CollectReport, TensorPool, TensorPoolStats};
 
 use candle_core::{DType, Tensor};

@@ -268,6 +268,7 @@ impl Drop for Inner {
                 .fetch_add(bytes + bytes_of(&cached), Ordering::AcqRel);
             (mapped, cached, kept)
         };
+        self.release_zero();
         let (kept_mapped, kept_unmapped): (Vec<_>, Vec<_>) = kept.into_iter().partition(|k| k.1);
         let mapped = mapped
             .into_iter()

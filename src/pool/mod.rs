@@ -47,6 +47,7 @@ mod sleep;
 mod sources;
 mod state;
 mod tags;
+mod zero;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -64,6 +65,7 @@ pub use sleep::{
 };
 
 pub(crate) use admission::{Acquired, Admission, Fit, PhysicalLimit, Urgency};
+
 pub(crate) use export::RangePin;
 pub(crate) use front::{FrontCache, FrontGate};
 pub(crate) use giveback::TrimScope;
@@ -373,6 +375,15 @@ impl Pool {
             .collect()
     }
 
+    /// Bytes this pool could map now without reclaiming anything from anyone: its cached chunks
+    /// plus what its admission (a physical limit, or a shared pool's model limit and budget)
+    /// would charge at once; `None` where no admission limits it (the device's memory does).
+    pub fn headroom(&self) -> Option<u64> {
+        let inner = self.inner();
+        let room = inner.admission.as_ref()?.room().0;
+        Some(room.saturating_add(inner.state.lock().cache.bytes()))
+    }
+
     /// Give idle mapped memory and every cached chunk back to the driver.
     pub fn trim(&self) -> Result<TrimReport> {
         // Freed blocks front caches keep (routing's, for same-stream reuse) are idle too (waits
@@ -451,6 +462,8 @@ impl Inner {
             host_staging: st.sleep.staging_bytes,
             given_away: bytes_of(&st.given_away),
             peer_held: bytes_of(&st.peer_held),
+            zero_page: st.zero.chunk.map_or(0, |c| c.size as u64),
+            zero_aliased: st.zero.aliased(),
         }
     }
 }

@@ -22,7 +22,7 @@ use crate::tag::Tag;
 /// |----------|----------------|----------------------------|-------------------------------------|
 /// | `tag`    | the allocation | the range                  | every mapping of the region         |
 /// | `name`   | reports, leaks | refused                    | refused (layout allocation: yes)    |
-/// | `zeroed` | zero-filled    | the range zero-filled      | refused (`map_region` layout: yes)  |
+/// | `zeroed` | zero-filled    | the range zero-filled      | region: unmapped parts read as zeros (the zero page); builders: refused (`map_region` layout: yes) |
 /// | `chunk`  | refused        | largest physical chunk     | the region's chunk (backing: page)  |
 ///
 /// An option set where it does not apply is refused with [`Error::OptionNotApplicable`] naming
@@ -56,7 +56,9 @@ impl MemOptions {
         self
     }
 
-    /// Every byte set to zero before the call returns.
+    /// Every byte reads as zero: set to zero before the call returns (allocate, map), or, for a
+    /// region, every unmapped part aliased to the pool's zero page (see
+    /// [`crate::Pool::reserve_region_with`]).
     pub fn zeroed(mut self) -> Self {
         self.zeroed = true;
         self

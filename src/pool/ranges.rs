@@ -20,6 +20,13 @@ pub(crate) enum ChunkFate {
     Release,
 }
 
+/// The zero-page aliases a failed [`Inner::map_batch`] took out: to be mapped again, or still
+/// mapped.
+enum Zeroed<'a> {
+    Remap(&'a [(u64, u64)]),
+    Still(Vec<(u64, u64)>),
+}
+
 /// Which address space a range-API call works in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Space {
@@ -88,89 +95,220 @@ impl Inner {
         space: Space,
         tag: Tag,
     ) -> Result<()> {
-        let end = self.check_range(offset, len)?;
-        let cached = {
+        self.map_batch(&[(offset, len)], max_chunk, space, tag, Urgency::Required)
+    }
+
+    /// Map every `(offset, len)` of `ranges` (disjoint, each unmapped free space of `space`) as
+    /// one operation: one claim, one request for new chunks (one admission, one batch create:
+    /// one message where chunks come from a broker), then one map per chunk and one access
+    /// grant per range. All of them or none: on failure nothing stays mapped. Several ranges
+    /// need `max_chunk` to be the granularity (every chunk then fits any range). `urgency`
+    /// [`Urgency::LookAhead`] takes only memory admitted at once, never another model's.
+    pub(crate) fn map_batch(
+        &self,
+        ranges: &[(u64, u64)],
+        max_chunk: u64,
+        space: Space,
+        tag: Tag,
+        urgency: Urgency,
+    ) -> Result<()> {
+        let mut spans = Vec::with_capacity(ranges.len());
+        for &(offset, len) in ranges {
+            spans.push((offset, self.check_range(offset, len)?));
+        }
+        spans.sort_unstable();
+        if spans.is_empty() {
+            return Ok(());
+        }
+        if spans.len() > 1 && max_chunk != self.gran {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} ranges needs chunks of one granule ({} bytes), not up to {max_chunk}",
+                spans.len(),
+                self.gran
+            )));
+        }
+        for w in spans.windows(2) {
+            if w[0].1 > w[1].0 {
+                return Err(Error::InvalidArgument(format!(
+                    "ranges [{:#x}, {:#x}) and [{:#x}, {:#x}) of one batch overlap",
+                    w[0].0, w[0].1, w[1].0, w[1].1
+                )));
+            }
+        }
+        // Disjoint ranges inside the reservation: the sum cannot overflow.
+        let total: u64 = spans.iter().map(|(s, e)| e - s).sum();
+        let (cached, zeroed) = {
             let mut st = self.state.lock();
             if let Some(reason) = &st.refusing {
                 return Err(self.refusal(reason));
             }
             st.sleep.refuse_unless_awake(&self.name, "map")?;
-            let free = match space {
-                Space::Region => &st.held,
-                Space::Pool => &st.cold,
-            };
-            if let Some((s, e)) = free.first_gap(offset, end) {
-                return Err(match st.ranges.first_overlap(offset, end) {
-                    Some((ms, me)) => Error::RangeAlreadyMapped {
-                        offset,
-                        len,
-                        mapped_offset: ms,
-                        mapped_len: me - ms,
-                    },
-                    None => Error::RangeInUse {
-                        offset,
-                        len,
-                        busy_offset: s,
-                        busy_len: e - s,
-                    },
-                });
+            for &(offset, end) in &spans {
+                let free = match space {
+                    Space::Region => &st.held,
+                    Space::Pool => &st.cold,
+                };
+                if let Some((s, e)) = free.first_gap(offset, end) {
+                    let len = end - offset;
+                    return Err(match st.ranges.first_overlap(offset, end) {
+                        Some((ms, me)) => Error::RangeAlreadyMapped {
+                            offset,
+                            len,
+                            mapped_offset: ms,
+                            mapped_len: me - ms,
+                        },
+                        None => Error::RangeInUse {
+                            offset,
+                            len,
+                            busy_offset: s,
+                            busy_len: e - s,
+                        },
+                    });
+                }
             }
-            match space {
-                Space::Region => st.held.remove(offset, end),
-                Space::Pool => st.cold.remove(offset, end),
+            let mut cached = Vec::with_capacity(spans.len());
+            let mut zeroed = Vec::new();
+            for &(offset, end) in &spans {
+                match space {
+                    Space::Region => st.held.remove(offset, end),
+                    Space::Pool => st.cold.remove(offset, end),
+                }
+                zeroed.extend(st.zero.take(offset, end));
+                let c = st.cache.take_up_to(end - offset, max_chunk as usize);
+                cached.push(self.take_out(c));
             }
-            st.in_transit += len;
+            st.in_transit += total;
             st.growing += 1;
-            let c = st.cache.take_up_to(len, max_chunk as usize);
-            self.take_out(c)
+            (cached, zeroed)
         };
-        let need = len - bytes_of(&cached);
+        let cached_all: Vec<PhysicalChunk> = cached.concat();
+        let need = total - bytes_of(&cached_all);
         let fit = Fit {
             max_chunk,
             room: need,
         };
-        let (mut reusable, created) = match self.obtain(need, Urgency::Required, fit) {
+        let (donated, created) = match self.obtain(need, urgency, fit) {
             Ok(o) => (o.donated, o.created),
             Err(e) => {
-                self.undo_range(offset, end, cached, Vec::new(), &[]);
+                self.undo_batch(&spans, cached_all, Vec::new(), &[], Zeroed::Remap(&zeroed));
                 return Err(e);
             }
         };
-        reusable.splice(0..0, cached);
-        let chunks: Vec<PhysicalChunk> = reusable.iter().chain(&created).copied().collect();
-        let got = bytes_of(&chunks);
-        if got != len {
+        let mut reusable = cached_all;
+        reusable.extend_from_slice(&donated);
+        // Each range: its cached chunks, then fresh ones (donated first) up to its length.
+        let mut fresh = donated.iter().chain(&created).copied();
+        let mut per_range: Vec<Vec<PhysicalChunk>> = Vec::with_capacity(spans.len());
+        let mut misfit = None;
+        for (&(offset, end), mut chunks) in spans.iter().zip(cached) {
+            let mut got = bytes_of(&chunks);
+            while got < end - offset {
+                let Some(c) = fresh.next() else { break };
+                got += c.size as u64;
+                chunks.push(c);
+            }
+            if got != end - offset {
+                misfit.get_or_insert((offset, end - offset, got));
+            }
+            per_range.push(chunks);
+        }
+        if let Some(c) = fresh.next() {
+            misfit.get_or_insert((spans[0].0, total, total + c.size as u64));
+        }
+        if let Some((offset, len, got)) = misfit {
             // Sources must fit the room they were given; never map past the claim.
-            tracing::error!(pool = %self.name, offset, len, got, "chunk sources overshot a range");
-            self.undo_range(offset, end, reusable, created, &[]);
+            tracing::error!(pool = %self.name, offset, len, got, "chunk sources did not fit a range");
+            self.undo_batch(&spans, reusable, created, &[], Zeroed::Remap(&zeroed));
             return Err(Error::InvalidArgument(format!(
                 "chunk sources returned {got} bytes for a range of {len} bytes at {offset:#x}"
             )));
         }
-        // SAFETY: the range is claimed (in transit) and unmapped; the chunks are ours.
-        if let Err(f) = unsafe { self.map_run(offset, &chunks) } {
-            let stuck: Vec<PhysicalChunk> = f.stuck.iter().map(|&(_, c)| c).collect();
-            reusable.retain(|c| !stuck.contains(c));
-            let created = created.into_iter().filter(|c| !stuck.contains(c)).collect();
-            self.undo_range(offset, end, reusable, created, &f.stuck);
+        // SAFETY: the zero-page aliases lie in ranges claimed above (in transit) and nothing
+        // writes through them.
+        if let Err(f) = unsafe { self.unmap_zero(&zeroed) } {
+            self.undo_batch(&spans, reusable, created, &[], Zeroed::Still(f.still));
             return Err(f.error);
         }
-        let mut st = self.state.lock();
-        let mut at = offset;
-        for c in &chunks {
-            st.chunks.insert(at, *c);
-            at += c.size as u64;
+        let mut done: Vec<Placed> = Vec::new();
+        for (&(offset, _), chunks) in spans.iter().zip(&per_range) {
+            // SAFETY: the range is claimed (in transit) and unmapped; the chunks are ours.
+            if let Err(f) = unsafe { self.map_run(offset, chunks) } {
+                // SAFETY: ranges mapped just above that nobody has seen yet.
+                let undone = unsafe { self.unmap_placed(std::mem::take(&mut done)) };
+                let mut stuck = f.stuck;
+                stuck.extend(undone.kept);
+                let is_stuck = |c: &PhysicalChunk| stuck.iter().any(|(_, s)| s == c);
+                reusable.retain(|c| !is_stuck(c));
+                let created = created.into_iter().filter(|c| !is_stuck(c)).collect();
+                self.undo_batch(&spans, reusable, created, &stuck, Zeroed::Remap(&zeroed));
+                return Err(f.error);
+            }
+            let mut at = offset;
+            for &c in chunks {
+                done.push((at, c));
+                at += c.size as u64;
+            }
         }
-        st.mapped += len;
-        self.in_flight.fetch_sub(len, Ordering::AcqRel);
-        st.in_transit -= len;
+        let mut st = self.state.lock();
+        for &(o, c) in &done {
+            st.chunks.insert(o, c);
+        }
+        st.mapped += total;
+        self.in_flight.fetch_sub(total, Ordering::AcqRel);
+        st.in_transit -= total;
         st.growing -= 1;
-        st.ranges.insert(offset, end);
-        st.range_tags.insert(offset, end, tag);
+        for &(offset, end) in &spans {
+            st.ranges.insert(offset, end);
+            st.range_tags.insert(offset, end, tag.clone());
+        }
         st.note_peaks();
         drop(st);
-        tracing::debug!(pool = %self.name, offset, len, chunks = chunks.len(), "range mapped");
+        tracing::debug!(pool = %self.name, ranges = spans.len(), bytes = total, chunks = done.len(), "ranges mapped");
         Ok(())
+    }
+
+    /// Undo a claimed [`Inner::map_batch`]: its ranges go home (except chunks left `stuck`),
+    /// aliased to the zero page again where they were (`zeroed`), and its chunks go back.
+    fn undo_batch(
+        &self,
+        spans: &[(u64, u64)],
+        reusable: Vec<PhysicalChunk>,
+        created: Vec<PhysicalChunk>,
+        stuck: &[Placed],
+        zeroed: Zeroed<'_>,
+    ) {
+        let zeroed = match zeroed {
+            // SAFETY: the ranges are still claimed (in transit) and unmapped but for `stuck`
+            // chunks, which `map_zero_back` skips.
+            Zeroed::Remap(parts) => unsafe { self.map_zero_back(parts, stuck) },
+            Zeroed::Still(parts) => parts,
+        };
+        let mut st = self.state.lock();
+        let total: u64 = spans.iter().map(|(s, e)| e - s).sum();
+        st.in_transit -= total;
+        st.growing -= 1;
+        for &(offset, end) in spans {
+            let mut at = offset;
+            for &(o, c) in stuck.iter().filter(|(o, _)| *o >= offset && *o < end) {
+                if at < o {
+                    st.unmapped_home(at, o).insert(at, o);
+                }
+                at = o + c.size as u64;
+            }
+            if at < end {
+                st.unmapped_home(at, end).insert(at, end);
+            }
+        }
+        for (s, e) in zeroed {
+            st.zero.insert(s, e);
+        }
+        st.put_stuck(stuck);
+        self.in_flight
+            .fetch_sub(bytes_of(stuck.iter().map(|(_, c)| c)), Ordering::AcqRel);
+        drop(st);
+        self.stash(reusable);
+        // Rollback: a chunk that cannot be released stays cached (logged).
+        let _ = self.release_chunks(created);
     }
 
     pub(super) fn undo_range(

@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use super::{ChunkSpan, MemOptions, Pool, Space};
+use super::{ChunkSpan, MemOptions, Pool, Space, Urgency};
 use crate::error::{round_up, Error, Result};
 use crate::tag::Tag;
 
@@ -24,6 +24,8 @@ pub struct Region {
     tag: Tag,
     /// Largest physical chunk [`Region::map`] uses.
     chunk: u64,
+    /// Unbacked granules alias the pool's zero page ([`MemOptions::zeroed`] at reserve).
+    zeroed: bool,
 }
 
 impl Pool {
@@ -37,9 +39,20 @@ impl Pool {
 
     /// As [`Pool::reserve_region`], with [`MemOptions`]: `tag` is what every mapping of the
     /// region carries (default [`Tag::Scratch`]), `chunk` the largest physical chunk
-    /// [`Region::map`] uses (default: the pool's range chunk); `name` and `zeroed` are refused.
+    /// [`Region::map`] uses (default: the pool's range chunk); `name` is refused.
+    ///
+    /// `zeroed`: every granule of the region that is not mapped reads as zeros. It is aliased
+    /// read-only to the pool's zero page (one granule of zeros, made once per pool, shown in
+    /// [`crate::PoolStats::zero_page`]): a read of an unbacked part returns zeros instead of
+    /// faulting, a write faults (host: `SIGSEGV`; CUDA: an illegal-address error that poisons
+    /// the context). [`Region::map`] replaces the aliases under the range it maps;
+    /// [`Region::unmap`] puts them back. Aliases are not memory: they count in
+    /// [`crate::PoolStats::zero_aliased`], never in `mapped`, limits, sleep or trim (a pool
+    /// asleep leaves discarded ranges unmapped, not aliased, until it wakes). Refused, with the
+    /// backend's error, where the backend cannot map memory read-only
+    /// ([`crate::backend::Backend::set_access_mode`]); nothing is left reserved or mapped.
     pub fn reserve_region_with(&self, len: u64, opts: &MemOptions) -> Result<Region> {
-        opts.refuse("Pool::reserve_region_with", &["name", "zeroed"])?;
+        opts.refuse("Pool::reserve_region_with", &["name"])?;
         let chunk = opts
             .chunk_checked(self.granularity())?
             .unwrap_or(self.inner().range_chunk);
@@ -66,6 +79,15 @@ impl Pool {
             len,
             tag: opts.tag_or(Tag::default()),
             chunk,
+            zeroed: false,
+        })
+        .and_then(|mut region| {
+            if opts.zeroed {
+                region.zeroed = true;
+                // On failure the region's drop takes back what was aliased.
+                self.inner().zero_alias(region.offset, region.len)?;
+            }
+            Ok(region)
         })
     }
 }
@@ -123,6 +145,11 @@ impl Region {
         false
     }
 
+    /// Whether unbacked granules alias the zero page ([`MemOptions::zeroed`] at [`Pool::reserve_region_with`]).
+    pub fn is_zeroed(&self) -> bool {
+        self.zeroed
+    }
+
     /// Address of the region's first byte (a device pointer on CUDA).
     pub fn addr(&self) -> u64 {
         self.pool.base() + self.offset
@@ -155,12 +182,32 @@ impl Region {
         inner.map_range(abs, len, self.chunk, Space::Region, self.tag.clone())
     }
 
+    /// Map every `(at, len)` of `ranges` (disjoint, unmapped, granule-aligned, relative to the
+    /// region) in one operation with chunks of one granule: one request for new memory, all or
+    /// nothing. [`Urgency::LookAhead`] takes only memory admitted at once (never reclaimed or
+    /// handed over from another model).
+    pub(crate) fn map_batch(&self, ranges: &[(u64, u64)], urgency: Urgency) -> Result<()> {
+        let inner = self.pool.inner();
+        let mut abs = Vec::with_capacity(ranges.len());
+        for &(at, len) in ranges {
+            abs.push((self.absolute(at, len)?, len));
+        }
+        inner.map_batch(&abs, inner.gran, Space::Region, self.tag.clone(), urgency)
+    }
+
     /// Give back the physical memory under `[at, at + len)`: mapped, made of whole chunks.
     /// Its chunks go to the pool's cache. Refused (`RangeInUse`) while a [`Region::read`] or
     /// [`Region::write`] is copying any byte of it.
     pub fn unmap(&self, at: u64, len: u64) -> Result<()> {
         let abs = self.absolute(at, len)?;
-        self.pool.inner().unmap_range(abs, len, Space::Region)
+        self.pool.inner().unmap_range(abs, len, Space::Region)?;
+        if self.zeroed {
+            if let Err(e) = self.pool.inner().zero_alias(abs, len) {
+                // The memory went back; only the alias is missing (reads of it fault).
+                tracing::error!(pool = %self.pool.name(), offset = abs, len, error = %e, "aliasing an unmapped range to the zero page failed");
+            }
+        }
+        Ok(())
     }
 
     /// Whether all of `[at, at + len)` is mapped.
@@ -292,6 +339,9 @@ impl Drop for Region {
             if let Err(e) = inner.unmap_range(c.offset, c.size, Space::Region) {
                 tracing::error!(pool = %inner.name, error = %e, offset = c.offset, "unmapping a region's chunk at drop failed; it stays mapped until the pool goes");
             }
+        }
+        if self.zeroed {
+            inner.zero_unalias(self.offset, self.len);
         }
         let mut st = inner.state.lock();
         let held: Vec<(u64, u64)> = st

@@ -140,6 +140,8 @@ pub(crate) struct State {
     pub(crate) range_tags: TagMap,
     /// Sleep and wake: the pool's phase, its sleeping chunks and host copies.
     pub(crate) sleep: SleepBook,
+    /// The zero page and which unmapped granules of regions alias it (`zero.rs`).
+    pub(crate) zero: super::zero::ZeroBook,
     /// Holders of freed blocks in front of the pool (`front.rs`).
     pub(crate) fronts: Vec<std::sync::Weak<dyn super::FrontCache>>,
     /// Address ranges set aside as [`crate::Region`]s: the allocator and [`crate::Pool::map`]
@@ -333,6 +335,7 @@ impl State {
                 self.in_transit
             ));
         }
+        self.zero.audit(&self.held)?;
         for (s, e) in self.held.iter() {
             if !self.regions.covers(s, e) {
                 return Err(format!(

@@ -8,6 +8,7 @@ mod suite;
 mod backing;
 mod broker;
 mod gather;
+mod kv;
 mod layout;
 mod p2p;
 mod pool;
@@ -18,6 +19,8 @@ mod tiers;
 
 #[cfg(feature = "candle")]
 mod candle;
+#[cfg(feature = "candle")]
+mod paged_kv;
 #[cfg(feature = "candle")]
 mod route;
 

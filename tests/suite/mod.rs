@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod backing;
+pub mod kv;
 pub mod layout;
 pub mod shared;
 pub mod sleep;
@@ -67,6 +68,29 @@ macro_rules! soundness_suite {
             failed_unmap_restore_never_aliases,
             leaked_memory_stays_counted,
             huge_numbers_are_refused_cleanly,
+        );
+    };
+}
+
+/// Every test of the paged KV cache suite, as `#[test]` functions over `$make()`.
+#[macro_export]
+macro_rules! kv_suite {
+    ($make:expr) => {
+        $crate::suite_tests!(
+            $make;
+            mod kv;
+            kv_alloc_maps_every_tensor,
+            kv_unbacked_blocks_read_zeros,
+            kv_read_only_refusal_leaves_nothing,
+            kv_bad_input_changes_nothing,
+            kv_limits_and_available,
+            kv_warm_blocks_make_no_driver_calls,
+            kv_ahead_takes_only_its_high_watermark,
+            kv_no_startup_race,
+            kv_memory_comes_back_after_a_spike,
+            kv_sleep_discards_kv_keeps_weights,
+            kv_reclaim_callback_frees_blocks,
+            kv_races_alloc_free_trim_sleep,
         );
     };
 }
@@ -459,10 +483,6 @@ pub fn mem_options(backend: Arc<dyn Backend>) {
     );
     refused(p.map_with(0, g, &opt.clone().name("x")), "name");
     refused(
-        p.reserve_region_with(g, &opt.clone().zeroed()).map(drop),
-        "zeroed",
-    );
-    refused(
         p.reserve_region_with(g, &opt.clone().name("r")).map(drop),
         "name",
     );
@@ -541,6 +561,12 @@ pub fn mem_options(backend: Arc<dyn Backend>) {
         .allocate_with(100, &opt.clone().tag(Tag::Weights).name("w").zeroed())
         .expect("allocate");
     assert_eq!((a.tag(), a.name().as_deref()), (Tag::Weights, Some("w")));
+    // `zeroed` on a region is the zero page under its unmapped parts (tests/suite/kv.rs).
+    let mapped = p.stats().mapped;
+    let z = p.reserve_region_with(g, &opt.clone().zeroed()).unwrap();
+    assert_eq!((p.stats().zero_aliased, p.stats().mapped), (g, mapped));
+    drop(z);
+    assert_eq!(p.stats().zero_aliased, 0);
 }
 
 /// The range API: map, unmap, reuse of cached chunks, and every misuse with its numbers.

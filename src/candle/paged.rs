@@ -1,0 +1,316 @@
+//! The candle face of a [`PagedKv`]: per-layer K and V tensors (or one contiguous tensor) over
+//! the cache's region, ordinary candle tensors any kernel can take, including paged-attention
+//! kernels that read blocks through a block table.
+//!
+//! Every page of the tensors is mapped: under allocated blocks with memory of their own, under
+//! the others read-only to the pool's zero page. So a kernel that **reads** any block reads
+//! real data or zeros, never faults. A kernel that **writes** into a block that is not
+//! allocated faults (CUDA: an illegal-address error, which poisons the CUDA context of the
+//! process): write only blocks [`PagedKvTensors::alloc`] gave and [`PagedKvTensors::free`] has
+//! not taken back, as any paged-attention engine does.
+//!
+//! Releasing pages waits for the GPU to finish the work queued before (the device's ordering
+//! stream, see [`crate::candle`]), so a kernel queued on a block before its `free` never sees
+//! its page go. Dropping the cache while tensors of it live keeps the memory mapped until they
+//! are gone ([`crate::candle::reap_orphans`]).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, IndexOp, Shape, Tensor};
+use parking_lot::Mutex;
+
+use super::orphans::{self, Orphan};
+use super::retire::{settle, Batch, Wait};
+use super::slices::{Fence, Fences, SliceFactory, Tracker};
+use super::{candle_error, element_size, TensorPool};
+use crate::error::{Error, Result};
+use crate::kv::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};
+
+/// A paged KV cache as candle tensors; see the module documentation. `Send + Sync`, every
+/// method takes `&self`.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use candle_core::{DType, Device, Tensor};
+/// use elastic_vmm::candle::{PagedKvTensors, TensorPool};
+/// use elastic_vmm::kv::PagedKvConfig;
+/// use elastic_vmm::Pool;
+///
+/// let device = Device::new_cuda(0)?;
+/// let tensors = TensorPool::new(&Pool::cuda(0, 64 << 30)?, &device)?;
+/// // 32 layers, 8 KV heads of 128, 16 tokens per block, 8192 blocks: nothing mapped yet.
+/// let cache = PagedKvTensors::new(&tensors, PagedKvConfig::new(32, 8, 128, 16, 2, 8192), DType::F16)?;
+/// let ids = cache.alloc(4)?; // mapped in all 64 tensors
+/// let table = Tensor::new(&[ids[2] as u32, ids[0] as u32, 7000], &device)?; // 7000: unbacked
+/// let k0 = cache.k(0)?.index_select(&table, 0)?; // [3, 16, 8, 128]; block 7000 reads zeros
+/// cache.free(&ids)?;
+/// # drop(k0); Ok(()) }
+/// ```
+pub struct PagedKvTensors {
+    core: Arc<Core>,
+}
+
+/// Fields drop in order: the tensors, the GPU past its work, then the cache (pages unmapped).
+struct Core {
+    tensors: Mutex<Vec<Tensor>>,
+    trackers: Mutex<Vec<Tracker>>,
+    finish: FinishGpu,
+    kv: PagedKv,
+    slices: Arc<SliceFactory>,
+    fences: Arc<Fences>,
+    device: Device,
+    dtype: DType,
+}
+
+/// Waits, when dropped, for the GPU to finish everything queued on the device's ordering
+/// stream, unless it is known to be past every use already.
+struct FinishGpu {
+    fences: Arc<Fences>,
+    needed: bool,
+}
+
+impl Drop for FinishGpu {
+    fn drop(&mut self) {
+        if self.needed {
+            if let Err(e) = self.fences.synchronize() {
+                tracing::error!(error = %e, "waiting for the GPU before unmapping a paged KV cache failed");
+            }
+        }
+    }
+}
+
+impl fmt::Debug for PagedKvTensors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PagedKvTensors")
+            .field("dtype", &self.core.dtype)
+            .field("kv", &self.core.kv)
+            .finish()
+    }
+}
+
+impl PagedKvTensors {
+    /// A cache shaped by `config` (its `elem_bytes` is set from `dtype`) in `tensors`' pool,
+    /// on its device. Errors as [`PagedKv::new`], and for a dtype candle's CUDA backend does
+    /// not store.
+    pub fn new(
+        tensors: &TensorPool,
+        mut config: PagedKvConfig,
+        dtype: DType,
+    ) -> Result<PagedKvTensors> {
+        config.elem_bytes = element_size(dtype)?;
+        let kv = PagedKv::new(tensors.pool(), config.clone())?;
+        let fences = tensors.fences().clone();
+        let wait = fences.clone();
+        // A release unmaps pages (or aliases them to the zero page) only once the GPU has run
+        // what was queued before it.
+        kv.set_before_release(Box::new(move || wait.synchronize()));
+        let (c, blocks) = (&config, config.max_blocks);
+        let dims: Vec<usize> = match c.layout {
+            KvLayout::PerLayer => vec![blocks, c.block_tokens, c.kv_heads, c.head_dim],
+            KvLayout::Contiguous => {
+                vec![blocks, c.layers, 2, c.block_tokens, c.kv_heads, c.head_dim]
+            }
+        };
+        let mut made = Vec::with_capacity(kv.tensors());
+        let mut trackers = Vec::with_capacity(kv.tensors());
+        for t in 0..kv.tensors() {
+            let addr = kv.tensor_addr(t).ok_or_else(|| {
+                Error::InvalidArgument(format!("paged KV tensor {t} of {}", kv.tensors()))
+            })?;
+            let ctx = tensors.slices().take_context()?;
+            // SAFETY: tensor `t` spans `dims` elements of `dtype` at `addr` in the cache's
+            // region, every page of it mapped (memory, or the zero page read-only) for as long
+            // as the cache lives; the cache lives until this tracker is unique (the drop below
+            // hands it to the orphans otherwise).
+            let (tensor, tracker) = unsafe {
+                tensors
+                    .slices()
+                    .tensor(ctx, addr, Shape::from(dims.clone()), dtype)?
+            };
+            made.push(tensor);
+            trackers.push(tracker);
+        }
+        Ok(PagedKvTensors {
+            core: Arc::new(Core {
+                tensors: Mutex::new(made),
+                trackers: Mutex::new(trackers),
+                finish: FinishGpu {
+                    fences: fences.clone(),
+                    needed: true,
+                },
+                kv,
+                slices: tensors.slices().clone(),
+                fences,
+                device: tensors.device().clone(),
+                dtype,
+            }),
+        })
+    }
+
+    /// The block allocator underneath (ids, stats, trim).
+    pub fn cache(&self) -> &PagedKv {
+        &self.core.kv
+    }
+
+    /// The candle device.
+    pub fn device(&self) -> &Device {
+        &self.core.device
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.core.dtype
+    }
+
+    fn tensor(&self, t: usize) -> Result<Tensor> {
+        self.core
+            .tensors
+            .lock()
+            .get(t)
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("paged KV tensor {t} is gone")))
+    }
+
+    fn layer_of(&self, layer: usize, kv: usize) -> Result<Tensor> {
+        let c = self.core.kv.config();
+        if layer >= c.layers {
+            return Err(Error::InvalidArgument(format!(
+                "paged KV cache: layer {layer} of {}",
+                c.layers
+            )));
+        }
+        match c.layout {
+            KvLayout::PerLayer => self.tensor(2 * layer + kv),
+            KvLayout::Contiguous => self
+                .tensor(0)?
+                .i((.., layer, kv))
+                .map_err(candle_error("paged KV layer view")),
+        }
+    }
+
+    /// Layer `layer`'s K: `[max_blocks, block_tokens, kv_heads, head_dim]` (contiguous for
+    /// [`KvLayout::PerLayer`], a strided view of the one tensor for
+    /// [`KvLayout::Contiguous`]). Reads of any block are defined (zeros where unallocated);
+    /// write only allocated blocks.
+    pub fn k(&self, layer: usize) -> Result<Tensor> {
+        self.layer_of(layer, 0)
+    }
+
+    /// Layer `layer`'s V; as [`PagedKvTensors::k`].
+    pub fn v(&self, layer: usize) -> Result<Tensor> {
+        self.layer_of(layer, 1)
+    }
+
+    /// The one tensor `[max_blocks, layers, 2, block_tokens, kv_heads, head_dim]` of a
+    /// [`KvLayout::Contiguous`] cache; `None` for per-layer tensors.
+    pub fn contiguous(&self) -> Option<Tensor> {
+        (self.core.kv.config().layout == KvLayout::Contiguous)
+            .then(|| self.tensor(0).ok())
+            .flatten()
+    }
+
+    /// [`PagedKv::alloc`].
+    pub fn alloc(&self, n: usize) -> Result<Vec<BlockId>> {
+        self.core.kv.alloc(n)
+    }
+
+    /// [`PagedKv::free`]; pages go back only after the GPU ran what was queued before.
+    pub fn free(&self, ids: &[BlockId]) -> Result<()> {
+        self.core.kv.free(ids)
+    }
+
+    /// [`PagedKv::available`].
+    pub fn available(&self) -> usize {
+        self.core.kv.available()
+    }
+
+    /// [`PagedKv::stats`].
+    pub fn stats(&self) -> PagedKvStats {
+        self.core.kv.stats()
+    }
+
+    /// The watermarks the cache keeps, if any.
+    pub fn watermarks(&self) -> Option<Watermarks> {
+        self.core.kv.config().watermarks
+    }
+
+    /// The cache's config.
+    pub fn config(&self) -> &PagedKvConfig {
+        self.core.kv.config()
+    }
+}
+
+impl Core {
+    /// Drop our own tensors, recycle the contexts of trackers whose tensors are all gone;
+    /// returns how many still have tensors.
+    fn prune(&self) -> usize {
+        self.tensors.lock().clear();
+        let mut trackers = std::mem::take(&mut *self.trackers.lock());
+        let mut live = Vec::new();
+        for mut t in trackers.drain(..) {
+            if t.is_unique() {
+                self.slices.retire(t);
+            } else {
+                live.push(t);
+            }
+        }
+        let n = live.len();
+        *self.trackers.lock() = live;
+        n
+    }
+}
+
+impl Drop for PagedKvTensors {
+    fn drop(&mut self) {
+        let live = self.core.prune();
+        if live > 0 {
+            tracing::warn!(
+                live_tensors = live,
+                "paged KV cache dropped while tensors of it live; its memory stays mapped until they are dropped (see elastic_vmm::candle::reap_orphans)"
+            );
+            orphans::adopt(Box::new(OrphanPaged {
+                core: self.core.clone(),
+                last_use: VecDeque::new(),
+            }));
+        }
+    }
+}
+
+/// A cache dropped while its tensors live: kept whole until they are gone and the GPU passed a
+/// fence recorded after that.
+struct OrphanPaged {
+    core: Arc<Core>,
+    last_use: VecDeque<Batch<(), Fence>>,
+}
+
+impl Orphan for OrphanPaged {
+    fn reap(&mut self, wait: Wait) -> bool {
+        if self.last_use.is_empty() {
+            if self.core.prune() > 0 {
+                return false;
+            }
+            let (batch, err) = Batch::fenced(&*self.core.fences, Vec::new(), 0);
+            if let Some(e) = err {
+                tracing::warn!(error = %e, "fencing an orphaned paged KV cache failed; a later reap retries");
+            }
+            self.last_use.push_back(batch);
+        }
+        let settled = settle(&*self.core.fences, std::mem::take(&mut self.last_use), wait);
+        if let Some(e) = settled.error {
+            tracing::warn!(error = %e, "checking the fence of an orphaned paged KV cache failed");
+        }
+        let Some(done) = settled.passed.into_iter().next() else {
+            self.last_use = settled.waiting;
+            return false;
+        };
+        if let Some(f) = done.fence {
+            self.core.fences.recycle(f);
+        }
+        if let Some(core) = Arc::get_mut(&mut self.core) {
+            core.finish.needed = false;
+        }
+        true
+    }
+}

@@ -1,0 +1,34 @@
+//! A paged KV cache an engine adopts: block ids in, per-layer tensors' memory out, physical
+//! memory only under live blocks.
+//!
+//! [`PagedKv`] reserves, in one region of a [`crate::Pool`] (or a [`crate::ModelHandle`]'s
+//! pool), the address space of a model's whole KV cache for `max_blocks` blocks, laid out as
+//! the engine's kernels want it ([`KvLayout`]): per layer a K and a V tensor
+//! `[blocks, block_tokens, kv_heads, head_dim]` (mistral.rs and candle-vllm), or one
+//! contiguous tensor `[blocks, layers, 2, block_tokens, kv_heads, head_dim]`. Nothing is
+//! mapped until blocks are allocated:
+//! - [`PagedKv::alloc`] hands out block ids and maps the pages under them in every tensor at
+//!   once (one request for memory, one map per page, all or nothing);
+//! - [`PagedKv::free`] takes them back; a page goes back to the pool when no backed block
+//!   touches it; [`PagedKv::available`] says how many blocks can still be had under the
+//!   model's limit without reclaiming anything;
+//! - every unbacked page of the tensors is aliased read-only to the pool's zero page
+//!   ([`crate::MemOptions::zeroed`] at [`crate::Pool::reserve_region_with`]): a kernel reading a block nobody allocated (a
+//!   padded block table) reads zeros; **a write into a block that is not allocated faults**
+//!   (host: `SIGSEGV`; CUDA: an illegal-address error that poisons the context). Backends
+//!   that cannot map read-only are refused when the cache is made;
+//! - with [`Watermarks`], blocks are kept mapped ahead of need (mapped but free, "warm") by a
+//!   background thread, so that `alloc` on the token path makes no driver call in steady
+//!   state; see [`Watermarks`] for the rules (never another model's memory, bounded look-ahead,
+//!   back to the idle floor after a spike);
+//! - the memory is tagged [`crate::Tag::Kv`]: [`crate::Pool::sleep`] with a policy that
+//!   discards KV unmaps it and keeps weights, and wakes it at the same addresses (contents
+//!   gone); `alloc` is refused while the pool sleeps.
+//!
+//! Reclaim: a model's reclaim callback ([`crate::ModelConfig::on_reclaim`]) frees the blocks of
+//! sequences it evicts and calls [`PagedKv::trim`], which gives warm blocks back too.
+
+mod ahead;
+mod paged;
+
+pub use paged::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};

@@ -1,0 +1,795 @@
+//! The block allocator of [`PagedKv`] over a [`BlockBacking`] of its tensors' region.
+//!
+//! Locking: the cache's book (a `parking_lot` mutex) is a leaf: never held across a call into
+//! the backing (which maps and unmaps), the pool, or a drop. Blocks taken out of the book by an
+//! operation belong to it alone until it puts them back, so driver calls happen unlocked.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::backing::{BlockBacking, BlockGeometry};
+use crate::error::{round_up, Error, Result};
+use crate::pool::{MemOptions, Pool, SleepWatcher};
+use crate::tag::Tag;
+
+/// A block of a [`PagedKv`]: an index `0..max_blocks` into the first dimension of its tensors.
+pub type BlockId = usize;
+
+/// How a [`PagedKv`] lays out its tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Per layer a K and a V tensor `[max_blocks, block_tokens, kv_heads, head_dim]`, each
+    /// starting on a page (layer `l`'s K is tensor `2l`, its V `2l + 1`). A block has one span
+    /// in each tensor. The layout of mistral.rs and candle-vllm.
+    PerLayer,
+    /// One tensor `[max_blocks, layers, 2, block_tokens, kv_heads, head_dim]`: a block's K and
+    /// V of every layer are contiguous (one span per block).
+    Contiguous,
+}
+
+/// The mapped-but-free blocks a [`PagedKv`] keeps ahead of need (its background thread).
+///
+/// - When fewer than `low` blocks are warm, the thread maps more, up to `high`, with memory the
+///   pool's admission gives at once only: never reclaimed or handed over from another model
+///   (what is not free now is not taken; the thread tries again later).
+/// - [`PagedKv::free`] keeps freed blocks warm up to `high`, and gives the rest back.
+/// - Once no `alloc` came for `idle_after`, the thread gives warm blocks above `low` back: after
+///   a spike the cache is back at its idle floor (live blocks plus `low` warm ones) within
+///   `idle_after` plus one `tick`.
+/// - The thread starts with the cache and takes at most `high` blocks before any request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Watermarks {
+    /// Warm blocks kept at least (the idle floor above the live blocks).
+    pub low: usize,
+    /// Warm blocks kept at most.
+    pub high: usize,
+    /// How long without an `alloc` before warm blocks above `low` are given back.
+    pub idle_after: Duration,
+    /// How often the thread looks when nothing wakes it.
+    pub tick: Duration,
+}
+
+impl Watermarks {
+    /// `low` and `high` warm blocks, back to `low` after 200 ms without an `alloc`.
+    pub fn new(low: usize, high: usize) -> Self {
+        Watermarks {
+            low,
+            high,
+            idle_after: Duration::from_millis(200),
+            tick: Duration::from_millis(20),
+        }
+    }
+}
+
+/// What a [`PagedKv`] holds: the model's shape, the block size and the layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedKvConfig {
+    /// Transformer layers (each has a K and a V).
+    pub layers: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Tokens per block.
+    pub block_tokens: usize,
+    /// Bytes per element (2 for f16/bf16).
+    pub elem_bytes: usize,
+    /// Blocks of the cache (its largest size).
+    pub max_blocks: usize,
+    /// How the tensors are laid out.
+    pub layout: KvLayout,
+    /// Blocks kept mapped ahead of need, if any.
+    pub watermarks: Option<Watermarks>,
+}
+
+impl PagedKvConfig {
+    /// A per-layer cache ([`KvLayout::PerLayer`]) without look-ahead.
+    pub fn new(
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        block_tokens: usize,
+        elem_bytes: usize,
+        max_blocks: usize,
+    ) -> Self {
+        PagedKvConfig {
+            layers,
+            kv_heads,
+            head_dim,
+            block_tokens,
+            elem_bytes,
+            max_blocks,
+            layout: KvLayout::PerLayer,
+            watermarks: None,
+        }
+    }
+
+    /// With `layout`.
+    pub fn layout(mut self, layout: KvLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// With blocks kept mapped ahead of need.
+    pub fn watermarks(mut self, w: Watermarks) -> Self {
+        self.watermarks = Some(w);
+        self
+    }
+
+    /// Bytes of one block in one K or V tensor of one layer.
+    pub fn block_bytes_per_tensor(&self) -> Result<u64> {
+        let overflow = || Error::SizeOverflow {
+            what: "KV block",
+            detail: format!(
+                "{} tokens x {} heads x {} dims x {} bytes",
+                self.block_tokens, self.kv_heads, self.head_dim, self.elem_bytes
+            ),
+        };
+        [self.kv_heads, self.head_dim, self.elem_bytes]
+            .iter()
+            .try_fold(self.block_tokens as u64, |a, &d| a.checked_mul(d as u64))
+            .ok_or_else(overflow)
+    }
+
+    fn check(&self) -> Result<()> {
+        for (what, v) in [
+            ("layers", self.layers),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("block_tokens", self.block_tokens),
+            ("elem_bytes", self.elem_bytes),
+            ("max_blocks", self.max_blocks),
+        ] {
+            if v == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "paged KV cache: {what} is 0 (layers {}, kv_heads {}, head_dim {}, block_tokens {}, elem_bytes {}, max_blocks {})",
+                    self.layers, self.kv_heads, self.head_dim, self.block_tokens, self.elem_bytes, self.max_blocks
+                )));
+            }
+        }
+        if u32::try_from(self.max_blocks).is_err() {
+            return Err(Error::InvalidArgument(format!(
+                "paged KV cache: {} blocks, at most {}",
+                self.max_blocks,
+                u32::MAX
+            )));
+        }
+        if let Some(w) = self.watermarks {
+            if w.low > w.high || w.high > self.max_blocks || w.tick.is_zero() {
+                return Err(Error::InvalidArgument(format!(
+                    "paged KV cache: watermarks low {} high {} tick {:?} must satisfy low <= high <= max_blocks ({}) and a tick above 0",
+                    w.low, w.high, w.tick, self.max_blocks
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where each block lies: `tensors` tensors of `max_blocks` units of `unit` bytes, each tensor
+/// starting every `stride` bytes (a whole number of pages).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvGeometry {
+    pub(crate) tensors: u64,
+    pub(crate) unit: u64,
+    pub(crate) stride: u64,
+    pub(crate) max_blocks: usize,
+}
+
+impl KvGeometry {
+    fn new(c: &PagedKvConfig, page: u64) -> Result<Self> {
+        let b = c.block_bytes_per_tensor()?;
+        let kv = (c.layers as u64).checked_mul(2);
+        let (tensors, unit) = match c.layout {
+            KvLayout::PerLayer => (kv, Some(b)),
+            KvLayout::Contiguous => (Some(1), kv.and_then(|t| t.checked_mul(b))),
+        };
+        let overflow = || Error::SizeOverflow {
+            what: "paged KV cache",
+            detail: format!(
+                "{} layers x 2 x {} blocks of {b} bytes in pages of {page}",
+                c.layers, c.max_blocks
+            ),
+        };
+        let (tensors, unit) = tensors.zip(unit).ok_or_else(overflow)?;
+        let bytes = unit.checked_mul(c.max_blocks as u64).ok_or_else(overflow)?;
+        let stride = round_up("paged KV tensor", bytes, page)?;
+        stride.checked_mul(tensors).ok_or_else(overflow)?;
+        Ok(KvGeometry {
+            tensors,
+            unit,
+            stride,
+            max_blocks: c.max_blocks,
+        })
+    }
+
+    /// Bytes of the region: every tensor in whole pages.
+    fn region_bytes(&self) -> u64 {
+        self.stride * self.tensors
+    }
+}
+
+impl BlockGeometry for KvGeometry {
+    fn num_blocks(&self) -> usize {
+        self.max_blocks
+    }
+
+    fn extent(&self) -> Result<u64> {
+        Ok(self.region_bytes())
+    }
+
+    fn block_spans(&self, block: usize, out: &mut Vec<(u64, u64)>) {
+        for t in 0..self.tensors {
+            out.push((t * self.stride + block as u64 * self.unit, self.unit));
+        }
+    }
+}
+
+/// A snapshot of a [`PagedKv`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PagedKvStats {
+    /// Blocks of the cache.
+    pub max_blocks: usize,
+    /// Blocks allocated (handed out by `alloc`, not freed).
+    pub live: usize,
+    /// Free blocks kept mapped ahead of need.
+    pub warm: usize,
+    /// Bytes mapped under the tensors now.
+    pub mapped_bytes: u64,
+    /// Bytes the live blocks would need packed on as few pages as possible: the floor the
+    /// mapped bytes are compared with (idle footprint after a spike).
+    pub packed_floor_bytes: u64,
+    /// Blocks mapped ahead by the background thread since the cache was made.
+    pub mapped_ahead: u64,
+    /// Look-ahead attempts the pool refused (no free budget at once); retried later.
+    pub ahead_refused: u64,
+    /// Warm blocks given back after an idle period or a trim.
+    pub warm_returned: u64,
+}
+
+/// The allocator's books, under the cache's mutex (a leaf lock).
+#[derive(Debug)]
+pub(crate) struct Book {
+    live: Vec<bool>,
+    live_count: usize,
+    /// Free and backed.
+    warm: BTreeSet<usize>,
+    /// Free and unbacked, ranked: blocks whose pages another block keeps mapped first (taking
+    /// them costs no memory), then by id.
+    cold: BTreeSet<(u8, usize)>,
+    /// Per group of blocks sharing their first page: blocks backed (live or warm).
+    group_backed: Vec<u32>,
+    pub(crate) asleep: bool,
+    pub(crate) stop: bool,
+    pub(crate) last_alloc: Instant,
+    pub(crate) mapped_ahead: u64,
+    pub(crate) ahead_refused: u64,
+    pub(crate) warm_returned: u64,
+}
+
+/// Shared by the handle and the background thread.
+pub(crate) struct Core {
+    pub(crate) backing: BlockBacking<KvGeometry>,
+    geo: KvGeometry,
+    page: u64,
+    pub(crate) config: PagedKvConfig,
+    pub(crate) book: Mutex<Book>,
+    /// Wakes the background thread (warm below low, stop).
+    pub(crate) wake: Condvar,
+    pool: Pool,
+    watcher: u64,
+    /// Called before pages may be unmapped (set once by a face whose device queues work, e.g.
+    /// the candle one: waits for the GPU to finish what was queued on the blocks).
+    before_release: std::sync::OnceLock<BeforeRelease>,
+}
+
+/// See `Core::before_release`.
+pub(crate) type BeforeRelease = Box<dyn Fn() -> Result<()> + Send + Sync>;
+
+/// A paged KV cache over a pool; see the [module documentation](crate::kv).
+/// `Send + Sync`; every method takes `&self`.
+pub struct PagedKv {
+    core: Arc<Core>,
+    ahead: Option<super::ahead::Ahead>,
+}
+
+impl fmt::Debug for PagedKv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PagedKv")
+            .field("config", &self.core.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Book {
+    pub(crate) fn warm_len(&self) -> usize {
+        self.warm.len()
+    }
+
+    fn rank(&self, geo: &KvGeometry, page: u64, b: usize) -> u8 {
+        u8::from(self.group_backed[group_of(geo, page, b)] == 0)
+    }
+}
+
+fn group_of(geo: &KvGeometry, page: u64, b: usize) -> usize {
+    (b as u64 * geo.unit / page) as usize
+}
+
+impl PagedKv {
+    /// A cache shaped by `config` in a region of `pool` (a [`crate::ModelHandle`] derefs to its
+    /// pool): the address space of every tensor reserved, each unbacked page aliased to the
+    /// zero page, no memory of its own yet. Tagged [`Tag::Kv`]. With watermarks, the
+    /// background thread starts here.
+    ///
+    /// Errors: a zero or overflowing shape, watermarks out of order, a reservation the pool
+    /// cannot hold, a backend that cannot map read-only; nothing is left reserved or mapped.
+    pub fn new(pool: &Pool, config: PagedKvConfig) -> Result<PagedKv> {
+        config.check()?;
+        let page = pool.granularity();
+        let geo = KvGeometry::new(&config, page)?;
+        let region =
+            pool.reserve_region_with(geo.region_bytes(), &MemOptions::new().tag(Tag::Kv).zeroed())?;
+        let backing = BlockBacking::new(region, geo, None)?;
+        let groups = group_of(&geo, page, config.max_blocks - 1) + 1;
+        let book = Book {
+            live: vec![false; config.max_blocks],
+            live_count: 0,
+            warm: BTreeSet::new(),
+            cold: (0..config.max_blocks).map(|b| (1, b)).collect(),
+            group_backed: vec![0; groups],
+            asleep: false,
+            stop: false,
+            last_alloc: Instant::now(),
+            mapped_ahead: 0,
+            ahead_refused: 0,
+            warm_returned: 0,
+        };
+        let inner = pool.inner().clone();
+        let core = Arc::new_cyclic(|weak: &std::sync::Weak<Core>| {
+            let watcher: std::sync::Weak<dyn SleepWatcher> = weak.clone();
+            Core {
+                backing,
+                geo,
+                page,
+                config: config.clone(),
+                book: Mutex::new(book),
+                wake: Condvar::new(),
+                pool: pool.clone(),
+                watcher: inner.add_watcher(watcher),
+                before_release: std::sync::OnceLock::new(),
+            }
+        });
+        let ahead = match config.watermarks {
+            Some(w) => Some(super::ahead::Ahead::start(core.clone(), w)?),
+            None => None,
+        };
+        tracing::debug!(pool = %pool.name(), ?config, bytes = geo.region_bytes(), "paged KV cache reserved");
+        Ok(PagedKv { core, ahead })
+    }
+
+    /// Make `f` run before any page of the cache may be unmapped (a release of blocks), once
+    /// per release; an error keeps the blocks mapped (warm). Set once, by a face that queues
+    /// device work on the blocks, right after `new`; later calls are ignored.
+    #[cfg_attr(not(feature = "candle"), allow(dead_code))]
+    pub(crate) fn set_before_release(&self, f: BeforeRelease) {
+        let _ = self.core.before_release.set(f);
+    }
+
+    /// What the cache was made with.
+    pub fn config(&self) -> &PagedKvConfig {
+        &self.core.config
+    }
+
+    /// Address of the first byte of the tensors' region (tensor 0).
+    pub fn addr(&self) -> u64 {
+        self.core.backing.addr()
+    }
+
+    /// Address of tensor `t` ([`KvLayout::PerLayer`]: layer `t / 2`, K if even, V if odd;
+    /// [`KvLayout::Contiguous`]: `t` is 0). `None` past the last tensor.
+    pub fn tensor_addr(&self, t: usize) -> Option<u64> {
+        (t < self.core.geo.tensors as usize).then(|| self.addr() + t as u64 * self.core.geo.stride)
+    }
+
+    /// Number of tensors: `2 * layers` per layer, 1 contiguous.
+    pub fn tensors(&self) -> usize {
+        self.core.geo.tensors as usize
+    }
+
+    /// Bytes of one block in one tensor (the block's span).
+    pub fn block_span_bytes(&self) -> u64 {
+        self.core.geo.unit
+    }
+
+    /// The pool the cache lives in.
+    pub fn pool(&self) -> &Pool {
+        &self.core.pool
+    }
+
+    /// `n` free blocks, each mapped in every tensor when this returns (one request for the
+    /// memory it needs, under the model's limit; reclaim from others as any required growth).
+    /// Blocks kept warm are taken first, so in steady state no driver call is made. `n == 0`
+    /// gives none. Errors (fewer free blocks than `n`, a refused admission, the pool asleep, a
+    /// driver failure) allocate nothing and leave nothing mapped or charged.
+    pub fn alloc(&self, n: usize) -> Result<Vec<BlockId>> {
+        self.core.alloc(n)
+    }
+
+    /// Give back `ids`, each allocated and named once. Freed blocks stay mapped while warm
+    /// blocks are below the high watermark; the rest are released (a page goes back to the
+    /// pool when no backed block touches it). A bad id (out of range, not allocated, repeated)
+    /// is an error naming it and frees nothing.
+    pub fn free(&self, ids: &[BlockId]) -> Result<()> {
+        self.core.free(ids)
+    }
+
+    /// Blocks that could be allocated now without reclaiming anything: warm ones, free ones
+    /// on pages mapped already, and as many others as the pool's free budget maps (exact when
+    /// a block's span divides the page or is a whole number of pages).
+    pub fn available(&self) -> usize {
+        self.core.available()
+    }
+
+    /// Whether `id` is allocated.
+    pub fn is_live(&self, id: BlockId) -> bool {
+        self.core.book.lock().live.get(id).copied().unwrap_or(false)
+    }
+
+    /// Give every warm block back (pages no live block touches go back to the pool). Returns
+    /// the blocks released. The background thread maps ahead again once the cache is used.
+    pub fn trim(&self) -> usize {
+        self.core.release_warm(0)
+    }
+
+    /// A snapshot.
+    pub fn stats(&self) -> PagedKvStats {
+        self.core.stats()
+    }
+}
+
+impl Drop for PagedKv {
+    fn drop(&mut self) {
+        // The thread first (it holds the core), then the core: its backing unmaps the pages.
+        if let Some(a) = self.ahead.take() {
+            a.stop(&self.core);
+        }
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        self.pool.inner().remove_watcher(self.watcher);
+    }
+}
+
+impl Core {
+    fn asleep_error(&self) -> Error {
+        Error::Asleep {
+            pool: self.pool.name().to_string(),
+            op: "alloc",
+            state: "asleep",
+        }
+    }
+
+    fn alloc(&self, n: usize) -> Result<Vec<BlockId>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let max = self.config.max_blocks;
+        let (ids, to_back, low) = {
+            let mut book = self.book.lock();
+            if book.asleep {
+                return Err(self.asleep_error());
+            }
+            let free = book.warm.len() + book.cold.len();
+            if n > free {
+                return Err(Error::KvOutOfBlocks {
+                    requested: n,
+                    free,
+                    max_blocks: max,
+                });
+            }
+            let mut ids = Vec::with_capacity(n);
+            let mut to_back = Vec::new();
+            // Free blocks on pages mapped already (no memory), then warm, then fresh pages.
+            while ids.len() < n {
+                let first_cold = book.cold.first().copied();
+                let b = match first_cold {
+                    Some((0, b)) => {
+                        book.cold.remove(&(0, b));
+                        to_back.push(b);
+                        b
+                    }
+                    _ => match book.warm.pop_first() {
+                        Some(b) => b,
+                        None => {
+                            // `n <= free` so a cold one is there.
+                            let Some((r, b)) = first_cold else { break };
+                            book.cold.remove(&(r, b));
+                            to_back.push(b);
+                            b
+                        }
+                    },
+                };
+                book.live[b] = true;
+                ids.push(b);
+            }
+            book.live_count += ids.len();
+            book.last_alloc = Instant::now();
+            let low = self
+                .config
+                .watermarks
+                .is_some_and(|w| book.warm.len() < w.low);
+            (ids, to_back, low)
+        };
+        if low {
+            self.wake.notify_all();
+        }
+        if to_back.is_empty() {
+            return Ok(ids);
+        }
+        match self.backing.ensure_backed(to_back.iter().copied()) {
+            Ok(_) => {
+                let mut book = self.book.lock();
+                for &b in &to_back {
+                    self.backed(&mut book, b);
+                }
+                Ok(ids)
+            }
+            Err(e) => {
+                let mut book = self.book.lock();
+                for &b in &ids {
+                    book.live[b] = false;
+                    if to_back.contains(&b) {
+                        let r = book.rank(&self.geo, self.page, b);
+                        book.cold.insert((r, b));
+                    } else {
+                        book.warm.insert(b);
+                    }
+                }
+                book.live_count -= ids.len();
+                Err(e)
+            }
+        }
+    }
+
+    /// `b` became backed: its group's other cold blocks cost nothing now.
+    fn backed(&self, book: &mut Book, b: usize) {
+        let g = group_of(&self.geo, self.page, b);
+        book.group_backed[g] += 1;
+        if book.group_backed[g] == 1 {
+            self.rerank(book, g, 1, 0);
+        }
+    }
+
+    /// `b` was released.
+    fn unbacked(&self, book: &mut Book, b: usize) {
+        let g = group_of(&self.geo, self.page, b);
+        book.group_backed[g] -= 1;
+        if book.group_backed[g] == 0 {
+            self.rerank(book, g, 0, 1);
+        }
+    }
+
+    fn rerank(&self, book: &mut Book, g: usize, from: u8, to: u8) {
+        let (unit, page) = (self.geo.unit, self.page);
+        let first = (g as u64 * page).div_ceil(unit) as usize;
+        let mut b = first;
+        while b < self.config.max_blocks && group_of(&self.geo, page, b) == g {
+            if book.cold.remove(&(from, b)) {
+                book.cold.insert((to, b));
+            }
+            b += 1;
+        }
+    }
+
+    fn free(&self, ids: &[BlockId]) -> Result<()> {
+        let max = self.config.max_blocks;
+        let to_release = {
+            let mut book = self.book.lock();
+            for (i, &b) in ids.iter().enumerate() {
+                let reason = if b >= max {
+                    Some("out of range")
+                } else if book.live[b] {
+                    None
+                } else if ids[..i].contains(&b) {
+                    Some("named twice in one free")
+                } else {
+                    Some("not allocated (freed twice, or never allocated)")
+                };
+                if let Some(reason) = reason {
+                    for &p in &ids[..i] {
+                        book.live[p] = true;
+                    }
+                    return Err(Error::KvBadBlock {
+                        block: b,
+                        max_blocks: max,
+                        reason,
+                    });
+                }
+                // Marked free as we go: a repeat finds itself free (caught above).
+                book.live[b] = false;
+            }
+            let keep = self
+                .config
+                .watermarks
+                .map_or(0, |w| w.high.saturating_sub(book.warm.len()))
+                .min(ids.len());
+            book.live_count -= ids.len();
+            for &b in &ids[..keep] {
+                book.warm.insert(b);
+            }
+            ids[keep..].to_vec()
+        };
+        self.release(&to_release);
+        Ok(())
+    }
+
+    /// Release backed, free blocks taken out of the book (none live or warm): unmapped where
+    /// no other block needs the page, then cold again.
+    pub(crate) fn release(&self, blocks: &[usize]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let ready = match self.before_release.get() {
+            Some(f) => f(),
+            None => Ok(()),
+        };
+        let released = ready.and_then(|()| self.backing.release(blocks.iter().copied()));
+        match released {
+            Ok(_) => {
+                let mut book = self.book.lock();
+                for &b in blocks {
+                    self.unbacked(&mut book, b);
+                    let r = book.rank(&self.geo, self.page, b);
+                    book.cold.insert((r, b));
+                }
+            }
+            Err(e) => {
+                // The device wait failed, or the release did (the cache pins nothing): keep
+                // them warm, still backed.
+                tracing::error!(error = %e, blocks = blocks.len(), "releasing KV blocks failed; they stay mapped as warm blocks");
+                let mut book = self.book.lock();
+                book.warm.extend(blocks.iter().copied());
+            }
+        }
+    }
+
+    /// Release warm blocks above `keep`, highest ids first. Returns the blocks released.
+    pub(crate) fn release_warm(&self, keep: usize) -> usize {
+        let taken: Vec<usize> = {
+            let mut book = self.book.lock();
+            let over = book.warm.len().saturating_sub(keep);
+            let mut t = Vec::with_capacity(over);
+            for _ in 0..over {
+                if let Some(b) = book.warm.pop_last() {
+                    t.push(b);
+                }
+            }
+            book.warm_returned += t.len() as u64;
+            t
+        };
+        self.release(&taken);
+        taken.len()
+    }
+
+    /// Map up to `want` cold blocks ahead of need with memory given at once, one page per
+    /// tensor at a time (so a budget that holds part of `want` is used, and a refusal costs one
+    /// request). Returns the blocks made warm.
+    pub(crate) fn map_ahead(&self, want: usize) -> usize {
+        let per_group = (self.page / self.geo.unit).max(1) as usize;
+        let mut done = 0;
+        while done < want {
+            let n = self.map_ahead_once((want - done).min(per_group));
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        done
+    }
+
+    fn map_ahead_once(&self, want: usize) -> usize {
+        let taken: Vec<usize> = {
+            let mut book = self.book.lock();
+            if book.asleep {
+                return 0;
+            }
+            let mut t = Vec::with_capacity(want);
+            while t.len() < want {
+                let Some((_, b)) = book.cold.pop_first() else {
+                    break;
+                };
+                t.push(b);
+            }
+            t
+        };
+        if taken.is_empty() {
+            return 0;
+        }
+        let ok = self.backing.ensure_backed_ahead(taken.iter().copied());
+        let mut book = self.book.lock();
+        match ok {
+            Ok(_) => {
+                for &b in &taken {
+                    self.backed(&mut book, b);
+                    book.warm.insert(b);
+                }
+                book.mapped_ahead += taken.len() as u64;
+                taken.len()
+            }
+            Err(e) => {
+                tracing::trace!(error = %e, blocks = taken.len(), "KV look-ahead refused");
+                book.ahead_refused += 1;
+                for &b in &taken {
+                    let r = book.rank(&self.geo, self.page, b);
+                    book.cold.insert((r, b));
+                }
+                0
+            }
+        }
+    }
+
+    fn available(&self) -> usize {
+        let (warm, shared, fresh) = {
+            let book = self.book.lock();
+            let shared = book.cold.range((0, 0)..(1, 0)).count();
+            (book.warm.len(), shared, book.cold.len() - shared)
+        };
+        let per_group = (self.page / self.geo.unit).max(1);
+        let group_bytes = self.geo.tensors * self.geo.unit.div_ceil(self.page) * self.page;
+        let fits = match self.pool.headroom() {
+            None => fresh as u64,
+            Some(room) => (room / group_bytes).saturating_mul(per_group),
+        };
+        warm + shared + fits.min(fresh as u64) as usize
+    }
+
+    fn stats(&self) -> PagedKvStats {
+        let (live, warm, ahead, refused, returned) = {
+            let b = self.book.lock();
+            (
+                b.live_count,
+                b.warm.len(),
+                b.mapped_ahead,
+                b.ahead_refused,
+                b.warm_returned,
+            )
+        };
+        let per_group = (self.page / self.geo.unit).max(1);
+        let group_bytes = self.geo.tensors * self.geo.unit.div_ceil(self.page) * self.page;
+        PagedKvStats {
+            max_blocks: self.config.max_blocks,
+            live,
+            warm,
+            mapped_bytes: self.backing.stats().mapped_bytes,
+            packed_floor_bytes: (live as u64).div_ceil(per_group) * group_bytes,
+            mapped_ahead: ahead,
+            ahead_refused: refused,
+            warm_returned: returned,
+        }
+    }
+}
+
+impl SleepWatcher for Core {
+    fn freeze(&self) -> Result<()> {
+        self.book.lock().asleep = true;
+        Ok(())
+    }
+
+    fn thaw(&self) {
+        self.book.lock().asleep = false;
+        self.wake.notify_all();
+    }
+
+    fn unmapping_all(&self) {}
+
+    fn mapped_all(&self) -> Result<()> {
+        Ok(())
+    }
+}

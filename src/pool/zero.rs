@@ -1,0 +1,356 @@
+//! The zero page: one physical granule of zeros per pool, mapped read-only under every unbacked
+//! granule of a zero-filled [`crate::Region`] ([`crate::MemOptions::zeroed`] at [`crate::Pool::reserve_region_with`]).
+//!
+//! A kernel that reads a page nobody backed then reads zeros instead of faulting (and poisoning
+//! a CUDA context); a write through such a page faults (host: `SIGSEGV`; CUDA: an illegal
+//! address error). The aliases are not memory: in the books their ranges stay unmapped (in
+//! `held`), this module keeps which of them are aliased (`ZeroBook`), and sleep, trim, stats
+//! and limits see only real chunks. The chunk itself is created once, on the first zero-filled
+//! region, not charged to the pool's limit (one granule per pool), shown in
+//! [`crate::PoolStats::zero_page`] and released when the pool goes.
+//!
+//! Mapping a range over aliases ([`Inner::map_batch`]) unmaps them first, after its new chunks
+//! are in hand; unmapping a range of a zero-filled region aliases it again.
+
+use super::intervals::Intervals;
+use super::mapper::Placed;
+use super::Inner;
+use crate::backend::{AccessMode, DriverCall, PhysicalChunk};
+use crate::error::{Error, Result};
+
+/// Which unmapped granules are aliased to the zero page, and the chunk.
+#[derive(Debug, Default)]
+pub(crate) struct ZeroBook {
+    /// The pool's zero chunk, once made.
+    pub(crate) chunk: Option<PhysicalChunk>,
+    /// Aliased ranges (a part of `held`).
+    ranges: Intervals,
+}
+
+impl ZeroBook {
+    /// Take the aliased parts of `[start, end)` out of the book.
+    pub(crate) fn take(&mut self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let parts: Vec<(u64, u64)> = self
+            .ranges
+            .iter()
+            .filter(|&(s, e)| s < end && e > start)
+            .map(|(s, e)| (s.max(start), e.min(end)))
+            .collect();
+        for &(s, e) in &parts {
+            self.ranges.remove(s, e);
+        }
+        parts
+    }
+
+    pub(crate) fn insert(&mut self, start: u64, end: u64) {
+        self.ranges.insert(start, end);
+    }
+
+    /// Bytes of address space aliased.
+    pub(crate) fn aliased(&self) -> u64 {
+        self.ranges.total()
+    }
+
+    /// Every aliased range must be unmapped space of a region.
+    pub(crate) fn audit(&self, held: &Intervals) -> Result<(), String> {
+        for (s, e) in self.ranges.iter() {
+            if !held.covers(s, e) {
+                return Err(format!(
+                    "zero-page alias [{s:#x}, {e:#x}) lies outside the regions' unmapped space"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A failed [`Inner::unmap_zero`]: the aliases that are still mapped.
+pub(crate) struct ZeroFailure {
+    pub(crate) error: Error,
+    pub(crate) still: Vec<(u64, u64)>,
+}
+
+impl Inner {
+    /// The pool's zero chunk, made (and filled with zeros) on first use.
+    fn zero_chunk(&self) -> Result<PhysicalChunk> {
+        if let Some(c) = self.state.lock().zero.chunk {
+            return Ok(c);
+        }
+        let made = self.backend.create(self.gran as usize)?;
+        self.drivers.bump(DriverCall::Create);
+        // Fresh memory need not be zero (CUDA): map it read-write once, clear it, unmap.
+        let cleared = self.clear_chunk(made);
+        if let Err((e, free)) = cleared {
+            if free {
+                // SAFETY: made above and mapped nowhere now.
+                if let Err(r) = unsafe { self.call_release(made) } {
+                    tracing::error!(pool = %self.name, error = %r, "releasing a zero page that could not be cleared failed");
+                }
+            }
+            return Err(e);
+        }
+        let mut st = self.state.lock();
+        if let Some(c) = st.zero.chunk {
+            drop(st);
+            // Another thread made one first.
+            // SAFETY: ours, mapped nowhere.
+            if let Err(r) = unsafe { self.call_release(made) } {
+                tracing::error!(pool = %self.name, error = %r, "releasing a spare zero page failed");
+            }
+            return Ok(c);
+        }
+        st.zero.chunk = Some(made);
+        tracing::debug!(pool = %self.name, bytes = self.gran, "zero page made");
+        Ok(made)
+    }
+
+    /// Map `made` (one new granule) read-write at a free place, write zeros, unmap it. On
+    /// failure, whether the chunk is still free to release (false: it stays mapped, stuck).
+    fn clear_chunk(&self, made: PhysicalChunk) -> Result<(), (Error, bool)> {
+        let addr = {
+            let mut st = self.state.lock();
+            let Some((s, _)) = st.cold.iter().find(|(s, e)| e - s >= self.gran) else {
+                let largest_free = st.cold.iter().map(|(s, e)| e - s).max().unwrap_or(0);
+                return Err((
+                    Error::OutOfAddressSpace {
+                        requested: self.gran,
+                        largest_free,
+                        capacity: self.capacity,
+                    },
+                    true,
+                ));
+            };
+            st.cold.remove(s, s + self.gran);
+            st.in_transit += self.gran;
+            s
+        };
+        // SAFETY: `[addr, addr + gran)` was claimed above (unmapped, ours); the chunk is
+        // new and mapped nowhere.
+        let (r, stuck) = match unsafe { self.map_run(addr, &[made]) } {
+            Ok(()) => {
+                let zeros = vec![0u8; self.gran as usize];
+                // SAFETY: mapped with access just above; nobody else knows the range.
+                let w = unsafe { self.backend.copies().write(self.base + addr, &zeros) };
+                // SAFETY: the one chunk mapped above, unused now.
+                let u = unsafe { self.unmap_placed(vec![(addr, made)]) };
+                (w.and(u.error.map_or(Ok(()), Err)), u.kept)
+            }
+            Err(f) => (Err(f.error), f.stuck),
+        };
+        let mut st = self.state.lock();
+        st.in_transit -= self.gran;
+        if stuck.is_empty() {
+            st.cold.insert(addr, addr + self.gran);
+        } else {
+            // Still mapped: kept out of every use, retried by trim and teardown.
+            st.put_stuck(&stuck);
+        }
+        r.map_err(|e| (e, stuck.is_empty()))
+    }
+
+    /// Alias the unmapped, unaliased granules of `[offset, offset + len)` (inside a region) to
+    /// the zero page, read-only. Parts mapped or being mapped meanwhile are skipped. On failure
+    /// what was aliased stays aliased.
+    pub(crate) fn zero_alias(&self, offset: u64, len: u64) -> Result<()> {
+        let chunk = self.zero_chunk()?;
+        let end = offset.saturating_add(len);
+        let parts: Vec<(u64, u64)> = {
+            let mut st = self.state.lock();
+            let aliased: Vec<(u64, u64)> = st.zero.ranges.iter().collect();
+            let mut parts: Vec<(u64, u64)> = st
+                .held
+                .iter()
+                .filter(|&(s, e)| s < end && e > offset)
+                .map(|(s, e)| (s.max(offset), e.min(end)))
+                .collect();
+            for &(s, e) in &aliased {
+                parts = parts
+                    .into_iter()
+                    .flat_map(|(ps, pe)| {
+                        if e <= ps || s >= pe {
+                            vec![(ps, pe)]
+                        } else {
+                            [(ps, s.max(ps)), (e.min(pe), pe)]
+                                .into_iter()
+                                .filter(|(a, b)| a < b)
+                                .collect()
+                        }
+                    })
+                    .collect();
+            }
+            for &(s, e) in &parts {
+                st.held.remove(s, e);
+                st.in_transit += e - s;
+            }
+            parts
+        };
+        let mut done: Vec<(u64, u64)> = Vec::new();
+        let mut failure = None;
+        'parts: for &(s, e) in &parts {
+            let mut at = s;
+            while at < e {
+                // SAFETY: claimed above: unmapped space of a region; the zero chunk is only
+                // ever mapped read-only.
+                if let Err(err) = unsafe { self.map_zero_granule(at, chunk) } {
+                    failure = Some(err);
+                    if at > s {
+                        done.push((s, at));
+                    }
+                    break 'parts;
+                }
+                at += self.gran;
+            }
+            done.push((s, e));
+        }
+        let mut st = self.state.lock();
+        for &(s, e) in &parts {
+            st.in_transit -= e - s;
+            st.held.insert(s, e);
+        }
+        for &(s, e) in &done {
+            st.zero.insert(s, e);
+        }
+        drop(st);
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Map the zero chunk read-only at one granule.
+    ///
+    /// # Safety
+    /// `[offset, offset + gran)` is unmapped space claimed by the caller.
+    unsafe fn map_zero_granule(&self, offset: u64, chunk: PhysicalChunk) -> Result<()> {
+        let addr = self.base + offset;
+        self.drivers.bump(DriverCall::Map);
+        // SAFETY: forwarded; the zero chunk may be mapped at many places, read-only at each.
+        unsafe { self.backend.map(addr, chunk) }?;
+        self.drivers.bump(DriverCall::SetAccess);
+        // SAFETY: the chunk mapped just above.
+        let r = unsafe {
+            self.backend
+                .set_access_mode(addr, chunk.size, AccessMode::ReadOnly)
+        };
+        if let Err(e) = r {
+            self.drivers.bump(DriverCall::Unmap);
+            // SAFETY: mapped just above, never accessible.
+            if let Err(u) = unsafe { self.backend.unmap(addr, chunk.size) } {
+                tracing::error!(pool = %self.name, offset, error = %u, "unmapping a zero page that could not be made read-only failed");
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Unmap the zero aliases over `parts` (taken out of the book by the caller, in a claimed
+    /// range). On failure the ones unmapped are aliased again, and the ranges aliased now are
+    /// returned for the caller to put back in the book.
+    ///
+    /// # Safety
+    /// `parts` are aliases the caller took out of the book, inside ranges it claimed.
+    pub(crate) unsafe fn unmap_zero(&self, parts: &[(u64, u64)]) -> Result<(), ZeroFailure> {
+        let mut gone: Vec<(u64, u64)> = Vec::new();
+        for (i, &(s, e)) in parts.iter().enumerate() {
+            let mut at = s;
+            while at < e {
+                self.drivers.bump(DriverCall::Unmap);
+                // SAFETY: one granule of the zero chunk mapped there, claimed by the caller.
+                let r = unsafe { self.backend.unmap(self.base + at, self.gran as usize) };
+                if let Err(error) = r {
+                    if at > s {
+                        gone.push((s, at));
+                    }
+                    // SAFETY: what was unmapped above is claimed and unmapped.
+                    let mut still = unsafe { self.map_zero_back(&gone, &[]) };
+                    still.push((at, e));
+                    still.extend_from_slice(&parts[i + 1..]);
+                    return Err(ZeroFailure { error, still });
+                }
+                at += self.gran;
+            }
+            gone.push((s, e));
+        }
+        Ok(())
+    }
+
+    /// Alias `parts` to the zero page again, skipping granules under `stuck` chunks; returns
+    /// the ranges aliased (for the book). Failures are logged: the granule stays a hole.
+    ///
+    /// # Safety
+    /// `parts` are unmapped but for `stuck`, inside ranges the caller claimed.
+    pub(crate) unsafe fn map_zero_back(
+        &self,
+        parts: &[(u64, u64)],
+        stuck: &[Placed],
+    ) -> Vec<(u64, u64)> {
+        let Some(chunk) = self.state.lock().zero.chunk else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for &(s, e) in parts {
+            let mut at = s;
+            while at < e {
+                let under_stuck = stuck
+                    .iter()
+                    .any(|&(o, c)| at >= o && at < o + c.size as u64);
+                // SAFETY: forwarded from the caller.
+                if !under_stuck {
+                    match unsafe { self.map_zero_granule(at, chunk) } {
+                        Ok(()) => out.push((at, at + self.gran)),
+                        Err(err) => {
+                            tracing::error!(pool = %self.name, offset = at, error = %err, "aliasing a granule to the zero page again failed; reads of it fault")
+                        }
+                    }
+                }
+                at += self.gran;
+            }
+        }
+        out
+    }
+
+    /// Drop the zero aliases of `[offset, offset + len)` (a region going away): unmapped, out
+    /// of the book. Failures are logged.
+    pub(crate) fn zero_unalias(&self, offset: u64, len: u64) {
+        let parts = {
+            let mut st = self.state.lock();
+            let parts = st.zero.take(offset, offset + len);
+            for &(s, e) in &parts {
+                st.held.remove(s, e);
+                st.in_transit += e - s;
+            }
+            parts
+        };
+        // SAFETY: taken out of the book and claimed above.
+        let still = match unsafe { self.unmap_zero(&parts) } {
+            Ok(()) => Vec::new(),
+            Err(f) => {
+                tracing::error!(pool = %self.name, offset, len, error = %f.error, "unmapping zero-page aliases failed; they stay");
+                f.still
+            }
+        };
+        let mut st = self.state.lock();
+        for &(s, e) in &parts {
+            st.in_transit -= e - s;
+            st.held.insert(s, e);
+        }
+        for (s, e) in still {
+            st.zero.insert(s, e);
+        }
+    }
+
+    /// Release the zero chunk at teardown (nothing aliases it any more).
+    pub(super) fn release_zero(&mut self) {
+        let Some(c) = self.state.get_mut().zero.chunk.take() else {
+            return;
+        };
+        if self.state.get_mut().zero.aliased() > 0 {
+            tracing::error!(pool = %self.name, "zero-page aliases remain at teardown; the zero page is leaked");
+            return;
+        }
+        // SAFETY: no alias is left, the chunk is ours and released once.
+        if let Err(e) = unsafe { self.call_release(c) } {
+            tracing::error!(pool = %self.name, error = %e, "releasing the zero page failed");
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! The paged KV cache's candle tensors on the GPU: reads by block table (`index_select`) over
+//! blocks scattered through the tensors, some never allocated (zeros, no fault, the device
+//! still usable), candle ops over whole tensors, both layouts.
+
+use candle_core::{DType, Device, IndexOp, Tensor};
+use elastic_vmm::candle::{PagedKvTensors, TensorPool};
+use elastic_vmm::kv::{KvLayout, PagedKvConfig};
+use elastic_vmm::Pool;
+
+use crate::suite::{Rng, GIB};
+
+const HEADS: usize = 4;
+const DIM: usize = 64;
+const TOKENS: usize = 16;
+
+fn setup(layout: KvLayout, max_blocks: usize) -> (Device, Pool, TensorPool, PagedKvTensors) {
+    let dev = Device::new_cuda(0).expect("candle CUDA device 0");
+    let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let config = PagedKvConfig::new(2, HEADS, DIM, TOKENS, 4, max_blocks).layout(layout);
+    let cache = PagedKvTensors::new(&tensors, config, DType::F32).expect("paged cache");
+    (dev, pool, tensors, cache)
+}
+
+/// One block's worth of values, distinct per (layer, k/v, block).
+fn block_data(dev: &Device, layer: usize, kv: usize, block: usize) -> Tensor {
+    let base = (layer * 2 + kv) as f32 * 1e6 + block as f32 * 100.0;
+    Tensor::arange(0f32, (TOKENS * HEADS * DIM) as f32, dev)
+        .and_then(|t| t.affine(1e-3, base as f64))
+        .and_then(|t| t.reshape((1, TOKENS, HEADS, DIM)))
+        .expect("block data")
+}
+
+fn gather_reads_live_blocks_and_zeros(layout: KvLayout) {
+    let (dev, pool, _tensors, cache) = setup(layout, 2048);
+    // Scatter: take 600 blocks, give back a random two thirds, keep the rest.
+    let mut rng = Rng::new(11);
+    let all = cache.alloc(600).expect("alloc");
+    let (live, gone): (Vec<usize>, Vec<usize>) = all.into_iter().partition(|_| rng.below(3) == 0);
+    cache.free(&gone).expect("free");
+    for &b in &live {
+        write_block(&cache, &dev, b);
+    }
+    // A block table: live blocks, blocks freed, blocks never allocated, repeated ids.
+    let mut table: Vec<u32> = Vec::new();
+    for i in 0..64 {
+        table.push(live[(i * 7) % live.len()] as u32);
+        table.push(gone[(i * 5) % gone.len()] as u32);
+        table.push((1500 + i * 3) as u32);
+    }
+    let idx = Tensor::new(table.as_slice(), &dev).expect("table");
+    for layer in 0..2 {
+        for kv in 0..2 {
+            let got = gather(&cache, &idx, layer, kv);
+            let want: Vec<Tensor> = table
+                .iter()
+                .map(|&b| {
+                    if live.contains(&(b as usize)) {
+                        block_data(&dev, layer, kv, b as usize)
+                    } else {
+                        Tensor::zeros((1, TOKENS, HEADS, DIM), DType::F32, &dev).expect("zeros")
+                    }
+                })
+                .collect();
+            let want = Tensor::cat(&want, 0).expect("cat");
+            let diff = (got - want)
+                .and_then(|d| d.abs())
+                .and_then(|d| d.max_all())
+                .and_then(|d| d.to_scalar::<f32>())
+                .expect("diff");
+            assert_eq!(diff, 0.0, "layer {layer} kv {kv}: gathered blocks differ");
+        }
+    }
+    // Candle ops over whole tensors read every page (zeros where unbacked).
+    let k0 = cache.k(0).expect("k0").contiguous().expect("k0");
+    let total = k0
+        .sum_all()
+        .and_then(|s| s.to_dtype(DType::F64))
+        .and_then(|s| s.to_scalar::<f64>())
+        .expect("sum");
+    let want: f64 = live
+        .iter()
+        .map(|&b| {
+            block_data(&dev, 0, 0, b)
+                .to_dtype(DType::F64)
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.to_scalar::<f64>())
+                .expect("block sum")
+        })
+        .sum();
+    assert!(
+        ((total - want) / want).abs() < 1e-3,
+        "sum {total} vs {want}"
+    );
+    // The device is still usable, and freeing everything takes the memory back.
+    cache.free(&live).expect("free");
+    let after = cache
+        .k(0)
+        .expect("k0")
+        .sum_all()
+        .and_then(|s| s.to_scalar::<f32>())
+        .expect("sum after free");
+    assert_eq!(after, 0.0, "freed blocks read zeros");
+    drop(k0);
+    drop(cache);
+    Tensor::ones(4, DType::F32, &dev)
+        .and_then(|t| t.sum_all())
+        .and_then(|t| t.to_scalar::<f32>())
+        .expect("device still usable");
+    pool.trim().expect("trim");
+    assert_eq!(pool.stats().mapped, 0, "{:?}", pool.stats());
+}
+
+/// Write block `b` of every tensor with [`block_data`].
+fn write_block(cache: &PagedKvTensors, dev: &Device, b: usize) {
+    match cache.contiguous() {
+        None => {
+            for layer in 0..2 {
+                for kv in 0..2 {
+                    let t = if kv == 0 {
+                        cache.k(layer)
+                    } else {
+                        cache.v(layer)
+                    }
+                    .expect("tensor");
+                    t.slice_set(&block_data(dev, layer, kv, b), 0, b)
+                        .expect("write a live block");
+                }
+            }
+        }
+        Some(whole) => {
+            // [1, layers, 2, tokens, heads, dim]
+            let layers: Vec<Tensor> = (0..2)
+                .map(|layer| {
+                    Tensor::stack(
+                        &[block_data(dev, layer, 0, b), block_data(dev, layer, 1, b)],
+                        1,
+                    )
+                    .expect("k, v")
+                })
+                .collect();
+            let block = Tensor::stack(&layers, 1).expect("layers");
+            whole.slice_set(&block, 0, b).expect("write a live block");
+        }
+    }
+}
+
+/// Blocks `idx` of layer `layer`'s K (`kv` 0) or V (1): `[n, tokens, heads, dim]`.
+fn gather(cache: &PagedKvTensors, idx: &Tensor, layer: usize, kv: usize) -> Tensor {
+    match cache.contiguous() {
+        None => {
+            let t = if kv == 0 {
+                cache.k(layer)
+            } else {
+                cache.v(layer)
+            }
+            .expect("tensor");
+            t.index_select(idx, 0).expect("gather")
+        }
+        Some(whole) => whole
+            .index_select(idx, 0)
+            .and_then(|t| t.i((.., layer, kv)))
+            .and_then(|t| t.contiguous())
+            .expect("gather"),
+    }
+}
+
+#[test]
+fn paged_kv_gather_per_layer() {
+    gather_reads_live_blocks_and_zeros(KvLayout::PerLayer);
+}
+
+#[test]
+fn paged_kv_gather_contiguous() {
+    gather_reads_live_blocks_and_zeros(KvLayout::Contiguous);
+}

@@ -1,0 +1,668 @@
+//! The paged KV cache ([`elastic_vmm::kv::PagedKv`]), generic over the backend (host in CI,
+//! CUDA on the GPU): the allocator, the zero page, limits, look-ahead watermarks, and races with
+//! reclaim and sleep.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, OnceLock};
+use std::time::{Duration, Instant};
+
+use elastic_vmm::backend::testing::{DelayInjector, FaultInjector};
+use elastic_vmm::kv::{KvLayout, PagedKv, PagedKvConfig, Watermarks};
+use elastic_vmm::{
+    AfterWake, Backend, DriverCall, Error, MemOptions, ModelConfig, Pool, PoolConfig, SharedPool,
+    SharedPoolConfig, SleepAction, SleepPolicy, Tag,
+};
+
+use super::Rng;
+
+/// Two heads of 64 elements of 2 bytes: 256 bytes per token.
+const TOKEN_BYTES: u64 = 256;
+
+/// A per-layer config with `per_page` blocks in each page of each tensor.
+fn config(g: u64, per_page: u64, layers: usize, max_blocks: usize) -> PagedKvConfig {
+    PagedKvConfig::new(
+        layers,
+        2,
+        64,
+        (g / per_page / TOKEN_BYTES) as usize,
+        2,
+        max_blocks,
+    )
+}
+
+fn pool(backend: &Arc<dyn Backend>, capacity: u64) -> Pool {
+    Pool::new(
+        backend.clone(),
+        PoolConfig::new(capacity as usize).growth_divisor(0),
+    )
+    .expect("pool")
+}
+
+fn gran(backend: &Arc<dyn Backend>) -> u64 {
+    backend.info().granularity as u64
+}
+
+/// Read `len` bytes at `addr` (mapped, or aliased to the zero page).
+fn read(backend: &Arc<dyn Backend>, addr: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0xEEu8; len];
+    // SAFETY: the tests only read memory of live caches, mapped or zero-aliased.
+    unsafe { backend.copies().read(addr, &mut out) }.expect("read");
+    out
+}
+
+fn write(backend: &Arc<dyn Backend>, addr: u64, data: &[u8]) {
+    // SAFETY: the tests only write blocks they allocated, which nothing else uses.
+    unsafe { backend.copies().write(addr, data) }.expect("write");
+}
+
+/// The pool's books are whole and the backend holds what the pool says (zero page included).
+fn books_hold(backend: &Arc<dyn Backend>, p: &Pool) {
+    p.audit().expect("audit");
+    let s = p.stats();
+    assert_eq!(
+        backend.physical_bytes().expect("physical"),
+        s.mapped + s.cached + s.zero_page,
+        "backend holds what the pool says: {s:?}"
+    );
+}
+
+fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// `alloc` maps the pages under new blocks in every tensor at once, blocks on a page mapped
+/// already cost nothing, `free` unmaps pages no block uses, and nothing is mapped at the start.
+pub fn kv_alloc_maps_every_tensor(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 256 * g);
+    // 2 layers: 4 tensors; 4 blocks per page; 32 blocks: 8 pages per tensor.
+    let kv = PagedKv::new(&p, config(g, 4, 2, 32)).expect("cache");
+    assert_eq!(kv.tensors(), 4);
+    assert_eq!(kv.block_span_bytes(), g / 4);
+    assert_eq!(p.stats().mapped, 0, "nothing mapped before an alloc");
+    assert_eq!(kv.stats().mapped_bytes, 0);
+    let maps = p.stats().driver_calls.get(DriverCall::Map);
+    let a = kv.alloc(1).expect("alloc 1");
+    assert_eq!(a, vec![0]);
+    assert_eq!(p.stats().mapped, 4 * g, "one page in each of the 4 tensors");
+    assert_eq!(
+        p.stats().driver_calls.get(DriverCall::Map) - maps,
+        4,
+        "one map per page"
+    );
+    let b = kv.alloc(3).expect("alloc 3");
+    assert_eq!(b, vec![1, 2, 3], "blocks on the mapped page first");
+    assert_eq!(p.stats().mapped, 4 * g, "they cost no memory");
+    let c = kv.alloc(1).expect("alloc 1 more");
+    assert_eq!(c, vec![4]);
+    assert_eq!(p.stats().mapped, 8 * g);
+    assert_eq!(kv.stats().live, 5);
+    assert!(kv.is_live(4) && !kv.is_live(5));
+    // Data written into a block's span of each tensor stays there.
+    for t in 0..kv.tensors() {
+        let at = kv.tensor_addr(t).expect("tensor") + 4 * kv.block_span_bytes();
+        write(&backend, at, &[t as u8 + 1; 64]);
+    }
+    for t in 0..kv.tensors() {
+        let at = kv.tensor_addr(t).expect("tensor") + 4 * kv.block_span_bytes();
+        assert_eq!(read(&backend, at, 64), vec![t as u8 + 1; 64]);
+    }
+    kv.free(&c).expect("free");
+    assert_eq!(p.stats().mapped, 4 * g, "the page no block uses went back");
+    kv.free(&a).expect("free");
+    assert_eq!(p.stats().mapped, 4 * g, "blocks 1..3 still hold their page");
+    kv.free(&b).expect("free");
+    assert_eq!(p.stats().mapped, 0);
+    assert_eq!(kv.stats().live, 0);
+    books_hold(&backend, &p);
+    drop(kv);
+    assert_eq!(p.stats().reserved_regions, 0, "the region went back");
+    assert_eq!(p.stats().zero_aliased, 0, "no alias is left");
+    books_hold(&backend, &p);
+}
+
+/// Blocks nobody allocated read zeros (one zero page, made once per pool, not memory of its
+/// own), the contiguous layout maps one span per block, and allocated blocks replace the
+/// aliases.
+pub fn kv_unbacked_blocks_read_zeros(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 256 * g);
+    let kv = PagedKv::new(&p, config(g, 2, 2, 16)).expect("cache");
+    let s = p.stats();
+    assert_eq!(s.zero_page, g, "one zero page");
+    assert_eq!(
+        s.zero_aliased,
+        4 * 8 * g,
+        "every page of 4 tensors of 8 pages aliased"
+    );
+    assert_eq!(s.mapped, 0, "aliases are not memory");
+    let ids = kv.alloc(1).expect("alloc");
+    let t1 = kv.tensor_addr(1).expect("tensor 1");
+    write(&backend, t1, &[7u8; 4096]);
+    // Block 5 (page 2) is not allocated: zeros, wherever in the tensors.
+    for t in 0..4 {
+        let at = kv.tensor_addr(t).expect("tensor") + 5 * kv.block_span_bytes();
+        assert!(
+            read(&backend, at, 4096).iter().all(|&b| b == 0),
+            "zeros in tensor {t}"
+        );
+    }
+    assert_eq!(read(&backend, t1, 4096), vec![7u8; 4096]);
+    assert_eq!(
+        p.stats().zero_aliased,
+        4 * 7 * g,
+        "the allocated page left the aliases"
+    );
+    // A second cache on the same pool shares the zero page.
+    let creates = p.stats().driver_calls.get(DriverCall::Create);
+    let other = PagedKv::new(&p, config(g, 2, 1, 4).layout(KvLayout::Contiguous)).expect("cache");
+    assert_eq!(other.tensors(), 1);
+    assert_eq!(
+        other.block_span_bytes(),
+        2 * g / 2,
+        "a block: K and V of its one layer"
+    );
+    assert_eq!(p.stats().zero_page, g, "still one zero page");
+    assert_eq!(
+        p.stats().driver_calls.get(DriverCall::Create),
+        creates,
+        "not made twice"
+    );
+    let o = other.alloc(2).expect("alloc");
+    assert_eq!(
+        p.stats().mapped,
+        4 * g + 2 * g,
+        "each contiguous block is one page here"
+    );
+    other.free(&o).expect("free");
+    kv.free(&ids).expect("free");
+    assert_eq!(p.stats().mapped, 0);
+    assert!(
+        read(&backend, t1, 4096).iter().all(|&b| b == 0),
+        "freed: zeros again"
+    );
+    books_hold(&backend, &p);
+    drop((kv, other));
+    books_hold(&backend, &p);
+    assert_eq!(p.stats().zero_aliased, 0);
+}
+
+/// A backend that cannot map read-only is refused with its reason, and nothing is left.
+pub fn kv_read_only_refusal_leaves_nothing(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = faults.clone();
+    let p = pool(&b, 64 * g);
+    // The zero page's own clearing grants read-write (call 1); every read-only grant fails.
+    faults.fail_from(DriverCall::SetAccess, 2);
+    let e = PagedKv::new(&p, config(g, 2, 1, 8)).expect_err("refused");
+    assert!(e.to_string().contains("FAULT_INJECTED"), "{e}");
+    faults.clear();
+    let s = p.stats();
+    assert_eq!(
+        (s.mapped, s.reserved_regions, s.zero_aliased),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    p.audit().expect("audit");
+}
+
+/// Bad shapes, ids and counts are errors with the numbers, and change nothing.
+pub fn kv_bad_input_changes_nothing(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 64 * g);
+    let zero = PagedKvConfig::new(2, 0, 64, 16, 2, 8);
+    let e = PagedKv::new(&p, zero).expect_err("zero heads");
+    assert!(e.to_string().contains("kv_heads is 0"), "{e}");
+    let huge = PagedKvConfig::new(1 << 20, 1 << 20, 1 << 20, 1 << 20, 8, 1 << 30);
+    let e = PagedKv::new(&p, huge).expect_err("overflow");
+    assert!(matches!(e, Error::SizeOverflow { .. }), "{e}");
+    let big = config(g, 1, 1, 1000);
+    let e = PagedKv::new(&p, big).expect_err("more than the reservation");
+    assert!(matches!(e, Error::OutOfAddressSpace { .. }), "{e}");
+    let w = config(g, 2, 1, 8).watermarks(Watermarks::new(5, 3));
+    let e = PagedKv::new(&p, w).expect_err("low above high");
+    assert!(e.to_string().contains("low 5 high 3"), "{e}");
+    assert_eq!(
+        p.stats().reserved_regions,
+        0,
+        "nothing reserved by refusals"
+    );
+
+    let kv = PagedKv::new(&p, config(g, 2, 1, 8)).expect("cache");
+    let ids = kv.alloc(3).expect("alloc");
+    let before = (p.stats().mapped, kv.stats());
+    let e = kv.alloc(6).expect_err("too many");
+    assert!(
+        matches!(
+            e,
+            Error::KvOutOfBlocks {
+                requested: 6,
+                free: 5,
+                max_blocks: 8
+            }
+        ),
+        "{e}"
+    );
+    let e = kv.free(&[ids[0], 8]).expect_err("out of range");
+    assert!(
+        matches!(
+            e,
+            Error::KvBadBlock {
+                block: 8,
+                max_blocks: 8,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = kv.free(&[ids[1], ids[1]]).expect_err("repeated");
+    assert!(e.to_string().contains("named twice"), "{e}");
+    let e = kv.free(&[5]).expect_err("never allocated");
+    assert!(e.to_string().contains("not allocated"), "{e}");
+    assert_eq!((p.stats().mapped, kv.stats()), before, "nothing changed");
+    assert!(ids.iter().all(|&b| kv.is_live(b)));
+    kv.free(&ids).expect("free");
+    let e = kv.free(&ids[..1]).expect_err("double free");
+    assert!(e.to_string().contains("freed twice"), "{e}");
+    assert_eq!(kv.alloc(0).expect("none"), Vec::<usize>::new());
+    books_hold(&backend, &p);
+}
+
+/// `available` follows the pool's limit; an alloc over it fails and leaves nothing mapped or
+/// charged; within it, it succeeds.
+pub fn kv_limits_and_available(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    // 1 layer (2 tensors), 2 blocks per page: a fresh pair of blocks costs 2 pages. The zero
+    // page is not charged.
+    let p = Pool::new(
+        backend.clone(),
+        PoolConfig::new(64 * g as usize).physical_limit(6 * g),
+    )
+    .expect("pool");
+    let kv = PagedKv::new(&p, config(g, 2, 1, 16)).expect("cache");
+    assert_eq!(kv.available(), 6, "3 page pairs of 2 blocks");
+    let a = kv.alloc(5).expect("alloc 5");
+    assert_eq!(p.stats().mapped, 6 * g);
+    assert_eq!(kv.available(), 1, "the other half of the last page");
+    let before = p.stats();
+    let e = kv.alloc(2).expect_err("over the limit");
+    assert!(e.is_out_of_memory(), "{e}");
+    let after = p.stats();
+    assert_eq!(
+        (after.mapped, after.cached, after.in_flight),
+        (before.mapped, before.cached, 0)
+    );
+    assert_eq!(kv.stats().live, 5, "nothing allocated");
+    let b = kv.alloc(1).expect("the free half");
+    kv.free(&a).expect("free");
+    kv.free(&b).expect("free");
+    books_hold(&backend, &p);
+}
+
+/// With watermarks, steady-state alloc/free of 1, 16 and 64 blocks makes no driver call.
+pub fn kv_warm_blocks_make_no_driver_calls(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 512 * g);
+    let w = Watermarks {
+        low: 64,
+        high: 128,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(5),
+    };
+    let kv = PagedKv::new(&p, config(g, 16, 2, 1024).watermarks(w)).expect("cache");
+    wait_until("warm blocks at low", Duration::from_secs(10), || {
+        kv.stats().warm >= 64
+    });
+    for n in [1usize, 16, 64] {
+        // Settle: the thread refills to high once warm blocks fell below low. From high, an
+        // alloc of up to high - low blocks never takes warm blocks below low, and the free
+        // puts them back: neither the token path nor the thread makes a driver call.
+        let ids = kv.alloc(n).expect("alloc");
+        kv.free(&ids).expect("free");
+        wait_until("refilled", Duration::from_secs(10), || {
+            kv.stats().warm >= 128
+        });
+        let calls = p.stats().driver_calls.total();
+        for _ in 0..200 {
+            let ids = kv.alloc(n).expect("alloc");
+            kv.free(&ids).expect("free");
+        }
+        assert_eq!(
+            p.stats().driver_calls.total(),
+            calls,
+            "alloc/free of {n} blocks at steady state made driver calls"
+        );
+    }
+    drop(kv);
+    books_hold(&backend, &p);
+}
+
+/// kvcached #336: the look-ahead thread takes at most `high` blocks before the first request,
+/// never the free memory at large; and it takes nothing another model holds idle.
+pub fn kv_ahead_takes_only_its_high_watermark(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let shared = SharedPool::new(
+        backend.clone(),
+        SharedPoolConfig::new().global_limit(24 * g),
+    )
+    .expect("shared");
+    let a = shared
+        .register(ModelConfig::new("a", (64 * g) as usize, 24 * g))
+        .expect("a");
+    // Model a holds 12 granules idle (allocated and freed: mapped, not in use).
+    drop(a.allocate((12 * g) as usize).expect("a allocates"));
+    let a_idle = a.stats().mapped;
+    assert!(a_idle >= 12 * g);
+    let b = shared
+        .register(ModelConfig::new("b", (256 * g) as usize, 24 * g))
+        .expect("b");
+    // 1 layer, 1 block per page: each warm block is 2 pages. high 64 would be 128 pages.
+    let w = Watermarks {
+        low: 64,
+        high: 64,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(2),
+    };
+    let kv = PagedKv::new(&b, config(g, 1, 1, 100).watermarks(w)).expect("cache");
+    // Whatever the thread manages, it settles: wait for it to try a few times.
+    wait_until(
+        "look-ahead refused at the budget",
+        Duration::from_secs(10),
+        || kv.stats().ahead_refused >= 3,
+    );
+    let s = kv.stats();
+    assert!(s.warm <= 64, "{s:?}");
+    assert_eq!(
+        a.stats().mapped,
+        a_idle,
+        "model a's idle memory was not taken"
+    );
+    assert!(
+        b.stats().mapped <= 12 * g,
+        "b took only the free budget: {} mapped",
+        b.stats().mapped
+    );
+    // A required alloc may reclaim a's idle memory.
+    // Beyond the warm blocks, 5 fresh ones (10 granules): within b's limit, more than the
+    // budget's free part once b's look-ahead took it.
+    assert_eq!(
+        b.stats().mapped,
+        12 * g,
+        "b's look-ahead took the free budget"
+    );
+    let ids = kv.alloc(s.warm + 5).expect("required growth");
+    assert!(
+        a.stats().mapped < a_idle,
+        "a gave its idle memory for a required alloc"
+    );
+    kv.free(&ids).expect("free");
+    drop(kv);
+    drop((a, b));
+}
+
+/// kvcached #339/#341: no start-up race between the look-ahead thread and the first allocs:
+/// every id handed out once, the books whole, over many rounds with slow driver calls.
+pub fn kv_no_startup_race(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Map, Duration::from_micros(200));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 256 * g);
+    for round in 0..20 {
+        let w = Watermarks {
+            low: 4,
+            high: 8,
+            idle_after: Duration::from_millis(5),
+            tick: Duration::from_millis(1),
+        };
+        let kv = Arc::new(PagedKv::new(&p, config(g, 2, 1, 64).watermarks(w)).expect("cache"));
+        let go = Arc::new(Barrier::new(4));
+        let got: Vec<Vec<usize>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| {
+                    let (kv, go) = (kv.clone(), go.clone());
+                    s.spawn(move || {
+                        go.wait();
+                        let mut mine = Vec::new();
+                        for _ in 0..4 {
+                            mine.extend(kv.alloc(2).expect("alloc"));
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("thread")).collect()
+        });
+        let mut all: Vec<usize> = got.concat();
+        all.sort_unstable();
+        let n = all.len();
+        all.dedup();
+        assert_eq!(all.len(), n, "round {round}: an id was handed out twice");
+        assert_eq!(kv.stats().live, n);
+        kv.free(&all).expect("free");
+        drop(kv);
+        p.audit().expect("audit");
+    }
+    slow.clear();
+    books_hold(&b, &p);
+}
+
+/// PR #319's review: after a spike, the cache is back at its idle floor within a bounded time.
+pub fn kv_memory_comes_back_after_a_spike(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 512 * g);
+    let w = Watermarks {
+        low: 4,
+        high: 32,
+        idle_after: Duration::from_millis(100),
+        tick: Duration::from_millis(5),
+    };
+    // 1 layer, 4 blocks per page: a page pair holds 4 blocks.
+    let kv = PagedKv::new(&p, config(g, 4, 1, 512).watermarks(w)).expect("cache");
+    let mut rng = Rng::new(7);
+    let spike = kv.alloc(400).expect("spike");
+    // Keep a scattered tenth of them live, free the rest.
+    let (keep, gone): (Vec<usize>, Vec<usize>) =
+        spike.into_iter().partition(|_| rng.below(10) == 0);
+    kv.free(&gone).expect("free");
+    let start = Instant::now();
+    // Floor: the live blocks' pages (scattered: at most one page pair each) plus low warm ones.
+    let pair = 2 * g;
+    let bound = (keep.len() as u64 + 4) * pair;
+    wait_until("back at the idle floor", Duration::from_secs(5), || {
+        kv.stats().warm <= 4 && p.stats().mapped <= bound
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        start.elapsed()
+    );
+    let s = kv.stats();
+    assert_eq!(s.live, keep.len());
+    assert!(s.warm_returned > 0, "{s:?}");
+    // New allocs go to the pages live blocks keep mapped first: refill the holes, no growth.
+    let before = p.stats().mapped;
+    let holes = kv.alloc(keep.len()).expect("alloc");
+    assert!(
+        p.stats().mapped <= before,
+        "filled pages already mapped first"
+    );
+    kv.free(&holes).expect("free");
+    kv.free(&keep).expect("free");
+    drop(kv);
+    books_hold(&backend, &p);
+}
+
+/// Sleep discards the KV (its memory goes), keeps weights, refuses allocs while asleep, and
+/// wakes the blocks at the same addresses, usable again.
+pub fn kv_sleep_discards_kv_keeps_weights(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 256 * g);
+    let weights = p
+        .allocate_with((4 * g) as usize, &MemOptions::new().tag(Tag::Weights))
+        .expect("weights");
+    let kv = PagedKv::new(&p, config(g, 2, 1, 16)).expect("cache");
+    let ids = kv.alloc(4).expect("alloc");
+    let addr = kv.tensor_addr(0).expect("tensor");
+    let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
+    p.sleep(&policy).expect("sleep");
+    assert_eq!(p.stats().mapped, 0, "everything asleep");
+    let e = kv.alloc(1).expect_err("asleep");
+    assert!(matches!(e, Error::Asleep { .. }), "{e}");
+    p.wake(AfterWake::FreeHostMemory).expect("wake");
+    assert_eq!(kv.tensor_addr(0), Some(addr), "same addresses");
+    assert_eq!(
+        p.stats().mapped,
+        4 * g + 4 * g,
+        "weights and the 2 page pairs back"
+    );
+    write(&backend, addr, &[9u8; 128]);
+    assert_eq!(read(&backend, addr, 128), vec![9u8; 128]);
+    let more = kv.alloc(2).expect("alloc after wake");
+    kv.free(&more).expect("free");
+    kv.free(&ids).expect("free");
+    drop((kv, weights));
+    books_hold(&backend, &p);
+}
+
+/// The engine side of the reclaim test: its cache and the blocks its sequences hold.
+type Engine = (Arc<PagedKv>, parking_lot::Mutex<Vec<usize>>);
+
+/// A model's reclaim callback frees blocks (and trims warm ones): lowering its limit succeeds
+/// and the memory goes back.
+pub fn kv_reclaim_callback_frees_blocks(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let shared = SharedPool::new(backend.clone(), SharedPoolConfig::new()).expect("shared");
+    let slot: Arc<OnceLock<Engine>> = Arc::new(OnceLock::new());
+    let cb = slot.clone();
+    let asked = Arc::new(AtomicUsize::new(0));
+    let asked2 = asked.clone();
+    let m = shared
+        .register(
+            ModelConfig::new("m", (256 * g) as usize, 64 * g).on_reclaim(move |bytes| {
+                asked2.fetch_add(1, Ordering::SeqCst);
+                if let Some((kv, live)) = cb.get() {
+                    // Evict the newest sequences' blocks: 2 blocks per page pair.
+                    let n = (bytes.div_ceil(2 * g) * 2) as usize;
+                    let mut live = live.lock();
+                    let cut = live.len().saturating_sub(n);
+                    let gone: Vec<usize> = live.drain(cut..).collect();
+                    kv.free(&gone).expect("free in reclaim");
+                    kv.trim();
+                }
+            }),
+        )
+        .expect("model");
+    let w = Watermarks {
+        low: 2,
+        high: 4,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(5),
+    };
+    let kv = Arc::new(PagedKv::new(&m, config(g, 2, 1, 64).watermarks(w)).expect("cache"));
+    let ids = kv.alloc(20).expect("alloc");
+    if slot
+        .set((kv.clone(), parking_lot::Mutex::new(ids)))
+        .is_err()
+    {
+        panic!("the slot is set once");
+    }
+    assert!(m.stats().mapped >= 20 * g);
+    shared.set_limit("m", 10 * g).expect("limit lowered");
+    assert!(asked.load(Ordering::SeqCst) > 0, "the callback was asked");
+    let used = shared
+        .model("m")
+        .expect("m")
+        .model_stats()
+        .expect("stats")
+        .used;
+    assert!(used <= 10 * g, "used {used}");
+    let live = slot.get().expect("slot").1.lock().clone();
+    assert_eq!(kv.stats().live, live.len());
+    kv.free(&live).expect("free");
+}
+
+/// Races: allocs and frees on several threads against reclaim-style trims and sleep/wake of
+/// the pool, with slow maps and unmaps. Every id is live once, and at the end everything goes
+/// back.
+pub fn kv_races_alloc_free_trim_sleep(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Map, Duration::from_micros(100));
+    slow.set_delay(DriverCall::Unmap, Duration::from_micros(100));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 512 * g);
+    let w = Watermarks {
+        low: 4,
+        high: 16,
+        idle_after: Duration::from_millis(10),
+        tick: Duration::from_millis(1),
+    };
+    let kv = Arc::new(PagedKv::new(&p, config(g, 4, 2, 256).watermarks(w)).expect("cache"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let owner: Arc<Vec<AtomicUsize>> = Arc::new((0..256).map(|_| AtomicUsize::new(0)).collect());
+    std::thread::scope(|s| {
+        for t in 1..=3usize {
+            let (kv, stop, owner) = (kv.clone(), stop.clone(), owner.clone());
+            s.spawn(move || {
+                let mut rng = Rng::new(t as u64);
+                let mut mine: Vec<usize> = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    if mine.len() < 40 && rng.below(2) == 0 {
+                        match kv.alloc(1 + rng.below(8) as usize) {
+                            Ok(ids) => {
+                                for &i in &ids {
+                                    let prev = owner[i].swap(t, Ordering::SeqCst);
+                                    assert_eq!(
+                                        prev, 0,
+                                        "block {i} handed to {t} while {prev} has it"
+                                    );
+                                }
+                                mine.extend(ids);
+                            }
+                            Err(Error::Asleep { .. }) | Err(Error::KvOutOfBlocks { .. }) => {}
+                            Err(e) => panic!("alloc: {e}"),
+                        }
+                    } else if !mine.is_empty() {
+                        let n = 1 + rng.below(mine.len() as u64) as usize;
+                        let gone: Vec<usize> = mine.drain(..n).collect();
+                        for &i in &gone {
+                            owner[i].store(0, Ordering::SeqCst);
+                        }
+                        kv.free(&gone).expect("free");
+                    }
+                }
+                for &i in &mine {
+                    owner[i].store(0, Ordering::SeqCst);
+                }
+                kv.free(&mine).expect("free at the end");
+            });
+        }
+        let (kv2, p2, stop2) = (kv.clone(), p.clone(), stop.clone());
+        s.spawn(move || {
+            let policy = SleepPolicy::discard_all();
+            for i in 0..20 {
+                std::thread::sleep(Duration::from_millis(5));
+                if i % 2 == 0 {
+                    kv2.trim();
+                } else if p2.sleep(&policy).is_ok() {
+                    std::thread::sleep(Duration::from_millis(2));
+                    p2.wake(AfterWake::KeepHostMemory).expect("wake");
+                }
+            }
+            stop2.store(true, Ordering::Relaxed);
+        });
+    });
+    assert_eq!(kv.stats().live, 0);
+    kv.trim();
+    drop(kv);
+    slow.clear();
+    p.trim().expect("trim");
+    assert_eq!(p.stats().mapped, 0);
+    books_hold(&b, &p);
+}
