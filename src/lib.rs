@@ -57,6 +57,7 @@
 
 pub mod backend;
 pub mod backing;
+mod budget;
 #[cfg(feature = "broker")]
 pub mod broker;
 #[cfg(feature = "candle")]

@@ -29,7 +29,7 @@ use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials, SocketDir};
-use crate::shared::ledger::Refusal as LedgerRefusal;
+use crate::budget::{self, Ask, Donors, Ledger, Refusal as LedgerRefusal};
 
 /// How a broker is set up.
 #[derive(Debug, Clone)]
@@ -829,7 +829,7 @@ impl Shared {
                 Vec::new(),
             ),
             Request::SetGuarantee { model, guarantee } if control_only(role) => {
-                (self.set_guarantee(&model, guarantee), Vec::new())
+                (self.set_guarantee(conn, &model, guarantee), Vec::new())
             }
             Request::Metrics
             | Request::Trim
@@ -874,10 +874,10 @@ impl Shared {
             );
         }
         let mut granted: Vec<(u64, PhysicalChunk, bool)> = Vec::with_capacity(count as usize);
-        // A look-ahead never waits for other engines: as if their reclaim was asked already.
-        let mut reclaim_asked = look_ahead;
+        // Other engines are asked at most once for the whole batch.
+        let mut reclaim_asked = false;
         while granted.len() < count as usize {
-            match self.grant_one(conn, model, size, &mut reclaim_asked) {
+            match self.grant_one(conn, model, size, look_ahead, &mut reclaim_asked) {
                 Ok(g) => granted.push(g),
                 Err(reply) => {
                     self.undo_grants(conn, model, &granted);
@@ -928,85 +928,61 @@ impl Shared {
     }
 
     /// One chunk of `size` bytes for `model` (see [`Shared::grow`]): its id, the chunk, and
-    /// whether it was handed over. A refusal or an error comes back as the reply to send.
+    /// whether it was handed over. An idle chunk of that size is reused first; otherwise the
+    /// budget engine ([`crate::budget`]) admits it, with the idle list and other engines as
+    /// donors. A refusal or an error comes back as the reply to send.
     fn grant_one(
         &self,
         conn: u64,
         model: u64,
         size: u64,
+        look_ahead: bool,
         reclaim_asked: &mut bool,
     ) -> std::result::Result<(u64, PhysicalChunk, bool), Reply> {
-        loop {
-            enum Next {
-                HandOver(u64, PhysicalChunk),
-                Create,
-                ReleaseIdle(Vec<(u64, PhysicalChunk)>),
-                Reclaim(Vec<(u64, u64, u64, u64)>),
+        {
+            let mut book = self.book.lock();
+            if let Err(e) = book.own_model(conn, model) {
+                return Err(book_error(e));
             }
-            let next = {
+            if let Err(e) = book.check_user_bytes(model, size) {
+                book.counters.refusals += 1;
+                return Err(book_error(e));
+            }
+            // Memory no model holds is reused before anything is created, as a pool reuses
+            // its own cache.
+            if let Some((cid, chunk)) = book.hand_over(model, size) {
+                return Ok((cid, chunk, true));
+            }
+        }
+        let mut remote = Remote {
+            shared: self,
+            conn,
+            size,
+            asked: reclaim_asked,
+            handed: None,
+        };
+        let admitted = budget::admit(&mut remote, model, size, look_ahead);
+        if let Some((cid, chunk)) = remote.handed.take() {
+            return Ok((cid, chunk, true));
+        }
+        match admitted.charged {
+            Ok(_) => match self.backend.create(size as usize) {
+                Ok(chunk) => {
+                    let cid = self.book.lock().add_created(model, chunk);
+                    Ok((cid, chunk, false))
+                }
+                Err(e) => {
+                    self.book.lock().ledger.credit(model, size);
+                    Err(error_reply(ErrorKind::Backend, e.to_string()))
+                }
+            },
+            Err((why, _)) => {
                 let mut book = self.book.lock();
-                if let Err(e) = book.own_model(conn, model) {
-                    return Err(book_error(e));
+                book.counters.refusals += 1;
+                match (why, book.check_user_bytes(model, size)) {
+                    (LedgerRefusal::Policy, Err(e)) => Err(book_error(e)),
+                    _ => Err(Reply::Refused(book.refusal(model, size, why))),
                 }
-                if let Err(e) = book.check_user_bytes(model, size) {
-                    book.counters.refusals += 1;
-                    return Err(book_error(e));
-                }
-                if let Some((cid, chunk)) = book.hand_over(model, size) {
-                    Next::HandOver(cid, chunk)
-                } else {
-                    match book.charge(model, size) {
-                        Ok(()) => Next::Create,
-                        Err(LedgerRefusal::Global { short }) if book.idle_bytes > 0 => {
-                            Next::ReleaseIdle(book.take_idle(short))
-                        }
-                        Err(why @ LedgerRefusal::Global { short }) if !*reclaim_asked => {
-                            let plan = book.reclaim_plan(conn, short);
-                            if plan.is_empty() {
-                                book.counters.refusals += 1;
-                                return Err(Reply::Refused(book.refusal(model, size, why)));
-                            }
-                            let mut pushes = Vec::new();
-                            for (victim, vconn, bytes) in plan {
-                                let ticket = book.next_id();
-                                book.tickets.insert(
-                                    ticket,
-                                    Ticket {
-                                        conn: vconn,
-                                        model: victim,
-                                    },
-                                );
-                                pushes.push((ticket, victim, vconn, bytes));
-                            }
-                            book.counters.reclaim_requests += pushes.len() as u64;
-                            Next::Reclaim(pushes)
-                        }
-                        Err(why) => {
-                            book.counters.refusals += 1;
-                            return Err(Reply::Refused(book.refusal(model, size, why)));
-                        }
-                    }
-                }
-            };
-            match next {
-                Next::ReleaseIdle(idle) => self.release_all(idle, Some(IDLE)),
-                Next::Reclaim(pushes) => {
-                    *reclaim_asked = true;
-                    let tickets: Vec<u64> = pushes.iter().map(|p| p.0).collect();
-                    self.push_reclaims(&pushes);
-                    self.wait_tickets(&tickets, Instant::now() + self.config.reclaim_wait);
-                }
-                Next::Create => match self.backend.create(size as usize) {
-                    Ok(chunk) => {
-                        let cid = self.book.lock().add_created(model, chunk);
-                        return Ok((cid, chunk, false));
-                    }
-                    Err(e) => {
-                        self.book.lock().ledger.credit(model, size);
-                        return Err(error_reply(ErrorKind::Backend, e.to_string()));
-                    }
-                },
-                Next::HandOver(cid, chunk) => return Ok((cid, chunk, true)),
             }
         }
     }
@@ -1161,32 +1137,154 @@ impl Shared {
         }
     }
 
-    fn set_guarantee(&self, name: &str, guarantee: u64) -> Reply {
-        let mut book = self.book.lock();
-        let Some(&key) = book.names.get(name) else {
-            return error_reply(
-                ErrorKind::Unknown,
-                format!("no model {name:?} is registered"),
-            );
+    /// Change a model's guarantee. Lowering takes effect at once; raising needs room in the
+    /// budget, made once by the budget engine's donors (the idle list, then other engines
+    /// asked to give back), else nothing changes and the error says how much room there is.
+    fn set_guarantee(&self, conn: u64, name: &str, guarantee: u64) -> Reply {
+        let mut asked = false;
+        for attempt in 0..2 {
+            let (key, max) = {
+                let mut book = self.book.lock();
+                let Some(&key) = book.names.get(name) else {
+                    return error_reply(
+                        ErrorKind::Unknown,
+                        format!("no model {name:?} is registered"),
+                    );
+                };
+                let Some((limit, used)) = book.ledger.models.get(&key).map(|b| (b.limit, b.used))
+                else {
+                    return error_reply(
+                        ErrorKind::Unknown,
+                        format!("no model {name:?} is registered"),
+                    );
+                };
+                if guarantee > limit {
+                    return error_reply(
+                        ErrorKind::InvalidArgument,
+                        format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
+                    );
+                }
+                if let Err(e) = book.check_guarantee_total(name, Some(key), guarantee) {
+                    return book_error(e);
+                }
+                match book.ledger.try_set_guarantee(key, guarantee) {
+                    Ok(()) => {
+                        tracing::info!(model = %name, guarantee, "guarantee changed");
+                        return Reply::Changed(ChangeOutcome {
+                            model: name.into(),
+                            limit,
+                            guarantee,
+                            used,
+                            reclaimed: 0,
+                        });
+                    }
+                    Err(max) if attempt == 1 => {
+                        return error_reply(
+                            ErrorKind::NotReached,
+                            format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", book.ledger.global_limit),
+                        )
+                    }
+                    Err(max) => (key, max),
+                }
+            };
+            let mut remote = Remote {
+                shared: self,
+                conn,
+                size: 0,
+                asked: &mut asked,
+                handed: None,
+            };
+            budget::make_room(&mut remote, key, guarantee - max);
+        }
+        error_reply(ErrorKind::NotReached, "unreachable: guarantee loop ended")
+    }
+}
+
+/// The broker's transport for the budget engine, for one request of connection `conn`: the idle
+/// list is handed over (a chunk of the size asked) or released, other engines are asked to give
+/// back (at most once per request, waiting up to the reclaim wait).
+struct Remote<'a> {
+    shared: &'a Shared,
+    conn: u64,
+    /// The size of the chunk asked for (0: not a growth).
+    size: u64,
+    /// Whether other engines were asked already for this request.
+    asked: &'a mut bool,
+    /// The idle chunk handed over.
+    handed: Option<(u64, PhysicalChunk)>,
+}
+
+impl Donors for Remote<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.book.lock().ledger)
+    }
+
+    fn charge(&self, asker: u64, bytes: u64) -> std::result::Result<(), LedgerRefusal> {
+        let mut book = self.shared.book.lock();
+        if book.check_user_bytes(asker, bytes).is_err() {
+            return Err(LedgerRefusal::Policy);
+        }
+        book.ledger.try_charge(asker, bytes)
+    }
+
+    fn reachable(&mut self, _asker: u64) -> Vec<(u64, u64)> {
+        self.shared.book.lock().reachable(self.conn)
+    }
+
+    /// Only the idle list's chunks move directly, one of the size asked.
+    fn hand_over(&mut self, asker: u64, from: Ask, want: u64) -> u64 {
+        if from.key != IDLE || self.size == 0 || want < self.size || self.handed.is_some() {
+            return 0;
+        }
+        let got = self.shared.book.lock().hand_over(asker, self.size);
+        let n = got.map_or(0, |_| self.size);
+        self.handed = got;
+        n
+    }
+
+    fn reclaim(&mut self, asks: &[Ask]) -> u64 {
+        let mut got = 0u64;
+        let mut pushes = Vec::new();
+        for a in asks {
+            if a.key == IDLE {
+                let idle = self.shared.book.lock().take_idle(a.bytes);
+                got += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
+                self.shared.release_all(idle, Some(IDLE));
+            } else if !*self.asked {
+                pushes.push(*a);
+            }
+        }
+        if pushes.is_empty() {
+            return got;
+        }
+        *self.asked = true;
+        let pushes: Vec<(u64, u64, u64, u64)> = {
+            let mut book = self.shared.book.lock();
+            let pushes: Vec<_> = pushes
+                .iter()
+                .filter_map(|a| {
+                    let vconn = book.models.get(&a.key)?.conn;
+                    let ticket = book.next_id();
+                    book.tickets.insert(
+                        ticket,
+                        Ticket {
+                            conn: vconn,
+                            model: a.key,
+                        },
+                    );
+                    Some((ticket, a.key, vconn, a.bytes))
+                })
+                .collect();
+            book.counters.reclaim_requests += pushes.len() as u64;
+            pushes
         };
-        let b = &book.ledger.models[&key];
-        let (limit, used) = (b.limit, b.used);
-        if guarantee > limit {
-            return error_reply(
-                ErrorKind::InvalidArgument,
-                format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
-            );
-        }
-        if let Err(e) = book.check_guarantee_total(name, Some(key), guarantee) {
-            return book_error(e);
-        }
-        match book.ledger.try_set_guarantee(key, guarantee) {
-            Ok(()) => Reply::Changed(ChangeOutcome { model: name.into(), limit, guarantee, used, reclaimed: 0 }),
-            Err(max) => error_reply(
-                ErrorKind::NotReached,
-                format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", book.ledger.global_limit),
-            ),
-        }
+        let tickets: Vec<u64> = pushes.iter().map(|p| p.0).collect();
+        self.shared.push_reclaims(&pushes);
+        self.shared
+            .wait_tickets(&tickets, Instant::now() + self.shared.config.reclaim_wait);
+        // What came back is on the idle list (or released) by now; the engine's next round
+        // sees it.
+        got + pushes.iter().map(|p| p.3).sum::<u64>()
     }
 }
 

@@ -1,4 +1,5 @@
-//! The shared pool's book of physical memory: pure arithmetic, no driver, no pool.
+//! The budget's book of physical memory: pure arithmetic, no driver, no pool (the shared pool's
+//! and the broker's alike; the decisions on top are the engine's, [`super`]).
 //!
 //! Every byte a model holds (mapped, cached, or being created) is charged here before the driver
 //! is asked for it, and credited back after the driver has it again. The invariants, checked on
@@ -49,6 +50,8 @@ pub(crate) enum Refusal {
     Global { short: u64 },
     /// The model was unregistered.
     Retired,
+    /// The transport's own policy (the broker's bytes per user); the transport says more.
+    Policy,
 }
 
 /// The book of every model of one shared pool.
@@ -170,15 +173,12 @@ impl Ledger {
         true
     }
 
-    /// Charge `bytes` to `key`, or say why not.
-    pub(crate) fn try_charge(&mut self, key: u64, bytes: u64) -> Result<(), Refusal> {
-        let reserved = self.reserved_for_others(key);
-        let Some(m) = self.models.get(&key) else {
-            return Err(Refusal::Retired);
+    /// Whether `bytes` more could be charged to `key` now, or why not.
+    pub(crate) fn check(&self, key: u64, bytes: u64) -> Result<(), Refusal> {
+        let m = match self.models.get(&key) {
+            Some(m) if !m.retired => m,
+            _ => return Err(Refusal::Retired),
         };
-        if m.retired {
-            return Err(Refusal::Retired);
-        }
         if m.used
             .checked_add(bytes)
             .is_none_or(|n| n > m.limit.min(m.cap))
@@ -188,13 +188,19 @@ impl Ledger {
         let need = self
             .used
             .checked_add(bytes)
-            .and_then(|n| n.checked_add(reserved))
+            .and_then(|n| n.checked_add(self.reserved_for_others(key)))
             .unwrap_or(u64::MAX);
         if need > self.global_limit {
             return Err(Refusal::Global {
                 short: need - self.global_limit,
             });
         }
+        Ok(())
+    }
+
+    /// Charge `bytes` to `key`, or say why not.
+    pub(crate) fn try_charge(&mut self, key: u64, bytes: u64) -> Result<(), Refusal> {
+        self.check(key, bytes)?;
         self.used += bytes;
         self.update(key, |m| {
             m.used += bytes;
@@ -294,6 +300,7 @@ impl Ledger {
                 Refusal::ModelLimit => "the model's limit",
                 Refusal::Global { .. } => "the global budget",
                 Refusal::Retired => "the model is unregistered",
+                Refusal::Policy => "the operator's policy",
             },
             model_used: m.map_or(0, |m| m.used),
             model_limit: m.map_or(0, |m| m.limit.min(m.cap)),
