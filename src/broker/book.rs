@@ -46,9 +46,6 @@ pub(crate) struct ModelEntry {
     pub(crate) conn: u64,
     /// The user of the engine that registered it (`SO_PEERCRED`).
     pub(crate) uid: u32,
-    /// Bumped by every limit change: a change that gives up (a lowering past its deadline)
-    /// restores the cap it replaced only if no later change came.
-    pub(crate) limit_change: u64,
     /// Its connection ended while its process lived (see [`Book::end_conn`]): retired, its name
     /// free, its chunks and charges kept until the process is gone.
     pub(crate) orphaned: bool,
@@ -111,6 +108,31 @@ impl Policy {
             None => 0,
         }
     }
+
+    /// Whether every model's guarantee together stays within the policy's total when the
+    /// guarantee of `model` (a new one when `None`) becomes `guarantee`.
+    pub(crate) fn check_guarantee_total(
+        &self,
+        ledger: &Ledger,
+        name: &str,
+        model: Option<u64>,
+        guarantee: u64,
+    ) -> Result<(), BookError> {
+        let Some(max) = self.max_guarantee_total else {
+            return Ok(());
+        };
+        let others = ledger
+            .models
+            .iter()
+            .filter(|(k, _)| Some(**k) != model)
+            .fold(0u64, |sum, (_, b)| sum.saturating_add(b.guarantee));
+        if others.checked_add(guarantee).is_none_or(|g| g > max) {
+            return Err(BookError::Forbidden(format!(
+                "model {name:?}: guarantee {guarantee} refused: the other models hold guarantees of {others} bytes, {max} allowed in all"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Everything under the broker's lock.
@@ -145,18 +167,7 @@ pub(crate) enum BookError {
 impl Book {
     pub(crate) fn new(global_limit: u64, policy: Policy) -> Book {
         let mut ledger = Ledger::new(global_limit);
-        let idle = ModelBook {
-            id: "(broker idle)".into(),
-            limit: u64::MAX,
-            cap: u64::MAX,
-            guarantee: 0,
-            priority: i32::MIN,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        };
+        let idle = ModelBook::new("(broker idle)".into(), u64::MAX, 0, i32::MIN);
         ledger
             .add(IDLE, idle)
             .expect("a line without guarantee always fits");
@@ -249,22 +260,12 @@ impl Book {
                     "model {name:?}: guarantee {guarantee} refused: the models of user {uid} hold guarantees of {held} bytes, {cap} allowed per user{why}"
                 )));
             }
-            self.check_guarantee_total(name, None, guarantee)?;
+            self.policy
+                .check_guarantee_total(&self.ledger, name, None, guarantee)?;
         }
         let id = self.next_id();
         let name: Arc<str> = name.into();
-        let book = ModelBook {
-            id: name.clone(),
-            limit,
-            cap: limit,
-            guarantee,
-            priority,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        };
+        let book = ModelBook::new(name.clone(), limit, guarantee, priority);
         self.ledger.add(id, book).map_err(|room| {
             BookError::Invalid(format!(
                 "model {name:?}: guarantee {guarantee} does not fit: {room} bytes of the global budget {} are neither used nor promised",
@@ -278,7 +279,6 @@ impl Book {
                 name,
                 conn,
                 uid,
-                limit_change: 0,
                 orphaned: false,
                 chunks: BTreeSet::new(),
                 in_use: 0,
@@ -296,30 +296,6 @@ impl Book {
             .filter(|(_, m)| which(m))
             .filter_map(|(k, _)| self.ledger.models.get(k))
             .fold(0u64, |sum, b| sum.saturating_add(b.guarantee))
-    }
-
-    /// Whether every model's guarantee together stays within the policy's total when the
-    /// guarantee of `model` (a new one when `None`) becomes `guarantee`.
-    pub(crate) fn check_guarantee_total(
-        &self,
-        name: &str,
-        model: Option<u64>,
-        guarantee: u64,
-    ) -> Result<(), BookError> {
-        let others = self.guarantees(|_| true).saturating_sub(
-            model
-                .and_then(|k| self.ledger.models.get(&k))
-                .map_or(0, |b| b.guarantee),
-        );
-        let Some(max) = self.policy.max_guarantee_total else {
-            return Ok(());
-        };
-        if others.checked_add(guarantee).is_none_or(|g| g > max) {
-            return Err(BookError::Forbidden(format!(
-                "model {name:?}: guarantee {guarantee} refused: the other models hold guarantees of {others} bytes, {max} allowed in all"
-            )));
-        }
-        Ok(())
     }
 
     /// Remove a model; returns its chunks, now moving, their charges credited.

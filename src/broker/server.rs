@@ -29,7 +29,8 @@ use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials, SocketDir};
-use crate::budget::{self, Ask, Donors, Ledger, Refusal as LedgerRefusal};
+use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
+use crate::budget::{self, Ask, Donors, GivenBack, Ledger, Refusal as LedgerRefusal};
 
 /// How a broker is set up.
 #[derive(Debug, Clone)]
@@ -877,7 +878,8 @@ impl Shared {
         // Other engines are asked at most once for the whole batch.
         let mut reclaim_asked = false;
         while granted.len() < count as usize {
-            match self.grant_one(conn, model, size, look_ahead, &mut reclaim_asked) {
+            let rest = size.saturating_mul(u64::from(count) - 1 - granted.len() as u64);
+            match self.grant_one(conn, model, size, rest, look_ahead, &mut reclaim_asked) {
                 Ok(g) => granted.push(g),
                 Err(reply) => {
                     self.undo_grants(conn, model, &granted);
@@ -936,6 +938,7 @@ impl Shared {
         conn: u64,
         model: u64,
         size: u64,
+        rest: u64,
         look_ahead: bool,
         reclaim_asked: &mut bool,
     ) -> std::result::Result<(u64, PhysicalChunk, bool), Reply> {
@@ -958,6 +961,7 @@ impl Shared {
             shared: self,
             conn,
             size,
+            rest,
             asked: reclaim_asked,
             handed: None,
         };
@@ -1024,179 +1028,136 @@ impl Shared {
         }
     }
 
-    /// Change a model's limit. Raising (or lowering to no less than its use) is immediate;
-    /// lowering below its use stops growth at the new limit at once (the cap), asks the engine
-    /// to give back, and waits up to `deadline`. A later change of the same model replaces this
-    /// one (it stops waiting and says so); a lowering that times out puts the cap back to the
-    /// standing limit only if no later change came (compare-and-restore), so it never clobbers
-    /// a change made while it waited.
+    /// Change a model's limit ([`crate::budget::change`]'s rules, the shared pool's too).
+    /// Raising (or lowering to no less than its use) is immediate; lowering below its use stops
+    /// growth at the new limit at once (a cap held for this change), asks the engine to give
+    /// back, and waits up to `deadline`. A later change of the same model replaces this one
+    /// (it stops waiting and says so); one that gives up lifts only its own cap.
     fn set_limit(&self, name: &str, limit: u64, deadline: Duration) -> Reply {
-        let (key, conn, old, used, guarantee, change) = {
-            let mut book = self.book.lock();
-            let Some(&key) = book.names.get(name) else {
-                return error_reply(
-                    ErrorKind::Unknown,
-                    format!("no model {name:?} is registered"),
-                );
-            };
-            let Some((old, used, guarantee)) = book
-                .ledger
-                .models
-                .get(&key)
-                .map(|b| (b.limit, b.used, b.guarantee))
-            else {
-                return error_reply(
-                    ErrorKind::Unknown,
-                    format!("no model {name:?} is registered"),
-                );
-            };
-            if limit == 0 || limit < guarantee {
-                return error_reply(
-                    ErrorKind::InvalidArgument,
-                    format!("model {name:?}: limit {limit} must be positive and at least its guarantee {guarantee}"),
-                );
-            }
-            let Some(entry) = book.models.get_mut(&key) else {
-                return error_reply(
-                    ErrorKind::Unknown,
-                    format!("no model {name:?} is registered"),
-                );
-            };
-            entry.limit_change += 1;
-            let (change, conn) = (entry.limit_change, entry.conn);
-            if used <= limit {
-                book.ledger.set_limit(key, limit);
-                tracing::info!(model = %name, old, limit, "limit changed");
-                return Reply::Changed(ChangeOutcome {
+        let Some(key) = self.book.lock().names.get(name).copied() else {
+            return error_reply(
+                ErrorKind::Unknown,
+                format!("no model {name:?} is registered"),
+            );
+        };
+        let mut own = OwnEngine {
+            shared: self,
+            deadline,
+        };
+        match change::set_limit(&mut own, key, limit) {
+            Ok(c) => {
+                let guarantee = self.book.lock().ledger.models.get(&key).map_or(0, |b| b.guarantee);
+                Reply::Changed(ChangeOutcome {
                     model: name.into(),
                     limit,
                     guarantee,
-                    used,
-                    reclaimed: 0,
-                });
+                    used: c.used,
+                    reclaimed: c.before.saturating_sub(c.used),
+                })
             }
-            // Growth stops at the new limit at once; the engine is asked for the rest.
-            book.ledger.set_cap(key, limit);
-            (key, conn, old, used, guarantee, change)
-        };
-        let ticket = {
-            let mut book = self.book.lock();
-            let t = book.next_id();
-            book.tickets.insert(t, Ticket { conn, model: key });
-            book.counters.reclaim_requests += 1;
-            t
-        };
-        self.push_reclaims(&[(ticket, key, conn, used - limit)]);
-        let end = Instant::now() + deadline;
-        let mut book = self.book.lock();
-        loop {
-            let now_used = book.ledger.models.get(&key).map_or(0, |b| b.used);
-            let Some(latest) = book.models.get(&key).map(|m| m.limit_change) else {
-                book.tickets.remove(&ticket);
-                return error_reply(ErrorKind::Unknown, format!("model {name:?} went away"));
-            };
-            if latest != change {
-                book.tickets.remove(&ticket);
-                let now = book.ledger.models.get(&key).map_or(0, |b| b.limit);
-                return error_reply(
-                    ErrorKind::NotReached,
-                    format!("model {name:?}: the change of its limit to {limit} bytes was replaced by a later change while it waited (the limit is {now})"),
-                );
-            }
-            if now_used <= limit {
-                book.tickets.remove(&ticket);
-                book.ledger.set_limit(key, limit);
-                tracing::info!(model = %name, old, limit, reclaimed = used.saturating_sub(now_used), "limit lowered");
-                return Reply::Changed(ChangeOutcome {
-                    model: name.into(),
-                    limit,
-                    guarantee,
-                    used: now_used,
-                    reclaimed: used.saturating_sub(now_used),
-                });
-            }
-            if self.changed.wait_until(&mut book, end).timed_out() {
-                let now_used = book.ledger.models.get(&key).map_or(0, |b| b.used);
-                let latest = book.models.get(&key).map(|m| m.limit_change);
-                if now_used <= limit || latest != Some(change) {
-                    continue;
-                }
-                book.tickets.remove(&ticket);
-                // Still our cap (no later change): back to the standing limit.
-                let standing = book.ledger.models.get(&key).map_or(old, |b| b.limit);
-                book.ledger.set_cap(key, standing);
-                return error_reply(
-                    ErrorKind::NotReached,
-                    format!(
-                        "model {name:?}: cannot set limit to {limit} bytes within {} ms: it still uses {now_used} bytes after giving back {}; the limit stays {standing}",
-                        deadline.as_millis(),
-                        used.saturating_sub(now_used)
-                    ),
-                );
-            }
+            Err(LimitRefused::Unknown) => error_reply(ErrorKind::Unknown, format!("model {name:?} went away")),
+            Err(LimitRefused::Invalid { guarantee }) => error_reply(
+                ErrorKind::InvalidArgument,
+                format!("model {name:?}: limit {limit} must be positive and at least its guarantee {guarantee}"),
+            ),
+            Err(LimitRefused::Replaced { now }) => error_reply(
+                ErrorKind::NotReached,
+                format!("model {name:?}: the change of its limit to {limit} bytes was replaced by a later change while it waited (the limit is {now})"),
+            ),
+            Err(LimitRefused::NotReached { before, used, standing, .. }) => error_reply(
+                ErrorKind::NotReached,
+                format!(
+                    "model {name:?}: cannot set limit to {limit} bytes within {} ms: it still uses {used} bytes after giving back {}; the limit stays {standing}",
+                    deadline.as_millis(),
+                    before.saturating_sub(used)
+                ),
+            ),
         }
     }
 
-    /// Change a model's guarantee. Lowering takes effect at once; raising needs room in the
-    /// budget, made once by the budget engine's donors (the idle list, then other engines
-    /// asked to give back), else nothing changes and the error says how much room there is.
+    /// Change a model's guarantee ([`crate::budget::change`]'s rules): lowering takes effect
+    /// at once; raising needs room in the budget, made once by the budget engine's donors (the
+    /// idle list, then other engines asked to give back), within the policy's total; else
+    /// nothing changes and the error says how much room there is.
     fn set_guarantee(&self, conn: u64, name: &str, guarantee: u64) -> Reply {
+        let Some(key) = self.book.lock().names.get(name).copied() else {
+            return error_reply(
+                ErrorKind::Unknown,
+                format!("no model {name:?} is registered"),
+            );
+        };
+        let policy = self.book.lock().policy.clone();
         let mut asked = false;
-        for attempt in 0..2 {
-            let (key, max) = {
-                let mut book = self.book.lock();
-                let Some(&key) = book.names.get(name) else {
-                    return error_reply(
-                        ErrorKind::Unknown,
-                        format!("no model {name:?} is registered"),
-                    );
-                };
-                let Some((limit, used)) = book.ledger.models.get(&key).map(|b| (b.limit, b.used))
-                else {
-                    return error_reply(
-                        ErrorKind::Unknown,
-                        format!("no model {name:?} is registered"),
-                    );
-                };
-                if guarantee > limit {
-                    return error_reply(
-                        ErrorKind::InvalidArgument,
-                        format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
-                    );
-                }
-                if let Err(e) = book.check_guarantee_total(name, Some(key), guarantee) {
-                    return book_error(e);
-                }
-                match book.ledger.try_set_guarantee(key, guarantee) {
-                    Ok(()) => {
-                        tracing::info!(model = %name, guarantee, "guarantee changed");
-                        return Reply::Changed(ChangeOutcome {
-                            model: name.into(),
-                            limit,
-                            guarantee,
-                            used,
-                            reclaimed: 0,
-                        });
-                    }
-                    Err(max) if attempt == 1 => {
-                        return error_reply(
-                            ErrorKind::NotReached,
-                            format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", book.ledger.global_limit),
-                        )
-                    }
-                    Err(max) => (key, max),
-                }
-            };
-            let mut remote = Remote {
-                shared: self,
-                conn,
-                size: 0,
-                asked: &mut asked,
-                handed: None,
-            };
-            budget::make_room(&mut remote, key, guarantee - max);
+        let mut remote = Remote {
+            shared: self,
+            conn,
+            size: 0,
+            rest: 0,
+            asked: &mut asked,
+            handed: None,
+        };
+        let outcome = change::set_guarantee(&mut remote, key, guarantee, |l| {
+            policy.check_guarantee_total(l, name, Some(key), guarantee)
+        });
+        match outcome {
+            Ok(Ok((used, reclaimed))) => {
+                let limit = self.book.lock().ledger.models.get(&key).map_or(0, |b| b.limit);
+                Reply::Changed(ChangeOutcome { model: name.into(), limit, guarantee, used, reclaimed })
+            }
+            Ok(Err(GuaranteeRefused::Unknown)) => error_reply(ErrorKind::Unknown, format!("no model {name:?} is registered")),
+            Ok(Err(GuaranteeRefused::AboveLimit { limit })) => error_reply(
+                ErrorKind::InvalidArgument,
+                format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
+            ),
+            Ok(Err(GuaranteeRefused::NoRoom { max, .. })) => error_reply(
+                ErrorKind::NotReached,
+                format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", self.config.global_limit),
+            ),
+            Err(e) => book_error(e),
         }
-        error_reply(ErrorKind::NotReached, "unreachable: guarantee loop ended")
+    }
+}
+
+/// An engine asked for its own model's memory (its limit lowered): a reclaim ticket, waited
+/// for until the model is within the new limit, a later change replaced this one, or the
+/// deadline.
+struct OwnEngine<'a> {
+    shared: &'a Shared,
+    deadline: Duration,
+}
+
+impl Lowering for OwnEngine<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.book.lock().ledger)
+    }
+
+    fn ask_own(
+        &mut self,
+        key: u64,
+        bytes: u64,
+        settled: &dyn Fn(&Ledger) -> bool,
+    ) -> (GivenBack, Result<()>) {
+        let end = Instant::now() + self.deadline;
+        let ticket = {
+            let mut book = self.shared.book.lock();
+            let Some(conn) = book.models.get(&key).map(|m| m.conn) else {
+                return (GivenBack::default(), Ok(()));
+            };
+            let t = book.next_id();
+            book.tickets.insert(t, Ticket { conn, model: key });
+            book.counters.reclaim_requests += 1;
+            (t, conn)
+        };
+        self.shared.push_reclaims(&[(ticket.0, key, ticket.1, bytes)]);
+        let mut book = self.shared.book.lock();
+        while !settled(&book.ledger) {
+            if self.shared.changed.wait_until(&mut book, end).timed_out() {
+                break;
+            }
+        }
+        book.tickets.remove(&ticket.0);
+        // What it gave back is booked as it comes (its answer to the ticket).
+        (GivenBack::default(), Ok(()))
     }
 }
 
@@ -1206,8 +1167,9 @@ impl Shared {
 struct Remote<'a> {
     shared: &'a Shared,
     conn: u64,
-    /// The size of the chunk asked for (0: not a growth).
+    /// The size of the chunk asked for (0: not a growth), and the bytes of the batch after it.
     size: u64,
+    rest: u64,
     /// Whether other engines were asked already for this request.
     asked: &'a mut bool,
     /// The idle chunk handed over.
@@ -1231,6 +1193,10 @@ impl Donors for Remote<'_> {
         self.shared.book.lock().reachable(self.conn)
     }
 
+    fn rest(&self) -> u64 {
+        self.rest
+    }
+
     /// Only the idle list's chunks move directly, one of the size asked.
     fn hand_over(&mut self, asker: u64, from: Ask, want: u64) -> u64 {
         if from.key != IDLE || self.size == 0 || want < self.size || self.handed.is_some() {
@@ -1247,7 +1213,10 @@ impl Donors for Remote<'_> {
         let mut pushes = Vec::new();
         for a in asks {
             if a.key == IDLE {
-                let idle = self.shared.book.lock().take_idle(a.bytes);
+                // Only what this chunk lacks: the rest of a batch may still be handed idle
+                // chunks over.
+                let want = a.bytes.saturating_sub(self.rest).max(1);
+                let idle = self.shared.book.lock().take_idle(want);
                 got += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
                 self.shared.release_all(idle, Some(IDLE));
             } else if !*self.asked {

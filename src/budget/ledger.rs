@@ -29,9 +29,29 @@ pub(crate) struct ModelBook {
     pub(crate) reclaimed: u64,
     /// Unregistered: no new memory; its guarantee no longer reserved.
     pub(crate) retired: bool,
+    /// Bumped by every limit change: a change still under way when a later one begins is
+    /// replaced by it (see [`super::change`]).
+    pub(crate) changes: u64,
 }
 
 impl ModelBook {
+    /// A fresh line, nothing used.
+    pub(crate) fn new(id: Arc<str>, limit: u64, guarantee: u64, priority: i32) -> ModelBook {
+        ModelBook {
+            id,
+            limit,
+            cap: limit,
+            guarantee,
+            priority,
+            used: 0,
+            peak: 0,
+            refusals: 0,
+            reclaimed: 0,
+            retired: false,
+            changes: 0,
+        }
+    }
+
     fn unused_guarantee(&self) -> u64 {
         if self.retired {
             0
@@ -225,11 +245,15 @@ impl Ledger {
         self.update(key, |m| m.reclaimed += bytes);
     }
 
-    /// The broker's limit changes set a model's cap directly (the shared pool holds caps per
-    /// change: [`Ledger::hold_cap`]).
-    #[cfg(any(feature = "broker", test))]
-    pub(crate) fn set_cap(&mut self, key: u64, cap: u64) {
-        self.update(key, |m| m.cap = cap);
+    /// A limit change of `key` begins: the ones still under way are replaced. Returns its
+    /// number.
+    pub(crate) fn begin_change(&mut self, key: u64) -> u64 {
+        let mut n = 0;
+        self.update(key, |m| {
+            m.changes += 1;
+            n = m.changes;
+        });
+        n
     }
 
     /// Set a model's limit; its cap becomes the limit, or the lowest cap still held.
@@ -349,18 +373,7 @@ mod tests {
     use super::*;
 
     fn book(id: &str, limit: u64, guarantee: u64) -> ModelBook {
-        ModelBook {
-            id: id.into(),
-            limit,
-            cap: limit,
-            guarantee,
-            priority: 0,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        }
+        ModelBook::new(id.into(), limit, guarantee, 0)
     }
 
     #[test]
@@ -387,8 +400,9 @@ mod tests {
         l.add(1, book("a", 100, 0)).unwrap();
         assert_eq!(l.try_charge(1, 101), Err(Refusal::ModelLimit));
         l.try_charge(1, 60).unwrap();
-        l.set_cap(1, 50);
+        let held = l.hold_cap(1, 50);
         assert_eq!(l.try_charge(1, 1), Err(Refusal::ModelLimit));
+        l.release_cap(1, held);
         l.credit(1, 20);
         l.set_limit(1, 50);
         l.try_charge(1, 10).unwrap();

@@ -52,6 +52,7 @@
 //! [`Donors::hand_over`], [`Donors::reclaim`]) is called with no lock held, and may make driver
 //! calls, run callbacks or wait.
 
+pub(crate) mod change;
 pub(crate) mod ledger;
 
 use std::sync::Arc;
@@ -92,6 +93,13 @@ pub(crate) trait Donors {
     /// (moving their charge in the book); returns the bytes moved (0 when this transport
     /// cannot move the donor's memory directly).
     fn hand_over(&mut self, asker: u64, from: Ask, want: u64) -> u64;
+
+    /// Bytes the same request will ask for after this charge (the rest of a batch of chunks,
+    /// admitted one at a time): donors are asked for them too, as they are asked at most once
+    /// per request.
+    fn rest(&self) -> u64 {
+        0
+    }
 
     /// Make `asks` (in order) give memory back to the driver or the idle list, within the
     /// transport's deadline; returns the bytes given back.
@@ -196,7 +204,7 @@ pub(crate) fn admit(d: &mut impl Donors, asker: u64, bytes: u64, optional: bool)
             }
             continue;
         }
-        if d.reclaim(&plan(&donors, short)) == 0 {
+        if d.reclaim(&plan(&donors, short.saturating_add(d.rest()))) == 0 {
             break;
         }
     }

@@ -6,18 +6,7 @@ use std::collections::BTreeMap;
 use super::*;
 
 fn line(id: &str, limit: u64, guarantee: u64, priority: i32) -> ModelBook {
-    ModelBook {
-        id: id.into(),
-        limit,
-        cap: limit,
-        guarantee,
-        priority,
-        used: 0,
-        peak: 0,
-        refusals: 0,
-        reclaimed: 0,
-        retired: false,
-    }
+    ModelBook::new(id.into(), limit, guarantee, priority)
 }
 
 /// Donors whose idle memory is a number per line; what happens is logged.

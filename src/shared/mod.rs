@@ -1,14 +1,14 @@
 //! The shared pool: several models on one device, each under its own physical limit.
 //!
 //! Each registered model gets its own [`Pool`] (its own virtual reservation, its own idle memory
-//! and chunk cache) whose physical growth is admitted by one ledger (`ledger.rs`) per device
-//! before any driver call:
+//! and chunk cache) whose physical growth is admitted by the budget engine (`crate::budget`:
+//! one book per device, and the same rules as the broker's) before any driver call:
 //! - a model never holds more than its limit;
 //! - all models together never hold more than the global limit, less what other models were
 //!   guaranteed and do not use yet;
 //! - when the global budget is full, memory other models hold but do not use (cached chunks and
-//!   idle mapped chunks, above their guarantees, lowest priority first) is reclaimed before a
-//!   request is refused;
+//!   idle mapped chunks, above their guarantees, lowest priority first) is handed over or
+//!   reclaimed before a request is refused; a request that cannot fit even so takes nothing;
 //! - limits and guarantees change live; lowering a limit reclaims the model's own idle memory
 //!   first, then asks the model through its reclaim callback, and fails (changing nothing) if
 //!   the new limit cannot be reached.
@@ -40,7 +40,8 @@ use crate::backend::PhysicalChunk;
 use crate::backend::{Backend, BackendInfo};
 use crate::error::{Error, Result};
 use crate::pool::{Acquired, Admission, Fit, Pool, PoolConfig, Urgency};
-use crate::budget::{self, Ask, Donors, Ledger, ModelBook, Refusal};
+use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
+use crate::budget::{self, Ask, Donors, GivenBack, Ledger, ModelBook, Refusal};
 
 /// Default margin left free on the device when the global limit is taken from its free memory.
 pub const DEFAULT_MARGIN: u64 = 1 << 30;
@@ -515,18 +516,7 @@ impl SharedPool {
             return Err(Error::DuplicateModel { model: id });
         }
         let key = self.inner.next_key.fetch_add(1, Ordering::Relaxed);
-        let book = || ModelBook {
-            id: id.as_str().into(),
-            limit: config.limit,
-            cap: config.limit,
-            guarantee: config.guarantee,
-            priority: config.priority,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        };
+        let book = || ModelBook::new(id.as_str().into(), config.limit, config.guarantee, config.priority);
         for attempt in 0..2 {
             let added = self.inner.ledger.lock().add(key, book());
             let Err(room) = added else { break };
@@ -642,124 +632,98 @@ impl SharedPool {
         self.inner.check(slot.key, bytes)
     }
 
-    /// Change a model's limit. Raising takes effect at once. Lowering below what the model uses
-    /// gives back its cached and idle memory, then calls its reclaim callback and gives back what
-    /// that freed; if the model still uses more than `limit`, the old limit stays and the error
-    /// says how far it got. Growth is held below `limit` meanwhile; concurrent changes each
-    /// hold their own cap, and a failed one lifts only its own (never one set since).
+    /// Change a model's limit ([`crate::budget`]'s rules, the broker's too). Raising takes
+    /// effect at once. Lowering below what the model uses gives back its cached and idle
+    /// memory, then calls its reclaim callback and gives back what that freed; if the model
+    /// still uses more than `limit`, the old limit stays and the error says how far it got.
+    /// Growth is held below `limit` meanwhile; concurrent changes each hold their own cap, a
+    /// failed one lifts only its own, and a later change replaces one still under way.
     pub fn set_limit(&self, id: &str, limit: u64) -> Result<ChangeReport> {
         let slot = self.slot(id)?;
-        let key = slot.key;
-        let (used, hold) = {
-            let mut l = self.inner.ledger.lock();
-            let m = &l.models[&key];
-            if limit < m.guarantee {
-                return Err(Error::InvalidModelConfig {
-                    model: id.to_string(),
-                    reason: format!(
-                        "limit {limit} is below the guarantee {}: lower the guarantee first",
-                        m.guarantee
-                    ),
-                });
-            }
-            let used = m.used;
-            if used <= limit {
-                l.set_limit(key, limit);
-                drop(l);
-                tracing::info!(model = %id, limit, "limit changed");
-                return Ok(ChangeReport {
-                    used,
-                    ..Default::default()
-                });
-            }
-            // Hold growth below the new limit while memory is reclaimed.
-            (used, l.hold_cap(key, limit))
+        let mut own = OwnPool {
+            shared: &self.inner,
+            slot: &slot,
         };
-        let (given, result) = budget::give_back(slot.pool.inner(), slot.reclaim.as_ref(), used - limit);
-        let mut report = ChangeReport {
-            reclaimed_idle: given.idle,
-            reclaimed_by_callback: given.by_callback,
-            ..Default::default()
-        };
-        let mut l = self.inner.ledger.lock();
-        l.release_cap(key, hold);
-        let reclaimed = report.reclaimed_idle + report.reclaimed_by_callback;
-        l.note_reclaimed(key, reclaimed);
-        let (used, old_limit) = (l.models[&key].used, l.models[&key].limit);
-        report.used = used;
-        if used <= limit {
-            l.set_limit(key, limit);
-            drop(l);
-            tracing::info!(model = %id, limit, reclaimed, "limit lowered");
-            return result.map(|()| report);
-        }
-        drop(l);
-        tracing::warn!(model = %id, limit, used, reclaimed, "limit could not be lowered");
-        result?;
-        Err(Error::ChangeNotReached {
+        let not_reached = |used, reclaimed, reason: String| Error::ChangeNotReached {
             model: id.to_string(),
             what: "limit",
             wanted: limit,
-            reason: format!(
-                "{} bytes are still in use after giving back idle memory{}; the limit stays {old_limit}",
-                used,
-                if slot.reclaim.is_some() { " and asking the model" } else { " (no reclaim callback registered)" }
-            ),
+            reason,
             used,
             reclaimed,
-        })
+        };
+        match change::set_limit(&mut own, slot.key, limit) {
+            Ok(c) => Ok(ChangeReport {
+                reclaimed_idle: c.given.idle,
+                reclaimed_by_callback: c.given.by_callback,
+                reclaimed_from_others: 0,
+                used: c.used,
+            }),
+            Err(LimitRefused::Unknown) => Err(Error::UnknownModel {
+                model: id.to_string(),
+            }),
+            Err(LimitRefused::Invalid { guarantee }) => Err(Error::InvalidModelConfig {
+                model: id.to_string(),
+                reason: format!(
+                    "limit {limit} must be positive and at least the guarantee {guarantee}: lower the guarantee first"
+                ),
+            }),
+            Err(LimitRefused::Replaced { now }) => Err(not_reached(
+                0,
+                0,
+                format!("a later change of the limit replaced this one (the limit is {now})"),
+            )),
+            Err(LimitRefused::NotReached {
+                used,
+                standing,
+                given,
+                error,
+                ..
+            }) => match error {
+                Some(e) => Err(e),
+                None => Err(not_reached(
+                    used,
+                    given.idle + given.by_callback,
+                    format!(
+                        "{used} bytes are still in use after giving back idle memory{}; the limit stays {standing}",
+                        if slot.reclaim.is_some() { " and asking the model" } else { " (no reclaim callback registered)" }
+                    ),
+                )),
+            },
+        }
     }
 
     /// Change a model's guarantee. Lowering takes effect at once; raising needs room in the
     /// budget, made by reclaiming other models' idle memory if necessary, else nothing changes
     /// and the error says how much room there is.
     pub fn set_guarantee(&self, id: &str, guarantee: u64) -> Result<ChangeReport> {
-        let slot = self.slot(id)?;
-        let key = slot.key;
-        let mut report = ChangeReport::default();
-        for attempt in 0..2 {
-            let outcome = {
-                let mut l = self.inner.ledger.lock();
-                let m = &l.models[&key];
-                if guarantee > m.limit {
-                    return Err(Error::InvalidModelConfig {
-                        model: id.to_string(),
-                        reason: format!("guarantee {guarantee} is above the limit {}", m.limit),
-                    });
-                }
-                l.try_set_guarantee(key, guarantee)
-                    .map(|()| l.models[&key].used)
-            };
-            match outcome {
-                Ok(used) => {
-                    report.used = used;
-                    tracing::info!(model = %id, guarantee, "guarantee changed");
-                    return Ok(report);
-                }
-                Err(max) => {
-                    let got = if attempt == 0 {
-                        self.inner.reclaim_for(key, guarantee - max)
-                    } else {
-                        0
-                    };
-                    report.reclaimed_from_others += got;
-                    if got == 0 {
-                        let used = self.inner.ledger.lock().models[&key].used;
-                        return Err(Error::ChangeNotReached {
-                            model: id.to_string(),
-                            what: "guarantee",
-                            wanted: guarantee,
-                            reason: format!("at most {max} bytes can be guaranteed beside other models' use and guarantees"),
-                            used,
-                            reclaimed: report.reclaimed_from_others,
-                        });
-                    }
-                }
-            }
+        let key = self.slot(id)?.key;
+        let none = AtomicU64::new(0);
+        let mut local = Local::new(&self.inner, &none);
+        let outcome = change::set_guarantee(&mut local, key, guarantee, |_| Ok::<(), ()>(()));
+        drop(local);
+        match outcome {
+            Ok(Ok((used, reclaimed))) => Ok(ChangeReport {
+                used,
+                reclaimed_from_others: reclaimed,
+                ..Default::default()
+            }),
+            Ok(Err(GuaranteeRefused::AboveLimit { limit })) => Err(Error::InvalidModelConfig {
+                model: id.to_string(),
+                reason: format!("guarantee {guarantee} is above the limit {limit}"),
+            }),
+            Ok(Err(GuaranteeRefused::NoRoom { max, reclaimed })) => Err(Error::ChangeNotReached {
+                model: id.to_string(),
+                what: "guarantee",
+                wanted: guarantee,
+                reason: format!("at most {max} bytes can be guaranteed beside other models' use and guarantees"),
+                used: self.inner.ledger.lock().models.get(&key).map_or(0, |m| m.used),
+                reclaimed,
+            }),
+            Ok(Err(GuaranteeRefused::Unknown)) | Err(()) => Err(Error::UnknownModel {
+                model: id.to_string(),
+            }),
         }
-        Err(Error::InvalidArgument(
-            "unreachable: guarantee loop ended".into(),
-        ))
     }
 
     /// A consistent snapshot of all models and the budget.
@@ -907,14 +871,8 @@ impl SharedInner {
         fit: Fit,
         in_flight: &AtomicU64,
     ) -> Acquired {
-        let mut local = Local {
-            shared: self,
-            in_flight,
-            max_chunk: fit.max_chunk,
-            room: fit.room,
-            refs: Vec::new(),
-            donated: Vec::new(),
-        };
+        let mut local = Local::new(self, in_flight);
+        (local.max_chunk, local.room) = (fit.max_chunk, fit.room);
         let optional = urgency == Urgency::LookAhead;
         let admitted = budget::admit(&mut local, key, bytes, optional);
         let donated = std::mem::take(&mut local.donated);
@@ -936,15 +894,7 @@ impl SharedInner {
     /// guarantees, in the engine's order (to make room for a guarantee). Returns the bytes
     /// released.
     fn reclaim_for(&self, for_key: u64, want: u64) -> u64 {
-        let mut local = Local {
-            shared: self,
-            in_flight: &AtomicU64::new(0),
-            max_chunk: 0,
-            room: 0,
-            refs: Vec::new(),
-            donated: Vec::new(),
-        };
-        budget::make_room(&mut local, for_key, want)
+        budget::make_room(&mut Local::new(self, &AtomicU64::new(0)), for_key, want)
     }
 }
 
@@ -964,7 +914,19 @@ struct Local<'a> {
     donated: Vec<PhysicalChunk>,
 }
 
-impl Local<'_> {
+impl<'a> Local<'a> {
+    /// A transport that can only reclaim until `max_chunk` and `room` are set.
+    fn new(shared: &'a SharedInner, in_flight: &'a AtomicU64) -> Self {
+        Local {
+            shared,
+            in_flight,
+            max_chunk: 0,
+            room: 0,
+            refs: Vec::new(),
+            donated: Vec::new(),
+        }
+    }
+
     fn model(&self, key: u64) -> Option<&ModelRef> {
         self.refs.iter().find(|r| r.key == key)
     }
@@ -1061,5 +1023,32 @@ impl Donors for Local<'_> {
             }
         }
         got
+    }
+}
+
+/// A model of this process asked for its own memory (its limit lowered).
+struct OwnPool<'a> {
+    shared: &'a SharedInner,
+    slot: &'a ModelSlot,
+}
+
+impl Lowering for OwnPool<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.ledger.lock())
+    }
+
+    fn ask_own(
+        &mut self,
+        key: u64,
+        bytes: u64,
+        _settled: &dyn Fn(&Ledger) -> bool,
+    ) -> (GivenBack, Result<()>) {
+        let (given, result) =
+            budget::give_back(self.slot.pool.inner(), self.slot.reclaim.as_ref(), bytes);
+        self.shared
+            .ledger
+            .lock()
+            .note_reclaimed(key, given.idle + given.by_callback);
+        (given, result)
     }
 }
