@@ -760,7 +760,7 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
     use elastic_vmm::backend::testing::DelayInjector;
     use elastic_vmm::DriverCall;
     use std::time::Duration;
-    const ROUNDS: u64 = 150;
+    const ROUNDS: u64 = 1500;
     let g = backend.info().granularity as u64;
     let slow = Arc::new(DelayInjector::new(backend.clone()));
     slow.set_delay(DriverCall::Unmap, Duration::from_micros(300));
@@ -771,7 +771,7 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
         s.register(
             ModelConfig::new(id, (64 * g) as usize, limit)
                 .priority(priority)
-                .pool_config(exact(0)),
+                .pool_config(exact(0).max_chunk(g as usize)),
         )
         .expect("register")
     };
@@ -795,8 +795,16 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
             }
             Ok(audits)
         });
-        let workers: Vec<_> = std::iter::once((&donor, 1u64, 6u64, 11u64))
-            .chain(askers.iter().enumerate().map(|(i, m)| (m, 2, 8, 23 + i as u64)))
+        // Stops the auditor however the workers end (a panicking one included).
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let guard = Stop(&stop);
+        let workers: Vec<_> = std::iter::once((&donor, 4u64, 12u64, 11u64))
+            .chain(askers.iter().enumerate().map(|(i, m)| (m, 3, 10, 23 + i as u64)))
             .map(|(m, lo, hi, seed)| {
                 let check = &check;
                 sc.spawn(move || {
@@ -807,23 +815,33 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
                         if let Some(a) = check(m.allocate((n * g) as usize), m.id()) {
                             held.push(a);
                         }
-                        if held.len() > 1 || rng.below(2) == 0 {
+                        if held.len() > 1 || (!held.is_empty() && rng.below(2) == 0) {
                             held.remove(0);
                         }
                     }
                 })
             })
             .collect();
-        for w in workers {
-            w.join().expect("worker");
+        let ended: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
+        drop(guard);
+        for e in ended {
+            if let Err(panic) = e {
+                std::panic::resume_unwind(panic);
+            }
         }
-        stop.store(true, Ordering::Relaxed);
         let audits = auditor.join().expect("auditor").expect("books held throughout");
         assert!(audits > 0, "the auditor ran");
     });
     let st = s.stats();
     assert!(st.global.used <= 24 * g, "{st:?}");
     let moved: u64 = st.models.iter().map(|m| m.reclaimed).sum();
+    let refused: u64 = st.models.iter().map(|m| m.refusals).sum();
+    eprintln!(
+        "moved {} granules, {refused} refusals, {} unmaps and {} releases delayed",
+        moved / g,
+        slow.delayed(DriverCall::Unmap),
+        slow.delayed(DriverCall::Release)
+    );
     assert!(moved > 0, "memory moved between models: {st:?}");
     assert!(
         slow.delayed(DriverCall::Unmap) + slow.delayed(DriverCall::Release) > 0,
