@@ -57,9 +57,9 @@
 
 pub mod backend;
 pub mod backing;
-mod budget;
 #[cfg(feature = "broker")]
 pub mod broker;
+mod budget;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod error;

@@ -17,8 +17,8 @@ use super::protocol::{
     BrokerCounters, EngineInfo, ModelInfo, Refusal, RefusalCause, Role, MAX_MODELS, MAX_NAME,
 };
 use crate::backend::PhysicalChunk;
-use crate::ipc::{FrameWriter, PeerCredentials};
 use crate::budget::{Ledger, ModelBook, Refusal as LedgerRefusal};
+use crate::ipc::{FrameWriter, PeerCredentials};
 
 /// The ledger line of the broker's idle chunks.
 pub(crate) const IDLE: u64 = 0;

@@ -27,10 +27,10 @@ use super::protocol::{
 };
 use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
-use crate::error::{Error, Result};
-use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials, SocketDir};
 use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
 use crate::budget::{self, Ask, Donors, GivenBack, Ledger, Refusal as LedgerRefusal};
+use crate::error::{Error, Result};
+use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials, SocketDir};
 
 /// How a broker is set up.
 #[derive(Debug, Clone)]
@@ -1148,7 +1148,8 @@ impl Lowering for OwnEngine<'_> {
             book.counters.reclaim_requests += 1;
             (t, conn)
         };
-        self.shared.push_reclaims(&[(ticket.0, key, ticket.1, bytes)]);
+        self.shared
+            .push_reclaims(&[(ticket.0, key, ticket.1, bytes)]);
         let mut book = self.shared.book.lock();
         while !settled(&book.ledger) {
             if self.shared.changed.wait_until(&mut book, end).timed_out() {
@@ -1197,9 +1198,10 @@ impl Donors for Remote<'_> {
         self.rest
     }
 
-    /// Only the idle list's chunks move directly, one of the size asked.
-    fn hand_over(&mut self, asker: u64, from: Ask, want: u64) -> u64 {
-        if from.key != IDLE || self.size == 0 || want < self.size || self.handed.is_some() {
+    /// Only the idle list's chunks move directly: one of the size asked, which serves the whole
+    /// request (however little of it the budget lacked).
+    fn hand_over(&mut self, asker: u64, from: Ask, _want: u64) -> u64 {
+        if from.key != IDLE || self.size == 0 || self.handed.is_some() {
             return 0;
         }
         let got = self.shared.book.lock().hand_over(asker, self.size);

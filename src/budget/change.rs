@@ -60,7 +60,7 @@ pub(crate) enum LimitRefused {
         used: u64,
         standing: u64,
         given: GivenBack,
-        error: Option<Error>,
+        error: Option<Box<Error>>,
     },
 }
 
@@ -126,7 +126,7 @@ pub(crate) fn set_limit(
             used,
             standing,
             given,
-            error: result.err(),
+            error: result.err().map(Box::new),
         })
     })
 }
@@ -135,9 +135,14 @@ pub(crate) fn set_limit(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum GuaranteeRefused {
     Unknown,
-    AboveLimit { limit: u64 },
+    AboveLimit {
+        limit: u64,
+    },
     /// At most `max` bytes fit; `reclaimed` bytes were given back trying.
-    NoRoom { max: u64, reclaimed: u64 },
+    NoRoom {
+        max: u64,
+        reclaimed: u64,
+    },
 }
 
 /// Set model `key`'s guarantee: lowering at once, raising if it fits, after the donors were

@@ -90,8 +90,9 @@ pub(crate) trait Donors {
     fn reachable(&mut self, asker: u64) -> Vec<(u64, u64)>;
 
     /// Hand over idle memory of donor `from` to `asker` as whole chunks, at most `want` bytes
-    /// (moving their charge in the book); returns the bytes moved (0 when this transport
-    /// cannot move the donor's memory directly).
+    /// or one chunk that serves the whole request (the broker's), moving their charge in the
+    /// book; returns the bytes moved (0 when this transport cannot move the donor's memory
+    /// directly).
     fn hand_over(&mut self, asker: u64, from: Ask, want: u64) -> u64;
 
     /// Bytes the same request will ask for after this charge (the rest of a batch of chunks,
@@ -250,9 +251,7 @@ pub(crate) fn give_back(
             tracing::info!(pool = %pool.name(), bytes = bytes - got.idle, "asking the model to free memory");
             cb(bytes - got.idle);
             pool.flush_fronts();
-            result = pool
-                .reclaim(bytes - got.idle)
-                .map(|n| got.by_callback = n);
+            result = pool.reclaim(bytes - got.idle).map(|n| got.by_callback = n);
         }
     }
     (got, result)

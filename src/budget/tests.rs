@@ -97,7 +97,15 @@ fn donors_in_one_order_never_the_asker_never_below_a_guarantee() {
     l.add(5, line("lo-big-too", 500, 50, -1)).unwrap();
     l.add(6, line("gone", 500, 0, -9)).unwrap();
     l.add(7, line("guarded", 500, 100, -9)).unwrap();
-    for (k, n) in [(1, 100), (2, 100), (3, 60), (4, 150), (5, 150), (6, 100), (7, 100)] {
+    for (k, n) in [
+        (1, 100),
+        (2, 100),
+        (3, 60),
+        (4, 150),
+        (5, 150),
+        (6, 100),
+        (7, 100),
+    ] {
         l.try_charge(k, n).unwrap();
     }
     l.retire(6);
@@ -112,7 +120,10 @@ fn donors_in_one_order_never_the_asker_never_below_a_guarantee() {
     let d = donors(&l, 1, &[(2, 30), (3, 0)]);
     assert_eq!(d, vec![Ask { key: 2, bytes: 30 }]);
     assert_eq!(
-        plan(&[Ask { key: 4, bytes: 100 }, Ask { key: 5, bytes: 100 }], 130),
+        plan(
+            &[Ask { key: 4, bytes: 100 }, Ask { key: 5, bytes: 100 }],
+            130
+        ),
         vec![Ask { key: 4, bytes: 100 }, Ask { key: 5, bytes: 30 }]
     );
 }
@@ -121,10 +132,19 @@ fn donors_in_one_order_never_the_asker_never_below_a_guarantee() {
 fn free_budget_and_own_limits_ask_no_one() {
     let mut f = Fake::new(
         100,
-        &[(1, line("a", 50, 0, 0), 0, 0), (2, line("b", 100, 0, 0), 60, 60)],
+        &[
+            (1, line("a", 50, 0, 0), 0, 0),
+            (2, line("b", 100, 0, 0), 60, 60),
+        ],
     );
     let got = admit(&mut f, 1, 30, false);
-    assert_eq!(got, Admitted { handed: 0, charged: Ok(30) });
+    assert_eq!(
+        got,
+        Admitted {
+            handed: 0,
+            charged: Ok(30)
+        }
+    );
     // Its own limit: refused at once, nothing measured, nothing moved.
     let got = admit(&mut f, 1, 21, false);
     assert_eq!(got.charged, Err((Refusal::ModelLimit, 21)));
@@ -145,7 +165,13 @@ fn idle_memory_is_handed_over_for_what_the_budget_lacks_only() {
     );
     // 30 free, 50 asked: 20 handed over from the lowest priority, 30 charged.
     let got = admit(&mut f, 1, 50, false);
-    assert_eq!(got, Admitted { handed: 20, charged: Ok(30) });
+    assert_eq!(
+        got,
+        Admitted {
+            handed: 20,
+            charged: Ok(30)
+        }
+    );
     assert_eq!((f.used(1), f.used(2), f.used(3)), (50, 10, 40));
     f.ledger.borrow().audit().unwrap();
 }
@@ -162,7 +188,13 @@ fn what_cannot_be_handed_over_is_reclaimed_then_charged() {
     );
     f.movable = false;
     let got = admit(&mut f, 1, 70, false);
-    assert_eq!(got, Admitted { handed: 0, charged: Ok(70) });
+    assert_eq!(
+        got,
+        Admitted {
+            handed: 0,
+            charged: Ok(70)
+        }
+    );
     // 70 lacking: 50 from the low priority, 20 from the high one (above its guarantee).
     assert!(f.log.contains(&"reclaim 2 50".to_string()), "{:?}", f.log);
     assert!(f.log.contains(&"reclaim 3 20".to_string()), "{:?}", f.log);
@@ -182,13 +214,29 @@ fn a_request_that_cannot_fit_takes_nothing_and_asks_no_one() {
     );
     // Nothing free; lo can give 40 (above its guarantee), pinned nothing (all in use).
     let got = admit(&mut f, 1, 41, false);
-    assert_eq!(got, Admitted { handed: 0, charged: Err((Refusal::Global { short: 41 }, 41)) });
-    assert_eq!(f.log, vec!["measure".to_string()], "measured, nothing moved or asked");
+    assert_eq!(
+        got,
+        Admitted {
+            handed: 0,
+            charged: Err((Refusal::Global { short: 41 }, 41))
+        }
+    );
+    assert_eq!(
+        f.log,
+        vec!["measure".to_string()],
+        "measured, nothing moved or asked"
+    );
     assert_eq!((f.used(1), f.used(2), f.used(3)), (0, 60, 40));
     assert_eq!(f.ledger.borrow().models[&1].refusals, 1);
     // What fits is served.
     let got = admit(&mut f, 1, 40, false);
-    assert_eq!(got, Admitted { handed: 40, charged: Ok(0) });
+    assert_eq!(
+        got,
+        Admitted {
+            handed: 40,
+            charged: Ok(0)
+        }
+    );
     f.ledger.borrow().audit().unwrap();
 }
 
@@ -196,12 +244,19 @@ fn a_request_that_cannot_fit_takes_nothing_and_asks_no_one() {
 fn look_ahead_uses_the_free_budget_only() {
     let mut f = Fake::new(
         100,
-        &[(1, line("asker", 100, 0, 0), 0, 0), (2, line("lo", 100, 0, -1), 90, 90)],
+        &[
+            (1, line("asker", 100, 0, 0), 0, 0),
+            (2, line("lo", 100, 0, -1), 90, 90),
+        ],
     );
     let got = admit(&mut f, 1, 20, true);
     assert_eq!(got.charged, Err((Refusal::Global { short: 10 }, 20)));
     assert!(f.log.is_empty(), "{:?}", f.log);
-    assert_eq!(f.ledger.borrow().models[&1].refusals, 0, "not counted: optional");
+    assert_eq!(
+        f.ledger.borrow().models[&1].refusals,
+        0,
+        "not counted: optional"
+    );
     assert_eq!(admit(&mut f, 1, 10, true).charged, Ok(10));
 }
 
@@ -209,14 +264,21 @@ fn look_ahead_uses_the_free_budget_only() {
 fn a_reclaim_that_times_out_ends_in_a_refusal_within_the_rounds() {
     let mut f = Fake::new(
         100,
-        &[(1, line("asker", 100, 0, 0), 0, 0), (2, line("far", 100, 0, -1), 100, 100)],
+        &[
+            (1, line("asker", 100, 0, 0), 0, 0),
+            (2, line("far", 100, 0, -1), 100, 100),
+        ],
     );
     f.movable = false;
     f.answers = false;
     let got = admit(&mut f, 1, 10, false);
     assert_eq!(got.charged, Err((Refusal::Global { short: 10 }, 10)));
     let asked = f.log.iter().filter(|l| l.starts_with("reclaim")).count();
-    assert_eq!(asked, 1, "a round that gave nothing back ends the request: {:?}", f.log);
+    assert_eq!(
+        asked, 1,
+        "a round that gave nothing back ends the request: {:?}",
+        f.log
+    );
     assert_eq!(f.used(1), 0);
     f.ledger.borrow().audit().unwrap();
 }
@@ -232,7 +294,10 @@ fn room_for_a_guarantee_comes_from_the_donors_in_order() {
         ],
     );
     assert_eq!(make_room(&mut f, 1, 40), 40);
-    assert_eq!(f.log[1..], ["reclaim 2 30".to_string(), "reclaim 3 10".to_string()]);
+    assert_eq!(
+        f.log[1..],
+        ["reclaim 2 30".to_string(), "reclaim 3 10".to_string()]
+    );
     f.ledger.borrow_mut().try_set_guarantee(1, 40).unwrap();
     f.ledger.borrow().audit().unwrap();
 }

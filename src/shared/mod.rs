@@ -38,10 +38,10 @@ use parking_lot::Mutex;
 
 use crate::backend::PhysicalChunk;
 use crate::backend::{Backend, BackendInfo};
-use crate::error::{Error, Result};
-use crate::pool::{Acquired, Admission, Fit, Pool, PoolConfig, Urgency};
 use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
 use crate::budget::{self, Ask, Donors, GivenBack, Ledger, ModelBook, Refusal};
+use crate::error::{Error, Result};
+use crate::pool::{Acquired, Admission, Fit, Pool, PoolConfig, Urgency};
 
 /// Default margin left free on the device when the global limit is taken from its free memory.
 pub const DEFAULT_MARGIN: u64 = 1 << 30;
@@ -516,7 +516,14 @@ impl SharedPool {
             return Err(Error::DuplicateModel { model: id });
         }
         let key = self.inner.next_key.fetch_add(1, Ordering::Relaxed);
-        let book = || ModelBook::new(id.as_str().into(), config.limit, config.guarantee, config.priority);
+        let book = || {
+            ModelBook::new(
+                id.as_str().into(),
+                config.limit,
+                config.guarantee,
+                config.priority,
+            )
+        };
         for attempt in 0..2 {
             let added = self.inner.ledger.lock().add(key, book());
             let Err(room) = added else { break };
@@ -632,7 +639,7 @@ impl SharedPool {
         self.inner.check(slot.key, bytes)
     }
 
-    /// Change a model's limit ([`crate::budget`]'s rules, the broker's too). Raising takes
+    /// Change a model's limit (the budget engine's rules, the broker's too). Raising takes
     /// effect at once. Lowering below what the model uses gives back its cached and idle
     /// memory, then calls its reclaim callback and gives back what that freed; if the model
     /// still uses more than `limit`, the old limit stays and the error says how far it got.
@@ -680,7 +687,7 @@ impl SharedPool {
                 error,
                 ..
             }) => match error {
-                Some(e) => Err(e),
+                Some(e) => Err(*e),
                 None => Err(not_reached(
                     used,
                     given.idle + given.by_callback,
@@ -716,8 +723,16 @@ impl SharedPool {
                 model: id.to_string(),
                 what: "guarantee",
                 wanted: guarantee,
-                reason: format!("at most {max} bytes can be guaranteed beside other models' use and guarantees"),
-                used: self.inner.ledger.lock().models.get(&key).map_or(0, |m| m.used),
+                reason: format!(
+                    "at most {max} bytes can be guaranteed beside other models' use and guarantees"
+                ),
+                used: self
+                    .inner
+                    .ledger
+                    .lock()
+                    .models
+                    .get(&key)
+                    .map_or(0, |m| m.used),
                 reclaimed,
             }),
             Ok(Err(GuaranteeRefused::Unknown)) | Err(()) => Err(Error::UnknownModel {

@@ -804,7 +804,12 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
         }
         let guard = Stop(&stop);
         let workers: Vec<_> = std::iter::once((&donor, 4u64, 12u64, 11u64))
-            .chain(askers.iter().enumerate().map(|(i, m)| (m, 3, 10, 23 + i as u64)))
+            .chain(
+                askers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| (m, 3, 10, 23 + i as u64)),
+            )
             .map(|(m, lo, hi, seed)| {
                 let check = &check;
                 sc.spawn(move || {
@@ -829,7 +834,10 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
                 std::panic::resume_unwind(panic);
             }
         }
-        let audits = auditor.join().expect("auditor").expect("books held throughout");
+        let audits = auditor
+            .join()
+            .expect("auditor")
+            .expect("books held throughout");
         assert!(audits > 0, "the auditor ran");
     });
     let st = s.stats();
