@@ -38,7 +38,9 @@ pub(crate) trait Lowering {
 /// A limit change that took effect.
 #[derive(Debug)]
 pub(crate) struct LimitChanged {
-    /// What the model used when the change began, and after.
+    /// What the model used when the change began (the broker reports the difference), and
+    /// after.
+    #[cfg_attr(not(feature = "broker"), allow(dead_code))]
     pub(crate) before: u64,
     pub(crate) used: u64,
     /// What the model gave back, as far as this process knows.
@@ -59,7 +61,6 @@ pub(crate) enum LimitRefused {
         before: u64,
         used: u64,
         standing: u64,
-        given: GivenBack,
         error: Option<Box<Error>>,
     },
 }
@@ -125,7 +126,6 @@ pub(crate) fn set_limit(
             before,
             used,
             standing,
-            given,
             error: result.err().map(Box::new),
         })
     })

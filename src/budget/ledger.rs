@@ -71,6 +71,7 @@ pub(crate) enum Refusal {
     /// The model was unregistered.
     Retired,
     /// The transport's own policy (the broker's bytes per user); the transport says more.
+    #[cfg(feature = "broker")]
     Policy,
 }
 
@@ -324,6 +325,7 @@ impl Ledger {
                 Refusal::ModelLimit => "the model's limit",
                 Refusal::Global { .. } => "the global budget",
                 Refusal::Retired => "the model is unregistered",
+                #[cfg(feature = "broker")]
                 Refusal::Policy => "the operator's policy",
             },
             model_used: m.map_or(0, |m| m.used),

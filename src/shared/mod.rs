@@ -681,16 +681,16 @@ impl SharedPool {
                 format!("a later change of the limit replaced this one (the limit is {now})"),
             )),
             Err(LimitRefused::NotReached {
+                before,
                 used,
                 standing,
-                given,
                 error,
                 ..
             }) => match error {
                 Some(e) => Err(*e),
                 None => Err(not_reached(
                     used,
-                    given.idle + given.by_callback,
+                    before.saturating_sub(used),
                     format!(
                         "{used} bytes are still in use after giving back idle memory{}; the limit stays {standing}",
                         if slot.reclaim.is_some() { " and asking the model" } else { " (no reclaim callback registered)" }
