@@ -59,6 +59,7 @@ pub mod backend;
 pub mod backing;
 #[cfg(feature = "broker")]
 pub mod broker;
+mod budget;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod error;

@@ -17,8 +17,8 @@ use super::protocol::{
     BrokerCounters, EngineInfo, ModelInfo, Refusal, RefusalCause, Role, MAX_MODELS, MAX_NAME,
 };
 use crate::backend::PhysicalChunk;
+use crate::budget::{Ledger, ModelBook, Refusal as LedgerRefusal};
 use crate::ipc::{FrameWriter, PeerCredentials};
-use crate::shared::ledger::{Ledger, ModelBook, Refusal as LedgerRefusal};
 
 /// The ledger line of the broker's idle chunks.
 pub(crate) const IDLE: u64 = 0;
@@ -46,9 +46,6 @@ pub(crate) struct ModelEntry {
     pub(crate) conn: u64,
     /// The user of the engine that registered it (`SO_PEERCRED`).
     pub(crate) uid: u32,
-    /// Bumped by every limit change: a change that gives up (a lowering past its deadline)
-    /// restores the cap it replaced only if no later change came.
-    pub(crate) limit_change: u64,
     /// Its connection ended while its process lived (see [`Book::end_conn`]): retired, its name
     /// free, its chunks and charges kept until the process is gone.
     pub(crate) orphaned: bool,
@@ -81,7 +78,7 @@ pub(crate) struct Orphan {
     pub(crate) models: Vec<u64>,
 }
 
-/// An outstanding reclaim request.
+/// An outstanding reclaim request (see [`crate::budget`]: a remote donor asked to give back).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Ticket {
     pub(crate) conn: u64,
@@ -110,6 +107,31 @@ impl Policy {
             None if uid == self.broker_uid || uid == 0 => u64::MAX,
             None => 0,
         }
+    }
+
+    /// Whether every model's guarantee together stays within the policy's total when the
+    /// guarantee of `model` (a new one when `None`) becomes `guarantee`.
+    pub(crate) fn check_guarantee_total(
+        &self,
+        ledger: &Ledger,
+        name: &str,
+        model: Option<u64>,
+        guarantee: u64,
+    ) -> Result<(), BookError> {
+        let Some(max) = self.max_guarantee_total else {
+            return Ok(());
+        };
+        let others = ledger
+            .models
+            .iter()
+            .filter(|(k, _)| Some(**k) != model)
+            .fold(0u64, |sum, (_, b)| sum.saturating_add(b.guarantee));
+        if others.checked_add(guarantee).is_none_or(|g| g > max) {
+            return Err(BookError::Forbidden(format!(
+                "model {name:?}: guarantee {guarantee} refused: the other models hold guarantees of {others} bytes, {max} allowed in all"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -145,18 +167,7 @@ pub(crate) enum BookError {
 impl Book {
     pub(crate) fn new(global_limit: u64, policy: Policy) -> Book {
         let mut ledger = Ledger::new(global_limit);
-        let idle = ModelBook {
-            id: "(broker idle)".into(),
-            limit: u64::MAX,
-            cap: u64::MAX,
-            guarantee: 0,
-            priority: i32::MIN,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        };
+        let idle = ModelBook::new("(broker idle)".into(), u64::MAX, 0, i32::MIN);
         ledger
             .add(IDLE, idle)
             .expect("a line without guarantee always fits");
@@ -249,22 +260,12 @@ impl Book {
                     "model {name:?}: guarantee {guarantee} refused: the models of user {uid} hold guarantees of {held} bytes, {cap} allowed per user{why}"
                 )));
             }
-            self.check_guarantee_total(name, None, guarantee)?;
+            self.policy
+                .check_guarantee_total(&self.ledger, name, None, guarantee)?;
         }
         let id = self.next_id();
         let name: Arc<str> = name.into();
-        let book = ModelBook {
-            id: name.clone(),
-            limit,
-            cap: limit,
-            guarantee,
-            priority,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        };
+        let book = ModelBook::new(name.clone(), limit, guarantee, priority);
         self.ledger.add(id, book).map_err(|room| {
             BookError::Invalid(format!(
                 "model {name:?}: guarantee {guarantee} does not fit: {room} bytes of the global budget {} are neither used nor promised",
@@ -278,7 +279,6 @@ impl Book {
                 name,
                 conn,
                 uid,
-                limit_change: 0,
                 orphaned: false,
                 chunks: BTreeSet::new(),
                 in_use: 0,
@@ -296,30 +296,6 @@ impl Book {
             .filter(|(_, m)| which(m))
             .filter_map(|(k, _)| self.ledger.models.get(k))
             .fold(0u64, |sum, b| sum.saturating_add(b.guarantee))
-    }
-
-    /// Whether every model's guarantee together stays within the policy's total when the
-    /// guarantee of `model` (a new one when `None`) becomes `guarantee`.
-    pub(crate) fn check_guarantee_total(
-        &self,
-        name: &str,
-        model: Option<u64>,
-        guarantee: u64,
-    ) -> Result<(), BookError> {
-        let others = self.guarantees(|_| true).saturating_sub(
-            model
-                .and_then(|k| self.ledger.models.get(&k))
-                .map_or(0, |b| b.guarantee),
-        );
-        let Some(max) = self.policy.max_guarantee_total else {
-            return Ok(());
-        };
-        if others.checked_add(guarantee).is_none_or(|g| g > max) {
-            return Err(BookError::Forbidden(format!(
-                "model {name:?}: guarantee {guarantee} refused: the other models hold guarantees of {others} bytes, {max} allowed in all"
-            )));
-        }
-        Ok(())
     }
 
     /// Remove a model; returns its chunks, now moving, their charges credited.
@@ -399,15 +375,6 @@ impl Book {
             )));
         }
         Ok(())
-    }
-
-    /// Charge `size` to `model` for a chunk about to be created.
-    pub(crate) fn charge(&mut self, model: u64, size: u64) -> Result<(), LedgerRefusal> {
-        let r = self.ledger.try_charge(model, size);
-        if r.is_err() {
-            self.ledger.note_refusal(model);
-        }
-        r
     }
 
     /// Record a chunk created for `model` (charged before).
@@ -593,33 +560,20 @@ impl Book {
         out
     }
 
-    /// Models of connections other than `asking` holding memory above their guarantees, lowest
-    /// priority first, with how much each could give back; at most `bytes` asked in all. The
-    /// asking connection's own models are left out: its requests are served one at a time, so
-    /// what they gave back would only arrive after the growth waiting for it.
-    pub(crate) fn reclaim_plan(&self, asking: u64, bytes: u64) -> Vec<(u64, u64, u64)> {
-        let mut candidates: Vec<(i32, u64, u64, u64)> = self
-            .models
-            .iter()
-            .filter(|(_, m)| m.conn != asking && !m.orphaned)
-            .filter_map(|(&k, m)| {
-                let b = self.ledger.models.get(&k)?;
-                let spare = b.used.saturating_sub(b.guarantee);
-                (spare > 0).then_some((b.priority, k, m.conn, spare))
-            })
-            .collect();
-        candidates.sort_by_key(|&(p, k, _, spare)| (p, std::cmp::Reverse(spare), k));
-        let mut left = bytes;
-        let mut plan = Vec::new();
-        for (_, k, conn, spare) in candidates {
-            if left == 0 {
-                break;
-            }
-            let ask = spare.min(left);
-            left -= ask;
-            plan.push((k, conn, ask));
-        }
-        plan
+    /// The lines a growth of connection `asking` may take from, for the budget engine: the
+    /// idle line (what it holds), and the models of other connections (what they could give
+    /// only their engines know). The asking connection's own models are left out: its requests
+    /// are served one at a time, so what they gave back would only arrive after the growth
+    /// waiting for it.
+    pub(crate) fn reachable(&self, asking: u64) -> Vec<(u64, u64)> {
+        std::iter::once((IDLE, self.idle_bytes))
+            .chain(
+                self.models
+                    .iter()
+                    .filter(|(_, m)| m.conn != asking && !m.orphaned)
+                    .map(|(&k, _)| (k, u64::MAX)),
+            )
+            .collect()
     }
 
     pub(crate) fn refusal(&self, model: u64, bytes: u64, why: LedgerRefusal) -> Refusal {
@@ -631,6 +585,9 @@ impl Book {
                 LedgerRefusal::ModelLimit => RefusalCause::ModelLimit,
                 LedgerRefusal::Global { .. } => RefusalCause::Global,
                 LedgerRefusal::Retired => RefusalCause::Retired,
+                // The broker answers a policy refusal with its own error (Forbidden); this
+                // cause is the nearest should one ever reach here.
+                LedgerRefusal::Policy => RefusalCause::Global,
             },
             model_used: b.map_or(0, |m| m.used),
             model_limit: b.map_or(0, |m| m.limit.min(m.cap)),
@@ -749,7 +706,7 @@ mod tests {
         let mut b = Book::new(100, policy());
         let a = b.register(1, 0, "a", 60, 0, 0).unwrap();
         let c = b.register(2, 0, "c", 60, 0, 0).unwrap();
-        b.charge(a, 40).unwrap();
+        b.ledger.try_charge(a, 40).unwrap();
         let cid = b.add_created(a, chunk(7, 40));
         assert_eq!(
             b.give_back(2, a, cid),
@@ -766,8 +723,8 @@ mod tests {
         assert_eq!(b.counters.handovers, 1);
         b.audit().unwrap();
         // The other model's limit still holds for handed-over chunks.
-        b.charge(c, 20).unwrap();
-        assert_eq!(b.charge(c, 1), Err(LedgerRefusal::ModelLimit));
+        b.ledger.try_charge(c, 20).unwrap();
+        assert_eq!(b.ledger.try_charge(c, 1), Err(LedgerRefusal::ModelLimit));
         let gone = b.drop_conn(2);
         assert_eq!(gone.len(), 1);
         assert_eq!(b.ledger.models[&IDLE].used, 0);
@@ -781,17 +738,20 @@ mod tests {
     }
 
     #[test]
-    fn reclaim_plan_takes_lowest_priority_first_and_spares_guarantees() {
+    fn broker_donors_skip_the_asking_connection_and_guarantees() {
         let mut b = Book::new(1000, policy());
         let lo = b.register(1, 0, "lo", 500, 100, -1).unwrap();
         let hi = b.register(2, 0, "hi", 500, 0, 5).unwrap();
         let mine = b.register(3, 0, "mine", 500, 0, -9).unwrap();
         b.register(3, 0, "me", 500, 0, 0).unwrap();
-        b.charge(lo, 300).unwrap();
-        b.charge(hi, 300).unwrap();
-        b.charge(mine, 300).unwrap();
-        let plan = b.reclaim_plan(3, 250);
-        assert_eq!(plan, vec![(lo, 1, 200), (hi, 2, 50)]);
+        b.ledger.try_charge(lo, 300).unwrap();
+        b.ledger.try_charge(hi, 300).unwrap();
+        b.ledger.try_charge(mine, 300).unwrap();
+        let me = b.names["me"];
+        let donors = crate::budget::donors(&b.ledger, me, &b.reachable(3));
+        let plan = crate::budget::plan(&donors, 250);
+        let plan: Vec<(u64, u64)> = plan.iter().map(|a| (a.key, a.bytes)).collect();
+        assert_eq!(plan, vec![(lo, 200), (hi, 50)]);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use super::protocol::{
 };
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing};
-use crate::pool::{Inner as PoolInner, TrimScope};
+use crate::pool::Inner as PoolInner;
 use crate::shared::ReclaimCallback;
 
 /// The id of requests whose reply nobody waits for (reports, reclaim answers, unregister on
@@ -538,23 +538,11 @@ fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {
                 None => (None, None),
             }
         };
-        let mut freed = 0u64;
-        if let Some(pool) = &pool {
-            // Freed blocks front caches keep (routing's) are idle memory of the model too.
-            pool.flush_fronts();
-            freed += pool
-                .trim(bytes, TrimScope::IdleAndCache)
-                .map_or(0, |r| r.released);
-            if freed < bytes {
-                if let Some(cb) = &callback {
-                    cb(bytes - freed);
-                    pool.flush_fronts();
-                    freed += pool
-                        .trim(bytes - freed, TrimScope::IdleAndCache)
-                        .map_or(0, |r| r.released);
-                }
-            }
-        }
+        // The same give-back as a model of a shared pool asked in its own process.
+        let freed = pool.as_ref().map_or(0, |pool| {
+            let (got, _) = crate::budget::give_back(pool, callback.as_ref(), bytes);
+            got.idle + got.by_callback
+        });
         drop(pool);
         tracing::debug!(ticket, model, bytes, freed, "reclaim request served");
         let done = ToBroker {

@@ -27,9 +27,10 @@ use super::protocol::{
 };
 use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
+use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
+use crate::budget::{self, Ask, Donors, GivenBack, Ledger, Refusal as LedgerRefusal};
 use crate::error::{Error, Result};
 use crate::ipc::{self, FrameWriter, Outgoing, PeerCredentials, SocketDir};
-use crate::shared::ledger::Refusal as LedgerRefusal;
 
 /// How a broker is set up.
 #[derive(Debug, Clone)]
@@ -829,7 +830,7 @@ impl Shared {
                 Vec::new(),
             ),
             Request::SetGuarantee { model, guarantee } if control_only(role) => {
-                (self.set_guarantee(&model, guarantee), Vec::new())
+                (self.set_guarantee(conn, &model, guarantee), Vec::new())
             }
             Request::Metrics
             | Request::Trim
@@ -874,10 +875,11 @@ impl Shared {
             );
         }
         let mut granted: Vec<(u64, PhysicalChunk, bool)> = Vec::with_capacity(count as usize);
-        // A look-ahead never waits for other engines: as if their reclaim was asked already.
-        let mut reclaim_asked = look_ahead;
+        // Other engines are asked at most once for the whole batch.
+        let mut reclaim_asked = false;
         while granted.len() < count as usize {
-            match self.grant_one(conn, model, size, &mut reclaim_asked) {
+            let rest = size.saturating_mul(u64::from(count) - 1 - granted.len() as u64);
+            match self.grant_one(conn, model, size, rest, look_ahead, &mut reclaim_asked) {
                 Ok(g) => granted.push(g),
                 Err(reply) => {
                     self.undo_grants(conn, model, &granted);
@@ -928,85 +930,63 @@ impl Shared {
     }
 
     /// One chunk of `size` bytes for `model` (see [`Shared::grow`]): its id, the chunk, and
-    /// whether it was handed over. A refusal or an error comes back as the reply to send.
+    /// whether it was handed over. An idle chunk of that size is reused first; otherwise the
+    /// budget engine ([`crate::budget`]) admits it, with the idle list and other engines as
+    /// donors. A refusal or an error comes back as the reply to send.
     fn grant_one(
         &self,
         conn: u64,
         model: u64,
         size: u64,
+        rest: u64,
+        look_ahead: bool,
         reclaim_asked: &mut bool,
     ) -> std::result::Result<(u64, PhysicalChunk, bool), Reply> {
-        loop {
-            enum Next {
-                HandOver(u64, PhysicalChunk),
-                Create,
-                ReleaseIdle(Vec<(u64, PhysicalChunk)>),
-                Reclaim(Vec<(u64, u64, u64, u64)>),
+        {
+            let mut book = self.book.lock();
+            if let Err(e) = book.own_model(conn, model) {
+                return Err(book_error(e));
             }
-            let next = {
+            if let Err(e) = book.check_user_bytes(model, size) {
+                book.counters.refusals += 1;
+                return Err(book_error(e));
+            }
+            // Memory no model holds is reused before anything is created, as a pool reuses
+            // its own cache.
+            if let Some((cid, chunk)) = book.hand_over(model, size) {
+                return Ok((cid, chunk, true));
+            }
+        }
+        let mut remote = Remote {
+            shared: self,
+            conn,
+            size,
+            rest,
+            asked: reclaim_asked,
+            handed: None,
+        };
+        let admitted = budget::admit(&mut remote, model, size, look_ahead);
+        if let Some((cid, chunk)) = remote.handed.take() {
+            return Ok((cid, chunk, true));
+        }
+        match admitted.charged {
+            Ok(_) => match self.backend.create(size as usize) {
+                Ok(chunk) => {
+                    let cid = self.book.lock().add_created(model, chunk);
+                    Ok((cid, chunk, false))
+                }
+                Err(e) => {
+                    self.book.lock().ledger.credit(model, size);
+                    Err(error_reply(ErrorKind::Backend, e.to_string()))
+                }
+            },
+            Err((why, _)) => {
                 let mut book = self.book.lock();
-                if let Err(e) = book.own_model(conn, model) {
-                    return Err(book_error(e));
+                book.counters.refusals += 1;
+                match (why, book.check_user_bytes(model, size)) {
+                    (LedgerRefusal::Policy, Err(e)) => Err(book_error(e)),
+                    _ => Err(Reply::Refused(book.refusal(model, size, why))),
                 }
-                if let Err(e) = book.check_user_bytes(model, size) {
-                    book.counters.refusals += 1;
-                    return Err(book_error(e));
-                }
-                if let Some((cid, chunk)) = book.hand_over(model, size) {
-                    Next::HandOver(cid, chunk)
-                } else {
-                    match book.charge(model, size) {
-                        Ok(()) => Next::Create,
-                        Err(LedgerRefusal::Global { short }) if book.idle_bytes > 0 => {
-                            Next::ReleaseIdle(book.take_idle(short))
-                        }
-                        Err(why @ LedgerRefusal::Global { short }) if !*reclaim_asked => {
-                            let plan = book.reclaim_plan(conn, short);
-                            if plan.is_empty() {
-                                book.counters.refusals += 1;
-                                return Err(Reply::Refused(book.refusal(model, size, why)));
-                            }
-                            let mut pushes = Vec::new();
-                            for (victim, vconn, bytes) in plan {
-                                let ticket = book.next_id();
-                                book.tickets.insert(
-                                    ticket,
-                                    Ticket {
-                                        conn: vconn,
-                                        model: victim,
-                                    },
-                                );
-                                pushes.push((ticket, victim, vconn, bytes));
-                            }
-                            book.counters.reclaim_requests += pushes.len() as u64;
-                            Next::Reclaim(pushes)
-                        }
-                        Err(why) => {
-                            book.counters.refusals += 1;
-                            return Err(Reply::Refused(book.refusal(model, size, why)));
-                        }
-                    }
-                }
-            };
-            match next {
-                Next::ReleaseIdle(idle) => self.release_all(idle, Some(IDLE)),
-                Next::Reclaim(pushes) => {
-                    *reclaim_asked = true;
-                    let tickets: Vec<u64> = pushes.iter().map(|p| p.0).collect();
-                    self.push_reclaims(&pushes);
-                    self.wait_tickets(&tickets, Instant::now() + self.config.reclaim_wait);
-                }
-                Next::Create => match self.backend.create(size as usize) {
-                    Ok(chunk) => {
-                        let cid = self.book.lock().add_created(model, chunk);
-                        return Ok((cid, chunk, false));
-                    }
-                    Err(e) => {
-                        self.book.lock().ledger.credit(model, size);
-                        return Err(error_reply(ErrorKind::Backend, e.to_string()));
-                    }
-                },
-                Next::HandOver(cid, chunk) => return Ok((cid, chunk, true)),
             }
         }
     }
@@ -1048,145 +1028,234 @@ impl Shared {
         }
     }
 
-    /// Change a model's limit. Raising (or lowering to no less than its use) is immediate;
-    /// lowering below its use stops growth at the new limit at once (the cap), asks the engine
-    /// to give back, and waits up to `deadline`. A later change of the same model replaces this
-    /// one (it stops waiting and says so); a lowering that times out puts the cap back to the
-    /// standing limit only if no later change came (compare-and-restore), so it never clobbers
-    /// a change made while it waited.
+    /// Change a model's limit ([`crate::budget::change`]'s rules, the shared pool's too).
+    /// Raising (or lowering to no less than its use) is immediate; lowering below its use stops
+    /// growth at the new limit at once (a cap held for this change), asks the engine to give
+    /// back, and waits up to `deadline`. A later change of the same model replaces this one
+    /// (it stops waiting and says so); one that gives up lifts only its own cap.
     fn set_limit(&self, name: &str, limit: u64, deadline: Duration) -> Reply {
-        let (key, conn, old, used, guarantee, change) = {
-            let mut book = self.book.lock();
-            let Some(&key) = book.names.get(name) else {
-                return error_reply(
-                    ErrorKind::Unknown,
-                    format!("no model {name:?} is registered"),
-                );
-            };
-            let Some((old, used, guarantee)) = book
-                .ledger
-                .models
-                .get(&key)
-                .map(|b| (b.limit, b.used, b.guarantee))
-            else {
-                return error_reply(
-                    ErrorKind::Unknown,
-                    format!("no model {name:?} is registered"),
-                );
-            };
-            if limit == 0 || limit < guarantee {
-                return error_reply(
-                    ErrorKind::InvalidArgument,
-                    format!("model {name:?}: limit {limit} must be positive and at least its guarantee {guarantee}"),
-                );
-            }
-            let Some(entry) = book.models.get_mut(&key) else {
-                return error_reply(
-                    ErrorKind::Unknown,
-                    format!("no model {name:?} is registered"),
-                );
-            };
-            entry.limit_change += 1;
-            let (change, conn) = (entry.limit_change, entry.conn);
-            if used <= limit {
-                book.ledger.set_limit(key, limit);
-                tracing::info!(model = %name, old, limit, "limit changed");
-                return Reply::Changed(ChangeOutcome {
-                    model: name.into(),
-                    limit,
-                    guarantee,
-                    used,
-                    reclaimed: 0,
-                });
-            }
-            // Growth stops at the new limit at once; the engine is asked for the rest.
-            book.ledger.set_cap(key, limit);
-            (key, conn, old, used, guarantee, change)
-        };
-        let ticket = {
-            let mut book = self.book.lock();
-            let t = book.next_id();
-            book.tickets.insert(t, Ticket { conn, model: key });
-            book.counters.reclaim_requests += 1;
-            t
-        };
-        self.push_reclaims(&[(ticket, key, conn, used - limit)]);
-        let end = Instant::now() + deadline;
-        let mut book = self.book.lock();
-        loop {
-            let now_used = book.ledger.models.get(&key).map_or(0, |b| b.used);
-            let Some(latest) = book.models.get(&key).map(|m| m.limit_change) else {
-                book.tickets.remove(&ticket);
-                return error_reply(ErrorKind::Unknown, format!("model {name:?} went away"));
-            };
-            if latest != change {
-                book.tickets.remove(&ticket);
-                let now = book.ledger.models.get(&key).map_or(0, |b| b.limit);
-                return error_reply(
-                    ErrorKind::NotReached,
-                    format!("model {name:?}: the change of its limit to {limit} bytes was replaced by a later change while it waited (the limit is {now})"),
-                );
-            }
-            if now_used <= limit {
-                book.tickets.remove(&ticket);
-                book.ledger.set_limit(key, limit);
-                tracing::info!(model = %name, old, limit, reclaimed = used.saturating_sub(now_used), "limit lowered");
-                return Reply::Changed(ChangeOutcome {
-                    model: name.into(),
-                    limit,
-                    guarantee,
-                    used: now_used,
-                    reclaimed: used.saturating_sub(now_used),
-                });
-            }
-            if self.changed.wait_until(&mut book, end).timed_out() {
-                let now_used = book.ledger.models.get(&key).map_or(0, |b| b.used);
-                let latest = book.models.get(&key).map(|m| m.limit_change);
-                if now_used <= limit || latest != Some(change) {
-                    continue;
-                }
-                book.tickets.remove(&ticket);
-                // Still our cap (no later change): back to the standing limit.
-                let standing = book.ledger.models.get(&key).map_or(old, |b| b.limit);
-                book.ledger.set_cap(key, standing);
-                return error_reply(
-                    ErrorKind::NotReached,
-                    format!(
-                        "model {name:?}: cannot set limit to {limit} bytes within {} ms: it still uses {now_used} bytes after giving back {}; the limit stays {standing}",
-                        deadline.as_millis(),
-                        used.saturating_sub(now_used)
-                    ),
-                );
-            }
-        }
-    }
-
-    fn set_guarantee(&self, name: &str, guarantee: u64) -> Reply {
-        let mut book = self.book.lock();
-        let Some(&key) = book.names.get(name) else {
+        let Some(key) = self.book.lock().names.get(name).copied() else {
             return error_reply(
                 ErrorKind::Unknown,
                 format!("no model {name:?} is registered"),
             );
         };
-        let b = &book.ledger.models[&key];
-        let (limit, used) = (b.limit, b.used);
-        if guarantee > limit {
-            return error_reply(
+        let mut own = OwnEngine {
+            shared: self,
+            deadline,
+        };
+        match change::set_limit(&mut own, key, limit) {
+            Ok(c) => {
+                let guarantee = self.book.lock().ledger.models.get(&key).map_or(0, |b| b.guarantee);
+                Reply::Changed(ChangeOutcome {
+                    model: name.into(),
+                    limit,
+                    guarantee,
+                    used: c.used,
+                    reclaimed: c.before.saturating_sub(c.used),
+                })
+            }
+            Err(LimitRefused::Unknown) => error_reply(ErrorKind::Unknown, format!("model {name:?} went away")),
+            Err(LimitRefused::Invalid { guarantee }) => error_reply(
                 ErrorKind::InvalidArgument,
-                format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
-            );
-        }
-        if let Err(e) = book.check_guarantee_total(name, Some(key), guarantee) {
-            return book_error(e);
-        }
-        match book.ledger.try_set_guarantee(key, guarantee) {
-            Ok(()) => Reply::Changed(ChangeOutcome { model: name.into(), limit, guarantee, used, reclaimed: 0 }),
-            Err(max) => error_reply(
+                format!("model {name:?}: limit {limit} must be positive and at least its guarantee {guarantee}"),
+            ),
+            Err(LimitRefused::Replaced { now }) => error_reply(
                 ErrorKind::NotReached,
-                format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", book.ledger.global_limit),
+                format!("model {name:?}: the change of its limit to {limit} bytes was replaced by a later change while it waited (the limit is {now})"),
+            ),
+            Err(LimitRefused::NotReached { before, used, standing, .. }) => error_reply(
+                ErrorKind::NotReached,
+                format!(
+                    "model {name:?}: cannot set limit to {limit} bytes within {} ms: it still uses {used} bytes after giving back {}; the limit stays {standing}",
+                    deadline.as_millis(),
+                    before.saturating_sub(used)
+                ),
             ),
         }
+    }
+
+    /// Change a model's guarantee ([`crate::budget::change`]'s rules): lowering takes effect
+    /// at once; raising needs room in the budget, made once by the budget engine's donors (the
+    /// idle list, then other engines asked to give back), within the policy's total; else
+    /// nothing changes and the error says how much room there is.
+    fn set_guarantee(&self, conn: u64, name: &str, guarantee: u64) -> Reply {
+        let Some(key) = self.book.lock().names.get(name).copied() else {
+            return error_reply(
+                ErrorKind::Unknown,
+                format!("no model {name:?} is registered"),
+            );
+        };
+        let policy = self.book.lock().policy.clone();
+        let mut asked = false;
+        let mut remote = Remote {
+            shared: self,
+            conn,
+            size: 0,
+            rest: 0,
+            asked: &mut asked,
+            handed: None,
+        };
+        let outcome = change::set_guarantee(&mut remote, key, guarantee, |l| {
+            policy.check_guarantee_total(l, name, Some(key), guarantee)
+        });
+        match outcome {
+            Ok(Ok((used, reclaimed))) => {
+                let limit = self.book.lock().ledger.models.get(&key).map_or(0, |b| b.limit);
+                Reply::Changed(ChangeOutcome { model: name.into(), limit, guarantee, used, reclaimed })
+            }
+            Ok(Err(GuaranteeRefused::Unknown)) => error_reply(ErrorKind::Unknown, format!("no model {name:?} is registered")),
+            Ok(Err(GuaranteeRefused::AboveLimit { limit })) => error_reply(
+                ErrorKind::InvalidArgument,
+                format!("model {name:?}: guarantee {guarantee} is above its limit {limit}"),
+            ),
+            Ok(Err(GuaranteeRefused::NoRoom { max, .. })) => error_reply(
+                ErrorKind::NotReached,
+                format!("model {name:?}: cannot guarantee {guarantee} bytes: at most {max} fit beside the other models' use and guarantees in the global budget of {}", self.config.global_limit),
+            ),
+            Err(e) => book_error(e),
+        }
+    }
+}
+
+/// An engine asked for its own model's memory (its limit lowered): a reclaim ticket, waited
+/// for until the model is within the new limit, a later change replaced this one, or the
+/// deadline.
+struct OwnEngine<'a> {
+    shared: &'a Shared,
+    deadline: Duration,
+}
+
+impl Lowering for OwnEngine<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.book.lock().ledger)
+    }
+
+    fn ask_own(
+        &mut self,
+        key: u64,
+        bytes: u64,
+        settled: &dyn Fn(&Ledger) -> bool,
+    ) -> (GivenBack, Result<()>) {
+        let end = Instant::now() + self.deadline;
+        let ticket = {
+            let mut book = self.shared.book.lock();
+            let Some(conn) = book.models.get(&key).map(|m| m.conn) else {
+                return (GivenBack::default(), Ok(()));
+            };
+            let t = book.next_id();
+            book.tickets.insert(t, Ticket { conn, model: key });
+            book.counters.reclaim_requests += 1;
+            (t, conn)
+        };
+        self.shared
+            .push_reclaims(&[(ticket.0, key, ticket.1, bytes)]);
+        let mut book = self.shared.book.lock();
+        while !settled(&book.ledger) {
+            if self.shared.changed.wait_until(&mut book, end).timed_out() {
+                break;
+            }
+        }
+        book.tickets.remove(&ticket.0);
+        // What it gave back is booked as it comes (its answer to the ticket).
+        (GivenBack::default(), Ok(()))
+    }
+}
+
+/// The broker's transport for the budget engine, for one request of connection `conn`: the idle
+/// list is handed over (a chunk of the size asked) or released, other engines are asked to give
+/// back (at most once per request, waiting up to the reclaim wait).
+struct Remote<'a> {
+    shared: &'a Shared,
+    conn: u64,
+    /// The size of the chunk asked for (0: not a growth), and the bytes of the batch after it.
+    size: u64,
+    rest: u64,
+    /// Whether other engines were asked already for this request.
+    asked: &'a mut bool,
+    /// The idle chunk handed over.
+    handed: Option<(u64, PhysicalChunk)>,
+}
+
+impl Donors for Remote<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.book.lock().ledger)
+    }
+
+    fn charge(&self, asker: u64, bytes: u64) -> std::result::Result<(), LedgerRefusal> {
+        let mut book = self.shared.book.lock();
+        if book.check_user_bytes(asker, bytes).is_err() {
+            return Err(LedgerRefusal::Policy);
+        }
+        book.ledger.try_charge(asker, bytes)
+    }
+
+    fn reachable(&mut self, _asker: u64) -> Vec<(u64, u64)> {
+        self.shared.book.lock().reachable(self.conn)
+    }
+
+    fn rest(&self) -> u64 {
+        self.rest
+    }
+
+    /// Only the idle list's chunks move directly: one of the size asked, which serves the whole
+    /// request (however little of it the budget lacked).
+    fn hand_over(&mut self, asker: u64, from: Ask, _want: u64) -> u64 {
+        if from.key != IDLE || self.size == 0 || self.handed.is_some() {
+            return 0;
+        }
+        let got = self.shared.book.lock().hand_over(asker, self.size);
+        let n = got.map_or(0, |_| self.size);
+        self.handed = got;
+        n
+    }
+
+    fn reclaim(&mut self, asks: &[Ask]) -> u64 {
+        let mut got = 0u64;
+        let mut pushes = Vec::new();
+        for a in asks {
+            if a.key == IDLE {
+                // Only what this chunk lacks: the rest of a batch may still be handed idle
+                // chunks over.
+                let want = a.bytes.saturating_sub(self.rest).max(1);
+                let idle = self.shared.book.lock().take_idle(want);
+                got += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
+                self.shared.release_all(idle, Some(IDLE));
+            } else if !*self.asked {
+                pushes.push(*a);
+            }
+        }
+        if pushes.is_empty() {
+            return got;
+        }
+        *self.asked = true;
+        let pushes: Vec<(u64, u64, u64, u64)> = {
+            let mut book = self.shared.book.lock();
+            let pushes: Vec<_> = pushes
+                .iter()
+                .filter_map(|a| {
+                    let vconn = book.models.get(&a.key)?.conn;
+                    let ticket = book.next_id();
+                    book.tickets.insert(
+                        ticket,
+                        Ticket {
+                            conn: vconn,
+                            model: a.key,
+                        },
+                    );
+                    Some((ticket, a.key, vconn, a.bytes))
+                })
+                .collect();
+            book.counters.reclaim_requests += pushes.len() as u64;
+            pushes
+        };
+        let tickets: Vec<u64> = pushes.iter().map(|p| p.0).collect();
+        self.shared.push_reclaims(&pushes);
+        self.shared
+            .wait_tickets(&tickets, Instant::now() + self.shared.config.reclaim_wait);
+        // What came back is on the idle list (or released) by now; the engine's next round
+        // sees it.
+        got + pushes.iter().map(|p| p.3).sum::<u64>()
     }
 }
 

@@ -1,14 +1,14 @@
 //! The shared pool: several models on one device, each under its own physical limit.
 //!
 //! Each registered model gets its own [`Pool`] (its own virtual reservation, its own idle memory
-//! and chunk cache) whose physical growth is admitted by one ledger (`ledger.rs`) per device
-//! before any driver call:
+//! and chunk cache) whose physical growth is admitted by the budget engine (`crate::budget`:
+//! one book per device, and the same rules as the broker's) before any driver call:
 //! - a model never holds more than its limit;
 //! - all models together never hold more than the global limit, less what other models were
 //!   guaranteed and do not use yet;
 //! - when the global budget is full, memory other models hold but do not use (cached chunks and
-//!   idle mapped chunks, above their guarantees, lowest priority first) is reclaimed before a
-//!   request is refused;
+//!   idle mapped chunks, above their guarantees, lowest priority first) is handed over or
+//!   reclaimed before a request is refused; a request that cannot fit even so takes nothing;
 //! - limits and guarantees change live; lowering a limit reclaims the model's own idle memory
 //!   first, then asks the model through its reclaim callback, and fails (changing nothing) if
 //!   the new limit cannot be reached.
@@ -26,8 +26,6 @@
 //! margin) when the budget must be the device's truth. The default global limit is the
 //! device's free memory when the shared pool is created, less a margin.
 
-pub(crate) mod ledger;
-
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Deref;
@@ -40,16 +38,15 @@ use parking_lot::Mutex;
 
 use crate::backend::PhysicalChunk;
 use crate::backend::{Backend, BackendInfo};
+use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
+use crate::budget::{self, Ask, Donors, GivenBack, Ledger, ModelBook, Refusal};
 use crate::error::{Error, Result};
 use crate::pool::{Acquired, Admission, Fit, Pool, PoolConfig, Urgency};
-use ledger::{Ledger, ModelBook, Refusal};
 
 /// Default margin left free on the device when the global limit is taken from its free memory.
 pub const DEFAULT_MARGIN: u64 = 1 << 30;
 
-/// A model's reclaim callback: asked to free `bytes` of its memory (for example by evicting
-/// KV blocks). It runs with no lock held; the shared pool trims what it freed afterwards.
-pub type ReclaimCallback = Arc<dyn Fn(u64) + Send + Sync>;
+pub use crate::budget::ReclaimCallback;
 
 /// How a [`SharedPool`] is set up.
 #[derive(Debug, Clone, Default)]
@@ -519,24 +516,20 @@ impl SharedPool {
             return Err(Error::DuplicateModel { model: id });
         }
         let key = self.inner.next_key.fetch_add(1, Ordering::Relaxed);
-        let book = || ModelBook {
-            id: id.as_str().into(),
-            limit: config.limit,
-            cap: config.limit,
-            guarantee: config.guarantee,
-            priority: config.priority,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
+        let book = || {
+            ModelBook::new(
+                id.as_str().into(),
+                config.limit,
+                config.guarantee,
+                config.priority,
+            )
         };
         for attempt in 0..2 {
             let added = self.inner.ledger.lock().add(key, book());
             let Err(room) = added else { break };
             // The guarantee must fit beside what is promised and used: reclaim idle memory of
             // other models once, then give up.
-            if attempt == 1 || self.inner.reclaim_for(None, config.guarantee - room) == 0 {
+            if attempt == 1 || self.inner.reclaim_for(key, config.guarantee - room) == 0 {
                 return Err(Error::ChangeNotReached {
                     model: id,
                     what: "guarantee",
@@ -646,146 +639,106 @@ impl SharedPool {
         self.inner.check(slot.key, bytes)
     }
 
-    /// Change a model's limit. Raising takes effect at once. Lowering below what the model uses
-    /// gives back its cached and idle memory, then calls its reclaim callback and gives back what
-    /// that freed; if the model still uses more than `limit`, the old limit stays and the error
-    /// says how far it got. Growth is held below `limit` meanwhile; concurrent changes each
-    /// hold their own cap, and a failed one lifts only its own (never one set since).
+    /// Change a model's limit (the budget engine's rules, the broker's too). Raising takes
+    /// effect at once. Lowering below what the model uses gives back its cached and idle
+    /// memory, then calls its reclaim callback and gives back what that freed; if the model
+    /// still uses more than `limit`, the old limit stays and the error says how far it got.
+    /// Growth is held below `limit` meanwhile; concurrent changes each hold their own cap, a
+    /// failed one lifts only its own, and a later change replaces one still under way.
     pub fn set_limit(&self, id: &str, limit: u64) -> Result<ChangeReport> {
         let slot = self.slot(id)?;
-        let key = slot.key;
-        let (used, hold) = {
-            let mut l = self.inner.ledger.lock();
-            let m = &l.models[&key];
-            if limit < m.guarantee {
-                return Err(Error::InvalidModelConfig {
-                    model: id.to_string(),
-                    reason: format!(
-                        "limit {limit} is below the guarantee {}: lower the guarantee first",
-                        m.guarantee
-                    ),
-                });
-            }
-            let used = m.used;
-            if used <= limit {
-                l.set_limit(key, limit);
-                drop(l);
-                tracing::info!(model = %id, limit, "limit changed");
-                return Ok(ChangeReport {
-                    used,
-                    ..Default::default()
-                });
-            }
-            // Hold growth below the new limit while memory is reclaimed.
-            (used, l.hold_cap(key, limit))
+        let mut own = OwnPool {
+            shared: &self.inner,
+            slot: &slot,
         };
-        let mut report = ChangeReport::default();
-        // Freed blocks front caches keep for reuse go back to the pool first, where they are
-        // idle.
-        slot.pool.inner().flush_fronts();
-        let mut result = slot
-            .pool
-            .inner()
-            .reclaim(used - limit)
-            .map(|r| report.reclaimed_idle = r);
-        let over = |s: &Self| {
-            s.inner.ledger.lock().models[&key]
-                .used
-                .saturating_sub(limit)
-        };
-        if result.is_ok() && over(self) > 0 {
-            if let Some(cb) = &slot.reclaim {
-                let want = over(self);
-                tracing::info!(model = %id, bytes = want, "asking the model to free memory");
-                cb(want);
-                // What the callback freed through routing is cached for reuse: give it back.
-                slot.pool.inner().flush_fronts();
-                result = slot
-                    .pool
-                    .inner()
-                    .reclaim(over(self))
-                    .map(|r| report.reclaimed_by_callback = r);
-            }
-        }
-        let mut l = self.inner.ledger.lock();
-        l.release_cap(key, hold);
-        let reclaimed = report.reclaimed_idle + report.reclaimed_by_callback;
-        l.note_reclaimed(key, reclaimed);
-        let (used, old_limit) = (l.models[&key].used, l.models[&key].limit);
-        report.used = used;
-        if used <= limit {
-            l.set_limit(key, limit);
-            drop(l);
-            tracing::info!(model = %id, limit, reclaimed, "limit lowered");
-            return result.map(|()| report);
-        }
-        drop(l);
-        tracing::warn!(model = %id, limit, used, reclaimed, "limit could not be lowered");
-        result?;
-        Err(Error::ChangeNotReached {
+        let not_reached = |used, reclaimed, reason: String| Error::ChangeNotReached {
             model: id.to_string(),
             what: "limit",
             wanted: limit,
-            reason: format!(
-                "{} bytes are still in use after giving back idle memory{}; the limit stays {old_limit}",
-                used,
-                if slot.reclaim.is_some() { " and asking the model" } else { " (no reclaim callback registered)" }
-            ),
+            reason,
             used,
             reclaimed,
-        })
+        };
+        match change::set_limit(&mut own, slot.key, limit) {
+            Ok(c) => Ok(ChangeReport {
+                reclaimed_idle: c.given.idle,
+                reclaimed_by_callback: c.given.by_callback,
+                reclaimed_from_others: 0,
+                used: c.used,
+            }),
+            Err(LimitRefused::Unknown) => Err(Error::UnknownModel {
+                model: id.to_string(),
+            }),
+            Err(LimitRefused::Invalid { guarantee }) => Err(Error::InvalidModelConfig {
+                model: id.to_string(),
+                reason: format!(
+                    "limit {limit} must be positive and at least the guarantee {guarantee}: lower the guarantee first"
+                ),
+            }),
+            Err(LimitRefused::Replaced { now }) => Err(not_reached(
+                0,
+                0,
+                format!("a later change of the limit replaced this one (the limit is {now})"),
+            )),
+            Err(LimitRefused::NotReached {
+                before,
+                used,
+                standing,
+                error,
+                ..
+            }) => match error {
+                Some(e) => Err(*e),
+                None => Err(not_reached(
+                    used,
+                    before.saturating_sub(used),
+                    format!(
+                        "{used} bytes are still in use after giving back idle memory{}; the limit stays {standing}",
+                        if slot.reclaim.is_some() { " and asking the model" } else { " (no reclaim callback registered)" }
+                    ),
+                )),
+            },
+        }
     }
 
     /// Change a model's guarantee. Lowering takes effect at once; raising needs room in the
     /// budget, made by reclaiming other models' idle memory if necessary, else nothing changes
     /// and the error says how much room there is.
     pub fn set_guarantee(&self, id: &str, guarantee: u64) -> Result<ChangeReport> {
-        let slot = self.slot(id)?;
-        let key = slot.key;
-        let mut report = ChangeReport::default();
-        for attempt in 0..2 {
-            let outcome = {
-                let mut l = self.inner.ledger.lock();
-                let m = &l.models[&key];
-                if guarantee > m.limit {
-                    return Err(Error::InvalidModelConfig {
-                        model: id.to_string(),
-                        reason: format!("guarantee {guarantee} is above the limit {}", m.limit),
-                    });
-                }
-                l.try_set_guarantee(key, guarantee)
-                    .map(|()| l.models[&key].used)
-            };
-            match outcome {
-                Ok(used) => {
-                    report.used = used;
-                    tracing::info!(model = %id, guarantee, "guarantee changed");
-                    return Ok(report);
-                }
-                Err(max) => {
-                    let got = if attempt == 0 {
-                        self.inner.reclaim_for(Some(key), guarantee - max)
-                    } else {
-                        0
-                    };
-                    report.reclaimed_from_others += got;
-                    if got == 0 {
-                        let used = self.inner.ledger.lock().models[&key].used;
-                        return Err(Error::ChangeNotReached {
-                            model: id.to_string(),
-                            what: "guarantee",
-                            wanted: guarantee,
-                            reason: format!("at most {max} bytes can be guaranteed beside other models' use and guarantees"),
-                            used,
-                            reclaimed: report.reclaimed_from_others,
-                        });
-                    }
-                }
-            }
+        let key = self.slot(id)?.key;
+        let none = AtomicU64::new(0);
+        let mut local = Local::new(&self.inner, &none);
+        let outcome = change::set_guarantee(&mut local, key, guarantee, |_| Ok::<(), ()>(()));
+        drop(local);
+        match outcome {
+            Ok(Ok((used, reclaimed))) => Ok(ChangeReport {
+                used,
+                reclaimed_from_others: reclaimed,
+                ..Default::default()
+            }),
+            Ok(Err(GuaranteeRefused::AboveLimit { limit })) => Err(Error::InvalidModelConfig {
+                model: id.to_string(),
+                reason: format!("guarantee {guarantee} is above the limit {limit}"),
+            }),
+            Ok(Err(GuaranteeRefused::NoRoom { max, reclaimed })) => Err(Error::ChangeNotReached {
+                model: id.to_string(),
+                what: "guarantee",
+                wanted: guarantee,
+                reason: format!(
+                    "at most {max} bytes can be guaranteed beside other models' use and guarantees"
+                ),
+                used: self
+                    .inner
+                    .ledger
+                    .lock()
+                    .models
+                    .get(&key)
+                    .map_or(0, |m| m.used),
+                reclaimed,
+            }),
+            Ok(Err(GuaranteeRefused::Unknown)) | Err(()) => Err(Error::UnknownModel {
+                model: id.to_string(),
+            }),
         }
-        Err(Error::InvalidArgument(
-            "unreachable: guarantee loop ended".into(),
-        ))
     }
 
     /// A consistent snapshot of all models and the budget.
@@ -919,30 +872,12 @@ impl SharedInner {
     /// The admission check without charging.
     fn check(&self, key: u64, bytes: u64) -> Result<()> {
         let l = self.ledger.lock();
-        if bytes <= l.headroom(key) {
-            return Ok(());
-        }
-        let why = match l.models.get(&key) {
-            None => Refusal::Retired,
-            Some(m) if m.retired => Refusal::Retired,
-            Some(m)
-                if m.used
-                    .checked_add(bytes)
-                    .is_none_or(|n| n > m.limit.min(m.cap)) =>
-            {
-                Refusal::ModelLimit
-            }
-            Some(_) => Refusal::Global { short: 0 },
-        };
-        Err(l.refusal_error(key, bytes, why))
+        l.check(key, bytes)
+            .map_err(|why| l.refusal_error(key, bytes, why))
     }
 
-    /// Admission for one growth of model `key`, counted in its pool's `in_flight`. When the
-    /// global budget is full, idle memory of other models makes room: first handed over as
-    /// whole chunks that fit (no release, no create), then released. A request that cannot fit
-    /// even with all of it takes none of it (handed over to a request refused anyway, it would
-    /// stay charged to the refused model, out of everyone's reach); one that loses a race for
-    /// it comes back refused with what it was handed, which the pool releases.
+    /// Admission for one growth of model `key`, counted in its pool's `in_flight`: the budget
+    /// engine's rules ([`crate::budget`]) with this process's pools as donors.
     fn acquire(
         &self,
         key: u64,
@@ -951,186 +886,150 @@ impl SharedInner {
         fit: Fit,
         in_flight: &AtomicU64,
     ) -> Acquired {
-        let mut donated: Vec<PhysicalChunk> = Vec::new();
-        let mut left = bytes;
-        let mut last = Refusal::Retired;
-        for attempt in 0..3 {
-            let refusal = {
-                let mut l = self.ledger.lock();
-                match l.try_charge(key, left) {
-                    Ok(()) => {
-                        in_flight.fetch_add(left, Ordering::AcqRel);
-                        return Acquired {
-                            donated,
-                            charged: Ok(left),
-                        };
-                    }
-                    Err(r) => r,
-                }
-            };
-            last = refusal;
-            let Refusal::Global { short } = refusal else {
-                break;
-            };
-            if urgency == Urgency::LookAhead || attempt == 2 {
-                break;
+        let mut local = Local::new(self, in_flight);
+        (local.max_chunk, local.room) = (fit.max_chunk, fit.room);
+        let optional = urgency == Urgency::LookAhead;
+        let admitted = budget::admit(&mut local, key, bytes, optional);
+        let donated = std::mem::take(&mut local.donated);
+        // The references are dropped with no lock held.
+        drop(local);
+        let charged = admitted.charged.map_err(|(why, left)| {
+            let err = self.ledger.lock().refusal_error(key, left, why);
+            if optional {
+                tracing::debug!(error = %err, "optional growth not admitted");
+            } else {
+                tracing::warn!(error = %err, "admission refused");
             }
-            let donors = self.donors(Some(key));
-            if donors.iter().map(|(n, _)| *n).sum::<u64>() < short {
-                tracing::debug!(
-                    model = key,
-                    short,
-                    "other models' spare memory cannot make room"
-                );
-                break;
-            }
-            if attempt == 0 {
-                let room = fit.room.saturating_sub(bytes - left);
-                // Only what the budget lacks moves: the rest is charged and created as usual.
-                let want = short.min(left);
-                let got = self.donate_to(key, &donors, want, fit.max_chunk, room, in_flight);
-                let n: u64 = got.iter().map(|c| c.size() as u64).sum();
-                donated.extend(got);
-                if n >= left {
-                    return Acquired {
-                        donated,
-                        charged: Ok(0),
-                    };
-                }
-                if n > 0 {
-                    left -= n;
-                    continue;
-                }
-            }
-            if self.reclaim_from(&donors, short) == 0 {
-                break;
-            }
-        }
-        let mut l = self.ledger.lock();
-        let err = l.refusal_error(key, left, last);
-        if urgency == Urgency::Required {
-            l.note_refusal(key);
-            drop(l);
-            tracing::warn!(error = %err, "admission refused");
-        } else {
-            drop(l);
-            tracing::debug!(error = %err, "optional growth not admitted");
-        }
-        Acquired {
-            donated,
-            charged: Err(err),
-        }
-    }
-
-    /// Models other than `for_key` holding memory they do not use above their guarantees, as
-    /// `(spare bytes, model)`, in reclaim order: lowest priority first, then most spare.
-    fn donors(&self, for_key: Option<u64>) -> Vec<(u64, ModelRef)> {
-        let refs = self.model_refs(for_key);
-        // Freed blocks front caches keep for a model (routing's, for same-stream reuse) are
-        // idle memory too: they go back to their pools (behind fences) before the models'
-        // spare memory is measured. No lock is held here.
-        for r in &refs {
-            r.pool.flush_fronts();
-        }
-        let spare: Vec<Option<(i32, u64)>> = {
-            let l = self.ledger.lock();
-            refs.iter()
-                .map(|r| {
-                    let m = l.models.get(&r.key)?;
-                    let ps = r.pool.stats();
-                    let spare = (ps.idle() + ps.cached).min(m.used.saturating_sub(m.guarantee));
-                    (spare > 0).then_some((m.priority, spare))
-                })
-                .collect()
-        };
-        // The references are filtered (and some dropped) with no lock held.
-        let mut candidates: Vec<(i32, u64, ModelRef)> = refs
-            .into_iter()
-            .zip(spare)
-            .filter_map(|(r, s)| s.map(|(p, n)| (p, n, r)))
-            .collect();
-        candidates.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        candidates.into_iter().map(|(_, n, r)| (n, r)).collect()
-    }
-
-    /// Hand idle chunks of other models (each at most `max_chunk`, together at most `room`, at
-    /// least `want` bytes when they have them, largest first) to model `key`: unmapped from the
-    /// donor, their charge and in-flight count moved to `key` (within its limit) in one ledger
-    /// critical section, and returned to the caller to map. Nothing is released or created,
-    /// which is what makes moving memory between models fast.
-    fn donate_to(
-        &self,
-        key: u64,
-        donors: &[(u64, ModelRef)],
-        want: u64,
-        max_chunk: u64,
-        room: u64,
-        in_flight: &AtomicU64,
-    ) -> Vec<PhysicalChunk> {
-        let mut out = Vec::new();
-        let mut got = 0;
-        for &(spare, ref donor) in donors {
-            if got >= want || got >= room {
-                break;
-            }
-            let headroom = self.ledger.lock().headroom_own(key);
-            let max_size = max_chunk.min(headroom).min(room - got);
-            if max_size == 0 {
-                break;
-            }
-            // Never more than the recipient can take: what it cannot is released for nothing.
-            let cap = spare.min(room - got).min(headroom);
-            let chunks = donor.pool.take_spare(want - got, max_size, cap);
-            if chunks.is_empty() {
-                continue;
-            }
-            let (moved, refused): (Vec<_>, Vec<_>) = {
-                let mut l = self.ledger.lock();
-                let (moved, refused): (Vec<_>, Vec<_>) = chunks
-                    .into_iter()
-                    .partition(|c| l.transfer(donor.key, key, c.size() as u64));
-                let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
-                donor.pool.hand_off(bytes);
-                in_flight.fetch_add(bytes, Ordering::AcqRel);
-                if bytes > 0 {
-                    l.note_reclaimed(donor.key, bytes);
-                }
-                (moved, refused)
-            };
-            // Chunks the recipient's limit could not take go back to the driver (credited to
-            // the donor as they are released); a failed release leaves them in its cache.
-            let _ = donor.pool.release_chunks(refused);
-            let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
-            if bytes > 0 {
-                got += bytes;
-                tracing::info!(from = %donor.id, to = key, bytes, "handed idle memory over to another model");
-            }
-            out.extend(moved);
-        }
-        out
+            err
+        });
+        Acquired { donated, charged }
     }
 
     /// Reclaim up to `want` bytes of memory other models hold but do not use, above their
-    /// guarantees, lowest priority first. Returns the bytes released.
-    fn reclaim_for(&self, for_key: Option<u64>, want: u64) -> u64 {
-        let donors = self.donors(for_key);
-        let got = self.reclaim_from(&donors, want);
-        // The references are dropped with no lock held.
-        drop(donors);
-        got
+    /// guarantees, in the engine's order (to make room for a guarantee). Returns the bytes
+    /// released.
+    fn reclaim_for(&self, for_key: u64, want: u64) -> u64 {
+        budget::make_room(&mut Local::new(self, &AtomicU64::new(0)), for_key, want)
+    }
+}
+
+/// The shared pool's transport for the budget engine: donors are other models' pools in this
+/// process, whose idle chunks are handed over directly or released.
+struct Local<'a> {
+    shared: &'a SharedInner,
+    /// The asker's in-flight counter: charges and hand-overs are counted in it under the
+    /// ledger's lock.
+    in_flight: &'a AtomicU64,
+    /// The largest chunk the asker can map, and the most bytes it can map in all.
+    max_chunk: u64,
+    room: u64,
+    /// The models measured by the last [`Donors::reachable`], dropped with no lock held.
+    refs: Vec<ModelRef>,
+    /// Chunks handed over so far.
+    donated: Vec<PhysicalChunk>,
+}
+
+impl<'a> Local<'a> {
+    /// A transport that can only reclaim until `max_chunk` and `room` are set.
+    fn new(shared: &'a SharedInner, in_flight: &'a AtomicU64) -> Self {
+        Local {
+            shared,
+            in_flight,
+            max_chunk: 0,
+            room: 0,
+            refs: Vec::new(),
+            donated: Vec::new(),
+        }
     }
 
-    /// [`SharedInner::reclaim_for`] from donors measured already.
-    fn reclaim_from(&self, donors: &[(u64, ModelRef)], want: u64) -> u64 {
-        let mut got = 0;
-        for &(spare, ref donor) in donors {
-            if got >= want {
-                break;
+    fn model(&self, key: u64) -> Option<&ModelRef> {
+        self.refs.iter().find(|r| r.key == key)
+    }
+}
+
+impl Donors for Local<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.ledger.lock())
+    }
+
+    fn charge(&self, asker: u64, bytes: u64) -> Result<(), Refusal> {
+        let mut l = self.shared.ledger.lock();
+        l.try_charge(asker, bytes)?;
+        self.in_flight.fetch_add(bytes, Ordering::AcqRel);
+        Ok(())
+    }
+
+    fn reachable(&mut self, asker: u64) -> Vec<(u64, u64)> {
+        // The previous round's references are dropped here, with no lock held.
+        self.refs = self.shared.model_refs(Some(asker));
+        // Freed blocks front caches keep for a model (routing's, for same-stream reuse) are
+        // idle memory too: they go back to their pools (behind fences) before the models'
+        // idle memory is measured.
+        self.refs
+            .iter()
+            .map(|r| {
+                r.pool.flush_fronts();
+                let ps = r.pool.stats();
+                (r.key, ps.idle() + ps.cached)
+            })
+            .collect()
+    }
+
+    /// Idle chunks of the donor (each at most `max_chunk`, together at most what the asker can
+    /// map and its own limit allows), unmapped from the donor, their charge and in-flight count
+    /// moved to the asker in one ledger critical section. Nothing is released or created, which
+    /// is what makes moving memory between models fast.
+    fn hand_over(&mut self, asker: u64, from: Ask, want: u64) -> u64 {
+        let got: u64 = self.donated.iter().map(|c| c.size() as u64).sum();
+        let room = self.room.saturating_sub(got);
+        let Some(donor) = self.model(from.key) else {
+            return 0;
+        };
+        let headroom = self.shared.ledger.lock().headroom_own(asker);
+        let max_size = self.max_chunk.min(headroom).min(room);
+        if max_size == 0 {
+            return 0;
+        }
+        // Never more than the recipient can take: what it cannot is released for nothing.
+        let cap = from.bytes.min(room).min(headroom);
+        let chunks = donor.pool.take_spare(want, max_size, cap);
+        if chunks.is_empty() {
+            return 0;
+        }
+        let (moved, refused): (Vec<_>, Vec<_>) = {
+            let mut l = self.shared.ledger.lock();
+            let (moved, refused): (Vec<_>, Vec<_>) = chunks
+                .into_iter()
+                .partition(|c| l.transfer(donor.key, asker, c.size() as u64));
+            let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
+            donor.pool.hand_off(bytes);
+            self.in_flight.fetch_add(bytes, Ordering::AcqRel);
+            if bytes > 0 {
+                l.note_reclaimed(donor.key, bytes);
             }
-            match donor.pool.reclaim(spare.min(want - got)) {
+            (moved, refused)
+        };
+        // Chunks the recipient's limit could not take go back to the driver (credited to the
+        // donor as they are released); a failed release leaves them in its cache.
+        let _ = donor.pool.release_chunks(refused);
+        let bytes: u64 = moved.iter().map(|c| c.size() as u64).sum();
+        if bytes > 0 {
+            tracing::info!(from = %donor.id, to = asker, bytes, "handed idle memory over to another model");
+        }
+        self.donated.extend(moved);
+        bytes
+    }
+
+    fn reclaim(&mut self, asks: &[Ask]) -> u64 {
+        let mut got = 0;
+        for a in asks {
+            let Some(donor) = self.model(a.key) else {
+                continue;
+            };
+            match donor.pool.reclaim(a.bytes) {
                 Ok(n) => {
                     got += n;
-                    self.ledger.lock().note_reclaimed(donor.key, n);
+                    self.shared.ledger.lock().note_reclaimed(donor.key, n);
                     tracing::info!(from = %donor.id, bytes = n, "reclaimed idle memory for another model");
                 }
                 Err(e) => {
@@ -1139,5 +1038,32 @@ impl SharedInner {
             }
         }
         got
+    }
+}
+
+/// A model of this process asked for its own memory (its limit lowered).
+struct OwnPool<'a> {
+    shared: &'a SharedInner,
+    slot: &'a ModelSlot,
+}
+
+impl Lowering for OwnPool<'_> {
+    fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.shared.ledger.lock())
+    }
+
+    fn ask_own(
+        &mut self,
+        key: u64,
+        bytes: u64,
+        _settled: &dyn Fn(&Ledger) -> bool,
+    ) -> (GivenBack, Result<()>) {
+        let (given, result) =
+            budget::give_back(self.slot.pool.inner(), self.slot.reclaim.as_ref(), bytes);
+        self.shared
+            .ledger
+            .lock()
+            .note_reclaimed(key, given.idle + given.by_callback);
+        (given, result)
     }
 }

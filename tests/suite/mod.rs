@@ -50,6 +50,7 @@ macro_rules! shared_suite {
             refused_growth_takes_nothing,
             failed_limit_change_keeps_concurrent_cap,
             reclaim_callback_holding_its_handle_is_released,
+            donors_race_askers_and_owners,
         );
     };
 }

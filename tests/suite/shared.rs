@@ -749,3 +749,111 @@ pub fn reclaim_callback_holding_its_handle_is_released(backend: Arc<dyn Backend>
         );
     }
 }
+
+/// The budget engine under contention, its windows widened: every unmap (a donor's idle chunk
+/// taken out for a hand-over) and every release (a reclaim) is slowed, while a low-priority
+/// donor keeps freeing and reusing memory and two askers grow past the free budget. The books
+/// must hold at every instant (an auditor checks them throughout: each model's charge equals
+/// what its pool holds, no model above its limit, nothing above the global limit), every
+/// refusal must be an admission refusal, and memory must have moved between models.
+pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
+    use elastic_vmm::backend::testing::DelayInjector;
+    use elastic_vmm::DriverCall;
+    use std::time::Duration;
+    const ROUNDS: u64 = 1500;
+    let g = backend.info().granularity as u64;
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Unmap, Duration::from_micros(300));
+    slow.set_delay(DriverCall::Release, Duration::from_micros(300));
+    let slow_backend: Arc<dyn Backend> = slow.clone();
+    let s = shared(&slow_backend, 24 * g);
+    let model = |id: &str, limit: u64, priority: i32| {
+        s.register(
+            ModelConfig::new(id, (64 * g) as usize, limit)
+                .priority(priority)
+                .pool_config(exact(0).max_chunk(g as usize)),
+        )
+        .expect("register")
+    };
+    let donor = model("donor", 24 * g, -1);
+    let askers = [model("a1", 16 * g, 0), model("a2", 16 * g, 1)];
+    let stop = AtomicBool::new(false);
+    let check = |r: Result<Allocation, Error>, who: &str| match r {
+        Ok(a) => Some(a),
+        Err(Error::AdmissionRefused { .. }) => None,
+        Err(e) => panic!("{who}: {e}"),
+    };
+    std::thread::scope(|sc| {
+        let auditor = sc.spawn(|| {
+            let mut audits = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if let Err(e) = s.audit() {
+                    return Err(format!("audit {audits} failed mid-run: {e}"));
+                }
+                audits += 1;
+                std::thread::yield_now();
+            }
+            Ok(audits)
+        });
+        // Stops the auditor however the workers end (a panicking one included).
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let guard = Stop(&stop);
+        let workers: Vec<_> = std::iter::once((&donor, 4u64, 12u64, 11u64))
+            .chain(
+                askers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| (m, 3, 10, 23 + i as u64)),
+            )
+            .map(|(m, lo, hi, seed)| {
+                let check = &check;
+                sc.spawn(move || {
+                    let mut rng = Rng::new(seed);
+                    let mut held: Vec<Allocation> = Vec::new();
+                    for _ in 0..ROUNDS {
+                        let n = lo + rng.below(hi - lo + 1);
+                        if let Some(a) = check(m.allocate((n * g) as usize), m.id()) {
+                            held.push(a);
+                        }
+                        if held.len() > 1 || (!held.is_empty() && rng.below(2) == 0) {
+                            held.remove(0);
+                        }
+                    }
+                })
+            })
+            .collect();
+        let ended: Vec<_> = workers.into_iter().map(|w| w.join()).collect();
+        drop(guard);
+        for e in ended {
+            if let Err(panic) = e {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        let audits = auditor
+            .join()
+            .expect("auditor")
+            .expect("books held throughout");
+        assert!(audits > 0, "the auditor ran");
+    });
+    let st = s.stats();
+    assert!(st.global.used <= 24 * g, "{st:?}");
+    let moved: u64 = st.models.iter().map(|m| m.reclaimed).sum();
+    let refused: u64 = st.models.iter().map(|m| m.refusals).sum();
+    eprintln!(
+        "moved {} granules, {refused} refusals, {} unmaps and {} releases delayed",
+        moved / g,
+        slow.delayed(DriverCall::Unmap),
+        slow.delayed(DriverCall::Release)
+    );
+    assert!(moved > 0, "memory moved between models: {st:?}");
+    assert!(
+        slow.delayed(DriverCall::Unmap) + slow.delayed(DriverCall::Release) > 0,
+        "the windows were widened"
+    );
+    s.audit().expect("audit");
+}

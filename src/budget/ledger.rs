@@ -1,4 +1,5 @@
-//! The shared pool's book of physical memory: pure arithmetic, no driver, no pool.
+//! The budget's book of physical memory: pure arithmetic, no driver, no pool (the shared pool's
+//! and the broker's alike; the decisions on top are the engine's, [`super`]).
 //!
 //! Every byte a model holds (mapped, cached, or being created) is charged here before the driver
 //! is asked for it, and credited back after the driver has it again. The invariants, checked on
@@ -28,9 +29,29 @@ pub(crate) struct ModelBook {
     pub(crate) reclaimed: u64,
     /// Unregistered: no new memory; its guarantee no longer reserved.
     pub(crate) retired: bool,
+    /// Bumped by every limit change: a change still under way when a later one begins is
+    /// replaced by it (see [`super::change`]).
+    pub(crate) changes: u64,
 }
 
 impl ModelBook {
+    /// A fresh line, nothing used.
+    pub(crate) fn new(id: Arc<str>, limit: u64, guarantee: u64, priority: i32) -> ModelBook {
+        ModelBook {
+            id,
+            limit,
+            cap: limit,
+            guarantee,
+            priority,
+            used: 0,
+            peak: 0,
+            refusals: 0,
+            reclaimed: 0,
+            retired: false,
+            changes: 0,
+        }
+    }
+
     fn unused_guarantee(&self) -> u64 {
         if self.retired {
             0
@@ -49,6 +70,9 @@ pub(crate) enum Refusal {
     Global { short: u64 },
     /// The model was unregistered.
     Retired,
+    /// The transport's own policy (the broker's bytes per user); the transport says more.
+    #[cfg(feature = "broker")]
+    Policy,
 }
 
 /// The book of every model of one shared pool.
@@ -170,15 +194,12 @@ impl Ledger {
         true
     }
 
-    /// Charge `bytes` to `key`, or say why not.
-    pub(crate) fn try_charge(&mut self, key: u64, bytes: u64) -> Result<(), Refusal> {
-        let reserved = self.reserved_for_others(key);
-        let Some(m) = self.models.get(&key) else {
-            return Err(Refusal::Retired);
+    /// Whether `bytes` more could be charged to `key` now, or why not.
+    pub(crate) fn check(&self, key: u64, bytes: u64) -> Result<(), Refusal> {
+        let m = match self.models.get(&key) {
+            Some(m) if !m.retired => m,
+            _ => return Err(Refusal::Retired),
         };
-        if m.retired {
-            return Err(Refusal::Retired);
-        }
         if m.used
             .checked_add(bytes)
             .is_none_or(|n| n > m.limit.min(m.cap))
@@ -188,13 +209,19 @@ impl Ledger {
         let need = self
             .used
             .checked_add(bytes)
-            .and_then(|n| n.checked_add(reserved))
+            .and_then(|n| n.checked_add(self.reserved_for_others(key)))
             .unwrap_or(u64::MAX);
         if need > self.global_limit {
             return Err(Refusal::Global {
                 short: need - self.global_limit,
             });
         }
+        Ok(())
+    }
+
+    /// Charge `bytes` to `key`, or say why not.
+    pub(crate) fn try_charge(&mut self, key: u64, bytes: u64) -> Result<(), Refusal> {
+        self.check(key, bytes)?;
         self.used += bytes;
         self.update(key, |m| {
             m.used += bytes;
@@ -219,11 +246,15 @@ impl Ledger {
         self.update(key, |m| m.reclaimed += bytes);
     }
 
-    /// The broker's limit changes set a model's cap directly (the shared pool holds caps per
-    /// change: [`Ledger::hold_cap`]).
-    #[cfg(any(feature = "broker", test))]
-    pub(crate) fn set_cap(&mut self, key: u64, cap: u64) {
-        self.update(key, |m| m.cap = cap);
+    /// A limit change of `key` begins: the ones still under way are replaced. Returns its
+    /// number.
+    pub(crate) fn begin_change(&mut self, key: u64) -> u64 {
+        let mut n = 0;
+        self.update(key, |m| {
+            m.changes += 1;
+            n = m.changes;
+        });
+        n
     }
 
     /// Set a model's limit; its cap becomes the limit, or the lowest cap still held.
@@ -294,6 +325,8 @@ impl Ledger {
                 Refusal::ModelLimit => "the model's limit",
                 Refusal::Global { .. } => "the global budget",
                 Refusal::Retired => "the model is unregistered",
+                #[cfg(feature = "broker")]
+                Refusal::Policy => "the operator's policy",
             },
             model_used: m.map_or(0, |m| m.used),
             model_limit: m.map_or(0, |m| m.limit.min(m.cap)),
@@ -342,18 +375,7 @@ mod tests {
     use super::*;
 
     fn book(id: &str, limit: u64, guarantee: u64) -> ModelBook {
-        ModelBook {
-            id: id.into(),
-            limit,
-            cap: limit,
-            guarantee,
-            priority: 0,
-            used: 0,
-            peak: 0,
-            refusals: 0,
-            reclaimed: 0,
-            retired: false,
-        }
+        ModelBook::new(id.into(), limit, guarantee, 0)
     }
 
     #[test]
@@ -380,8 +402,9 @@ mod tests {
         l.add(1, book("a", 100, 0)).unwrap();
         assert_eq!(l.try_charge(1, 101), Err(Refusal::ModelLimit));
         l.try_charge(1, 60).unwrap();
-        l.set_cap(1, 50);
+        let held = l.hold_cap(1, 50);
         assert_eq!(l.try_charge(1, 1), Err(Refusal::ModelLimit));
+        l.release_cap(1, held);
         l.credit(1, 20);
         l.set_limit(1, 50);
         l.try_charge(1, 10).unwrap();
