@@ -206,17 +206,17 @@ impl Ledger {
         {
             return Err(Refusal::ModelLimit);
         }
-        let need = self
+        // A sum past `u64::MAX` is past any limit (the shortfall then saturates).
+        match self
             .used
             .checked_add(bytes)
             .and_then(|n| n.checked_add(self.reserved_for_others(key)))
-            .unwrap_or(u64::MAX);
-        if need > self.global_limit {
-            return Err(Refusal::Global {
-                short: need - self.global_limit,
-            });
+        {
+            Some(need) if need <= self.global_limit => Ok(()),
+            need => Err(Refusal::Global {
+                short: need.map_or(u64::MAX, |n| n - self.global_limit),
+            }),
         }
-        Ok(())
     }
 
     /// Charge `bytes` to `key`, or say why not.
