@@ -85,6 +85,31 @@ pub struct HostBackend {
     offsets: Mutex<FileRanges>,
     /// Lock order: taken alone (never with `offsets`), for bookkeeping only.
     own_files: Mutex<ChunkFileTable>,
+    /// Live mappings, start to end. `mmap(MAP_FIXED)` would silently replace one; CUDA's
+    /// `cuMemMap` refuses to map over a mapping, so this backend refuses too, and a caller
+    /// that breaks `map`'s contract fails here as it would on a GPU. Taken alone.
+    maps: Mutex<BTreeMap<u64, u64>>,
+}
+
+/// Take `[start, end)` out of the live mappings (cutting those it overlaps).
+fn forget_maps(maps: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
+    let hit: Vec<(u64, u64)> = maps
+        .range(..end)
+        .rev()
+        .take_while(|(_, &e)| e > start)
+        .map(|(&s, &e)| (s, e))
+        .collect();
+    // A mapping that ends before `start` may still hide behind one that overlaps: mappings
+    // never overlap each other, so ordered by start they are ordered by end too.
+    for (s, e) in hit {
+        maps.remove(&s);
+        if s < start {
+            maps.insert(s, start);
+        }
+        if e > end {
+            maps.insert(end, e);
+        }
+    }
 }
 
 /// Which ranges of the memfd belong to live chunks: a bump pointer plus a coalescing free list.
@@ -224,6 +249,7 @@ impl HostBackend {
             locked: false,
             offsets: Mutex::new(FileRanges::default()),
             own_files: Mutex::new(ChunkFileTable::default()),
+            maps: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -371,6 +397,11 @@ impl Backend for HostBackend {
     }
 
     unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
+        forget_maps(
+            &mut self.maps.lock(),
+            base,
+            base.saturating_add(size as u64),
+        );
         // SAFETY: the caller guarantees this is exactly one of our reservations, unused.
         if unsafe { libc::munmap(base as *mut libc::c_void, size) } != 0 {
             return Err(os_error("munmap", format!("{size} bytes at {base:#x}")));
@@ -441,6 +472,22 @@ impl Backend for HostBackend {
 
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
         let (fd, offset) = self.file_of(chunk)?;
+        let end = addr.saturating_add(chunk.size as u64);
+        let mut maps = self.maps.lock();
+        if let Some((&s, &e)) = maps.range(..end).next_back().filter(|(_, &e)| e > addr) {
+            return Err(Error::backend(
+                NAME,
+                "mmap(MAP_FIXED)",
+                "EEXIST",
+                format!(
+                    "{} bytes at {addr:#x} over the live mapping [{s:#x}, {e:#x}) (cuMemMap refuses this too)",
+                    chunk.size
+                ),
+            ));
+        }
+        // Booked before the call (no lock held across it), taken out again if it fails.
+        maps.insert(addr, end);
+        drop(maps);
         // SAFETY: the caller guarantees [addr, addr + size) is an unmapped part of one of our
         // reservations, so MAP_FIXED replaces only our own PROT_NONE placeholder; `fd` stays
         // open while the chunk is live, and a chunk file is sealed at least `size` long.
@@ -455,6 +502,7 @@ impl Backend for HostBackend {
             )
         };
         if ptr == libc::MAP_FAILED {
+            self.maps.lock().remove(&addr);
             return Err(os_error(
                 "mmap(MAP_FIXED)",
                 format!("{} bytes at {addr:#x}", chunk.size),
@@ -536,6 +584,11 @@ impl Backend for HostBackend {
                 format!("{size} bytes at {addr:#x}"),
             ));
         }
+        forget_maps(
+            &mut self.maps.lock(),
+            addr,
+            addr.saturating_add(size as u64),
+        );
         Ok(())
     }
 

@@ -190,7 +190,8 @@ impl Inner {
         let (donated, created) = match self.obtain(need, urgency, fit) {
             Ok(o) => (o.donated, o.created),
             Err(e) => {
-                self.undo_batch(&spans, cached_all, Vec::new(), &[], Zeroed::Remap(&zeroed));
+                // The aliases are unmapped only once every chunk is in hand: still there.
+                self.undo_batch(&spans, cached_all, Vec::new(), &[], Zeroed::Still(zeroed));
                 return Err(e);
             }
         };
@@ -218,7 +219,7 @@ impl Inner {
         if let Some((offset, len, got)) = misfit {
             // Sources must fit the room they were given; never map past the claim.
             tracing::error!(pool = %self.name, offset, len, got, "chunk sources did not fit a range");
-            self.undo_batch(&spans, reusable, created, &[], Zeroed::Remap(&zeroed));
+            self.undo_batch(&spans, reusable, created, &[], Zeroed::Still(zeroed));
             return Err(Error::InvalidArgument(format!(
                 "chunk sources returned {got} bytes for a range of {len} bytes at {offset:#x}"
             )));
