@@ -1781,6 +1781,38 @@ mod tests {
         }
     }
 
+    /// Adopting chunks into a zero-filled region (a paged KV cache's) replaces the zero-page
+    /// aliases under them, and a release that hands them on aliases the pages again: the books
+    /// agree with what is mapped (an alias left in the book over adopted memory failed the
+    /// audit; on CUDA the map over the alias failed outright).
+    #[test]
+    fn adopt_into_a_zeroed_region_replaces_the_zero_page() {
+        let backend = Arc::new(HostBackend::new(4096).expect("host backend"));
+        let pool = Pool::new(backend, PoolConfig::new(4 * 8192)).expect("pool");
+        let region = pool
+            .reserve_region_with(8192, &MemOptions::new().tag(Tag::Kv).zeroed())
+            .expect("zeroed region");
+        let b = BlockBacking::new(region, UniformBlocks::packed(2, 4096), None).expect("backing");
+        assert_eq!(pool.stats().zero_aliased, 8192);
+        let chunk = pool.backend().create(4096).expect("a chunk to adopt");
+        b.adopt(&[0], vec![(0, chunk)]).expect("adopt block 0");
+        pool.audit().expect("audit after the adopt");
+        assert_eq!(pool.stats().zero_aliased, 4096, "block 1 alone is aliased");
+        let data = [7u8; 4096];
+        // SAFETY: block 0 is backed and nobody else uses it.
+        unsafe { b.core.region.write(0, &data) }.expect("write the adopted page");
+        let pin = b.pin([0], "test").expect("pin block 0");
+        pin.release_as(ChunkFate::Release)
+            .map_err(|e| e.0)
+            .expect("release block 0, handing its chunk on");
+        pool.audit().expect("audit after the release");
+        assert_eq!(pool.stats().zero_aliased, 8192, "block 0 aliased again");
+        // Block 0 reads zeros again (through the alias, not a fault).
+        let p = b.addr() as *const u8;
+        // SAFETY: aliased read-only to the zero page (checked by the stats above).
+        assert_eq!(unsafe { std::ptr::read_volatile(p) }, 0);
+    }
+
     /// Adopted memory carries the backing's tag like memory it maps itself (issue 22, defect
     /// 3): a sleep that discards `Kv` discards both.
     #[test]

@@ -24,3 +24,8 @@ fn hand_over() {
     let secs = suite::shared::hand_over(host(), 256 << 20, 16 << 20);
     println!("hand-over of 256 MiB on the host: {:.1} ms", secs * 1e3);
 }
+
+#[test]
+fn a_lowered_limit_stays_at_least_the_guarantee() {
+    suite::shared::a_lowered_limit_stays_at_least_the_guarantee(host());
+}

@@ -109,6 +109,12 @@ pub(crate) fn set_limit(
         if m.changes != change {
             return Err(LimitRefused::Replaced { now: standing });
         }
+        if m.guarantee > limit {
+            // Raised while the model was asked (no lock held): checked again, as at the start.
+            return Err(LimitRefused::Invalid {
+                guarantee: m.guarantee,
+            });
+        }
         if used <= limit {
             l.set_limit(key, limit);
             if let Err(e) = &result {

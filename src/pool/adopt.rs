@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::admission::{Fit, Urgency};
 use super::mapper::bytes_of;
-use super::ranges::{ChunkFate, Space};
+use super::ranges::{ChunkFate, Space, Zeroed};
 use super::sources::KeepFailed;
 use super::{Inner, Region};
 use crate::backend::PhysicalChunk;
@@ -77,13 +77,17 @@ impl Inner {
                 }
                 st.in_transit += len;
                 st.growing += 1;
-                Ok(())
+                // A zero-filled region's aliases under the range give way to the chunks.
+                Ok(st.zero.take(offset, end))
             }
         };
-        if let Err(e) = claimed {
-            release_all(&chunks);
-            return Err(e);
-        }
+        let zeroed = match claimed {
+            Ok(z) => z,
+            Err(e) => {
+                release_all(&chunks);
+                return Err(e);
+            }
+        };
         // A pure charge: `max_chunk` 0 takes no other model's chunks (it may reclaim idle ones).
         let got = self.acquire(
             len,
@@ -100,7 +104,8 @@ impl Inner {
                 if let Ok(n) = other {
                     self.credit(n);
                 }
-                self.undo_range(offset, end, Vec::new(), Vec::new(), &[]);
+                let spans = [(offset, end)];
+                self.undo_batch(&spans, Vec::new(), Vec::new(), &[], Zeroed::Remap(&zeroed));
                 release_all(&chunks);
                 return Err(match other {
                     Err(e) => e,
@@ -111,11 +116,17 @@ impl Inner {
             }
         }
         // Charged and counted in flight, like created chunks: the rollback releases them.
+        let spans = [(offset, end)];
+        // SAFETY: the aliases lie in the range claimed above, which nothing writes through.
+        if let Err(f) = unsafe { self.unmap_zero(&zeroed) } {
+            self.undo_batch(&spans, Vec::new(), chunks, &[], Zeroed::Still(f.still));
+            return Err(f.error);
+        }
         // SAFETY: the range is claimed (in transit) and unmapped; the chunks are ours now.
         if let Err(f) = unsafe { self.map_run(offset, &chunks) } {
             let stuck: Vec<PhysicalChunk> = f.stuck.iter().map(|&(_, c)| c).collect();
             let rest = chunks.into_iter().filter(|c| !stuck.contains(c)).collect();
-            self.undo_range(offset, end, Vec::new(), rest, &f.stuck);
+            self.undo_batch(&spans, Vec::new(), rest, &f.stuck, Zeroed::Remap(&zeroed));
             return Err(f.error);
         }
         let mut st = self.state.lock();
@@ -177,8 +188,14 @@ impl Region {
                 })
             }
         };
-        self.pool()
-            .inner()
-            .unmap_range_as(abs, len, Space::Region, ChunkFate::Release)
+        let inner = self.pool().inner();
+        inner.unmap_range_as(abs, len, Space::Region, ChunkFate::Release)?;
+        if self.is_zeroed() {
+            if let Err(e) = inner.zero_alias(abs, len) {
+                // The memory went; only the alias is missing (reads of it fault).
+                tracing::error!(pool = %inner.name, offset = abs, len, error = %e, "aliasing a range handed on to the zero page failed");
+            }
+        }
+        Ok(())
     }
 }

@@ -22,7 +22,7 @@ pub(crate) enum ChunkFate {
 
 /// The zero-page aliases a failed [`Inner::map_batch`] took out: to be mapped again, or still
 /// mapped.
-enum Zeroed<'a> {
+pub(super) enum Zeroed<'a> {
     Remap(&'a [(u64, u64)]),
     Still(Vec<(u64, u64)>),
 }
@@ -270,7 +270,7 @@ impl Inner {
 
     /// Undo a claimed [`Inner::map_batch`]: its ranges go home (except chunks left `stuck`),
     /// aliased to the zero page again where they were (`zeroed`), and its chunks go back.
-    fn undo_batch(
+    pub(super) fn undo_batch(
         &self,
         spans: &[(u64, u64)],
         reusable: Vec<PhysicalChunk>,
@@ -307,37 +307,6 @@ impl Inner {
         self.in_flight
             .fetch_sub(bytes_of(stuck.iter().map(|(_, c)| c)), Ordering::AcqRel);
         drop(st);
-        self.stash(reusable);
-        // Rollback: a chunk that cannot be released stays cached (logged).
-        let _ = self.release_chunks(created);
-    }
-
-    pub(super) fn undo_range(
-        &self,
-        offset: u64,
-        end: u64,
-        reusable: Vec<PhysicalChunk>,
-        created: Vec<PhysicalChunk>,
-        stuck: &[Placed],
-    ) {
-        {
-            let mut st = self.state.lock();
-            st.in_transit -= end - offset;
-            st.growing -= 1;
-            let mut at = offset;
-            for &(o, c) in stuck {
-                if at < o {
-                    st.unmapped_home(at, o).insert(at, o);
-                }
-                at = o + c.size as u64;
-            }
-            if at < end {
-                st.unmapped_home(at, end).insert(at, end);
-            }
-            st.put_stuck(stuck);
-            self.in_flight
-                .fetch_sub(bytes_of(stuck.iter().map(|(_, c)| c)), Ordering::AcqRel);
-        }
         self.stash(reusable);
         // Rollback: a chunk that cannot be released stays cached (logged).
         let _ = self.release_chunks(created);

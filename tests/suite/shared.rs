@@ -857,3 +857,54 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
     );
     s.audit().expect("audit");
 }
+
+/// A limit is never left below the guarantee: a guarantee raised while a lowering of the limit
+/// asks the model (its callback runs with no lock held) makes that lowering fail, naming the
+/// guarantee, instead of setting a limit below it (a guarantee the model can never use would
+/// keep its budget from every other model).
+pub fn a_lowered_limit_stays_at_least_the_guarantee(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 64 * g);
+    let blocks: Arc<Mutex<Vec<Allocation>>> = Arc::new(Mutex::new(Vec::new()));
+    let pool: Arc<Mutex<Option<SharedPool>>> = Arc::new(Mutex::new(None));
+    let (cb_blocks, cb_pool) = (blocks.clone(), pool.clone());
+    let m = s
+        .register(
+            ModelConfig::new("m", (64 * g) as usize, 16 * g)
+                .pool_config(exact(0).max_chunk(g as usize))
+                .on_reclaim(move |bytes| {
+                    let mut freed = 0;
+                    while freed < bytes {
+                        match cb_blocks.lock().pop() {
+                            Some(a) => freed += a.footprint(),
+                            None => break,
+                        }
+                    }
+                    // Meanwhile someone raises the guarantee (the limit is still 16 granules).
+                    if let Some(s) = cb_pool.lock().clone() {
+                        s.set_guarantee("m", 12 * g).expect("raise the guarantee");
+                    }
+                }),
+        )
+        .expect("m");
+    for _ in 0..8 {
+        blocks.lock().push(m.allocate(g as usize).expect("block"));
+    }
+    *pool.lock() = Some(s.clone());
+    let r = s.set_limit("m", 4 * g);
+    pool.lock().take();
+    let st = s
+        .stats()
+        .models
+        .into_iter()
+        .find(|x| x.id == "m")
+        .expect("m");
+    assert!(
+        st.guarantee <= st.limit,
+        "limit {} below guarantee {} after {r:?}",
+        st.limit,
+        st.guarantee
+    );
+    assert!(r.is_err(), "{r:?}");
+    s.audit().expect("audit");
+}

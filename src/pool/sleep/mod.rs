@@ -384,7 +384,10 @@ impl Pool {
     /// buffer becomes a region of the tier, mapped when a sleep (or
     /// [`Pool::reserve_host_staging`]) needs it, under the tier's budget: no pinning per pool,
     /// and host memory one pool gives back ([`AfterWake::FreeHostMemory`]) serves the next
-    /// pool's sleep from the tier's cache. Any staging buffer held now is freed. Refused while
+    /// pool's sleep from the tier's cache. While such a buffer lives (from the first sleep or
+    /// reservation until [`Pool::release_host_staging`], [`AfterWake::FreeHostMemory`] or
+    /// `stage_through(None)`), a sleep of the tier itself is refused: it would unmap the buffer
+    /// under this pool. Any staging buffer held now is freed. Refused while
     /// the pool is not awake, for a tier that is not page-locked host memory this pool's
     /// device reaches, and for the pool itself.
     pub fn stage_through(&self, tier: Option<Pool>) -> Result<()> {

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::SleepWatcher;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::pool::{Pool, Region};
@@ -20,6 +21,60 @@ pub(crate) struct Staging {
     /// The host tier's region the buffer is, if it is one (`None`: the backend's staging
     /// memory, freed with `staging_free`).
     region: Option<Region>,
+    /// Keeps the tier awake while the buffer lives (registered before the region is mapped).
+    hold: Option<TierHold>,
+}
+
+/// A watcher on the host tier holding a staging buffer: the tier's sleep would unmap the buffer
+/// under the pool that copies into and out of it through a raw pointer, so it is refused.
+struct TierHold {
+    tier: Pool,
+    id: u64,
+    _watcher: Arc<dyn SleepWatcher>,
+}
+
+struct RefuseSleep {
+    tier: String,
+    bytes: u64,
+}
+
+impl SleepWatcher for RefuseSleep {
+    fn freeze(&self) -> Result<()> {
+        Err(crate::error::Error::SleepRefused {
+            pool: self.tier.clone(),
+            op: "sleep",
+            reason: format!(
+                "a pool's host staging buffer of {} bytes lives in this tier (Pool::stage_through); release it first (Pool::release_host_staging, or stage_through(None))",
+                self.bytes
+            ),
+        })
+    }
+    fn thaw(&self) {}
+    fn unmapping_all(&self) {}
+    fn mapped_all(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl TierHold {
+    fn new(tier: &Pool, bytes: u64) -> TierHold {
+        let watcher: Arc<dyn SleepWatcher> = Arc::new(RefuseSleep {
+            tier: tier.name().to_string(),
+            bytes,
+        });
+        let id = tier.inner().add_watcher(Arc::downgrade(&watcher));
+        TierHold {
+            tier: tier.clone(),
+            id,
+            _watcher: watcher,
+        }
+    }
+}
+
+impl Drop for TierHold {
+    fn drop(&mut self) {
+        self.tier.inner().remove_watcher(self.id);
+    }
 }
 
 // SAFETY: the buffer is owned by this value alone (no alias outlives it) and only the sleep or
@@ -49,8 +104,11 @@ impl Staging {
             what: "staging buffer",
             detail: format!("{bytes} bytes do not fit in usize"),
         })?;
-        let (ptr, region) = match tier {
+        let (ptr, region, hold) = match tier {
             Some(tier) => {
+                // First: a sleep of the tier from here on is refused (one under way refuses
+                // the map below).
+                let hold = TierHold::new(tier, bytes);
                 // On failure the region drops: nothing stays mapped.
                 let chunk = crate::error::round_up(
                     "host tier staging chunk",
@@ -59,9 +117,9 @@ impl Staging {
                 )?;
                 let region = tier.reserve_region_with(bytes, &MemOptions::new().chunk(chunk))?;
                 region.map(0, region.len())?;
-                (region.addr() as *mut u8, Some(region))
+                (region.addr() as *mut u8, Some(region), Some(hold))
             }
-            None => (backend.copies().staging_alloc(len)?, None),
+            None => (backend.copies().staging_alloc(len)?, None, None),
         };
         let stream = match backend.copies().copy_stream_create() {
             Ok(s) => s,
@@ -70,6 +128,9 @@ impl Staging {
                     // SAFETY: the buffer was just allocated by this backend; nothing uses it.
                     let _ = unsafe { backend.copies().staging_free(ptr, len) };
                 }
+                // The region before the hold that keeps the tier awake under it.
+                drop(region);
+                drop(hold);
                 return Err(e);
             }
         };
@@ -79,6 +140,7 @@ impl Staging {
             bytes,
             stream,
             region,
+            hold,
         })
     }
 
@@ -110,7 +172,9 @@ impl Drop for Staging {
             tracing::warn!(error = %e, "destroying the staging copy stream failed");
         }
         if self.region.take().is_some() {
-            // The tier's region went (unmapped, its chunks back to the tier).
+            // The tier's region went (unmapped, its chunks back to the tier); then the tier
+            // may sleep again.
+            drop(self.hold.take());
             return;
         }
         // SAFETY: allocated by this backend with this size; no copy on it is queued any more.

@@ -77,3 +77,48 @@ fn a_sleep_racing_a_wakes_thaw_leaves_its_watchers_frozen() {
     }
     assert!(raced > 0, "no sleep ever landed in the thaw window");
 }
+
+/// A pool's staging buffer in a host tier is memory the tier must keep mapped: while a pool
+/// asleep holds its copy there (or keeps the buffer for its next sleep) a sleep of the tier
+/// is refused, naming the pool, and the copy comes back byte-exact. Before, the tier slept,
+/// unmapping the buffer under the pool: its wake then copied from unmapped memory (a fault on
+/// the host, garbage on a GPU after a discard).
+#[test]
+fn a_host_tier_does_not_sleep_under_a_staging_buffer() {
+    use crate::backend::host::HostBackend;
+    let tier_backend = HostBackend::locked(4096).expect("locked host backend");
+    let tier = Pool::new(
+        Arc::new(tier_backend),
+        crate::PoolConfig::new(16 << 20).name("tier"),
+    )
+    .expect("tier");
+    let pool = Pool::host(16 << 20).expect("pool");
+    pool.stage_through(Some(tier.clone()))
+        .expect("stage through");
+    let mut a = pool.allocate(64 << 10).expect("memory");
+    let data: Vec<u8> = (0..64 << 10).map(|i| (i * 7) as u8).collect();
+    a.write(0, &data).expect("write");
+    pool.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    assert!(
+        tier.stats().mapped >= 64 << 10,
+        "the copy lives in the tier"
+    );
+    let e = tier
+        .sleep(&SleepPolicy::discard_all())
+        .expect_err("the tier holds a staging buffer");
+    assert!(e.to_string().contains("staging"), "{e}");
+    assert!(!tier.is_asleep());
+    pool.wake(AfterWake::KeepHostMemory).expect("wake");
+    let mut back = vec![0u8; data.len()];
+    a.read(0, &mut back).expect("read");
+    assert!(back == data, "byte-exact");
+    // Kept for the next sleep: still refused; released: the tier sleeps.
+    tier.sleep(&SleepPolicy::discard_all())
+        .expect_err("the buffer is kept");
+    pool.release_host_staging().expect("release");
+    tier.sleep(&SleepPolicy::discard_all())
+        .expect("the tier sleeps");
+    tier.wake(AfterWake::FreeHostMemory).expect("tier wakes");
+    pool.audit().expect("pool audit");
+    tier.audit().expect("tier audit");
+}
