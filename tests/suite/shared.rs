@@ -857,3 +857,80 @@ pub fn donors_race_askers_and_owners(backend: Arc<dyn Backend>) {
     );
     s.audit().expect("audit");
 }
+
+/// The global limit changes live: raising at once; lowering gives back idle memory first, and
+/// is refused with the numbers (nothing changed) below what models hold plus their unused
+/// guarantees; admission follows the new limit.
+pub fn global_limit_changes(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 32 * g);
+    let cfg = |id: &str, limit: u64| {
+        ModelConfig::new(id, (128 * g) as usize, limit).pool_config(exact(0).max_chunk(g as usize))
+    };
+    let a = s.register(cfg("a", 16 * g).guarantee(4 * g)).expect("a");
+    let b = s.register(cfg("b", 16 * g)).expect("b");
+    let mut live: Vec<Allocation> = (0..6)
+        .map(|_| a.allocate(g as usize).expect("a's block"))
+        .collect();
+    // b's memory stays mapped, idle, after its allocations go.
+    drop(
+        (0..8)
+            .map(|_| b.allocate(g as usize).expect("b's block"))
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(s.stats().global.used, 14 * g);
+    assert!(matches!(s.set_global_limit(0), Err(Error::ZeroSize { .. })));
+    // Below use: b's idle memory goes back, then the limit is met.
+    s.set_global_limit(10 * g).expect("lower to 10 granules");
+    assert_eq!(s.global_limit(), 10 * g);
+    assert!(used(&s, "b") <= 4 * g, "b gave back its idle memory");
+    s.audit().expect("audit after lowering");
+    // Below a's live memory: refused, with the numbers, and nothing changed.
+    match s.set_global_limit(5 * g) {
+        Err(Error::GlobalLimitRefused {
+            wanted,
+            used,
+            needed,
+            limit,
+            ..
+        }) => {
+            assert_eq!((wanted, limit), (5 * g, 10 * g));
+            assert_eq!(
+                used, needed,
+                "no unused guarantee: a uses more than 4 granules"
+            );
+            assert_eq!(used, 6 * g, "only a's live memory is left");
+        }
+        other => panic!("lowering below live memory: {other:?}"),
+    }
+    assert_eq!(s.global_limit(), 10 * g);
+    // Admission follows the new limit.
+    while live.len() < 10 {
+        live.push(a.allocate(g as usize).expect("within the lowered limit"));
+    }
+    let e = a
+        .allocate(g as usize)
+        .expect_err("past the lowered global limit");
+    assert!(matches!(e, Error::AdmissionRefused { .. }), "{e}");
+    // Raising takes effect at once.
+    s.set_global_limit(32 * g).expect("raise");
+    live.push(a.allocate(g as usize).expect("after raising"));
+    // Unused guarantees count: c's 8 granules are promised although c holds nothing.
+    let _c = s.register(cfg("c", 8 * g).guarantee(8 * g)).expect("c");
+    match s.set_global_limit(18 * g) {
+        Err(Error::GlobalLimitRefused {
+            used,
+            guaranteed,
+            needed,
+            ..
+        }) => {
+            assert_eq!((used, guaranteed), (11 * g, 8 * g));
+            assert_eq!(needed, 19 * g);
+        }
+        other => panic!("lowering below use plus guarantees: {other:?}"),
+    }
+    s.set_global_limit(19 * g)
+        .expect("exactly use plus guarantees");
+    s.audit().expect("audit at the end");
+    drop(live);
+}
