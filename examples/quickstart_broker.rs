@@ -12,15 +12,13 @@ use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
 use elastic_vmm::ModelConfig;
 
 fn main() -> elastic_vmm::Result<()> {
-    let dir = std::env::temp_dir().join(format!("elastic-vmm-quickstart-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("evmm-quickstart-{}", std::process::id()));
     let host = HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk)?;
-    let broker = Broker::start(
-        Arc::new(host),
-        BrokerConfig::new(dir.join("host.sock"), 256 << 20),
-    )?;
+    let config = BrokerConfig::new(dir.join("host.sock"), 256 << 20); // a 256 MiB budget
+    let broker = Broker::start(Arc::new(host), config)?; // `elastic-vmm broker`, in-process
     let socket = broker.socket(); // elsewhere: elastic_vmm::broker::default_socket("cuda", Some(0))
 
-    let engine = elastic_vmm::broker::BrokerClient::connect(socket, "engine-1")?;
+    let engine = BrokerClient::connect(socket, "engine-1")?;
     let llama = engine.register(ModelConfig::new("llama", 1 << 30, 64 << 20))?; // a Pool, as above
     let mut kv = llama.allocate(16 << 20)?; // chunks granted by the broker, mapped here
     kv.write(0, b"served by the broker")?;

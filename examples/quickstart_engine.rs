@@ -11,14 +11,15 @@ use elastic_vmm::{Error, ModelConfig, SharedPool, SharedPoolConfig};
 const MIB: u64 = 1 << 20;
 
 fn main() -> elastic_vmm::Result<()> {
-    let gpu = SharedPool::host(SharedPoolConfig::new().global_limit(256 << 20))?;
+    let gpu = SharedPool::host(SharedPoolConfig::new().global_limit(256 << 20))?; // cuda(0, ..)
     let model = gpu.register(ModelConfig::new("llama", 8 << 30, 64 << 20))?; // 64 MiB limit
-                                                                             // 8 layers x (K, V) of [1024 blocks, 16 tokens, 8 KV heads, 128 dims] in f16: 512 MiB reserved, nothing mapped
-    let kv = PagedKv::new(&model, PagedKvConfig::new(8, 8, 128, 16, 2, 1024))?;
-    let k0 = kv.tensor_addr(0).expect("layer 0's K"); // what the attention kernel reads; V is tensor 1
-    assert_eq!(kv.available(), 128); // blocks the model's limit can back now: 2 pages of 2 MiB per tensor
+                                                                             // Per layer a K and a V [1024 blocks, 16 tokens, 8 heads, 128 dims] of f16 (2 bytes), 8 layers:
+    let shape = PagedKvConfig::new(8, 8, 128, 16, 2, 1024); // 512 MiB of addresses, none mapped
+    let kv = PagedKv::new(&model, shape.clone())?;
+    let k0 = kv.tensor_addr(0).expect("layer 0's K"); // for the kernel; layer l: 2l (K), 2l+1 (V)
+    assert_eq!(kv.available(), 128); // what 64 MiB backs: 2 pages of 2 MiB in each of 16 tensors
 
-    let seq = kv.alloc(100)?; // mapped in all 16 tensors at once; no driver call when warm
+    let seq = kv.alloc(100)?; // block ids, mapped in all 16 tensors at once
     println!(
         "{} blocks live, {} MiB mapped, {} more available",
         seq.len(),
@@ -40,10 +41,7 @@ fn main() -> elastic_vmm::Result<()> {
 
     // Blocks kept mapped ahead of need, so `alloc` on the token path makes no driver call.
     drop(kv);
-    let kv = PagedKv::new(
-        &model,
-        PagedKvConfig::new(8, 8, 128, 16, 2, 1024).watermarks(Watermarks::new(64, 128)),
-    )?;
+    let kv = PagedKv::new(&model, shape.watermarks(Watermarks::new(64, 128)))?;
     let start = std::time::Instant::now();
     while kv.stats().warm < 64 && start.elapsed().as_secs() < 5 {
         std::thread::sleep(std::time::Duration::from_millis(10));

@@ -10,33 +10,22 @@ use candle_core::{DType, Device, Tensor};
 use elastic_vmm::{route, AfterWake, ModelConfig, SharedPool, SharedPoolConfig, SleepPolicy, Tag};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let device = Device::new_cuda(0)?;
-    let gpu = SharedPool::cuda(0, SharedPoolConfig::new())?; // the device's free memory, less 1 GiB
-    let llama = gpu.register(ModelConfig::new("llama", 64 << 30, 2 << 30))?; // 64 GiB of addresses, 2 GiB limit
-    let w = route::with_route(&llama, Tag::Weights, || {
-        Tensor::randn(0f32, 1.0, (4096, 4096), &device)
-    })??;
-    let x = route::with_route(&llama, Tag::Activations, || {
-        Tensor::ones((8, 4096), DType::F32, &device)
-    })??;
-    let y = route::with_route(&llama, Tag::Activations, || x.matmul(&w))??; // candle's own allocations, in llama's pool
+    let dev = Device::new_cuda(0)?;
+    let gpu = SharedPool::cuda(0, SharedPoolConfig::new())?; // the GPU's free memory less 1 GiB
+    let llama = gpu.register(ModelConfig::new("llama", 64 << 30, 2 << 30))?; // 2 GiB limit
+    let load = || Tensor::randn(0f32, 1.0, (4096, 4096), &dev); // stands for loading weights
+    let w = route::with_route(&llama, Tag::Weights, load)??; // candle's allocations, llama's pool
+    let x = Tensor::ones((8, 4096), DType::F32, &dev)?; // outside a route: candle's own memory
+    let y = route::with_route(&llama, Tag::Activations, || x.matmul(&w))??;
     let before = y.sum_all()?.to_scalar::<f32>()?;
-    println!(
-        "{}",
-        route::report(&llama, 5)
-            .map(|r| r.to_string())
-            .unwrap_or_default()
-    );
-    drop((x, y));
-    llama.sleep(&SleepPolicy::offload_all())?; // weights to host, no GPU memory held
+    if let Some(report) = route::report(&llama, 5) {
+        println!("{report}"); // live routed bytes by tag, the largest blocks
+    }
+    drop(y);
+    llama.sleep(&SleepPolicy::offload_all())?; // weights to host memory, no GPU memory held
     llama.wake(AfterWake::FreeHostMemory)?; // same addresses: `w` is valid again
-    let x = route::with_route(&llama, Tag::Activations, || {
-        Tensor::ones((8, 4096), DType::F32, &device)
-    })??;
-    let after = route::with_route(&llama, Tag::Activations, || {
-        x.matmul(&w)?.sum_all()?.to_scalar::<f32>()
-    })??;
-    assert_eq!(before, after);
+    let y = route::with_route(&llama, Tag::Activations, || x.matmul(&w))??;
+    assert_eq!(y.sum_all()?.to_scalar::<f32>()?, before);
     println!("quickstart_routing: ok");
     Ok(())
 }
