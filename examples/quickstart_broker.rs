@@ -33,6 +33,7 @@ fn main() -> elastic_vmm::Result<()> {
     assert!(m.used >= 16 << 20);
     drop((kv, llama, engine));
     broker.shutdown();
+    std::fs::remove_dir_all(&dir).ok(); // the socket's folder
     println!("quickstart_broker: ok");
     Ok(())
 }
