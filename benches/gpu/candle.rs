@@ -295,14 +295,14 @@ fn decode_step(
     let max_blocks = SEQS * bps;
     let shape = [BLOCK_SIZE, KV_HEADS, HEAD_DIM];
     let ek = Cache::Elastic(ElasticKv::new(
-        &tensors,
+        tensors,
         max_blocks,
         &shape,
         DType::F32,
         &MemOptions::new(),
     )?);
     let ev = Cache::Elastic(ElasticKv::new(
-        &tensors,
+        tensors,
         max_blocks,
         &shape,
         DType::F32,

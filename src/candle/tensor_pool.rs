@@ -13,7 +13,7 @@ use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker
 use super::{candle_error, element_size};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
-use crate::pool::{Allocation, MemOptions, Pool};
+use crate::pool::{Allocation, Pool};
 
 /// A collect runs on allocation once live tensors exceed twice the survivors of the last one
 /// (plus this many), so its scan costs O(1) per allocation on average.

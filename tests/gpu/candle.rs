@@ -906,7 +906,7 @@ fn pool_copies_are_ordered_with_kernels_of_other_threads() {
                 }
             });
             consumers.push(s.spawn(move || {
-                let kv = ElasticKv::new(&tensors, 8, &BLOCK, DType::F32, &MemOptions::new())
+                let kv = ElasticKv::new(tensors, 8, &BLOCK, DType::F32, &MemOptions::new())
                     .expect("elastic");
                 kv.ensure_backed(0..8).expect("backed");
                 let mut failures = Vec::new();
