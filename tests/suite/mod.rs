@@ -52,6 +52,7 @@ macro_rules! shared_suite {
             reclaim_callback_holding_its_handle_is_released,
             donors_race_askers_and_owners,
             global_limit_changes,
+            global_limit_races_growth,
         );
     };
 }

@@ -934,3 +934,101 @@ pub fn global_limit_changes(backend: Arc<dyn Backend>) {
     s.audit().expect("audit at the end");
     drop(live);
 }
+
+/// The global limit lowered and raised while models grow and shrink on other threads, through
+/// slowed unmaps and releases (the window between giving idle memory back and setting the
+/// limit): the books hold at every audit, no model is ever charged past the limit in force,
+/// and every refusal is a clean one.
+pub fn global_limit_races_growth(backend: Arc<dyn Backend>) {
+    use elastic_vmm::backend::testing::DelayInjector;
+    use elastic_vmm::DriverCall;
+    use std::time::Duration;
+    const ROUNDS: u64 = 3000;
+    let g = backend.info().granularity as u64;
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Unmap, Duration::from_micros(200));
+    slow.set_delay(DriverCall::Release, Duration::from_micros(200));
+    let slow_backend: Arc<dyn Backend> = slow.clone();
+    let s = shared(&slow_backend, 32 * g);
+    let models: Vec<ModelHandle> = (0..3)
+        .map(|i| {
+            s.register(
+                ModelConfig::new(format!("m{i}"), (64 * g) as usize, 16 * g)
+                    .pool_config(exact(0).max_chunk(g as usize)),
+            )
+            .expect("register")
+        })
+        .collect();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let changer = sc.spawn(|| {
+            let (mut lowered, mut refused) = (0u64, 0u64);
+            let mut rng = Rng::new(7);
+            while !stop.load(Ordering::Relaxed) {
+                let limit = (6 + rng.below(27)) * g;
+                match s.set_global_limit(limit) {
+                    Ok(()) => {
+                        lowered += 1;
+                        let used = s.stats().global.used;
+                        // Others may have shrunk since, never grown past it.
+                        assert!(
+                            used <= s.global_limit(),
+                            "{used} above {}",
+                            s.global_limit()
+                        );
+                    }
+                    Err(Error::GlobalLimitRefused { needed, wanted, .. }) => {
+                        assert!(needed > wanted, "refused although {needed} <= {wanted}");
+                        refused += 1;
+                    }
+                    Err(e) => panic!("set_global_limit({limit}): {e}"),
+                }
+                if let Err(e) = s.audit() {
+                    panic!("audit after a change to {limit}: {e}");
+                }
+            }
+            (lowered, refused)
+        });
+        // Stops the changer however the workers end (a panicking one included).
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let guard = Stop(&stop);
+        let workers: Vec<_> = models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                sc.spawn(move || {
+                    let mut rng = Rng::new(31 + i as u64);
+                    let mut held: Vec<Allocation> = Vec::new();
+                    for _ in 0..ROUNDS {
+                        if held.len() < 8 && rng.below(4) != 0 {
+                            match m.allocate(g as usize) {
+                                Ok(a) => held.push(a),
+                                Err(Error::AdmissionRefused { .. }) => {}
+                                Err(e) => panic!("{}: {e}", m.id()),
+                            }
+                        } else if !held.is_empty() {
+                            held.swap_remove(rng.below(held.len() as u64) as usize);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("worker");
+        }
+        drop(guard);
+        let (changed, refused) = changer.join().expect("changer");
+        println!("global limit: {changed} changes, {refused} refused");
+        assert!(
+            changed > 0 && refused > 0,
+            "{changed} changes, {refused} refused: both should happen"
+        );
+    });
+    s.set_global_limit(32 * g).expect("raise at the end");
+    s.audit().expect("audit at the end");
+}
