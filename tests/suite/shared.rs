@@ -1024,10 +1024,8 @@ pub fn global_limit_races_growth(backend: Arc<dyn Backend>) {
         drop(guard);
         let (changed, refused) = changer.join().expect("changer");
         println!("global limit: {changed} changes, {refused} refused");
-        assert!(
-            changed > 0 && refused > 0,
-            "{changed} changes, {refused} refused: both should happen"
-        );
+        // Refusals depend on timing (global_limit_changes checks them exactly).
+        assert!(changed > 0, "no change went through ({refused} refused)");
     });
     s.set_global_limit(32 * g).expect("raise at the end");
     s.audit().expect("audit at the end");
