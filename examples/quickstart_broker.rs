@@ -5,17 +5,13 @@
 //! `elastic-vmm --backend cuda broker` and each engine connects to its socket. The README's
 //! lines are this file's (`tests/readme.rs` checks them); `scripts/test.sh` runs it.
 
-use std::sync::Arc;
-
-use elastic_vmm::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
 use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
 use elastic_vmm::ModelConfig;
 
 fn main() -> elastic_vmm::Result<()> {
     let dir = std::env::temp_dir().join(format!("evmm-quickstart-{}", std::process::id()));
-    let host = HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk)?;
     let config = BrokerConfig::new(dir.join("host.sock"), 256 << 20); // a 256 MiB budget
-    let broker = Broker::start(Arc::new(host), config)?; // `elastic-vmm broker`, in-process
+    let broker = Broker::host(config)?; // `elastic-vmm broker`, in-process (Broker::cuda on a GPU)
     let socket = broker.socket(); // elsewhere: elastic_vmm::broker::default_socket("cuda", Some(0))
 
     let engine = BrokerClient::connect(socket, "engine-1")?;
