@@ -127,13 +127,15 @@ fn run(sequences: usize) -> Result<f64, BoxError> {
         Device::new_cuda(0).map_err(|e| format!("this example needs a CUDA GPU (candle: {e})"))?;
     let pool = Pool::cuda(0, 64 << 30)?;
     let tensors = TensorPool::new(&pool, &device)?;
-    let elastic_k = Cache::Elastic(tensors.elastic_kv(
+    let elastic_k = Cache::Elastic(ElasticKv::new(
+        &tensors,
         MAX_BLOCKS,
         &[BLOCK_SIZE, KV_HEADS, HEAD_DIM],
         DType::F32,
         &MemOptions::new(),
     )?);
-    let elastic_v = Cache::Elastic(tensors.elastic_kv(
+    let elastic_v = Cache::Elastic(ElasticKv::new(
+        &tensors,
         MAX_BLOCKS,
         &[BLOCK_SIZE, KV_HEADS, HEAD_DIM],
         DType::F32,

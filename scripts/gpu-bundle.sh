@@ -31,6 +31,7 @@ cargo build --release --features "$features" --test gpu --test processes --bench
 if has candle || has candle-example; then
   cargo build --release --features "$features" --example elastic_kv_cache --message-format=json-render-diagnostics >>"$json"
   cargo build --release --features "$features" --example paged_kv_attention --message-format=json-render-diagnostics >>"$json"
+  cargo build --release --features "$features" --example quickstart_routing --message-format=json-render-diagnostics >>"$json"
 fi
 if has candle-example; then
   cargo build --release --features "$features" --example routed_llama --example serve --message-format=json-render-diagnostics >>"$json"

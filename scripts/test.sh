@@ -132,6 +132,27 @@ print(exes[0] if exes else "")
   exit 1
 }
 
+step "README quick starts (examples/quickstart_*) on the host backend: they run and check themselves"
+# tests/readme.rs checks the README's lines are theirs; quickstart_routing needs a GPU (the
+# candle lint below builds it). The examples the tests built, found as the CLI is above.
+quickstarts=(quickstart_models quickstart_engine quickstart_broker)
+mapfile -t quickstart_exes < <(cargo test --profile "$profile" --no-run --quiet --message-format=json |
+  python3 -c '
+import json, sys
+want = sys.argv[1:]
+exes = {m["target"]["name"]: m["executable"] for m in map(json.loads, sys.stdin)
+        if m.get("reason") == "compiler-artifact" and m["target"]["kind"] == ["example"]
+        and m["target"]["name"] in want and m["executable"]}
+print("\n".join(exes.get(w, "") for w in want))
+' "${quickstarts[@]}")
+for i in "${!quickstarts[@]}"; do
+  [[ -x "${quickstart_exes[$i]:-}" ]] || {
+    echo "cargo reported no ${quickstarts[$i]} example" >&2
+    exit 1
+  }
+  TMPDIR="$tmp" "${quickstart_exes[$i]}" >/dev/null
+done
+
 step "NIXL: the real library (PyPI wheel nixl-cu13), registration and transfers on host memory"
 nixl_libs=$(scripts/nixl-runtime.sh) # installs libclang-dev and g++ when missing; cached
 # UCX fails on an empty UCX_TLS; it moves host memory with CMA, and over TCP where CMA is blocked.
@@ -172,8 +193,9 @@ step "every feature (candle with its CUDA backend, NIXL): lint, docs, examples; 
   # (-Ofc=max, nvcc 12.8 and later, appended through NVCC_APPEND_FLAGS) 112 s, every kernel still
   # compiled by the real nvcc. A profile setting only this step uses gives candle-kernels'
   # build-script output a folder of its own, so no other build in this profile can pick up
-  # kernels compiled for a lint. The examples that need candle (elastic_kv_cache, routed_llama)
-  # are among the targets clippy checks; hotloop, which needs no feature, is built by the tests.
+  # kernels compiled for a lint. The examples that need candle (elastic_kv_cache, routed_llama,
+  # quickstart_routing, paged_kv_attention) are among the targets clippy checks; hotloop and the
+  # other quick starts, which need no optional feature, are built by the tests.
   lint=(--profile "$profile" --features gpu-tests,candle-example,nixl
     --config "profile.$profile.package.candle-kernels.opt-level=0")
   if [[ "$(nvcc --help)" == *--Ofast-compile* ]]; then

@@ -379,6 +379,26 @@ pub enum Error {
         reclaimed: u64,
     },
 
+    /// A shared pool's global limit cannot be lowered that far: models hold (or were
+    /// guaranteed) more than it, even after their idle memory was given back. Nothing changed.
+    #[error(
+        "cannot set the global limit to {wanted} bytes: models hold {used} bytes and {guaranteed} more are guaranteed to them (at least {needed} needed; {reclaimed} bytes of idle memory were given back trying); the limit stays {limit}"
+    )]
+    GlobalLimitRefused {
+        /// The value asked for.
+        wanted: u64,
+        /// Bytes charged to models (and leaked) afterwards.
+        used: u64,
+        /// Guaranteed bytes models do not use yet.
+        guaranteed: u64,
+        /// The lowest limit possible now: `used + guaranteed`.
+        needed: u64,
+        /// Bytes of idle memory given back while trying.
+        reclaimed: u64,
+        /// The limit, unchanged.
+        limit: u64,
+    },
+
     // ---- layouts and NIXL ----
     /// A KV-cache layout's configuration or memory is unusable (zero dimension, region too
     /// small or misaligned, mixed memory kinds, mismatched shapes).

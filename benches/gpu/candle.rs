@@ -294,10 +294,20 @@ fn decode_step(
 ) -> Result<(), BoxError> {
     let max_blocks = SEQS * bps;
     let shape = [BLOCK_SIZE, KV_HEADS, HEAD_DIM];
-    let ek =
-        Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32, &MemOptions::new())?);
-    let ev =
-        Cache::Elastic(tensors.elastic_kv(max_blocks, &shape, DType::F32, &MemOptions::new())?);
+    let ek = Cache::Elastic(ElasticKv::new(
+        tensors,
+        max_blocks,
+        &shape,
+        DType::F32,
+        &MemOptions::new(),
+    )?);
+    let ev = Cache::Elastic(ElasticKv::new(
+        tensors,
+        max_blocks,
+        &shape,
+        DType::F32,
+        &MemOptions::new(),
+    )?);
     let sk = static_cache(device, None, max_blocks)?;
     let sv = static_cache(device, None, max_blocks)?;
     let pk = static_cache(device, Some(tensors), max_blocks)?;

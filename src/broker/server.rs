@@ -183,6 +183,23 @@ fn io_err(op: &'static str, path: &Path, e: std::io::Error) -> Error {
 }
 
 impl Broker {
+    /// Start a broker on host memory (the host backend with one memfd per chunk, so that
+    /// chunks travel between processes; 2 MiB granularity): for tests and machines without a
+    /// GPU. Otherwise as [`Broker::start`].
+    pub fn host(config: BrokerConfig) -> Result<Broker> {
+        use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+        let host = HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk)?;
+        Self::start(Arc::new(host), config)
+    }
+
+    /// Start a broker on CUDA device `ordinal`. Otherwise as [`Broker::start`].
+    pub fn cuda(ordinal: i32, config: BrokerConfig) -> Result<Broker> {
+        Self::start(
+            Arc::new(crate::backend::cuda::CudaBackend::new(ordinal)?),
+            config,
+        )
+    }
+
     /// Start a broker owning `backend`'s chunks (it must export them: CUDA with POSIX-fd
     /// support, or a host backend with per-chunk files). Refused when another broker serves
     /// the same socket, and when the socket's folder, lock file or path is not safe

@@ -51,12 +51,12 @@ const PRUNE_SLACK: usize = 16;
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use candle_core::{DType, Device, Tensor};
-/// use elastic_vmm::{candle::TensorPool, MemOptions, Pool};
+/// use elastic_vmm::{candle::{ElasticKv, TensorPool}, MemOptions, Pool};
 ///
 /// let device = Device::new_cuda(0)?;
 /// let tensors = TensorPool::new(&Pool::cuda(0, 64 << 30)?, &device)?;
 /// // 4096 blocks of 16 tokens x 8 KV heads x 128 dims: 8 GiB virtual, nothing physical yet.
-/// let k = tensors.elastic_kv(4096, &[16, 8, 128], DType::F16, &MemOptions::new())?;
+/// let k = ElasticKv::new(&tensors, 4096, &[16, 8, 128], DType::F16, &MemOptions::new())?;
 /// k.ensure_backed(0..2)?; // maps the pages under blocks 0 and 1
 /// let token = Tensor::zeros((1, 8, 128), DType::F16, &device)?;
 /// k.write(1, 5, &token)?; // token 5 of block 1

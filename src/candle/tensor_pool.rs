@@ -10,10 +10,10 @@ use parking_lot::Mutex;
 use super::orphans::{self, Orphan};
 use super::retire::{settle, Batch, Wait};
 use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker};
-use super::{candle_error, element_size, ElasticKv};
+use super::{candle_error, element_size};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
-use crate::pool::{Allocation, MemOptions, Pool};
+use crate::pool::{Allocation, Pool};
 
 /// A collect runs on allocation once live tensors exceed twice the survivors of the last one
 /// (plus this many), so its scan costs O(1) per allocation on average.
@@ -224,17 +224,6 @@ impl TensorPool {
             .map_err(candle_error("to_device"))?;
         self.shared
             .allocate(src.shape().clone(), src.dtype(), Init::CopyOf(&src))
-    }
-
-    /// An elastic tensor `[max_blocks, ...block_shape]` in this pool; see [`ElasticKv::new`].
-    pub fn elastic_kv(
-        &self,
-        max_blocks: usize,
-        block_shape: &[usize],
-        dtype: DType,
-        opts: &MemOptions,
-    ) -> Result<ElasticKv> {
-        ElasticKv::new(self, max_blocks, block_shape, dtype, opts)
     }
 
     /// Find the tensors that are gone, put their memory behind a fence on the device's ordering

@@ -470,6 +470,23 @@ impl SharedPool {
         })
     }
 
+    /// A shared pool on host memory (the host backend, 2 MiB granularity): what tests and
+    /// machines without a GPU use. Give `config` a global limit: host memory's "free" is the
+    /// machine's.
+    pub fn host(config: SharedPoolConfig) -> Result<SharedPool> {
+        let backend =
+            crate::backend::host::HostBackend::new(crate::backend::host::DEFAULT_GRANULARITY)?;
+        Self::new(Arc::new(backend), config)
+    }
+
+    /// A shared pool on CUDA device `ordinal`.
+    pub fn cuda(ordinal: i32, config: SharedPoolConfig) -> Result<SharedPool> {
+        Self::new(
+            Arc::new(crate::backend::cuda::CudaBackend::new(ordinal)?),
+            config,
+        )
+    }
+
     /// This shared pool, not owning the registry: what a [`ModelHandle`] holds.
     fn unowned(&self) -> SharedPool {
         SharedPool {
@@ -491,6 +508,49 @@ impl SharedPool {
     /// The global physical limit.
     pub fn global_limit(&self) -> u64 {
         self.inner.ledger.lock().global_limit
+    }
+
+    /// Change the global physical limit, live. Raising takes effect at once. Lowering below what
+    /// the models hold plus what they were guaranteed and do not use yet first gives back their
+    /// idle memory (above their guarantees, in the budget engine's donor order); if the limit
+    /// still cannot be met, nothing changes and [`Error::GlobalLimitRefused`] has the numbers.
+    /// A model's own limit is left as it is (it may now be above the global limit, which
+    /// admission applies too).
+    pub fn set_global_limit(&self, limit: u64) -> Result<()> {
+        if limit == 0 {
+            return Err(Error::ZeroSize {
+                what: "global limit",
+            });
+        }
+        let mut reclaimed = 0u64;
+        let mut tried = false;
+        loop {
+            let short = {
+                let mut l = self.inner.ledger.lock();
+                let needed = l.used.saturating_add(l.unused_guarantees());
+                if needed <= limit {
+                    let before = std::mem::replace(&mut l.global_limit, limit);
+                    drop(l);
+                    tracing::info!(before, limit, reclaimed, "global limit changed");
+                    return Ok(());
+                }
+                if tried {
+                    return Err(Error::GlobalLimitRefused {
+                        wanted: limit,
+                        used: l.used,
+                        guaranteed: l.unused_guarantees(),
+                        needed,
+                        reclaimed,
+                        limit: l.global_limit,
+                    });
+                }
+                needed - limit
+            };
+            // Once, with no lock held. Key 0 is no model's (keys start at 1): every model is
+            // a donor.
+            tried = true;
+            reclaimed += self.inner.reclaim_for(0, short);
+        }
     }
 
     /// Register a model and get its handle.

@@ -366,9 +366,8 @@ fn elastic_kv_matches_an_ordinary_tensor() {
     let dev = device();
     let pool = pool(8 * GIB);
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
-    let kv = tensors
-        .elastic_kv(128, &BLOCK, DType::F32, &MemOptions::new())
-        .expect("elastic");
+    let kv =
+        ElasticKv::new(&tensors, 128, &BLOCK, DType::F32, &MemOptions::new()).expect("elastic");
     let page = kv.page_size();
     assert_eq!(kv.shape().dims(), &[128, 16, 8, 128]);
     assert_eq!(kv.physical_bytes(), 0);
@@ -544,9 +543,7 @@ fn release_is_refused_while_a_view_lives() {
     let dev = device();
     let pool = pool(4 * GIB);
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
-    let kv = tensors
-        .elastic_kv(64, &BLOCK, DType::F32, &MemOptions::new())
-        .expect("elastic");
+    let kv = ElasticKv::new(&tensors, 64, &BLOCK, DType::F32, &MemOptions::new()).expect("elastic");
     kv.ensure_backed(0..4).expect("ensure_backed");
     let v = kv.view(1..3).expect("view");
     match kv.release(2..3).expect_err("a view covers block 2") {
@@ -617,9 +614,7 @@ fn two_models_share_one_budget() {
     let small = tb.zeros(mib_f32(32), DType::F32).expect("b: 32 MiB fits");
 
     // b's elastic cache grows under the same budget: refused beyond it, nothing left mapped.
-    let kv = tb
-        .elastic_kv(4096, &BLOCK, DType::F32, &MemOptions::new())
-        .expect("elastic");
+    let kv = ElasticKv::new(&tb, 4096, &BLOCK, DType::F32, &MemOptions::new()).expect("elastic");
     kv.ensure_backed(0..64).expect("4 MiB fits");
     let backed = kv.physical_bytes();
     let err = kv
@@ -659,9 +654,8 @@ fn several_devices_and_pools() {
     let m1 = x1.matmul(&x1).expect("matmul");
     let m2 = x2.matmul(&x2).expect("matmul");
     assert!(max_abs_diff(&m1, &m2) < 1e-4);
-    let kv: ElasticKv = t2
-        .elastic_kv(32, &BLOCK, DType::F32, &MemOptions::new())
-        .expect("elastic");
+    let kv: ElasticKv =
+        ElasticKv::new(&t2, 32, &BLOCK, DType::F32, &MemOptions::new()).expect("elastic");
     kv.ensure_backed(0..2).expect("ensure");
     let src = Tensor::randn(0f32, 1., (2, 16, 8, 128), &d2).expect("randn");
     kv.write_blocks(0, &src).expect("write");
@@ -725,9 +719,7 @@ fn owners_dropped_first_keep_memory_until_tensors_go() {
 
     // An elastic tensor dropped (with its tensor pool) while a view of it lives.
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
-    let kv = tensors
-        .elastic_kv(64, &BLOCK, DType::F32, &MemOptions::new())
-        .expect("elastic");
+    let kv = ElasticKv::new(&tensors, 64, &BLOCK, DType::F32, &MemOptions::new()).expect("elastic");
     kv.ensure_backed(0..1).expect("ensure");
     kv.write_blocks(
         0,
@@ -914,8 +906,7 @@ fn pool_copies_are_ordered_with_kernels_of_other_threads() {
                 }
             });
             consumers.push(s.spawn(move || {
-                let kv = tensors
-                    .elastic_kv(8, &BLOCK, DType::F32, &MemOptions::new())
+                let kv = ElasticKv::new(tensors, 8, &BLOCK, DType::F32, &MemOptions::new())
                     .expect("elastic");
                 kv.ensure_backed(0..8).expect("backed");
                 let mut failures = Vec::new();
@@ -1201,9 +1192,7 @@ fn collect_never_waits_for_the_gpu() {
     //    view; the view dies with the chain in flight.
     let pool_c = pool(4 * GIB);
     let c = TensorPool::new(&pool_c, &dev).expect("tensor pool");
-    let kv = c
-        .elastic_kv(64, &BLOCK, DType::F32, &MemOptions::new())
-        .expect("elastic");
+    let kv = ElasticKv::new(&c, 64, &BLOCK, DType::F32, &MemOptions::new()).expect("elastic");
     kv.ensure_backed(0..64).expect("backed");
     kv.write_blocks(
         0,

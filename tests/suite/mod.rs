@@ -51,6 +51,8 @@ macro_rules! shared_suite {
             failed_limit_change_keeps_concurrent_cap,
             reclaim_callback_holding_its_handle_is_released,
             donors_race_askers_and_owners,
+            global_limit_changes,
+            global_limit_races_growth,
         );
     };
 }

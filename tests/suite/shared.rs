@@ -908,3 +908,176 @@ pub fn a_lowered_limit_stays_at_least_the_guarantee(backend: Arc<dyn Backend>) {
     assert!(r.is_err(), "{r:?}");
     s.audit().expect("audit");
 }
+
+/// The global limit changes live: raising at once; lowering gives back idle memory first, and
+/// is refused with the numbers (nothing changed) below what models hold plus their unused
+/// guarantees; admission follows the new limit.
+pub fn global_limit_changes(backend: Arc<dyn Backend>) {
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 32 * g);
+    let cfg = |id: &str, limit: u64| {
+        ModelConfig::new(id, (128 * g) as usize, limit).pool_config(exact(0).max_chunk(g as usize))
+    };
+    let a = s.register(cfg("a", 16 * g).guarantee(4 * g)).expect("a");
+    let b = s.register(cfg("b", 16 * g)).expect("b");
+    let mut live: Vec<Allocation> = (0..6)
+        .map(|_| a.allocate(g as usize).expect("a's block"))
+        .collect();
+    // b's memory stays mapped, idle, after its allocations go.
+    drop(
+        (0..8)
+            .map(|_| b.allocate(g as usize).expect("b's block"))
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(s.stats().global.used, 14 * g);
+    assert!(matches!(s.set_global_limit(0), Err(Error::ZeroSize { .. })));
+    // Below use: b's idle memory goes back, then the limit is met.
+    s.set_global_limit(10 * g).expect("lower to 10 granules");
+    assert_eq!(s.global_limit(), 10 * g);
+    assert!(used(&s, "b") <= 4 * g, "b gave back its idle memory");
+    s.audit().expect("audit after lowering");
+    // Below a's live memory: refused, with the numbers, and nothing changed.
+    match s.set_global_limit(5 * g) {
+        Err(Error::GlobalLimitRefused {
+            wanted,
+            used,
+            needed,
+            limit,
+            ..
+        }) => {
+            assert_eq!((wanted, limit), (5 * g, 10 * g));
+            assert_eq!(
+                used, needed,
+                "no unused guarantee: a uses more than 4 granules"
+            );
+            assert_eq!(used, 6 * g, "only a's live memory is left");
+        }
+        other => panic!("lowering below live memory: {other:?}"),
+    }
+    assert_eq!(s.global_limit(), 10 * g);
+    // Admission follows the new limit.
+    while live.len() < 10 {
+        live.push(a.allocate(g as usize).expect("within the lowered limit"));
+    }
+    let e = a
+        .allocate(g as usize)
+        .expect_err("past the lowered global limit");
+    assert!(matches!(e, Error::AdmissionRefused { .. }), "{e}");
+    // Raising takes effect at once.
+    s.set_global_limit(32 * g).expect("raise");
+    live.push(a.allocate(g as usize).expect("after raising"));
+    // Unused guarantees count: c's 8 granules are promised although c holds nothing.
+    let _c = s.register(cfg("c", 8 * g).guarantee(8 * g)).expect("c");
+    match s.set_global_limit(18 * g) {
+        Err(Error::GlobalLimitRefused {
+            used,
+            guaranteed,
+            needed,
+            ..
+        }) => {
+            assert_eq!((used, guaranteed), (11 * g, 8 * g));
+            assert_eq!(needed, 19 * g);
+        }
+        other => panic!("lowering below use plus guarantees: {other:?}"),
+    }
+    s.set_global_limit(19 * g)
+        .expect("exactly use plus guarantees");
+    s.audit().expect("audit at the end");
+    drop(live);
+}
+
+/// The global limit lowered and raised while models grow and shrink on other threads, through
+/// slowed unmaps and releases (the window between giving idle memory back and setting the
+/// limit): the books hold at every audit, no model is ever charged past the limit in force,
+/// and every refusal is a clean one.
+pub fn global_limit_races_growth(backend: Arc<dyn Backend>) {
+    use elastic_vmm::backend::testing::DelayInjector;
+    use elastic_vmm::DriverCall;
+    use std::time::Duration;
+    const ROUNDS: u64 = 3000;
+    let g = backend.info().granularity as u64;
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Unmap, Duration::from_micros(200));
+    slow.set_delay(DriverCall::Release, Duration::from_micros(200));
+    let slow_backend: Arc<dyn Backend> = slow.clone();
+    let s = shared(&slow_backend, 32 * g);
+    let models: Vec<ModelHandle> = (0..3)
+        .map(|i| {
+            s.register(
+                ModelConfig::new(format!("m{i}"), (64 * g) as usize, 16 * g)
+                    .pool_config(exact(0).max_chunk(g as usize)),
+            )
+            .expect("register")
+        })
+        .collect();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let changer = sc.spawn(|| {
+            let (mut lowered, mut refused) = (0u64, 0u64);
+            let mut rng = Rng::new(7);
+            while !stop.load(Ordering::Relaxed) {
+                let limit = (6 + rng.below(27)) * g;
+                match s.set_global_limit(limit) {
+                    Ok(()) => {
+                        lowered += 1;
+                        let used = s.stats().global.used;
+                        // Others may have shrunk since, never grown past it.
+                        assert!(
+                            used <= s.global_limit(),
+                            "{used} above {}",
+                            s.global_limit()
+                        );
+                    }
+                    Err(Error::GlobalLimitRefused { needed, wanted, .. }) => {
+                        assert!(needed > wanted, "refused although {needed} <= {wanted}");
+                        refused += 1;
+                    }
+                    Err(e) => panic!("set_global_limit({limit}): {e}"),
+                }
+                if let Err(e) = s.audit() {
+                    panic!("audit after a change to {limit}: {e}");
+                }
+            }
+            (lowered, refused)
+        });
+        // Stops the changer however the workers end (a panicking one included).
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let guard = Stop(&stop);
+        let workers: Vec<_> = models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                sc.spawn(move || {
+                    let mut rng = Rng::new(31 + i as u64);
+                    let mut held: Vec<Allocation> = Vec::new();
+                    for _ in 0..ROUNDS {
+                        if held.len() < 8 && rng.below(4) != 0 {
+                            match m.allocate(g as usize) {
+                                Ok(a) => held.push(a),
+                                Err(Error::AdmissionRefused { .. }) => {}
+                                Err(e) => panic!("{}: {e}", m.id()),
+                            }
+                        } else if !held.is_empty() {
+                            held.swap_remove(rng.below(held.len() as u64) as usize);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("worker");
+        }
+        drop(guard);
+        let (changed, refused) = changer.join().expect("changer");
+        println!("global limit: {changed} changes, {refused} refused");
+        // Refusals depend on timing (global_limit_changes checks them exactly).
+        assert!(changed > 0, "no change went through ({refused} refused)");
+    });
+    s.set_global_limit(32 * g).expect("raise at the end");
+    s.audit().expect("audit at the end");
+}
