@@ -65,6 +65,27 @@ pub trait BlockStore {
     /// Blocks the cache could hand out now without reclaiming anything (the pool's free
     /// budget under the model's limit).
     fn available(&self) -> usize;
+    /// Bytes `blocks` live blocks hold, packed: whole groups of blocks that share their pages
+    /// (the cache hands out blocks on pages mapped already first). More once freed blocks
+    /// scatter the live ones over more pages.
+    fn bytes_for(&self, blocks: usize) -> u64;
+}
+
+/// [`BlockStore::bytes_for`] of a [`PagedKv`]: a group of `page / span` blocks (at least one)
+/// costs a page's worth of its span in every tensor (the rule of `PagedKv::available`).
+pub fn paged_bytes_for(kv: &PagedKv, blocks: usize) -> u64 {
+    let page = kv.pool().granularity();
+    let span = kv.block_span_bytes().max(1);
+    let per_group = (page / span).max(1);
+    let group = kv.tensors() as u64 * span.div_ceil(page) * page;
+    (blocks as u64).div_ceil(per_group) * group
+}
+
+/// The memory one block of `kv` costs on average (a group's bytes over its blocks).
+pub fn paged_block_bytes(kv: &PagedKv) -> u64 {
+    let page = kv.pool().granularity();
+    let per_group = (page / kv.block_span_bytes().max(1)).max(1);
+    (paged_bytes_for(kv, per_group as usize) / per_group).max(1)
 }
 
 impl BlockStore for PagedKv {
@@ -78,6 +99,9 @@ impl BlockStore for PagedKv {
     }
     fn available(&self) -> usize {
         PagedKv::available(self)
+    }
+    fn bytes_for(&self, blocks: usize) -> u64 {
+        paged_bytes_for(self, blocks)
     }
 }
 
@@ -163,7 +187,7 @@ impl<S: BlockStore> PoolKv<S> {
     }
 
     fn kv_bytes(&self, blocks: usize) -> u64 {
-        blocks as u64 * self.block_bytes
+        self.store.bytes_for(blocks)
     }
 
     /// Set the model's guarantee to its base and `blocks` of KV.
@@ -459,7 +483,9 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
     let kv = budget.saturating_sub(if resident { bases } else { 0 });
     for m in models.iter_mut() {
         let bb = m.engine.kv.block_bytes();
-        let share = kv / k / bb * bb;
+        // Static shares in whole groups of blocks sharing pages (one block on the host).
+        let unit = m.engine.kv.store.bytes_for(1).max(bb);
+        let share = kv / k / unit * unit;
         let (limit, guarantee, cap) = match policy {
             Policy::Static => {
                 let l = m.base + share;

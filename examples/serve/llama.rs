@@ -1,37 +1,74 @@
-//! The real models for the GPU: candle-transformers' Llama with random weights made on the
-//! device inside the model's route (every weight byte is its pool's memory, tagged weights), its
-//! KV blocks an `ElasticKv` of the model's pool (one 2 MiB page per block), every activation
-//! routed into the model's pool.
+//! The real models for the GPU: a Llama-shaped decoder built from candle-nn pieces (RMS norm,
+//! rotary embeddings, grouped-query attention, SwiGLU MLP) with random weights made on the device
+//! inside the model's route (every weight byte is its pool's memory, tagged weights), its KV in
+//! a paged KV cache of the model's pool ([`PagedKvTensors`]: per layer a K and a V tensor
+//! `[blocks, block_tokens, kv_heads, head_dim]`), every activation routed into the model's pool.
 //!
-//! A step runs real kernels over real shapes: a prefill is one forward per sequence over its
-//! new tokens (causal attention over them); a decode step one forward of the whole batch
-//! (`[B, 1]`), then a read of every KV block the batch holds (a gather over the elastic tensor:
-//! the attention's KV traffic, on memory that must be mapped). candle-transformers' Llama keeps
-//! its own contiguous KV cache, which continuous batching cannot use, so the decode forward
-//! runs without it and the gather stands in for the attention's reads; the paged KV cache
-//! (its own issue) replaces this with real paged attention.
+//! A step runs real kernels over real shapes, as a paged-attention engine does:
+//! - the projections and the MLP are one batched matmul over every token of the step (all the
+//!   new tokens of a prefill's sequences, one token per sequence of a decode batch);
+//! - each token's K and V (after the rotary embedding) are written into its slot of its
+//!   sequence's blocks (`scatter_set` on the layer's tensor viewed as `[blocks * block_tokens,
+//!   kv_heads * head_dim]`: one kernel per layer for K and one for V, in place);
+//! - attention is per sequence: its blocks gathered by its block table (`index_select`, as
+//!   `examples/paged_kv_attention.rs` checks bit for bit against a static cache), its queries
+//!   against its whole context (causal within a prefill's new tokens);
+//! - only each sequence's last token goes through the final norm and the LM head.
+//!
+//! A prefill goes in forwards of at most [`PREFILL_CHUNK`] tokens (a longer context, e.g. a
+//! recomputed one, in pieces; a piece attends to the earlier pieces through the blocks).
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Module, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
-use candle_nn::{Init, VarBuilder};
-use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
+use candle_nn::{Embedding, Init, Linear, VarBuilder};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::candle::{ElasticKv, TensorPool};
+use elastic_vmm::candle::{PagedKvTensors, TensorPool};
+use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::route;
-use elastic_vmm::{MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
+use elastic_vmm::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
 
-use crate::cluster::{BlockStore, PoolKv, Served};
+use crate::cluster::{paged_block_bytes, paged_bytes_for, BlockStore, PoolKv, Served};
 use crate::engine::{Engine, EngineConfig, SeqView, StepModel};
 
 const DTYPE: DType = DType::BF16;
-/// Blocks of KV read per gather (bounds the gather's output: 64 pages).
-const GATHER_BLOCKS: usize = 64;
-/// Most tokens in one prefill forward: longer contexts (recomputed ones) go in pieces, which
-/// bounds the attention's `[heads, n, n]` scores (0.5 GiB in f32 for the 8B shape).
+/// Tokens per KV block (vLLM's default).
+pub const BLOCK_TOKENS: usize = 16;
+/// Most tokens in one forward of a prefill: longer contexts (recomputed ones) go in pieces,
+/// which bounds the attention's `[heads, n, context]` scores.
 pub const PREFILL_CHUNK: usize = 2048;
+/// Positions the rotary tables cover (a longer context is an error naming it).
+const MAX_POSITION: usize = 32768;
+
+/// A model's shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaShape {
+    /// Hidden size.
+    pub hidden: usize,
+    /// MLP size.
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// RMS norm epsilon.
+    pub eps: f64,
+    /// Rotary base.
+    pub rope_theta: f64,
+}
+
+impl LlamaShape {
+    /// Elements per head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+}
 
 /// A model size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,48 +88,30 @@ impl Size {
         }
     }
 
-    /// candle-transformers' config.
-    pub fn config(self) -> Config {
-        let c = match self {
-            Size::Small => LlamaConfig {
-                hidden_size: 1024,
-                intermediate_size: 2816,
-                vocab_size: 32000,
-                num_hidden_layers: 16,
-                num_attention_heads: 16,
-                num_key_value_heads: Some(8),
-                rms_norm_eps: 1e-5,
+    /// Its shape.
+    pub fn config(self) -> LlamaShape {
+        match self {
+            Size::Small => LlamaShape {
+                hidden: 1024,
+                intermediate: 2816,
+                vocab: 32000,
+                layers: 16,
+                heads: 16,
+                kv_heads: 8,
+                eps: 1e-5,
                 rope_theta: 10_000.0,
-                bos_token_id: Some(1),
-                eos_token_id: None,
-                rope_scaling: None,
-                max_position_embeddings: 4096,
-                tie_word_embeddings: Some(false),
             },
-            Size::Llama8B => LlamaConfig {
-                hidden_size: 4096,
-                intermediate_size: 14336,
-                vocab_size: 128256,
-                num_hidden_layers: 32,
-                num_attention_heads: 32,
-                num_key_value_heads: Some(8),
-                rms_norm_eps: 1e-5,
+            Size::Llama8B => LlamaShape {
+                hidden: 4096,
+                intermediate: 14336,
+                vocab: 128256,
+                layers: 32,
+                heads: 32,
+                kv_heads: 8,
+                eps: 1e-5,
                 rope_theta: 500_000.0,
-                bos_token_id: Some(128000),
-                eos_token_id: None,
-                rope_scaling: None,
-                max_position_embeddings: 4096,
-                tie_word_embeddings: Some(false),
             },
-        };
-        c.into_config(false)
-    }
-
-    /// KV elements per token (keys and values of every layer).
-    pub fn kv_elems_per_token(self) -> usize {
-        let c = self.config();
-        let head_dim = c.hidden_size / c.num_attention_heads;
-        2 * c.num_hidden_layers * c.num_key_value_heads * head_dim
+        }
     }
 }
 
@@ -131,21 +150,238 @@ impl SimpleBackend for RandomWeights {
     }
 }
 
+/// One decoder layer's weights.
+struct Layer {
+    attn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    mlp_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A Llama-shaped decoder over a paged KV cache.
+struct PagedLlama {
+    shape: LlamaShape,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// Rotary tables `[MAX_POSITION, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A piece of a sequence in one forward: its block table, the position of its first new token
+/// and how many new tokens.
+struct Piece<'a> {
+    blocks: &'a [u32],
+    start: usize,
+    len: usize,
+}
+
+fn rotary_tables(shape: &LlamaShape, dev: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let half = shape.head_dim() / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| {
+            1.0 / shape
+                .rope_theta
+                .powf(2.0 * i as f64 / shape.head_dim() as f64) as f32
+        })
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, half), &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, MAX_POSITION as u32, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((MAX_POSITION, 1))?;
+    let freqs = pos.broadcast_mul(&inv)?;
+    let to = |t: Tensor| t.to_dtype(DTYPE)?.to_device(dev);
+    Ok((to(freqs.cos()?)?, to(freqs.sin()?)?))
+}
+
+impl PagedLlama {
+    fn load(shape: LlamaShape, vb: VarBuilder) -> candle_core::Result<Self> {
+        let (h, hd) = (shape.hidden, shape.head_dim());
+        let lin = |i: usize, o: usize, vb: VarBuilder| candle_nn::linear_no_bias(i, o, vb);
+        let ones = |vb: VarBuilder| vb.get_with_hints(h, "weight", Init::Const(1.0));
+        let mut layers = Vec::with_capacity(shape.layers);
+        for l in 0..shape.layers {
+            let vb = vb.pp(format!("layers.{l}"));
+            layers.push(Layer {
+                attn_norm: ones(vb.pp("input_layernorm"))?,
+                wq: lin(h, shape.heads * hd, vb.pp("q_proj"))?,
+                wk: lin(h, shape.kv_heads * hd, vb.pp("k_proj"))?,
+                wv: lin(h, shape.kv_heads * hd, vb.pp("v_proj"))?,
+                wo: lin(shape.heads * hd, h, vb.pp("o_proj"))?,
+                mlp_norm: ones(vb.pp("post_attention_layernorm"))?,
+                gate: lin(h, shape.intermediate, vb.pp("gate_proj"))?,
+                up: lin(h, shape.intermediate, vb.pp("up_proj"))?,
+                down: lin(shape.intermediate, h, vb.pp("down_proj"))?,
+            });
+        }
+        let (cos, sin) = rotary_tables(&shape, vb.device())?;
+        Ok(PagedLlama {
+            shape,
+            embed: candle_nn::embedding(shape.vocab, h, vb.pp("embed_tokens"))?,
+            layers,
+            norm: ones(vb.pp("norm"))?,
+            lm_head: lin(h, shape.vocab, vb.pp("lm_head"))?,
+            cos,
+            sin,
+        })
+    }
+
+    /// One forward over `pieces` (their new tokens written into their blocks, each attending
+    /// to its whole context); logits of each piece's last token, `[pieces, vocab]`.
+    fn forward(&self, kv: &PagedKvTensors, pieces: &[Piece]) -> candle_core::Result<Tensor> {
+        let dev = kv.device().clone();
+        let s = &self.shape;
+        let (hd, kvd) = (s.head_dim(), s.kv_heads * s.head_dim());
+        let bt = BLOCK_TOKENS;
+        // Every token's position and its row in the cache (`block * block_tokens + slot`).
+        let mut pos = Vec::new();
+        let mut rows = Vec::new();
+        let mut last = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            if p.len == 0 {
+                candle_core::bail!("a step piece with no new tokens");
+            }
+            let end = p.start + p.len;
+            if end > MAX_POSITION || end.div_ceil(bt) > p.blocks.len() {
+                candle_core::bail!(
+                    "a context of {end} tokens: {} blocks of {bt} held, {MAX_POSITION} positions at most",
+                    p.blocks.len()
+                );
+            }
+            for t in p.start..end {
+                pos.push(t as u32);
+                rows.push(p.blocks[t / bt] * bt as u32 + (t % bt) as u32);
+            }
+            last.push((pos.len() - 1) as u32);
+        }
+        let n = pos.len();
+        let pos = Tensor::new(pos.as_slice(), &dev)?;
+        let cos = self.cos.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
+        let sin = self.sin.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
+        let rows = Tensor::new(rows.as_slice(), &dev)?
+            .reshape((n, 1))?
+            .broadcast_as((n, kvd))?
+            .contiguous()?;
+        let tables: Vec<Tensor> = pieces
+            .iter()
+            .map(|p| Tensor::new(&p.blocks[..(p.start + p.len).div_ceil(bt)], &dev))
+            .collect::<candle_core::Result<_>>()?;
+        let rope = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
+            // Each token its own batch row: `[n, heads, 1, head_dim]` against `[n, 1, hd/2]`.
+            candle_nn::rotary_emb::rope(&x.reshape((n, heads, 1, hd))?, &cos, &sin)?
+                .reshape((n, heads * hd))
+        };
+        let max_blocks = kv.config().max_blocks;
+        let mut x = self.embed.forward(&Tensor::zeros(n, DType::U32, &dev)?)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, s.eps as f32)?;
+            let q = rope(&w.wq.forward(&h)?, s.heads)?;
+            let k = rope(&w.wk.forward(&h)?, s.kv_heads)?;
+            let v = w.wv.forward(&h)?.contiguous()?;
+            let kc = kv.k(l).map_err(candle_core::Error::wrap)?;
+            let vc = kv.v(l).map_err(candle_core::Error::wrap)?;
+            // The new tokens' K and V into their slots, in place (blocks the engine allocated).
+            kc.reshape((max_blocks * bt, kvd))?
+                .scatter_set(&rows, &k, 0)?;
+            vc.reshape((max_blocks * bt, kvd))?
+                .scatter_set(&rows, &v, 0)?;
+            let mut outs = Vec::with_capacity(pieces.len());
+            let mut off = 0;
+            for (p, table) in pieces.iter().zip(&tables) {
+                let q = q.narrow(0, off, p.len)?;
+                off += p.len;
+                outs.push(attend(s, &q, &kc, &vc, table, p.start, p.len)?);
+            }
+            let a = Tensor::cat(&outs, 0)?;
+            x = (x + w.wo.forward(&a)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &w.mlp_norm, s.eps as f32)?;
+            let m = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
+            x = (x + w.down.forward(&m)?)?;
+        }
+        let x = x.index_select(&Tensor::new(last.as_slice(), &dev)?, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
+        self.lm_head.forward(&x)
+    }
+}
+
+/// Attention of one sequence's `len` new queries `q` `[len, heads * head_dim]` (positions
+/// `start..start + len`) over its context `0..start + len`, read from its blocks (`table`) of
+/// the layer's cache tensors `[blocks, block_tokens, kv_heads, head_dim]`. Returns
+/// `[len, heads * head_dim]`.
+fn attend(
+    s: &LlamaShape,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    table: &Tensor,
+    start: usize,
+    len: usize,
+) -> candle_core::Result<Tensor> {
+    let (hd, kvh) = (s.head_dim(), s.kv_heads);
+    let rep = s.heads / kvh;
+    let ctx = start + len;
+    let nb = table.dim(0)?;
+    // [len, kvh, rep, hd] -> [kvh, rep * len, hd]
+    let q = q
+        .reshape((len, kvh, rep, hd))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((kvh, rep * len, hd))?;
+    let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+        // [nb, bt, kvh, hd] -> [ctx, kvh, hd] -> [kvh, ctx, hd]
+        c.index_select(table, 0)?
+            .reshape((nb * BLOCK_TOKENS, kvh, hd))?
+            .narrow(0, 0, ctx)?
+            .transpose(0, 1)?
+            .contiguous()
+    };
+    let (k, v) = (gather(kc)?, gather(vc)?);
+    let scores = q
+        .matmul(&k.t()?)?
+        .to_dtype(DType::F32)?
+        .affine(1.0 / (hd as f64).sqrt(), 0.0)?
+        .reshape((kvh, rep, len, ctx))?;
+    let scores = if len > 1 {
+        // Query i (position start + i) sees keys 0..=start + i.
+        let dev = q.device();
+        let key = Tensor::arange(0u32, ctx as u32, dev)?.reshape((1, ctx))?;
+        let query = Tensor::arange(start as u32, ctx as u32, dev)?.reshape((len, 1))?;
+        let masked = key
+            .broadcast_gt(&query)?
+            .broadcast_as((kvh, rep, len, ctx))?;
+        let neg = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((kvh, rep, len, ctx))?;
+        masked.where_cond(&neg, &scores)?
+    } else {
+        scores
+    };
+    let p = candle_nn::ops::softmax_last_dim(&scores)?
+        .to_dtype(DTYPE)?
+        .reshape((kvh, rep * len, ctx))?;
+    // [kvh, rep * len, hd] -> [len, kvh, rep, hd] -> [len, heads * hd]
+    p.matmul(&v)?
+        .reshape((kvh, rep, len, hd))?
+        .permute((2, 0, 1, 3))?
+        .contiguous()?
+        .reshape((len, s.heads * hd))
+}
+
 /// One model's compute.
 pub struct LlamaModel {
     handle: ModelHandle,
-    llama: Llama,
-    cache: Cache,
-    config: Config,
-    kv: Arc<ElasticKv>,
+    llama: PagedLlama,
+    kv: Arc<PagedKvTensors>,
     device: Device,
 }
 
 impl LlamaModel {
-    fn run<R>(
-        &mut self,
-        f: impl FnOnce(&mut Self) -> candle_core::Result<R>,
-    ) -> Result<f64, String> {
+    fn run(&mut self, f: impl FnOnce(&mut Self) -> candle_core::Result<()>) -> Result<f64, String> {
         let t = Instant::now();
         let handle = self.handle.clone();
         route::with_route(&handle, Tag::Activations, || f(self))
@@ -158,56 +394,71 @@ impl LlamaModel {
 
 impl StepModel for LlamaModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens as usize).collect();
+        // Pieces of at most PREFILL_CHUNK tokens, packed into forwards of at most that many;
+        // a sequence's later piece reads its earlier ones from the blocks (written first).
+        let mut pieces = Vec::new();
+        for s in seqs {
+            let end = s.context as usize;
+            let mut at = end - (s.new_tokens as usize).min(end);
+            while at < end {
+                let len = (end - at).min(PREFILL_CHUNK);
+                pieces.push(Piece {
+                    blocks: s.blocks,
+                    start: at,
+                    len,
+                });
+                at += len;
+            }
+        }
         self.run(|m| {
-            for &len in &lens {
-                let mut left = len;
-                while left > 0 {
-                    let n = left.min(PREFILL_CHUNK);
-                    left -= n;
-                    // A fresh cache: its causal masks are per length and would pile up.
-                    let mut cache = Cache::new(false, DTYPE, &m.config, &m.device)?;
-                    let ids = Tensor::zeros((1, n), DType::U32, &m.device)?;
-                    m.llama.forward(&ids, 0, &mut cache)?;
+            let mut batch: Vec<Piece> = Vec::new();
+            let mut tokens = 0;
+            for p in pieces {
+                if tokens + p.len > PREFILL_CHUNK && !batch.is_empty() {
+                    m.llama.forward(&m.kv, &batch)?;
+                    batch.clear();
+                    tokens = 0;
                 }
+                tokens += p.len;
+                batch.push(p);
+            }
+            if !batch.is_empty() {
+                m.llama.forward(&m.kv, &batch)?;
             }
             Ok(())
         })
     }
 
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        let b = seqs.len();
-        let blocks: Vec<usize> = seqs
+        let pieces: Vec<Piece> = seqs
             .iter()
-            .flat_map(|s| s.blocks.iter().map(|&i| i as usize))
+            .map(|s| Piece {
+                blocks: s.blocks,
+                start: (s.context as usize).saturating_sub(1),
+                len: 1,
+            })
             .collect();
-        self.run(|m| {
-            let ids = Tensor::zeros((b, 1), DType::U32, &m.device)?;
-            m.llama.forward(&ids, 0, &mut m.cache)?;
-            for chunk in blocks.chunks(GATHER_BLOCKS) {
-                m.kv.gather(chunk)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            }
-            Ok(())
-        })
+        self.run(|m| m.llama.forward(&m.kv, &pieces).map(|_| ()))
     }
 }
 
-impl BlockStore for Arc<ElasticKv> {
-    fn back(&self, ids: &[u32]) -> Result<(), String> {
-        self.ensure_backed(ids.iter().map(|&i| i as usize))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+impl BlockStore for Arc<PagedKvTensors> {
+    fn alloc(&self, n: usize) -> Result<Vec<u32>, String> {
+        BlockStore::alloc(self.cache(), n)
     }
-    fn unback(&self, ids: &[u32]) -> Result<(), String> {
-        self.release(ids.iter().map(|&i| i as usize))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+    fn free(&self, ids: &[u32]) -> Result<(), String> {
+        BlockStore::free(self.cache(), ids)
+    }
+    fn available(&self) -> usize {
+        self.cache().available()
+    }
+    fn bytes_for(&self, blocks: usize) -> u64 {
+        paged_bytes_for(self.cache(), blocks)
     }
 }
 
 /// The cluster's models on the GPU.
-pub type GpuServed = Served<Arc<ElasticKv>, LlamaModel>;
+pub type GpuServed = Served<Arc<PagedKvTensors>, LlamaModel>;
 
 /// What a GPU cluster is made of.
 #[derive(Debug, Clone, Copy)]
@@ -234,7 +485,7 @@ pub struct GpuCluster {
     pub gpu: SharedPool,
     /// The models.
     pub models: Vec<GpuServed>,
-    /// Per model tensor pools (the elastic KV tensors' home).
+    /// Per model tensor pools (the paged KV tensors' home).
     pub tensor_pools: Vec<TensorPool>,
     /// The device.
     pub device: Device,
@@ -255,7 +506,6 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
     let gpu = SharedPool::new(backend, SharedPoolConfig::new()).map_err(e)?;
     let device_budget = gpu.global_limit();
     let cfg = sizes.size.config();
-    let elems = sizes.size.kv_elems_per_token();
     let mut loaded = Vec::new();
     for i in 0..sizes.models {
         let t = Instant::now();
@@ -267,11 +517,9 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
                 device_budget,
             ))
             .map_err(e)?;
-        let (llama, cache) = route::with_route(&handle, Tag::Weights, || {
+        let llama = route::with_route(&handle, Tag::Weights, || {
             let vb = VarBuilder::from_backend(Box::new(RandomWeights), DTYPE, device.clone());
-            let llama = Llama::load(vb, &cfg)?;
-            let cache = Cache::new(false, DTYPE, &cfg, &device)?;
-            Ok::<_, candle_core::Error>((llama, cache))
+            PagedLlama::load(cfg, vb)
         })
         .map_err(e)?
         .map_err(ce)?;
@@ -285,58 +533,74 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             t.elapsed().as_secs_f64()
         ));
         let tensors = TensorPool::new(&handle, &device).map_err(e)?;
-        let page = tensors.pool().granularity();
-        let per_token = (elems * DTYPE.size_in_bytes()) as u64;
-        if page % per_token != 0 {
-            return Err(format!(
-                "a {page}-byte page does not hold whole tokens of {per_token} KV bytes"
-            ));
-        }
-        let block_tokens = (page / per_token) as u32;
-        // Room for every policy: the KV of all models together.
-        let max_blocks = (sizes.kv_share * sizes.models as u64 / page) as usize + 1;
+        // Room for every policy: the KV of all models together (address space only until
+        // blocks are allocated).
+        let per_block =
+            (2 * cfg.layers * BLOCK_TOKENS * cfg.kv_heads * cfg.head_dim() * DTYPE.size_in_bytes())
+                as u64;
+        let max_blocks = (sizes.kv_share * sizes.models as u64 / per_block) as usize + 1;
         let kv = Arc::new(
-            ElasticKv::new(
+            PagedKvTensors::new(
                 &tensors,
-                max_blocks,
-                &[block_tokens as usize, elems],
+                PagedKvConfig::new(
+                    cfg.layers,
+                    cfg.kv_heads,
+                    cfg.head_dim(),
+                    BLOCK_TOKENS,
+                    DTYPE.size_in_bytes(),
+                    max_blocks,
+                ),
                 DTYPE,
-                &MemOptions::new(),
             )
             .map_err(e)?,
         );
+        let block_bytes = paged_block_bytes(kv.cache());
         let model = LlamaModel {
             handle: handle.clone(),
             llama,
-            cache,
-            config: cfg.clone(),
             kv: kv.clone(),
             device: device.clone(),
         };
-        let pkv = PoolKv::new(kv, handle.clone(), max_blocks, block_tokens, page);
+        let pkv = PoolKv::new(
+            kv,
+            handle.clone(),
+            max_blocks,
+            BLOCK_TOKENS as u32,
+            block_bytes,
+        );
         loaded.push((handle, model, pkv, tensors, weights));
     }
-    // Warm: the largest prefill and decode steps, so each model's activations are at their
-    // peak once; the base is what it holds then, with a quarter of the activations more as
-    // margin.
+    // Warm: the largest prefill and decode steps (on blocks allocated for them and freed
+    // after), so each model's activations are at their peak once; the base is what it holds
+    // then, with a quarter of the activations more as margin.
     let mut models = Vec::new();
     let mut tensor_pools = Vec::new();
     for (handle, mut model, pkv, tensors, weights) in loaded {
         let prompt = PREFILL_CHUNK as u32;
-        let blocks: Vec<u32> = Vec::new();
-        model.prefill(&[SeqView {
-            blocks: &blocks,
-            new_tokens: prompt,
-            context: prompt,
-        }])?;
-        let batch: Vec<SeqView> = (0..sizes.engine.max_batch)
-            .map(|_| SeqView {
-                blocks: &blocks,
-                new_tokens: 1,
-                context: 1,
-            })
-            .collect();
-        model.decode(&batch)?;
+        let batch = sizes.engine.max_batch;
+        let blocks = pkv
+            .store
+            .alloc(PREFILL_CHUNK / BLOCK_TOKENS + batch)
+            .map_err(|e| format!("warm-up KV blocks of {}: {e}", handle.id()))?;
+        let (long, short) = blocks.split_at(PREFILL_CHUNK / BLOCK_TOKENS);
+        let warm = (|| {
+            model.prefill(&[SeqView {
+                blocks: long,
+                new_tokens: prompt,
+                context: prompt,
+            }])?;
+            let seqs: Vec<SeqView> = short
+                .iter()
+                .map(|b| SeqView {
+                    blocks: std::slice::from_ref(b),
+                    new_tokens: 1,
+                    context: 1,
+                })
+                .collect();
+            model.decode(&seqs).map(|_| ())
+        })();
+        pkv.store.free(&blocks)?;
+        warm?;
         let st = handle.model_stats().ok_or("model gone")?;
         let weights_and_act = st.used;
         let base = weights_and_act + weights_and_act.saturating_sub(weights) / 4;
