@@ -53,6 +53,8 @@ mod engine;
 mod host;
 #[cfg(feature = "candle-example")]
 mod llama;
+#[cfg(feature = "candle-example")]
+mod paged_llama;
 mod report;
 mod trace;
 
