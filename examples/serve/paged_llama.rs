@@ -159,7 +159,11 @@ impl PagedLlama {
 
     /// One forward over `pieces` (their new tokens written into their blocks, each attending
     /// to its whole context); logits of each piece's last token, `[pieces, vocab]`.
-    pub fn forward(&self, kv: &dyn LayerCache, pieces: &[Piece]) -> candle_core::Result<Tensor> {
+    pub fn forward<'a>(
+        &self,
+        kv: &dyn LayerCache,
+        pieces: &[Piece<'a>],
+    ) -> candle_core::Result<Tensor> {
         let dev = self.cos.device().clone();
         let s = &self.shape;
         let (hd, kvd) = (s.head_dim(), s.kv_heads * s.head_dim());
@@ -193,10 +197,34 @@ impl PagedLlama {
             .reshape((n, 1))?
             .broadcast_as((n, kvd))?
             .contiguous()?;
-        let tables: Vec<Tensor> = pieces
-            .iter()
-            .map(|p| Tensor::new(&p.blocks[..(p.start + p.len).div_ceil(bt)], &dev))
-            .collect::<candle_core::Result<_>>()?;
+        let held = |p: &Piece<'a>| &p.blocks[..(p.start + p.len).div_ceil(bt)];
+        // A decode step (one token per piece) attends in one batch: every block table padded
+        // to the longest with its own last block (read, masked out); otherwise per piece.
+        let decode = if pieces.iter().all(|p| p.len == 1) {
+            let nb = pieces.iter().map(|p| held(p).len()).max().unwrap_or(1);
+            let mut table = Vec::with_capacity(pieces.len() * nb);
+            for p in pieces {
+                let h = held(p);
+                table.extend_from_slice(h);
+                table.extend(std::iter::repeat_n(h[h.len() - 1], nb - h.len()));
+            }
+            let lens: Vec<u32> = pieces.iter().map(|p| (p.start + 1) as u32).collect();
+            Some((
+                Tensor::new(table.as_slice(), &dev)?,
+                Tensor::new(lens.as_slice(), &dev)?.reshape((pieces.len(), 1))?,
+                nb,
+            ))
+        } else {
+            None
+        };
+        let tables: Vec<Tensor> = if decode.is_some() {
+            Vec::new()
+        } else {
+            pieces
+                .iter()
+                .map(|p| Tensor::new(held(p), &dev))
+                .collect::<candle_core::Result<_>>()?
+        };
         let rope = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
             // Each token its own batch row: `[n, heads, 1, head_dim]` against `[n, 1, hd/2]`.
             candle_nn::rotary_emb::rope(&x.reshape((n, heads, 1, hd))?, &cos, &sin)?
@@ -215,14 +243,19 @@ impl PagedLlama {
                 .scatter_set(&rows, &k, 0)?;
             vc.reshape((max_blocks * bt, kvd))?
                 .scatter_set(&rows, &v, 0)?;
-            let mut outs = Vec::with_capacity(pieces.len());
-            let mut off = 0;
-            for (p, table) in pieces.iter().zip(&tables) {
-                let q = q.narrow(0, off, p.len)?;
-                off += p.len;
-                outs.push(attend(s, &q, &kc, &vc, table, p.start, p.len)?);
-            }
-            let a = Tensor::cat(&outs, 0)?;
+            let a = match &decode {
+                Some((table, lens, nb)) => attend_decode(s, &q, &kc, &vc, table, lens, *nb)?,
+                None => {
+                    let mut outs = Vec::with_capacity(pieces.len());
+                    let mut off = 0;
+                    for (p, table) in pieces.iter().zip(&tables) {
+                        let q = q.narrow(0, off, p.len)?;
+                        off += p.len;
+                        outs.push(attend(s, &q, &kc, &vc, table, p.start, p.len)?);
+                    }
+                    Tensor::cat(&outs, 0)?
+                }
+            };
             x = (x + w.wo.forward(&a)?)?;
             let h = candle_nn::ops::rms_norm(&x, &w.mlp_norm, s.eps as f32)?;
             let m = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
@@ -293,4 +326,271 @@ fn attend(
         .permute((2, 0, 1, 3))?
         .contiguous()?
         .reshape((len, s.heads * hd))
+}
+
+/// Attention of a decode batch: query `b` `q[b]` (`[batch, heads * head_dim]`) over the first
+/// `lens[b]` tokens of its `nb` blocks, `table` `[batch * nb]` (padded). Returns `[batch, heads
+/// * head_dim]`.
+fn attend_decode(
+    s: &LlamaShape,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    table: &Tensor,
+    lens: &Tensor,
+    nb: usize,
+) -> candle_core::Result<Tensor> {
+    let (hd, kvh) = (s.head_dim(), s.kv_heads);
+    let rep = s.heads / kvh;
+    let b = q.dim(0)?;
+    let l = nb * BLOCK_TOKENS;
+    let q = q.reshape((b, kvh, rep, hd))?;
+    let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+        // [b * nb, bt, kvh, hd] -> [b, l, kvh, hd] -> [b, kvh, l, hd]
+        c.index_select(table, 0)?
+            .reshape((b, l, kvh, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (k, v) = (gather(kc)?, gather(vc)?);
+    let scores = q
+        .matmul(&k.t()?)?
+        .to_dtype(DType::F32)?
+        .affine(1.0 / (hd as f64).sqrt(), 0.0)?;
+    // Keys at or past a sequence's length (padding, the rest of its last block) masked out.
+    let dev = q.device();
+    let key = Tensor::arange(0u32, l as u32, dev)?.reshape((1, l))?;
+    let masked = key
+        .broadcast_ge(lens)?
+        .reshape((b, 1, 1, l))?
+        .broadcast_as((b, kvh, rep, l))?;
+    let neg = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((b, kvh, rep, l))?;
+    let p = candle_nn::ops::softmax_last_dim(&masked.where_cond(&neg, &scores)?)?
+        .to_dtype(q.dtype())?;
+    // [b, kvh, rep, l] x [b, kvh, l, hd] -> [b, kvh, rep, hd]
+    p.matmul(&v)?.reshape((b, s.heads * hd))
+}
+
+#[cfg(test)]
+mod tests {
+    //! On the CPU with ordinary tensors as the cache (f32): a decode over the blocks gives the
+    //! logits a whole prefill of the same context gives; batching and chunking change nothing;
+    //! only the sequences' own blocks are written.
+    use super::*;
+    use candle_nn::VarMap;
+
+    const BLOCKS: usize = 32;
+
+    fn shape() -> LlamaShape {
+        LlamaShape {
+            hidden: 64,
+            intermediate: 128,
+            vocab: 50,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            eps: 1e-5,
+            rope_theta: 10_000.0,
+        }
+    }
+
+    struct Cache(Vec<(Tensor, Tensor)>);
+
+    impl Cache {
+        fn new(s: &LlamaShape) -> Cache {
+            let z = || {
+                Tensor::zeros(
+                    (BLOCKS, BLOCK_TOKENS, s.kv_heads, s.head_dim()),
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .unwrap()
+            };
+            Cache((0..s.layers).map(|_| (z(), z())).collect())
+        }
+        /// Sum of |x| over block `b` of every tensor.
+        fn mass(&self, b: usize) -> f32 {
+            self.0
+                .iter()
+                .flat_map(|(k, v)| [k, v])
+                .map(|t| {
+                    t.narrow(0, b, 1)
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap()
+                })
+                .sum()
+        }
+    }
+
+    impl LayerCache for Cache {
+        fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+            Ok(self.0[l].clone())
+        }
+    }
+
+    fn model() -> PagedLlama {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        PagedLlama::load(shape(), vb).unwrap()
+    }
+
+    fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+        t.to_vec2::<f32>().unwrap()
+    }
+
+    fn close(a: &[f32], b: &[f32], what: &str) {
+        let scale = a.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * scale,
+                "{what}: logit {i}: {x} vs {y} (scale {scale})"
+            );
+        }
+    }
+
+    /// Prefill `prompt` tokens then decode `steps` one by one: the logits of each step.
+    fn incremental(
+        m: &PagedLlama,
+        cache: &Cache,
+        blocks: &[u32],
+        prompt: usize,
+        steps: usize,
+    ) -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        let p = Piece {
+            blocks,
+            start: 0,
+            len: prompt,
+        };
+        out.push(rows(&m.forward(cache, &[p]).unwrap()).remove(0));
+        for t in prompt..prompt + steps {
+            let p = Piece {
+                blocks,
+                start: t,
+                len: 1,
+            };
+            out.push(rows(&m.forward(cache, &[p]).unwrap()).remove(0));
+        }
+        out
+    }
+
+    #[test]
+    fn decode_over_blocks_equals_a_whole_prefill() {
+        let m = model();
+        let s = shape();
+        // Scattered, out of order: the block table matters.
+        let blocks = [7u32, 2, 19, 11];
+        let cache = Cache::new(&s);
+        let got = incremental(&m, &cache, &blocks, 21, 20);
+        for (i, g) in got.iter().enumerate() {
+            let ctx = 21 + i;
+            let fresh = Cache::new(&s);
+            let p = Piece {
+                blocks: &blocks,
+                start: 0,
+                len: ctx,
+            };
+            let want = rows(&m.forward(&fresh, &[p]).unwrap()).remove(0);
+            close(g, &want, &format!("context {ctx}"));
+        }
+        for b in 0..BLOCKS as u32 {
+            let used = blocks[..41usize.div_ceil(BLOCK_TOKENS)].contains(&b);
+            assert_eq!(
+                cache.mass(b as usize) > 0.0,
+                used,
+                "block {b} written: {}",
+                !used
+            );
+        }
+        // Positions matter: a later step's logits differ from the first's.
+        assert!(got[0]
+            .iter()
+            .zip(&got[19])
+            .any(|(a, b)| (a - b).abs() > 1e-3));
+    }
+
+    #[test]
+    fn batched_decode_and_chunked_prefill_change_nothing() {
+        let m = model();
+        let s = shape();
+        let (a, b) = ([3u32, 9, 14], [20u32, 1, 5]);
+        // Alone.
+        let alone_a = incremental(&m, &Cache::new(&s), &a, 17, 5);
+        let alone_b = incremental(&m, &Cache::new(&s), &b, 30, 5);
+        // Together, one cache: a prefill of both (b in two pieces), then decode steps of both.
+        let cache = Cache::new(&s);
+        let first = rows(
+            &m.forward(
+                &cache,
+                &[
+                    Piece {
+                        blocks: &a,
+                        start: 0,
+                        len: 17,
+                    },
+                    Piece {
+                        blocks: &b,
+                        start: 0,
+                        len: 12,
+                    },
+                    Piece {
+                        blocks: &b,
+                        start: 12,
+                        len: 18,
+                    },
+                ],
+            )
+            .unwrap(),
+        );
+        close(&first[0], &alone_a[0], "a's prefill beside b");
+        close(&first[2], &alone_b[0], "b's prefill in two pieces");
+        for i in 0..5 {
+            let out = rows(
+                &m.forward(
+                    &cache,
+                    &[
+                        Piece {
+                            blocks: &a,
+                            start: 17 + i,
+                            len: 1,
+                        },
+                        Piece {
+                            blocks: &b,
+                            start: 30 + i,
+                            len: 1,
+                        },
+                    ],
+                )
+                .unwrap(),
+            );
+            close(
+                &out[0],
+                &alone_a[i + 1],
+                &format!("a's decode {i} in a batch"),
+            );
+            close(
+                &out[1],
+                &alone_b[i + 1],
+                &format!("b's decode {i} in a batch"),
+            );
+        }
+    }
+
+    #[test]
+    fn a_context_beyond_its_blocks_is_an_error() {
+        let m = model();
+        let cache = Cache::new(&shape());
+        let p = Piece {
+            blocks: &[1, 2],
+            start: 0,
+            len: 2 * BLOCK_TOKENS + 1,
+        };
+        let e = m.forward(&cache, &[p]).unwrap_err().to_string();
+        assert!(e.contains("33 tokens") && e.contains("2 blocks"), "{e}");
+    }
 }
