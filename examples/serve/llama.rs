@@ -6,8 +6,8 @@
 //!
 //! A step runs real kernels over real shapes, as a paged-attention engine does (see
 //! `paged_llama.rs`): projections and MLP batched over every token of the step, each token's K
-//! and V written into its sequence's blocks, attention per sequence over its blocks gathered by
-//! its block table. A prefill goes in forwards of at most [`PREFILL_CHUNK`] tokens (a longer
+//! and V written into its sequence's blocks, attention over each sequence's blocks gathered by
+//! its block table (a decode step in one batch). A prefill goes in forwards of at most [`PREFILL_CHUNK`] tokens (a longer
 //! context, e.g. a recomputed one, in pieces; a piece reads the earlier ones from the blocks).
 
 use std::sync::Arc;

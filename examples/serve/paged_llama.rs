@@ -3,6 +3,9 @@
 //! block_tokens, kv_heads, head_dim]` ([`LayerCache`]: `PagedKvTensors` on the GPU, ordinary
 //! tensors in the host test). Candle only, so a host check can include it by `#[path]`.
 //!
+//! Checked on the CPU by its unit tests (ordinary tensors as the cache, f32): `cargo test
+//! --features candle-example --example serve paged_llama`.
+//!
 //! A forward runs a batch of sequence pieces (a prefill's new tokens, or one token per sequence
 //! of a decode step):
 //! - the projections and the MLP are one batched matmul over every token of the forward;
@@ -10,10 +13,11 @@
 //!   sequence's blocks (`scatter_set` on the layer's tensor viewed as `[blocks * block_tokens,
 //!   kv_heads * head_dim]`: one kernel per layer for K and one for V, in place; only blocks the
 //!   engine allocated are written);
-//! - attention is per sequence: its blocks gathered by its block table (`index_select`, as
-//!   `examples/paged_kv_attention.rs` checks bit for bit against a static cache), its queries
-//!   against its whole context, causal within its new tokens; a piece after an earlier one of
-//!   the same sequence reads it from the blocks;
+//! - attention reads each sequence's blocks through its block table (`index_select`, as
+//!   `examples/paged_kv_attention.rs` checks bit for bit against a static cache): a decode step
+//!   in one batch (tables padded to the longest with the sequence's own last block, keys past
+//!   its length masked), a prefill per piece, causal within its new tokens (a piece after an
+//!   earlier one of the same sequence reads it from the blocks);
 //! - only each piece's last token goes through the final norm and the LM head.
 
 use candle_core::{DType, Device, Module, Tensor};
