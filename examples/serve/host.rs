@@ -10,7 +10,7 @@ use elastic_vmm::{
     Allocation, MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag,
 };
 
-use crate::cluster::{PoolKv, Served};
+use crate::cluster::{paged_block_bytes, PoolKv, Served};
 use crate::engine::{Engine, EngineConfig, SeqView, SimCost, StepModel};
 
 /// A simulated model over real memory: its weights are an allocation with a known pattern (a
@@ -174,12 +174,13 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
                 store.block_span_bytes()
             ));
         }
+        let block_bytes = paged_block_bytes(&store);
         let kv = PoolKv::new(
             store,
             handle.clone(),
             sizes.kv_blocks as usize,
             sizes.block_tokens,
-            g,
+            block_bytes,
         );
         let model = SimModel {
             model: handle.clone(),
