@@ -194,7 +194,8 @@ impl PagedLlama {
             last.push((pos.len() - 1) as u32);
         }
         let n = pos.len();
-        let pos = Tensor::new(pos.as_slice(), &dev)?;
+        let pos_host = pos;
+        let pos = Tensor::new(pos_host.as_slice(), &dev)?;
         let cos = self.cos.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
         let sin = self.sin.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
         let rows = Tensor::new(rows.as_slice(), &dev)?
@@ -235,7 +236,12 @@ impl PagedLlama {
                 .reshape((n, heads * hd))
         };
         let max_blocks = kc_blocks(kv)?;
-        let mut x = self.embed.forward(&Tensor::zeros(n, DType::U32, &dev)?)?;
+        // Tokens stand in as `position % vocab`: distinct tokens, so every position's K and V
+        // differ (identical ones would make attention's output independent of its weights).
+        let ids: Vec<u32> = (0..n)
+            .map(|i| ((pos_host[i] as usize) % s.vocab) as u32)
+            .collect();
+        let mut x = self.embed.forward(&Tensor::new(ids.as_slice(), &dev)?)?;
         for (l, w) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, s.eps as f32)?;
             let q = rope(&w.wq.forward(&h)?, s.heads)?;
