@@ -4,7 +4,9 @@
 //! tensors in the host test). Candle only, so a host check can include it by `#[path]`.
 //!
 //! Checked on the CPU by its unit tests (ordinary tensors as the cache, f32): `cargo test
-//! --features candle-example --example serve paged_llama`.
+//! --features candle-example --example serve paged_llama` where that links (the CUDA toolchain);
+//! anywhere else, a crate on candle-core/candle-nn 0.11 without CUDA that includes this file by
+//! `#[path]` runs them.
 //!
 //! A forward runs a batch of sequence pieces (a prefill's new tokens, or one token per sequence
 //! of a decode step):
