@@ -20,9 +20,8 @@
 
 use std::time::Instant;
 
-use elastic_vmm::{
-    AfterWake, BlockBacking, ModelHandle, SharedPool, SleepAction, SleepPolicy, Tag, UniformBlocks,
-};
+use elastic_vmm::kv::PagedKv;
+use elastic_vmm::{AfterWake, ModelHandle, SharedPool, SleepAction, SleepPolicy, Tag};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, EngineCounters, KvBlocks, StepModel};
@@ -56,25 +55,53 @@ impl Policy {
     }
 }
 
-/// Where a pool-backed KV cache maps its blocks: a [`BlockBacking`] (host and GPU) or a
-/// candle `ElasticKv` (GPU).
+/// Where a pool-backed KV cache gets its blocks: a [`PagedKv`] of the model's pool (host), or
+/// its candle face `PagedKvTensors` (GPU). Block ids index the first dimension of its tensors.
 pub trait BlockStore {
-    /// Map the pages under `ids`.
-    fn back(&self, ids: &[u32]) -> Result<(), String>;
-    /// Unmap them.
-    fn unback(&self, ids: &[u32]) -> Result<(), String>;
+    /// `n` blocks, mapped when this returns; all or nothing.
+    fn alloc(&self, n: usize) -> Result<Vec<u32>, String>;
+    /// Give `ids` back (their pages go back to the pool when no other block touches them).
+    fn free(&self, ids: &[u32]) -> Result<(), String>;
+    /// Blocks the cache could hand out now without reclaiming anything (the pool's free
+    /// budget under the model's limit).
+    fn available(&self) -> usize;
+    /// Bytes `blocks` live blocks hold, packed: whole groups of blocks that share their pages
+    /// (the cache hands out blocks on pages mapped already first). More once freed blocks
+    /// scatter the live ones over more pages.
+    fn bytes_for(&self, blocks: usize) -> u64;
 }
 
-impl BlockStore for BlockBacking<UniformBlocks> {
-    fn back(&self, ids: &[u32]) -> Result<(), String> {
-        self.ensure_backed(ids.iter().map(|&i| i as usize))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+/// [`BlockStore::bytes_for`] of a [`PagedKv`]: a group of `page / span` blocks (at least one)
+/// costs a page's worth of its span in every tensor (the rule of `PagedKv::available`).
+pub fn paged_bytes_for(kv: &PagedKv, blocks: usize) -> u64 {
+    let page = kv.pool().granularity();
+    let span = kv.block_span_bytes().max(1);
+    let per_group = (page / span).max(1);
+    let group = kv.tensors() as u64 * span.div_ceil(page) * page;
+    (blocks as u64).div_ceil(per_group) * group
+}
+
+/// The memory one block of `kv` costs on average (a group's bytes over its blocks).
+pub fn paged_block_bytes(kv: &PagedKv) -> u64 {
+    let page = kv.pool().granularity();
+    let per_group = (page / kv.block_span_bytes().max(1)).max(1);
+    (paged_bytes_for(kv, per_group as usize) / per_group).max(1)
+}
+
+impl BlockStore for PagedKv {
+    fn alloc(&self, n: usize) -> Result<Vec<u32>, String> {
+        let ids = PagedKv::alloc(self, n).map_err(|e| e.to_string())?;
+        Ok(ids.into_iter().map(|i| i as u32).collect())
     }
-    fn unback(&self, ids: &[u32]) -> Result<(), String> {
-        self.release(ids.iter().map(|&i| i as usize))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+    fn free(&self, ids: &[u32]) -> Result<(), String> {
+        let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+        PagedKv::free(self, &ids).map_err(|e| e.to_string())
+    }
+    fn available(&self) -> usize {
+        PagedKv::available(self)
+    }
+    fn bytes_for(&self, blocks: usize) -> u64 {
+        paged_bytes_for(self, blocks)
     }
 }
 
@@ -101,8 +128,10 @@ pub fn kv_headroom(model: &ModelHandle, base: u64, kv: u64) -> u64 {
         .saturating_sub(mine)
 }
 
-/// A KV cache of pool memory: blocks of one page each, mapped when allocated and unmapped when
-/// freed, every byte charged to its model under the shared budget.
+/// A KV cache of pool memory: the engine's face of a [`BlockStore`] (a paged KV cache), blocks
+/// mapped when allocated and unmapped when freed, every byte charged to its model under the
+/// shared budget. Admission takes the least of the cache's own `available()`, the policy's caps
+/// and [`kv_headroom`] (which also counts what other models were guaranteed).
 ///
 /// Under the elastic policies (`reserve`) the model's guarantee follows its KV: `base` plus the
 /// blocks it holds, raised before blocks are mapped and lowered after they are unmapped. Then
@@ -114,7 +143,7 @@ pub struct PoolKv<S: BlockStore> {
     model: ModelHandle,
     block_tokens: u32,
     block_bytes: u64,
-    free: Vec<u32>,
+    held: usize,
     total: usize,
     /// Blocks the policy lets it hold (allocations beyond are refused).
     pub cap: usize,
@@ -132,7 +161,8 @@ pub struct PoolKv<S: BlockStore> {
 }
 
 impl<S: BlockStore> PoolKv<S> {
-    /// `total` blocks of `block_tokens` tokens, `block_bytes` each, in `store` of `model`.
+    /// `total` blocks of `block_tokens` tokens, `block_bytes` each (the memory one block costs
+    /// on average: its span in every tensor), in `store` of `model`.
     pub fn new(
         store: S,
         model: ModelHandle,
@@ -145,7 +175,7 @@ impl<S: BlockStore> PoolKv<S> {
             model,
             block_tokens,
             block_bytes,
-            free: (0..total as u32).rev().collect(),
+            held: 0,
             total,
             cap: total,
             admit_cap: total,
@@ -157,7 +187,7 @@ impl<S: BlockStore> PoolKv<S> {
     }
 
     fn kv_bytes(&self, blocks: usize) -> u64 {
-        blocks as u64 * self.block_bytes
+        self.store.bytes_for(blocks)
     }
 
     /// Set the model's guarantee to its base and `blocks` of KV.
@@ -180,7 +210,8 @@ impl<S: BlockStore> PoolKv<S> {
         let by_cap = self.cap.saturating_sub(self.used());
         let kv = self.kv_bytes(self.used());
         let by_memory = (kv_headroom(&self.model, self.base, kv) / self.block_bytes) as usize;
-        self.free.len().min(by_cap).min(by_memory)
+        let free = self.total - self.held;
+        free.min(by_cap).min(by_memory).min(self.store.available())
     }
 }
 
@@ -196,22 +227,23 @@ impl<S: BlockStore> KvBlocks for PoolKv<S> {
         self.max_cap.min(self.total)
     }
     fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
-        if n > self.free.len() || self.used() + n > self.cap {
+        if self.held + n > self.total || self.held + n > self.cap {
             return None;
         }
-        let held = self.used();
+        let held = self.held;
         if self.reserve {
             if let Err(e) = self.guarantee(held + n) {
                 tracing::debug!(model = self.model.id(), n, error = %e, "KV guarantee refused");
                 return None;
             }
         }
-        let ids = self.free.split_off(self.free.len() - n);
-        match self.store.back(&ids) {
-            Ok(()) => Some(ids),
+        match self.store.alloc(n) {
+            Ok(ids) => {
+                self.held += ids.len();
+                Some(ids)
+            }
             Err(e) => {
                 tracing::debug!(model = self.model.id(), n, error = %e, "KV blocks refused");
-                self.free.extend(ids);
                 if self.reserve {
                     // Lowering a guarantee cannot fail.
                     let _ = self.guarantee(held);
@@ -224,11 +256,14 @@ impl<S: BlockStore> KvBlocks for PoolKv<S> {
         if ids.is_empty() {
             return;
         }
-        if let Err(e) = self.store.unback(ids) {
-            tracing::error!(model = self.model.id(), error = %e, "KV release failed");
-            self.release_errors += 1;
+        match self.store.free(ids) {
+            Ok(()) => self.held -= ids.len(),
+            Err(e) => {
+                // A bad id frees nothing: the books stay as the cache has them.
+                tracing::error!(model = self.model.id(), error = %e, "KV release failed");
+                self.release_errors += 1;
+            }
         }
-        self.free.extend_from_slice(ids);
         if self.reserve {
             if let Err(e) = self.guarantee(self.used()) {
                 tracing::error!(model = self.model.id(), error = %e, "lowering the KV guarantee failed");
@@ -236,7 +271,7 @@ impl<S: BlockStore> KvBlocks for PoolKv<S> {
         }
     }
     fn used(&self) -> usize {
-        self.total - self.free.len()
+        self.held
     }
 }
 
@@ -448,7 +483,9 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
     let kv = budget.saturating_sub(if resident { bases } else { 0 });
     for m in models.iter_mut() {
         let bb = m.engine.kv.block_bytes();
-        let share = kv / k / bb * bb;
+        // Static shares in whole groups of blocks sharing pages (one block on the host).
+        let unit = m.engine.kv.store.bytes_for(1).max(bb);
+        let share = kv / k / unit * unit;
         let (limit, guarantee, cap) = match policy {
             Policy::Static => {
                 let l = m.base + share;

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
+use elastic_vmm::kv::{KvLayout, PagedKv, PagedKvConfig};
 use elastic_vmm::{
-    Allocation, BlockBacking, MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig,
-    Tag, UniformBlocks,
+    Allocation, MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag,
 };
 
-use crate::cluster::{PoolKv, Served};
+use crate::cluster::{paged_block_bytes, PoolKv, Served};
 use crate::engine::{Engine, EngineConfig, SeqView, SimCost, StepModel};
 
 /// A simulated model over real memory: its weights are an allocation with a known pattern (a
@@ -76,7 +76,7 @@ pub struct HostSizes {
     pub act_reserve: u64,
     /// KV blocks of all models together.
     pub kv_blocks: u64,
-    /// Tokens per KV block (a block is one granule).
+    /// Tokens per KV block (a block is one granule: its K and V of [`HOST_KV_LAYERS`] layers).
     pub block_tokens: u32,
     /// The host backend's granularity (bytes of a block).
     pub granularity: u64,
@@ -108,7 +108,40 @@ impl HostSizes {
 }
 
 /// A model of a host cluster.
-pub type HostServed = Served<BlockBacking<UniformBlocks>, SimModel>;
+pub type HostServed = Served<PagedKv, SimModel>;
+
+/// Layers of a host model's KV cache (its shape only sizes the blocks).
+pub const HOST_KV_LAYERS: usize = 2;
+/// KV heads of a host model's KV cache.
+pub const HOST_KV_HEADS: usize = 4;
+/// Bytes per KV element (bf16).
+const HOST_ELEM_BYTES: usize = 2;
+
+/// The paged KV cache of a host model: blocks of `block_tokens` tokens laid out contiguously
+/// (`[blocks, layers, 2, block_tokens, heads, head_dim]`), the head dimension chosen so one
+/// block is exactly one granule of `granularity` bytes (the budget counts blocks in granules).
+pub fn kv_config(
+    blocks: usize,
+    block_tokens: u32,
+    granularity: u64,
+) -> Result<PagedKvConfig, String> {
+    let per_dim =
+        (HOST_KV_LAYERS * 2 * block_tokens as usize * HOST_KV_HEADS * HOST_ELEM_BYTES) as u64;
+    if block_tokens == 0 || granularity % per_dim != 0 {
+        return Err(format!(
+            "a {granularity}-byte block does not hold {block_tokens} tokens of {HOST_KV_LAYERS} layers x {HOST_KV_HEADS} heads in whole dimensions of {per_dim} bytes"
+        ));
+    }
+    Ok(PagedKvConfig::new(
+        HOST_KV_LAYERS,
+        HOST_KV_HEADS,
+        (granularity / per_dim) as usize,
+        block_tokens as usize,
+        HOST_ELEM_BYTES,
+        blocks,
+    )
+    .layout(KvLayout::Contiguous))
+}
 
 /// A shared pool on the host backend with `sizes.models` simulated models loaded.
 pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String> {
@@ -130,19 +163,24 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
             .map_err(e)?;
         let pattern = 0x5A ^ i as u8;
         weights.fill(pattern).map_err(e)?;
-        let store = BlockBacking::reserve(
+        let store = PagedKv::new(
             &handle,
-            UniformBlocks::packed(sizes.kv_blocks as usize, g),
-            &MemOptions::new(),
-            None,
+            kv_config(sizes.kv_blocks as usize, sizes.block_tokens, g)?,
         )
         .map_err(e)?;
+        if store.block_span_bytes() != g {
+            return Err(format!(
+                "a KV block spans {} bytes, not one {g}-byte granule",
+                store.block_span_bytes()
+            ));
+        }
+        let block_bytes = paged_block_bytes(&store);
         let kv = PoolKv::new(
             store,
             handle.clone(),
             sizes.kv_blocks as usize,
             sizes.block_tokens,
-            g,
+            block_bytes,
         );
         let model = SimModel {
             model: handle.clone(),

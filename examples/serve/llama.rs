@@ -1,15 +1,14 @@
-//! The real models for the GPU: candle-transformers' Llama with random weights made on the
-//! device inside the model's route (every weight byte is its pool's memory, tagged weights), its
-//! KV blocks an `ElasticKv` of the model's pool (one 2 MiB page per block), every activation
-//! routed into the model's pool.
+//! The real models for the GPU: a Llama-shaped decoder built from candle-nn pieces (RMS norm,
+//! rotary embeddings, grouped-query attention, SwiGLU MLP) with random weights made on the device
+//! inside the model's route (every weight byte is its pool's memory, tagged weights), its KV in
+//! a paged KV cache of the model's pool ([`PagedKvTensors`]: per layer a K and a V tensor
+//! `[blocks, block_tokens, kv_heads, head_dim]`), every activation routed into the model's pool.
 //!
-//! A step runs real kernels over real shapes: a prefill is one forward per sequence over its
-//! new tokens (causal attention over them); a decode step one forward of the whole batch
-//! (`[B, 1]`), then a read of every KV block the batch holds (a gather over the elastic tensor:
-//! the attention's KV traffic, on memory that must be mapped). candle-transformers' Llama keeps
-//! its own contiguous KV cache, which continuous batching cannot use, so the decode forward
-//! runs without it and the gather stands in for the attention's reads; the paged KV cache
-//! (its own issue) replaces this with real paged attention.
+//! A step runs real kernels over real shapes, as a paged-attention engine does (see
+//! `paged_llama.rs`): projections and MLP batched over every token of the step, each token's K
+//! and V written into its sequence's blocks, attention over each sequence's blocks gathered by
+//! its block table (a decode step in one batch). A prefill goes in forwards of at most [`PREFILL_CHUNK`] tokens (a longer
+//! context, e.g. a recomputed one, in pieces; a piece reads the earlier ones from the blocks).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,21 +16,18 @@ use std::time::Instant;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
-use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::candle::{ElasticKv, TensorPool};
+use elastic_vmm::candle::{PagedKvTensors, TensorPool};
+use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::route;
-use elastic_vmm::{MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
+use elastic_vmm::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
 
-use crate::cluster::{BlockStore, PoolKv, Served};
+use crate::cluster::{paged_block_bytes, paged_bytes_for, BlockStore, PoolKv, Served};
 use crate::engine::{Engine, EngineConfig, SeqView, StepModel};
+pub use crate::paged_llama::PREFILL_CHUNK;
+use crate::paged_llama::{LayerCache, LlamaShape, PagedLlama, Piece, BLOCK_TOKENS};
 
 const DTYPE: DType = DType::BF16;
-/// Blocks of KV read per gather (bounds the gather's output: 64 pages).
-const GATHER_BLOCKS: usize = 64;
-/// Most tokens in one prefill forward: longer contexts (recomputed ones) go in pieces, which
-/// bounds the attention's `[heads, n, n]` scores (0.5 GiB in f32 for the 8B shape).
-pub const PREFILL_CHUNK: usize = 2048;
 
 /// A model size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,48 +47,30 @@ impl Size {
         }
     }
 
-    /// candle-transformers' config.
-    pub fn config(self) -> Config {
-        let c = match self {
-            Size::Small => LlamaConfig {
-                hidden_size: 1024,
-                intermediate_size: 2816,
-                vocab_size: 32000,
-                num_hidden_layers: 16,
-                num_attention_heads: 16,
-                num_key_value_heads: Some(8),
-                rms_norm_eps: 1e-5,
+    /// Its shape.
+    pub fn config(self) -> LlamaShape {
+        match self {
+            Size::Small => LlamaShape {
+                hidden: 1024,
+                intermediate: 2816,
+                vocab: 32000,
+                layers: 16,
+                heads: 16,
+                kv_heads: 8,
+                eps: 1e-5,
                 rope_theta: 10_000.0,
-                bos_token_id: Some(1),
-                eos_token_id: None,
-                rope_scaling: None,
-                max_position_embeddings: 4096,
-                tie_word_embeddings: Some(false),
             },
-            Size::Llama8B => LlamaConfig {
-                hidden_size: 4096,
-                intermediate_size: 14336,
-                vocab_size: 128256,
-                num_hidden_layers: 32,
-                num_attention_heads: 32,
-                num_key_value_heads: Some(8),
-                rms_norm_eps: 1e-5,
+            Size::Llama8B => LlamaShape {
+                hidden: 4096,
+                intermediate: 14336,
+                vocab: 128256,
+                layers: 32,
+                heads: 32,
+                kv_heads: 8,
+                eps: 1e-5,
                 rope_theta: 500_000.0,
-                bos_token_id: Some(128000),
-                eos_token_id: None,
-                rope_scaling: None,
-                max_position_embeddings: 4096,
-                tie_word_embeddings: Some(false),
             },
-        };
-        c.into_config(false)
-    }
-
-    /// KV elements per token (keys and values of every layer).
-    pub fn kv_elems_per_token(self) -> usize {
-        let c = self.config();
-        let head_dim = c.hidden_size / c.num_attention_heads;
-        2 * c.num_hidden_layers * c.num_key_value_heads * head_dim
+        }
     }
 }
 
@@ -134,18 +112,13 @@ impl SimpleBackend for RandomWeights {
 /// One model's compute.
 pub struct LlamaModel {
     handle: ModelHandle,
-    llama: Llama,
-    cache: Cache,
-    config: Config,
-    kv: Arc<ElasticKv>,
+    llama: PagedLlama,
+    kv: Arc<PagedKvTensors>,
     device: Device,
 }
 
 impl LlamaModel {
-    fn run<R>(
-        &mut self,
-        f: impl FnOnce(&mut Self) -> candle_core::Result<R>,
-    ) -> Result<f64, String> {
+    fn run(&mut self, f: impl FnOnce(&mut Self) -> candle_core::Result<()>) -> Result<f64, String> {
         let t = Instant::now();
         let handle = self.handle.clone();
         route::with_route(&handle, Tag::Activations, || f(self))
@@ -158,56 +131,78 @@ impl LlamaModel {
 
 impl StepModel for LlamaModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        let lens: Vec<usize> = seqs.iter().map(|s| s.new_tokens as usize).collect();
+        // Pieces of at most PREFILL_CHUNK tokens, packed into forwards of at most that many;
+        // a sequence's later piece reads its earlier ones from the blocks (written first).
+        let mut pieces = Vec::new();
+        for s in seqs {
+            let end = s.context as usize;
+            let mut at = end - (s.new_tokens as usize).min(end);
+            while at < end {
+                let len = (end - at).min(PREFILL_CHUNK);
+                pieces.push(Piece {
+                    blocks: s.blocks,
+                    start: at,
+                    len,
+                });
+                at += len;
+            }
+        }
         self.run(|m| {
-            for &len in &lens {
-                let mut left = len;
-                while left > 0 {
-                    let n = left.min(PREFILL_CHUNK);
-                    left -= n;
-                    // A fresh cache: its causal masks are per length and would pile up.
-                    let mut cache = Cache::new(false, DTYPE, &m.config, &m.device)?;
-                    let ids = Tensor::zeros((1, n), DType::U32, &m.device)?;
-                    m.llama.forward(&ids, 0, &mut cache)?;
+            let mut batch: Vec<Piece> = Vec::new();
+            let mut tokens = 0;
+            for p in pieces {
+                if tokens + p.len > PREFILL_CHUNK && !batch.is_empty() {
+                    m.llama.forward(&*m.kv, &batch)?;
+                    batch.clear();
+                    tokens = 0;
                 }
+                tokens += p.len;
+                batch.push(p);
+            }
+            if !batch.is_empty() {
+                m.llama.forward(&*m.kv, &batch)?;
             }
             Ok(())
         })
     }
 
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        let b = seqs.len();
-        let blocks: Vec<usize> = seqs
+        let pieces: Vec<Piece> = seqs
             .iter()
-            .flat_map(|s| s.blocks.iter().map(|&i| i as usize))
+            .map(|s| Piece {
+                blocks: s.blocks,
+                start: (s.context as usize).saturating_sub(1),
+                len: 1,
+            })
             .collect();
-        self.run(|m| {
-            let ids = Tensor::zeros((b, 1), DType::U32, &m.device)?;
-            m.llama.forward(&ids, 0, &mut m.cache)?;
-            for chunk in blocks.chunks(GATHER_BLOCKS) {
-                m.kv.gather(chunk)
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            }
-            Ok(())
-        })
+        self.run(|m| m.llama.forward(&*m.kv, &pieces).map(|_| ()))
     }
 }
 
-impl BlockStore for Arc<ElasticKv> {
-    fn back(&self, ids: &[u32]) -> Result<(), String> {
-        self.ensure_backed(ids.iter().map(|&i| i as usize))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+impl LayerCache for PagedKvTensors {
+    fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let e = candle_core::Error::wrap;
+        Ok((self.k(l).map_err(e)?, self.v(l).map_err(e)?))
     }
-    fn unback(&self, ids: &[u32]) -> Result<(), String> {
-        self.release(ids.iter().map(|&i| i as usize))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+}
+
+impl BlockStore for Arc<PagedKvTensors> {
+    fn alloc(&self, n: usize) -> Result<Vec<u32>, String> {
+        BlockStore::alloc(self.cache(), n)
+    }
+    fn free(&self, ids: &[u32]) -> Result<(), String> {
+        BlockStore::free(self.cache(), ids)
+    }
+    fn available(&self) -> usize {
+        self.cache().available()
+    }
+    fn bytes_for(&self, blocks: usize) -> u64 {
+        paged_bytes_for(self.cache(), blocks)
     }
 }
 
 /// The cluster's models on the GPU.
-pub type GpuServed = Served<Arc<ElasticKv>, LlamaModel>;
+pub type GpuServed = Served<Arc<PagedKvTensors>, LlamaModel>;
 
 /// What a GPU cluster is made of.
 #[derive(Debug, Clone, Copy)]
@@ -234,7 +229,7 @@ pub struct GpuCluster {
     pub gpu: SharedPool,
     /// The models.
     pub models: Vec<GpuServed>,
-    /// Per model tensor pools (the elastic KV tensors' home).
+    /// Per model tensor pools (the paged KV tensors' home).
     pub tensor_pools: Vec<TensorPool>,
     /// The device.
     pub device: Device,
@@ -255,7 +250,6 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
     let gpu = SharedPool::new(backend, SharedPoolConfig::new()).map_err(e)?;
     let device_budget = gpu.global_limit();
     let cfg = sizes.size.config();
-    let elems = sizes.size.kv_elems_per_token();
     let mut loaded = Vec::new();
     for i in 0..sizes.models {
         let t = Instant::now();
@@ -267,11 +261,9 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
                 device_budget,
             ))
             .map_err(e)?;
-        let (llama, cache) = route::with_route(&handle, Tag::Weights, || {
+        let llama = route::with_route(&handle, Tag::Weights, || {
             let vb = VarBuilder::from_backend(Box::new(RandomWeights), DTYPE, device.clone());
-            let llama = Llama::load(vb, &cfg)?;
-            let cache = Cache::new(false, DTYPE, &cfg, &device)?;
-            Ok::<_, candle_core::Error>((llama, cache))
+            PagedLlama::load(cfg, vb)
         })
         .map_err(e)?
         .map_err(ce)?;
@@ -285,58 +277,74 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             t.elapsed().as_secs_f64()
         ));
         let tensors = TensorPool::new(&handle, &device).map_err(e)?;
-        let page = tensors.pool().granularity();
-        let per_token = (elems * DTYPE.size_in_bytes()) as u64;
-        if page % per_token != 0 {
-            return Err(format!(
-                "a {page}-byte page does not hold whole tokens of {per_token} KV bytes"
-            ));
-        }
-        let block_tokens = (page / per_token) as u32;
-        // Room for every policy: the KV of all models together.
-        let max_blocks = (sizes.kv_share * sizes.models as u64 / page) as usize + 1;
+        // Room for every policy: the KV of all models together (address space only until
+        // blocks are allocated).
+        let per_block =
+            (2 * cfg.layers * BLOCK_TOKENS * cfg.kv_heads * cfg.head_dim() * DTYPE.size_in_bytes())
+                as u64;
+        let max_blocks = (sizes.kv_share * sizes.models as u64 / per_block) as usize + 1;
         let kv = Arc::new(
-            ElasticKv::new(
+            PagedKvTensors::new(
                 &tensors,
-                max_blocks,
-                &[block_tokens as usize, elems],
+                PagedKvConfig::new(
+                    cfg.layers,
+                    cfg.kv_heads,
+                    cfg.head_dim(),
+                    BLOCK_TOKENS,
+                    DTYPE.size_in_bytes(),
+                    max_blocks,
+                ),
                 DTYPE,
-                &MemOptions::new(),
             )
             .map_err(e)?,
         );
+        let block_bytes = paged_block_bytes(kv.cache());
         let model = LlamaModel {
             handle: handle.clone(),
             llama,
-            cache,
-            config: cfg.clone(),
             kv: kv.clone(),
             device: device.clone(),
         };
-        let pkv = PoolKv::new(kv, handle.clone(), max_blocks, block_tokens, page);
+        let pkv = PoolKv::new(
+            kv,
+            handle.clone(),
+            max_blocks,
+            BLOCK_TOKENS as u32,
+            block_bytes,
+        );
         loaded.push((handle, model, pkv, tensors, weights));
     }
-    // Warm: the largest prefill and decode steps, so each model's activations are at their
-    // peak once; the base is what it holds then, with a quarter of the activations more as
-    // margin.
+    // Warm: the largest prefill and decode steps (on blocks allocated for them and freed
+    // after), so each model's activations are at their peak once; the base is what it holds
+    // then, with a quarter of the activations more as margin.
     let mut models = Vec::new();
     let mut tensor_pools = Vec::new();
     for (handle, mut model, pkv, tensors, weights) in loaded {
         let prompt = PREFILL_CHUNK as u32;
-        let blocks: Vec<u32> = Vec::new();
-        model.prefill(&[SeqView {
-            blocks: &blocks,
-            new_tokens: prompt,
-            context: prompt,
-        }])?;
-        let batch: Vec<SeqView> = (0..sizes.engine.max_batch)
-            .map(|_| SeqView {
-                blocks: &blocks,
-                new_tokens: 1,
-                context: 1,
-            })
-            .collect();
-        model.decode(&batch)?;
+        let batch = sizes.engine.max_batch;
+        let blocks = pkv
+            .store
+            .alloc(PREFILL_CHUNK / BLOCK_TOKENS + batch)
+            .map_err(|e| format!("warm-up KV blocks of {}: {e}", handle.id()))?;
+        let (long, short) = blocks.split_at(PREFILL_CHUNK / BLOCK_TOKENS);
+        let warm = (|| {
+            model.prefill(&[SeqView {
+                blocks: long,
+                new_tokens: prompt,
+                context: prompt,
+            }])?;
+            let seqs: Vec<SeqView> = short
+                .iter()
+                .map(|b| SeqView {
+                    blocks: std::slice::from_ref(b),
+                    new_tokens: 1,
+                    context: 1,
+                })
+                .collect();
+            model.decode(&seqs).map(|_| ())
+        })();
+        pkv.store.free(&blocks)?;
+        warm?;
         let st = handle.model_stats().ok_or("model gone")?;
         let weights_and_act = st.used;
         let base = weights_and_act + weights_and_act.saturating_sub(weights) / 4;

@@ -1,6 +1,7 @@
-//! Many models on one GPU, end to end (issue 24): K candle Llama models with random weights,
-//! every allocation routed into its model of one shared pool, each behind a continuous-batching
-//! engine, serve one seeded bursty trace under three memory policies (static 1/K partitions,
+//! Many models on one GPU, end to end (issue 24): K Llama-shaped candle models with random
+//! weights, every allocation routed into its model of one shared pool, each behind a
+//! continuous-batching engine whose KV is a paged KV cache (`elastic_vmm::kv::PagedKv`; on the
+//! GPU its candle tensors, attended through block tables: `paged_llama.rs`), serve one seeded bursty trace under three memory policies (static 1/K partitions,
 //! elastic, elastic with sleep), swept over load.
 //!
 //! ```text
@@ -53,6 +54,8 @@ mod engine;
 mod host;
 #[cfg(feature = "candle-example")]
 mod llama;
+#[cfg(feature = "candle-example")]
+mod paged_llama;
 mod report;
 mod trace;
 

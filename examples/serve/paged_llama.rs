@@ -1,0 +1,608 @@
+//! A Llama-shaped decoder of candle-nn pieces (RMS norm, rotary embeddings, grouped-query
+//! attention, SwiGLU MLP) over a paged KV cache: per layer a K and a V tensor `[blocks,
+//! block_tokens, kv_heads, head_dim]` ([`LayerCache`]: `PagedKvTensors` on the GPU, ordinary
+//! tensors in the host test). Candle only, so a host check can include it by `#[path]`.
+//!
+//! Checked on the CPU by its unit tests (ordinary tensors as the cache, f32): `cargo test
+//! --features candle-example --example serve paged_llama` where that links (the CUDA toolchain);
+//! anywhere else, a crate on candle-core/candle-nn 0.11 without CUDA that includes this file by
+//! `#[path]` runs them.
+//!
+//! A forward runs a batch of sequence pieces (a prefill's new tokens, or one token per sequence
+//! of a decode step):
+//! - the projections and the MLP are one batched matmul over every token of the forward;
+//! - each token's K and V (after the rotary embedding) are written into its slot of its
+//!   sequence's blocks (`scatter_set` on the layer's tensor viewed as `[blocks * block_tokens,
+//!   kv_heads * head_dim]`: one kernel per layer for K and one for V, in place; only blocks the
+//!   engine allocated are written);
+//! - attention reads each sequence's blocks through its block table (`index_select`, as
+//!   `examples/paged_kv_attention.rs` checks bit for bit against a static cache): a decode step
+//!   in one batch (tables padded to the longest with the sequence's own last block, keys past
+//!   its length masked), a prefill per piece, causal within its new tokens (a piece after an
+//!   earlier one of the same sequence reads it from the blocks);
+//! - only each piece's last token goes through the final norm and the LM head.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Embedding, Init, Linear, VarBuilder};
+
+/// Tokens per KV block (vLLM's default).
+pub const BLOCK_TOKENS: usize = 16;
+/// Most tokens in one forward of a prefill: longer contexts (recomputed ones) go in pieces,
+/// which bounds the attention's `[heads, n, context]` scores.
+pub const PREFILL_CHUNK: usize = 2048;
+/// Positions the rotary tables cover (a longer context is an error naming it).
+pub const MAX_POSITION: usize = 32768;
+
+/// Where a forward finds layer `l`'s K and V tensors `[blocks, BLOCK_TOKENS, kv_heads,
+/// head_dim]`, contiguous, written in place.
+pub trait LayerCache {
+    /// Layer `l`'s K and V.
+    fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)>;
+}
+
+fn kc_blocks(kv: &dyn LayerCache) -> candle_core::Result<usize> {
+    kv.layer(0)?.0.dim(0)
+}
+
+/// A model's shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaShape {
+    /// Hidden size.
+    pub hidden: usize,
+    /// MLP size.
+    pub intermediate: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// RMS norm epsilon.
+    pub eps: f64,
+    /// Rotary base.
+    pub rope_theta: f64,
+}
+
+impl LlamaShape {
+    /// Elements per head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+}
+
+/// One decoder layer's weights.
+struct Layer {
+    attn_norm: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    mlp_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A Llama-shaped decoder over a paged KV cache.
+pub struct PagedLlama {
+    shape: LlamaShape,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    /// Rotary tables `[MAX_POSITION, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// A piece of a sequence in one forward: its block table, the position of its first new token
+/// and how many new tokens.
+pub struct Piece<'a> {
+    /// Its block table.
+    pub blocks: &'a [u32],
+    /// Position of its first new token.
+    pub start: usize,
+    /// New tokens.
+    pub len: usize,
+}
+
+fn rotary_tables(
+    shape: &LlamaShape,
+    dtype: DType,
+    dev: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let half = shape.head_dim() / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| {
+            1.0 / shape
+                .rope_theta
+                .powf(2.0 * i as f64 / shape.head_dim() as f64) as f32
+        })
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, half), &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, MAX_POSITION as u32, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((MAX_POSITION, 1))?;
+    let freqs = pos.broadcast_mul(&inv)?;
+    let to = |t: Tensor| t.to_dtype(dtype)?.to_device(dev);
+    Ok((to(freqs.cos()?)?, to(freqs.sin()?)?))
+}
+
+impl PagedLlama {
+    /// Its weights from `vb` (random ones on the GPU), in `vb`'s dtype.
+    pub fn load(shape: LlamaShape, vb: VarBuilder) -> candle_core::Result<Self> {
+        let (h, hd) = (shape.hidden, shape.head_dim());
+        let lin = |i: usize, o: usize, vb: VarBuilder| candle_nn::linear_no_bias(i, o, vb);
+        let ones = |vb: VarBuilder| vb.get_with_hints(h, "weight", Init::Const(1.0));
+        let mut layers = Vec::with_capacity(shape.layers);
+        for l in 0..shape.layers {
+            let vb = vb.pp(format!("layers.{l}"));
+            layers.push(Layer {
+                attn_norm: ones(vb.pp("input_layernorm"))?,
+                wq: lin(h, shape.heads * hd, vb.pp("q_proj"))?,
+                wk: lin(h, shape.kv_heads * hd, vb.pp("k_proj"))?,
+                wv: lin(h, shape.kv_heads * hd, vb.pp("v_proj"))?,
+                wo: lin(shape.heads * hd, h, vb.pp("o_proj"))?,
+                mlp_norm: ones(vb.pp("post_attention_layernorm"))?,
+                gate: lin(h, shape.intermediate, vb.pp("gate_proj"))?,
+                up: lin(h, shape.intermediate, vb.pp("up_proj"))?,
+                down: lin(shape.intermediate, h, vb.pp("down_proj"))?,
+            });
+        }
+        let (cos, sin) = rotary_tables(&shape, vb.dtype(), vb.device())?;
+        Ok(PagedLlama {
+            shape,
+            embed: candle_nn::embedding(shape.vocab, h, vb.pp("embed_tokens"))?,
+            layers,
+            norm: ones(vb.pp("norm"))?,
+            lm_head: lin(h, shape.vocab, vb.pp("lm_head"))?,
+            cos,
+            sin,
+        })
+    }
+
+    /// One forward over `pieces` (their new tokens written into their blocks, each attending
+    /// to its whole context); logits of each piece's last token, `[pieces, vocab]`.
+    pub fn forward<'a>(
+        &self,
+        kv: &dyn LayerCache,
+        pieces: &[Piece<'a>],
+    ) -> candle_core::Result<Tensor> {
+        let dev = self.cos.device().clone();
+        let s = &self.shape;
+        let (hd, kvd) = (s.head_dim(), s.kv_heads * s.head_dim());
+        let bt = BLOCK_TOKENS;
+        // Every token's position and its row in the cache (`block * block_tokens + slot`).
+        let mut pos = Vec::new();
+        let mut rows = Vec::new();
+        let mut last = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            if p.len == 0 {
+                candle_core::bail!("a step piece with no new tokens");
+            }
+            let end = p.start + p.len;
+            if end > MAX_POSITION || end.div_ceil(bt) > p.blocks.len() {
+                candle_core::bail!(
+                    "a context of {end} tokens: {} blocks of {bt} held, {MAX_POSITION} positions at most",
+                    p.blocks.len()
+                );
+            }
+            for t in p.start..end {
+                pos.push(t as u32);
+                rows.push(p.blocks[t / bt] * bt as u32 + (t % bt) as u32);
+            }
+            last.push((pos.len() - 1) as u32);
+        }
+        let n = pos.len();
+        let pos_host = pos;
+        let pos = Tensor::new(pos_host.as_slice(), &dev)?;
+        let cos = self.cos.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
+        let sin = self.sin.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
+        let rows = Tensor::new(rows.as_slice(), &dev)?
+            .reshape((n, 1))?
+            .broadcast_as((n, kvd))?
+            .contiguous()?;
+        let held = |p: &Piece<'a>| &p.blocks[..(p.start + p.len).div_ceil(bt)];
+        // A decode step (one token per piece) attends in one batch: every block table padded
+        // to the longest with its own last block (read, masked out); otherwise per piece.
+        let decode = if pieces.iter().all(|p| p.len == 1) {
+            let nb = pieces.iter().map(|p| held(p).len()).max().unwrap_or(1);
+            let mut table = Vec::with_capacity(pieces.len() * nb);
+            for p in pieces {
+                let h = held(p);
+                table.extend_from_slice(h);
+                table.extend(std::iter::repeat_n(h[h.len() - 1], nb - h.len()));
+            }
+            let lens: Vec<u32> = pieces.iter().map(|p| (p.start + 1) as u32).collect();
+            Some((
+                Tensor::new(table.as_slice(), &dev)?,
+                Tensor::new(lens.as_slice(), &dev)?.reshape((pieces.len(), 1))?,
+                nb,
+            ))
+        } else {
+            None
+        };
+        let tables: Vec<Tensor> = if decode.is_some() {
+            Vec::new()
+        } else {
+            pieces
+                .iter()
+                .map(|p| Tensor::new(held(p), &dev))
+                .collect::<candle_core::Result<_>>()?
+        };
+        let rope = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
+            // Each token its own batch row: `[n, heads, 1, head_dim]` against `[n, 1, hd/2]`.
+            candle_nn::rotary_emb::rope(&x.reshape((n, heads, 1, hd))?, &cos, &sin)?
+                .reshape((n, heads * hd))
+        };
+        let max_blocks = kc_blocks(kv)?;
+        // Tokens stand in as `position % vocab`: distinct tokens, so every position's K and V
+        // differ (identical ones would make attention's output independent of its weights).
+        let ids: Vec<u32> = (0..n)
+            .map(|i| ((pos_host[i] as usize) % s.vocab) as u32)
+            .collect();
+        let mut x = self.embed.forward(&Tensor::new(ids.as_slice(), &dev)?)?;
+        for (l, w) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, s.eps as f32)?;
+            let q = rope(&w.wq.forward(&h)?, s.heads)?;
+            let k = rope(&w.wk.forward(&h)?, s.kv_heads)?;
+            let v = w.wv.forward(&h)?.contiguous()?;
+            let (kc, vc) = kv.layer(l)?;
+            // The new tokens' K and V into their slots, in place (blocks the engine allocated).
+            kc.reshape((max_blocks * bt, kvd))?
+                .scatter_set(&rows, &k, 0)?;
+            vc.reshape((max_blocks * bt, kvd))?
+                .scatter_set(&rows, &v, 0)?;
+            let a = match &decode {
+                Some((table, lens, nb)) => attend_decode(s, &q, &kc, &vc, table, lens, *nb)?,
+                None => {
+                    let mut outs = Vec::with_capacity(pieces.len());
+                    let mut off = 0;
+                    for (p, table) in pieces.iter().zip(&tables) {
+                        let q = q.narrow(0, off, p.len)?;
+                        off += p.len;
+                        outs.push(attend(s, &q, &kc, &vc, table, p.start, p.len)?);
+                    }
+                    Tensor::cat(&outs, 0)?
+                }
+            };
+            x = (x + w.wo.forward(&a)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &w.mlp_norm, s.eps as f32)?;
+            let m = (candle_nn::ops::silu(&w.gate.forward(&h)?)? * w.up.forward(&h)?)?;
+            x = (x + w.down.forward(&m)?)?;
+        }
+        let x = x.index_select(&Tensor::new(last.as_slice(), &dev)?, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
+        self.lm_head.forward(&x)
+    }
+}
+
+/// Attention of one sequence's `len` new queries `q` `[len, heads * head_dim]` (positions
+/// `start..start + len`) over its context `0..start + len`, read from its blocks (`table`) of
+/// the layer's cache tensors `[blocks, block_tokens, kv_heads, head_dim]`. Returns
+/// `[len, heads * head_dim]`.
+fn attend(
+    s: &LlamaShape,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    table: &Tensor,
+    start: usize,
+    len: usize,
+) -> candle_core::Result<Tensor> {
+    let (hd, kvh) = (s.head_dim(), s.kv_heads);
+    let rep = s.heads / kvh;
+    let ctx = start + len;
+    let nb = table.dim(0)?;
+    // [len, kvh, rep, hd] -> [kvh, rep * len, hd]
+    let q = q
+        .reshape((len, kvh, rep, hd))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((kvh, rep * len, hd))?;
+    let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+        // [nb, bt, kvh, hd] -> [ctx, kvh, hd] -> [kvh, ctx, hd]
+        c.index_select(table, 0)?
+            .reshape((nb * BLOCK_TOKENS, kvh, hd))?
+            .narrow(0, 0, ctx)?
+            .transpose(0, 1)?
+            .contiguous()
+    };
+    let (k, v) = (gather(kc)?, gather(vc)?);
+    let scores = q
+        .matmul(&k.t()?)?
+        .to_dtype(DType::F32)?
+        .affine(1.0 / (hd as f64).sqrt(), 0.0)?
+        .reshape((kvh, rep, len, ctx))?;
+    let scores = if len > 1 {
+        // Query i (position start + i) sees keys 0..=start + i.
+        let dev = q.device();
+        let key = Tensor::arange(0u32, ctx as u32, dev)?.reshape((1, ctx))?;
+        let query = Tensor::arange(start as u32, ctx as u32, dev)?.reshape((len, 1))?;
+        let masked = key
+            .broadcast_gt(&query)?
+            .broadcast_as((kvh, rep, len, ctx))?;
+        let neg = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((kvh, rep, len, ctx))?;
+        masked.where_cond(&neg, &scores)?
+    } else {
+        scores
+    };
+    let p = candle_nn::ops::softmax_last_dim(&scores)?
+        .to_dtype(q.dtype())?
+        .reshape((kvh, rep * len, ctx))?;
+    // [kvh, rep * len, hd] -> [len, kvh, rep, hd] -> [len, heads * hd]
+    p.matmul(&v)?
+        .reshape((kvh, rep, len, hd))?
+        .permute((2, 0, 1, 3))?
+        .contiguous()?
+        .reshape((len, s.heads * hd))
+}
+
+/// Attention of a decode batch: query `b` `q[b]` (`[batch, heads * head_dim]`) over the first
+/// `lens[b]` tokens of its `nb` blocks, `table` `[batch * nb]` (padded). Returns `[batch, heads
+/// * head_dim]`.
+fn attend_decode(
+    s: &LlamaShape,
+    q: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+    table: &Tensor,
+    lens: &Tensor,
+    nb: usize,
+) -> candle_core::Result<Tensor> {
+    let (hd, kvh) = (s.head_dim(), s.kv_heads);
+    let rep = s.heads / kvh;
+    let b = q.dim(0)?;
+    let l = nb * BLOCK_TOKENS;
+    let q = q.reshape((b, kvh, rep, hd))?;
+    let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+        // [b * nb, bt, kvh, hd] -> [b, l, kvh, hd] -> [b, kvh, l, hd]
+        c.index_select(table, 0)?
+            .reshape((b, l, kvh, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (k, v) = (gather(kc)?, gather(vc)?);
+    let scores = q
+        .matmul(&k.t()?)?
+        .to_dtype(DType::F32)?
+        .affine(1.0 / (hd as f64).sqrt(), 0.0)?;
+    // Keys at or past a sequence's length (padding, the rest of its last block) masked out.
+    let dev = q.device();
+    let key = Tensor::arange(0u32, l as u32, dev)?.reshape((1, l))?;
+    let masked = key
+        .broadcast_ge(lens)?
+        .reshape((b, 1, 1, l))?
+        .broadcast_as((b, kvh, rep, l))?;
+    let neg = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((b, kvh, rep, l))?;
+    let p = candle_nn::ops::softmax_last_dim(&masked.where_cond(&neg, &scores)?)?
+        .to_dtype(q.dtype())?;
+    // [b, kvh, rep, l] x [b, kvh, l, hd] -> [b, kvh, rep, hd]
+    p.matmul(&v)?.reshape((b, s.heads * hd))
+}
+
+#[cfg(test)]
+mod tests {
+    //! On the CPU with ordinary tensors as the cache (f32): a decode over the blocks gives the
+    //! logits a whole prefill of the same context gives; batching and chunking change nothing;
+    //! only the sequences' own blocks are written.
+    use super::*;
+    use candle_nn::VarMap;
+
+    const BLOCKS: usize = 32;
+
+    fn shape() -> LlamaShape {
+        LlamaShape {
+            hidden: 64,
+            intermediate: 128,
+            vocab: 50,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            eps: 1e-5,
+            rope_theta: 10_000.0,
+        }
+    }
+
+    struct Cache(Vec<(Tensor, Tensor)>);
+
+    impl Cache {
+        fn new(s: &LlamaShape) -> Cache {
+            let z = || {
+                Tensor::zeros(
+                    (BLOCKS, BLOCK_TOKENS, s.kv_heads, s.head_dim()),
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .unwrap()
+            };
+            Cache((0..s.layers).map(|_| (z(), z())).collect())
+        }
+        /// Sum of |x| over block `b` of every tensor.
+        fn mass(&self, b: usize) -> f32 {
+            self.0
+                .iter()
+                .flat_map(|(k, v)| [k, v])
+                .map(|t| {
+                    t.narrow(0, b, 1)
+                        .unwrap()
+                        .abs()
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap()
+                })
+                .sum()
+        }
+    }
+
+    impl LayerCache for Cache {
+        fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+            Ok(self.0[l].clone())
+        }
+    }
+
+    fn model() -> PagedLlama {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        PagedLlama::load(shape(), vb).unwrap()
+    }
+
+    fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+        t.to_vec2::<f32>().unwrap()
+    }
+
+    fn close(a: &[f32], b: &[f32], what: &str) {
+        let scale = a.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * scale,
+                "{what}: logit {i}: {x} vs {y} (scale {scale})"
+            );
+        }
+    }
+
+    /// Prefill `prompt` tokens then decode `steps` one by one: the logits of each step.
+    fn incremental(
+        m: &PagedLlama,
+        cache: &Cache,
+        blocks: &[u32],
+        prompt: usize,
+        steps: usize,
+    ) -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        let p = Piece {
+            blocks,
+            start: 0,
+            len: prompt,
+        };
+        out.push(rows(&m.forward(cache, &[p]).unwrap()).remove(0));
+        for t in prompt..prompt + steps {
+            let p = Piece {
+                blocks,
+                start: t,
+                len: 1,
+            };
+            out.push(rows(&m.forward(cache, &[p]).unwrap()).remove(0));
+        }
+        out
+    }
+
+    #[test]
+    fn decode_over_blocks_equals_a_whole_prefill() {
+        let m = model();
+        let s = shape();
+        // Scattered, out of order: the block table matters.
+        let blocks = [7u32, 2, 19, 11];
+        let cache = Cache::new(&s);
+        let got = incremental(&m, &cache, &blocks, 21, 20);
+        for (i, g) in got.iter().enumerate() {
+            let ctx = 21 + i;
+            let fresh = Cache::new(&s);
+            let p = Piece {
+                blocks: &blocks,
+                start: 0,
+                len: ctx,
+            };
+            let want = rows(&m.forward(&fresh, &[p]).unwrap()).remove(0);
+            close(g, &want, &format!("context {ctx}"));
+        }
+        for b in 0..BLOCKS as u32 {
+            let used = blocks[..41usize.div_ceil(BLOCK_TOKENS)].contains(&b);
+            assert_eq!(
+                cache.mass(b as usize) > 0.0,
+                used,
+                "block {b} written: {}",
+                !used
+            );
+        }
+        // Positions matter: a later step's logits differ from the first's.
+        assert!(got[0]
+            .iter()
+            .zip(&got[19])
+            .any(|(a, b)| (a - b).abs() > 1e-3));
+    }
+
+    #[test]
+    fn batched_decode_and_chunked_prefill_change_nothing() {
+        let m = model();
+        let s = shape();
+        let (a, b) = ([3u32, 9, 14], [20u32, 1, 5]);
+        // Alone.
+        let alone_a = incremental(&m, &Cache::new(&s), &a, 17, 5);
+        let alone_b = incremental(&m, &Cache::new(&s), &b, 30, 5);
+        // Together, one cache: a prefill of both (b in two pieces), then decode steps of both.
+        let cache = Cache::new(&s);
+        let first = rows(
+            &m.forward(
+                &cache,
+                &[
+                    Piece {
+                        blocks: &a,
+                        start: 0,
+                        len: 17,
+                    },
+                    Piece {
+                        blocks: &b,
+                        start: 0,
+                        len: 12,
+                    },
+                    Piece {
+                        blocks: &b,
+                        start: 12,
+                        len: 18,
+                    },
+                ],
+            )
+            .unwrap(),
+        );
+        close(&first[0], &alone_a[0], "a's prefill beside b");
+        close(&first[2], &alone_b[0], "b's prefill in two pieces");
+        for i in 0..5 {
+            let out = rows(
+                &m.forward(
+                    &cache,
+                    &[
+                        Piece {
+                            blocks: &a,
+                            start: 17 + i,
+                            len: 1,
+                        },
+                        Piece {
+                            blocks: &b,
+                            start: 30 + i,
+                            len: 1,
+                        },
+                    ],
+                )
+                .unwrap(),
+            );
+            close(
+                &out[0],
+                &alone_a[i + 1],
+                &format!("a's decode {i} in a batch"),
+            );
+            close(
+                &out[1],
+                &alone_b[i + 1],
+                &format!("b's decode {i} in a batch"),
+            );
+        }
+    }
+
+    #[test]
+    fn a_context_beyond_its_blocks_is_an_error() {
+        let m = model();
+        let cache = Cache::new(&shape());
+        let p = Piece {
+            blocks: &[1, 2],
+            start: 0,
+            len: 2 * BLOCK_TOKENS + 1,
+        };
+        let e = m.forward(&cache, &[p]).unwrap_err().to_string();
+        assert!(e.contains("33 tokens") && e.contains("2 blocks"), "{e}");
+    }
+}
