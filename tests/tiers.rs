@@ -117,17 +117,6 @@ fn disk_layouts_at_a_path() {
 fn host_memory_kinds() {
     let pool = elastic_vmm::Pool::host(64 << 20).expect("pool");
     let c = LayoutConfig::new(64, 4, 2, 16, 128, 2); // 64 blocks of 32 KiB = 2 MiB
-    let locked = || {
-        std::fs::read_to_string("/proc/self/status")
-            .expect("status")
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("VmLck:")
-                    .map(|v| v.trim().trim_end_matches(" kB").parse::<u64>().expect("kB"))
-            })
-            .expect("VmLck")
-    };
-    let before = locked();
     let pinned = LayoutBuilder::new()
         .config(c)
         .fully_contiguous()
@@ -135,11 +124,13 @@ fn host_memory_kinds() {
         .build()
         .expect("pinned");
     assert_eq!(pinned.storage(), StorageKind::Pinned);
+    // VmLck is the whole process's, and other tests of this binary lock and unlock memory
+    // meanwhile: the layout's own mapping says what is locked (smaps' `Locked:` line).
+    let at = pinned.views().regions()[0].addr;
+    let locked_kb = locked_kb_at(at);
     assert!(
-        locked() >= before + 2048,
-        "2 MiB locked: {} -> {} kB",
-        before,
-        locked()
+        locked_kb >= 2048,
+        "2 MiB locked: {locked_kb} kB in the layout's mapping"
     );
     let nodes = std::fs::read_to_string("/sys/devices/system/node/online").unwrap_or_default();
     if nodes.trim() == "0" {
@@ -166,7 +157,27 @@ fn host_memory_kinds() {
         assert!(e.to_string().contains("copy_blocks"), "{e}");
     }
     drop(pinned);
-    assert!(locked() < before + 2048, "unlocked when the layout goes");
+    assert_eq!(locked_kb_at(at), 0, "unlocked when the layout goes");
+}
+
+/// Kilobytes locked in the mapping holding `at` (smaps' `Locked:`), 0 where nothing is mapped.
+fn locked_kb_at(at: u64) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+    let mut in_it = false;
+    let mut kb = 0;
+    for l in smaps.lines() {
+        let range = l.split_once(' ').and_then(|(r, _)| r.split_once('-'));
+        if let Some((s, e)) = range {
+            if let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) {
+                in_it = s <= at && at < e;
+                continue;
+            }
+        }
+        if let Some(v) = l.strip_prefix("Locked:").filter(|_| in_it) {
+            kb += v.trim().trim_end_matches(" kB").parse::<u64>().expect("kB");
+        }
+    }
+    kb
 }
 
 /// Caller memory's declared kind, checked by the backend that can tell: on the host backend
