@@ -97,7 +97,10 @@ impl SimpleBackend for RandomWeights {
         };
         // Detached: a tensor made from a `Var` keeps its op graph (the f32 draw) alive for
         // backprop, which left the draws in use beside the weights (3x the weights' bytes).
-        Ok(h.var(s, DType::F32, dev)?.as_tensor().to_dtype(dtype)?.detach())
+        Ok(h.var(s, DType::F32, dev)?
+            .as_tensor()
+            .to_dtype(dtype)?
+            .detach())
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
