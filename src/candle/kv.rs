@@ -23,8 +23,10 @@ use candle_core::{DType, Device, Shape, Tensor};
 use parking_lot::Mutex;
 
 use super::orphans::{self, Orphan};
-use super::retire::{settle, Batch, Wait};
-use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker};
+use super::retire::{Batch, Wait};
+use super::slices::{
+    last_use_passed, with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker,
+};
 use super::{candle_error, element_size, TensorPool};
 use crate::backing::{BackingChange, BackingStats, BlockBacking, UniformBlocks};
 use crate::error::{Error, Result};
@@ -742,23 +744,15 @@ impl Orphan for OrphanKv {
             if live > 0 {
                 return false;
             }
-            // Every kernel on the views was queued before they died, so before this fence.
-            let (batch, err) = Batch::fenced(&*self.core.fences, Vec::new(), 0);
-            if let Some(e) = err {
-                tracing::warn!(error = %e, "fencing an orphaned elastic tensor failed; a later reap retries");
-            }
-            self.last_use.push_back(batch);
         }
-        let settled = settle(&*self.core.fences, std::mem::take(&mut self.last_use), wait);
-        if let Some(e) = settled.error {
-            tracing::warn!(error = %e, "checking the fence of an orphaned elastic tensor failed; its memory stays mapped for now");
-        }
-        let Some(done) = settled.passed.into_iter().next() else {
-            self.last_use = settled.waiting;
+        // Every kernel on the views was queued before they died, so before the fence.
+        if !last_use_passed(
+            &self.core.fences,
+            &mut self.last_use,
+            wait,
+            "elastic tensor",
+        ) {
             return false;
-        };
-        if let Some(f) = done.fence {
-            self.core.fences.recycle(f);
         }
         // The GPU is past every use: dropping the core (ours is the last handle once the
         // elastic tensor's drop has finished) unmaps without waiting again.

@@ -22,8 +22,8 @@ use candle_core::{DType, Device, IndexOp, Shape, Tensor};
 use parking_lot::Mutex;
 
 use super::orphans::{self, Orphan};
-use super::retire::{settle, Batch, Wait};
-use super::slices::{Fence, Fences, SliceFactory, Tracker};
+use super::retire::{Batch, Wait};
+use super::slices::{last_use_passed, Fence, Fences, SliceFactory, Tracker};
 use super::{candle_error, element_size, TensorPool};
 use crate::error::{Error, Result};
 use crate::kv::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};
@@ -287,26 +287,16 @@ struct OrphanPaged {
 
 impl Orphan for OrphanPaged {
     fn reap(&mut self, wait: Wait) -> bool {
-        if self.last_use.is_empty() {
-            if self.core.prune() > 0 {
-                return false;
-            }
-            let (batch, err) = Batch::fenced(&*self.core.fences, Vec::new(), 0);
-            if let Some(e) = err {
-                tracing::warn!(error = %e, "fencing an orphaned paged KV cache failed; a later reap retries");
-            }
-            self.last_use.push_back(batch);
-        }
-        let settled = settle(&*self.core.fences, std::mem::take(&mut self.last_use), wait);
-        if let Some(e) = settled.error {
-            tracing::warn!(error = %e, "checking the fence of an orphaned paged KV cache failed");
-        }
-        let Some(done) = settled.passed.into_iter().next() else {
-            self.last_use = settled.waiting;
+        if self.last_use.is_empty() && self.core.prune() > 0 {
             return false;
-        };
-        if let Some(f) = done.fence {
-            self.core.fences.recycle(f);
+        }
+        if !last_use_passed(
+            &self.core.fences,
+            &mut self.last_use,
+            wait,
+            "paged KV cache",
+        ) {
+            return false;
         }
         if let Some(core) = Arc::get_mut(&mut self.core) {
             core.finish.needed = false;

@@ -30,7 +30,9 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, DType, Shape, Storage, Tensor};
 use parking_lot::Mutex;
 
-use super::retire::FenceSource;
+use std::collections::VecDeque;
+
+use super::retire::{settle, Batch, FenceSource, Wait};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 
@@ -466,6 +468,35 @@ impl Fences {
         self.recycle(fence);
         waited
     }
+}
+
+/// An orphan's last use on the GPU: fenced once (when no fence is pending), then settled.
+/// True once the GPU has passed it (its fence recycled); `what` names the orphan in warnings.
+pub(crate) fn last_use_passed(
+    fences: &Fences,
+    last_use: &mut VecDeque<Batch<(), Fence>>,
+    wait: Wait,
+    what: &'static str,
+) -> bool {
+    if last_use.is_empty() {
+        let (batch, err) = Batch::fenced(fences, Vec::new(), 0);
+        if let Some(e) = err {
+            tracing::warn!(error = %e, what, "fencing an orphan failed; a later reap retries");
+        }
+        last_use.push_back(batch);
+    }
+    let settled = settle(fences, std::mem::take(last_use), wait);
+    if let Some(e) = settled.error {
+        tracing::warn!(error = %e, what, "checking an orphan's fence failed; its memory stays mapped for now");
+    }
+    let Some(done) = settled.passed.into_iter().next() else {
+        *last_use = settled.waiting;
+        return false;
+    };
+    if let Some(f) = done.fence {
+        fences.recycle(f);
+    }
+    true
 }
 
 impl FenceSource for Fences {
