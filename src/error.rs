@@ -525,6 +525,26 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A [`crate::kv::PagedKv::compact`] failed part way and was rolled back: every block keeps
+    /// its id and its contents, the blocks it took were given back.
+    #[error("paged KV compaction of {moves} block(s) ({bytes} bytes to copy) failed and was rolled back (every block keeps its id and contents): {source}")]
+    KvCompactionFailed {
+        /// Blocks the compaction meant to move.
+        moves: usize,
+        /// Bytes it meant to copy.
+        bytes: u64,
+        /// What failed.
+        source: Box<Error>,
+    },
+
+    /// A [`crate::kv::PagedKv::compact`] was asked for while another one runs on the same
+    /// cache; nothing was done.
+    #[error("paged KV cache: a compaction is already running ({op} refused); call again once it returned")]
+    KvCompactionBusy {
+        /// What was refused.
+        op: &'static str,
+    },
+
     /// A block of an elastic tensor is still used (by a live view, or an operation queuing a
     /// kernel) and cannot be released; nothing was changed.
     #[error("elastic tensor: block {block} is in use by {users} user(s): {detail}")]

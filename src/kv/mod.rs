@@ -25,10 +25,20 @@
 //!   discards KV unmaps it and keeps weights, and wakes it at the same addresses (contents
 //!   gone); `alloc` is refused while the pool sleeps.
 //!
+//! - [`PagedKv::compact`] moves live blocks off sparsely used pages into free slots of densely
+//!   used ones and gives the sparse pages back (ids change: it returns the renaming for the
+//!   engine's block tables); [`PagedKv::compaction_gain`] says what it would give back now.
+//!   After a spike, the idle footprint is bounded by placement only at `alloc` time, which
+//!   cannot pack survivors allocated interleaved in time; compaction can. See the `compact`
+//!   module's documentation (private; summarized on [`PagedKv::compact`]) for the contract.
+//!
 //! Reclaim: a model's reclaim callback ([`crate::ModelConfig::on_reclaim`]) frees the blocks of
 //! sequences it evicts and calls [`PagedKv::trim`], which gives warm blocks back too.
 
 mod ahead;
+mod compact;
 mod paged;
 
+pub(crate) use compact::LEGACY_STREAM;
+pub use compact::{Compaction, CompactionGain};
 pub use paged::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};

@@ -249,20 +249,35 @@ pub struct PagedKvStats {
     pub ahead_refused: u64,
     /// Warm blocks given back after an idle period or a trim.
     pub warm_returned: u64,
+    /// Compactions that moved or re-placed blocks ([`PagedKv::compact`]).
+    pub compactions: u64,
+    /// Live blocks moved (renamed) by compactions.
+    pub blocks_moved: u64,
+    /// Bytes of pages compactions gave back to the pool.
+    pub bytes_compacted: u64,
 }
 
 /// The allocator's books, under the cache's mutex (a leaf lock).
 #[derive(Debug)]
 pub(crate) struct Book {
-    live: Vec<bool>,
-    live_count: usize,
+    pub(super) live: Vec<bool>,
+    pub(super) live_count: usize,
     /// Free and backed.
-    warm: BTreeSet<usize>,
+    pub(super) warm: BTreeSet<usize>,
     /// Free and unbacked, ranked: blocks whose pages another block keeps mapped first (taking
     /// them costs no memory), then by id.
-    cold: BTreeSet<(u8, usize)>,
+    pub(super) cold: BTreeSet<(u8, usize)>,
     /// Per group of blocks sharing their first page: blocks backed (live or warm).
-    group_backed: Vec<u32>,
+    pub(super) group_backed: Vec<u32>,
+    /// Live blocks whose `alloc` is still mapping them (not handed out yet): never moved.
+    pub(super) in_alloc: BTreeSet<usize>,
+    /// Live blocks a compaction is copying (they cannot be freed until it ends).
+    pub(super) moving: BTreeSet<usize>,
+    /// A compaction runs (one at a time).
+    pub(super) compacting: bool,
+    pub(super) compactions: u64,
+    pub(super) blocks_moved: u64,
+    pub(super) bytes_compacted: u64,
     pub(crate) asleep: bool,
     pub(crate) stop: bool,
     pub(crate) last_alloc: Instant,
@@ -274,13 +289,13 @@ pub(crate) struct Book {
 /// Shared by the handle and the background thread.
 pub(crate) struct Core {
     pub(crate) backing: BlockBacking<KvGeometry>,
-    geo: KvGeometry,
-    page: u64,
+    pub(super) geo: KvGeometry,
+    pub(super) page: u64,
     pub(crate) config: PagedKvConfig,
     pub(crate) book: Mutex<Book>,
     /// Wakes the background thread (warm below low, stop).
     pub(crate) wake: Condvar,
-    pool: Pool,
+    pub(super) pool: Pool,
     watcher: u64,
     /// Called before pages may be unmapped (set once by a face whose device queues work, e.g.
     /// the candle one: waits for the GPU to finish what was queued on the blocks).
@@ -311,12 +326,12 @@ impl Book {
         self.warm.len()
     }
 
-    fn rank(&self, geo: &KvGeometry, page: u64, b: usize) -> u8 {
+    pub(super) fn rank(&self, geo: &KvGeometry, page: u64, b: usize) -> u8 {
         u8::from(self.group_backed[group_of(geo, page, b)] == 0)
     }
 }
 
-fn group_of(geo: &KvGeometry, page: u64, b: usize) -> usize {
+pub(super) fn group_of(geo: &KvGeometry, page: u64, b: usize) -> usize {
     (b as u64 * geo.unit / page) as usize
 }
 
@@ -342,6 +357,12 @@ impl PagedKv {
             warm: BTreeSet::new(),
             cold: (0..config.max_blocks).map(|b| (1, b)).collect(),
             group_backed: vec![0; groups],
+            in_alloc: BTreeSet::new(),
+            moving: BTreeSet::new(),
+            compacting: false,
+            compactions: 0,
+            blocks_moved: 0,
+            bytes_compacted: 0,
             asleep: false,
             stop: false,
             last_alloc: Instant::now(),
@@ -450,6 +471,50 @@ impl PagedKv {
     pub fn stats(&self) -> PagedKvStats {
         self.core.stats()
     }
+
+    /// Move live blocks off sparsely used pages into free slots of densely used pages that are
+    /// mapped already, and give the emptied pages back to the pool: at most `max_moves` blocks
+    /// moved per call (bounded work: call it between steps, again until it returns an empty
+    /// [`Compaction`]). Returns the renaming `old id -> new id` ([`Compaction::moves`]), which
+    /// the engine applies to its block tables before queuing more work on those blocks.
+    ///
+    /// A page is emptied only when all its blocks fit into holes of denser pages (half an
+    /// evacuation gives nothing back), so `max_moves` below `page / span - 1` may move nothing;
+    /// a cache whose blocks do not share pages evenly (`page % span != 0`, or one block per
+    /// page) never moves anything. Warm blocks of an emptied page are replaced by warm blocks on
+    /// the denser pages (no copy, no memory).
+    ///
+    /// Contract: the old ids stay live, and cannot be freed (the error says why), until this
+    /// returns; work in flight on a moved block must be done or ordered before the copy. On
+    /// device memory the copy is one gather launch on CUDA's legacy default stream, which runs
+    /// after everything queued before on blocking streams (candle's per-thread streams among
+    /// them), then waited for; on host memory, staging copies (a host `memcpy`). Blocks being
+    /// copied are pinned: no release unmaps them and a sleep of the pool is refused meanwhile.
+    /// Nothing in safe code can make the copy touch unmapped memory or memory behind a Rust
+    /// reference (the cache hands none out).
+    ///
+    /// Errors: `max_moves == 0`; the pool asleep ([`Error::Asleep`]); another compaction
+    /// running ([`Error::KvCompactionBusy`]); a failure to back the destinations, to pin, or to
+    /// copy ([`Error::KvCompactionFailed`]): then nothing moved, every block keeps its id and
+    /// contents, and what the compaction took is free again.
+    pub fn compact(&self, max_moves: usize) -> Result<super::Compaction> {
+        self.core.compact(max_moves, super::LEGACY_STREAM)
+    }
+
+    /// [`PagedKv::compact`] with the copies queued on the GPU stream `stream` (a raw
+    /// `CUstream`, or CUDA's special handles 1 and 2); ignored on host memory.
+    #[cfg_attr(not(feature = "candle"), allow(dead_code))]
+    pub(crate) fn compact_on(&self, max_moves: usize, stream: u64) -> Result<super::Compaction> {
+        self.core.compact(max_moves, stream)
+    }
+
+    /// What [`PagedKv::compact`] without a move limit would do now: blocks it would move,
+    /// bytes it would copy, bytes of pages it would give back. Costs a pass over the blocks
+    /// (no driver call); an engine compares `bytes_released` with what it would gain, e.g.
+    /// against [`PagedKvStats::mapped_bytes`] and [`PagedKvStats::packed_floor_bytes`].
+    pub fn compaction_gain(&self) -> super::CompactionGain {
+        self.core.compaction_gain()
+    }
 }
 
 impl Drop for PagedKv {
@@ -468,10 +533,10 @@ impl Drop for Core {
 }
 
 impl Core {
-    fn asleep_error(&self) -> Error {
+    pub(super) fn asleep_error(&self, op: &'static str) -> Error {
         Error::Asleep {
             pool: self.pool.name().to_string(),
-            op: "alloc",
+            op,
             state: "asleep",
         }
     }
@@ -484,7 +549,7 @@ impl Core {
         let (ids, to_back, low) = {
             let mut book = self.book.lock();
             if book.asleep {
-                return Err(self.asleep_error());
+                return Err(self.asleep_error("alloc"));
             }
             let free = book.warm.len() + book.cold.len();
             if n > free {
@@ -520,6 +585,7 @@ impl Core {
                 ids.push(b);
             }
             book.live_count += ids.len();
+            book.in_alloc.extend(to_back.iter().copied());
             book.last_alloc = Instant::now();
             let low = self
                 .config
@@ -537,12 +603,16 @@ impl Core {
             Ok(_) => {
                 let mut book = self.book.lock();
                 for &b in &to_back {
+                    book.in_alloc.remove(&b);
                     self.backed(&mut book, b);
                 }
                 Ok(ids)
             }
             Err(e) => {
                 let mut book = self.book.lock();
+                for &b in &to_back {
+                    book.in_alloc.remove(&b);
+                }
                 for &b in &ids {
                     book.live[b] = false;
                     if to_back.contains(&b) {
@@ -559,7 +629,7 @@ impl Core {
     }
 
     /// `b` became backed: its group's other cold blocks cost nothing now.
-    fn backed(&self, book: &mut Book, b: usize) {
+    pub(super) fn backed(&self, book: &mut Book, b: usize) {
         let g = group_of(&self.geo, self.page, b);
         book.group_backed[g] += 1;
         if book.group_backed[g] == 1 {
@@ -595,6 +665,8 @@ impl Core {
             for (i, &b) in ids.iter().enumerate() {
                 let reason = if b >= max {
                     Some("out of range")
+                } else if book.moving.contains(&b) {
+                    Some("being moved by a compaction (free it under its new id once compact returns)")
                 } else if book.live[b] {
                     None
                 } else if ids[..i].contains(&b) {
@@ -631,10 +703,10 @@ impl Core {
     }
 
     /// Release backed, free blocks taken out of the book (none live or warm): unmapped where
-    /// no other block needs the page, then cold again.
-    pub(crate) fn release(&self, blocks: &[usize]) {
+    /// no other block needs the page, then cold again. Returns the bytes unmapped.
+    pub(crate) fn release(&self, blocks: &[usize]) -> u64 {
         if blocks.is_empty() {
-            return;
+            return 0;
         }
         let ready = match self.before_release.get() {
             Some(f) => f(),
@@ -642,20 +714,22 @@ impl Core {
         };
         let released = ready.and_then(|()| self.backing.release(blocks.iter().copied()));
         match released {
-            Ok(_) => {
+            Ok(change) => {
                 let mut book = self.book.lock();
                 for &b in blocks {
                     self.unbacked(&mut book, b);
                     let r = book.rank(&self.geo, self.page, b);
                     book.cold.insert((r, b));
                 }
+                change.bytes
             }
             Err(e) => {
-                // The device wait failed, or the release did (the cache pins nothing): keep
-                // them warm, still backed.
+                // The device wait failed, or the release did (only a compaction pins, and only
+                // blocks that are live or its own): keep them warm, still backed.
                 tracing::error!(error = %e, blocks = blocks.len(), "releasing KV blocks failed; they stay mapped as warm blocks");
                 let mut book = self.book.lock();
                 book.warm.extend(blocks.iter().copied());
+                0
             }
         }
     }
@@ -751,7 +825,7 @@ impl Core {
     }
 
     fn stats(&self) -> PagedKvStats {
-        let (live, warm, ahead, refused, returned) = {
+        let (live, warm, ahead, refused, returned, compacted) = {
             let b = self.book.lock();
             (
                 b.live_count,
@@ -759,6 +833,7 @@ impl Core {
                 b.mapped_ahead,
                 b.ahead_refused,
                 b.warm_returned,
+                (b.compactions, b.blocks_moved, b.bytes_compacted),
             )
         };
         let per_group = (self.page / self.geo.unit).max(1);
@@ -772,6 +847,9 @@ impl Core {
             mapped_ahead: ahead,
             ahead_refused: refused,
             warm_returned: returned,
+            compactions: compacted.0,
+            blocks_moved: compacted.1,
+            bytes_compacted: compacted.2,
         }
     }
 }

@@ -666,3 +666,400 @@ pub fn kv_races_alloc_free_trim_sleep(backend: Arc<dyn Backend>) {
     assert_eq!(p.stats().mapped, 0);
     books_hold(&b, &p);
 }
+
+/// Distinct bytes for block `b` of tensor `t`, the whole span.
+fn block_pattern(b: usize, t: usize, len: usize) -> Vec<u8> {
+    let mut r = Rng::new((b as u64) << 16 | t as u64);
+    (0..len).map(|_| r.next() as u8).collect()
+}
+
+fn span_at(kv: &PagedKv, b: usize, t: usize) -> u64 {
+    kv.tensor_addr(t).expect("tensor") + b as u64 * kv.block_span_bytes()
+}
+
+/// Write every tensor's span of `blocks` with [`block_pattern`].
+fn fill_blocks(backend: &Arc<dyn Backend>, kv: &PagedKv, blocks: &[usize]) {
+    let span = kv.block_span_bytes() as usize;
+    for &b in blocks {
+        for t in 0..kv.tensors() {
+            write(backend, span_at(kv, b, t), &block_pattern(b, t, span));
+        }
+    }
+}
+
+/// Every tensor's span of `now` (the block first written as `was`) holds `was`'s pattern.
+fn holds_pattern(backend: &Arc<dyn Backend>, kv: &PagedKv, was: usize, now: usize) {
+    let span = kv.block_span_bytes() as usize;
+    for t in 0..kv.tensors() {
+        let got = read(backend, span_at(kv, now, t), span);
+        assert!(
+            got == block_pattern(was, t, span),
+            "block {was} (now {now}), tensor {t}: contents differ after the compaction"
+        );
+    }
+}
+
+/// A compaction moves the scattered survivors of both layouts onto as few pages as they need
+/// (exactly the packed floor), their contents byte-exact under the new ids, the books whole;
+/// a second compaction has nothing to do.
+pub fn kv_compaction_moves_contents_byte_exact(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 256 * g);
+    // Per layer: 8 blocks per page, 4 tensors. Contiguous: a block is K and V of 2 layers,
+    // half a page: 2 blocks per page.
+    for layout in [KvLayout::PerLayer, KvLayout::Contiguous] {
+        let kv = PagedKv::new(&p, config(g, 8, 2, 64).layout(layout)).expect("cache");
+        let all = kv.alloc(64).expect("alloc");
+        fill_blocks(&backend, &kv, &all);
+        let mut rng = Rng::new(5);
+        let (keep, gone): (Vec<usize>, Vec<usize>) =
+            all.into_iter().partition(|_| rng.below(4) == 0);
+        kv.free(&gone).expect("free");
+        let before = kv.stats();
+        assert!(
+            before.mapped_bytes > before.packed_floor_bytes,
+            "{layout:?}: scattered survivors: {before:?}"
+        );
+        let gain = kv.compaction_gain();
+        assert!(gain.moves > 0 && gain.bytes_released > 0, "{gain:?}");
+        let c = kv.compact(1000).expect("compact");
+        assert_eq!(
+            (c.moves.len(), c.bytes_released, c.bytes_copied),
+            (gain.moves, gain.bytes_released, gain.bytes_to_copy),
+            "{layout:?}: did what the gain said"
+        );
+        assert_eq!(
+            c.bytes_copied,
+            c.moves.len() as u64 * kv.block_span_bytes() * kv.tensors() as u64
+        );
+        for &(old, new) in &c.moves {
+            assert!(keep.contains(&old), "{old} was not live");
+            assert!(!kv.is_live(old) && kv.is_live(new), "{old} -> {new}");
+        }
+        let renamed: Vec<usize> = keep.iter().map(|&b| c.rename(b)).collect();
+        let mut unique = renamed.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), keep.len(), "two blocks renamed to one id");
+        for (&was, &now) in keep.iter().zip(&renamed) {
+            holds_pattern(&backend, &kv, was, now);
+        }
+        let s = kv.stats();
+        assert_eq!(s.live, keep.len());
+        assert_eq!(
+            s.mapped_bytes, s.packed_floor_bytes,
+            "{layout:?}: on the packed floor: {s:?}"
+        );
+        assert_eq!(before.mapped_bytes - s.mapped_bytes, c.bytes_released);
+        assert_eq!(
+            p.stats().mapped,
+            s.mapped_bytes,
+            "the pool got the pages back"
+        );
+        assert_eq!(
+            (s.compactions, s.blocks_moved, s.bytes_compacted),
+            (1, c.moves.len() as u64, c.bytes_released)
+        );
+        books_hold(&backend, &p);
+        // A fixpoint.
+        assert!(kv.compact(1000).expect("again").is_empty());
+        assert_eq!(kv.compaction_gain().moves, 0);
+        // The old ids are free, the new ones free normally.
+        if let Some(&(old, _)) = c.moves.first() {
+            let e = kv.free(&[old]).expect_err("an old id");
+            assert!(e.to_string().contains("not allocated"), "{e}");
+        }
+        kv.free(&renamed).expect("free the renamed blocks");
+        assert_eq!(p.stats().mapped, 0);
+        drop(kv);
+        books_hold(&backend, &p);
+    }
+}
+
+/// After a spike of interleaved sequences, 90% of them finished in random order, bounded
+/// compaction steps bring the idle footprint to <= 1.1x the packed floor plus the low
+/// watermark (it was several times that), with warm blocks kept and the books whole.
+pub fn kv_compaction_reaches_the_floor_after_a_spike(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 512 * g);
+    let low = 8;
+    let w = Watermarks {
+        low,
+        high: 32,
+        idle_after: Duration::from_millis(50),
+        tick: Duration::from_millis(5),
+    };
+    // 1 layer (2 tensors), 16 blocks per page: a group of 16 blocks costs 2 pages.
+    let kv = PagedKv::new(&p, config(g, 16, 1, 1024).watermarks(w)).expect("cache");
+    let mut rng = Rng::new(23);
+    let mut seqs: Vec<Vec<usize>> = Vec::new();
+    let mut used = 0;
+    while used < 800 {
+        let n = 1 + rng.below(16) as usize;
+        seqs.push(kv.alloc(n).expect("alloc"));
+        used += n;
+    }
+    let mut order: Vec<usize> = (0..seqs.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let finish = order.len() * 9 / 10;
+    for &i in &order[..finish] {
+        kv.free(&seqs[i]).expect("free");
+    }
+    wait_until("idle floor", Duration::from_secs(5), || {
+        kv.stats().warm <= low
+    });
+    let group = 2 * g;
+    let floor = |s: &elastic_vmm::kv::PagedKvStats| {
+        s.packed_floor_bytes + (low as u64).div_ceil(16) * group
+    };
+    let s = kv.stats();
+    let ratio = s.mapped_bytes as f64 / floor(&s) as f64;
+    assert!(
+        ratio > 2.0,
+        "the spike left scattered survivors: {ratio:.2}x {s:?}"
+    );
+    let mut live: Vec<usize> = order[finish..]
+        .iter()
+        .flat_map(|&i| seqs[i].clone())
+        .collect();
+    let mut calls = 0;
+    loop {
+        let c = kv.compact(32).expect("compact");
+        assert!(c.moves.len() <= 32, "bounded: {}", c.moves.len());
+        for b in &mut live {
+            *b = c.rename(*b);
+        }
+        calls += 1;
+        if c.is_empty() {
+            break;
+        }
+        assert!(calls < 100, "compaction does not converge");
+    }
+    let s = kv.stats();
+    let ratio = s.mapped_bytes as f64 / floor(&s) as f64;
+    assert!(
+        ratio <= 1.1,
+        "after {calls} compactions: {ratio:.2}x the floor: {s:?}"
+    );
+    assert!(s.warm >= low.min(s.warm), "{s:?}");
+    assert_eq!(s.live, live.len());
+    assert!(live.iter().all(|&b| kv.is_live(b)));
+    p.audit().expect("audit");
+    kv.free(&live).expect("free");
+    drop(kv);
+    books_hold(&backend, &p);
+}
+
+/// Bad input is refused with the numbers; a compaction whose copy fails rolls back: every
+/// block keeps its id and contents, the destinations are free again, nothing stays mapped or
+/// charged; it succeeds once the fault is gone.
+pub fn kv_compaction_bad_input_and_rollback(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = faults.clone();
+    let p = pool(&b, 256 * g);
+    let kv = PagedKv::new(&p, config(g, 8, 1, 64)).expect("cache");
+    let e = kv.compact(0).expect_err("max_moves 0");
+    assert!(e.to_string().contains("max_moves is 0"), "{e}");
+    // Nothing to do on an empty cache.
+    assert!(kv.compact(10).expect("empty").is_empty());
+    let all = kv.alloc(64).expect("alloc");
+    fill_blocks(&b, &kv, &all);
+    // One survivor in every other group: each group's one block fits the holes of others.
+    let keep: Vec<usize> = all.iter().copied().filter(|&x| x % 8 < 3).collect();
+    let gone: Vec<usize> = all.iter().copied().filter(|&x| x % 8 >= 3).collect();
+    kv.free(&gone).expect("free");
+    // Asleep: refused.
+    p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    let e = kv.compact(10).expect_err("asleep");
+    assert!(matches!(e, Error::Asleep { op: "compact", .. }), "{e}");
+    p.wake(AfterWake::FreeHostMemory).expect("wake");
+    for &x in &keep {
+        holds_pattern(&b, &kv, x, x);
+    }
+    // A bound below a group's live blocks moves nothing (a group moves whole).
+    assert!(kv.compact(2).expect("bounded").moves.is_empty());
+    if b.info().memory_kind == elastic_vmm::MemoryKind::Host {
+        // The host path copies through staging copies: fail the third.
+        let (before, mapped) = (kv.stats(), p.stats().mapped);
+        faults.fail_copy_nth(3);
+        let e = kv.compact(100).expect_err("injected copy failure");
+        assert!(
+            matches!(e, Error::KvCompactionFailed { .. })
+                && e.to_string().contains("FAULT_INJECTED"),
+            "{e}"
+        );
+        faults.clear();
+        assert_eq!(kv.stats(), before, "nothing moved");
+        assert_eq!(p.stats().mapped, mapped, "nothing mapped or released");
+        for &x in &keep {
+            assert!(kv.is_live(x));
+            holds_pattern(&b, &kv, x, x);
+        }
+        // Every other block is free: all of them can be allocated.
+        let rest = kv
+            .alloc(64 - keep.len())
+            .expect("the destinations are free again");
+        kv.free(&rest).expect("free");
+        books_hold(&b, &p);
+    }
+    let c = kv.compact(100).expect("compact");
+    assert!(!c.moves.is_empty());
+    for &x in &keep {
+        holds_pattern(&b, &kv, x, c.rename(x));
+    }
+    let s = kv.stats();
+    assert_eq!(s.mapped_bytes, s.packed_floor_bytes, "{s:?}");
+    let renamed: Vec<usize> = keep.iter().map(|&x| c.rename(x)).collect();
+    kv.free(&renamed).expect("free");
+    drop(kv);
+    books_hold(&b, &p);
+}
+
+/// Races: compaction (under the engine's step lock, renaming as an engine does) against allocs
+/// and frees on several threads, trims, sleep/wake and the look-ahead thread, with slow maps
+/// and unmaps. No block is lost or owned twice; at the end every block is live exactly when an
+/// owner holds it, and everything goes back.
+pub fn kv_compaction_races_alloc_free_trim_sleep(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Map, Duration::from_micros(100));
+    slow.set_delay(DriverCall::Unmap, Duration::from_micros(100));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 512 * g);
+    let w = Watermarks {
+        low: 4,
+        high: 16,
+        idle_after: Duration::from_millis(10),
+        tick: Duration::from_millis(1),
+    };
+    const N: usize = 256;
+    let kv = Arc::new(PagedKv::new(&p, config(g, 8, 2, N).watermarks(w)).expect("cache"));
+    // The engine's step lock: its threads alloc and free (and record ids) under it shared; a
+    // compaction and the renaming take it alone, as an engine compacts between steps.
+    let step = Arc::new(parking_lot::RwLock::new(()));
+    let owner: Arc<Vec<AtomicUsize>> = Arc::new((0..N).map(|_| AtomicUsize::new(0)).collect());
+    let lists: Arc<Vec<parking_lot::Mutex<Vec<usize>>>> = Arc::new(
+        (0..4)
+            .map(|_| parking_lot::Mutex::new(Vec::new()))
+            .collect(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let moved = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for t in 1..=4usize {
+            let (kv, stop, owner, lists, step) = (
+                kv.clone(),
+                stop.clone(),
+                owner.clone(),
+                lists.clone(),
+                step.clone(),
+            );
+            s.spawn(move || {
+                let mut rng = Rng::new(t as u64 + 100);
+                while !stop.load(Ordering::Relaxed) {
+                    let _step = step.read();
+                    let mut mine = lists[t - 1].lock();
+                    if mine.len() < 40 && rng.below(2) == 0 {
+                        match kv.alloc(1 + rng.below(8) as usize) {
+                            Ok(ids) => {
+                                for &i in &ids {
+                                    let prev = owner[i].swap(t, Ordering::SeqCst);
+                                    assert_eq!(
+                                        prev, 0,
+                                        "block {i} handed to {t} while {prev} has it"
+                                    );
+                                }
+                                mine.extend(ids);
+                            }
+                            Err(Error::Asleep { .. }) | Err(Error::KvOutOfBlocks { .. }) => {}
+                            Err(e) => panic!("alloc: {e}"),
+                        }
+                    } else if !mine.is_empty() {
+                        // Free a random sample: survivors end up scattered.
+                        let n = 1 + rng.below(mine.len() as u64) as usize;
+                        let mut gone = Vec::with_capacity(n);
+                        for _ in 0..n {
+                            let at = rng.below(mine.len() as u64) as usize;
+                            gone.push(mine.swap_remove(at));
+                        }
+                        for &i in &gone {
+                            assert_eq!(owner[i].swap(0, Ordering::SeqCst), t, "block {i}");
+                        }
+                        kv.free(&gone).expect("free");
+                    }
+                }
+            });
+        }
+        let (kv2, p2, stop2) = (kv.clone(), p.clone(), stop.clone());
+        s.spawn(move || {
+            let policy = SleepPolicy::discard_all();
+            for i in 0..30 {
+                std::thread::sleep(Duration::from_millis(4));
+                if i % 3 == 0 {
+                    kv2.trim();
+                } else if i % 3 == 1 && p2.sleep(&policy).is_ok() {
+                    std::thread::sleep(Duration::from_millis(2));
+                    p2.wake(AfterWake::KeepHostMemory).expect("wake");
+                }
+            }
+            stop2.store(true, Ordering::Relaxed);
+        });
+        let (kv3, stop3, owner3, lists3, step3) = (
+            kv.clone(),
+            stop.clone(),
+            owner.clone(),
+            lists.clone(),
+            step.clone(),
+        );
+        let moved = &moved;
+        s.spawn(move || {
+            while !stop3.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_micros(500));
+                let _gain = kv3.compaction_gain();
+                let _step = step3.write();
+                let c = match kv3.compact(16) {
+                    Ok(c) => c,
+                    Err(Error::Asleep { .. }) | Err(Error::KvCompactionFailed { .. }) => continue,
+                    Err(e) => panic!("compact: {e}"),
+                };
+                for &(old, new) in &c.moves {
+                    let t = owner3[old].swap(0, Ordering::SeqCst);
+                    assert!(t != 0, "block {old} moved while nobody owned it");
+                    assert_eq!(
+                        owner3[new].swap(t, Ordering::SeqCst),
+                        0,
+                        "moved onto an owned block {new}"
+                    );
+                    let mut list = lists3[t - 1].lock();
+                    let at = list
+                        .iter()
+                        .position(|&x| x == old)
+                        .expect("in its owner's list");
+                    list[at] = new;
+                }
+                moved.fetch_add(c.moves.len(), Ordering::Relaxed);
+            }
+        });
+    });
+    let owned: Vec<usize> = lists.iter().flat_map(|l| l.lock().clone()).collect();
+    for x in 0..N {
+        let held = owner[x].load(Ordering::SeqCst) != 0;
+        assert_eq!(kv.is_live(x), held, "block {x}: live xor free");
+    }
+    assert_eq!(kv.stats().live, owned.len());
+    assert!(
+        moved.load(Ordering::Relaxed) > 0,
+        "no compaction moved anything: {:?}",
+        kv.stats()
+    );
+    kv.free(&owned).expect("free");
+    kv.trim();
+    drop(kv);
+    slow.clear();
+    p.trim().expect("trim");
+    assert_eq!(p.stats().mapped, 0);
+    books_hold(&b, &p);
+}

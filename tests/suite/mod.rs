@@ -94,6 +94,10 @@ macro_rules! kv_suite {
             kv_sleep_discards_kv_keeps_weights,
             kv_reclaim_callback_frees_blocks,
             kv_races_alloc_free_trim_sleep,
+            kv_compaction_moves_contents_byte_exact,
+            kv_compaction_reaches_the_floor_after_a_spike,
+            kv_compaction_bad_input_and_rollback,
+            kv_compaction_races_alloc_free_trim_sleep,
         );
     };
 }
