@@ -23,10 +23,15 @@ use parking_lot::Mutex;
 
 use super::orphans::{self, Orphan};
 use super::retire::{Batch, Wait};
-use super::slices::{last_use_passed, Fence, Fences, SliceFactory, Tracker};
+use super::slices::{
+    device_stream, last_use_passed, ordering_stream, Fence, Fences, SliceFactory, Tracker,
+    LEGACY_STREAM,
+};
 use super::{candle_error, element_size, TensorPool};
 use crate::error::{Error, Result};
-use crate::kv::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};
+use crate::kv::{
+    BlockId, Compaction, CompactionGain, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks,
+};
 
 /// A paged KV cache as candle tensors; see the module documentation. `Send + Sync`, every
 /// method takes `&self`.
@@ -219,6 +224,24 @@ impl PagedKvTensors {
     /// [`PagedKv::free`]; pages go back only after the GPU ran what was queued before.
     pub fn free(&self, ids: &[BlockId]) -> Result<()> {
         self.core.kv.free(ids)
+    }
+
+    /// [`PagedKv::compact`], with the copy queued on the device's ordering stream (see
+    /// [`crate::candle`]): it runs after every kernel candle queued before on this device, from
+    /// any thread, and candle's kernels queued after the call run after it. Rename the moved
+    /// ids ([`Compaction::rename`]) in the block tables before queuing kernels that use them;
+    /// the old blocks' pages are released once the GPU ran what was queued before.
+    pub fn compact(&self, max_moves: usize) -> Result<Compaction> {
+        let stream = match &self.core.device {
+            Device::Cuda(d) => ordering_stream(device_stream(d)),
+            _ => LEGACY_STREAM,
+        };
+        self.core.kv.compact_on(max_moves, stream)
+    }
+
+    /// [`PagedKv::compaction_gain`].
+    pub fn compaction_gain(&self) -> CompactionGain {
+        self.core.kv.compaction_gain()
     }
 
     /// [`PagedKv::available`].
