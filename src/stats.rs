@@ -150,6 +150,10 @@ pub struct PoolStats {
     /// Bytes of address space mapped read-only to the zero page (unbacked parts of
     /// zero-filled regions): no memory of their own, not in `mapped`.
     pub zero_aliased: u64,
+    /// Bytes of unbacked region space whose aliasing to the zero page failed (a driver error,
+    /// logged), summed over the pool's life: such a granule stays unmapped, so a kernel
+    /// reading it faults until it is mapped again. 0 in a healthy pool.
+    pub zero_alias_failed: u64,
 }
 
 impl PoolStats {

@@ -463,6 +463,7 @@ impl Inner {
             given_away: bytes_of(&st.given_away),
             peer_held: bytes_of(&st.peer_held),
             zero_page: st.zero.chunk.map_or(0, |c| c.size as u64),
+            zero_alias_failed: st.zero.failed,
             zero_aliased: st.zero.aliased(),
         }
     }

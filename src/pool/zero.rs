@@ -25,6 +25,9 @@ pub(crate) struct ZeroBook {
     pub(crate) chunk: Option<PhysicalChunk>,
     /// Aliased ranges (a part of `held`).
     ranges: Intervals,
+    /// Granule bytes whose aliasing failed (a driver error): left unmapped, so a read there
+    /// faults until the range is mapped again ([`crate::PoolStats::zero_alias_failed`]).
+    pub(crate) failed: u64,
 }
 
 impl ZeroBook {
@@ -222,6 +225,20 @@ impl Inner {
     /// # Safety
     /// `[offset, offset + gran)` is unmapped space claimed by the caller.
     unsafe fn map_zero_granule(&self, offset: u64, chunk: PhysicalChunk) -> Result<()> {
+        // SAFETY: forwarded.
+        let r = unsafe { self.try_map_zero_granule(offset, chunk) };
+        if r.is_err() {
+            let mut st = self.state.lock();
+            st.zero.failed = st.zero.failed.saturating_add(self.gran);
+        }
+        r
+    }
+
+    /// [`Self::map_zero_granule`] without the failure count.
+    ///
+    /// # Safety
+    /// As [`Self::map_zero_granule`].
+    unsafe fn try_map_zero_granule(&self, offset: u64, chunk: PhysicalChunk) -> Result<()> {
         let addr = self.base + offset;
         self.drivers.bump(DriverCall::Map);
         // SAFETY: forwarded; the zero chunk may be mapped at many places, read-only at each.
@@ -352,5 +369,48 @@ impl Inner {
         if let Err(e) = unsafe { self.call_release(c) } {
             tracing::error!(pool = %self.name, error = %e, "releasing the zero page failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::backend::host::HostBackend;
+    use crate::backend::testing::FaultInjector;
+    use crate::backend::DriverCall;
+    use crate::pool::{MemOptions, Pool, PoolConfig};
+    use crate::tag::Tag;
+
+    /// A granule whose aliasing back to the zero page fails is counted in the pool's stats
+    /// (it used to be only logged, so an engine could not tell that a read there faults).
+    #[test]
+    fn a_failed_alias_is_counted_in_the_stats() {
+        let faults = Arc::new(FaultInjector::new(Arc::new(
+            HostBackend::new(4096).expect("host backend"),
+        )));
+        let pool = Pool::new(faults.clone(), PoolConfig::new(4 * 8192)).expect("pool");
+        let region = pool
+            .reserve_region_with(8192, &MemOptions::new().tag(Tag::Kv).zeroed())
+            .expect("zeroed region");
+        region.map(0, 4096).expect("map granule 0");
+        assert_eq!(pool.stats().zero_alias_failed, 0);
+        faults.fail_nth(DriverCall::Map, 1);
+        region
+            .unmap(0, 4096)
+            .expect("the memory goes back even if the alias fails");
+        let s = pool.stats();
+        assert_eq!(s.zero_alias_failed, 4096, "the failed alias is visible");
+        assert_eq!(s.zero_aliased, 4096, "granule 1 alone is aliased");
+        pool.audit().expect("books agree");
+        // Mapping it again and unmapping without a fault aliases it again.
+        region.map(0, 4096).expect("map granule 0 again");
+        region.unmap(0, 4096).expect("unmap");
+        assert_eq!(pool.stats().zero_aliased, 8192);
+        assert_eq!(
+            pool.stats().zero_alias_failed,
+            4096,
+            "a count over the pool's life"
+        );
     }
 }
