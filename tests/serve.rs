@@ -213,6 +213,7 @@ fn engine(blocks: usize, max_batch: usize) -> Engine<CountingKv, Checked> {
         EngineConfig {
             max_batch,
             max_prefill_tokens: 4096,
+            max_context: 0,
         },
     )
 }
@@ -335,6 +336,7 @@ mod scheduler_tests {
             EngineConfig {
                 max_batch: 8,
                 max_prefill_tokens: 4096,
+                max_context: 0,
             },
         );
         e.submit(req(0, 20, 5));
@@ -406,7 +408,7 @@ mod end_to_end {
     }
 
     fn run(policy: Policy, t: &Trace) -> (RunSummary, bool) {
-        let (gpu, mut models) = host::cluster(host::HostSizes::tiny(3, 150)).unwrap();
+        let (gpu, mut models, _tier) = host::cluster(host::HostSizes::tiny(3, 150)).unwrap();
         let opts = RunOptions {
             drain_s: 20.0,
             sample_s: 0.25,
@@ -457,7 +459,8 @@ mod end_to_end {
             assert!(s.errors.is_empty(), "{:?}", s.errors);
         }
         let share = st.kv_budget / 3;
-        let base = (2 << 20) + (1 << 20);
+        let sizes = host::HostSizes::tiny(3, 150);
+        let base = sizes.weights + sizes.act_reserve;
         for m in &st.models {
             assert!(
                 m.peak_bytes <= base + share,
@@ -521,7 +524,7 @@ mod more_models_than_fit {
             resident: 2,
             ..host::HostSizes::tiny(4, 60)
         };
-        let (gpu, mut models) = host::cluster(sizes).unwrap();
+        let (gpu, mut models, _tier) = host::cluster(sizes).unwrap();
         let bases: u64 = models.iter().map(|m| m.base).sum();
         assert!(
             bases > gpu.global_limit(),
@@ -561,9 +564,7 @@ mod more_models_than_fit {
             m.handle.sleep(&sleep).unwrap();
         }
         for m in &models {
-            m.handle
-                .wake(elastic_vmm::AfterWake::KeepHostMemory)
-                .unwrap();
+            m.handle.wake(cluster::AFTER_WAKE).unwrap();
             assert!(
                 m.engine.model.weights_intact().unwrap(),
                 "{}",

@@ -27,9 +27,6 @@ use candle_nn::{Embedding, Init, Linear, VarBuilder};
 
 /// Tokens per KV block (vLLM's default).
 pub const BLOCK_TOKENS: usize = 16;
-/// Most tokens in one forward of a prefill: longer contexts (recomputed ones) go in pieces,
-/// which bounds the attention's `[heads, n, context]` scores.
-pub const PREFILL_CHUNK: usize = 2048;
 /// Positions the rotary tables cover (a longer context is an error naming it).
 pub const MAX_POSITION: usize = 32768;
 
