@@ -699,12 +699,11 @@ mod new_parts {
                 policy.name(),
                 a.timeline[0].1
             );
-            for (x, y) in [(&a.overall, &b.overall)] {
-                assert_eq!(x.finished, y.finished);
-                assert_eq!(x.ttft_p99, y.ttft_p99, "{}", policy.name());
-                assert_eq!(x.tpot_mean, y.tpot_mean, "{}", policy.name());
-                assert_eq!(x.peak_bytes, y.peak_bytes, "{}", policy.name());
-            }
+            let (x, y) = (&a.overall, &b.overall);
+            assert_eq!(x.finished, y.finished);
+            assert_eq!(x.ttft_p99, y.ttft_p99, "{}", policy.name());
+            assert_eq!(x.tpot_mean, y.tpot_mean, "{}", policy.name());
+            assert_eq!(x.peak_bytes, y.peak_bytes, "{}", policy.name());
         }
     }
 

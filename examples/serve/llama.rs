@@ -152,48 +152,22 @@ fn refusal(handle: &ModelHandle, e: String) -> String {
     }
 }
 
-/// A prefill's pieces: each sequence's new tokens in chunks of at most `chunk` tokens.
-fn prefill_pieces<'a>(seqs: &[SeqView<'a>], chunk: usize) -> Vec<Piece<'a>> {
-    let mut pieces = Vec::new();
-    for s in seqs {
-        let end = s.context as usize;
-        let mut at = end - (s.new_tokens as usize).min(end);
-        while at < end {
-            let len = (end - at).min(chunk);
-            pieces.push(Piece {
-                blocks: s.blocks,
-                start: at,
-                len,
-            });
-            at += len;
-        }
-    }
-    pieces
-}
-
 impl StepModel for LlamaModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        // Chunks packed into forwards of at most `chunk` tokens; a sequence's later chunk
-        // reads its earlier ones from the blocks (written by an earlier forward).
-        let pieces = prefill_pieces(seqs, self.chunk);
-        let chunk = self.chunk;
-        self.run(|m| {
-            let mut batch: Vec<Piece> = Vec::new();
-            let mut tokens = 0;
-            for p in pieces {
-                if tokens + p.len > chunk && !batch.is_empty() {
-                    m.llama.forward(&*m.kv, &batch)?;
-                    batch.clear();
-                    tokens = 0;
+        let pieces: Vec<Piece> = seqs
+            .iter()
+            .map(|s| {
+                let len = (s.new_tokens as usize).min(s.context as usize);
+                Piece {
+                    blocks: s.blocks,
+                    start: s.context as usize - len,
+                    len,
                 }
-                tokens += p.len;
-                batch.push(p);
-            }
-            if !batch.is_empty() {
-                m.llama.forward(&*m.kv, &batch)?;
-            }
-            Ok(())
-        })
+            })
+            .filter(|p| p.len > 0)
+            .collect();
+        let chunk = self.chunk;
+        self.run(|m| m.llama.prefill_chunked(&*m.kv, &pieces, chunk).map(|_| ()))
     }
 
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
