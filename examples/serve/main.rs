@@ -8,7 +8,9 @@
 //! serve [--sizes small,8b] [--duration S] [--drain S] [--points 0,1,2,3,4] [--loads-small R,..]
 //!       [--loads-8b R,..] [--policies static,elastic,sleep] [--models K] [--idle S]
 //!       [--kv-share-gib-small G] [--kv-share-gib-8b G] [--max-batch N] [--seed N] [--out DIR]
-//!       [--resident N]
+//!       [--resident N] [--budget-gib G] [--prefill-chunk N] [--max-context N] [--host-gib G]
+//! serve --sweep-models 3,4,6,8 [--slo S] [--burst-rate R] [--on S] [--off S] ...
+//!                        the sleep goal: the most models each policy serves at a p99-TTFT SLO
 //! serve --trace FILE ... the policies on one saved trace (a `traces/*.json` of an earlier run)
 //! serve --sim ...        the same on the host backend with simulated compute (no GPU)
 //! ```
@@ -22,29 +24,45 @@
 //! `$OUT/serve`, else `target/serve`), with the traces; SVGs of p99 TTFT against load per size
 //! and of memory per model over time (point 2, each policy) follow each size.
 //!
+//! Models are loaded one after the other, each warmed at once by the largest steps the engine
+//! runs (a prefill chunk of `--prefill-chunk` tokens at `--max-context`, a decode of
+//! `--max-batch` sequences at `--max-context`; longer requests are refused) and trimmed; its
+//! base is its weights and that peak of activations, with a margin. Every run starts from the
+//! same state: no KV, every awake model's idle and cached memory given back. Sleeps go through
+//! one host tier shared by all models (`Pool::host_tier`, at most `--host-gib`), not staging
+//! pinned per model. The table: TTFT p50/p99, TPOT p50 and token-weighted mean, tokens/s, mean
+//! decode batch, preemptions, refusals, OOM, peak and mean physical GiB, `held` GiB (use or
+//! guarantee, whichever is more: what the policy keeps from the others), driver calls and
+//! budget calls per step.
+//!
 //! Needs a CUDA GPU and the `candle-example` feature, except with `--sim`.
 //!
 //! On a GPU machine without Rust (`scripts/gpu-bundle.sh candle-example` puts `serve` in the
-//! bundle), in three commands of under 10 minutes each (wall times are estimates from the trace
-//! volume, not measured):
+//! bundle), in commands of under 9.5 minutes each (estimates from the H100 logs in
+//! `docs/results/serve`: a run takes about its trace and drain, less at low load):
 //!
 //! ```text
-//! ./serve --sizes small --points 0,1,2     # ~5 min: 3 small models, probe, 9 runs; prints
-//!                                          # the load points as --loads-small a,b,c,d,e
-//! ./serve --sizes small --points 3,4 --loads-small a,b,c,d,e   # ~7 min: 6 runs
-//! ./serve --sizes 8b                       # ~8 min: 3 x 16 GB models, staging, probe, 6 runs
+//! # small models, 60 s traces, five points x three policies, in three commands:
+//! ./serve --sizes small --points 0,1 --out $OUT/small        # ~7 min: probe, 6 runs; prints
+//!                                                             # --loads-small a,b,c,d,e
+//! ./serve --sizes small --points 2,3 --loads-small a,b,c,d,e --out $OUT/small   # ~7.5 min
+//! ./serve --sizes small --points 4 --loads-small a,b,c,d,e --out $OUT/small     # ~4 min
+//! # 8B-shaped, the knee and saturation (3 x 15 GiB of weights, 5 GiB of KV each under static):
+//! ./serve --sizes 8b --duration 50 --drain 10 --out $OUT/8b  # ~7 min: probe, 6 runs
+//! # the sleep goal, 8B-shaped: up to 8 models on a 74 GiB budget (static partitions it, sleep
+//! # offloads idle models to the host tier); bursts of 8 s at 0.5/s then 24 s idle per model:
+//! ./serve --sizes 8b --sweep-models 3,4,6,8 --resident 4 --budget-gib 74 \
+//!     --policies static,sleep --duration 48 --drain 10 --burst-rate 0.5 --slo 2 \
+//!     --max-batch 32 --out $OUT/models                        # ~8 min
 //! ```
 //!
-//! More models than fit (the sleep goal: models served at one p99-TTFT SLO): `--resident N`
-//! sizes the budget for N models (their bases and KV shares) while `--models` loads more; only
-//! `sleep` serves them (the models start asleep and wake on demand; the other policies report
-//! that they do not fit). Compare `--models N --policies static` against `--models 2N
-//! --resident N --policies sleep` at the same `--loads-small`:
-//!
-//! ```text
-//! ./serve --sizes small --models 3 --policies static --points 2 --loads-small a,b,c,d,e
-//! ./serve --sizes small --models 6 --resident 3 --policies sleep --points 2 --loads-small a,b,c,d,e
-//! ```
+//! The sweep (`--sweep-models`) loads the largest count, keeps `--resident` awake and the
+//! others asleep in the host tier, then for each policy serves the first n models for each n
+//! (ascending; the others asleep) with Prism-style traffic (each model bursts for `--on`
+//! seconds at `--burst-rate`, then idles `--off` seconds, the bursts spread over the cycle); a
+//! policy that misses the SLO (every request finished, no OOM, p99 TTFT within `--slo`) is not
+//! run at larger counts. It prints and saves (`<size>-models.txt`) the most models each policy
+//! served at the SLO and the ratio sleep/static (the goal: 2x).
 //!
 //! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
 //! saturation takes about the trace and its drain (60 + 15 s). `--duration` shortens them.
