@@ -391,6 +391,8 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             max_context,
         )
         .map_err(|err| format!("warming {id}: {err}"))?;
+        // The warm-up's KV block is no activation: its pages go back before the count.
+        kv.cache().trim();
         let st = handle.model_stats().ok_or("model gone")?;
         let peak_act = route::stats(&handle)
             .and_then(|r| r.tag(&Tag::Activations).map(|t| t.peak_bytes))
@@ -399,7 +401,6 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
         // the routed peak, whichever is more.
         let act = st.used.saturating_sub(weights).max(peak_act);
         let base = weights + act + act / 4;
-        kv.cache().trim();
         handle.trim().map_err(e)?;
         let after = handle.model_stats().map_or(0, |s| s.used);
         progress(&format!(
