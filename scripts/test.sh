@@ -127,7 +127,10 @@ print(exes[0] if exes else "")
   exit 1
 }
 "$serve" --sim --duration 20 --out "$tmp/serve" >/dev/null
-[[ -s "$tmp/serve/small-ttft-p99.svg" && -s "$tmp/serve/small-p4-sleep.json" ]] || {
+"$serve" --sim --duration 20 --sweep-models 2,3,4 --resident 2 --policies static,sleep \
+  --out "$tmp/serve" >/dev/null
+[[ -s "$tmp/serve/small-ttft-p99.svg" && -s "$tmp/serve/small-p4-sleep.json" \
+  && -s "$tmp/serve/small-models.txt" ]] || {
   echo "serve --sim wrote no summaries or plots to $tmp/serve" >&2
   exit 1
 }

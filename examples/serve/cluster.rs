@@ -18,6 +18,7 @@
 //!   offloaded to host memory, KV discarded, its guarantee dropped to 0); a request for it
 //!   wakes it, preempting other models' requests when its memory is held.
 
+use std::cell::Cell;
 use std::time::Instant;
 
 use elastic_vmm::kv::PagedKv;
@@ -69,6 +70,8 @@ pub trait BlockStore {
     /// (the cache hands out blocks on pages mapped already first). More once freed blocks
     /// scatter the live ones over more pages.
     fn bytes_for(&self, blocks: usize) -> u64;
+    /// Give warm blocks (freed, kept mapped for reuse) back to the pool.
+    fn trim(&self);
 }
 
 /// [`BlockStore::bytes_for`] of a [`PagedKv`]: a group of `page / span` blocks (at least one)
@@ -102,6 +105,9 @@ impl BlockStore for PagedKv {
     }
     fn bytes_for(&self, blocks: usize) -> u64 {
         paged_bytes_for(self, blocks)
+    }
+    fn trim(&self) {
+        PagedKv::trim(self);
     }
 }
 
@@ -158,6 +164,10 @@ pub struct PoolKv<S: BlockStore> {
     pub base: u64,
     /// Whether its guarantee follows its KV (elastic policies).
     pub reserve: bool,
+    /// The guarantee it set last (`u64::MAX`: not known, set by someone else since).
+    guaranteed: Cell<u64>,
+    /// Calls into the shared pool's budget (guarantee changes) it made.
+    pub budget_calls: Cell<u64>,
 }
 
 impl<S: BlockStore> PoolKv<S> {
@@ -183,20 +193,35 @@ impl<S: BlockStore> PoolKv<S> {
             release_errors: 0,
             base: 0,
             reserve: false,
+            guaranteed: Cell::new(u64::MAX),
+            budget_calls: Cell::new(0),
         }
+    }
+
+    /// The model's guarantee was set elsewhere (policy change, sleep, wake): the next change
+    /// goes to the budget even if it looks like the last one made here.
+    pub fn forget_guarantee(&self) {
+        self.guaranteed.set(u64::MAX);
     }
 
     fn kv_bytes(&self, blocks: usize) -> u64 {
         self.store.bytes_for(blocks)
     }
 
-    /// Set the model's guarantee to its base and `blocks` of KV.
+    /// Set the model's guarantee to its base and `blocks` of KV. Only a change goes to the
+    /// budget: blocks share pages, so most allocations and frees leave the bytes as they were
+    /// (a budget call per block would be the elastic policy's overhead on the token path).
     fn guarantee(&self, blocks: usize) -> Result<(), String> {
         let g = self.base + self.kv_bytes(blocks);
+        if g == self.guaranteed.get() {
+            return Ok(());
+        }
+        self.budget_calls.set(self.budget_calls.get() + 1);
+        self.guaranteed.set(u64::MAX);
         self.model
             .shared()
             .set_guarantee(self.model.id(), g)
-            .map(|_| ())
+            .map(|_| self.guaranteed.set(g))
             .map_err(|e| e.to_string())
     }
 
@@ -322,6 +347,10 @@ pub struct ModelSummary {
     pub tpot_p50: f64,
     /// TPOT 99th percentile.
     pub tpot_p99: f64,
+    /// Mean time per output token, weighted by tokens: all finished requests' decode time
+    /// over their decoded tokens (steadier than a median over few requests).
+    #[serde(default)]
+    pub tpot_mean: f64,
     /// Output tokens per second of the run.
     pub throughput: f64,
     /// Preemptions.
@@ -332,6 +361,24 @@ pub struct ModelSummary {
     pub peak_bytes: u64,
     /// Mean physical bytes (time-weighted samples).
     pub mean_bytes: f64,
+    /// Mean bytes the policy holds for the model (time-weighted): the most of its physical
+    /// use and its guarantee (memory no other model can have meanwhile; a static partition
+    /// holds all of it).
+    #[serde(default)]
+    pub mean_held_bytes: f64,
+    /// Steps run (prefill and decode).
+    #[serde(default)]
+    pub steps: u64,
+    /// Sequences in decode steps over decode steps (mean decode batch).
+    #[serde(default)]
+    pub decode_batch: f64,
+    /// Driver calls the model's pool made during the run (mappings, releases; sleeps and
+    /// wakes included).
+    #[serde(default)]
+    pub driver_calls: u64,
+    /// Calls into the shared budget its KV made (guarantee changes).
+    #[serde(default)]
+    pub budget_calls: u64,
     /// Sleeps, wakes and seconds spent waking.
     pub sleeps: u64,
     /// Wakes.
@@ -382,6 +429,11 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 struct Tally {
     ttft: Vec<f64>,
     tpot: Vec<f64>,
+    decode_s: f64,
+    decoded: u64,
+    held_integral: f64,
+    driver_calls: u64,
+    budget_calls: u64,
     requests: u64,
     unfinished: u64,
     counters: EngineCounters,
@@ -411,17 +463,35 @@ impl Tally {
             ttft_mean,
             tpot_p50: percentile(&mut self.tpot, 0.5),
             tpot_p99: percentile(&mut self.tpot, 0.99),
+            tpot_mean: if self.decoded > 0 {
+                self.decode_s / self.decoded as f64
+            } else {
+                f64::NAN
+            },
             throughput: self.counters.tokens as f64 / span.max(1e-9),
             preemptions: self.counters.preemptions,
             oom: self.counters.oom,
             peak_bytes: self.peak,
             mean_bytes: self.mem_integral / span.max(1e-9),
+            mean_held_bytes: self.held_integral / span.max(1e-9),
+            steps: self.counters.prefills + self.counters.decodes,
+            decode_batch: if self.counters.decodes > 0 {
+                self.counters.decode_seqs as f64 / self.counters.decodes as f64
+            } else {
+                0.0
+            },
+            driver_calls: self.driver_calls,
+            budget_calls: self.budget_calls,
             sleeps: self.sleeps,
             wakes: self.wakes,
             wake_s: self.wake_s,
         }
     }
 }
+
+/// After a wake the host copy goes back to where it came from (the shared host tier's cache,
+/// where the next model's sleep finds it): host memory is held only for the models asleep.
+pub const AFTER_WAKE: AfterWake = AfterWake::FreeHostMemory;
 
 /// The sleep policy: weights and activations offloaded, KV discarded.
 pub fn sleep_policy() -> SleepPolicy {
@@ -437,6 +507,7 @@ fn put_to_sleep<S: BlockStore, M: StepModel>(
 ) -> Result<f64, String> {
     sync()?;
     let t = Instant::now();
+    m.engine.kv.forget_guarantee();
     gpu.set_guarantee(m.handle.id(), 0)
         .map_err(|e| e.to_string())?;
     m.handle
@@ -448,7 +519,8 @@ fn put_to_sleep<S: BlockStore, M: StepModel>(
 /// Set every model's limit, guarantee and KV cap for `policy` under `budget` bytes, and its
 /// starting state: `static` and `elastic` keep every model resident (an error if their weights
 /// and activations do not fit); `sleep` starts with every model awake when they all fit, else
-/// with every model asleep (more models than fit: they wake on demand). Returns the KV budget
+/// with the first models whose bases leave a quarter of the budget awake and the others
+/// asleep (more models than fit: they wake on demand). Returns the KV budget
 /// (what the resident models' bases leave).
 pub fn apply_policy<S: BlockStore, M: StepModel>(
     gpu: &SharedPool,
@@ -461,8 +533,25 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
     let bases: u64 = models.iter().map(|m| m.base).sum();
     // Lower every guarantee first (a raised guarantee must fit beside the others').
     for m in models.iter() {
+        m.engine.kv.forget_guarantee();
         gpu.set_guarantee(m.handle.id(), 0)
             .map_err(|e| e.to_string())?;
+    }
+    // Every run starts from the same state: no KV (the last run abandoned its requests), no
+    // warm KV blocks, no idle or cached memory left mapped by warm-up or an earlier run.
+    sync()?;
+    for m in models.iter().filter(|m| !m.handle.is_asleep()) {
+        if m.engine.kv.used() != 0 {
+            return Err(format!(
+                "{} starts a run holding {} KV blocks",
+                m.handle.id(),
+                m.engine.kv.used()
+            ));
+        }
+        m.engine.kv.store.trim();
+        m.handle
+            .trim()
+            .map_err(|e| format!("trim {}: {e}", m.handle.id()))?;
     }
     let resident = bases <= budget;
     if !resident && !matches!(policy, Policy::Sleep { .. }) {
@@ -471,13 +560,31 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
             policy.name()
         ));
     }
-    for m in models.iter() {
-        if resident && m.handle.is_asleep() {
-            m.handle
-                .wake(AfterWake::KeepHostMemory)
-                .map_err(|e| format!("wake {}: {e}", m.handle.id()))?;
-        } else if !resident && !m.handle.is_asleep() {
+    // Awake at the start: every model when all fit; else (sleep) the first ones whose bases
+    // leave a quarter of the budget for KV, the others asleep (host memory is held only for
+    // those; they wake on demand).
+    let mut awake_bases = 0u64;
+    let awake: Vec<bool> = models
+        .iter()
+        .map(|m| {
+            let a = resident || awake_bases + m.base <= budget - budget / 4;
+            if a {
+                awake_bases += m.base;
+            }
+            a
+        })
+        .collect();
+    // Sleeps first: they make the room the wakes need.
+    for (m, _) in models.iter().zip(&awake).filter(|(_, a)| !**a) {
+        if !m.handle.is_asleep() {
             put_to_sleep(gpu, m, sync)?;
+        }
+    }
+    for (m, _) in models.iter().zip(&awake).filter(|(_, a)| **a) {
+        if m.handle.is_asleep() {
+            m.handle
+                .wake(AFTER_WAKE)
+                .map_err(|e| format!("wake {}: {e}", m.handle.id()))?;
         }
     }
     let kv = budget.saturating_sub(if resident { bases } else { 0 });
@@ -543,11 +650,24 @@ pub fn run<S: BlockStore, M: StepModel>(
     let mut last_sample = f64::NEG_INFINITY;
     let mut sample_t = 0.0f64;
     let mut failures = 0u32;
-    let sample = |models: &[Served<S, M>]| -> Vec<u64> {
+    let driver0: Vec<_> = models
+        .iter()
+        .map(|m| m.handle.stats().driver_calls)
+        .collect();
+    let budget0: Vec<u64> = models
+        .iter()
+        .map(|m| m.engine.kv.budget_calls.get())
+        .collect();
+    // Per model: physical use, and what the policy holds for it (use or guarantee).
+    let sample = |models: &[Served<S, M>]| -> (Vec<u64>, Vec<u64>) {
         models
             .iter()
-            .map(|m| m.handle.model_stats().map_or(0, |s| s.used))
-            .collect()
+            .map(|m| {
+                m.handle
+                    .model_stats()
+                    .map_or((0, 0), |s| (s.used, s.used.max(s.guarantee)))
+            })
+            .unzip()
     };
     'run: loop {
         // Arrivals up to now (a sleeping model with requests wakes below).
@@ -575,7 +695,6 @@ pub fn run<S: BlockStore, M: StepModel>(
                     opts.budget,
                     sync,
                     &mut tally,
-                    &mut errors,
                 )?;
                 now += t.elapsed().as_secs_f64();
                 if woke {
@@ -641,6 +760,8 @@ pub fn run<S: BlockStore, M: StepModel>(
                         tally[i]
                             .tpot
                             .push((f.done - f.first_token) / (f.req.output - 1) as f64);
+                        tally[i].decode_s += f.done - f.first_token;
+                        tally[i].decoded += (f.req.output - 1) as u64;
                     }
                 }
                 break;
@@ -658,14 +779,15 @@ pub fn run<S: BlockStore, M: StepModel>(
         }
         // Memory samples (time-weighted mean, peak).
         if now - last_sample >= opts.sample_s || !progressed {
-            let used = sample(models);
+            let (used, held) = sample(models);
             let dt = if last_sample.is_finite() {
                 now - sample_t
             } else {
                 0.0
             };
-            for (t, &u) in tally.iter_mut().zip(&used) {
+            for ((t, &u), &h) in tally.iter_mut().zip(&used).zip(&held) {
                 t.mem_integral += u as f64 * dt;
+                t.held_integral += h as f64 * dt;
             }
             sample_t = now;
             last_sample = now;
@@ -745,6 +867,13 @@ pub fn run<S: BlockStore, M: StepModel>(
     for i in 0..k {
         tally[i].unfinished += models[i].engine.abandon() as u64;
         tally[i].counters = models[i].engine.counters;
+        tally[i].driver_calls = models[i]
+            .handle
+            .stats()
+            .driver_calls
+            .since(&driver0[i])
+            .total();
+        tally[i].budget_calls = models[i].engine.kv.budget_calls.get() - budget0[i];
         models[i].engine.counters = EngineCounters::default();
         models[i].engine.refused.clear();
         models[i].engine.kv.admit_cap = full_cap[i];
@@ -762,6 +891,14 @@ pub fn run<S: BlockStore, M: StepModel>(
         all.counters.tokens += t.counters.tokens;
         all.counters.preemptions += t.counters.preemptions;
         all.counters.oom += t.counters.oom;
+        all.counters.prefills += t.counters.prefills;
+        all.counters.decodes += t.counters.decodes;
+        all.counters.decode_seqs += t.counters.decode_seqs;
+        all.decode_s += t.decode_s;
+        all.decoded += t.decoded;
+        all.held_integral += t.held_integral;
+        all.driver_calls += t.driver_calls;
+        all.budget_calls += t.budget_calls;
         all.peak += t.peak;
         all.mem_integral += t.mem_integral;
         all.sleeps += t.sleeps;
@@ -799,10 +936,9 @@ fn wake<S: BlockStore, M: StepModel>(
     budget: u64,
     sync: &dyn Fn() -> Result<(), String>,
     tally: &mut [Tally],
-    errors: &mut Vec<String>,
 ) -> Result<bool, String> {
     loop {
-        let e = match models[i].handle.wake(AfterWake::KeepHostMemory) {
+        let e = match models[i].handle.wake(AFTER_WAKE) {
             Ok(_) => break,
             Err(e) => e,
         };
@@ -829,18 +965,134 @@ fn wake<S: BlockStore, M: StepModel>(
         }
     }
     asleep[i] = false;
+    models[i].engine.kv.forget_guarantee();
     // Its guarantee back: room for its activations.
     let id = models[i].handle.id().to_string();
     while let Err(e) = gpu.set_guarantee(&id, models[i].guarantee) {
+        // An idle model's base first (it sleeps), then other models' KV (preempted).
+        let idle = (0..models.len())
+            .filter(|&j| j != i && !asleep[j] && !models[j].engine.has_work())
+            .min_by(|&a, &b| last_active[a].total_cmp(&last_active[b]));
+        if let Some(j) = idle {
+            put_to_sleep(gpu, &models[j], sync)?;
+            asleep[j] = true;
+            tally[j].sleeps += 1;
+            continue;
+        }
         let victim = (0..models.len())
             .filter(|&j| j != i && !asleep[j])
             .max_by_key(|&j| models[j].engine.kv.used());
         if !victim.is_some_and(|j| models[j].engine.preempt_one()) {
-            if errors.len() < 8 {
-                errors.push(format!("guarantee of {id} after wake: {e}"));
-            }
-            break;
+            // No room for its activations beside the awake models' (waiting ones hold their
+            // bases): back to sleep, woken again after the next step.
+            tracing::debug!(model = %id, error = %e, "no room for the base after waking");
+            put_to_sleep(gpu, &models[i], sync)?;
+            asleep[i] = true;
+            return Ok(false);
         }
     }
     Ok(true)
+}
+
+/// Whether a run served its trace at a p99-TTFT SLO of `slo_s` seconds: every request
+/// finished (none refused or left unfinished), no out-of-memory, no error, p99 TTFT within it.
+pub fn meets_slo(s: &RunSummary, slo_s: f64) -> bool {
+    let o = &s.overall;
+    o.requests > 0
+        && o.finished == o.requests
+        && o.oom == 0
+        && s.errors.is_empty()
+        && o.ttft_p99 <= slo_s
+}
+
+/// One run of a model-count sweep.
+#[derive(Debug, Clone)]
+pub struct SweepPoint {
+    /// Models served.
+    pub models: usize,
+    /// Policy.
+    pub policy: Policy,
+    /// Its summary (`None`: the policy could not run that many models, or was skipped).
+    pub summary: Option<RunSummary>,
+    /// Why there is no summary.
+    pub error: Option<String>,
+    /// Whether it met the SLO.
+    pub meets: bool,
+}
+
+/// The sleep goal's experiment: for each policy, serve the first `n` models for each `n` of
+/// `counts` (ascending) with `trace_for(n)`, the other models asleep (they hold no device
+/// memory); a policy that misses the SLO at one count is not run at larger ones (recorded as
+/// skipped). `on_point` sees each point as it finishes (print it, save it). Returns every
+/// point; [`served_at_slo`] reads off the largest count each policy served.
+#[allow(clippy::too_many_arguments)]
+pub fn model_sweep<S: BlockStore, M: StepModel>(
+    gpu: &SharedPool,
+    models: &mut [Served<S, M>],
+    counts: &[usize],
+    policies: &[Policy],
+    trace_for: &dyn Fn(usize) -> Result<Trace, String>,
+    slo_s: f64,
+    label: &str,
+    opts: RunOptions,
+    sync: &dyn Fn() -> Result<(), String>,
+    on_point: &mut dyn FnMut(&SweepPoint) -> Result<(), String>,
+) -> Result<Vec<SweepPoint>, String> {
+    let mut counts = counts.to_vec();
+    counts.sort_unstable();
+    counts.dedup();
+    if let Some(&n) = counts.iter().find(|&&n| n == 0 || n > models.len()) {
+        return Err(format!(
+            "a sweep over {n} models: between 1 and the {} loaded",
+            models.len()
+        ));
+    }
+    let mut points = Vec::new();
+    for &policy in policies {
+        let mut missed = false;
+        for &n in &counts {
+            let mut p = SweepPoint {
+                models: n,
+                policy,
+                summary: None,
+                error: None,
+                meets: false,
+            };
+            if missed {
+                p.error = Some("skipped: missed the SLO with fewer models".into());
+            } else {
+                // Models outside this point hold nothing on the device.
+                for m in models[n..].iter().filter(|m| !m.handle.is_asleep()) {
+                    put_to_sleep(gpu, m, sync)?;
+                }
+                let trace = trace_for(n)?;
+                let name = format!("{label}-x{n}");
+                match run(gpu, &mut models[..n], &trace, policy, &name, opts, sync) {
+                    Ok(s) => {
+                        p.meets = meets_slo(&s, slo_s);
+                        p.summary = Some(s);
+                    }
+                    Err(e) => p.error = Some(e),
+                }
+                missed = !p.meets;
+            }
+            on_point(&p)?;
+            points.push(p);
+        }
+    }
+    Ok(points)
+}
+
+/// The most models each policy served at the SLO (0: none), in the order the policies first
+/// appear in `points`.
+pub fn served_at_slo(points: &[SweepPoint]) -> Vec<(Policy, usize)> {
+    let mut out: Vec<(Policy, usize)> = Vec::new();
+    for p in points {
+        let n = if p.meets { p.models } else { 0 };
+        match out.iter_mut().find(|(q, _)| q.name() == p.policy.name()) {
+            Some((_, best)) => *best = (*best).max(n),
+            None => out.push((p.policy, n)),
+        }
+    }
+    out
 }

@@ -56,6 +56,9 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Most prompt tokens in one prefill step (a single longer prompt still goes alone).
     pub max_prefill_tokens: u32,
+    /// Longest context (prompt and output) the model was sized for (its warm-up ran a step of
+    /// this context): a longer request is refused. 0: no limit.
+    pub max_context: u32,
 }
 
 /// A request's fate, for the metrics.
@@ -101,6 +104,8 @@ pub struct EngineCounters {
     pub oom: u64,
     /// Tokens generated (recomputed ones not counted again).
     pub tokens: u64,
+    /// Sequences over all decode steps (their mean batch is this over `decodes`).
+    pub decode_seqs: u64,
 }
 
 /// One model's engine.
@@ -160,8 +165,11 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
 
     /// Queue a request.
     pub fn submit(&mut self, req: Request) {
-        // Its whole context (prompt and output) must fit the model's largest possible share.
-        if blocks_for(req.prompt + req.output, self.kv.block_tokens()) > self.kv.capacity() {
+        // Its whole context (prompt and output) must fit the model's largest possible share
+        // and the context the model was sized for.
+        let context = req.prompt + req.output;
+        let too_long = self.config.max_context > 0 && context > self.config.max_context;
+        if too_long || blocks_for(context, self.kv.block_tokens()) > self.kv.capacity() {
             self.counters.refused += 1;
             self.refused.push(req);
             return;
@@ -322,6 +330,7 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
             s.generated += 1;
         }
         self.counters.tokens += self.running.len() as u64;
+        self.counters.decode_seqs += self.running.len() as u64;
         self.retire(now + dt);
         dt
     }

@@ -1,13 +1,16 @@
 //! The benchmark on the host backend: models whose weights, activations and KV blocks are real
 //! memory of one shared pool (memfd chunks), compute modelled by [`SimCost`]. Used by the host
-//! tests and by `serve --sim` (the whole sweep without a GPU, to check the driver).
+//! tests and by `serve --sim` (the whole sweep without a GPU, to check the driver). Sleeps go
+//! through one host tier all models share (page-locked host memory: `HostBackend::locked`, as
+//! `Pool::host_tier` falls back to), as on the GPU.
 
 use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::kv::{KvLayout, PagedKv, PagedKvConfig};
 use elastic_vmm::{
-    Allocation, MemOptions, ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag,
+    Allocation, MemOptions, ModelConfig, ModelHandle, Pool, PoolConfig, SharedPool,
+    SharedPoolConfig, Tag,
 };
 
 use crate::cluster::{paged_block_bytes, PoolKv, Served};
@@ -87,12 +90,14 @@ pub struct HostSizes {
 }
 
 impl HostSizes {
-    /// Small enough for CI: 64 KiB granules of 16 tokens, 2 MiB of weights per model.
+    /// Small enough for CI: 64 KiB granules of 16 tokens, 1 MiB of weights per model (a
+    /// sleeping model's copy is page-locked host memory: a few of them stay under an 8 MiB
+    /// `RLIMIT_MEMLOCK`).
     pub fn tiny(models: usize, kv_blocks: u64) -> Self {
         HostSizes {
             models,
             resident: models,
-            weights: 2 << 20,
+            weights: 1 << 20,
             act_bytes_per_token: 256,
             act_reserve: 1 << 20,
             kv_blocks,
@@ -101,6 +106,7 @@ impl HostSizes {
             engine: EngineConfig {
                 max_batch: 32,
                 max_prefill_tokens: 2048,
+                max_context: 4096,
             },
             cost: SimCost::small(),
         }
@@ -143,14 +149,28 @@ pub fn kv_config(
     .layout(KvLayout::Contiguous))
 }
 
-/// A shared pool on the host backend with `sizes.models` simulated models loaded.
-pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String> {
+/// A shared host tier of page-locked host memory (granules of `granularity` bytes, at most
+/// `capacity` bytes) for models' sleeps.
+pub fn host_tier(granularity: u64, capacity: u64) -> Result<Pool, String> {
+    let e = |e: elastic_vmm::Error| e.to_string();
+    let backend = HostBackend::locked(granularity as usize).map_err(e)?;
+    Pool::new(
+        Arc::new(backend),
+        PoolConfig::new(capacity as usize).name("host-tier"),
+    )
+    .map_err(e)
+}
+
+/// A shared pool on the host backend with `sizes.models` simulated models loaded, their
+/// sleeps staged through the returned host tier.
+pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>, Pool), String> {
     let e = |e: elastic_vmm::Error| e.to_string();
     let g = sizes.granularity;
     let base = sizes.weights + sizes.act_reserve;
     let budget = base * sizes.resident as u64 + sizes.kv_blocks * g;
     let backend = Arc::new(HostBackend::new(g as usize).map_err(e)?);
     let gpu = SharedPool::new(backend, SharedPoolConfig::new().global_limit(budget)).map_err(e)?;
+    let tier = host_tier(g, base * sizes.models as u64 + (16 << 20))?;
     let mut models = Vec::new();
     for i in 0..sizes.models {
         let id = format!("sim-{i}");
@@ -158,6 +178,7 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
         let handle = gpu
             .register(ModelConfig::new(&id, virt, budget))
             .map_err(e)?;
+        handle.stage_through(Some(tier.clone())).map_err(e)?;
         let mut weights = handle
             .allocate_with(sizes.weights as usize, &MemOptions::new().tag(Tag::Weights))
             .map_err(e)?;
@@ -196,5 +217,5 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>), String
             guarantee: 0,
         });
     }
-    Ok((gpu, models))
+    Ok((gpu, models, tier))
 }

@@ -7,8 +7,17 @@
 //! A step runs real kernels over real shapes, as a paged-attention engine does (see
 //! `paged_llama.rs`): projections and MLP batched over every token of the step, each token's K
 //! and V written into its sequence's blocks, attention over each sequence's blocks gathered by
-//! its block table (a decode step in one batch). A prefill goes in forwards of at most [`PREFILL_CHUNK`] tokens (a longer
-//! context, e.g. a recomputed one, in pieces; a piece reads the earlier ones from the blocks).
+//! its block table (a decode step in one batch). A prefill is chunked: forwards of at most
+//! `prefill_chunk` tokens (`--prefill-chunk`), each writing its tokens' K and V into the
+//! sequence's blocks and attending over the cache so far (a later chunk reads the earlier ones
+//! from the blocks), so a prefill's activations are bounded by the chunk, not the prompt.
+//!
+//! Each model is warmed, right after it is loaded, by the largest steps the engine can run: a
+//! prefill chunk at the longest context and a decode of the largest batch all at the longest
+//! context (block tables repeating one block, so no KV is needed for it); its base (weights
+//! and the activations' peak, with a margin) is what it then held, and everything idle goes
+//! back before the next model loads. Models beyond the resident count sleep at once, through
+//! the host tier all models share ([`elastic_vmm::Pool::host_tier`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -20,11 +29,10 @@ use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::candle::{PagedKvTensors, TensorPool};
 use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::route;
-use elastic_vmm::{ModelConfig, ModelHandle, SharedPool, SharedPoolConfig, Tag};
+use elastic_vmm::{ModelConfig, ModelHandle, Pool, PoolConfig, SharedPool, SharedPoolConfig, Tag};
 
 use crate::cluster::{paged_block_bytes, paged_bytes_for, BlockStore, PoolKv, Served};
 use crate::engine::{Engine, EngineConfig, SeqView, StepModel};
-pub use crate::paged_llama::PREFILL_CHUNK;
 use crate::paged_llama::{LayerCache, LlamaShape, PagedLlama, Piece, BLOCK_TOKENS};
 
 const DTYPE: DType = DType::BF16;
@@ -120,6 +128,8 @@ pub struct LlamaModel {
     llama: PagedLlama,
     kv: Arc<PagedKvTensors>,
     device: Device,
+    /// Most tokens in one forward of a prefill.
+    chunk: usize,
 }
 
 impl LlamaModel {
@@ -128,47 +138,36 @@ impl LlamaModel {
         let handle = self.handle.clone();
         route::with_route(&handle, Tag::Activations, || f(self))
             .map_err(|e| format!("route: {e}"))?
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| refusal(&handle, e.to_string()))?;
         self.device.synchronize().map_err(|e| e.to_string())?;
         Ok(t.elapsed().as_secs_f64())
     }
 }
 
+/// `e` with the last refusal of routing (the numbers of an out-of-memory) when there was one.
+fn refusal(handle: &ModelHandle, e: String) -> String {
+    match route::last_refusal() {
+        Some(r) if r.model == handle.id() => format!("{e} ({r})"),
+        _ => e,
+    }
+}
+
 impl StepModel for LlamaModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        // Pieces of at most PREFILL_CHUNK tokens, packed into forwards of at most that many;
-        // a sequence's later piece reads its earlier ones from the blocks (written first).
-        let mut pieces = Vec::new();
-        for s in seqs {
-            let end = s.context as usize;
-            let mut at = end - (s.new_tokens as usize).min(end);
-            while at < end {
-                let len = (end - at).min(PREFILL_CHUNK);
-                pieces.push(Piece {
+        let pieces: Vec<Piece> = seqs
+            .iter()
+            .map(|s| {
+                let len = (s.new_tokens as usize).min(s.context as usize);
+                Piece {
                     blocks: s.blocks,
-                    start: at,
+                    start: s.context as usize - len,
                     len,
-                });
-                at += len;
-            }
-        }
-        self.run(|m| {
-            let mut batch: Vec<Piece> = Vec::new();
-            let mut tokens = 0;
-            for p in pieces {
-                if tokens + p.len > PREFILL_CHUNK && !batch.is_empty() {
-                    m.llama.forward(&*m.kv, &batch)?;
-                    batch.clear();
-                    tokens = 0;
                 }
-                tokens += p.len;
-                batch.push(p);
-            }
-            if !batch.is_empty() {
-                m.llama.forward(&*m.kv, &batch)?;
-            }
-            Ok(())
-        })
+            })
+            .filter(|p| p.len > 0)
+            .collect();
+        let chunk = self.chunk;
+        self.run(|m| m.llama.prefill_chunked(&*m.kv, &pieces, chunk).map(|_| ()))
     }
 
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
@@ -204,6 +203,9 @@ impl BlockStore for Arc<PagedKvTensors> {
     fn bytes_for(&self, blocks: usize) -> u64 {
         paged_bytes_for(self.cache(), blocks)
     }
+    fn trim(&self) {
+        self.cache().trim();
+    }
 }
 
 /// The cluster's models on the GPU.
@@ -216,16 +218,22 @@ pub struct GpuSizes {
     pub size: Size,
     /// Models.
     pub models: usize,
-    /// Models the budget holds (bases and KV shares); fewer than `models` is the sleep
-    /// policy's case (the models start asleep and wake on demand).
+    /// Models the budget holds (bases and KV shares) and that stay awake after loading;
+    /// the others sleep as soon as they are warm (only the sleep policy serves more models
+    /// than fit).
     pub resident: usize,
-    /// KV bytes per model under `static` (the budget is the models' bases plus K of these).
+    /// KV bytes per model under `static` (the budget is the resident models' bases plus this
+    /// many KV bytes each, unless `budget` says otherwise).
     pub kv_share: u64,
-    /// Engine limits.
+    /// The budget all models share (bytes), instead of the one `kv_share` makes.
+    pub budget: Option<u64>,
+    /// Engine limits (`max_batch` and `max_context` size the warm-up).
     pub engine: EngineConfig,
-    /// Pin host memory for each model's sleeps ahead (pinning costs about 0.6 s per GiB: off
-    /// the sleep path, which the runs time).
-    pub staging: bool,
+    /// Most tokens in one forward of a prefill.
+    pub prefill_chunk: usize,
+    /// Stage sleeps through one host tier of at most this many bytes, shared by all models
+    /// (`None`: no sleep expected; a sleep would pin staging of its own).
+    pub host_tier: Option<u64>,
 }
 
 /// Tensor pools outlive nothing they serve: kept beside the cluster.
@@ -240,12 +248,51 @@ pub struct GpuCluster {
     pub device: Device,
     /// The budget the models share.
     pub budget: u64,
+    /// The host tier the models' sleeps go through.
+    pub tier: Option<Pool>,
     _ballast: ModelHandle,
 }
 
-/// Load `sizes.models` models with random weights on GPU 0, warm each (one prefill of the
-/// longest step and one decode of the largest batch), and size the budget: every model's base
-/// (weights and warm activations, with a margin) plus `kv_share` per model.
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Run the largest steps `model` can be asked for: one prefill forward of `chunk` tokens at
+/// the longest context, one decode of `max_batch` sequences all at the longest context. The
+/// block tables repeat one real block (attention reads `context` keys through them; the
+/// writes land in that block), so the warm-up needs no KV beyond it.
+fn warm(
+    model: &mut LlamaModel,
+    store: &Arc<PagedKvTensors>,
+    chunk: usize,
+    max_batch: usize,
+    max_context: usize,
+) -> Result<(), String> {
+    let block = BlockStore::alloc(store, 1)?;
+    let table = vec![block[0]; max_context.div_ceil(BLOCK_TOKENS)];
+    let context = max_context as u32;
+    let r = (|| {
+        model.prefill(&[SeqView {
+            blocks: &table,
+            new_tokens: chunk.min(max_context) as u32,
+            context,
+        }])?;
+        let seqs: Vec<SeqView> = (0..max_batch)
+            .map(|_| SeqView {
+                blocks: &table,
+                new_tokens: 1,
+                context,
+            })
+            .collect();
+        model.decode(&seqs).map(|_| ())
+    })();
+    BlockStore::free(store, &block)?;
+    r
+}
+
+/// Load `sizes.models` models with random weights on GPU 0, one after the other: each is
+/// loaded, warmed by the largest steps the engine runs, its base measured (weights and the
+/// activations' peak, a quarter of the activations more as margin), its idle memory given
+/// back; models beyond `sizes.resident` then sleep through the shared host tier. The budget
+/// is `sizes.budget`, else the resident models' bases plus `kv_share` each.
 pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, String> {
     let e = |e: elastic_vmm::Error| e.to_string();
     let ce = |e: candle_core::Error| e.to_string();
@@ -254,8 +301,33 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
     // The budget is set once the bases are known; until then the device's free memory.
     let gpu = SharedPool::new(backend, SharedPoolConfig::new()).map_err(e)?;
     let device_budget = gpu.global_limit();
+    let tier = match sizes.host_tier {
+        Some(bytes) => {
+            let t =
+                Pool::host_tier(0, PoolConfig::new(bytes as usize).name("host-tier")).map_err(e)?;
+            progress(&format!(
+                "host tier of up to {:.0} GiB for the models' sleeps: {}",
+                bytes as f64 / GIB,
+                t.backend_info().device_name
+            ));
+            Some(t)
+        }
+        None => None,
+    };
     let cfg = sizes.size.config();
-    let mut loaded = Vec::new();
+    let per_block =
+        (2 * cfg.layers * BLOCK_TOKENS * cfg.kv_heads * cfg.head_dim() * DTYPE.size_in_bytes())
+            as u64;
+    // Room for every policy: a model may hold all the KV the budget has (address space only
+    // until blocks are allocated).
+    let kv_room = sizes.budget.unwrap_or(sizes.kv_share * sizes.models as u64);
+    let max_blocks = (kv_room / per_block) as usize + 1;
+    let max_context = sizes.engine.max_context as usize;
+    if max_context == 0 {
+        return Err("the engine's max_context sizes the warm-up: it must be set".into());
+    }
+    let mut models = Vec::new();
+    let mut tensor_pools = Vec::new();
     for i in 0..sizes.models {
         let t = Instant::now();
         let id = format!("{}-{i}", sizes.size.name());
@@ -266,28 +338,27 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
                 device_budget,
             ))
             .map_err(e)?;
+        if let Some(tier) = &tier {
+            handle.stage_through(Some(tier.clone())).map_err(e)?;
+        }
         let llama = route::with_route(&handle, Tag::Weights, || {
             let vb = VarBuilder::from_backend(Box::new(RandomWeights), DTYPE, device.clone());
             PagedLlama::load(cfg, vb)
         })
         .map_err(e)?
-        .map_err(ce)?;
+        .map_err(|err| refusal(&handle, format!("loading {id}: {err}")))?;
         device.synchronize().map_err(ce)?;
         // The f32 draws the weights were converted from go back to the device.
         handle.trim().map_err(e)?;
-        let weights = handle.model_stats().map_or(0, |s| s.in_use);
+        let st = handle.model_stats().ok_or("model gone")?;
+        let weights = st.in_use;
         progress(&format!(
-            "loaded {id}: {:.2} GiB of random weights on the device in {:.1} s",
-            weights as f64 / (1u64 << 30) as f64,
-            t.elapsed().as_secs_f64()
+            "loaded {id}: {:.2} GiB of random weights on the device in {:.1} s ({:.2} GiB mapped)",
+            weights as f64 / GIB,
+            t.elapsed().as_secs_f64(),
+            st.used as f64 / GIB
         ));
         let tensors = TensorPool::new(&handle, &device).map_err(e)?;
-        // Room for every policy: the KV of all models together (address space only until
-        // blocks are allocated).
-        let per_block =
-            (2 * cfg.layers * BLOCK_TOKENS * cfg.kv_heads * cfg.head_dim() * DTYPE.size_in_bytes())
-                as u64;
-        let max_blocks = (sizes.kv_share * sizes.models as u64 / per_block) as usize + 1;
         let kv = Arc::new(
             PagedKvTensors::new(
                 &tensors,
@@ -304,12 +375,44 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             .map_err(e)?,
         );
         let block_bytes = paged_block_bytes(kv.cache());
-        let model = LlamaModel {
+        let mut model = LlamaModel {
             handle: handle.clone(),
             llama,
             kv: kv.clone(),
             device: device.clone(),
+            chunk: sizes.prefill_chunk,
         };
+        let t = Instant::now();
+        warm(
+            &mut model,
+            &kv,
+            sizes.prefill_chunk,
+            sizes.engine.max_batch,
+            max_context,
+        )
+        .map_err(|err| format!("warming {id}: {err}"))?;
+        // The warm-up's KV block is no activation: its pages go back before the count.
+        kv.cache().trim();
+        let st = handle.model_stats().ok_or("model gone")?;
+        let peak_act = route::stats(&handle)
+            .and_then(|r| r.tag(&Tag::Activations).map(|t| t.peak_bytes))
+            .unwrap_or(0);
+        // What the warm-up left mapped (its activations' blocks, freed, kept for reuse) or
+        // the routed peak, whichever is more.
+        let act = st.used.saturating_sub(weights).max(peak_act);
+        let base = weights + act + act / 4;
+        handle.trim().map_err(e)?;
+        let after = handle.model_stats().map_or(0, |s| s.used);
+        progress(&format!(
+            "warmed {id} in {:.1} s (prefill chunk {} at context {max_context}, decode of {}): activations {:.2} GiB (routed peak {:.2}), base {:.2} GiB; {:.2} GiB mapped after trim",
+            t.elapsed().as_secs_f64(),
+            sizes.prefill_chunk,
+            sizes.engine.max_batch,
+            act as f64 / GIB,
+            peak_act as f64 / GIB,
+            base as f64 / GIB,
+            after as f64 / GIB
+        ));
         let pkv = PoolKv::new(
             kv,
             handle.clone(),
@@ -317,55 +420,16 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             BLOCK_TOKENS as u32,
             block_bytes,
         );
-        loaded.push((handle, model, pkv, tensors, weights));
-    }
-    // Warm: the largest prefill and decode steps (on blocks allocated for them and freed
-    // after), so each model's activations are at their peak once; the base is what it holds
-    // then, with a quarter of the activations more as margin.
-    let mut models = Vec::new();
-    let mut tensor_pools = Vec::new();
-    for (handle, mut model, pkv, tensors, weights) in loaded {
-        let prompt = PREFILL_CHUNK as u32;
-        let batch = sizes.engine.max_batch;
-        let blocks = pkv
-            .store
-            .alloc(PREFILL_CHUNK / BLOCK_TOKENS + batch)
-            .map_err(|e| format!("warm-up KV blocks of {}: {e}", handle.id()))?;
-        let (long, short) = blocks.split_at(PREFILL_CHUNK / BLOCK_TOKENS);
-        let warm = (|| {
-            model.prefill(&[SeqView {
-                blocks: long,
-                new_tokens: prompt,
-                context: prompt,
-            }])?;
-            let seqs: Vec<SeqView> = short
-                .iter()
-                .map(|b| SeqView {
-                    blocks: std::slice::from_ref(b),
-                    new_tokens: 1,
-                    context: 1,
-                })
-                .collect();
-            model.decode(&seqs).map(|_| ())
-        })();
-        pkv.store.free(&blocks)?;
-        warm?;
-        let st = handle.model_stats().ok_or("model gone")?;
-        let weights_and_act = st.used;
-        let base = weights_and_act + weights_and_act.saturating_sub(weights) / 4;
-        progress(&format!(
-            "warmed {}: {:.2} GiB with activations, base {:.2} GiB",
-            handle.id(),
-            weights_and_act as f64 / (1u64 << 30) as f64,
-            base as f64 / (1u64 << 30) as f64
-        ));
-        if sizes.staging {
+        if i >= sizes.resident {
             let t = Instant::now();
-            handle.reserve_host_staging(base).map_err(e)?;
+            gpu.set_guarantee(handle.id(), 0).map_err(e)?;
+            handle
+                .sleep(&crate::cluster::sleep_policy())
+                .map_err(|err| format!("sleep {id}: {err}"))?;
             progress(&format!(
-                "pinned {:.2} GiB of host staging for {}'s sleeps in {:.1} s",
-                base as f64 / (1u64 << 30) as f64,
-                handle.id(),
+                "{id} asleep (beyond the {} resident): {:.2} GiB to the host in {:.1} s",
+                sizes.resident,
+                handle.model_stats().map_or(0, |s| s.asleep) as f64 / GIB,
                 t.elapsed().as_secs_f64()
             ));
         }
@@ -379,37 +443,36 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
     }
     let bases = models.iter().map(|m| m.base).sum::<u64>();
     let resident = sizes.resident.clamp(1, sizes.models) as u64;
-    let budget = bases / sizes.models as u64 * resident + sizes.kv_share * resident;
+    let budget = sizes
+        .budget
+        .unwrap_or(bases / sizes.models as u64 * resident + sizes.kv_share * resident);
     if budget > device_budget {
         return Err(format!(
-            "the budget of {:.2} GiB (bases and {} x {:.2} GiB of KV) exceeds the device's {:.2} GiB: lower --kv-share-gib or --models",
-            budget as f64 / (1u64 << 30) as f64,
+            "the budget of {:.2} GiB (bases and {} x {:.2} GiB of KV, or --budget-gib) exceeds the device's {:.2} GiB: lower --kv-share-gib, --resident or --budget-gib",
+            budget as f64 / GIB,
             resident,
-            sizes.kv_share as f64 / (1u64 << 30) as f64,
-            device_budget as f64 / (1u64 << 30) as f64
+            sizes.kv_share as f64 / GIB,
+            device_budget as f64 / GIB
         ));
-    }
-    if bases > budget {
-        // More models than the budget holds: all of them asleep before the budget is set.
-        device.synchronize().map_err(ce)?;
-        for m in &models {
-            m.handle
-                .sleep(&crate::cluster::sleep_policy())
-                .map_err(|e| format!("sleep {}: {e}", m.handle.id()))?;
-        }
     }
     // The device's memory beyond the budget is held back by a model that only holds a
     // guarantee (nothing mapped): no policy can use it.
     let rest = device_budget - budget;
     let ballast = gpu
         .register(ModelConfig::new("held-back", 1 << 21, rest.max(1)).guarantee(rest))
-        .map_err(e)?;
+        .map_err(|err| {
+            format!(
+                "holding back {:.2} GiB of the device beyond the budget: {err}",
+                rest as f64 / GIB
+            )
+        })?;
     Ok(GpuCluster {
         gpu,
         models,
         tensor_pools,
         device,
         budget,
+        tier,
         _ballast: ballast,
     })
 }

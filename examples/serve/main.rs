@@ -8,7 +8,9 @@
 //! serve [--sizes small,8b] [--duration S] [--drain S] [--points 0,1,2,3,4] [--loads-small R,..]
 //!       [--loads-8b R,..] [--policies static,elastic,sleep] [--models K] [--idle S]
 //!       [--kv-share-gib-small G] [--kv-share-gib-8b G] [--max-batch N] [--seed N] [--out DIR]
-//!       [--resident N]
+//!       [--resident N] [--budget-gib G] [--prefill-chunk N] [--max-context N] [--host-gib G]
+//! serve --sweep-models 3,4,6,8 [--slo S] [--burst-rate R] [--on S] [--off S] ...
+//!                        the sleep goal: the most models each policy serves at a p99-TTFT SLO
 //! serve --trace FILE ... the policies on one saved trace (a `traces/*.json` of an earlier run)
 //! serve --sim ...        the same on the host backend with simulated compute (no GPU)
 //! ```
@@ -22,29 +24,45 @@
 //! `$OUT/serve`, else `target/serve`), with the traces; SVGs of p99 TTFT against load per size
 //! and of memory per model over time (point 2, each policy) follow each size.
 //!
+//! Models are loaded one after the other, each warmed at once by the largest steps the engine
+//! runs (a prefill chunk of `--prefill-chunk` tokens at `--max-context`, a decode of
+//! `--max-batch` sequences at `--max-context`; longer requests are refused) and trimmed; its
+//! base is its weights and that peak of activations, with a margin. Every run starts from the
+//! same state: no KV, every awake model's idle and cached memory given back. Sleeps go through
+//! one host tier shared by all models (`Pool::host_tier`, at most `--host-gib`), not staging
+//! pinned per model. The table: TTFT p50/p99, TPOT p50 and token-weighted mean, tokens/s, mean
+//! decode batch, preemptions, refusals, OOM, peak and mean physical GiB, `held` GiB (use or
+//! guarantee, whichever is more: what the policy keeps from the others), driver calls and
+//! budget calls per step.
+//!
 //! Needs a CUDA GPU and the `candle-example` feature, except with `--sim`.
 //!
 //! On a GPU machine without Rust (`scripts/gpu-bundle.sh candle-example` puts `serve` in the
-//! bundle), in three commands of under 10 minutes each (wall times are estimates from the trace
-//! volume, not measured):
+//! bundle), in commands of under 9.5 minutes each (estimates from the H100 logs in
+//! `docs/results/serve`: a run takes about its trace and drain, less at low load):
 //!
 //! ```text
-//! ./serve --sizes small --points 0,1,2     # ~5 min: 3 small models, probe, 9 runs; prints
-//!                                          # the load points as --loads-small a,b,c,d,e
-//! ./serve --sizes small --points 3,4 --loads-small a,b,c,d,e   # ~7 min: 6 runs
-//! ./serve --sizes 8b                       # ~8 min: 3 x 16 GB models, staging, probe, 6 runs
+//! # small models, 60 s traces, five points x three policies, in three commands:
+//! ./serve --sizes small --points 0,1 --out $OUT/small        # ~7 min: probe, 6 runs; prints
+//!                                                             # --loads-small a,b,c,d,e
+//! ./serve --sizes small --points 2,3 --loads-small a,b,c,d,e --out $OUT/small   # ~7.5 min
+//! ./serve --sizes small --points 4 --loads-small a,b,c,d,e --out $OUT/small     # ~4 min
+//! # 8B-shaped, the knee and saturation (3 x 15 GiB of weights, 5 GiB of KV each under static):
+//! ./serve --sizes 8b --duration 50 --drain 10 --out $OUT/8b  # ~7 min: probe, 6 runs
+//! # the sleep goal, 8B-shaped: up to 8 models on a 74 GiB budget (static partitions it, sleep
+//! # offloads idle models to the host tier); bursts of 8 s at 0.5/s then 24 s idle per model:
+//! ./serve --sizes 8b --sweep-models 3,4,6,8 --resident 4 --budget-gib 74 \
+//!     --policies static,sleep --duration 48 --drain 10 --burst-rate 0.5 --slo 2 \
+//!     --max-batch 32 --out $OUT/models                        # ~8 min
 //! ```
 //!
-//! More models than fit (the sleep goal: models served at one p99-TTFT SLO): `--resident N`
-//! sizes the budget for N models (their bases and KV shares) while `--models` loads more; only
-//! `sleep` serves them (the models start asleep and wake on demand; the other policies report
-//! that they do not fit). Compare `--models N --policies static` against `--models 2N
-//! --resident N --policies sleep` at the same `--loads-small`:
-//!
-//! ```text
-//! ./serve --sizes small --models 3 --policies static --points 2 --loads-small a,b,c,d,e
-//! ./serve --sizes small --models 6 --resident 3 --policies sleep --points 2 --loads-small a,b,c,d,e
-//! ```
+//! The sweep (`--sweep-models`) loads the largest count, keeps `--resident` awake and the
+//! others asleep in the host tier, then for each policy serves the first n models for each n
+//! (ascending; the others asleep) with Prism-style traffic (each model bursts for `--on`
+//! seconds at `--burst-rate`, then idles `--off` seconds, the bursts spread over the cycle); a
+//! policy that misses the SLO (every request finished, no OOM, p99 TTFT within `--slo`) is not
+//! run at larger counts. It prints and saves (`<size>-models.txt`) the most models each policy
+//! served at the SLO and the ratio sleep/static (the goal: 2x).
 //!
 //! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
 //! saturation takes about the trace and its drain (60 + 15 s). `--duration` shortens them.
@@ -92,6 +110,15 @@ struct Args {
     max_batch: usize,
     probe_s: f64,
     trace: Option<PathBuf>,
+    prefill_chunk: usize,
+    max_context: u32,
+    budget_gib: Option<f64>,
+    host_gib: f64,
+    sweep_models: Option<Vec<usize>>,
+    slo_s: f64,
+    burst_rate: f64,
+    on_s: f64,
+    off_s: f64,
 }
 
 fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>, String> {
@@ -132,6 +159,15 @@ fn parse() -> Result<Args, String> {
         max_batch: 64,
         probe_s: 10.0,
         trace: None,
+        prefill_chunk: 512,
+        max_context: 4096,
+        budget_gib: None,
+        host_gib: 96.0,
+        sweep_models: None,
+        slo_s: 2.0,
+        burst_rate: 1.0,
+        on_s: 8.0,
+        off_s: 24.0,
     };
     let mut idle = 2.0;
     let mut policies: Option<Vec<String>> = None;
@@ -170,6 +206,15 @@ fn parse() -> Result<Args, String> {
             "--max-batch" => a.max_batch = num(&v)? as usize,
             "--probe" => a.probe_s = num(&v)?,
             "--trace" => a.trace = Some(PathBuf::from(v)),
+            "--prefill-chunk" => a.prefill_chunk = num(&v)? as usize,
+            "--max-context" => a.max_context = num(&v)? as u32,
+            "--budget-gib" => a.budget_gib = Some(num(&v)?),
+            "--host-gib" => a.host_gib = num(&v)?,
+            "--sweep-models" => a.sweep_models = Some(list(&v)?),
+            "--slo" => a.slo_s = num(&v)?,
+            "--burst-rate" => a.burst_rate = num(&v)?,
+            "--on" => a.on_s = num(&v)?,
+            "--off" => a.off_s = num(&v)?,
             _ => return Err(format!("unknown flag {flag} (see the example's docs)")),
         }
         i += 2;
@@ -187,8 +232,14 @@ fn parse() -> Result<Args, String> {
     } else {
         a.policies[2] = Policy::Sleep { idle_s: idle };
     }
-    if a.models == 0 || a.duration <= 0.0 {
-        return Err("--models and --duration must be positive".into());
+    if a.models == 0 || a.duration <= 0.0 || a.prefill_chunk == 0 || a.max_context == 0 {
+        return Err(
+            "--models, --duration, --prefill-chunk and --max-context must be positive".into(),
+        );
+    }
+    if let Some(counts) = &a.sweep_models {
+        // The sweep loads as many models as its largest point serves.
+        a.models = a.models.max(counts.iter().copied().max().unwrap_or(1));
     }
     Ok(a)
 }
@@ -358,6 +409,102 @@ fn sweep_traces<S: BlockStore, M: StepModel>(
     Ok(done)
 }
 
+/// The sleep goal's experiment on one size (`--sweep-models`): Prism-style traffic (each model
+/// bursts, then idles), the number of models grown, each policy's largest count whose p99
+/// TTFT meets `--slo`; every run's summary saved under `--out` as it finishes.
+fn sweep_models<S: BlockStore, M: StepModel>(
+    a: &Args,
+    r: &mut SizeRun<S, M>,
+    counts: &[usize],
+    start: Instant,
+) -> Result<(), String> {
+    let trace_for = |n: usize| {
+        let c = TraceConfig::prism_like(a.seed, n, a.burst_rate, a.duration, a.on_s, a.off_s);
+        let t = Trace::generate(&c)?;
+        progress(
+            start,
+            &format!(
+                "{} x{n}: {} requests (bursts of {} s at {}/s, then {} s idle, per model)",
+                r.name,
+                t.requests.len(),
+                a.on_s,
+                a.burst_rate,
+                a.off_s
+            ),
+        );
+        Ok(t)
+    };
+    let opts = RunOptions {
+        drain_s: a.drain,
+        sample_s: 0.25,
+        budget: r.budget,
+    };
+    println!(
+        "model sweep: {:?} models, SLO p99 TTFT <= {} s; {}",
+        counts,
+        a.slo_s,
+        report::header()
+    );
+    let out = a.out.clone();
+    let slo = a.slo_s;
+    let mut on_point = |p: &cluster::SweepPoint| -> Result<(), String> {
+        match &p.summary {
+            Some(s) => {
+                print!("{}", report::lines(s));
+                report::save(&out, s)?;
+                println!(
+                    "{} x{} {}: {} the SLO",
+                    r.name,
+                    p.models,
+                    p.policy.name(),
+                    if p.meets { "meets" } else { "misses" }
+                );
+            }
+            None => println!(
+                "{} x{} {}: not served: {}",
+                r.name,
+                p.models,
+                p.policy.name(),
+                p.error.as_deref().unwrap_or("?")
+            ),
+        }
+        Ok(())
+    };
+    let points = cluster::model_sweep(
+        r.gpu,
+        r.models,
+        counts,
+        &a.policies,
+        &trace_for,
+        slo,
+        r.name,
+        opts,
+        r.sync,
+        &mut on_point,
+    )?;
+    let served = cluster::served_at_slo(&points);
+    let line = served
+        .iter()
+        .map(|(p, n)| format!("{} {n}", p.name()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let count = |name: &str| served.iter().find(|(p, _)| p.name() == name).map(|x| x.1);
+    let ratio = match (count("static"), count("sleep")) {
+        (Some(st), Some(sl)) if st > 0 => {
+            format!("; sleep/static {:.2}x (goal 2x)", sl as f64 / st as f64)
+        }
+        _ => String::new(),
+    };
+    let verdict = format!(
+        "{}: most models served at p99 TTFT <= {} s: {line}{ratio}",
+        r.name, a.slo_s
+    );
+    println!("{verdict}");
+    let path = a.out.join(format!("{}-models.txt", r.name));
+    std::fs::create_dir_all(&a.out).map_err(|e| format!("{}: {e}", a.out.display()))?;
+    std::fs::write(&path, verdict + "\n").map_err(|e| format!("{}: {e}", path.display()))
+}
+
 /// The goals of issue 24, checked on one size's runs (printed; not an exit status).
 fn verdict(runs: &[RunSummary]) {
     let find = |label: &str, name: &str| {
@@ -397,11 +544,12 @@ fn verdict(runs: &[RunSummary]) {
 
 fn run_sim(a: &Args, start: Instant) -> Result<(), String> {
     let resident = a.resident.unwrap_or(a.models).clamp(1, a.models);
-    let sizes = host::HostSizes {
+    let mut sizes = host::HostSizes {
         resident,
         ..host::HostSizes::tiny(a.models, 128 * resident as u64)
     };
-    let (gpu, mut models) = host::cluster(sizes)?;
+    sizes.engine.max_context = a.max_context;
+    let (gpu, mut models, _tier) = host::cluster(sizes)?;
     let budget = gpu.global_limit();
     let mut r = SizeRun {
         name: "small",
@@ -417,8 +565,12 @@ fn run_sim(a: &Args, start: Instant) -> Result<(), String> {
             a.models
         ),
     );
-    let runs = sweep(a, &mut r, a.loads_small.as_ref(), &a.points, start)?;
-    verdict(&runs);
+    if let Some(counts) = &a.sweep_models {
+        sweep_models(a, &mut r, counts, start)?;
+    } else {
+        let runs = sweep(a, &mut r, a.loads_small.as_ref(), &a.points, start)?;
+        verdict(&runs);
+    }
     // Every sleep and wake left the weights as they were: each model woken alone (the others
     // asleep: more models than fit may be loaded) and read.
     let policy = cluster::sleep_policy();
@@ -427,9 +579,7 @@ fn run_sim(a: &Args, start: Instant) -> Result<(), String> {
         m.handle.sleep(&policy).map_err(e)?;
     }
     for m in &models {
-        m.handle
-            .wake(elastic_vmm::AfterWake::KeepHostMemory)
-            .map_err(e)?;
+        m.handle.wake(cluster::AFTER_WAKE).map_err(e)?;
         if !m.engine.model.weights_intact()? {
             return Err(format!(
                 "{}: weights changed across sleep and wake",
@@ -463,16 +613,24 @@ fn run_gpu(a: &Args, start: Instant) -> Result<(), String> {
             ),
             other => return Err(format!("unknown size {other:?}: small or 8b")),
         };
+        let gib = |g: f64| (g * (1u64 << 30) as f64) as u64;
         let sizes = llama::GpuSizes {
             size: sz,
             models: a.models,
             resident: a.resident.unwrap_or(a.models),
-            kv_share: (share * (1u64 << 30) as f64) as u64,
+            kv_share: gib(share),
+            budget: a.budget_gib.map(gib),
             engine: engine::EngineConfig {
                 max_batch: a.max_batch,
-                max_prefill_tokens: llama::PREFILL_CHUNK as u32,
+                max_prefill_tokens: a.prefill_chunk as u32,
+                max_context: a.max_context,
             },
-            staging: a.policies.iter().any(|p| matches!(p, Policy::Sleep { .. })),
+            prefill_chunk: a.prefill_chunk,
+            host_tier: a
+                .policies
+                .iter()
+                .any(|p| matches!(p, Policy::Sleep { .. }))
+                .then(|| gib(a.host_gib)),
         };
         let c = llama::cluster(sizes, &|m| progress(start, m))?;
         let device = c.device.clone();
@@ -482,6 +640,7 @@ fn run_gpu(a: &Args, start: Instant) -> Result<(), String> {
             mut models,
             tensor_pools,
             budget,
+            tier,
             ..
         } = c;
         progress(
@@ -499,10 +658,15 @@ fn run_gpu(a: &Args, start: Instant) -> Result<(), String> {
             budget,
             sync: &sync,
         };
-        let runs = sweep(a, &mut r, loads, points, start)?;
-        verdict(&runs);
+        if let Some(counts) = &a.sweep_models {
+            sweep_models(a, &mut r, counts, start)?;
+        } else {
+            let runs = sweep(a, &mut r, loads, points, start)?;
+            verdict(&runs);
+        }
         drop(models);
         drop(tensor_pools);
+        drop(tier);
     }
     Ok(())
 }

@@ -27,9 +27,6 @@ use candle_nn::{Embedding, Init, Linear, VarBuilder};
 
 /// Tokens per KV block (vLLM's default).
 pub const BLOCK_TOKENS: usize = 16;
-/// Most tokens in one forward of a prefill: longer contexts (recomputed ones) go in pieces,
-/// which bounds the attention's `[heads, n, context]` scores.
-pub const PREFILL_CHUNK: usize = 2048;
 /// Positions the rotary tables cover (a longer context is an error naming it).
 pub const MAX_POSITION: usize = 32768;
 
@@ -276,6 +273,49 @@ impl PagedLlama {
         let x = x.index_select(&Tensor::new(last.as_slice(), &dev)?, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
         self.lm_head.forward(&x)
+    }
+}
+
+impl PagedLlama {
+    /// A chunked prefill: each piece's new tokens cut into chunks of at most `chunk` tokens,
+    /// packed in order into forwards of at most `chunk` tokens (a sequence's later chunk goes
+    /// in a later forward and reads the earlier ones from the blocks). Bounds every forward's
+    /// activations by the chunk. Returns each forward's logits (`[pieces in it, vocab]`).
+    pub fn prefill_chunked(
+        &self,
+        kv: &dyn LayerCache,
+        pieces: &[Piece],
+        chunk: usize,
+    ) -> candle_core::Result<Vec<Tensor>> {
+        if chunk == 0 {
+            candle_core::bail!("a prefill chunk of 0 tokens");
+        }
+        let mut out = Vec::new();
+        let mut batch: Vec<Piece> = Vec::new();
+        let mut tokens = 0;
+        for p in pieces {
+            let end = p.start + p.len;
+            let mut at = p.start;
+            while at < end {
+                let len = (end - at).min(chunk);
+                if tokens + len > chunk && !batch.is_empty() {
+                    out.push(self.forward(kv, &batch)?);
+                    batch.clear();
+                    tokens = 0;
+                }
+                tokens += len;
+                batch.push(Piece {
+                    blocks: p.blocks,
+                    start: at,
+                    len,
+                });
+                at += len;
+            }
+        }
+        if !batch.is_empty() {
+            out.push(self.forward(kv, &batch)?);
+        }
+        Ok(out)
     }
 }
 
@@ -591,6 +631,75 @@ mod tests {
                 &format!("b's decode {i} in a batch"),
             );
         }
+    }
+
+    #[test]
+    fn a_chunked_prefill_equals_a_whole_one() {
+        let m = model();
+        let s = shape();
+        let (a, b) = ([4u32, 30, 8, 17], [12u32, 0, 25]);
+        let whole = |blocks: &[u32], len: usize| {
+            let p = Piece {
+                blocks,
+                start: 0,
+                len,
+            };
+            rows(&m.forward(&Cache::new(&s), &[p]).unwrap()).remove(0)
+        };
+        let (want_a, want_b) = (whole(&a, 53), whole(&b, 40));
+        for chunk in [1, 7, 16, 20, 64] {
+            let cache = Cache::new(&s);
+            let pieces = [
+                Piece {
+                    blocks: &a,
+                    start: 0,
+                    len: 53,
+                },
+                Piece {
+                    blocks: &b,
+                    start: 0,
+                    len: 40,
+                },
+            ];
+            let out = m.prefill_chunked(&cache, &pieces, chunk).unwrap();
+            // Every forward holds at most `chunk` tokens: at least 93 / chunk of them.
+            assert!(
+                out.len() >= 93usize.div_ceil(chunk),
+                "chunk {chunk}: {} forwards",
+                out.len()
+            );
+            // a's last chunk ends some forward; b's last chunk ends the last forward.
+            let last = rows(out.last().unwrap());
+            close(last.last().unwrap(), &want_b, &format!("b, chunk {chunk}"));
+            let a_last = out.iter().flat_map(|t| rows(t)).find(|r| {
+                r.iter()
+                    .zip(&want_a)
+                    .all(|(x, y)| (x - y).abs() <= 1e-3 * (1.0 + y.abs()))
+            });
+            assert!(
+                a_last.is_some(),
+                "chunk {chunk}: no forward ends with a's logits"
+            );
+            // Then decoding on goes on from the cache the chunks wrote.
+            let next = rows(
+                &m.forward(
+                    &cache,
+                    &[Piece {
+                        blocks: &a,
+                        start: 53,
+                        len: 1,
+                    }],
+                )
+                .unwrap(),
+            )
+            .remove(0);
+            close(
+                &next,
+                &whole(&a, 54),
+                &format!("a's decode after chunk {chunk}"),
+            );
+        }
+        assert!(m.prefill_chunked(&Cache::new(&s), &[], 0).is_err());
     }
 
     #[test]

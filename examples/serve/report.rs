@@ -9,10 +9,12 @@ use crate::cluster::RunSummary;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// The table's header.
+/// The table's header. `tpot mean` is token-weighted; `batch` the mean decode batch; `held`
+/// the mean of what the policy holds per model (its use or its guarantee, whichever is more);
+/// `drv/st` and `bud/st` driver calls and budget calls (KV guarantee changes) per step.
 pub fn header() -> String {
     format!(
-        "{:<14} {:<8} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>5} {:>4} {:>8} {:>8} {:>6}",
+        "{:<14} {:<8} {:>6} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>5} {:>5} {:>5} {:>4} {:>8} {:>8} {:>8} {:>6} {:>6} {:>6}",
         "run",
         "policy",
         "load",
@@ -20,12 +22,17 @@ pub fn header() -> String {
         "ttft p50",
         "ttft p99",
         "tpot p50",
+        "tpot mean",
         "tok/s",
+        "batch",
         "preem",
         "refus",
         "oom",
         "peak GiB",
         "mean GiB",
+        "held GiB",
+        "drv/st",
+        "bud/st",
         "wall s"
     )
 }
@@ -39,9 +46,10 @@ pub fn lines(s: &RunSummary) -> String {
         } else {
             format!("  {}", m.id)
         };
+        let per_step = |x: u64| x as f64 / m.steps.max(1) as f64;
         let _ = writeln!(
             out,
-            "{:<14} {:<8} {:>6.2} {:>4}/{:<4} {:>9.3} {:>9.3} {:>9.4} {:>9.0} {:>6} {:>5} {:>4} {:>8.2} {:>8.2} {:>6}",
+            "{:<14} {:<8} {:>6.2} {:>4}/{:<4} {:>8.3} {:>8.3} {:>8.4} {:>9.5} {:>7.0} {:>5.1} {:>5} {:>5} {:>4} {:>8.2} {:>8.2} {:>8.2} {:>6.2} {:>6.2} {:>6}",
             run,
             s.policy.name(),
             s.peak_rate,
@@ -50,12 +58,17 @@ pub fn lines(s: &RunSummary) -> String {
             m.ttft_p50,
             m.ttft_p99,
             m.tpot_p50,
+            m.tpot_mean,
             m.throughput,
+            m.decode_batch,
             m.preemptions,
             m.refused,
             m.oom,
             m.peak_bytes as f64 / GIB,
             m.mean_bytes / GIB,
+            m.mean_held_bytes / GIB,
+            per_step(m.driver_calls),
+            per_step(m.budget_calls),
             if i == 0 { format!("{:.1}", s.wall_s) } else { String::new() },
         );
     }

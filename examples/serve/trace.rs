@@ -53,6 +53,20 @@ pub struct TraceConfig {
     pub output_sigma: f64,
     /// Lengths are clamped to `1..=max_len`.
     pub max_len: u32,
+    /// Bursts then idle periods instead of the ramp (Prism's production traces: most models
+    /// idle for long stretches): `None` for the ramp.
+    #[serde(default)]
+    pub on_off: Option<OnOff>,
+}
+
+/// A model's trend as bursts at the peak rate and idle periods at the base rate (Prism-style:
+/// each model bursts, then idles longer than a sleep's idle time).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OnOff {
+    /// Seconds of a burst (at `peak_rate`).
+    pub on_s: f64,
+    /// Seconds idle after it (at `base_rate`).
+    pub off_s: f64,
 }
 
 impl TraceConfig {
@@ -78,12 +92,46 @@ impl TraceConfig {
             output_mean: 512.0,
             output_sigma: 0.6,
             max_len: 2048,
+            on_off: None,
+        }
+    }
+
+    /// Prism-style traffic of `models` models: each bursts at `peak_rate` for `on_s` seconds,
+    /// then idles `off_s` seconds (no arrivals), the models' bursts spread evenly over the
+    /// cycle; 256-token prompts, 128-token outputs (chat turns: a burst is over soon after its
+    /// last arrival), no flash crowds (the bursts are the crowds), mild noise.
+    pub fn prism_like(
+        seed: u64,
+        models: usize,
+        peak_rate: f64,
+        duration_s: f64,
+        on_s: f64,
+        off_s: f64,
+    ) -> Self {
+        TraceConfig {
+            base_rate: 0.0,
+            period_s: on_s + off_s,
+            ou_sigma: 0.2,
+            crowd_rate: 0.0,
+            output_mean: 128.0,
+            on_off: Some(OnOff { on_s, off_s }),
+            ..Self::kvcached_like(seed, models, peak_rate, duration_s)
         }
     }
 
     /// The trend's rate of `model` at `t` (no noise, no crowds).
     pub fn trend(&self, model: usize, t: f64) -> f64 {
         let phase = t / self.period_s + model as f64 / self.models.max(1) as f64;
+        if let Some(o) = self.on_off {
+            // Model i's burst starts i / models of a cycle in (model 0's at t = 0).
+            let cycle = o.on_s + o.off_s;
+            let at = (t - model as f64 / self.models.max(1) as f64 * cycle).rem_euclid(cycle);
+            return if at < o.on_s {
+                self.peak_rate
+            } else {
+                self.base_rate
+            };
+        }
         let ramp = 0.5 * (1.0 - (2.0 * std::f64::consts::PI * phase).cos());
         self.base_rate + (self.peak_rate - self.base_rate).max(0.0) * ramp
     }
@@ -146,6 +194,15 @@ fn clamp_len(x: f64, max: u32) -> u32 {
 impl Trace {
     /// Generate the trace of `config`.
     pub fn generate(config: &TraceConfig) -> Result<Trace, String> {
+        if config
+            .on_off
+            .is_some_and(|o| !(o.on_s > 0.0 && o.off_s >= 0.0))
+        {
+            return Err(format!(
+                "bursts of {:?}: on_s must be positive and off_s at least 0",
+                config.on_off
+            ));
+        }
         if !(config.duration_s > 0.0 && config.period_s > 0.0 && config.ou_tau_s > 0.0) {
             return Err(format!(
                 "duration {} s, period {} s and OU tau {} s must be positive",
