@@ -48,6 +48,10 @@ pub use protocol::{ModelInfo, Snapshot};
 pub use remote::RemoteModel;
 pub use server::{Broker, BrokerConfig};
 
+/// The first id of the host tier's book: its models, chunks and tickets never share an id with
+/// the device book's (an engine's links and the reclaim pushes are keyed by model id).
+pub(crate) const HOST_IDS: u64 = 1 << 56;
+
 /// The default socket of the broker of `backend` (`"host"`, or `"cuda"` with a device ordinal):
 /// `$ELASTIC_VMM_BROKER` if set, else `$TMPDIR/elastic-vmm-<uid>/<backend>[<ordinal>].sock`
 /// (`/tmp` without `TMPDIR`). The broker makes that folder 0700 and refuses it when another user
