@@ -57,9 +57,36 @@ impl Metrics {
         self.grant_seconds.observe(d.as_secs_f64());
     }
 
-    /// The text exposition for `snap` and the broker's driver calls.
-    pub(crate) fn render(&self, snap: &Snapshot, calls: &DriverCalls) -> String {
+    /// The text exposition for `snap` and the broker's driver calls; the host tier's, when
+    /// there is one (`snap.host_tier` and its driver calls), as the same families prefixed
+    /// `elastic_vmm_broker_host_`.
+    pub(crate) fn render(
+        &self,
+        snap: &Snapshot,
+        calls: &DriverCalls,
+        host_calls: Option<&DriverCalls>,
+    ) -> String {
         let mut reg = Registry::with_prefix("elastic_vmm_broker");
+        fill(&mut reg, snap, calls);
+        reg.register(
+            "grant_seconds",
+            "Time to serve a growth (charge, create or hand over, export)",
+            self.grant_seconds.clone(),
+        );
+        if let (Some(h), Some(hc)) = (&snap.host_tier, host_calls) {
+            fill(reg.sub_registry_with_prefix("host"), h, hc);
+        }
+        let mut out = String::new();
+        if encode(&mut out, &reg).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// The families of one tier (its models, budget, counters, driver calls) into `reg`.
+fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
+    {
         let bytes = Family::<ModelState, Gauge>::default();
         let limit = Family::<ModelLabel, Gauge>::default();
         let guarantee = Family::<ModelLabel, Gauge>::default();
@@ -152,21 +179,15 @@ impl Metrics {
                 .inc_by(calls.get(call));
         }
         reg.register("driver_calls", "Driver calls by kind", driver);
-        reg.register(
-            "grant_seconds",
-            "Time to serve a growth (charge, create or hand over, export)",
-            self.grant_seconds.clone(),
-        );
-        let mut out = String::new();
-        if encode(&mut out, &reg).is_err() {
-            out.clear();
-        }
-        out
     }
 }
 
-/// The metric families with a series per model (their names start with this).
-const PER_MODEL: &str = "elastic_vmm_broker_model_";
+/// The metric families with a series per model (their names start with one of these: the
+/// device's and the host tier's).
+const PER_MODEL: [&str; 2] = [
+    "elastic_vmm_broker_model_",
+    "elastic_vmm_broker_host_model_",
+];
 
 /// `text` without its per-model families (model names and their bytes, limits, guarantees,
 /// refusals): what a loopback port, open to every local user, may show unless the operator
@@ -180,7 +201,7 @@ pub fn aggregate_only(text: &str) -> String {
             .or_else(|| line.strip_prefix("# TYPE "))
             .or_else(|| line.strip_prefix("# UNIT "))
             .unwrap_or(line);
-        if !name.starts_with(PER_MODEL) {
+        if !PER_MODEL.iter().any(|p| name.starts_with(p)) {
             out.push_str(line);
             out.push('\n');
         }

@@ -579,13 +579,20 @@ mod tests {
     #[test]
     fn host_tier_requests_nest_one_level_only() {
         let one = Request::HostTier(Box::new(Request::Snapshot));
-        let msg = ToBroker { id: 1, request: one };
+        let msg = ToBroker {
+            id: 1,
+            request: one,
+        };
         assert_eq!(decode::<ToBroker>(&encode(&msg).unwrap()).unwrap(), msg);
         let mut nested = Request::Snapshot;
         for _ in 0..2 {
             nested = Request::HostTier(Box::new(nested));
         }
-        let two = encode(&ToBroker { id: 2, request: nested.clone() }).unwrap();
+        let two = encode(&ToBroker {
+            id: 2,
+            request: nested.clone(),
+        })
+        .unwrap();
         // (postcard reports a custom error without its words.)
         assert!(decode::<ToBroker>(&two).is_err());
         // Deep nesting: the encoder recurses (our own value), the decoder stops at level two.
@@ -594,7 +601,13 @@ mod tests {
         }
         let deep = std::thread::Builder::new()
             .stack_size(64 << 20)
-            .spawn(move || encode(&ToBroker { id: 3, request: nested }).unwrap())
+            .spawn(move || {
+                encode(&ToBroker {
+                    id: 3,
+                    request: nested,
+                })
+                .unwrap()
+            })
             .unwrap()
             .join()
             .unwrap();

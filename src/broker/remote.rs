@@ -203,7 +203,10 @@ impl ClientInner {
         if let Some(b) = self.host_local.get() {
             return Ok(b.clone());
         }
-        let snap = match self.request(Request::HostTier(Box::new(Request::Snapshot)))?.0 {
+        let snap = match self
+            .request(Request::HostTier(Box::new(Request::Snapshot)))?
+            .0
+        {
             Reply::Snapshot(s) => s,
             other => return Err(unexpected("host tier", &other)),
         };
@@ -280,8 +283,10 @@ pub(crate) struct ModelBackend {
 impl Drop for ModelBackend {
     fn drop(&mut self) {
         self.client.links.lock().remove(&self.model);
-        self.client
-            .notify(for_tier(self.host, Request::Unregister { model: self.model }));
+        self.client.notify(for_tier(
+            self.host,
+            Request::Unregister { model: self.model },
+        ));
     }
 }
 
@@ -1130,12 +1135,19 @@ mod tests {
         assert!(back == da, "A byte-exact");
         let woke = host(&ca);
         assert_eq!(ta.broker_view().unwrap().used, 0, "{woke:?}");
-        assert_eq!(woke.idle, asleep.global_used, "A's host chunks wait at the broker");
+        assert_eq!(
+            woke.idle, asleep.global_used,
+            "A's host chunks wait at the broker"
+        );
         let (cb, mb, tb, ab, db) = engine("b", 5);
         mb.sleep(&SleepPolicy::offload_all()).unwrap();
         let b_asleep = host(&cb);
         assert_eq!(b_asleep.counters.creates, made, "no host chunk made for B");
-        assert!(b_asleep.counters.handovers >= made, "{:?}", b_asleep.counters);
+        assert!(
+            b_asleep.counters.handovers >= made,
+            "{:?}",
+            b_asleep.counters
+        );
         assert!(tb.broker_view().unwrap().used >= 4 * MIB);
         // A's tier may not take what B holds beyond the budget: refused with the numbers.
         let e = ta.allocate((6 * MIB) as usize).unwrap_err();
@@ -1149,7 +1161,11 @@ mod tests {
         assert!(back == db, "B byte-exact");
         // The device books never saw host memory.
         let s = ca.snapshot().unwrap();
-        assert!(s.models.iter().all(|m| !m.name.ends_with("-host")), "{:?}", s.models);
+        assert!(
+            s.models.iter().all(|m| !m.name.ends_with("-host")),
+            "{:?}",
+            s.models
+        );
         assert_eq!(s.audit, None);
         assert_eq!(host(&ca).audit, None);
         drop((aa, ab, ma, mb, ta, tb, ca, cb));

@@ -20,12 +20,12 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::book::{Book, BookError, Policy, Ticket, IDLE};
-use super::HOST_IDS;
 use super::metrics::Metrics;
 use super::protocol::{
     BackendDesc, ChangeOutcome, ErrorKind, FromBroker, Push, Reply, Request, Role, Snapshot,
     ToBroker, MAX_BATCH,
 };
+use super::HOST_IDS;
 use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
 use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
@@ -176,7 +176,6 @@ pub(crate) struct Shared {
     /// Lock order: never the device book and the host book at once.
     pub(crate) host: Option<Arc<Shared>>,
 }
-
 
 /// A running broker. Dropping it (or [`Broker::shutdown`]) stops it: connections are closed and
 /// every chunk is released.
@@ -750,12 +749,7 @@ impl Shared {
 
     /// Connection `conn` ended (see [`Shared::guarded`]): its models go with their memory, or
     /// stay orphaned while its process (`alive`) lives.
-    fn end_connection(
-        &self,
-        conn: u64,
-        peer: PeerCredentials,
-        alive: Option<(i32, Arc<OwnedFd>)>,
-    ) {
+    fn end_connection(&self, conn: u64, peer: PeerCredentials, alive: Option<(i32, Arc<OwnedFd>)>) {
         let orphaning = alive.is_some();
         let chunks = {
             let mut book = self.book.lock();
@@ -820,7 +814,9 @@ impl Shared {
 
     pub(crate) fn metrics_text(&self) -> String {
         let snap = self.snapshot(None);
-        self.metrics.render(&snap, &self.backend.counts())
+        let host_calls = self.host.as_ref().map(|h| h.backend.counts());
+        self.metrics
+            .render(&snap, &self.backend.counts(), host_calls.as_ref())
     }
 
     /// Release moving chunks to the driver, settling the book for each.
