@@ -515,7 +515,9 @@ fn host_tier_shared(
             info.name, info.device_name
         )));
     }
-    match backend.memory_info() {
+    // Host memory: the machine's available memory (a CUDA host-tier backend's own memory
+    // info is the device's).
+    match crate::backend::host::read_meminfo() {
         Ok(mem) if budget > mem.free => {
             tracing::warn!(
                 asked = budget,
