@@ -144,7 +144,8 @@ pub enum Request {
         /// New guarantee in bytes.
         guarantee: u64,
     },
-    /// Release the broker's idle chunks to the driver (control connections).
+    /// Release the broker's idle chunks to the driver, the host tier's too (control
+    /// connections).
     Trim,
     /// Prometheus text exposition of the broker's metrics.
     Metrics,

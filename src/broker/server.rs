@@ -1023,9 +1023,14 @@ impl Shared {
                 (Reply::Metrics(self.metrics_text()), Vec::new())
             }
             Request::Trim if control_only(role) => {
-                let idle = self.book.lock().take_idle(u64::MAX);
-                let released = idle.iter().map(|(_, c)| c.size as u64).sum();
-                self.release_all(idle, Some(IDLE));
+                // Every idle chunk the broker holds: the host tier's too (`HostTier(Trim)`
+                // trims the host tier's alone).
+                let mut released = 0u64;
+                for s in std::iter::once(self).chain(self.host.as_deref()) {
+                    let idle = s.book.lock().take_idle(u64::MAX);
+                    released += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
+                    s.release_all(idle, Some(IDLE));
+                }
                 (Reply::Trimmed { released }, Vec::new())
             }
             Request::SetLimit {

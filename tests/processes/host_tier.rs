@@ -147,6 +147,16 @@ fn engines_sleep_in_turn_in_the_same_host_chunks() {
     assert!(host_used(&b_asleep, "b-host").unwrap() >= DATA_MIB * MIB);
     assert_eq!(b.ask("wake"), "ok");
     assert_eq!(b.ask("check"), "ok");
+    // The operator's trim releases the host tier's idle chunks too.
+    let idle = host(&control).idle;
+    assert!(idle >= DATA_MIB * MIB);
+    let trimmed = control.request(Request::Trim).unwrap().0;
+    assert!(
+        matches!(trimmed, Reply::Trimmed { released } if released >= idle),
+        "{trimmed:?}"
+    );
+    let after = host(&control);
+    assert_eq!((after.idle, after.global_used, after.physical), (0, 0, 0));
     // Host memory is the host tier's alone.
     let device = control.snapshot().unwrap();
     check_books(&device);
