@@ -1171,4 +1171,88 @@ mod tests {
         drop((aa, ab, ma, mb, ta, tb, ca, cb));
         broker.shutdown();
     }
+
+    /// The host budget under many threads: four engines' host tiers, two threads each, grow
+    /// and free 2 to 6 MiB at a time against a host budget of 8 MiB while a sampler reads the
+    /// host tier's books: its use never passes the budget, every refusal is an admission
+    /// refusal, the books balance throughout, and everything is back at the end.
+    #[test]
+    fn the_host_budget_holds_under_many_threads() {
+        use std::sync::atomic::AtomicBool;
+        const MIB: u64 = 1 << 20;
+        let budget = 8 * MIB;
+        let broker = Broker::host(
+            BrokerConfig::new(socket("hostmany"), 64 * MIB)
+                .host_budget(budget)
+                .reclaim_wait(Duration::from_millis(100)),
+        )
+        .unwrap();
+        let tiers: Vec<(BrokerClient, RemoteModel)> = (0..4)
+            .map(|i| {
+                let c = BrokerClient::connect(broker.socket(), &format!("e{i}")).unwrap();
+                let t = c
+                    .register_host_tier(ModelConfig::new(format!("e{i}-host"), 1 << 30, budget))
+                    .unwrap();
+                (c, t)
+            })
+            .collect();
+        let ctl = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
+        let done = AtomicBool::new(false);
+        let (mut granted, mut refused) = (0u64, 0u64);
+        std::thread::scope(|s| {
+            let sampler = s.spawn(|| {
+                let mut samples = 0u64;
+                while !done.load(Ordering::SeqCst) {
+                    let h = ctl.snapshot().unwrap().host_tier.unwrap();
+                    assert!(h.global_used <= h.global_limit, "{h:?}");
+                    assert_eq!(h.audit, None);
+                    samples += 1;
+                }
+                samples
+            });
+            let workers: Vec<_> = tiers
+                .iter()
+                .flat_map(|(_, t)| [t.clone(), t.clone()])
+                .enumerate()
+                .map(|(k, t)| {
+                    s.spawn(move || {
+                        let (mut ok, mut no) = (0u64, 0u64);
+                        for i in 0..60u64 {
+                            let mib = 2 + (i * 7 + k as u64) % 5;
+                            match t.allocate((mib * MIB) as usize) {
+                                Ok(mut a) => {
+                                    a.write(0, &[k as u8; 64]).unwrap();
+                                    let mut back = [0u8; 64];
+                                    a.read(0, &mut back).unwrap();
+                                    assert_eq!(back, [k as u8; 64]);
+                                    ok += 1;
+                                }
+                                Err(e) => {
+                                    assert!(matches!(e, Error::AdmissionRefused { .. }), "{e}");
+                                    no += 1;
+                                }
+                            }
+                        }
+                        (ok, no)
+                    })
+                })
+                .collect();
+            for w in workers {
+                let (ok, no) = w.join().unwrap();
+                granted += ok;
+                refused += no;
+            }
+            done.store(true, Ordering::SeqCst);
+            assert!(sampler.join().unwrap() > 0);
+        });
+        assert!(granted > 0, "{granted} granted, {refused} refused");
+        for (_, t) in &tiers {
+            t.trim().unwrap();
+        }
+        let h = ctl.snapshot().unwrap().host_tier.unwrap();
+        assert!(h.models.iter().all(|m| m.used == 0), "{:?}", h.models);
+        assert_eq!((h.global_used, h.audit.clone()), (h.idle, None), "{h:?}");
+        drop((tiers, ctl));
+        broker.shutdown();
+    }
 }
