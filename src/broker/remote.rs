@@ -1184,7 +1184,7 @@ mod tests {
         let broker = Broker::host(
             BrokerConfig::new(socket("hostmany"), 64 * MIB)
                 .host_budget(budget)
-                .reclaim_wait(Duration::from_millis(100)),
+                .reclaim_wait(Duration::from_millis(50)),
         )
         .unwrap();
         let tiers: Vec<(BrokerClient, RemoteModel)> = (0..4)
@@ -1217,7 +1217,7 @@ mod tests {
                 .map(|(k, t)| {
                     s.spawn(move || {
                         let (mut ok, mut no) = (0u64, 0u64);
-                        for i in 0..60u64 {
+                        for i in 0..40u64 {
                             let mib = 2 + (i * 7 + k as u64) % 5;
                             match t.allocate((mib * MIB) as usize) {
                                 Ok(mut a) => {
