@@ -325,7 +325,7 @@ pub enum Error {
 
     /// Admission refused a physical growth, before any driver call.
     #[error(
-        "model {model:?} asked for {requested} more bytes and was refused: {cause}; model uses {model_used} of its limit {model_limit}, the device budget has {global_used} of {global_limit} in use and {reserved_for_others} reserved for other models' guarantees"
+        "model {model:?} asked for {requested} more bytes and was refused: {cause}; model uses {model_used} of its limit {model_limit}, the budget has {global_used} of {global_limit} in use and {reserved_for_others} reserved for other models' guarantees"
     )]
     AdmissionRefused {
         /// The model.

@@ -177,7 +177,7 @@ fn os_error(call: &'static str, detail: String) -> Error {
     Error::backend(NAME, call, errno_name(&err), detail)
 }
 
-fn read_meminfo() -> Result<MemoryInfo> {
+pub(crate) fn read_meminfo() -> Result<MemoryInfo> {
     let text = std::fs::read_to_string("/proc/meminfo")
         .map_err(|e| Error::backend(NAME, "read /proc/meminfo", errno_name(&e), ""))?;
     let field = |key: &str| -> Option<u64> {

@@ -402,8 +402,16 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) -> bool {
     let ready = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_write_timeout(Some(shared.config.io_timeout)))
-        .and_then(|()| Ok((stream.try_clone()?, stream.try_clone()?)));
-    let Ok((for_writer, for_book)) = ready else {
+        .and_then(|()| Ok((stream.try_clone()?, stream.try_clone()?)))
+        .and_then(|(w, b)| {
+            // The host tier's book knows the connection too (owners, pushes, its end).
+            let for_host = match shared.host {
+                Some(_) => Some(stream.try_clone()?),
+                None => None,
+            };
+            Ok((w, b, for_host))
+        });
+    let Ok((for_writer, for_book, for_host)) = ready else {
         refuse(
             &stream,
             error_reply(ErrorKind::Backend, "cannot set the socket up"),
@@ -419,6 +427,20 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) -> bool {
         );
         return false;
     };
+    let pidfd = ipc::peer_pidfd(&stream, peer.pid).map(Arc::new);
+    if let (Some(h), Some(for_host)) = (&shared.host, for_host) {
+        h.book.lock().conns.insert(
+            conn,
+            ConnEntry {
+                name: name.clone(),
+                role,
+                peer,
+                writer: writer.clone(),
+                stream: for_host,
+                pidfd: pidfd.clone(),
+            },
+        );
+    }
     shared.book.lock().conns.insert(
         conn,
         ConnEntry {
@@ -427,7 +449,7 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) -> bool {
             peer,
             writer: writer.clone(),
             stream: for_book,
-            pidfd: ipc::peer_pidfd(&stream, peer.pid).map(Arc::new),
+            pidfd,
         },
     );
     tracing::info!(conn, name = %name, ?role, pid = peer.pid, uid = peer.uid, gid = peer.gid, "connected");
@@ -447,6 +469,9 @@ fn welcome(shared: &Arc<Shared>, w: Waiting, frame: Frame) -> bool {
     if let Err(e) = spawned {
         // Its stream, writer and writer thread went with the closure; the book forgets it.
         tracing::warn!(conn, error = %e, "cannot spawn a connection thread; closed");
+        if let Some(h) = &shared.host {
+            h.book.lock().conns.remove(&conn);
+        }
         let stream = shared.book.lock().conns.remove(&conn).map(|c| c.stream);
         if let Some(s) = stream {
             let _ = s.shutdown(std::net::Shutdown::Both);

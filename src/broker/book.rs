@@ -188,6 +188,13 @@ impl Book {
         }
     }
 
+    /// Ids from `base` on: the host tier's book, whose model, chunk and ticket ids must never
+    /// be the device book's (an engine's links and the reclaim pushes are keyed by model id).
+    pub(crate) fn ids_from(mut self, base: u64) -> Book {
+        self.next_id = base;
+        self
+    }
+
     /// A fresh id (models, chunks, connections and tickets share one sequence; never 0).
     pub(crate) fn next_id(&mut self) -> u64 {
         self.next_id += 1;

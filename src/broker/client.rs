@@ -48,11 +48,12 @@ pub(crate) struct SentRequest {
 #[derive(Default)]
 struct Pending {
     waiters: HashMap<u64, Waiter>,
-    /// Growth requests waiting for their reply: request id -> model.
-    grows: HashMap<u64, u64>,
+    /// Growth requests waiting for their reply: request id -> model (and whether it is a
+    /// host-tier model).
+    grows: HashMap<u64, (u64, bool)>,
     /// Growth requests whose caller stopped waiting (timed out): if chunks still arrive for
     /// them, they go straight back to the broker instead of staying charged to this engine.
-    abandoned: HashMap<u64, u64>,
+    abandoned: HashMap<u64, (u64, bool)>,
     /// How long a request waits for its reply.
     timeout: Option<Duration>,
     closed: bool,
@@ -65,6 +66,18 @@ struct Pending {
 pub(crate) struct ModelLink {
     pub(crate) pool: Weak<PoolInner>,
     pub(crate) reclaim: Option<ReclaimCallback>,
+    /// A model of the broker's host tier: what is sent about it is wrapped in
+    /// [`Request::HostTier`].
+    pub(crate) host: bool,
+}
+
+/// `request` as sent about a model of the device (`host` false) or of the host tier.
+pub(crate) fn for_tier(host: bool, request: Request) -> Request {
+    if host {
+        Request::HostTier(Box::new(request))
+    } else {
+        request
+    }
 }
 
 type Links = Arc<Mutex<HashMap<u64, ModelLink>>>;
@@ -84,6 +97,9 @@ pub(crate) struct ClientInner {
     welcome: Welcome,
     /// The backend chunks are imported and mapped with (see `remote.rs`).
     pub(crate) local: std::sync::OnceLock<Arc<dyn crate::backend::Backend>>,
+    /// The backend host-tier chunks are imported and mapped with, and the broker's host tier
+    /// (see `remote.rs`).
+    pub(crate) host_local: std::sync::OnceLock<(Arc<dyn crate::backend::Backend>, u64)>,
     /// Threads that import the chunks of one batch grant (see `remote.rs`).
     pub(crate) import_threads: AtomicUsize,
     /// Dropped with the client: ends the reporter.
@@ -249,6 +265,7 @@ impl BrokerClient {
                 engine: 0,
             },
             local: std::sync::OnceLock::new(),
+            host_local: std::sync::OnceLock::new(),
             _stop: stop_tx,
         };
         let hello = Request::Hello {
@@ -352,8 +369,12 @@ impl ClientInner {
                 });
             }
             p.waiters.insert(id, tx);
-            if let Request::Grow { model, .. } | Request::GrowMany { model, .. } = &request {
-                p.grows.insert(id, *model);
+            let (inner, host) = match &request {
+                Request::HostTier(inner) => (&**inner, true),
+                other => (other, false),
+            };
+            if let Request::Grow { model, .. } | Request::GrowMany { model, .. } = inner {
+                p.grows.insert(id, (*model, host));
             }
         }
         let sent = ipc::encode(&ToBroker { id, request }).and_then(|payload| {
@@ -465,7 +486,8 @@ fn read_loop(
                         let _ = w.send((reply, frame.fds));
                     }
                     None if abandoned.is_some() => {
-                        give_back_late(&writer, abandoned.unwrap_or_default(), reply);
+                        let (model, host) = abandoned.unwrap_or_default();
+                        give_back_late(&writer, model, host, reply);
                     }
                     None if id == 0 => {
                         // The broker's last word before closing (an error about this connection).
@@ -500,7 +522,7 @@ fn read_loop(
 /// Chunks granted for a growth whose caller stopped waiting go straight back (their
 /// descriptors, dropped by the caller, close here): the broker would otherwise keep them
 /// charged to this engine until it disconnects.
-fn give_back_late(writer: &FrameWriter, model: u64, reply: Reply) {
+fn give_back_late(writer: &FrameWriter, model: u64, host: bool, reply: Reply) {
     let chunks = match reply {
         Reply::Granted { chunk, .. } => vec![chunk],
         Reply::GrantedMany { chunks, .. } => chunks,
@@ -513,7 +535,7 @@ fn give_back_late(writer: &FrameWriter, model: u64, reply: Reply) {
     );
     let back = ToBroker {
         id: NOTIFY_ID,
-        request: Request::GiveBackMany { model, chunks },
+        request: for_tier(host, Request::GiveBackMany { model, chunks }),
     };
     if let Ok(payload) = ipc::encode(&back) {
         let _ = writer.send(Outgoing {
@@ -531,11 +553,13 @@ fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {
             bytes,
             ..
         } = push;
-        let (pool, callback) = {
+        let (pool, callback, host) = {
             let l = links.lock();
             match l.get(&model) {
-                Some(link) => (link.pool.upgrade(), link.reclaim.clone()),
-                None => (None, None),
+                Some(link) => (link.pool.upgrade(), link.reclaim.clone(), link.host),
+                // Ids of the two tiers never meet: a model unknown here is answered as the
+                // broker's host tier numbers its models.
+                None => (None, None, model >= super::HOST_IDS),
             }
         };
         // The same give-back as a model of a shared pool asked in its own process.
@@ -547,7 +571,7 @@ fn reclaim_worker(pushes: Receiver<Push>, writer: FrameWriter, links: Links) {
         tracing::debug!(ticket, model, bytes, freed, "reclaim request served");
         let done = ToBroker {
             id: NOTIFY_ID,
-            request: Request::ReclaimDone { ticket, freed },
+            request: for_tier(host, Request::ReclaimDone { ticket, freed }),
         };
         if let Ok(payload) = ipc::encode(&done) {
             let _ = writer.send(Outgoing {
@@ -564,21 +588,24 @@ fn reporter(stop: Receiver<()>, writer: FrameWriter, links: Links) {
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
-        let pools: Vec<(u64, Arc<PoolInner>)> = links
+        let pools: Vec<(u64, Arc<PoolInner>, bool)> = links
             .lock()
             .iter()
-            .filter_map(|(&k, l)| Some((k, l.pool.upgrade()?)))
+            .filter_map(|(&k, l)| Some((k, l.pool.upgrade()?, l.host)))
             .collect();
-        for (model, pool) in pools {
+        for (model, pool, host) in pools {
             let s = pool.stats();
             let report = ToBroker {
                 id: NOTIFY_ID,
-                request: Request::Report {
-                    model,
-                    in_use: s.in_use,
-                    idle: s.mapped.saturating_sub(s.in_use),
-                    cached: s.cached,
-                },
+                request: for_tier(
+                    host,
+                    Request::Report {
+                        model,
+                        in_use: s.in_use,
+                        idle: s.mapped.saturating_sub(s.in_use),
+                        cached: s.cached,
+                    },
+                ),
             };
             drop(pool);
             if let Ok(payload) = ipc::encode(&report) {

@@ -57,106 +57,25 @@ impl Metrics {
         self.grant_seconds.observe(d.as_secs_f64());
     }
 
-    /// The text exposition for `snap` and the broker's driver calls.
-    pub(crate) fn render(&self, snap: &Snapshot, calls: &DriverCalls) -> String {
+    /// The text exposition for `snap` and the broker's driver calls; the host tier's, when
+    /// there is one (`snap.host_tier` and its driver calls), as the same families prefixed
+    /// `elastic_vmm_broker_host_`.
+    pub(crate) fn render(
+        &self,
+        snap: &Snapshot,
+        calls: &DriverCalls,
+        host_calls: Option<&DriverCalls>,
+    ) -> String {
         let mut reg = Registry::with_prefix("elastic_vmm_broker");
-        let bytes = Family::<ModelState, Gauge>::default();
-        let limit = Family::<ModelLabel, Gauge>::default();
-        let guarantee = Family::<ModelLabel, Gauge>::default();
-        let refusals = Family::<ModelLabel, Counter>::default();
-        for m in &snap.models {
-            let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-            for (state, v) in [
-                ("charged", m.used),
-                ("in_use", m.in_use),
-                ("idle", m.idle),
-                ("cached", m.cached),
-            ] {
-                bytes
-                    .get_or_create(&ModelState {
-                        model: m.name.clone(),
-                        state,
-                    })
-                    .set(g(v));
-            }
-            let l = ModelLabel {
-                model: m.name.clone(),
-            };
-            limit.get_or_create(&l).set(g(m.limit));
-            guarantee.get_or_create(&l).set(g(m.guarantee));
-            refusals.get_or_create(&l).inc_by(m.refusals);
-        }
-        reg.register("model_bytes", "Bytes per model and state", bytes);
-        reg.register("model_limit_bytes", "Physical limit per model", limit);
-        reg.register("model_guarantee_bytes", "Guarantee per model", guarantee);
-        reg.register("model_refusals", "Growths refused per model", refusals);
-        let gauge = |v: u64| {
-            let g = Gauge::<i64>::default();
-            g.set(i64::try_from(v).unwrap_or(i64::MAX));
-            g
-        };
-        reg.register(
-            "global_limit_bytes",
-            "Global budget",
-            gauge(snap.global_limit),
-        );
-        reg.register(
-            "global_used_bytes",
-            "Bytes charged in all",
-            gauge(snap.global_used),
-        );
-        reg.register(
-            "idle_bytes",
-            "Idle chunks held for hand-over",
-            gauge(snap.idle),
-        );
-        reg.register(
-            "physical_bytes",
-            "Physical bytes of the broker's chunks",
-            gauge(snap.physical),
-        );
-        reg.register("engines", "Connections", gauge(snap.engines.len() as u64));
-        let c = &snap.counters;
-        let counter = |v: u64| {
-            let k = Counter::<u64>::default();
-            k.inc_by(v);
-            k
-        };
-        reg.register("grants", "Chunks granted", counter(c.grants));
-        reg.register(
-            "handovers",
-            "Chunks handed over without create",
-            counter(c.handovers),
-        );
-        reg.register(
-            "give_backs",
-            "Chunks given back by engines",
-            counter(c.give_backs),
-        );
-        reg.register("refusals", "Growths refused", counter(c.refusals));
-        reg.register(
-            "reclaim_requests",
-            "Reclaim requests pushed to engines",
-            counter(c.reclaim_requests),
-        );
-        reg.register(
-            "dead_engines",
-            "Connections closed with memory held",
-            counter(c.dead_engines),
-        );
-        reg.register("malformed", "Malformed messages", counter(c.malformed));
-        let driver = Family::<CallLabel, Counter>::default();
-        for call in DriverCall::ALL {
-            driver
-                .get_or_create(&CallLabel { call: call.name() })
-                .inc_by(calls.get(call));
-        }
-        reg.register("driver_calls", "Driver calls by kind", driver);
+        fill(&mut reg, snap, calls);
         reg.register(
             "grant_seconds",
             "Time to serve a growth (charge, create or hand over, export)",
             self.grant_seconds.clone(),
         );
+        if let (Some(h), Some(hc)) = (&snap.host_tier, host_calls) {
+            fill(reg.sub_registry_with_prefix("host"), h, hc);
+        }
         let mut out = String::new();
         if encode(&mut out, &reg).is_err() {
             out.clear();
@@ -165,8 +84,108 @@ impl Metrics {
     }
 }
 
-/// The metric families with a series per model (their names start with this).
-const PER_MODEL: &str = "elastic_vmm_broker_model_";
+/// The families of one tier (its models, budget, counters, driver calls) into `reg`.
+fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
+    let bytes = Family::<ModelState, Gauge>::default();
+    let limit = Family::<ModelLabel, Gauge>::default();
+    let guarantee = Family::<ModelLabel, Gauge>::default();
+    let refusals = Family::<ModelLabel, Counter>::default();
+    for m in &snap.models {
+        let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        for (state, v) in [
+            ("charged", m.used),
+            ("in_use", m.in_use),
+            ("idle", m.idle),
+            ("cached", m.cached),
+        ] {
+            bytes
+                .get_or_create(&ModelState {
+                    model: m.name.clone(),
+                    state,
+                })
+                .set(g(v));
+        }
+        let l = ModelLabel {
+            model: m.name.clone(),
+        };
+        limit.get_or_create(&l).set(g(m.limit));
+        guarantee.get_or_create(&l).set(g(m.guarantee));
+        refusals.get_or_create(&l).inc_by(m.refusals);
+    }
+    reg.register("model_bytes", "Bytes per model and state", bytes);
+    reg.register("model_limit_bytes", "Physical limit per model", limit);
+    reg.register("model_guarantee_bytes", "Guarantee per model", guarantee);
+    reg.register("model_refusals", "Growths refused per model", refusals);
+    let gauge = |v: u64| {
+        let g = Gauge::<i64>::default();
+        g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        g
+    };
+    reg.register(
+        "global_limit_bytes",
+        "Global budget",
+        gauge(snap.global_limit),
+    );
+    reg.register(
+        "global_used_bytes",
+        "Bytes charged in all",
+        gauge(snap.global_used),
+    );
+    reg.register(
+        "idle_bytes",
+        "Idle chunks held for hand-over",
+        gauge(snap.idle),
+    );
+    reg.register(
+        "physical_bytes",
+        "Physical bytes of the broker's chunks",
+        gauge(snap.physical),
+    );
+    reg.register("engines", "Connections", gauge(snap.engines.len() as u64));
+    let c = &snap.counters;
+    let counter = |v: u64| {
+        let k = Counter::<u64>::default();
+        k.inc_by(v);
+        k
+    };
+    reg.register("grants", "Chunks granted", counter(c.grants));
+    reg.register(
+        "handovers",
+        "Chunks handed over without create",
+        counter(c.handovers),
+    );
+    reg.register(
+        "give_backs",
+        "Chunks given back by engines",
+        counter(c.give_backs),
+    );
+    reg.register("refusals", "Growths refused", counter(c.refusals));
+    reg.register(
+        "reclaim_requests",
+        "Reclaim requests pushed to engines",
+        counter(c.reclaim_requests),
+    );
+    reg.register(
+        "dead_engines",
+        "Connections closed with memory held",
+        counter(c.dead_engines),
+    );
+    reg.register("malformed", "Malformed messages", counter(c.malformed));
+    let driver = Family::<CallLabel, Counter>::default();
+    for call in DriverCall::ALL {
+        driver
+            .get_or_create(&CallLabel { call: call.name() })
+            .inc_by(calls.get(call));
+    }
+    reg.register("driver_calls", "Driver calls by kind", driver);
+}
+
+/// The metric families with a series per model (their names start with one of these: the
+/// device's and the host tier's).
+const PER_MODEL: [&str; 2] = [
+    "elastic_vmm_broker_model_",
+    "elastic_vmm_broker_host_model_",
+];
 
 /// `text` without its per-model families (model names and their bytes, limits, guarantees,
 /// refusals): what a loopback port, open to every local user, may show unless the operator
@@ -180,7 +199,7 @@ pub fn aggregate_only(text: &str) -> String {
             .or_else(|| line.strip_prefix("# TYPE "))
             .or_else(|| line.strip_prefix("# UNIT "))
             .unwrap_or(line);
-        if !name.starts_with(PER_MODEL) {
+        if !PER_MODEL.iter().any(|p| name.starts_with(p)) {
             out.push_str(line);
             out.push('\n');
         }

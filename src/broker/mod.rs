@@ -16,6 +16,12 @@
 //!   give back, with a deadline, and keeps the old limit (with the numbers) when it cannot.
 //! - [`BrokerClient`] and [`RemoteModel`]: the engine's side. A remote model dereferences to
 //!   an ordinary [`crate::Pool`]: allocations, range maps, regions and layouts work unchanged.
+//! - A host tier ([`BrokerConfig::host_budget`]): the same machinery a second time on host
+//!   chunks (VMM host memory of the device on CUDA, memfd chunks mapped pinned otherwise), with
+//!   its own book, ledger and budget, for the engines' sleeps to stage through
+//!   ([`BrokerClient::register_host_tier`], then [`crate::Pool::stage_through`]): what one
+//!   engine's wake gives back serves the next engine's sleep without a create. Requests about
+//!   it are wrapped in [`protocol::Request::HostTier`] and follow every rule below.
 //! - [`protocol`]: the messages. [`metrics`]: Prometheus text.
 //!
 //! Security model (README, "Security model"): bookkeeping isolation between cooperating
@@ -47,6 +53,10 @@ pub use client::{BrokerClient, Welcome, DEFAULT_IMPORT_THREADS};
 pub use protocol::{ModelInfo, Snapshot};
 pub use remote::RemoteModel;
 pub use server::{Broker, BrokerConfig};
+
+/// The first id of the host tier's book: its models, chunks and tickets never share an id with
+/// the device book's (an engine's links and the reclaim pushes are keyed by model id).
+pub(crate) const HOST_IDS: u64 = 1 << 56;
 
 /// The default socket of the broker of `backend` (`"host"`, or `"cuda"` with a device ordinal):
 /// `$ELASTIC_VMM_BROKER` if set, else `$TMPDIR/elastic-vmm-<uid>/<backend>[<ordinal>].sock`

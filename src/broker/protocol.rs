@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::ipc::PeerCredentials;
 
 /// Version of this protocol; a peer with another version is refused at [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Most chunks one [`Request::GrowMany`] asks for, and most ids one [`Request::GiveBackMany`]
 /// carries: one frame holds at most [`crate::ipc::MAX_FDS`] descriptors.
@@ -144,10 +144,41 @@ pub enum Request {
         /// New guarantee in bytes.
         guarantee: u64,
     },
-    /// Release the broker's idle chunks to the driver (control connections).
+    /// Release the broker's idle chunks to the driver, the host tier's too (control
+    /// connections).
     Trim,
     /// Prometheus text exposition of the broker's metrics.
     Metrics,
+    /// The request inside, about the broker's host tier instead of its device: host models
+    /// with their own limits, guarantees and chunks (host memory exported as descriptors),
+    /// under the host budget, with the same rules (and the same roles) as device memory.
+    /// Refused by a broker without a host tier, and for a hello or another `HostTier` inside.
+    /// A [`Request::Snapshot`] inside answers the host tier's view (its backend and budget).
+    /// Decoding refuses a `HostTier` inside a `HostTier` (no recursion a peer can deepen).
+    HostTier(#[serde(deserialize_with = "one_level")] Box<Request>),
+}
+
+std::thread_local! {
+    /// Whether this thread is decoding the inside of a [`Request::HostTier`].
+    static IN_HOST_TIER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Decode the request inside a [`Request::HostTier`], refusing another one inside it: a
+/// message of nested wrappers would otherwise recurse as deep as a frame is long.
+fn one_level<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Request>, D::Error> {
+    struct Inside;
+    impl Drop for Inside {
+        fn drop(&mut self) {
+            IN_HOST_TIER.with(|f| f.set(false));
+        }
+    }
+    if IN_HOST_TIER.with(|f| f.replace(true)) {
+        return Err(serde::de::Error::custom(
+            "a host-tier request inside a host-tier request",
+        ));
+    }
+    let _inside = Inside;
+    Request::deserialize(d).map(Box::new)
 }
 
 /// A message from the broker.
@@ -440,6 +471,9 @@ pub struct Snapshot {
     pub counters: BrokerCounters,
     /// The ledger's self-check: `None` when the books balance.
     pub audit: Option<String>,
+    /// The host tier's own view (its backend, host budget, host models and counters), when
+    /// the broker has one; `None` inside that view.
+    pub host_tier: Option<Box<Snapshot>>,
 }
 
 #[cfg(test)]
@@ -504,6 +538,10 @@ mod tests {
             },
             Request::Trim,
             Request::Metrics,
+            Request::HostTier(Box::new(Request::Grow {
+                model: 1 << 56,
+                size: 2 << 20,
+            })),
         ]
         .into_iter()
         .map(|request| encode(&ToBroker { id: 77, request }).unwrap())
@@ -534,5 +572,47 @@ mod tests {
             let _ = decode::<FromBroker>(&m);
         }
         assert!(decoded > 0, "some mutations stay valid messages");
+    }
+
+    /// A host-tier request inside a host-tier request does not decode (a peer cannot make the
+    /// decoder recurse), at any depth; one level does, and a failed decode leaves the next
+    /// one unaffected.
+    #[test]
+    fn host_tier_requests_nest_one_level_only() {
+        let one = Request::HostTier(Box::new(Request::Snapshot));
+        let msg = ToBroker {
+            id: 1,
+            request: one,
+        };
+        assert_eq!(decode::<ToBroker>(&encode(&msg).unwrap()).unwrap(), msg);
+        let mut nested = Request::Snapshot;
+        for _ in 0..2 {
+            nested = Request::HostTier(Box::new(nested));
+        }
+        let two = encode(&ToBroker {
+            id: 2,
+            request: nested.clone(),
+        })
+        .unwrap();
+        // (postcard reports a custom error without its words.)
+        assert!(decode::<ToBroker>(&two).is_err());
+        // Deep nesting: the encoder recurses (our own value), the decoder stops at level two.
+        for _ in 0..10_000 {
+            nested = Request::HostTier(Box::new(nested));
+        }
+        let deep = std::thread::Builder::new()
+            .stack_size(64 << 20)
+            .spawn(move || {
+                encode(&ToBroker {
+                    id: 3,
+                    request: nested,
+                })
+                .unwrap()
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(decode::<ToBroker>(&deep).is_err());
+        assert_eq!(decode::<ToBroker>(&encode(&msg).unwrap()).unwrap(), msg);
     }
 }

@@ -13,8 +13,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::client::{reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest};
-use super::protocol::{ModelInfo, Refusal, Reply, Request, MAX_BATCH};
+use super::client::{
+    for_tier, reply_error, unexpected, BrokerClient, ClientInner, ModelLink, SentRequest,
+};
+use super::protocol::{ModelInfo, Refusal, RefusalCause, Reply, Request, MAX_BATCH};
 use crate::backend::{
     AccessMode, Backend, BackendInfo, Copies, DeviceReach, MemoryInfo, Need, PhysicalChunk,
 };
@@ -61,12 +63,13 @@ impl RemoteModel {
         &self.client
     }
 
-    /// The broker's line for this model (use, limit, guarantee, chunks, refusals).
+    /// The broker's line for this model (use, limit, guarantee, chunks, refusals), from the
+    /// host tier's view for a model of the host tier.
     pub fn broker_view(&self) -> Result<ModelInfo> {
-        self.client
-            .snapshot()?
-            .models
+        let s = self.client.snapshot()?;
+        s.models
             .into_iter()
+            .chain(s.host_tier.into_iter().flat_map(|h| h.models))
             .find(|m| m.id == self.key)
             .ok_or_else(|| Error::UnknownModel {
                 model: self.id.to_string(),
@@ -80,22 +83,49 @@ impl BrokerClient {
     /// pool cannot give back by itself). The model's address space is reserved here, with the
     /// kind of backend the broker has.
     pub fn register(&self, config: ModelConfig) -> Result<RemoteModel> {
+        self.register_on(config, false)
+    }
+
+    /// Register a model on the broker's host tier ([`super::BrokerConfig::host_budget`]): a
+    /// pool of host memory whose chunks the broker makes once, hands over between engines and
+    /// takes back when this engine ends, under the host budget, with `config`'s limit,
+    /// guarantee and priority enforced by the broker as for device memory. Its pool is
+    /// page-locked host memory the device reaches (VMM host memory on CUDA, or pinned memfd
+    /// memory): give it to [`crate::Pool::stage_through`] and the device models' sleeps stage
+    /// through it. Its chunks are given back as its pool releases them; the pool caches
+    /// none (unless `config`'s pool configuration says otherwise), so what a woken model
+    /// freed ([`crate::AfterWake::FreeHostMemory`]) serves the next engine's sleep.
+    pub fn register_host_tier(&self, config: ModelConfig) -> Result<RemoteModel> {
+        self.register_on(config, true)
+    }
+
+    fn register_on(&self, config: ModelConfig, host: bool) -> Result<RemoteModel> {
         let p = config.parts();
+        let inner = self.inner().clone();
+        // The host tier's backend is known before anything is registered.
+        let host_gran = if host {
+            Some(inner.host_local_backend()?)
+        } else {
+            None
+        };
         let request = Request::Register {
             model: p.id.to_string(),
             limit: p.limit,
             guarantee: p.guarantee,
             priority: p.priority,
         };
-        let key = match self.request(request)?.0 {
+        let key = match self.request(for_tier(host, request))?.0 {
             Reply::Registered { model } => model,
             other => return Err(unexpected("register", &other)),
         };
-        let inner = self.inner().clone();
-        let local = match inner.local_backend() {
+        let local = match host_gran {
+            Some((b, _)) => Ok(b),
+            None => inner.local_backend(),
+        };
+        let local = match local {
             Ok(b) => b,
             Err(e) => {
-                inner.notify(Request::Unregister { model: key });
+                inner.notify(for_tier(host, Request::Unregister { model: key }));
                 return Err(e);
             }
         };
@@ -103,14 +133,21 @@ impl BrokerClient {
         let backend = Arc::new(ModelBackend {
             client: inner.clone(),
             model: key,
+            host,
             name: id.clone(),
             local,
             granted: Mutex::new(HashMap::new()),
             held: AtomicU64::new(0),
         });
-        let mut cfg = p
-            .pool
-            .unwrap_or_else(|| PoolConfig::new(p.virtual_capacity));
+        let mut cfg = p.pool.unwrap_or_else(|| {
+            let c = PoolConfig::new(p.virtual_capacity);
+            if host {
+                // What the tier frees goes back to the broker at once, for the next engine.
+                c.max_cached(0)
+            } else {
+                c
+            }
+        });
         cfg.capacity = p.virtual_capacity;
         cfg.name = p.id.to_string();
         // On failure the backend drops here, which unregisters the model.
@@ -120,6 +157,7 @@ impl BrokerClient {
             ModelLink {
                 pool: Arc::downgrade(pool.inner()),
                 reclaim: p.reclaim,
+                host,
             },
         );
         tracing::debug!(model = %id, key, "model registered on the broker");
@@ -158,6 +196,51 @@ impl BrokerClient {
 }
 
 impl ClientInner {
+    /// The backend this engine maps the broker's host-tier chunks with, and their granularity,
+    /// made on first use from the host tier's own view: CUDA's host tier for VMM host memory,
+    /// a locked (pinned) host backend for memfd chunks.
+    pub(crate) fn host_local_backend(&self) -> Result<(Arc<dyn Backend>, u64)> {
+        if let Some(b) = self.host_local.get() {
+            return Ok(b.clone());
+        }
+        let snap = match self
+            .request(Request::HostTier(Box::new(Request::Snapshot)))?
+            .0
+        {
+            Reply::Snapshot(s) => s,
+            other => return Err(unexpected("host tier", &other)),
+        };
+        let desc = &snap.backend;
+        let gran = usize::try_from(desc.granularity).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "host tier granularity {} from the broker",
+                desc.granularity
+            ))
+        })?;
+        let made: Arc<dyn Backend> = match desc.name.as_str() {
+            "host" => Arc::new(crate::backend::host::HostBackend::locked(gran)?),
+            "cuda" => Arc::new(crate::backend::cuda::CudaBackend::host_tier(
+                desc.device_ordinal.unwrap_or(0),
+            )?),
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "the broker's host tier backend {other:?} is unknown here"
+                )))
+            }
+        };
+        if made.info().granularity != gran {
+            return Err(Error::InvalidArgument(format!(
+                "the broker's host tier chunks have granularity {gran}, this process's {} backend {}",
+                made.info().name,
+                made.info().granularity
+            )));
+        }
+        Ok(self
+            .host_local
+            .get_or_init(|| (made, desc.granularity))
+            .clone())
+    }
+
     /// The backend this engine maps the broker's chunks with, made on first use.
     pub(crate) fn local_backend(&self) -> Result<Arc<dyn Backend>> {
         if let Some(b) = self.local.get() {
@@ -188,6 +271,8 @@ impl ClientInner {
 pub(crate) struct ModelBackend {
     client: Arc<ClientInner>,
     model: u64,
+    /// A model of the broker's host tier (requests wrapped in [`Request::HostTier`]).
+    host: bool,
     name: Arc<str>,
     local: Arc<dyn Backend>,
     /// Local raw handle -> the broker's chunk id. Bookkeeping only.
@@ -198,20 +283,28 @@ pub(crate) struct ModelBackend {
 impl Drop for ModelBackend {
     fn drop(&mut self) {
         self.client.links.lock().remove(&self.model);
-        self.client
-            .notify(Request::Unregister { model: self.model });
+        self.client.notify(for_tier(
+            self.host,
+            Request::Unregister { model: self.model },
+        ));
     }
 }
 
 /// Batch growth requests one growth keeps in flight.
 const GROW_WINDOW: usize = 2;
 
-/// The broker's refusal as the crate's error, numbers kept.
-fn refusal_error(r: Refusal) -> Error {
+/// The broker's refusal as the crate's error, numbers kept (the global numbers of a host-tier
+/// model's refusal are the host budget's).
+fn refusal_error(r: Refusal, host: bool) -> Error {
+    let cause = match (host, r.cause) {
+        (true, RefusalCause::Global) => "the broker's host budget",
+        (true, RefusalCause::ModelLimit) => "the model's host limit",
+        (_, c) => c.describe(),
+    };
     Error::AdmissionRefused {
         model: r.model,
         requested: r.requested,
-        cause: r.cause.describe(),
+        cause,
         model_used: r.model_used,
         model_limit: r.model_limit,
         global_used: r.global_used,
@@ -321,15 +414,20 @@ fn import_all(
 }
 
 impl ModelBackend {
+    /// `request` for this model's tier.
+    fn wrap(&self, request: Request) -> Request {
+        for_tier(self.host, request)
+    }
+
     /// Give chunks back in as few messages as the protocol allows; the replies are awaited
     /// after every message went out.
     fn give_back_many(&self, chunks: Vec<u64>) {
         let mut sent = Vec::new();
         for batch in chunks.chunks(MAX_BATCH as usize) {
-            match self.client.send_request(Request::GiveBackMany {
+            match self.client.send_request(self.wrap(Request::GiveBackMany {
                 model: self.model,
                 chunks: batch.to_vec(),
-            }) {
+            })) {
                 Ok(s) => sent.push(s),
                 // The connection is gone: the broker took every chunk back when it closed.
                 Err(e) => {
@@ -352,10 +450,10 @@ impl ModelBackend {
     }
 
     fn give_back(&self, chunk: u64) {
-        match self.client.request(Request::GiveBack {
+        match self.client.request(self.wrap(Request::GiveBack {
             model: self.model,
             chunk,
-        }) {
+        })) {
             Ok((Reply::Done, _)) => {}
             Ok((other, _)) => {
                 tracing::warn!(model = %self.name, chunk, reply = ?other, "broker refused a chunk given back")
@@ -370,10 +468,10 @@ impl ModelBackend {
 
 impl Backend for ModelBackend {
     fn create(&self, size: usize) -> Result<PhysicalChunk> {
-        let (reply, mut fds) = self.client.request(Request::Grow {
+        let (reply, mut fds) = self.client.request(self.wrap(Request::Grow {
             model: self.model,
             size: size as u64,
-        })?;
+        }))?;
         match reply {
             Reply::Granted {
                 chunk,
@@ -406,7 +504,7 @@ impl Backend for ModelBackend {
                     }
                 }
             }
-            Reply::Refused(r) => Err(refusal_error(r)),
+            Reply::Refused(r) => Err(refusal_error(r, self.host)),
             Reply::Error { kind, message } => Err(reply_error(kind, message)),
             other => Err(unexpected("grow", &other)),
         }
@@ -428,12 +526,12 @@ impl Backend for ModelBackend {
                     failure: &mut Option<Error>| {
             while failure.is_none() && *left > 0 && sent.len() < GROW_WINDOW {
                 let n = (*left).min(per);
-                match self.client.send_request(Request::GrowMany {
+                match self.client.send_request(self.wrap(Request::GrowMany {
                     model: self.model,
                     size: size as u64,
                     count: n as u32,
                     look_ahead: need == Need::LookAhead,
-                }) {
+                })) {
                     Ok(s) => sent.push_back((n, s)),
                     Err(e) => *failure = Some(e),
                 }
@@ -478,7 +576,7 @@ impl Backend for ModelBackend {
                     continue;
                 }
                 Reply::Refused(r) => {
-                    failure.get_or_insert(refusal_error(r));
+                    failure.get_or_insert(refusal_error(r, self.host));
                     continue;
                 }
                 Reply::Error { kind, message } => {
@@ -995,6 +1093,166 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+        broker.shutdown();
+    }
+
+    /// Two engines sleep through the broker's host tier in turn: A's sleep maps host chunks
+    /// the broker made, its wake gives them back (to the broker's idle list), and B's sleep is
+    /// served by those very chunks (hand-overs, no create). Contents come back byte-exact; a
+    /// host limit refuses with the numbers and the host tier's wording.
+    #[test]
+    fn engines_sleep_through_the_brokers_host_tier_in_turn() {
+        use crate::{AfterWake, SleepPolicy};
+        const MIB: u64 = 1 << 20;
+        let broker =
+            Broker::host(BrokerConfig::new(socket("hosttier"), 64 * MIB).host_budget(8 * MIB))
+                .unwrap();
+        let engine = |name: &str, tag: u8| {
+            let c = BrokerClient::connect(broker.socket(), name).unwrap();
+            let m = c
+                .register(ModelConfig::new(name, 1 << 30, 32 * MIB))
+                .unwrap();
+            let tier = c
+                .register_host_tier(ModelConfig::new(format!("{name}-host"), 1 << 30, 8 * MIB))
+                .unwrap();
+            m.stage_through(Some(tier.pool().clone())).unwrap();
+            let mut a = m.allocate((4 * MIB) as usize).unwrap();
+            let data: Vec<u8> = (0..4 * MIB).map(|i| (i as u8).wrapping_mul(tag)).collect();
+            a.write(0, &data).unwrap();
+            (c, m, tier, a, data)
+        };
+        let host = |c: &BrokerClient| c.snapshot().unwrap().host_tier.unwrap();
+        let (ca, ma, ta, aa, da) = engine("a", 3);
+        ma.sleep(&SleepPolicy::offload_all()).unwrap();
+        let asleep = host(&ca);
+        assert!(asleep.global_used >= 4 * MIB, "{asleep:?}");
+        assert_eq!(ta.broker_view().unwrap().used, asleep.global_used);
+        let made = asleep.counters.creates;
+        assert!(made >= 1);
+        ma.wake(AfterWake::FreeHostMemory).unwrap();
+        let mut back = vec![0u8; da.len()];
+        aa.read(0, &mut back).unwrap();
+        assert!(back == da, "A byte-exact");
+        let woke = host(&ca);
+        assert_eq!(ta.broker_view().unwrap().used, 0, "{woke:?}");
+        assert_eq!(
+            woke.idle, asleep.global_used,
+            "A's host chunks wait at the broker"
+        );
+        let (cb, mb, tb, ab, db) = engine("b", 5);
+        mb.sleep(&SleepPolicy::offload_all()).unwrap();
+        let b_asleep = host(&cb);
+        assert_eq!(b_asleep.counters.creates, made, "no host chunk made for B");
+        assert!(
+            b_asleep.counters.handovers >= made,
+            "{:?}",
+            b_asleep.counters
+        );
+        assert!(tb.broker_view().unwrap().used >= 4 * MIB);
+        // A's tier may not take what B holds beyond the budget: refused with the numbers.
+        let e = ta.allocate((6 * MIB) as usize).unwrap_err();
+        assert!(
+            matches!(e, Error::AdmissionRefused { global_limit, .. } if global_limit == 8 * MIB),
+            "{e}"
+        );
+        assert!(e.to_string().contains("host"), "{e}");
+        mb.wake(AfterWake::FreeHostMemory).unwrap();
+        ab.read(0, &mut back).unwrap();
+        assert!(back == db, "B byte-exact");
+        // The device books never saw host memory.
+        let s = ca.snapshot().unwrap();
+        assert!(
+            s.models.iter().all(|m| !m.name.ends_with("-host")),
+            "{:?}",
+            s.models
+        );
+        assert_eq!(s.audit, None);
+        assert_eq!(host(&ca).audit, None);
+        drop((aa, ab, ma, mb, ta, tb, ca, cb));
+        broker.shutdown();
+    }
+
+    /// The host budget under many threads: four engines' host tiers, two threads each, grow
+    /// and free 2 to 6 MiB at a time against a host budget of 8 MiB while a sampler reads the
+    /// host tier's books: its use never passes the budget, every refusal is an admission
+    /// refusal, the books balance throughout, and everything is back at the end.
+    #[test]
+    fn the_host_budget_holds_under_many_threads() {
+        use std::sync::atomic::AtomicBool;
+        const MIB: u64 = 1 << 20;
+        let budget = 8 * MIB;
+        let broker = Broker::host(
+            BrokerConfig::new(socket("hostmany"), 64 * MIB)
+                .host_budget(budget)
+                .reclaim_wait(Duration::from_millis(50)),
+        )
+        .unwrap();
+        let tiers: Vec<(BrokerClient, RemoteModel)> = (0..4)
+            .map(|i| {
+                let c = BrokerClient::connect(broker.socket(), &format!("e{i}")).unwrap();
+                let t = c
+                    .register_host_tier(ModelConfig::new(format!("e{i}-host"), 1 << 30, budget))
+                    .unwrap();
+                (c, t)
+            })
+            .collect();
+        let ctl = BrokerClient::connect_control(broker.socket(), "ctl").unwrap();
+        let done = AtomicBool::new(false);
+        let (mut granted, mut refused) = (0u64, 0u64);
+        std::thread::scope(|s| {
+            let sampler = s.spawn(|| {
+                let mut samples = 0u64;
+                while !done.load(Ordering::SeqCst) {
+                    let h = ctl.snapshot().unwrap().host_tier.unwrap();
+                    assert!(h.global_used <= h.global_limit, "{h:?}");
+                    assert_eq!(h.audit, None);
+                    samples += 1;
+                }
+                samples
+            });
+            let workers: Vec<_> = tiers
+                .iter()
+                .flat_map(|(_, t)| [t.clone(), t.clone()])
+                .enumerate()
+                .map(|(k, t)| {
+                    s.spawn(move || {
+                        let (mut ok, mut no) = (0u64, 0u64);
+                        for i in 0..40u64 {
+                            let mib = 2 + (i * 7 + k as u64) % 5;
+                            match t.allocate((mib * MIB) as usize) {
+                                Ok(mut a) => {
+                                    a.write(0, &[k as u8; 64]).unwrap();
+                                    let mut back = [0u8; 64];
+                                    a.read(0, &mut back).unwrap();
+                                    assert_eq!(back, [k as u8; 64]);
+                                    ok += 1;
+                                }
+                                Err(e) => {
+                                    assert!(matches!(e, Error::AdmissionRefused { .. }), "{e}");
+                                    no += 1;
+                                }
+                            }
+                        }
+                        (ok, no)
+                    })
+                })
+                .collect();
+            for w in workers {
+                let (ok, no) = w.join().unwrap();
+                granted += ok;
+                refused += no;
+            }
+            done.store(true, Ordering::SeqCst);
+            assert!(sampler.join().unwrap() > 0);
+        });
+        assert!(granted > 0, "{granted} granted, {refused} refused");
+        for (_, t) in &tiers {
+            t.trim().unwrap();
+        }
+        let h = ctl.snapshot().unwrap().host_tier.unwrap();
+        assert!(h.models.iter().all(|m| m.used == 0), "{:?}", h.models);
+        assert_eq!((h.global_used, h.audit.clone()), (h.idle, None), "{h:?}");
+        drop((tiers, ctl));
         broker.shutdown();
     }
 }

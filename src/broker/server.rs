@@ -25,6 +25,7 @@ use super::protocol::{
     BackendDesc, ChangeOutcome, ErrorKind, FromBroker, Push, Reply, Request, Role, Snapshot,
     ToBroker, MAX_BATCH,
 };
+use super::HOST_IDS;
 use crate::backend::counting::Counting;
 use crate::backend::{Backend, PhysicalChunk};
 use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
@@ -69,6 +70,14 @@ pub struct BrokerConfig {
     /// lives). `None`: half the global limit, so that no other user can take the whole budget
     /// and the operator's engines always have half of it to grow or reclaim into.
     pub max_bytes_per_user: Option<u64>,
+    /// The host tier's budget in bytes (`None`: no host tier). Engines then get host memory
+    /// from the broker too ([`super::BrokerClient::register_host_tier`]): host chunks the
+    /// broker makes once (VMM host memory on CUDA, pinned memfd memory otherwise), exported as
+    /// descriptors, under this budget and the same rules as device memory (limits,
+    /// guarantees, hand-over of idle chunks, reclaims, memory back when an engine ends).
+    /// Guarantees on the host tier: the broker's own user and root only, and the caps per
+    /// user are half the host budget.
+    pub host_budget: Option<u64>,
 }
 
 impl BrokerConfig {
@@ -89,7 +98,14 @@ impl BrokerConfig {
             max_guarantee_total: None,
             max_guarantee_per_user: None,
             max_bytes_per_user: None,
+            host_budget: None,
         }
+    }
+
+    /// Give the broker a host tier with a budget of `bytes` (see [`BrokerConfig::host_budget`]).
+    pub fn host_budget(mut self, bytes: u64) -> Self {
+        self.host_budget = Some(bytes);
+        self
     }
 
     /// Let group `gid` connect engines too (socket mode 0660).
@@ -155,6 +171,10 @@ pub(crate) struct Shared {
     pub(super) uid: u32,
     pub(super) stopping: AtomicBool,
     pub(crate) metrics: Metrics,
+    /// The host tier: the same machinery on host chunks, with its own book (ids from
+    /// [`HOST_IDS`]), budget and backend; `None` for a broker without one, and inside it.
+    /// Lock order: never the device book and the host book at once.
+    pub(crate) host: Option<Arc<Shared>>,
 }
 
 /// A running broker. Dropping it (or [`Broker::shutdown`]) stops it: connections are closed and
@@ -163,6 +183,7 @@ pub struct Broker {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
     reaper: Option<JoinHandle<()>>,
+    host_reaper: Option<JoinHandle<()>>,
     dir: SocketDir,
     _lock: File,
 }
@@ -209,7 +230,36 @@ impl Broker {
     /// The budget never exceeds the device's free memory at start: memory other processes hold
     /// (engines of an earlier broker that still map its chunks, other programs) is not there
     /// to grant, so a larger `global_limit` is cut to what is free, with a warning.
-    pub fn start(backend: Arc<dyn Backend>, mut config: BrokerConfig) -> Result<Broker> {
+    ///
+    /// With [`BrokerConfig::host_budget`], the host tier's chunks come from VMM host memory of
+    /// the device (CUDA) where the driver has it, else from pinned memfd memory (see
+    /// [`Broker::start_tiered`]).
+    pub fn start(backend: Arc<dyn Backend>, config: BrokerConfig) -> Result<Broker> {
+        let host = match config.host_budget {
+            Some(_) => Some(default_host_tier(backend.info())?),
+            None => None,
+        };
+        Self::start_tiered(backend, host, config)
+    }
+
+    /// [`Broker::start`] with the host tier's chunks from `host` (exported as descriptors; the
+    /// engines map them with the matching backend: CUDA's host tier for a `"cuda"` backend,
+    /// a locked host backend for `"host"`). `host` is used only with
+    /// [`BrokerConfig::host_budget`].
+    pub fn start_tiered(
+        backend: Arc<dyn Backend>,
+        host: Option<Arc<dyn Backend>>,
+        mut config: BrokerConfig,
+    ) -> Result<Broker> {
+        let host = match (config.host_budget, host) {
+            (Some(budget), Some(h)) => Some((budget, h)),
+            (Some(_), None) => {
+                return Err(Error::InvalidArgument(
+                    "a host budget without a host tier backend".into(),
+                ))
+            }
+            (None, _) => None,
+        };
         let info = backend.info().clone();
         if !info.posix_fd_exportable {
             return Err(Error::InvalidArgument(format!(
@@ -270,6 +320,10 @@ impl Broker {
             max_guarantee_per_user: config.max_guarantee_per_user,
             max_bytes_per_user: config.max_bytes_per_user.unwrap_or(config.global_limit / 2),
         };
+        let host = match host {
+            Some((budget, h)) => Some(host_tier_shared(h, budget, &config, uid)?),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             backend: Arc::new(Counting::new(backend)),
             desc,
@@ -280,6 +334,7 @@ impl Broker {
             stopping: AtomicBool::new(false),
             metrics: Metrics::new(),
             config,
+            host,
         });
         tracing::info!(socket = %path.display(), global_limit = shared.config.global_limit, backend = %shared.desc.name, "broker listening");
         let s = shared.clone();
@@ -287,6 +342,29 @@ impl Broker {
             .name("broker-reaper".into())
             .spawn(move || reap_loop(s))
             .map_err(|e| io_err("spawn", &path, e))?;
+        let stop_reapers = |reaper: JoinHandle<()>, host_reaper: Option<JoinHandle<()>>| {
+            for s in std::iter::once(&shared).chain(shared.host.as_ref()) {
+                s.stopping.store(true, Ordering::SeqCst);
+                s.changed.notify_all();
+            }
+            let _ = reaper.join();
+            if let Some(t) = host_reaper {
+                let _ = t.join();
+            }
+        };
+        let host_reaper = match shared.host.clone() {
+            Some(h) => match std::thread::Builder::new()
+                .name("broker-host-reaper".into())
+                .spawn(move || reap_loop(h))
+            {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    stop_reapers(reaper, None);
+                    return Err(io_err("spawn", &path, e));
+                }
+            },
+            None => None,
+        };
         let s = shared.clone();
         let accept = std::thread::Builder::new()
             .name("broker-accept".into())
@@ -294,9 +372,7 @@ impl Broker {
         let accept = match accept {
             Ok(t) => t,
             Err(e) => {
-                shared.stopping.store(true, Ordering::SeqCst);
-                shared.changed.notify_all();
-                let _ = reaper.join();
+                stop_reapers(reaper, host_reaper);
                 return Err(io_err("spawn", &path, e));
             }
         };
@@ -304,6 +380,7 @@ impl Broker {
             shared,
             accept: Some(accept),
             reaper: Some(reaper),
+            host_reaper,
             dir,
             _lock: lock,
         })
@@ -364,19 +441,28 @@ impl Broker {
         if let Some(t) = self.reaper.take() {
             let _ = t.join();
         }
-        // Orphaned memory too: the broker's references go now (processes that still map a
-        // chunk keep their own).
-        let orphaned = {
-            let mut book = self.shared.book.lock();
-            let conns: Vec<u64> = book.orphans.iter().map(|o| o.conn).collect();
-            conns
-                .into_iter()
-                .flat_map(|c| book.reap(c))
-                .collect::<Vec<_>>()
-        };
-        self.shared.release_all(orphaned, None);
-        let idle = self.shared.book.lock().take_idle(u64::MAX);
-        self.shared.release_all(idle, Some(IDLE));
+        if let Some(h) = &self.shared.host {
+            h.stopping.store(true, Ordering::SeqCst);
+            h.changed.notify_all();
+        }
+        if let Some(t) = self.host_reaper.take() {
+            let _ = t.join();
+        }
+        for s in std::iter::once(&self.shared).chain(self.shared.host.as_ref()) {
+            // Orphaned memory too: the broker's references go now (processes that still map
+            // a chunk keep their own).
+            let orphaned = {
+                let mut book = s.book.lock();
+                let conns: Vec<u64> = book.orphans.iter().map(|o| o.conn).collect();
+                conns
+                    .into_iter()
+                    .flat_map(|c| book.reap(c))
+                    .collect::<Vec<_>>()
+            };
+            s.release_all(orphaned, None);
+            let idle = s.book.lock().take_idle(u64::MAX);
+            s.release_all(idle, Some(IDLE));
+        }
         self.dir.remove_socket();
     }
 }
@@ -387,6 +473,98 @@ impl Drop for Broker {
             self.stop();
         }
     }
+}
+
+/// The host tier's backend for a broker on `device`: VMM host memory of the same CUDA device
+/// where the driver exports it as descriptors, else memfd chunks (engines map them pinned).
+fn default_host_tier(device: &crate::backend::BackendInfo) -> Result<Arc<dyn Backend>> {
+    use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+    if device.name == "cuda" {
+        let ordinal = device.device_ordinal.unwrap_or(0);
+        match crate::backend::cuda::CudaBackend::host_tier(ordinal) {
+            Ok(b) if b.info().posix_fd_exportable => return Ok(Arc::new(b)),
+            Ok(_) => tracing::info!(
+                ordinal,
+                "host tier: VMM host memory not exportable as descriptors here; memfd chunks, pinned by the engines"
+            ),
+            Err(e) => tracing::info!(
+                ordinal,
+                reason = %e,
+                "host tier: no VMM host memory; memfd chunks, pinned by the engines"
+            ),
+        }
+    }
+    Ok(Arc::new(HostBackend::with_chunk_files(
+        DEFAULT_GRANULARITY,
+        ChunkFiles::PerChunk,
+    )?))
+}
+
+/// The host tier's state: the broker's machinery on `backend`'s host chunks under `budget`
+/// (cut to the host's free memory), its book's ids apart from the device book's.
+fn host_tier_shared(
+    backend: Arc<dyn Backend>,
+    mut budget: u64,
+    config: &BrokerConfig,
+    uid: u32,
+) -> Result<Arc<Shared>> {
+    let info = backend.info().clone();
+    if !info.posix_fd_exportable || info.memory_kind != crate::backend::MemoryKind::Host {
+        return Err(Error::InvalidArgument(format!(
+            "the host tier's {} backend ({}) must make host memory exportable as POSIX descriptors",
+            info.name, info.device_name
+        )));
+    }
+    // Host memory: the machine's available memory (a CUDA host-tier backend's own memory
+    // info is the device's).
+    match crate::backend::host::read_meminfo() {
+        Ok(mem) if budget > mem.free => {
+            tracing::warn!(
+                asked = budget,
+                free = mem.free,
+                "host budget above the host's free memory; the budget is the free memory"
+            );
+            budget = mem.free;
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "the host's free memory is unknown; the host budget is taken as given")
+        }
+    }
+    if budget < info.granularity as u64 {
+        return Err(Error::InvalidArgument(format!(
+            "host budget {budget} is below one granule of {} bytes",
+            info.granularity
+        )));
+    }
+    let policy = Policy {
+        broker_uid: uid,
+        max_models_per_user: config.max_models_per_user,
+        max_guarantee_total: None,
+        max_guarantee_per_user: None,
+        max_bytes_per_user: budget / 2,
+    };
+    let mut host_config = config.clone();
+    host_config.global_limit = budget;
+    host_config.host_budget = None;
+    tracing::info!(host_budget = budget, backend = %info.name, device = %info.device_name, "broker host tier");
+    Ok(Arc::new(Shared {
+        backend: Arc::new(Counting::new(backend)),
+        desc: BackendDesc {
+            name: info.name.to_string(),
+            device_ordinal: info.device_ordinal,
+            granularity: info.granularity as u64,
+            device_name: info.device_name.clone(),
+        },
+        book: Mutex::new(Book::new(budget, policy).ids_from(HOST_IDS)),
+        changed: Condvar::new(),
+        pid: std::process::id(),
+        uid,
+        stopping: AtomicBool::new(false),
+        metrics: Metrics::new(),
+        config: host_config,
+        host: None,
+    }))
 }
 
 pub(super) fn error_reply(kind: ErrorKind, message: impl Into<String>) -> Reply {
@@ -564,6 +742,16 @@ impl Shared {
             // short wait spares the books (and the log) an orphan gone at once.
             .filter(|fd| !ipc::process_exited(&**fd, Duration::from_millis(20)))
             .map(|fd| (peer.pid, fd));
+        // The host tier first: the broker's stop waits for the device book's connections.
+        if let Some(h) = &self.host {
+            h.end_connection(conn, peer, alive.clone());
+        }
+        self.end_connection(conn, peer, alive);
+    }
+
+    /// Connection `conn` ended (see [`Shared::guarded`]): its models go with their memory, or
+    /// stay orphaned while its process (`alive`) lives.
+    fn end_connection(&self, conn: u64, peer: PeerCredentials, alive: Option<(i32, Arc<OwnedFd>)>) {
         let orphaning = alive.is_some();
         let chunks = {
             let mut book = self.book.lock();
@@ -608,7 +796,7 @@ impl Shared {
         let physical = self.backend.physical_bytes().unwrap_or(0);
         let book = self.book.lock();
         let (engines, models) = book.view(viewer);
-        Snapshot {
+        let mut snap = Snapshot {
             broker_pid: self.pid,
             backend: self.desc.clone(),
             global_limit: book.ledger.global_limit,
@@ -619,12 +807,18 @@ impl Shared {
             models,
             counters: book.counters.clone(),
             audit: book.audit().err(),
-        }
+            host_tier: None,
+        };
+        drop(book);
+        snap.host_tier = self.host.as_ref().map(|h| Box::new(h.snapshot(viewer)));
+        snap
     }
 
     pub(crate) fn metrics_text(&self) -> String {
         let snap = self.snapshot(None);
-        self.metrics.render(&snap, &self.backend.counts())
+        let host_calls = self.host.as_ref().map(|h| h.backend.counts());
+        self.metrics
+            .render(&snap, &self.backend.counts(), host_calls.as_ref())
     }
 
     /// Release moving chunks to the driver, settling the book for each.
@@ -829,9 +1023,14 @@ impl Shared {
                 (Reply::Metrics(self.metrics_text()), Vec::new())
             }
             Request::Trim if control_only(role) => {
-                let idle = self.book.lock().take_idle(u64::MAX);
-                let released = idle.iter().map(|(_, c)| c.size as u64).sum();
-                self.release_all(idle, Some(IDLE));
+                // Every idle chunk the broker holds: the host tier's too (`HostTier(Trim)`
+                // trims the host tier's alone).
+                let mut released = 0u64;
+                for s in std::iter::once(self).chain(self.host.as_deref()) {
+                    let idle = s.book.lock().take_idle(u64::MAX);
+                    released += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
+                    s.release_all(idle, Some(IDLE));
+                }
                 (Reply::Trimmed { released }, Vec::new())
             }
             Request::SetLimit {
@@ -849,6 +1048,24 @@ impl Shared {
             Request::SetGuarantee { model, guarantee } if control_only(role) => {
                 (self.set_guarantee(conn, &model, guarantee), Vec::new())
             }
+            Request::HostTier(inner) => match (&self.host, *inner) {
+                (None, _) => (
+                    error_reply(
+                        ErrorKind::InvalidArgument,
+                        "this broker has no host tier (start it with a host budget)",
+                    ),
+                    Vec::new(),
+                ),
+                (Some(_), Request::Hello { .. } | Request::HostTier(_)) => (
+                    error_reply(
+                        ErrorKind::InvalidArgument,
+                        "a hello or a host-tier request cannot be sent to the host tier",
+                    ),
+                    Vec::new(),
+                ),
+                // The same rules on the host tier's book: roles, owners, numbers, budget.
+                (Some(h), inner) => h.handle(conn, role, inner),
+            },
             Request::Metrics
             | Request::Trim
             | Request::SetLimit { .. }

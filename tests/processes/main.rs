@@ -8,6 +8,7 @@
 mod broker;
 mod chunks;
 mod common;
+mod host_tier;
 mod p2p;
 mod security;
 
@@ -21,6 +22,7 @@ fn tests() -> Vec<Test> {
     t.extend(broker::TESTS);
     t.extend(security::TESTS);
     t.extend(p2p::TESTS);
+    t.extend(host_tier::TESTS);
     t
 }
 

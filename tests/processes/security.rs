@@ -189,11 +189,11 @@ pub fn role(name: &str) -> Option<fn()> {
 }
 
 /// The second user (and its group).
-const NOBODY: u32 = 65534;
+pub(crate) const NOBODY: u32 = 65534;
 
 /// These tests play a second user: they must run as root (to drop a child to uid 65534 and to
 /// make folders of another owner).
-fn require_root() {
+pub(crate) fn require_root() {
     assert_eq!(
         rustix::process::geteuid().as_raw(),
         0,
@@ -802,10 +802,18 @@ fn foreign_client() {
     for (id, line) in (10u64..).zip(std::io::stdin().lock().lines()) {
         let line = line.unwrap();
         let w: Vec<&str> = line.split_whitespace().collect();
+        // "host <command>": the command's request about the broker's host tier.
+        let host = w.first() == Some(&"host");
+        let w = if host { w[1..].to_vec() } else { w };
         let n = |i: usize| w.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
         let mut ask = |request: Request| -> String {
             let Some(s) = &conn else {
                 return "no connection".into();
+            };
+            let request = if host {
+                Request::HostTier(Box::new(request))
+            } else {
+                request
             };
             if ipc::send_frame(s, &ipc::encode(&ToBroker { id, request }).unwrap(), &[]).is_err() {
                 return "closed".into();

@@ -92,6 +92,12 @@ pub struct BrokerArgs {
     /// bounded by the budget only.
     #[arg(long, value_parser = parse_size)]
     pub max_bytes_per_user: Option<u64>,
+    /// Give the broker a host tier with this budget (bytes, or with K/M/G/T): host memory
+    /// (VMM host chunks on CUDA, else pinned memfd chunks) the broker makes once and hands
+    /// between engines (`BrokerClient::register_host_tier`), for their sleeps to stage
+    /// through, under the same rules as device memory. Default: no host tier.
+    #[arg(long, value_parser = parse_size)]
+    pub host_budget: Option<u64>,
     /// How long a growth waits for other engines to give memory back, in ms.
     #[arg(long, default_value_t = 2000)]
     pub reclaim_wait_ms: u64,
@@ -149,6 +155,7 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
     config.max_guarantee_total = args.max_guarantee_total;
     config.max_guarantee_per_user = args.max_guarantee_per_user;
     config.max_bytes_per_user = args.max_bytes_per_user;
+    config.host_budget = args.host_budget;
     let broker = Broker::start(backend, config)?;
     if let Some(addr) = args.metrics_addr {
         let b = Arc::new(broker::BrokerClient::connect_control(&socket, "metrics")?);
@@ -170,8 +177,16 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
             human_bytes(global_limit)
         );
     }
+    let host = broker.snapshot().host_tier.map_or(String::new(), |h| {
+        format!(
+            ", host tier {} ({}) budget {}",
+            h.backend.name,
+            h.backend.device_name,
+            human_bytes(h.global_limit)
+        )
+    });
     println!(
-        "broker pid {} on {} ({} {}, budget {})",
+        "broker pid {} on {} ({} {}, budget {}{host})",
         std::process::id(),
         socket.display(),
         info.name,
@@ -357,6 +372,9 @@ pub fn table(s: &Snapshot, counters: bool) -> String {
         if let Some(a) = &s.audit {
             let _ = writeln!(out, "AUDIT FAILED: {a}");
         }
+    }
+    if let Some(h) = &s.host_tier {
+        let _ = write!(out, "host tier: {}", table(h, counters));
     }
     out
 }

@@ -136,11 +136,20 @@ pub fn draw(f: &mut Frame, s: &Snapshot, state: &TopState, socket: &std::path::P
             .gauge_style(Style::default().fg(Color::Green))
             .ratio(ratio)
             .label(format!(
-                "{} of {}  (idle at broker {}, physical {})",
+                "{} of {}  (idle at broker {}, physical {}){}",
                 human_bytes(s.global_used),
                 human_bytes(s.global_limit),
                 human_bytes(s.idle),
-                human_bytes(s.physical)
+                human_bytes(s.physical),
+                s.host_tier.as_ref().map_or(String::new(), |h| format!(
+                    "  host tier {} of {} (idle {}, {} models, {} hand-overs, {} creates)",
+                    human_bytes(h.global_used),
+                    human_bytes(h.global_limit),
+                    human_bytes(h.idle),
+                    h.models.len(),
+                    h.counters.handovers,
+                    h.counters.creates
+                ))
             )),
         gauge,
     );
@@ -310,7 +319,13 @@ mod tests {
             }],
             counters: BrokerCounters::default(),
             audit: None,
+            host_tier: None,
         };
+        let mut snap = snap;
+        let mut host = snap.clone();
+        host.global_limit = 96 << 20;
+        host.global_used = 24 << 20;
+        snap.host_tier = Some(Box::new(host));
         let mut state = TopState::default();
         state.push(&snap);
         let mut term = Terminal::new(TestBackend::new(160, 30)).unwrap();
@@ -323,7 +338,14 @@ mod tests {
             .iter()
             .map(|c| c.symbol())
             .collect();
-        for want in ["llama", "4242", "engine-a", "512.00 MiB", "1.00 GiB"] {
+        for want in [
+            "llama",
+            "4242",
+            "engine-a",
+            "512.00 MiB",
+            "1.00 GiB",
+            "host tier 24.00 MiB of 96.00 MiB",
+        ] {
             assert!(text.contains(want), "{want} missing from the frame");
         }
     }
