@@ -212,3 +212,178 @@ fn caller_memory_kind_is_checked() {
     );
     build(range(MemoryKind::Host, None)).expect("host memory declared host");
 }
+
+/// The staging side of a host tier, counted: a tier on a counting adaptor (every driver call
+/// it makes) and models whose staging copies a fault adaptor counts (none armed).
+mod staging_through_a_tier {
+    use std::sync::Arc;
+
+    use elastic_vmm::backend::counting::Counting;
+    use elastic_vmm::backend::host::HostBackend;
+    use elastic_vmm::backend::testing::FaultInjector;
+    use elastic_vmm::{AfterWake, Allocation, Backend, DriverCall, Pool, PoolConfig, SleepPolicy};
+
+    const G: usize = 64 << 10;
+    const MODEL: usize = 1 << 20;
+
+    fn tier(budget: u64) -> (Pool, Arc<Counting>) {
+        let b = Arc::new(Counting::new(Arc::new(
+            HostBackend::locked(G).expect("locked host backend"),
+        )));
+        let p = Pool::new(
+            b.clone() as Arc<dyn Backend>,
+            PoolConfig::new(64 << 20)
+                .physical_limit(budget)
+                .name("tier"),
+        )
+        .expect("tier");
+        (p, b)
+    }
+
+    /// A model: a pool staging through `tier`, `MODEL` bytes of a pattern of its own.
+    fn model(tier: &Pool, tag: u8) -> (Pool, Arc<FaultInjector>, Allocation, Vec<u8>) {
+        let b = Arc::new(FaultInjector::new(Arc::new(
+            HostBackend::new(G).expect("host backend"),
+        )));
+        let p = Pool::new(b.clone() as Arc<dyn Backend>, PoolConfig::new(16 << 20)).expect("pool");
+        p.stage_through(Some(tier.clone())).expect("stage through");
+        let mut a = p.allocate(MODEL).expect("memory");
+        let data: Vec<u8> = (0..MODEL)
+            .map(|i| (i as u8).wrapping_mul(tag) ^ tag)
+            .collect();
+        a.write(0, &data).expect("write");
+        (p, b, a, data)
+    }
+
+    fn intact(a: &Allocation, data: &[u8]) -> bool {
+        let mut back = vec![0u8; data.len()];
+        a.read(0, &mut back).expect("read");
+        back == data
+    }
+
+    /// The host memory a woken model gives back stays in the tier, mapped, as idle memory
+    /// under its budget: the same model's next sleep, and another model's, take it with no
+    /// driver call on the tier (before, each sleep mapped a fresh region of the tier and each
+    /// wake unmapped it: two map/access calls and an unmap per chunk, every time, which on
+    /// CUDA cost ~26 ms per GiB). Each sleep copies its memory in one run (one staging copy),
+    /// contents come back byte-exact.
+    #[test]
+    fn a_woken_models_host_memory_serves_the_next_sleep_with_no_driver_call() {
+        let (tier, calls) = tier(8 << 20);
+        let (a, a_copies, aa, da) = model(&tier, 3);
+        let (b, b_copies, ab, db) = model(&tier, 5);
+        let offload = SleepPolicy::offload_all();
+        // Cold: the tier grows for A's copy.
+        let t0 = calls.counts();
+        let r = a.sleep(&offload).expect("A sleeps");
+        let cold = calls.counts().since(&t0);
+        assert!(cold.get(DriverCall::Create) > 0, "the tier grew: {cold:?}");
+        assert_eq!(a_copies.staging_copies(), 1, "one run, one copy: {r:?}");
+        let t1 = calls.counts();
+        a.wake(AfterWake::FreeHostMemory).expect("A wakes");
+        assert!(intact(&aa, &da), "A byte-exact");
+        assert_eq!(
+            calls.counts().since(&t1).total(),
+            0,
+            "giving the buffer back costs the tier nothing"
+        );
+        assert!(
+            tier.stats().idle() >= r.offloaded,
+            "A's host memory stays in the tier: {:?}",
+            tier.stats()
+        );
+        // Warm: A again, then B, through the same memory.
+        for (name, p, copies, alloc, data) in [
+            ("A", &a, &a_copies, &aa, &da),
+            ("B", &b, &b_copies, &ab, &db),
+        ] {
+            let before = copies.staging_copies();
+            let t = calls.counts();
+            let r = p.sleep(&offload).expect("sleeps");
+            p.wake(AfterWake::FreeHostMemory).expect("wakes");
+            let warm = calls.counts().since(&t);
+            assert_eq!(
+                warm.total(),
+                0,
+                "{name}: no driver call on the tier: {warm:?}"
+            );
+            assert!(r.offloaded >= MODEL as u64, "{name}: {r:?}");
+            assert_eq!(
+                copies.staging_copies() - before,
+                2,
+                "{name}: one copy out, one back"
+            );
+            assert!(intact(alloc, data), "{name} byte-exact");
+        }
+        assert_eq!(
+            tier.stats().driver_calls.get(DriverCall::Create),
+            cold.get(DriverCall::Create),
+            "every chunk the tier made, it made for A's first sleep"
+        );
+        tier.audit().expect("tier audit");
+        a.audit().expect("A audit");
+        b.audit().expect("B audit");
+    }
+
+    /// `Pool::prefill` makes a tier ready once for every model of the process: after it, two
+    /// models sleeping at the same time (threads) take their buffers from the prefilled memory
+    /// with no driver call on the tier; a second prefill of no more makes nothing.
+    #[test]
+    fn a_prefilled_tier_serves_sleeps_with_no_driver_call() {
+        let (tier, calls) = tier(8 << 20);
+        let made = tier.prefill(4 * MODEL as u64).expect("prefill");
+        assert!(made >= 4 * MODEL as u64, "{made} bytes made");
+        assert!(tier.stats().idle() >= 4 * MODEL as u64);
+        let t0 = calls.counts();
+        assert_eq!(tier.prefill(2 * MODEL as u64).expect("again"), 0);
+        let models: Vec<_> = (1..=3).map(|t| model(&tier, t)).collect();
+        std::thread::scope(|s| {
+            for (p, _, _, _) in &models {
+                s.spawn(move || {
+                    for _ in 0..5 {
+                        p.sleep(&SleepPolicy::offload_all()).expect("sleeps");
+                        p.wake(AfterWake::FreeHostMemory).expect("wakes");
+                    }
+                });
+            }
+        });
+        let d = calls.counts().since(&t0);
+        assert_eq!(d.total(), 0, "nothing made, mapped or given back: {d:?}");
+        for (p, _, a, data) in &models {
+            assert!(intact(a, data), "byte-exact");
+            p.audit().expect("audit");
+        }
+        tier.audit().expect("tier audit");
+        let e = tier.prefill(64 << 20).expect_err("over the budget");
+        assert!(e.is_out_of_memory(), "{e}");
+    }
+
+    /// Idle staging memory counts against the tier's budget but never stands in the way: a
+    /// tier at its budget gives it back when a layout (or anything else) needs the room,
+    /// instead of refusing.
+    #[test]
+    fn a_tier_at_its_budget_gives_idle_staging_memory_back_when_asked() {
+        let budget = 3 * MODEL as u64;
+        let (tier, _) = tier(budget);
+        let (a, _, aa, da) = model(&tier, 7);
+        a.sleep(&SleepPolicy::offload_all()).expect("A sleeps");
+        a.wake(AfterWake::FreeHostMemory).expect("A wakes");
+        let idle = tier.stats().idle();
+        assert!(idle >= MODEL as u64, "{:?}", tier.stats());
+        // A region of the rest of the budget and then some: only fits with the idle memory gone.
+        let want = budget - idle + MODEL as u64;
+        let want = want.div_ceil(G as u64) * G as u64;
+        let region = tier.reserve_region(want).expect("region");
+        region
+            .map(0, want)
+            .expect("the idle staging memory makes room");
+        assert!(tier.stats().peak_physical <= budget, "{:?}", tier.stats());
+        drop(region);
+        // A sleeps again: the tier grows back.
+        a.sleep(&SleepPolicy::offload_all())
+            .expect("A sleeps again");
+        a.wake(AfterWake::FreeHostMemory).expect("A wakes again");
+        assert!(intact(&aa, &da), "byte-exact");
+        tier.audit().expect("tier audit");
+    }
+}

@@ -2,12 +2,19 @@
 //! `copy_blocks` (every other block, so no run merges: one copy per block) against the same
 //! copies made raw with the backend's `copy_to_host_async`/`copy_from_host_async` on one stream
 //! (target >= 0.9x at 256 KiB and up); then pinned host <-> disk against raw `O_DIRECT`
-//! `pwrite`/`pread` of the same bytes to a file in the same directory (target >= 0.8x).
-//! Then the elastic host tier (`Pool::host_tier`): GiB/s made available (reserve + map in 64 MiB
-//! chunks) against `cuMemHostAlloc` of the same bytes; device <-> host-tier moves against the
-//! same raw copies; and sleep + wake of `TIERS_SLEEP_GIB` (default 4) through the tier
-//! (`Pool::stage_through`) against today's staging reserved ahead (`reserve_host_staging`),
-//! with the per-model pinning that staging needs printed beside it.
+//! `pwrite`/`pread` of the same bytes to a file in the same directory (target >= 0.8x), and,
+//! with the `nixl` feature, NIXL's POSIX backend moving the same blocks between the same two
+//! layouts (registered as DRAM and FILE).
+//! Then the elastic host tier (`Pool::host_tier`): GiB/s made available once per process
+//! (`Pool::prefill`: chunks created on several threads, and on one) against `cuMemHostAlloc`
+//! of the same bytes (what staging pins per model); device <-> host-tier moves against the
+//! same raw copies; and sleep + wake of `TIERS_SLEEP_GIB` (default 16, the spec's size) through
+//! the tier (`Pool::stage_through`, host memory given back to the tier at wake) against
+//! today's staging pinned ahead per model (`reserve_host_staging`, kept across the wake as
+//! staging is used): the tier cold (chunks created on the sleep's path), warm with the memory
+//! a previous model gave back, and warm with memory prefilled once for the process. Host
+//! memory at most: 16 GiB staging + 16 GiB of the tier + 16 GiB of the one-thread prefill
+//! (freed at once); device memory: one 16 GiB model at a time.
 //! `TIERS_MIB` sets the bytes moved per case (default 1024), `TIERS_DIR` the directory of the
 //! files (default the temp dir). Ratios are raw time / ours (above 1: ours is faster).
 
@@ -62,6 +69,38 @@ fn raw(
     // SAFETY: everything on it ran.
     unsafe { c.copy_stream_destroy(stream)? };
     Ok(e)
+}
+
+/// The same blocks between the same two layouts through NIXL's POSIX backend (DRAM <-> FILE),
+/// WRITE to the file and READ back, best of three each;
+/// the time is NIXL's, from posting to completion, as `copy_blocks`' is from its first copy.
+#[cfg(feature = "nixl")]
+fn nixl_posix(host: Layout, disk: Layout, ids: &[usize]) -> Result<(Duration, Duration), BoxError> {
+    use elastic_vmm::nixl::{transfer_blocks, BlockSet, NixlAgent, TransferOp};
+    // As tests/nixl.rs does it: the FILE registration creates the agent's POSIX backend, then
+    // the memory is registered with UCX and POSIX both; NIXL picks POSIX for DRAM <-> FILE.
+    let agent = NixlAgent::new("tiers-posix")?;
+    let disk = agent.register(disk)?;
+    let host = agent.register(host)?;
+    let limit = Duration::from_secs(60);
+    let go = |op| -> Result<Duration, BoxError> {
+        let (h, d) = (
+            BlockSet {
+                agent: &agent,
+                layout: &host,
+                blocks: ids,
+            },
+            BlockSet {
+                agent: &agent,
+                layout: &disk,
+                blocks: ids,
+            },
+        );
+        Ok(transfer_blocks(op, h, d, limit)?.elapsed)
+    };
+    let w = best(|| go(TransferOp::Write))?;
+    let r = best(|| go(TransferOp::Read))?;
+    Ok((w, r))
 }
 
 pub fn run() -> Result<(), BoxError> {
@@ -174,8 +213,24 @@ pub fn run() -> Result<(), BoxError> {
         };
         let raw_w = best(|| io(true))?;
         let raw_r = best(|| io(false))?;
+        #[cfg(feature = "nixl")]
+        let nixl = match nixl_posix(host, disk, &ids) {
+            Ok((w, r)) => format!(
+                " | NIXL POSIX write {:.2} GB/s read {:.2} GB/s, ours / NIXL {:.2}x {:.2}x",
+                gbps(bytes, w),
+                gbps(bytes, r),
+                w.as_secs_f64() / ours_w.as_secs_f64(),
+                r.as_secs_f64() / ours_r.as_secs_f64(),
+            ),
+            Err(e) => format!(" | NIXL POSIX: {e}"),
+        };
+        #[cfg(not(feature = "nixl"))]
+        let nixl = {
+            drop((host, disk));
+            ""
+        };
         println!(
-            "{kib:>6} KiB blocks x {}: write ours {:.2} GB/s raw O_DIRECT {:.2} GB/s ratio {:.2}x | read ours {:.2} GB/s raw {:.2} GB/s ratio {:.2}x",
+            "{kib:>6} KiB blocks x {}: write ours {:.2} GB/s raw O_DIRECT {:.2} GB/s ratio {:.2}x | read ours {:.2} GB/s raw {:.2} GB/s ratio {:.2}x{nixl}",
             ids.len(),
             gbps(bytes, ours_w),
             gbps(bytes, raw_w),
@@ -193,29 +248,29 @@ fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), 
     let gib = std::env::var("TIERS_SLEEP_GIB")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(4u64);
+        .unwrap_or(16u64);
     let bytes = gib * GIB;
-    let tier = Pool::host_tier(0, PoolConfig::new(4 * bytes as usize).name("host-tier"))?;
+    let tier_backend = CudaBackend::host_tier(0)?;
+    let tier = Pool::new(
+        Arc::new(tier_backend),
+        PoolConfig::new(4 * bytes as usize).name("host-tier"),
+    )?;
     println!("== host tier: {} ==", tier.backend_info().device_name);
-    // Set-up: GiB/s made available.
+    // Set-up: GiB/s made available, once per process (`prefill`: 1 GiB chunks created on
+    // several threads), against the same on one thread; cuMemHostAlloc is timed below, where
+    // staging reserves it.
     let t = Instant::now();
-    let region = tier.reserve_region_with(bytes, &MemOptions::new().chunk(64 * MIB))?;
-    region.map(0, bytes)?;
-    let tier_s = t.elapsed();
-    drop(region);
-    tier.trim()?;
+    tier.prefill(bytes)?;
+    let prefill = t.elapsed();
+    let one = Pool::new(
+        Arc::new(CudaBackend::host_tier(0)?.create_threads(1)),
+        PoolConfig::new(2 * bytes as usize).name("host-tier-1"),
+    )?;
     let t = Instant::now();
-    let pinned = backend.copies().staging_alloc(bytes as usize)?;
-    let pin_s = t.elapsed();
-    // SAFETY: just allocated by this backend, unused.
-    unsafe { backend.copies().staging_free(pinned, bytes as usize)? };
-    println!(
-        "set-up of {gib} GiB: host tier {:.2} GiB/s, cuMemHostAlloc {:.2} GiB/s, ratio {:.2}x",
-        gib as f64 / tier_s.as_secs_f64(),
-        gib as f64 / pin_s.as_secs_f64(),
-        pin_s.as_secs_f64() / tier_s.as_secs_f64()
-    );
-    // Device <-> host tier moves.
+    one.prefill(bytes)?;
+    let one_s = t.elapsed();
+    drop(one);
+    // Device <-> host tier moves (the prefilled memory stays idle meanwhile).
     for kib in [64u64, 256, 1024, 16384] {
         let block = kib << 10;
         let blocks = (total / block).max(4) as usize;
@@ -249,42 +304,70 @@ fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), 
             raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
         );
     }
-    // Sleep and wake through the tier against staging pinned ahead.
-    let sleep_wake = |p: &Pool| -> Result<(Duration, Duration), BoxError> {
+    // Sleep and wake of `bytes` of device memory (one model per pool).
+    let sleep_wake = |p: &Pool, after: AfterWake| -> Result<(Duration, Duration), BoxError> {
         let mut a = p.allocate(bytes as usize)?;
         a.fill(0x5A)?;
         let t = Instant::now();
         p.sleep(&SleepPolicy::offload_all())?;
         let s = t.elapsed();
         let t = Instant::now();
-        p.wake(AfterWake::FreeHostMemory)?;
+        p.wake(after)?;
         let w = t.elapsed();
         drop(a);
         p.trim()?;
         Ok((s, w))
     };
-    let cfg = || PoolConfig::new(2 * bytes as usize);
+    let cfg = || PoolConfig::new(bytes as usize + GIB as usize);
+    // Today's staging: pinned per model ahead of its sleep (cuMemHostAlloc), kept across wakes.
     let staged = Pool::new(backend.clone(), cfg())?;
     let t = Instant::now();
     staged.reserve_host_staging(bytes)?;
     let reserve = t.elapsed();
-    let (ss, sw) = sleep_wake(&staged)?;
+    let staging = sleep_wake(&staged, AfterWake::KeepHostMemory)?;
     drop(staged);
-    let tiered = Pool::new(backend.clone(), cfg())?;
-    tiered.stage_through(Some(tier.clone()))?;
-    let (ts, tw) = sleep_wake(&tiered)?;
-    // A second model through the same tier: its memory comes back from the tier's cache.
-    let (ts2, tw2) = sleep_wake(&tiered)?;
     println!(
-        "sleep+wake {gib} GiB: staging (pinned ahead in {:.2} s per model) sleep {:.2} s wake {:.2} s | host tier (no pinning ahead) sleep {:.2} s wake {:.2} s, again {:.2} s / {:.2} s | ratio (staging / tier, sleep+wake) {:.2}x",
+        "set-up of {gib} GiB: host tier prefill {:.2} GiB/s ({:.2} s, chunks created on several threads), on one thread {:.2} GiB/s, cuMemHostAlloc {:.2} GiB/s ({:.2} s, per model for staging) | ratio cuMemHostAlloc / prefill {:.2}x",
+        gib as f64 / prefill.as_secs_f64(),
+        prefill.as_secs_f64(),
+        gib as f64 / one_s.as_secs_f64(),
+        gib as f64 / reserve.as_secs_f64(),
+        reserve.as_secs_f64(),
+        reserve.as_secs_f64() / prefill.as_secs_f64()
+    );
+    // Through the tier; each model gives its host memory back to the tier as it wakes.
+    let through_tier = || -> Result<(Duration, Duration), BoxError> {
+        let p = Pool::new(backend.clone(), cfg())?;
+        p.stage_through(Some(tier.clone()))?;
+        sleep_wake(&p, AfterWake::FreeHostMemory)
+    };
+    // Warm: the memory prefilled once for the process.
+    let prefilled = through_tier()?;
+    // Cold: nothing in the tier, chunks created on the sleep's path.
+    tier.trim()?;
+    let cold = through_tier()?;
+    // Warm: the memory the previous model gave back.
+    let warm = through_tier()?;
+    let (ss, sw) = staging;
+    println!(
+        "sleep+wake {gib} GiB: staging (pinned ahead, {:.2} s per model) sleep {:.2} s wake {:.2} s",
         reserve.as_secs_f64(),
         ss.as_secs_f64(),
-        sw.as_secs_f64(),
-        ts.as_secs_f64(),
-        tw.as_secs_f64(),
-        ts2.as_secs_f64(),
-        tw2.as_secs_f64(),
-        (ss + sw).as_secs_f64() / (ts + tw).as_secs_f64()
+        sw.as_secs_f64()
     );
+    for (what, (ts, tw)) in [
+        ("tier cold (created on the way)", cold),
+        ("tier warm (previous model's memory)", warm),
+        ("tier warm (prefilled once per process)", prefilled),
+    ] {
+        println!(
+            "  {what}: sleep {:.2} s wake {:.2} s | ratio staging / tier: sleep {:.2}x wake {:.2}x sleep+wake {:.2}x",
+            ts.as_secs_f64(),
+            tw.as_secs_f64(),
+            ss.as_secs_f64() / ts.as_secs_f64(),
+            sw.as_secs_f64() / tw.as_secs_f64(),
+            (ss + sw).as_secs_f64() / (ts + tw).as_secs_f64()
+        );
+    }
     Ok(())
 }

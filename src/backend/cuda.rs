@@ -62,7 +62,15 @@ pub struct CudaBackend {
     /// Chunks are host memory (`CU_MEM_LOCATION_TYPE_HOST_NUMA`) that the device and the host
     /// both access: a host tier ([`CudaBackend::host_tier`]).
     host_location: bool,
+    /// Threads a batch of new chunks is created on ([`CudaBackend::create_threads`]).
+    create_threads: usize,
 }
+
+/// Threads a host tier creates a batch of chunks on, at most: `cuMemCreate` of host memory pins
+/// its pages as it creates them (about 178 ms per GiB on one H100 host thread).
+const HOST_CREATE_THREADS: usize = 8;
+/// Bytes per thread below which a batch is not worth spreading over threads.
+const CREATE_BYTES_PER_THREAD: usize = 64 << 20;
 
 /// The gather kernel's PTX (`src/backend/kernels/gather.cu`, compiled by `scripts/gen-ptx.sh`
 /// for `compute_80`; the driver JIT-compiles it for the device), nul-terminated for
@@ -153,6 +161,15 @@ impl CudaBackend {
     /// support host VMM (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
     pub fn host_tier(ordinal: i32) -> Result<Self> {
         Self::build(ordinal, None, true)
+    }
+
+    /// Create a batch of new chunks ([`Backend::create_many`]: a pool's growth, a host tier's
+    /// [`crate::Pool::prefill`]) on up to `threads` threads (at least 1). A host tier starts
+    /// with as many as the machine has cores, at most 8 (host memory is pinned as it is
+    /// created, which is slow per byte); device memory with 1.
+    pub fn create_threads(mut self, threads: usize) -> Self {
+        self.create_threads = threads.max(1);
+        self
     }
 
     fn build(ordinal: i32, granularity: Option<usize>, host: bool) -> Result<Self> {
@@ -256,6 +273,13 @@ impl CudaBackend {
             imported: Mutex::new(HashSet::new()),
             gather: std::sync::OnceLock::new(),
             host_location: host,
+            create_threads: if host {
+                std::thread::available_parallelism()
+                    .map_or(1, |n| n.get())
+                    .min(HOST_CREATE_THREADS)
+            } else {
+                1
+            },
         };
         let _bound = backend.bind()?;
         let query = |flag| -> Result<usize> {
@@ -591,6 +615,16 @@ impl Backend for CudaBackend {
             ))?;
         self.physical.fetch_add(size as u64, Ordering::Relaxed);
         Ok(PhysicalChunk { raw: handle, size })
+    }
+
+    fn create_many(
+        &self,
+        size: usize,
+        count: usize,
+        _need: super::Need,
+    ) -> Result<Vec<PhysicalChunk>> {
+        let worth = size.saturating_mul(count) / CREATE_BYTES_PER_THREAD;
+        super::create_on_threads(self, size, count, self.create_threads.min(worth))
     }
 
     unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {

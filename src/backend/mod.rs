@@ -215,6 +215,92 @@ pub enum Need {
     LookAhead,
 }
 
+/// `count` chunks of `size` bytes from `backend.create`, one after the other: all, or none (what
+/// was made before a failure is released again). [`Backend::create_many`]'s default.
+pub(crate) fn create_one_by_one<B: Backend + ?Sized>(
+    backend: &B,
+    size: usize,
+    count: usize,
+) -> Result<Vec<PhysicalChunk>> {
+    let mut made = Vec::with_capacity(count);
+    for _ in 0..count {
+        match backend.create(size) {
+            Ok(c) => made.push(c),
+            Err(e) => {
+                release_made(backend, made, size);
+                return Err(e);
+            }
+        }
+    }
+    Ok(made)
+}
+
+/// Release chunks a failed batch create made (logged, never failing: the create's error is the
+/// news).
+fn release_made<B: Backend + ?Sized>(backend: &B, made: Vec<PhysicalChunk>, size: usize) {
+    for c in made {
+        // SAFETY: made by this backend for a batch that failed, mapped nowhere, released once.
+        if let Err(r) = unsafe { backend.release(c) } {
+            tracing::error!(error = %r, size, "release after a failed batch create failed; the chunk is leaked");
+        }
+    }
+}
+
+/// [`create_one_by_one`] spread over up to `threads` threads, each creating its share: for
+/// memory whose creation is slow per byte and scales across cores (VMM host memory, which the
+/// driver pins as it creates it). All or none, as one batch: when any thread fails, every chunk
+/// made by the others is released again and the first error comes back. Chunks come back in no
+/// particular order.
+pub(crate) fn create_on_threads<B: Backend + ?Sized>(
+    backend: &B,
+    size: usize,
+    count: usize,
+    threads: usize,
+) -> Result<Vec<PhysicalChunk>> {
+    let threads = threads.clamp(1, count.max(1));
+    if threads == 1 {
+        return create_one_by_one(backend, size, count);
+    }
+    let results: Vec<Result<Vec<PhysicalChunk>>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let share = count / threads + usize::from(t < count % threads);
+                s.spawn(move || create_one_by_one(backend, size, share))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(crate::error::Error::backend(
+                        backend.info().name,
+                        "create_many",
+                        "PANIC",
+                        "a chunk-creating thread panicked",
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut made = Vec::with_capacity(count);
+    let mut first = None;
+    for r in results {
+        match r {
+            Ok(cs) => made.extend(cs),
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    match first {
+        None => Ok(made),
+        Some(e) => {
+            release_made(backend, made, size);
+            Err(e)
+        }
+    }
+}
+
 /// The virtual-memory driver interface. Implementations are thin: no caching, no policy.
 ///
 /// Addresses are absolute (`u64`, as CUDA's `CUdeviceptr`); sizes are multiples of
@@ -254,22 +340,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// needed ([`Need`]); this default creates them one by one and ignores `need`.
     fn create_many(&self, size: usize, count: usize, need: Need) -> Result<Vec<PhysicalChunk>> {
         let _ = need;
-        let mut made = Vec::with_capacity(count);
-        for _ in 0..count {
-            match self.create(size) {
-                Ok(c) => made.push(c),
-                Err(e) => {
-                    for c in made {
-                        // SAFETY: made just above by this backend, mapped nowhere, released once.
-                        if let Err(r) = unsafe { self.release(c) } {
-                            tracing::error!(error = %r, size, "release after a failed batch create failed; the chunk is leaked");
-                        }
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(made)
+        create_one_by_one(self, size, count)
     }
 
     /// Release each of `chunks` as [`Backend::release`] would, one result per chunk in order
@@ -850,5 +921,47 @@ mod gather_tests {
             words,
             vec![1, 2, 3, 4, 5, 6, u64::MAX, 1 << 40, 0xAAAA_AAAA_AAAA_AAAA]
         );
+    }
+}
+
+#[cfg(test)]
+mod create_tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::backend::counting::Counting;
+    use crate::backend::testing::FaultInjector;
+
+    /// A batch spread over threads makes every chunk once (distinct handles); a failure on any
+    /// thread makes it none: every chunk the other threads made is released again.
+    #[test]
+    fn a_batch_on_threads_is_all_or_none() {
+        let faults = Arc::new(FaultInjector::new(Arc::new(
+            host::HostBackend::new(64 << 10).expect("host backend"),
+        )));
+        let counting = Counting::new(faults.clone());
+        let made = create_on_threads(&counting, 64 << 10, 32, 4).expect("batch");
+        let mut raw: Vec<u64> = made.iter().map(|c| c.raw).collect();
+        raw.sort_unstable();
+        raw.dedup();
+        assert_eq!(raw.len(), 32, "32 distinct chunks");
+        // SAFETY: made just above, mapped nowhere.
+        let released = unsafe { counting.release_many(&made) };
+        assert!(released.iter().all(|r| r.is_ok()));
+        for round in 0..20u64 {
+            let before = counting.counts();
+            faults.fail_nth(DriverCall::Create, 1 + round % 16);
+            let e = create_on_threads(&counting, 64 << 10, 16, 4).expect_err("a create fails");
+            assert!(e.to_string().contains("FAULT_INJECTED"), "{e}");
+            let d = counting.counts().since(&before);
+            // Counted when made, failed ones too: every success was released again.
+            assert_eq!(
+                d.get(DriverCall::Release),
+                d.get(DriverCall::Create) - 1,
+                "round {round}: {d:?}"
+            );
+            faults.clear();
+        }
+        assert_eq!(counting.physical_bytes().unwrap_or(0), 0, "nothing left");
     }
 }

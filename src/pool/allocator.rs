@@ -63,7 +63,7 @@ impl Gathered {
 }
 
 impl Inner {
-    fn footprint(&self, bytes: usize) -> Result<u64> {
+    pub(super) fn footprint(&self, bytes: usize) -> Result<u64> {
         if bytes == 0 {
             return Err(Error::ZeroSize {
                 what: "allocation size",

@@ -384,6 +384,44 @@ impl Pool {
         Some(room.saturating_add(inner.state.lock().cache.bytes()))
     }
 
+    /// Map memory ahead of need, so that at least `bytes` lie idle in one contiguous range
+    /// (what is idle already counts): the next allocation of up to that size makes no driver
+    /// call. For a host tier shared by the models of a process ([`Pool::host_tier`]) this is
+    /// the one set-up, once per process instead of staging pinned per model: every sleep staged
+    /// through the tier ([`Pool::stage_through`]) then takes its buffer from this memory and
+    /// gives it back to it. On CUDA creating host memory costs about 0.2 s per GiB, spread
+    /// over several threads ([`crate::backend::cuda::CudaBackend::create_threads`]): call it
+    /// off the critical path (a background thread at start-up). Returns the bytes newly
+    /// mapped. The memory is the pool's idle memory: charged under its limit, given back by
+    /// [`Pool::trim`], or by a growth of the pool that needs the room (a tier at its budget
+    /// gives idle memory back before refusing). Refused while the pool is not awake.
+    pub fn prefill(&self, bytes: u64) -> Result<u64> {
+        let inner = self.inner();
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let len = usize::try_from(bytes).map_err(|_| crate::error::Error::SizeOverflow {
+            what: "prefill",
+            detail: format!("{bytes} bytes do not fit in usize"),
+        })?;
+        let footprint = inner.footprint(len)?;
+        let before = {
+            let mut st = inner.state.lock();
+            st.sleep.refuse_unless_awake(&inner.name, "prefill")?;
+            st.flush_quick();
+            if st.idle.largest() >= footprint {
+                return Ok(0);
+            }
+            st.mapped
+        };
+        // Allocated and freed at once: the memory stays mapped, idle.
+        drop(self.allocate_with(len, &MemOptions::new().name("prefill"))?);
+        let after = inner.state.lock().mapped;
+        let made = after.saturating_sub(before);
+        tracing::debug!(pool = %inner.name, bytes, made, "prefilled");
+        Ok(made)
+    }
+
     /// Give idle mapped memory and every cached chunk back to the driver.
     pub fn trim(&self) -> Result<TrimReport> {
         // Freed blocks front caches keep (routing's, for same-stream reuse) are idle too (waits

@@ -53,11 +53,16 @@ impl Inner {
         } = self.acquire(bytes, urgency, fit);
         let charged = match charged {
             Ok(n) => n,
-            Err(e) if urgency == Urgency::Required && self.state.lock().cache.bytes() > 0 => {
-                // Our own cache may hold chunks of sizes this request cannot use; they count
-                // against the limit too: give them back and ask once more for what is missing.
+            Err(e) if urgency == Urgency::Required && self.has_spare() => {
+                // Our own cache may hold chunks of sizes this request cannot use, and idle
+                // mapped memory may sit where it cannot (a host tier's staging buffers, given
+                // back by woken models, stay mapped for the next one); both count against the
+                // limit: give them back and ask once more for what is missing.
                 let have = bytes_of(&donated);
-                if let Err(release) = self.release_cached(0) {
+                let freed = self.release_cached(0).and_then(|_| {
+                    self.trim(bytes.saturating_sub(have), super::TrimScope::IdleOnly)
+                });
+                if let Err(release) = freed {
                     let _ = self.release_chunks(donated);
                     return Err(release);
                 }
@@ -111,6 +116,12 @@ impl Inner {
             }
         }
         Ok(Obtained { donated, created })
+    }
+
+    /// Whether the pool holds memory nobody uses: cached chunks, or idle mapped memory.
+    fn has_spare(&self) -> bool {
+        let st = self.state.lock();
+        st.cache.bytes() > 0 || st.mapped > st.in_use()
     }
 
     pub(super) fn acquire(&self, bytes: u64, urgency: Urgency, fit: Fit) -> Acquired {

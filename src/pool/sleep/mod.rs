@@ -26,7 +26,12 @@
 //! Staging: one buffer per pool, allocated on the first sleep that needs it (or ahead with
 //! [`Pool::reserve_host_staging`]: pinning costs about 0.6 s per GiB on CUDA and belongs off
 //! the sleep path) and reused by every later sleep; [`AfterWake::FreeHostMemory`] frees it.
-//! A physical chunk holding any byte to offload is copied whole.
+//! Through a host tier ([`Pool::stage_through`]) the buffer is an allocation of the tier
+//! instead: freed, it stays mapped in the tier for the next pool's sleep, and
+//! [`Pool::prefill`] readies the tier once for every pool of the process.
+//! A physical chunk holding any byte to offload is copied whole; copies go out in runs of
+//! contiguous chunks of up to 256 MiB on one stream, each followed by a marker that the unmap
+//! of its chunks waits for (so unmapping overlaps the next copies).
 //!
 //! Lock order: the pool's state, then nothing; a backing's lock is taken (by its watcher) with
 //! no pool lock held. The phase (`FallingAsleep`, `Waking`) is what makes one sleep or wake
@@ -381,10 +386,12 @@ impl Pool {
 
     /// Stage sleeps through `tier`, an elastic host tier ([`Pool::host_tier`]), instead of a
     /// staging buffer of this pool's own (`None`: back to the backend's staging memory). The
-    /// buffer becomes a region of the tier, mapped when a sleep (or
-    /// [`Pool::reserve_host_staging`]) needs it, under the tier's budget: no pinning per pool,
-    /// and host memory one pool gives back ([`AfterWake::FreeHostMemory`]) serves the next
-    /// pool's sleep from the tier's cache. While such a buffer lives (from the first sleep or
+    /// buffer becomes an allocation of the tier, taken when a sleep (or
+    /// [`Pool::reserve_host_staging`]) needs it, under the tier's budget: no pinning per pool.
+    /// Host memory a pool gives back ([`AfterWake::FreeHostMemory`]) stays mapped in the tier
+    /// as idle memory and serves the next sleep of any pool sharing it with no driver call
+    /// (make the tier ready once per process with [`Pool::prefill`]; a tier at its budget gives
+    /// idle memory back when something else needs the room). While such a buffer lives (from the first sleep or
     /// reservation until [`Pool::release_host_staging`], [`AfterWake::FreeHostMemory`] or
     /// `stage_through(None)`), a sleep of the tier itself is refused: it would unmap the buffer
     /// under this pool. Any staging buffer held now is freed. Refused while

@@ -1,14 +1,17 @@
 //! The host staging buffer a pool sleeps into: allocated once (pinned on CUDA, which is slow),
 //! reused by every later sleep, with the copy stream beside it. With a host tier
-//! ([`crate::Pool::stage_through`]) the buffer is a region of the tier, mapped in full: no
-//! per-pool pinning, and the tier's chunks it gives back serve the next pool's staging.
+//! ([`crate::Pool::stage_through`]) the buffer is an allocation of the tier: no per-pool
+//! pinning, and when it is given back its memory stays mapped in the tier as idle memory (under
+//! the tier's budget), so the next staging buffer of any pool sharing the tier is served from it
+//! with no driver call at all (no create, no map, no access grant: on CUDA those cost about
+//! 200 ms per GiB of host memory). [`crate::Pool::prefill`] makes a tier ready once per process.
 
 use std::sync::Arc;
 
 use super::SleepWatcher;
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::pool::{Pool, Region};
+use crate::pool::{Allocation, Pool};
 use crate::MemOptions;
 
 /// Host memory and a copy stream of one backend. Dropping it frees both: it runs driver calls,
@@ -18,10 +21,10 @@ pub(crate) struct Staging {
     ptr: *mut u8,
     bytes: u64,
     stream: u64,
-    /// The host tier's region the buffer is, if it is one (`None`: the backend's staging
+    /// The host tier's allocation the buffer is, if it is one (`None`: the backend's staging
     /// memory, freed with `staging_free`).
-    region: Option<Region>,
-    /// Keeps the tier awake while the buffer lives (registered before the region is mapped).
+    tier_memory: Option<Allocation>,
+    /// Keeps the tier awake while the buffer lives (registered before the memory is allocated).
     hold: Option<TierHold>,
 }
 
@@ -94,7 +97,8 @@ impl std::fmt::Debug for Staging {
 
 impl Staging {
     /// Allocate `bytes` of staging memory and a copy stream: the backend's staging memory, or
-    /// a region of `tier` mapped in full (under the tier's budget).
+    /// an allocation of `tier` (its idle memory when it has enough, else grown under the
+    /// tier's budget; a tier at its budget gives its idle memory back for it first).
     pub(crate) fn new(
         backend: &Arc<dyn Backend>,
         bytes: u64,
@@ -104,32 +108,26 @@ impl Staging {
             what: "staging buffer",
             detail: format!("{bytes} bytes do not fit in usize"),
         })?;
-        let (ptr, region, hold) = match tier {
+        let (ptr, tier_memory, hold) = match tier {
             Some(tier) => {
                 // First: a sleep of the tier from here on is refused (one under way refuses
                 // the map below).
                 let hold = TierHold::new(tier, bytes);
-                // On failure the region drops: nothing stays mapped.
-                let chunk = crate::error::round_up(
-                    "host tier staging chunk",
-                    crate::DEFAULT_MAX_CHUNK as u64,
-                    tier.granularity(),
-                )?;
-                let region = tier.reserve_region_with(bytes, &MemOptions::new().chunk(chunk))?;
-                region.map(0, region.len())?;
-                (region.addr() as *mut u8, Some(region), Some(hold))
+                // On failure nothing was allocated; the hold drops.
+                let a = tier.allocate_with(len, &MemOptions::new().name("host staging"))?;
+                (a.addr() as *mut u8, Some(a), Some(hold))
             }
             None => (backend.copies().staging_alloc(len)?, None, None),
         };
         let stream = match backend.copies().copy_stream_create() {
             Ok(s) => s,
             Err(e) => {
-                if region.is_none() {
+                if tier_memory.is_none() {
                     // SAFETY: the buffer was just allocated by this backend; nothing uses it.
                     let _ = unsafe { backend.copies().staging_free(ptr, len) };
                 }
-                // The region before the hold that keeps the tier awake under it.
-                drop(region);
+                // The memory before the hold that keeps the tier awake under it.
+                drop(tier_memory);
                 drop(hold);
                 return Err(e);
             }
@@ -139,7 +137,7 @@ impl Staging {
             ptr,
             bytes,
             stream,
-            region,
+            tier_memory,
             hold,
         })
     }
@@ -171,9 +169,9 @@ impl Drop for Staging {
         if let Err(e) = unsafe { self.backend.copies().copy_stream_destroy(self.stream) } {
             tracing::warn!(error = %e, "destroying the staging copy stream failed");
         }
-        if self.region.take().is_some() {
-            // The tier's region went (unmapped, its chunks back to the tier); then the tier
-            // may sleep again.
+        if self.tier_memory.take().is_some() {
+            // The tier's allocation went (idle in the tier, mapped, for the next buffer); then
+            // the tier may sleep again.
             drop(self.hold.take());
             return;
         }
