@@ -92,9 +92,10 @@ impl BrokerClient {
     /// guarantee and priority enforced by the broker as for device memory. Its pool is
     /// page-locked host memory the device reaches (VMM host memory on CUDA, or pinned memfd
     /// memory): give it to [`crate::Pool::stage_through`] and the device models' sleeps stage
-    /// through it. Its chunks are given back as its pool releases them; the pool caches
-    /// none (unless `config`'s pool configuration says otherwise), so what a woken model
-    /// freed ([`crate::AfterWake::FreeHostMemory`]) serves the next engine's sleep.
+    /// through it. A woken model's staging memory stays idle in this pool (its next sleep
+    /// reuses it) until a trim of the pool gives it back, or the broker asks for it because
+    /// another engine's sleep needs it; the pool caches no unmapped chunks, so what it gives
+    /// back serves the next engine's sleep.
     pub fn register_host_tier(&self, config: ModelConfig) -> Result<RemoteModel> {
         self.register_on(config, true)
     }
@@ -1097,7 +1098,7 @@ mod tests {
     }
 
     /// Two engines sleep through the broker's host tier in turn: A's sleep maps host chunks
-    /// the broker made, its wake gives them back (to the broker's idle list), and B's sleep is
+    /// the broker made, its wake and trim give them back (to the broker's idle list), and B's sleep is
     /// served by those very chunks (hand-overs, no create). Contents come back byte-exact; a
     /// host limit refuses with the numbers and the host tier's wording.
     #[test]
@@ -1130,6 +1131,9 @@ mod tests {
         let made = asleep.counters.creates;
         assert!(made >= 1);
         ma.wake(AfterWake::FreeHostMemory).unwrap();
+        // The woken staging memory stays idle in A's tier pool (for A's next sleep) until A
+        // gives it back to the broker (a trim) or the broker reclaims it for another engine.
+        ta.pool().trim().unwrap();
         let mut back = vec![0u8; da.len()];
         aa.read(0, &mut back).unwrap();
         assert!(back == da, "A byte-exact");
