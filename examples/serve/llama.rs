@@ -308,8 +308,16 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
     let device_budget = gpu.global_limit();
     let tier = match sizes.host_tier {
         Some(bytes) => {
-            let t =
-                Pool::host_tier(0, PoolConfig::new(bytes as usize).name("host-tier")).map_err(e)?;
+            // Address space four times the memory: each sleep's copy is one range of the
+            // tier, and ranges freed by wakes in another order fragment it (8 x 15 GiB models
+            // in a 96 GiB range: "largest free range is 6.1 GiB" on the H100).
+            let t = Pool::host_tier(
+                0,
+                PoolConfig::new(4 * bytes as usize)
+                    .physical_limit(bytes)
+                    .name("host-tier"),
+            )
+            .map_err(e)?;
             progress(&format!(
                 "host tier of up to {:.0} GiB for the models' sleeps: {}",
                 bytes as f64 / GIB,
