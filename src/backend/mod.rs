@@ -222,17 +222,31 @@ pub(crate) fn create_one_by_one<B: Backend + ?Sized>(
     size: usize,
     count: usize,
 ) -> Result<Vec<PhysicalChunk>> {
-    let mut made = Vec::with_capacity(count);
+    // Released on every way out but success, an unwinding panic included (a batch spread over
+    // threads turns a worker's panic into an error, so its chunks must not go with its stack).
+    let mut made = Made {
+        backend,
+        size,
+        chunks: Vec::with_capacity(count),
+    };
     for _ in 0..count {
-        match backend.create(size) {
-            Ok(c) => made.push(c),
-            Err(e) => {
-                release_made(backend, made, size);
-                return Err(e);
-            }
-        }
+        let c = backend.create(size)?;
+        made.chunks.push(c);
     }
-    Ok(made)
+    Ok(std::mem::take(&mut made.chunks))
+}
+
+/// Chunks of a batch create under way: released when dropped (the batch failed or panicked).
+struct Made<'a, B: Backend + ?Sized> {
+    backend: &'a B,
+    size: usize,
+    chunks: Vec<PhysicalChunk>,
+}
+
+impl<B: Backend + ?Sized> Drop for Made<'_, B> {
+    fn drop(&mut self) {
+        release_made(self.backend, std::mem::take(&mut self.chunks), self.size);
+    }
 }
 
 /// Release chunks a failed batch create made (logged, never failing: the create's error is the
@@ -963,5 +977,53 @@ mod create_tests {
             faults.clear();
         }
         assert_eq!(counting.physical_bytes().unwrap_or(0), 0, "nothing left");
+    }
+    /// Panics in the `n`-th create (a backend bug, or a panic in the driver's bindings).
+    #[derive(Debug, Default)]
+    struct PanicNth {
+        n: u64,
+        seen: std::sync::atomic::AtomicU64,
+    }
+
+    impl crate::backend::intercept::Hook for PanicNth {
+        type Pass = ();
+        fn before(&self, call: &crate::backend::intercept::Call, _: &BackendInfo) -> Result<()> {
+            if call.kind() == Some(DriverCall::Create)
+                && self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.n
+            {
+                panic!("injected panic in create {}", self.n);
+            }
+            Ok(())
+        }
+        fn after(
+            &self,
+            _: &crate::backend::intercept::Call,
+            _: (),
+            _: crate::backend::intercept::Outcome<'_>,
+        ) {
+        }
+    }
+
+    /// A thread that panics mid-batch is an error like a failed create, and the chunks it made
+    /// before are released with everyone else's (they were leaked with its unwound stack).
+    #[test]
+    fn a_thread_panicking_mid_batch_leaks_nothing() {
+        let host: Arc<dyn Backend> =
+            Arc::new(host::HostBackend::new(64 << 10).expect("host backend"));
+        // 16 chunks on 4 threads, 4 each: the 16th create is some thread's 4th, 3 made before.
+        let b = crate::backend::intercept::Intercept::with_hook(
+            host.clone(),
+            PanicNth {
+                n: 16,
+                ..PanicNth::default()
+            },
+        );
+        let e = create_on_threads(&b, 64 << 10, 16, 4).expect_err("a thread panicked");
+        assert!(e.to_string().contains("panicked"), "{e}");
+        assert_eq!(
+            host.physical_bytes().expect("physical"),
+            0,
+            "chunks made by the panicking thread were leaked"
+        );
     }
 }
