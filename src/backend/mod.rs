@@ -276,23 +276,30 @@ pub(crate) fn create_on_threads<B: Backend + ?Sized>(
         return create_one_by_one(backend, size, count);
     }
     let results: Vec<Result<Vec<PhysicalChunk>>> = std::thread::scope(|s| {
+        // A thread the system will not give (`scope.spawn` would panic) does its share here.
         let workers: Vec<_> = (0..threads)
             .map(|t| {
                 let share = count / threads + usize::from(t < count % threads);
-                s.spawn(move || create_one_by_one(backend, size, share))
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || create_one_by_one(backend, size, share))
+                    .map_err(|e| (e, share))
             })
             .collect();
         workers
             .into_iter()
-            .map(|w| {
-                w.join().unwrap_or_else(|_| {
+            .map(|w| match w {
+                Err((e, share)) => {
+                    tracing::debug!(error = %e, share, "no thread for a share of a batch create; made here");
+                    create_one_by_one(backend, size, share)
+                }
+                Ok(w) => w.join().unwrap_or_else(|_| {
                     Err(crate::error::Error::backend(
                         backend.info().name,
                         "create_many",
                         "PANIC",
                         "a chunk-creating thread panicked",
                     ))
-                })
+                }),
             })
             .collect()
     });
