@@ -282,6 +282,7 @@ pub(crate) fn create_on_threads<B: Backend + ?Sized>(
                 let share = count / threads + usize::from(t < count % threads);
                 std::thread::Builder::new()
                     .spawn_scoped(s, move || create_one_by_one(backend, size, share))
+                    .map(|h| (h, share))
                     .map_err(|e| (e, share))
             })
             .collect();
@@ -292,12 +293,12 @@ pub(crate) fn create_on_threads<B: Backend + ?Sized>(
                     tracing::debug!(error = %e, share, "no thread for a share of a batch create; made here");
                     create_one_by_one(backend, size, share)
                 }
-                Ok(w) => w.join().unwrap_or_else(|_| {
+                Ok((w, share)) => w.join().unwrap_or_else(|_| {
                     Err(crate::error::Error::backend(
                         backend.info().name,
                         "create_many",
                         "PANIC",
-                        "a chunk-creating thread panicked",
+                        format!("a thread creating {share} of a batch of {count} chunks of {size} bytes panicked (the batch was released)"),
                     ))
                 }),
             })
@@ -1026,7 +1027,11 @@ mod create_tests {
             },
         );
         let e = create_on_threads(&b, 64 << 10, 16, 4).expect_err("a thread panicked");
-        assert!(e.to_string().contains("panicked"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("a thread creating 4 of a batch of 16 chunks of 65536 bytes panicked"),
+            "{e}"
+        );
         assert_eq!(
             host.physical_bytes().expect("physical"),
             0,
