@@ -222,17 +222,31 @@ pub(crate) fn create_one_by_one<B: Backend + ?Sized>(
     size: usize,
     count: usize,
 ) -> Result<Vec<PhysicalChunk>> {
-    let mut made = Vec::with_capacity(count);
+    // Released on every way out but success, an unwinding panic included (a batch spread over
+    // threads turns a worker's panic into an error, so its chunks must not go with its stack).
+    let mut made = Made {
+        backend,
+        size,
+        chunks: Vec::with_capacity(count),
+    };
     for _ in 0..count {
-        match backend.create(size) {
-            Ok(c) => made.push(c),
-            Err(e) => {
-                release_made(backend, made, size);
-                return Err(e);
-            }
-        }
+        let c = backend.create(size)?;
+        made.chunks.push(c);
     }
-    Ok(made)
+    Ok(std::mem::take(&mut made.chunks))
+}
+
+/// Chunks of a batch create under way: released when dropped (the batch failed or panicked).
+struct Made<'a, B: Backend + ?Sized> {
+    backend: &'a B,
+    size: usize,
+    chunks: Vec<PhysicalChunk>,
+}
+
+impl<B: Backend + ?Sized> Drop for Made<'_, B> {
+    fn drop(&mut self) {
+        release_made(self.backend, std::mem::take(&mut self.chunks), self.size);
+    }
 }
 
 /// Release chunks a failed batch create made (logged, never failing: the create's error is the
@@ -262,23 +276,31 @@ pub(crate) fn create_on_threads<B: Backend + ?Sized>(
         return create_one_by_one(backend, size, count);
     }
     let results: Vec<Result<Vec<PhysicalChunk>>> = std::thread::scope(|s| {
+        // A thread the system will not give (`scope.spawn` would panic) does its share here.
         let workers: Vec<_> = (0..threads)
             .map(|t| {
                 let share = count / threads + usize::from(t < count % threads);
-                s.spawn(move || create_one_by_one(backend, size, share))
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || create_one_by_one(backend, size, share))
+                    .map(|h| (h, share))
+                    .map_err(|e| (e, share))
             })
             .collect();
         workers
             .into_iter()
-            .map(|w| {
-                w.join().unwrap_or_else(|_| {
+            .map(|w| match w {
+                Err((e, share)) => {
+                    tracing::debug!(error = %e, share, "no thread for a share of a batch create; made here");
+                    create_one_by_one(backend, size, share)
+                }
+                Ok((w, share)) => w.join().unwrap_or_else(|_| {
                     Err(crate::error::Error::backend(
                         backend.info().name,
                         "create_many",
                         "PANIC",
-                        "a chunk-creating thread panicked",
+                        format!("a thread creating {share} of a batch of {count} chunks of {size} bytes panicked (the batch was released)"),
                     ))
-                })
+                }),
             })
             .collect()
     });
@@ -963,5 +985,57 @@ mod create_tests {
             faults.clear();
         }
         assert_eq!(counting.physical_bytes().unwrap_or(0), 0, "nothing left");
+    }
+    /// Panics in the `n`-th create (a backend bug, or a panic in the driver's bindings).
+    #[derive(Debug, Default)]
+    struct PanicNth {
+        n: u64,
+        seen: std::sync::atomic::AtomicU64,
+    }
+
+    impl crate::backend::intercept::Hook for PanicNth {
+        type Pass = ();
+        fn before(&self, call: &crate::backend::intercept::Call, _: &BackendInfo) -> Result<()> {
+            if call.kind() == Some(DriverCall::Create)
+                && self.seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.n
+            {
+                panic!("injected panic in create {}", self.n);
+            }
+            Ok(())
+        }
+        fn after(
+            &self,
+            _: &crate::backend::intercept::Call,
+            _: (),
+            _: crate::backend::intercept::Outcome<'_>,
+        ) {
+        }
+    }
+
+    /// A thread that panics mid-batch is an error like a failed create, and the chunks it made
+    /// before are released with everyone else's (they were leaked with its unwound stack).
+    #[test]
+    fn a_thread_panicking_mid_batch_leaks_nothing() {
+        let host: Arc<dyn Backend> =
+            Arc::new(host::HostBackend::new(64 << 10).expect("host backend"));
+        // 16 chunks on 4 threads, 4 each: the 16th create is some thread's 4th, 3 made before.
+        let b = crate::backend::intercept::Intercept::with_hook(
+            host.clone(),
+            PanicNth {
+                n: 16,
+                ..PanicNth::default()
+            },
+        );
+        let e = create_on_threads(&b, 64 << 10, 16, 4).expect_err("a thread panicked");
+        assert!(
+            e.to_string()
+                .contains("a thread creating 4 of a batch of 16 chunks of 65536 bytes panicked"),
+            "{e}"
+        );
+        assert_eq!(
+            host.physical_bytes().expect("physical"),
+            0,
+            "chunks made by the panicking thread were leaked"
+        );
     }
 }

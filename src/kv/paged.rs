@@ -269,7 +269,7 @@ pub(crate) struct Book {
     pub(super) cold: BTreeSet<(u8, usize)>,
     /// Per group of blocks sharing their first page: blocks backed (live or warm).
     pub(super) group_backed: Vec<u32>,
-    /// Live blocks whose `alloc` is still mapping them (not handed out yet): never moved.
+    /// Live blocks of an `alloc` still mapping some of them (not handed out yet): never moved.
     pub(super) in_alloc: BTreeSet<usize>,
     /// Live blocks a compaction is copying (they cannot be freed until it ends).
     pub(super) moving: BTreeSet<usize>,
@@ -585,7 +585,11 @@ impl Core {
                 ids.push(b);
             }
             book.live_count += ids.len();
-            book.in_alloc.extend(to_back.iter().copied());
+            if !to_back.is_empty() {
+                // Every block of the alloc, warm ones too: none is handed out until the map
+                // below is done, so a compaction meanwhile must not move (rename) any of them.
+                book.in_alloc.extend(ids.iter().copied());
+            }
             book.last_alloc = Instant::now();
             let low = self
                 .config
@@ -602,18 +606,18 @@ impl Core {
         match self.backing.ensure_backed(to_back.iter().copied()) {
             Ok(_) => {
                 let mut book = self.book.lock();
-                for &b in &to_back {
+                for &b in &ids {
                     book.in_alloc.remove(&b);
+                }
+                for &b in &to_back {
                     self.backed(&mut book, b);
                 }
                 Ok(ids)
             }
             Err(e) => {
                 let mut book = self.book.lock();
-                for &b in &to_back {
-                    book.in_alloc.remove(&b);
-                }
                 for &b in &ids {
+                    book.in_alloc.remove(&b);
                     book.live[b] = false;
                     if to_back.contains(&b) {
                         let r = book.rank(&self.geo, self.page, b);

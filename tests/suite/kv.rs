@@ -918,6 +918,55 @@ pub fn kv_compaction_bad_input_and_rollback(backend: Arc<dyn Backend>) {
     books_hold(&b, &p);
 }
 
+/// A compaction never moves a block an `alloc` has taken but not returned yet: an alloc that
+/// takes a warm block and maps a fresh one (slow here) hands out the warm block's id after the
+/// compaction ran, so moving it would give the engine a free id (owned twice later).
+pub fn kv_compaction_spares_blocks_of_an_alloc_in_progress(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 64 * g);
+    let w = Watermarks {
+        low: 0,
+        high: 1,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(5),
+    };
+    // 4 blocks per page: groups 0..4 are blocks 0-3, 4-7, 8-11, 12-15.
+    let kv = Arc::new(PagedKv::new(&p, config(g, 4, 1, 32).watermarks(w)).expect("cache"));
+    kv.alloc(16).expect("alloc");
+    kv.free(&[1]).expect("free"); // warm: the only free block on a mapped page
+    slow.set_delay(DriverCall::Map, Duration::from_millis(400));
+    let (kv2, started) = (kv.clone(), Arc::new(Barrier::new(2)));
+    let started2 = started.clone();
+    let alloc = std::thread::spawn(move || {
+        started2.wait();
+        kv2.alloc(2).expect("alloc") // block 1 (warm) and 16 (a fresh page: slow map)
+    });
+    started.wait();
+    std::thread::sleep(Duration::from_millis(100));
+    // Group 0 sparse (only the alloc's block 1), a hole in group 1 for it.
+    kv.free(&[9]).expect("free"); // warm again
+    kv.free(&[0, 2, 3, 7]).expect("free");
+    let c = kv.compact(100).expect("compact");
+    let ids = alloc.join().expect("alloc thread");
+    slow.clear();
+    for &(old, new) in &c.moves {
+        assert!(
+            !ids.contains(&old),
+            "block {old} of an alloc in progress ({ids:?}) moved to {new}: the alloc hands out a free id"
+        );
+    }
+    for &x in &ids {
+        assert!(kv.is_live(x), "block {x} handed out but not live");
+    }
+    let live: Vec<usize> = (0..32).filter(|&x| kv.is_live(x)).collect();
+    kv.free(&live).expect("free");
+    kv.trim();
+    assert_eq!(p.stats().mapped, 0);
+    books_hold(&b, &p);
+}
+
 /// Races: compaction (under the engine's step lock, renaming as an engine does) against allocs
 /// and frees on several threads, trims, sleep/wake and the look-ahead thread, with slow maps
 /// and unmaps. No block is lost or owned twice; at the end every block is live exactly when an
