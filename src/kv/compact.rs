@@ -14,13 +14,15 @@
 //! # The plan
 //! Blocks are grouped by the page they lie on (the same page index in every tensor: a group
 //! costs `tensors` pages). Groups with memory are ranked by their backed blocks (live plus
-//! warm). From the sparsest, a group is *evacuated* when all its backed blocks fit into the
-//! free unbacked slots of denser groups (slots whose pages are mapped already, so taking them
-//! costs no memory): its live blocks are copied into those slots and renamed, its warm blocks
-//! are replaced by warm blocks in those slots (no copy), and its pages go back to the pool. A
-//! group is evacuated whole or not at all (half an evacuation gives nothing back), so a
-//! compaction is a fixpoint: once no group fits into the holes of denser ones, it moves
-//! nothing. Only pages of `page / span >= 2` blocks are compacted (a block with pages of its
+//! warm). The *targets* are the densest groups, as few as hold every backed block (the packed
+//! floor); every other group is a source. From the sparsest source, a group is *evacuated*
+//! into the free unbacked slots of the targets (slots whose pages are mapped already, so taking
+//! them costs no memory): its live blocks are copied into those slots and renamed, its warm
+//! blocks are replaced by warm blocks in those slots (no copy), and its pages go back to the
+//! pool. A group is evacuated whole or not at all (half an evacuation gives nothing back), and
+//! a group with blocks in flight (an alloc, a release or a look-ahead still mapping) is left
+//! for a later call; once every source is evacuated the cache is at its packed floor and a
+//! compaction moves nothing. Only pages of `page / span >= 2` blocks are compacted (a block with pages of its
 //! own has nothing to share); other geometries plan nothing.
 //!
 //! # Steps, and what can fail

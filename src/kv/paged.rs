@@ -475,14 +475,15 @@ impl PagedKv {
     /// Move live blocks off sparsely used pages into free slots of densely used pages that are
     /// mapped already, and give the emptied pages back to the pool: at most `max_moves` blocks
     /// moved per call (bounded work: call it between steps, again until it returns an empty
-    /// [`Compaction`]). Returns the renaming `old id -> new id` ([`Compaction::moves`]), which
+    /// [`Compaction`](super::Compaction)). Returns the renaming `old id -> new id` ([`Compaction::moves`](super::Compaction::moves)), which
     /// the engine applies to its block tables before queuing more work on those blocks.
     ///
-    /// A page is emptied only when all its blocks fit into holes of denser pages (half an
-    /// evacuation gives nothing back), so `max_moves` below `page / span - 1` may move nothing;
+    /// Blocks move into the densest pages that together hold every live and warm block; a
+    /// page is emptied whole or not at all (half an evacuation gives nothing back), so
+    /// `max_moves` below `page / span - 1` may move nothing;
     /// a cache whose blocks do not share pages evenly (`page % span != 0`, or one block per
     /// page) never moves anything. Warm blocks of an emptied page are replaced by warm blocks on
-    /// the denser pages (no copy, no memory).
+    /// the target pages (no copy, no memory).
     ///
     /// Contract: the old ids stay live, and cannot be freed (the error says why), until this
     /// returns; work in flight on a moved block must be done or ordered before the copy. On
