@@ -672,6 +672,10 @@ impl Core {
                     Some("out of range")
                 } else if book.moving.contains(&b) {
                     Some("being moved by a compaction (free it under its new id once compact returns)")
+                } else if book.in_alloc.contains(&b) {
+                    // Freed before its alloc returned: the alloc would then hand out a free
+                    // block (or put it back twice on failure).
+                    Some("not handed out yet (its alloc is still mapping)")
                 } else if book.live[b] {
                     None
                 } else if ids[..i].contains(&b) {

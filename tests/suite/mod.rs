@@ -96,6 +96,7 @@ macro_rules! kv_suite {
             kv_races_alloc_free_trim_sleep,
             kv_compaction_moves_contents_byte_exact,
             kv_compaction_reaches_the_floor_after_a_spike,
+            kv_free_of_a_block_still_being_allocated_is_refused,
             kv_compaction_bad_input_and_rollback,
             kv_compaction_spares_blocks_of_an_alloc_in_progress,
             kv_compaction_races_alloc_free_trim_sleep,
