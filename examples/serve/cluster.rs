@@ -942,13 +942,7 @@ fn wake<S: BlockStore, M: StepModel>(
             Ok(_) => break,
             Err(e) => e,
         };
-        let idle = (0..models.len())
-            .filter(|&j| j != i && !asleep[j] && !models[j].engine.has_work())
-            .min_by(|&a, &b| last_active[a].total_cmp(&last_active[b]));
-        if let Some(j) = idle {
-            put_to_sleep(gpu, &models[j], sync)?;
-            asleep[j] = true;
-            tally[j].sleeps += 1;
+        if sleep_idlest(gpu, models, i, asleep, last_active, sync, tally)? {
             continue;
         }
         // Preempting KV helps only if the awake models' bases leave room for this one's.
@@ -956,9 +950,7 @@ fn wake<S: BlockStore, M: StepModel>(
             .filter(|&j| j == i || !asleep[j])
             .map(|j| models[j].base)
             .sum();
-        let victim = (0..models.len())
-            .filter(|&j| j != i && !asleep[j])
-            .max_by_key(|&j| models[j].engine.kv.used());
+        let victim = most_kv(models, i, asleep);
         if bases > budget || !victim.is_some_and(|j| models[j].engine.preempt_one()) {
             tracing::debug!(model = models[i].handle.id(), error = %e, "no room to wake yet");
             return Ok(false);
@@ -970,18 +962,10 @@ fn wake<S: BlockStore, M: StepModel>(
     let id = models[i].handle.id().to_string();
     while let Err(e) = gpu.set_guarantee(&id, models[i].guarantee) {
         // An idle model's base first (it sleeps), then other models' KV (preempted).
-        let idle = (0..models.len())
-            .filter(|&j| j != i && !asleep[j] && !models[j].engine.has_work())
-            .min_by(|&a, &b| last_active[a].total_cmp(&last_active[b]));
-        if let Some(j) = idle {
-            put_to_sleep(gpu, &models[j], sync)?;
-            asleep[j] = true;
-            tally[j].sleeps += 1;
+        if sleep_idlest(gpu, models, i, asleep, last_active, sync, tally)? {
             continue;
         }
-        let victim = (0..models.len())
-            .filter(|&j| j != i && !asleep[j])
-            .max_by_key(|&j| models[j].engine.kv.used());
+        let victim = most_kv(models, i, asleep);
         if !victim.is_some_and(|j| models[j].engine.preempt_one()) {
             // No room for its activations beside the awake models' (waiting ones hold their
             // bases): back to sleep, woken again after the next step.
@@ -992,6 +976,40 @@ fn wake<S: BlockStore, M: StepModel>(
         }
     }
     Ok(true)
+}
+
+/// Put the least recently active idle awake model other than `i` to sleep; whether there was
+/// one.
+fn sleep_idlest<S: BlockStore, M: StepModel>(
+    gpu: &SharedPool,
+    models: &[Served<S, M>],
+    i: usize,
+    asleep: &mut [bool],
+    last_active: &[f64],
+    sync: &dyn Fn() -> Result<(), String>,
+    tally: &mut [Tally],
+) -> Result<bool, String> {
+    let idle = (0..models.len())
+        .filter(|&j| j != i && !asleep[j] && !models[j].engine.has_work())
+        .min_by(|&a, &b| last_active[a].total_cmp(&last_active[b]));
+    let Some(j) = idle else {
+        return Ok(false);
+    };
+    put_to_sleep(gpu, &models[j], sync)?;
+    asleep[j] = true;
+    tally[j].sleeps += 1;
+    Ok(true)
+}
+
+/// The awake model other than `i` holding the most KV.
+fn most_kv<S: BlockStore, M: StepModel>(
+    models: &[Served<S, M>],
+    i: usize,
+    asleep: &[bool],
+) -> Option<usize> {
+    (0..models.len())
+        .filter(|&j| j != i && !asleep[j])
+        .max_by_key(|&j| models[j].engine.kv.used())
 }
 
 /// Whether a run served its trace at a p99-TTFT SLO of `slo_s` seconds: every request
