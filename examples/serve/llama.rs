@@ -313,7 +313,7 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             // in a 96 GiB range: "largest free range is 6.1 GiB" on the H100).
             let t = Pool::host_tier(
                 0,
-                PoolConfig::new(4 * bytes as usize)
+                PoolConfig::new(usize::try_from(bytes.saturating_mul(4)).unwrap_or(usize::MAX))
                     .physical_limit(bytes)
                     .name("host-tier"),
             )
@@ -469,13 +469,13 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
     }
     scratch.trim().map_err(e)?;
     drop(scratch);
-    // Make the shared host tier ready once: two models' weights mapped ahead, so a sleep on
+    // Make the shared host tier ready once: two models' bases mapped ahead, so a sleep on
     // the request path copies at link speed instead of creating host memory (a cold 15 GiB
     // sleep took 4 s on the H100 and pushed a woken model's p99 TTFT to 3.95 s).
     if let Some(t) = &tier {
         let most = models.iter().map(|m| m.base).max().unwrap_or(0);
         let t0 = Instant::now();
-        let made = t.prefill(2 * most).map_err(e)?;
+        let made = t.prefill(most.saturating_mul(2)).map_err(e)?;
         progress(&format!(
             "host tier ready: {:.2} GiB mapped ahead in {:.1} s (once per process, shared by the models' sleeps)",
             made as f64 / GIB,
