@@ -590,7 +590,7 @@ pub enum Error {
     /// Memory or a file for a layout's storage could not be made, read or written.
     #[error("{storage} storage: {op} failed: {detail}")]
     Storage {
-        /// `"system"`, `"pinned"` or `"disk"`.
+        /// `"system"`, `"pinned"`, `"disk"`, or `"tier"` (a tier move's own threads).
         storage: &'static str,
         /// The call that failed.
         op: &'static str,

@@ -2,9 +2,11 @@
 //! `copy_blocks` (every other block, so no run merges: one copy per block) against the same
 //! copies made raw with the backend's `copy_to_host_async`/`copy_from_host_async` on one stream
 //! (target >= 0.9x at 256 KiB and up); then pinned host <-> disk against raw `O_DIRECT`
-//! `pwrite`/`pread` of the same bytes to a file in the same directory (target >= 0.8x), and,
-//! with the `nixl` feature, NIXL's POSIX backend moving the same blocks between the same two
-//! layouts (registered as DRAM and FILE).
+//! `pwrite`/`pread` of the same bytes to a file in the same directory on 8 threads, as ours
+//! moves them (target >= 0.8x; one thread and the page cache shown too), and, with the `nixl`
+//! feature, NIXL's POSIX backend moving the same blocks between the same two layouts
+//! (registered as DRAM and FILE; NIXL is given the file's buffered descriptor, so it goes
+//! through the page cache).
 //! Then the elastic host tier (`Pool::host_tier`): GiB/s made available once per process
 //! (`Pool::prefill`: chunks created on several threads, and on one) against `cuMemHostAlloc`
 //! of the same bytes (what staging pins per model); device <-> host-tier moves against the
@@ -23,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::layout::{copy_blocks, Layout, LayoutBuilder, LayoutConfig};
+use elastic_vmm::layout::{copy_blocks, KvTiers, Layout, LayoutBuilder, LayoutConfig};
 use elastic_vmm::{AfterWake, Backend, MemOptions, Pool, PoolConfig, SleepPolicy};
 
 use crate::{BoxError, GIB, MIB};
@@ -155,6 +157,7 @@ pub fn run() -> Result<(), BoxError> {
             raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
         );
     }
+    async_move(&pool, total)?;
     println!(
         "== tiers: pinned host <-> disk ({}), {} MiB per case ==",
         dir.display(),
@@ -181,38 +184,78 @@ pub fn run() -> Result<(), BoxError> {
         // SAFETY: as above.
         let ours_r = best(|| Ok(unsafe { copy_blocks(&disk, &ids, &host, &ids) }?.elapsed))?;
         let path = dir.join(format!(".evmm-bench-raw-{}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)?;
+        let open = |direct: bool| -> Result<std::fs::File, BoxError> {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).write(true).create(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            Ok(o.open(&path)?)
+        };
+        let f = open(true)?;
+        let buffered = open(false)?;
         f.set_len(c.sizes()?.block * blocks as u64)?;
         let _ = std::fs::remove_file(&path);
-        let io = |write: bool| -> Result<Duration, BoxError> {
-            let t = Instant::now();
+        // Raw I/O of the same blocks on `threads` threads, each a share of the blocks in
+        // pieces of at most 4 MiB (as ours splits them).
+        let io = |f: &std::fs::File, write: bool, threads: usize| -> Result<Duration, BoxError> {
+            let mut pieces = Vec::new();
             for &b in &ids {
                 let h = host.block(b)?[0];
-                let off = b as u64 * block;
-                // SAFETY: the pinned layout's memory, `h.len` bytes, unused meanwhile.
-                unsafe {
-                    if write {
-                        f.write_all_at(
-                            std::slice::from_raw_parts(h.addr as *const u8, h.len as usize),
-                            off,
-                        )?;
-                    } else {
-                        f.read_exact_at(
-                            std::slice::from_raw_parts_mut(h.addr as *mut u8, h.len as usize),
-                            off,
-                        )?;
-                    }
+                let mut at = 0;
+                while at < h.len {
+                    let len = (h.len - at).min(4 * MIB);
+                    pieces.push((h.addr + at, b as u64 * block + at, len));
+                    at += len;
                 }
             }
+            let per = pieces.len().div_ceil(threads);
+            let t = Instant::now();
+            std::thread::scope(|s| -> Result<(), BoxError> {
+                let jobs: Vec<_> = pieces
+                    .chunks(per)
+                    .map(|share| {
+                        s.spawn(move || -> std::io::Result<()> {
+                            for &(addr, off, len) in share {
+                                // SAFETY: the pinned layout's memory, `len` bytes, used by this
+                                // thread alone meanwhile.
+                                unsafe {
+                                    if write {
+                                        f.write_all_at(
+                                            std::slice::from_raw_parts(
+                                                addr as *const u8,
+                                                len as usize,
+                                            ),
+                                            off,
+                                        )?;
+                                    } else {
+                                        f.read_exact_at(
+                                            std::slice::from_raw_parts_mut(
+                                                addr as *mut u8,
+                                                len as usize,
+                                            ),
+                                            off,
+                                        )?;
+                                    }
+                                }
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                for j in jobs {
+                    j.join().map_err(|_| "raw I/O thread panicked")??;
+                }
+                Ok(())
+            })?;
             Ok(t.elapsed())
         };
-        let raw_w = best(|| io(true))?;
-        let raw_r = best(|| io(false))?;
+        let raw_w1 = best(|| io(&f, true, 1))?;
+        let raw_r1 = best(|| io(&f, false, 1))?;
+        let raw_w = best(|| io(&f, true, 8))?;
+        let raw_r = best(|| io(&f, false, 8))?;
+        let cached_w = best(|| io(&buffered, true, 8))?;
+        let cached_r = best(|| io(&buffered, false, 8))?;
         #[cfg(feature = "nixl")]
         let nixl = match nixl_posix(host, disk, &ids) {
             Ok((w, r)) => format!(
@@ -230,17 +273,59 @@ pub fn run() -> Result<(), BoxError> {
             ""
         };
         println!(
-            "{kib:>6} KiB blocks x {}: write ours {:.2} GB/s raw O_DIRECT {:.2} GB/s ratio {:.2}x | read ours {:.2} GB/s raw {:.2} GB/s ratio {:.2}x{nixl}",
+            "{kib:>6} KiB blocks x {}: write ours {:.2} GB/s raw O_DIRECT 8 threads {:.2} GB/s ratio {:.2}x (1 thread {:.2} GB/s) | read ours {:.2} GB/s raw 8 threads {:.2} GB/s ratio {:.2}x (1 thread {:.2} GB/s) | page cache 8 threads: write {:.2} read {:.2} GB/s{nixl}",
             ids.len(),
             gbps(bytes, ours_w),
             gbps(bytes, raw_w),
             raw_w.as_secs_f64() / ours_w.as_secs_f64(),
+            gbps(bytes, raw_w1),
             gbps(bytes, ours_r),
             gbps(bytes, raw_r),
             raw_r.as_secs_f64() / ours_r.as_secs_f64(),
+            gbps(bytes, raw_r1),
+            gbps(bytes, cached_w),
+            gbps(bytes, cached_r),
         );
     }
     host_tier(&backend, &pool, total)?;
+    Ok(())
+}
+
+/// A `KvTiers` move of `total` bytes in 4 MiB blocks, device -> pinned host: how soon
+/// `start_move` gives the host back, against the whole move.
+fn async_move(pool: &Pool, total: u64) -> Result<(), BoxError> {
+    let blocks = (total / (4 * MIB)).max(4) as usize;
+    let c = LayoutConfig::new(blocks, 1, 1, 16, (4 * MIB / 32) as usize, 2);
+    let dev = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .map_region(pool, &MemOptions::new())
+        .build()?;
+    let host = LayoutBuilder::new()
+        .config(c)
+        .fully_contiguous()
+        .pinned(pool, true)
+        .build()?;
+    let tiers = KvTiers::new(vec![dev, host])?;
+    let ids: Vec<u64> = (0..blocks)
+        .map(|_| tiers.insert(0).map(|b| b.0))
+        .collect::<Result<_, _>>()?;
+    let mut line = String::new();
+    for (to, name) in [(1, "D2H"), (0, "H2D")] {
+        let t = Instant::now();
+        let m = tiers.start_move(&ids, to)?;
+        let started = t.elapsed();
+        let r = m.wait()?;
+        let all = t.elapsed();
+        line += &format!(
+            " | {name}: start_move returned in {:.1} us, done in {:.2} ms ({:.1} GB/s, {} copy)",
+            started.as_secs_f64() * 1e6,
+            all.as_secs_f64() * 1e3,
+            gbps(r.bytes, all),
+            r.copies,
+        );
+    }
+    println!("async KvTiers move of {} MiB{line}", total / MIB);
     Ok(())
 }
 

@@ -1191,6 +1191,40 @@ impl Copies for CudaBackend {
         waited.map_err(driver_error("cuEventSynchronize", "copy marker"))?;
         destroyed.map_err(driver_error("cuEventDestroy", "copy marker"))
     }
+
+    unsafe fn marker_done(&self, marker: u64) -> Result<bool> {
+        let _bound = self.bind()?;
+        let event: sys::CUevent = std::ptr::without_provenance_mut(marker as usize);
+        // SAFETY: the caller guarantees the marker is a live event of ours.
+        match unsafe { sys::cuEventQuery(event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(driver_error("cuEventQuery", "copy marker")(
+                cudarc::driver::DriverError(e),
+            )),
+        }
+    }
+
+    unsafe fn stream_wait_marker(&self, stream: u64, marker: u64) -> Result<()> {
+        let _bound = self.bind()?;
+        let event: sys::CUevent = std::ptr::without_provenance_mut(marker as usize);
+        // SAFETY: the caller guarantees a live event of ours and a live stream of this context.
+        unsafe { sys::cuStreamWaitEvent(raw_stream(stream), event, 0) }
+            .result()
+            .map_err(driver_error(
+                "cuStreamWaitEvent",
+                format!("stream {stream:#x}"),
+            ))
+    }
+
+    unsafe fn marker_drop(&self, marker: u64) -> Result<()> {
+        let _bound = self.bind()?;
+        let event: sys::CUevent = std::ptr::without_provenance_mut(marker as usize);
+        // SAFETY: the caller guarantees a live event of ours, dropped once; CUDA defers the
+        // release until the event's work ran.
+        unsafe { result::event::destroy(event) }
+            .map_err(driver_error("cuEventDestroy", "copy marker"))
+    }
 }
 
 /// Most copies in one `cuMemcpyBatchAsync`.

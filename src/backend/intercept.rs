@@ -464,4 +464,19 @@ impl<H: Hook> Copies for Intercept<H> {
         // SAFETY: forwarded contract.
         unsafe { self.up().marker_wait(marker) }
     }
+
+    unsafe fn marker_done(&self, marker: u64) -> Result<bool> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().marker_done(marker) }
+    }
+
+    unsafe fn stream_wait_marker(&self, stream: u64, marker: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().stream_wait_marker(stream, marker) }
+    }
+
+    unsafe fn marker_drop(&self, marker: u64) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.up().marker_drop(marker) }
+    }
 }

@@ -760,10 +760,42 @@ pub trait Copies: Backend {
     /// queues nothing and returns 0.
     ///
     /// # Safety
-    /// `stream` came from `copy_stream_create`.
+    /// `stream` came from `copy_stream_create`, or is a live stream of this device's primary
+    /// context (or a special handle of [`Copies::copy_async`]).
     unsafe fn marker_record(&self, stream: u64) -> Result<u64> {
         let _ = stream;
         Ok(0)
+    }
+
+    /// Whether the work before `marker` has run, without waiting (CUDA: `cuEventQuery`); the
+    /// marker stays live. The default (work done when queued) says yes.
+    ///
+    /// # Safety
+    /// `marker` came from `marker_record` and has not been waited for or dropped.
+    unsafe fn marker_done(&self, marker: u64) -> Result<bool> {
+        let _ = marker;
+        Ok(true)
+    }
+
+    /// Make the work queued on `stream` from now on wait for the work before `marker`, without
+    /// blocking the host (CUDA: `cuStreamWaitEvent`); the marker stays live. The default (work
+    /// done when queued) has nothing to wait for.
+    ///
+    /// # Safety
+    /// `marker` as for [`Copies::marker_done`]; `stream` as for [`Copies::marker_record`].
+    unsafe fn stream_wait_marker(&self, stream: u64, marker: u64) -> Result<()> {
+        let _ = (stream, marker);
+        Ok(())
+    }
+
+    /// Give a marker back without waiting for it (CUDA releases the event once its work ran,
+    /// also when a stream still waits on it).
+    ///
+    /// # Safety
+    /// `marker` came from `marker_record` and is neither waited for nor dropped again.
+    unsafe fn marker_drop(&self, marker: u64) -> Result<()> {
+        let _ = marker;
+        Ok(())
     }
 
     /// Wait until the work before a marker ran, then destroy the marker. A failed copy before

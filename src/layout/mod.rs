@@ -12,12 +12,15 @@
 //!   or a pool region backed block by block on demand ([`ElasticLayout`]); or memory of a
 //!   [`StorageKind`] the layout owns: system memory, pinned host memory, a file on disk.
 //! - [`copy_blocks`] and [`KvTiers`]: blocks moved between layouts of one geometry on
-//!   different storage (device, host, disk), runs merged, checked first, rolled back.
+//!   different storage (device, host, disk), runs merged, checked first, rolled back;
+//!   [`KvTiers::start_move`] returns a [`TierMove`] with the copies under way (in stream
+//!   order on a device, on I/O threads for disk).
 //! - [`LayoutViews`]: a unit, a whole block or a run of consecutive blocks as [`MemoryView`]s,
 //!   merged as far as the kind allows.
 
 mod builder;
 mod config;
+mod copies;
 mod elastic;
 mod geometry;
 mod kind;
@@ -32,13 +35,14 @@ pub use builder::{
     PoolRegion,
 };
 pub use config::{LayoutConfig, LayoutSizes, REGION_ALIGNMENT};
+pub use copies::{copy_blocks, MoveReport};
 pub use elastic::ElasticLayout;
 pub use geometry::{LayoutGeometry, Span};
 pub use kind::{BlockDim, LayoutKind};
 pub use mapped::{Layout, MemoryRange};
 pub use place::{DiskStorage, PinnedMemory, SystemMemory};
 pub use storage::StorageKind;
-pub use tier::{copy_blocks, KvTiers, MoveReport, TierBlock};
+pub use tier::{KvTiers, TierBlock, TierMove};
 #[cfg(feature = "nixl")]
 pub(crate) use view::sealed;
 pub use view::{KvLayout, LayoutPin, LayoutViews, MemoryView};

@@ -1,367 +1,39 @@
-//! Moving blocks between layouts of one geometry on different storage: device <-> host through
-//! the pool backend's copies (queued on a copy stream, awaited through a marker), host <-> disk
-//! with `pread`/`pwrite` (`O_DIRECT` where address, offset and length are 4 KiB aligned), host
-//! <-> host with `memcpy`.
+//! [`KvTiers`]: an engine's view of where each block of a KV cache is, over layouts of one
+//! geometry on different storage (device, host tier, disk).
 //!
-//! - [`copy_blocks`]: the mechanism. Everything is checked before any byte moves (geometry,
-//!   counts, block ids, a destination block named twice, a pair of storages it cannot move
-//!   between); runs of consecutive ids on both sides become one copy per view of a block (a
-//!   fully contiguous layout: one copy per run).
-//! - [`KvTiers`]: an engine's view of where each block is. Blocks have ids; each lives in one
-//!   slot of one tier (a layout). [`KvTiers::move_blocks`] moves a set of blocks to a tier
-//!   (offload or onboard): it takes free slots there, copies outside its lock, and on success
-//!   frees the source slots; on failure every block stays where it was, the destination slots
-//!   go back, and the error says how far it got. Which blocks go where is the engine's policy.
+//! Blocks have ids; each lives in one slot of one tier (a layout). [`KvTiers::start_move`]
+//! moves a set of blocks to a tier (offload or onboard): it takes free slots there, starts the
+//! copies ([`super::copies`]: a device's copy stream, optionally ordered after the engine's
+//! stream, or I/O threads) and returns a [`TierMove`] at once. The blocks stay where they were,
+//! marked moving (served from their source, neither removed nor moved again), until the move
+//! is waited for: then, on success, they live in their new slots and the source slots are
+//! free; on failure every block stays where it was, the destination slots go back, and the
+//! error says how far it got. [`KvTiers::move_blocks`] is the same, waited for at once. Which
+//! blocks go where is the engine's policy.
 //!
 //! - Host tiers: a layout on [`crate::Pool::host_tier`] (VMM host memory of the device, or
 //!   pinned fallback) is [`StorageKind::Pinned`]; device <-> host tier goes through the device
 //!   backend's copy stream like device <-> `LayoutBuilder::pinned`.
-//!
 //! - Pools under tiers cannot sleep under a move: `KvTiers` watches each tier's pool, refuses a
-//!   sleep while a move copies its memory, and refuses a move (nothing changed) while the pool
-//!   is not awake.
+//!   sleep while a move copies its memory (from its start until it is waited for), and refuses
+//!   a move (nothing changed) while the pool is not awake.
+//! - Nothing outlives the tiers: a [`TierMove`] dropped without a wait is waited for then, one
+//!   forgotten is waited for when the `KvTiers` goes, before its layouts do.
 //!
-//! Lock order: `KvTiers` has one mutex (its books), never held across a copy; each pool guard
-//! has one (a count), taken alone, also by the pool's sleep (no pool lock held then).
+//! Lock order: `KvTiers` has one mutex (its books, which hold the moves under way), never held
+//! across a copy, a driver call or a join; each pool guard has one (a count), taken alone,
+//! also by the pool's sleep (no pool lock held then).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::mapped::{Layout, LayoutMemory};
-use super::storage::{DiskFile, StorageKind};
-use super::view::LayoutViews;
-use crate::backend::{Backend, MemoryKind};
+use super::copies::{check_path, start, Flight, MoveReport, Probe};
+use super::mapped::Layout;
+use super::storage::StorageKind;
 use crate::error::{Error, Result};
-
-/// What a move did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct MoveReport {
-    /// Blocks moved.
-    pub blocks: usize,
-    /// Bytes copied.
-    pub bytes: u64,
-    /// Copies made, after merging runs.
-    pub copies: usize,
-    /// From the first copy to completion.
-    pub elapsed: Duration,
-}
-
-/// One copy: `len` bytes from `src` to `dst` (addresses, or offsets in a layout's file).
-#[derive(Debug, Clone, Copy)]
-struct Piece {
-    src: u64,
-    dst: u64,
-    len: u64,
-}
-
-/// How a layout's bytes are reached.
-enum End<'a> {
-    /// Pool memory: through its backend.
-    Pool(&'a Arc<dyn Backend>),
-    /// Host memory by address; `staging` is the backend whose staging memory it is.
-    Host {
-        staging: Option<&'a Arc<dyn Backend>>,
-    },
-    /// A file.
-    File(&'a DiskFile),
-}
-
-impl End<'_> {
-    /// Whether the CPU reaches its bytes by address.
-    fn cpu(&self) -> bool {
-        match self {
-            End::Pool(b) => b.info().memory_kind == MemoryKind::Host,
-            End::Host { .. } => true,
-            End::File(_) => false,
-        }
-    }
-}
-
-fn end_of(layout: &Layout) -> Result<End<'_>> {
-    Ok(match layout.memory() {
-        LayoutMemory::Allocation { pool, .. } => End::Pool(pool.backend()),
-        LayoutMemory::Region(r) => End::Pool(r.pool().backend()),
-        LayoutMemory::Caller(_) if layout.memory_kind() == MemoryKind::Host => {
-            End::Host { staging: None }
-        }
-        LayoutMemory::Caller(_) => {
-            return Err(Error::InvalidArgument(format!(
-                "the layout lies in caller device memory of device {:?}: no backend to copy it with (build it on a pool)",
-                layout.device()
-            )))
-        }
-        LayoutMemory::Host(b) => End::Host {
-            staging: b.staging_backend(),
-        },
-        LayoutMemory::Disk(f) => End::File(f),
-    })
-}
-
-/// Whether `host`, a host pool's backend, is a host tier the device of `device` copies to.
-fn reaches(device: &Arc<dyn Backend>, host: &Arc<dyn Backend>) -> bool {
-    let h = host.info();
-    h.memory_kind == MemoryKind::Host
-        && h.page_locked
-        && (h.device_ordinal.is_none() || h.device_ordinal == device.info().device_ordinal)
-}
-
-fn same_backend(a: &Arc<dyn Backend>, b: &Arc<dyn Backend>) -> bool {
-    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
-}
-
-/// The copies that move `src_blocks` of `src` onto `dst_blocks` of `dst`, runs merged; every
-/// check done first.
-fn plan(
-    src: &LayoutViews,
-    src_blocks: &[usize],
-    dst: &LayoutViews,
-    dst_blocks: &[usize],
-) -> Result<Vec<Piece>> {
-    if src.geometry() != dst.geometry() {
-        return Err(Error::LayoutMismatch {
-            detail: format!(
-                "source {:?} ({}), destination {:?} ({}): a move needs one geometry",
-                src.config(),
-                src.kind(),
-                dst.config(),
-                dst.kind()
-            ),
-        });
-    }
-    if src_blocks.len() != dst_blocks.len() {
-        return Err(Error::LayoutMismatch {
-            detail: format!(
-                "{} source blocks, {} destination blocks: they pair by position",
-                src_blocks.len(),
-                dst_blocks.len()
-            ),
-        });
-    }
-    let count = src.num_blocks();
-    for &b in src_blocks.iter().chain(dst_blocks) {
-        if b >= count {
-            return Err(Error::OutOfLayout {
-                what: "block",
-                index: b,
-                count,
-            });
-        }
-    }
-    let mut seen = HashSet::with_capacity(dst_blocks.len());
-    for &b in dst_blocks {
-        if !seen.insert(b) {
-            return Err(Error::InvalidArgument(format!(
-                "destination block {b} is named twice: a move writes each destination block once"
-            )));
-        }
-    }
-    let mut pieces = Vec::new();
-    let mut i = 0;
-    while i < src_blocks.len() {
-        let mut n = 1;
-        while i + n < src_blocks.len()
-            && src_blocks[i + n - 1] + 1 == src_blocks[i + n]
-            && dst_blocks[i + n - 1] + 1 == dst_blocks[i + n]
-        {
-            n += 1;
-        }
-        let (s, d) = (src.blocks(src_blocks[i], n)?, dst.blocks(dst_blocks[i], n)?);
-        pieces.extend(s.iter().zip(&d).map(|(s, d)| Piece {
-            src: s.addr,
-            dst: d.addr,
-            len: s.len,
-        }));
-        i += n;
-    }
-    Ok(pieces)
-}
-
-/// How a copy goes between two storages.
-enum Way<'a> {
-    ToHost(&'a Arc<dyn Backend>),
-    FromHost(&'a Arc<dyn Backend>),
-    Memcpy,
-    Write(&'a DiskFile),
-    Read(&'a DiskFile),
-}
-
-/// The way from `from` to `to`, or why there is none.
-fn way<'a>(from: &End<'a>, to: &End<'a>, sk: StorageKind, dk: StorageKind) -> Result<Way<'a>> {
-    let refuse = |why: &str| {
-        Err(Error::InvalidArgument(format!(
-            "no way to move blocks from {} to {} storage: {why}",
-            sk.name(),
-            dk.name()
-        )))
-    };
-    let device = |b: &Arc<dyn Backend>| b.info().memory_kind == MemoryKind::Device;
-    let way = match (from, to) {
-        (End::File(_), End::File(_)) => return refuse("disk to disk"),
-        (End::File(f), e) if e.cpu() => Way::Read(f),
-        (e, End::File(f)) if e.cpu() => Way::Write(f),
-        (End::File(_), _) | (_, End::File(_)) => {
-            return refuse("no GPUDirect Storage here: stage through a pinned host layout")
-        }
-        (End::Pool(a), End::Pool(b)) if !device(a) && !device(b) => Way::Memcpy,
-        // Device memory and a host tier it reaches (VMM host memory of the same device, or
-        // the pinned fallback, which has no device).
-        (End::Pool(a), End::Pool(b)) if device(a) && reaches(a, b) => Way::ToHost(a),
-        (End::Pool(a), End::Pool(b)) if device(b) && reaches(b, a) => Way::FromHost(b),
-        (End::Pool(_), End::Pool(_)) => {
-            return refuse(
-                "device to device, or a host pool that is no host tier of this device: copy within the device (p2p), or use Pool::host_tier",
-            )
-        }
-        (End::Pool(b), End::Host { staging }) | (End::Host { staging }, End::Pool(b)) => {
-            if device(b) && !staging.is_some_and(|s| same_backend(s, b)) {
-                return refuse(
-                    "the host layout is not pinned by the device pool's backend (build it with LayoutBuilder::pinned(&pool, ..))",
-                );
-            }
-            if matches!(from, End::Pool(_)) {
-                Way::ToHost(b)
-            } else {
-                Way::FromHost(b)
-            }
-        }
-        (End::Host { .. }, End::Host { .. }) => Way::Memcpy,
-    };
-    Ok(way)
-}
-
-/// Whether blocks can move from `src` to `dst` at all (storage kinds and backends): an error
-/// saying why not, before anything is taken or copied.
-fn check_path(src: &Layout, dst: &Layout) -> Result<()> {
-    let (from, to) = (end_of(src)?, end_of(dst)?);
-    way(&from, &to, src.storage(), dst.storage()).map(|_| ())
-}
-
-/// Copy `src_blocks` of `src` onto `dst_blocks` of `dst` (paired by position), two layouts of
-/// one geometry. Device <-> host needs the host side pinned by the device pool's backend
-/// (`LayoutBuilder::pinned`); host <-> disk and host <-> host work with any host memory;
-/// device <-> disk and device <-> device are refused (stage through a pinned layout).
-///
-/// Everything is checked before any byte moves. On a failure part way the source is intact and
-/// the destination blocks hold unspecified bytes ([`KvTiers`] rolls its books back); the error
-/// is [`Error::TierMoveFailed`] with the bytes copied.
-///
-/// # Safety
-/// Nobody else writes the source blocks, or uses the destination blocks, until this returns.
-pub unsafe fn copy_blocks(
-    src: &Layout,
-    src_blocks: &[usize],
-    dst: &Layout,
-    dst_blocks: &[usize],
-) -> Result<MoveReport> {
-    let pieces = plan(src.views(), src_blocks, dst.views(), dst_blocks)?;
-    let (sk, dk) = (src.storage(), dst.storage());
-    let (from, to) = (end_of(src)?, end_of(dst)?);
-    let way = way(&from, &to, sk, dk)?;
-    let bytes: u64 = pieces.iter().map(|p| p.len).sum();
-    let started = Instant::now();
-    let mut copied = 0u64;
-    let result = match way {
-        Way::Memcpy => {
-            for p in &pieces {
-                // SAFETY: both ranges lie in their layouts' host memory (views of a checked
-                // plan), mapped while the layouts live; exclusive use is the caller's promise.
-                unsafe { std::ptr::copy(p.src as *const u8, p.dst as *mut u8, p.len as usize) };
-                copied += p.len;
-            }
-            Ok(())
-        }
-        Way::Write(f) => pieces.iter().try_for_each(|p| {
-            // SAFETY: the source is host memory of the layout, readable while it lives.
-            unsafe { f.write_from(p.src, p.dst, p.len) }?;
-            copied += p.len;
-            Ok(())
-        }),
-        Way::Read(f) => pieces.iter().try_for_each(|p| {
-            // SAFETY: the destination is host memory of the layout; exclusive use promised.
-            unsafe { f.read_into(p.dst, p.src, p.len) }?;
-            copied += p.len;
-            Ok(())
-        }),
-        // SAFETY: the ranges are the layouts' memory (pool memory mapped for the layout's
-        // life; host memory pinned by this backend where it is a device's); awaited below.
-        Way::ToHost(b) => unsafe { streamed(b, &pieces, true, &mut copied) },
-        // SAFETY: as above.
-        Way::FromHost(b) => unsafe { streamed(b, &pieces, false, &mut copied) },
-    };
-    match result {
-        Ok(()) => {
-            let report = MoveReport {
-                blocks: src_blocks.len(),
-                bytes,
-                copies: pieces.len(),
-                elapsed: started.elapsed(),
-            };
-            tracing::debug!(from = %sk.name(), to = %dk.name(), blocks = report.blocks, bytes, copies = report.copies, elapsed = ?report.elapsed, "blocks moved");
-            Ok(report)
-        }
-        Err(e) => Err(Error::TierMoveFailed {
-            blocks: src_blocks.len(),
-            from: sk.name(),
-            to: dk.name(),
-            copied,
-            bytes,
-            source: Box::new(e),
-        }),
-    }
-}
-
-/// Queue every piece on a copy stream of `backend` (to host memory when `to_host`), then wait
-/// for all of them, whatever failed: nothing stays queued on the memory when this returns.
-///
-/// # Safety
-/// Pool-side ranges are mapped memory of `backend`, host-side ranges its staging memory (any
-/// host memory on a host backend), all alive and unshared until this returns.
-unsafe fn streamed(
-    backend: &Arc<dyn Backend>,
-    pieces: &[Piece],
-    to_host: bool,
-    copied: &mut u64,
-) -> Result<()> {
-    let copies = backend.copies();
-    let stream = copies.copy_stream_create()?;
-    let mut queued = 0u64;
-    let mut failed = None;
-    for p in pieces {
-        // SAFETY: the caller's promise for both ranges; awaited below before returning.
-        let r = unsafe {
-            if to_host {
-                copies.copy_to_host_async(p.dst as *mut u8, p.src, p.len as usize, stream)
-            } else {
-                copies.copy_from_host_async(p.dst, p.src as *const u8, p.len as usize, stream)
-            }
-        };
-        if let Err(e) = r {
-            failed = Some(e);
-            break;
-        }
-        queued += p.len;
-    }
-    // SAFETY: `stream` came from `copy_stream_create`; the marker is waited for once.
-    let waited = unsafe { copies.marker_record(stream) }
-        .and_then(|m| unsafe { copies.marker_wait(m) })
-        .or_else(|e| {
-            // Without a marker, wait for the whole stream: nothing may stay queued.
-            copies.synchronize(stream).map(|_| ()).or(Err(e))
-        });
-    // SAFETY: everything queued on it ran (waited above).
-    if let Err(e) = unsafe { copies.copy_stream_destroy(stream) } {
-        tracing::warn!(error = %e, "destroying a tier move's copy stream failed");
-    }
-    if let Some(e) = failed {
-        return Err(e);
-    }
-    waited?;
-    *copied = queued;
-    Ok(())
-}
 
 /// Where a block of [`KvTiers`] lives: slot `slot` (a block index of the layout) of tier
 /// `tier`.
@@ -453,10 +125,25 @@ impl Watched {
     }
 }
 
+/// A move under way: its blocks `(id, from, to)`, its copies, the tiers whose pools it keeps
+/// awake.
+struct Pending {
+    moves: Vec<(u64, TierBlock, TierBlock)>,
+    flights: Vec<Flight>,
+    entered: Vec<usize>,
+    started: Instant,
+    bytes: u64,
+    copies: usize,
+    from: StorageKind,
+    to: StorageKind,
+}
+
 struct Books {
     free: Vec<BTreeSet<usize>>,
     blocks: HashMap<u64, Place>,
     next_id: u64,
+    pending: HashMap<u64, Pending>,
+    next_move: u64,
 }
 
 /// Blocks of a KV cache spread over tiers (device, host, disk...): layouts of one geometry, one
@@ -518,6 +205,8 @@ impl KvTiers {
                 free,
                 blocks: HashMap::new(),
                 next_id: 0,
+                pending: HashMap::new(),
+                next_move: 0,
             }),
         })
     }
@@ -579,11 +268,43 @@ impl KvTiers {
         matches!(self.books.lock().blocks.get(&id), Some(Place::Moving(_)))
     }
 
-    /// Move blocks `ids` to tier `to` (from wherever each is; those already there stay),
-    /// taking its lowest free slots in order so that runs stay runs. All or nothing: on a
-    /// failure every block stays where it was and the slots taken go back. A block must not
-    /// be written while it moves.
+    /// Move blocks `ids` to tier `to` and wait: [`KvTiers::start_move`], then
+    /// [`TierMove::wait`].
     pub fn move_blocks(&self, ids: &[u64], to: usize) -> Result<MoveReport> {
+        self.start_move(ids, to)?.wait()
+    }
+
+    /// Start moving blocks `ids` to tier `to` (from wherever each is; those already there
+    /// stay), taking its lowest free slots in order so that runs stay runs, and return at once
+    /// with the copies under way. All or nothing: a check that fails, or copies that fail to
+    /// start, leave every block where it was and change nothing; copies that fail later are
+    /// rolled back when the move is waited for. A block must not be written while it moves.
+    pub fn start_move(&self, ids: &[u64], to: usize) -> Result<TierMove<'_>> {
+        // SAFETY: no stream to order after.
+        unsafe { self.start(ids, to, None) }
+    }
+
+    /// [`KvTiers::start_move`], with the device copies ordered after the work queued so far on
+    /// `stream` (the engine's stream whose kernels wrote the blocks): the host does not wait
+    /// for it. Refused (nothing changed) for a move with no device copies (host <-> disk).
+    ///
+    /// # Safety
+    /// `stream` is a live stream (a raw `CUstream`, or a special handle of
+    /// [`crate::backend::Copies::copy_async`]) of the device whose pool the move copies.
+    pub unsafe fn start_move_after(
+        &self,
+        ids: &[u64],
+        to: usize,
+        stream: u64,
+    ) -> Result<TierMove<'_>> {
+        // SAFETY: the caller's promise.
+        unsafe { self.start(ids, to, Some(stream)) }
+    }
+
+    /// # Safety
+    /// As for [`KvTiers::start_move_after`] when `after` is given.
+    unsafe fn start(&self, ids: &[u64], to: usize, after: Option<u64>) -> Result<TierMove<'_>> {
+        let started = Instant::now();
         // Books: check everything, take the slots, mark the blocks moving.
         let mut moves: Vec<(u64, TierBlock, TierBlock)> = Vec::with_capacity(ids.len());
         {
@@ -610,8 +331,27 @@ impl KvTiers {
             let mut sources: Vec<usize> = from.iter().map(|(_, t)| t.tier).collect();
             sources.sort_unstable();
             sources.dedup();
-            for t in sources {
-                check_path(&self.tiers[t], &self.tiers[to])?;
+            let mut devices = HashSet::new();
+            for &t in &sources {
+                match check_path(&self.tiers[t], &self.tiers[to])? {
+                    Some(device) => {
+                        devices.insert(device);
+                    }
+                    None if after.is_some() => {
+                        return Err(Error::InvalidArgument(format!(
+                            "blocks of tier {t} ({}) move to tier {to} ({}) with no device copy to order after a stream: synchronize the stream and use start_move",
+                            self.tiers[t].storage().name(),
+                            self.tiers[to].storage().name()
+                        )))
+                    }
+                    None => {}
+                }
+            }
+            if after.is_some() && devices.len() > 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "the move copies on {} devices ({devices:?}): one stream orders the copies of one device",
+                    devices.len()
+                )));
             }
             let free = &mut books.free[to];
             if free.len() < from.len() {
@@ -631,17 +371,26 @@ impl KvTiers {
                 books.blocks.insert(*id, Place::Moving(*src));
             }
         }
-        // The pools under the tiers involved stay awake while we copy.
-        let mut involved: Vec<usize> = moves.iter().map(|m| m.1.tier).collect();
+        let mut pending = Pending {
+            moves,
+            flights: Vec::new(),
+            entered: Vec::new(),
+            started,
+            bytes: 0,
+            copies: 0,
+            from: self.tiers[to].storage(),
+            to: self.tiers[to].storage(),
+        };
+        // The pools under the tiers involved stay awake until the move is waited for.
+        let mut involved: Vec<usize> = pending.moves.iter().map(|m| m.1.tier).collect();
         involved.push(to);
         involved.sort_unstable();
         involved.dedup();
-        let mut entered = Vec::with_capacity(involved.len());
         let mut result = Ok(());
         for &t in &involved {
             if let Some(w) = &self.watched[t] {
                 match w.enter() {
-                    Ok(()) => entered.push(w),
+                    Ok(()) => pending.entered.push(t),
                     Err(e) => {
                         result = Err(e);
                         break;
@@ -649,8 +398,8 @@ impl KvTiers {
                 }
             }
         }
-        // Copies, one per source tier, with no lock held.
-        let mut total = MoveReport::default();
+        // Copies, one flight per source tier, with no lock held.
+        let moves = std::mem::take(&mut pending.moves);
         let mut i = if result.is_ok() { 0 } else { moves.len() };
         while i < moves.len() {
             let tier = moves[i].1.tier;
@@ -660,57 +409,129 @@ impl KvTiers {
             let d: Vec<usize> = group.iter().map(|m| m.2.slot).collect();
             // SAFETY: the source slots hold blocks marked moving (no other call of ours moves
             // or removes them, and the engine does not write a moving block); the destination
-            // slots were free, which no one uses.
-            match unsafe { copy_blocks(&self.tiers[tier], &s, &self.tiers[to], &d) } {
-                Ok(r) => {
-                    total.blocks += r.blocks;
-                    total.bytes += r.bytes;
-                    total.copies += r.copies;
-                    total.elapsed += r.elapsed;
+            // slots were free, which no one uses; the layouts live until the flight is
+            // finished (by the move's wait, its drop, or the tiers' drop); `after` is the
+            // caller's promise.
+            match unsafe { start(&self.tiers[tier], &s, &self.tiers[to], &d, after) } {
+                Ok(st) => {
+                    pending.bytes += st.bytes;
+                    pending.copies += st.copies;
+                    pending.from = st.from;
+                    pending.flights.push(st.flight);
                 }
                 Err(e) => {
-                    result = Err(match e {
-                        Error::TierMoveFailed {
-                            from,
-                            to,
-                            copied,
-                            bytes,
-                            source,
-                            ..
-                        } => Error::TierMoveFailed {
-                            blocks: moves.len(),
-                            from,
-                            to,
-                            copied: total.bytes + copied,
-                            bytes: total.bytes + bytes,
-                            source,
-                        },
-                        e => e,
-                    });
+                    result = Err(e);
                     break;
                 }
             }
             i += n;
         }
-        entered.iter().for_each(|w| w.leave());
+        pending.moves = moves;
+        let destinations = pending.moves.iter().map(|m| (m.0, m.2)).collect();
+        if let Err(e) = result {
+            // Started flights run out, then everything goes back.
+            let started_any = !pending.flights.is_empty();
+            let (copied, _) = self.run_out(&mut pending);
+            return Err(self.undo(pending, copied, e, started_any));
+        }
         let mut books = self.books.lock();
-        match result {
-            Ok(()) => {
-                for (id, src, dst) in moves {
-                    books.blocks.insert(id, Place::At(dst));
-                    books.free[src.tier].insert(src.slot);
-                }
-                Ok(total)
-            }
-            Err(e) => {
-                for (id, src, dst) in moves {
-                    books.blocks.insert(id, Place::At(src));
-                    books.free[dst.tier].insert(dst.slot);
-                }
-                tracing::warn!(to, error = %e, "tier move rolled back");
-                Err(e)
+        let id = books.next_move;
+        books.next_move += 1;
+        books.pending.insert(id, pending);
+        Ok(TierMove {
+            tiers: self,
+            id,
+            destinations,
+            waited: false,
+        })
+    }
+
+    /// Wait for a move's copies (no lock held) and let its pools sleep again: the bytes that
+    /// moved, and the first failure.
+    fn run_out(&self, p: &mut Pending) -> (u64, Option<Error>) {
+        let mut copied = 0u64;
+        let mut failed = None;
+        for f in std::mem::take(&mut p.flights) {
+            let (n, r) = f.finish();
+            copied += n;
+            if let (Err(e), None) = (r, &failed) {
+                failed = Some(e);
             }
         }
+        for t in std::mem::take(&mut p.entered) {
+            if let Some(w) = &self.watched[t] {
+                w.leave();
+            }
+        }
+        (copied, failed)
+    }
+
+    /// Finish a move: its copies run out, then the books settle: the blocks in their new
+    /// slots, or everything back on a failure.
+    fn settle(&self, mut p: Pending) -> Result<MoveReport> {
+        let (copied, failed) = self.run_out(&mut p);
+        if let Some(e) = failed {
+            return Err(self.undo(p, copied, e, true));
+        }
+        let mut books = self.books.lock();
+        for &(id, src, dst) in &p.moves {
+            books.blocks.insert(id, Place::At(dst));
+            books.free[src.tier].insert(src.slot);
+        }
+        drop(books);
+        let report = MoveReport {
+            blocks: p.moves.len(),
+            bytes: p.bytes,
+            copies: p.copies,
+            elapsed: p.started.elapsed(),
+        };
+        tracing::debug!(from = %p.from.name(), to = %p.to.name(), blocks = report.blocks, bytes = report.bytes, copies = report.copies, elapsed = ?report.elapsed, "blocks moved");
+        Ok(report)
+    }
+
+    /// Put every block of a move that ran out back where it was and free the destination
+    /// slots; the error to return: `e` as it is when no copy had started, else a
+    /// [`Error::TierMoveFailed`] of the whole move.
+    fn undo(&self, p: Pending, copied: u64, e: Error, started_any: bool) -> Error {
+        let mut books = self.books.lock();
+        for &(id, src, dst) in &p.moves {
+            books.blocks.insert(id, Place::At(src));
+            books.free[dst.tier].insert(dst.slot);
+        }
+        drop(books);
+        if !started_any {
+            return e;
+        }
+        let e = match e {
+            Error::TierMoveFailed { source, .. } => *source,
+            e => e,
+        };
+        let e = Error::TierMoveFailed {
+            blocks: p.moves.len(),
+            from: p.from.name(),
+            to: p.to.name(),
+            copied,
+            bytes: p.bytes,
+            source: Box::new(e),
+        };
+        tracing::warn!(error = %e, "tier move rolled back");
+        e
+    }
+
+    /// Finish move `id` (see [`KvTiers::settle`]); its entry leaves the books first.
+    fn finish(&self, id: u64) -> Result<MoveReport> {
+        let pending = self.books.lock().pending.remove(&id);
+        match pending {
+            Some(p) => self.settle(p),
+            None => Err(Error::InvalidArgument(format!(
+                "tier move {id} is not under way"
+            ))),
+        }
+    }
+
+    /// Moves under way (started, not waited for yet).
+    pub fn moves_under_way(&self) -> usize {
+        self.books.lock().pending.len()
     }
 
     fn no_tier(&self, tier: usize) -> Error {
@@ -734,6 +555,13 @@ impl KvTiers {
 
 impl Drop for KvTiers {
     fn drop(&mut self) {
+        // Moves whose handle was forgotten: their copies run out before the layouts go.
+        let pending: Vec<Pending> = self.books.lock().pending.drain().map(|(_, p)| p).collect();
+        for p in pending {
+            if let Err(e) = self.settle(p) {
+                tracing::warn!(error = %e, "a tier move nobody waited for failed");
+            }
+        }
         for w in self.watched.iter().flatten() {
             w.pool.inner().remove_watcher(w.id);
         }
@@ -747,5 +575,216 @@ impl std::fmt::Debug for KvTiers {
             .field("tiers", &kinds)
             .field("blocks", &self.books.lock().blocks.len())
             .finish()
+    }
+}
+
+/// A move of blocks between tiers, under way ([`KvTiers::start_move`]). Wait for it with
+/// [`TierMove::wait`], which settles the books; dropped without a wait, it is waited for then
+/// (the outcome logged).
+#[must_use = "a move is settled when it is waited for (or dropped, which waits)"]
+pub struct TierMove<'a> {
+    tiers: &'a KvTiers,
+    id: u64,
+    destinations: Vec<(u64, TierBlock)>,
+    waited: bool,
+}
+
+impl TierMove<'_> {
+    /// Where each moved block will live once the move succeeds: `(id, place)`. Blocks already
+    /// in the target tier are not listed. The destination slots are the move's while it is
+    /// under way: a kernel ordered after it ([`TierMove::order_before`]) may read them.
+    pub fn destinations(&self) -> &[(u64, TierBlock)] {
+        &self.destinations
+    }
+
+    /// Whether every copy has run (or failed), without waiting. The books change only at
+    /// [`TierMove::wait`].
+    pub fn is_done(&self) -> bool {
+        // SAFETY: the flights stay under way until this handle's `wait` or drop (or the
+        // tiers' drop, which the borrow excludes).
+        self.probes().iter().all(|p| unsafe { p.is_done() })
+    }
+
+    /// Make the work queued on `stream` from now on wait for this move's copies, without the
+    /// host waiting (an onboard, then the kernels that read the blocks at
+    /// [`TierMove::destinations`]). Copies between host and disk have nothing a stream can
+    /// wait on: this waits for them here.
+    ///
+    /// # Safety
+    /// `stream` is a live stream (a raw `CUstream`, or a special handle of
+    /// [`crate::backend::Copies::copy_async`]) of the device whose pool the move copies.
+    pub unsafe fn order_before(&self, stream: u64) -> Result<()> {
+        for p in self.probes() {
+            // SAFETY: as in `is_done`; the stream is the caller's promise.
+            unsafe { p.order_before(stream) }?;
+        }
+        Ok(())
+    }
+
+    /// Probes of the flights, taken under the books' lock and asked after it is released (no
+    /// driver call under a lock).
+    fn probes(&self) -> Vec<Probe> {
+        let books = self.tiers.books.lock();
+        books
+            .pending
+            .get(&self.id)
+            .map(|p| p.flights.iter().map(Flight::probe).collect())
+            .unwrap_or_default()
+    }
+
+    /// Wait for the copies and settle: the blocks now live in [`TierMove::destinations`] and
+    /// their source slots are free; or, on a failure, every block is where it was, the
+    /// destination slots are free again, and the error ([`Error::TierMoveFailed`]) says how
+    /// many bytes had moved.
+    pub fn wait(mut self) -> Result<MoveReport> {
+        self.waited = true;
+        self.tiers.finish(self.id)
+    }
+}
+
+impl Drop for TierMove<'_> {
+    fn drop(&mut self) {
+        if !self.waited {
+            if let Err(e) = self.tiers.finish(self.id) {
+                tracing::warn!(error = %e, "a tier move dropped without a wait failed");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for TierMove<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierMove")
+            .field("id", &self.id)
+            .field("blocks", &self.destinations.len())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::layout::copies::IO_DELAY_MS;
+    use crate::layout::{LayoutBuilder, LayoutConfig};
+
+    /// Tiers over system memory and a temporary file, `n` blocks of 8 KiB in the first.
+    fn tiers(n: usize) -> (KvTiers, Vec<u64>) {
+        let c = LayoutConfig::new(16, 2, 2, 16, 64, 2);
+        let tiers = KvTiers::new(vec![
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .system()
+                .build()
+                .expect("system"),
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .disk_temp(std::env::temp_dir())
+                .build()
+                .expect("disk"),
+        ])
+        .expect("tiers");
+        let ids = (0..n).map(|_| tiers.insert(0).expect("slot").0).collect();
+        (tiers, ids)
+    }
+
+    /// The I/O threads wait `ms` before copying, for the life of the guard (tests that delay
+    /// take turns: the delay is one for the process).
+    struct Delay(#[allow(dead_code)] parking_lot::MutexGuard<'static, ()>);
+    static TURNS: parking_lot::Mutex<()> = parking_lot::const_mutex(());
+    impl Delay {
+        fn ms(ms: u64) -> Self {
+            let turn = TURNS.lock();
+            IO_DELAY_MS.store(ms, Ordering::Relaxed);
+            Delay(turn)
+        }
+    }
+    impl Drop for Delay {
+        fn drop(&mut self) {
+            IO_DELAY_MS.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A move under way keeps its blocks where they were (moving, neither removed nor moved
+    /// again) and its destination slots taken; it is done only when its copies ran; the wait
+    /// settles the books.
+    #[test]
+    fn a_move_under_way_settles_at_its_wait() {
+        let _delay = Delay::ms(300);
+        let (tiers, ids) = tiers(4);
+        let before: Vec<_> = ids.iter().map(|&id| tiers.locate(id)).collect();
+        let m = tiers.start_move(&ids, 1).expect("start");
+        assert!(!m.is_done(), "done before the delayed copies ran");
+        assert_eq!(m.destinations().len(), 4);
+        assert_eq!(tiers.moves_under_way(), 1);
+        assert_eq!(
+            tiers.free_slots(1),
+            12,
+            "the destination slots are the move's"
+        );
+        assert!(ids.iter().all(|&id| tiers.is_moving(id)));
+        assert_eq!(
+            before,
+            ids.iter().map(|&id| tiers.locate(id)).collect::<Vec<_>>()
+        );
+        let e = tiers.remove(ids[0]).expect_err("remove while moving");
+        assert!(e.to_string().contains("being moved"), "{e}");
+        let e = tiers.move_blocks(&ids[..1], 1).expect_err("moved twice");
+        assert!(e.to_string().contains("being moved"), "{e}");
+        let t = Instant::now();
+        while !m.is_done() {
+            assert!(t.elapsed() < Duration::from_secs(10), "never done");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let dest = m.destinations().to_vec();
+        let r = m.wait().expect("wait");
+        assert_eq!((r.blocks, r.bytes), (4, 4 * 8192));
+        assert_eq!(tiers.moves_under_way(), 0);
+        for (id, at) in dest {
+            assert_eq!(tiers.locate(id), Some(at));
+        }
+        assert_eq!((tiers.free_slots(0), tiers.free_slots(1)), (16, 12));
+    }
+
+    /// A move dropped without a wait is waited for then; one forgotten is waited for when the
+    /// tiers go, before their layouts do (its threads would write freed memory otherwise).
+    /// Without the waits, both drops return before the delayed copies ran.
+    #[test]
+    fn dropped_and_forgotten_moves_are_waited_for() {
+        let _delay = Delay::ms(300);
+        let (tiers, ids) = tiers(4);
+        let t = Instant::now();
+        drop(tiers.start_move(&ids[..2], 1).expect("start"));
+        assert!(
+            t.elapsed() >= Duration::from_millis(250),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(tiers.locate(ids[0]).map(|b| b.tier), Some(1), "settled");
+        std::mem::forget(tiers.start_move(&ids[2..], 1).expect("start"));
+        assert_eq!(tiers.moves_under_way(), 1);
+        let t = Instant::now();
+        drop(tiers);
+        assert!(
+            t.elapsed() >= Duration::from_millis(250),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+
+    /// Host <-> disk has no device copy a stream could order: asking for one is refused before
+    /// anything is taken.
+    #[test]
+    fn ordering_a_disk_move_after_a_stream_is_refused() {
+        let (tiers, ids) = tiers(2);
+        // SAFETY: refused before any stream is used.
+        let e = unsafe { tiers.start_move_after(&ids, 1, 2) }.expect_err("no device copy");
+        assert!(e.to_string().contains("no device copy"), "{e}");
+        assert_eq!(tiers.free_slots(1), 16);
+        assert!(ids.iter().all(|&id| !tiers.is_moving(id)));
     }
 }

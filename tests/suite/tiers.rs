@@ -28,6 +28,7 @@ macro_rules! tiers_suite {
             sleep_stages_through_the_host_tier,
             a_prefilled_tier_serves_sleeps_with_no_driver_call,
             tier_pools_do_not_sleep_under_a_move,
+            moves_start_in_stream_order_and_settle_at_wait,
         );
     };
 }
@@ -757,4 +758,120 @@ pub fn tier_pools_do_not_sleep_under_a_move(backend: Arc<dyn Backend>) {
     assert_eq!((tiers.free_slots(0), tiers.free_slots(1)), (0, n));
     p.wake(AfterWake::KeepHostMemory).expect("wake");
     tiers.move_blocks(&ids[..4], 1).expect("awake again");
+}
+
+/// Whether every byte of `block` of a pool layout is `b`.
+fn all_bytes(l: &Layout, block: usize, b: u8) -> bool {
+    l.block(block).expect("block").iter().all(|v| {
+        let mut out = vec![0u8; v.len as usize];
+        // SAFETY: the view lies in the layout; nobody writes it meanwhile.
+        unsafe { l.read(v.addr, &mut out) }.expect("read");
+        out.iter().all(|&x| x == b)
+    })
+}
+
+/// A move starts at once and settles at its wait:
+/// - its device copies are ordered after the engine's stream: fills queued on that stream just
+///   before (fifty rounds, the last one counts) are what lands in the host tier, with no host
+///   wait between (a device backend; elsewhere plain writes);
+/// - and before it: once the stream ran past `order_before`, the move is done;
+/// - the pool cannot sleep until the move is waited for; two moves under way at once both
+///   settle; a dropped one settles too; everything comes home byte-exact.
+pub fn moves_start_in_stream_order_and_settle_at_wait(backend: Arc<dyn Backend>) {
+    const STREAM: u64 = 2; // the calling thread's default stream
+    let p = pool(&backend);
+    let c = config(16);
+    let tiers = KvTiers::new(vec![
+        on_pool(&p, c, LayoutKind::FullyContiguous),
+        LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .pinned(&p, false)
+            .build()
+            .expect("pinned"),
+        LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .disk_temp(std::env::temp_dir())
+            .build()
+            .expect("disk"),
+    ])
+    .expect("tiers");
+    let ids: Vec<u64> = (0..8).map(|_| tiers.insert(0).expect("slot").0).collect();
+    let dev = tiers.tier(0).expect("tier 0");
+    let copies = backend.copies();
+    let first = dev.block(0).expect("block")[0];
+    // SAFETY: zero bytes: queues nothing; it says whether the backend queues fills.
+    let streamed = unsafe { copies.fill_async(first.addr, 0, 0, STREAM) }.is_ok();
+    let mark = |id: u64| 0xA0u8.wrapping_add(id as u8);
+    for &id in &ids {
+        let slot = tiers.locate(id).expect("known").slot;
+        for v in dev.block(slot).expect("block") {
+            if streamed {
+                for round in 0..50u8 {
+                    let b = if round == 49 { mark(id) } else { round };
+                    // SAFETY: the view is the layout's device memory, used by nothing else;
+                    // the move below is ordered after this stream.
+                    unsafe { copies.fill_async(v.addr, v.len as usize, b, STREAM) }.expect("fill");
+                }
+            } else {
+                // SAFETY: as above.
+                unsafe { dev.write(v.addr, &vec![mark(id); v.len as usize]) }.expect("write");
+            }
+        }
+    }
+    // SAFETY: STREAM is a special handle of this device.
+    let m = unsafe { tiers.start_move_after(&ids, 1, STREAM) }.expect("start");
+    assert_eq!(m.destinations().len(), 8);
+    let e = p
+        .sleep(&SleepPolicy::offload_all())
+        .expect_err("asleep under a move");
+    assert!(e.to_string().contains("KvTiers"), "{e}");
+    let dest = m.destinations().to_vec();
+    let r = m.wait().expect("to host");
+    assert_eq!((r.blocks, r.copies), (8, 1), "one run, one copy");
+    let host = tiers.tier(1).expect("tier 1");
+    for (id, at) in dest {
+        assert_eq!(tiers.locate(id), Some(at));
+        for v in host.block(at.slot).expect("block") {
+            // SAFETY: the pinned layout's host memory, written by nobody now.
+            let got = unsafe { std::slice::from_raw_parts(v.addr as *const u8, v.len as usize) };
+            assert!(
+                got.iter().all(|&b| b == mark(id)),
+                "block {id}: the last fill did not land"
+            );
+        }
+    }
+    // Two moves to disk under way at once.
+    let a = tiers.start_move(&ids[..4], 2).expect("start a");
+    let b = tiers.start_move(&ids[4..], 2).expect("start b");
+    assert_eq!(tiers.moves_under_way(), 2);
+    b.wait().expect("b");
+    a.wait().expect("a");
+    assert_eq!(tiers.free_slots(2), 8);
+    tiers.move_blocks(&ids, 1).expect("disk -> host");
+    // Onboard, the stream ordered after it, the handle dropped unwaited.
+    let m = tiers.start_move(&ids, 0).expect("onboard");
+    // SAFETY: as above.
+    unsafe { m.order_before(STREAM) }.expect("order");
+    if streamed {
+        copies.synchronize(STREAM).expect("sync");
+        assert!(
+            m.is_done(),
+            "the stream ran past the move, which is not done"
+        );
+    }
+    drop(m);
+    assert_eq!(tiers.moves_under_way(), 0);
+    for &id in &ids {
+        let at = tiers.locate(id).expect("known");
+        assert_eq!(at.tier, 0);
+        assert!(
+            all_bytes(dev, at.slot, mark(id)),
+            "block {id} came home changed"
+        );
+    }
+    p.sleep(&SleepPolicy::offload_all())
+        .expect("sleeps once no move is under way");
+    p.wake(AfterWake::KeepHostMemory).expect("wake");
 }
