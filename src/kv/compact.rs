@@ -179,10 +179,13 @@ impl Core {
         debug_assert!((0..n).all(|b| group_of(&self.geo, self.page, b) == b / per));
         let blocks = |g: usize| g * per..((g + 1) * per).min(n);
         // Every block of the group is live (handed out, not moving), warm or cold: none is in
-        // the middle of an alloc, a release or a look-ahead, so the group can be emptied.
+        // the middle of an alloc, a release, a look-ahead or a move between caches, so the
+        // group can be emptied.
         let settled = |g: usize| {
             let r = blocks(g);
-            live[g] + warm[g] + cold[g] == r.len() && book.in_alloc.range(r).next().is_none()
+            live[g] + warm[g] + cold[g] == r.len()
+                && book.in_alloc.range(r.clone()).next().is_none()
+                && book.tiered.range(r).next().is_none()
         };
         let is_cold = |b: usize| book.cold.contains(&(0, b)) || book.cold.contains(&(1, b));
         let need = |g: usize| live[g] + warm[g];

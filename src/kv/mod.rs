@@ -32,13 +32,21 @@
 //!   cannot pack survivors allocated interleaved in time; compaction can. See the `compact`
 //!   module's documentation (private; summarized on [`PagedKv::compact`]) for the contract.
 //!
+//! - [`PagedKv::move_to`] moves blocks to another cache of the same shape on other memory (a
+//!   cache on a host tier, [`crate::Pool::host_tier`]): an engine evicts cold blocks to host
+//!   memory and brings them back, both sides elastic. It returns a [`KvMove`] with the copies
+//!   under way (in stream order on a device); the blocks are pinned until it is waited for.
+//!   See the `moves` module's documentation (private; summarized on [`KvMove`]).
+//!
 //! Reclaim: a model's reclaim callback ([`crate::ModelConfig::on_reclaim`]) frees the blocks of
 //! sequences it evicts and calls [`PagedKv::trim`], which gives warm blocks back too.
 
 mod ahead;
 mod compact;
+mod moves;
 mod paged;
 
 pub(crate) use compact::LEGACY_STREAM;
 pub use compact::{Compaction, CompactionGain};
+pub use moves::KvMove;
 pub use paged::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};

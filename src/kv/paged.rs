@@ -273,6 +273,9 @@ pub(crate) struct Book {
     pub(super) in_alloc: BTreeSet<usize>,
     /// Live blocks a compaction is copying (they cannot be freed until it ends).
     pub(super) moving: BTreeSet<usize>,
+    /// Live blocks a move between caches ([`super::KvMove`]) copies from or into: neither
+    /// freed nor compacted until it is waited for, and the pool does not sleep meanwhile.
+    pub(super) tiered: BTreeSet<usize>,
     /// A compaction runs (one at a time).
     pub(super) compacting: bool,
     pub(super) compactions: u64,
@@ -359,6 +362,7 @@ impl PagedKv {
             group_backed: vec![0; groups],
             in_alloc: BTreeSet::new(),
             moving: BTreeSet::new(),
+            tiered: BTreeSet::new(),
             compacting: false,
             compactions: 0,
             blocks_moved: 0,
@@ -432,13 +436,17 @@ impl PagedKv {
         &self.core.pool
     }
 
+    pub(super) fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+
     /// `n` free blocks, each mapped in every tensor when this returns (one request for the
     /// memory it needs, under the model's limit; reclaim from others as any required growth).
     /// Blocks kept warm are taken first, so in steady state no driver call is made. `n == 0`
     /// gives none. Errors (fewer free blocks than `n`, a refused admission, the pool asleep, a
     /// driver failure) allocate nothing and leave nothing mapped or charged.
     pub fn alloc(&self, n: usize) -> Result<Vec<BlockId>> {
-        self.core.alloc(n)
+        self.core.alloc(n, false)
     }
 
     /// Give back `ids`, each allocated and named once. Freed blocks stay mapped while warm
@@ -542,7 +550,9 @@ impl Core {
         }
     }
 
-    fn alloc(&self, n: usize) -> Result<Vec<BlockId>> {
+    /// Allocate `n` blocks; `pin`: as blocks a move copies into (in `tiered` from the moment
+    /// they are taken, so no compaction renames them before the move knows them).
+    pub(super) fn alloc(&self, n: usize, pin: bool) -> Result<Vec<BlockId>> {
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -586,6 +596,9 @@ impl Core {
                 ids.push(b);
             }
             book.live_count += ids.len();
+            if pin {
+                book.tiered.extend(ids.iter().copied());
+            }
             if !to_back.is_empty() {
                 // Every block of the alloc, warm ones too: none is handed out until the map
                 // below is done, so a compaction meanwhile must not move (rename) any of them.
@@ -619,6 +632,7 @@ impl Core {
                 let mut book = self.book.lock();
                 for &b in &ids {
                     book.in_alloc.remove(&b);
+                    book.tiered.remove(&b);
                     book.live[b] = false;
                     if to_back.contains(&b) {
                         let r = book.rank(&self.geo, self.page, b);
@@ -663,7 +677,7 @@ impl Core {
         }
     }
 
-    fn free(&self, ids: &[BlockId]) -> Result<()> {
+    pub(super) fn free(&self, ids: &[BlockId]) -> Result<()> {
         let max = self.config.max_blocks;
         let to_release = {
             let mut book = self.book.lock();
@@ -672,6 +686,8 @@ impl Core {
                     Some("out of range")
                 } else if book.moving.contains(&b) {
                     Some("being moved by a compaction (free it under its new id once compact returns)")
+                } else if book.tiered.contains(&b) {
+                    Some("being moved between caches (free it once the move is waited for)")
                 } else if book.in_alloc.contains(&b) {
                     // Freed before its alloc returned: the alloc would then hand out a free
                     // block (or put it back twice on failure).
@@ -865,7 +881,18 @@ impl Core {
 
 impl SleepWatcher for Core {
     fn freeze(&self) -> Result<()> {
-        self.book.lock().asleep = true;
+        let mut book = self.book.lock();
+        if !book.tiered.is_empty() {
+            return Err(Error::SleepRefused {
+                pool: self.pool.name().to_string(),
+                op: "sleep",
+                reason: format!(
+                    "{} block(s) of a paged KV cache are being moved between caches; retry when the moves are waited for",
+                    book.tiered.len()
+                ),
+            });
+        }
+        book.asleep = true;
         Ok(())
     }
 

@@ -42,9 +42,9 @@ pub struct MoveReport {
 /// One copy: `len` bytes from `src` to `dst` (addresses, or offsets in a layout's file).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Piece {
-    src: u64,
-    dst: u64,
-    len: u64,
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) len: u64,
 }
 
 /// Milliseconds every I/O thread waits before its first copy: tests widen the window in which
@@ -212,7 +212,9 @@ fn way<'a>(from: &End<'a>, to: &End<'a>, sk: StorageKind, dk: StorageKind) -> Re
         (End::File(_), _) | (_, End::File(_)) => {
             return refuse("no GPUDirect Storage here: stage through a pinned host layout")
         }
-        (End::Pool(a), End::Pool(b)) if !device(a) && !device(b) => Way::Cpu(CpuOp::Memcpy),
+        // Two host pools: through the source backend's copies (synchronous on host backends,
+        // and seen by its hooks, as every pool copy is).
+        (End::Pool(a), End::Pool(b)) if !device(a) && !device(b) => Way::ToHost(a),
         // Device memory and a host tier it reaches (VMM host memory of the same device, or
         // the pinned fallback, which has no device).
         (End::Pool(a), End::Pool(b)) if device(a) && reaches(a, b) => Way::ToHost(a),
@@ -248,6 +250,68 @@ pub(crate) fn check_path(src: &Layout, dst: &Layout) -> Result<Option<Option<i32
         Way::ToHost(b) | Way::FromHost(b) => Some(b.info().device_ordinal),
         Way::Cpu(_) => None,
     })
+}
+
+/// Whether blocks can move from memory of a pool on backend `from` to one on `to` (with copies
+/// ordered after a stream when `after`): an error saying why not, before anything is taken.
+pub(crate) fn check_between_pools(
+    from: &Arc<dyn Backend>,
+    to: &Arc<dyn Backend>,
+    after: bool,
+) -> Result<()> {
+    let (sk, dk) = (
+        StorageKind::of_backend(from.info()),
+        StorageKind::of_backend(to.info()),
+    );
+    match way(&End::Pool(from), &End::Pool(to), sk, dk)? {
+        Way::Cpu(_) if after => Err(Error::InvalidArgument(format!(
+            "a move from {} to {} memory has no device copies to order after a stream: synchronize the stream and move without one",
+            sk.name(),
+            dk.name()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Start copying `pieces` (addresses) from memory of a pool on backend `from` to memory of a
+/// pool on backend `to`: device <-> a host tier of that device on the device's copy stream
+/// (after `after`'s work), host <-> host on threads. Refused before any copy: device <->
+/// device, a host pool that is no host tier of the device, `after` with no device copy.
+///
+/// # Safety
+/// As for [`start`]: the ranges are mapped memory of those pools, alive and unshared until
+/// the flight is finished; `after` a live stream of the device.
+pub(crate) unsafe fn start_between_pools(
+    from: &Arc<dyn Backend>,
+    to: &Arc<dyn Backend>,
+    pieces: &[Piece],
+    after: Option<u64>,
+) -> Result<Flight> {
+    check_between_pools(from, to, after.is_some())?;
+    let (sk, dk) = (
+        StorageKind::of_backend(from.info()),
+        StorageKind::of_backend(to.info()),
+    );
+    let failed = |copied, e| Error::TierMoveFailed {
+        blocks: pieces.len(),
+        from: sk.name(),
+        to: dk.name(),
+        copied,
+        bytes: pieces.iter().map(|p| p.len).sum(),
+        source: Box::new(e),
+    };
+    match way(&End::Pool(from), &End::Pool(to), sk, dk)? {
+        // SAFETY: the caller's promise, forwarded.
+        Way::Cpu(op) => unsafe { on_threads(op, pieces) }.map_err(|e| failed(0, e)),
+        // SAFETY: as above.
+        Way::ToHost(b) => {
+            unsafe { streamed(b, pieces, true, after) }.map_err(|(c, e)| failed(c, e))
+        }
+        // SAFETY: as above.
+        Way::FromHost(b) => {
+            unsafe { streamed(b, pieces, false, after) }.map_err(|(c, e)| failed(c, e))
+        }
+    }
 }
 
 /// Copies under way: what [`start`] queued or handed to threads.

@@ -20,7 +20,7 @@
 
 mod builder;
 mod config;
-mod copies;
+pub(crate) mod copies;
 mod elastic;
 mod geometry;
 mod kind;

@@ -1162,3 +1162,274 @@ pub fn kv_compaction_races_alloc_free_trim_sleep(backend: Arc<dyn Backend>) {
     assert_eq!(p.stats().mapped, 0);
     books_hold(&b, &p);
 }
+
+/// Blocks move from a cache on the pool to a cache of the same shape on a host tier and back,
+/// byte-exact, both sides elastic (the source's pages go back, the destination maps what it
+/// takes); while a move is under way its blocks are pinned (free refused, both pools refuse to
+/// sleep); bad input and a copy that fails change nothing.
+pub fn kv_blocks_move_to_a_host_tier_cache_and_back(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let faults = Arc::new(FaultInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = faults.clone();
+    let p = pool(&b, 256 * g);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let tier = Pool::host_tier(ordinal, PoolConfig::new(256 * g as usize)).expect("host tier");
+    let hb = tier.backend().clone();
+    // One block per page of each tensor: a freed block gives its pages back.
+    let c = config(g, 1, 2, 16);
+    let kv = PagedKv::new(&p, c.clone()).expect("device cache");
+    let host = PagedKv::new(&tier, c.clone()).expect("host cache");
+    let ids = kv.alloc(8).expect("alloc");
+    fill_blocks(&b, &kv, &ids);
+    let mapped = p.stats().mapped;
+    // Bad input first: nothing changes.
+    let other = PagedKv::new(&tier, config(g, 2, 2, 16)).expect("other shape");
+    let e = kv.move_to(&ids, &other).expect_err("shape");
+    assert!(matches!(e, Error::LayoutMismatch { .. }), "{e}");
+    let e = kv.move_to(&ids, &kv).expect_err("same cache");
+    assert!(e.to_string().contains("two caches"), "{e}");
+    let e = kv.move_to(&[ids[0], ids[0]], &host).expect_err("twice");
+    assert!(e.to_string().contains("named twice"), "{e}");
+    let e = kv.move_to(&[15], &host).expect_err("not allocated");
+    assert!(e.to_string().contains("not allocated"), "{e}");
+    let small = PagedKv::new(&tier, config(g, 1, 2, 4)).expect("small");
+    let e = kv.move_to(&ids, &small).expect_err("too few blocks there");
+    assert!(matches!(e, Error::KvOutOfBlocks { .. }), "{e}");
+    drop((other, small));
+    // A copy that fails: the source stays, the destination gives its blocks back.
+    faults.fail_copy_nth(2);
+    let e = kv.move_to(&ids, &host).expect_err("injected");
+    faults.clear();
+    assert!(
+        matches!(e, Error::TierMoveFailed { .. }) && e.to_string().contains("FAULT_INJECTED"),
+        "{e}"
+    );
+    assert!(ids.iter().all(|&x| kv.is_live(x)));
+    assert_eq!(host.stats().live, 0, "{:?}", host.stats());
+    assert_eq!(p.stats().mapped, mapped);
+    // Offload six.
+    let m = kv.move_to(&ids[..6], &host).expect("offload");
+    let moved: Vec<usize> = m.destinations().to_vec();
+    assert_eq!(moved.len(), 6);
+    let e = kv.free(&ids[..1]).expect_err("pinned");
+    assert!(e.to_string().contains("between caches"), "{e}");
+    let e = host.free(&moved[..1]).expect_err("pinned");
+    assert!(e.to_string().contains("between caches"), "{e}");
+    for pool in [&p, &tier] {
+        let e = pool
+            .sleep(&SleepPolicy::offload_all())
+            .expect_err("asleep under a move");
+        assert!(e.to_string().contains("between caches"), "{e}");
+    }
+    let r = m.wait().expect("offload");
+    assert_eq!((r.blocks, r.bytes), (6, 6 * 4 * g));
+    assert!(ids[..6].iter().all(|&x| !kv.is_live(x)));
+    assert!(p.stats().mapped < mapped, "the device pages went back");
+    for (&was, &now) in ids[..6].iter().zip(&moved) {
+        holds_pattern(&hb, &host, was, now);
+    }
+    // Onboard them, the handle dropped unwaited (it settles then).
+    let m = host.move_to(&moved, &kv).expect("onboard");
+    let back: Vec<usize> = m.destinations().to_vec();
+    drop(m);
+    assert_eq!(host.stats().live, 0);
+    for (&was, &now) in ids[..6].iter().zip(&back) {
+        holds_pattern(&b, &kv, was, now);
+    }
+    kv.free(&back).expect("free");
+    kv.free(&ids[6..]).expect("free");
+    drop((kv, host));
+    books_hold(&b, &p);
+    assert_eq!(tier.stats().mapped, 0, "{:?}", tier.stats());
+}
+
+/// Moves between a device cache and a host-tier cache race compaction, frees and sleeps, many
+/// rounds: a mover offloads its blocks, leaves the move under way while a compactor packs the
+/// cache (its ids renamed in the owners' lists, as an engine does between steps) and the pools
+/// try to sleep, then settles and brings them back; scattering threads alloc and free around
+/// it. Every moved block comes back byte-exact, no pinned block is ever compacted (the move's
+/// settle would free a renamed id and leak the block: the live counts would not add up), and
+/// the books hold.
+pub fn kv_moves_race_compaction_free_and_sleep(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 512 * g);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let tier = Pool::host_tier(ordinal, PoolConfig::new(512 * g as usize)).expect("host tier");
+    const N: usize = 128;
+    let c = config(g, 8, 2, N);
+    let kv = Arc::new(PagedKv::new(&p, c.clone()).expect("device cache"));
+    let host = Arc::new(PagedKv::new(&tier, c).expect("host cache"));
+    let step = Arc::new(parking_lot::RwLock::new(()));
+    // The mover touches its blocks' memory (writes, checks) only while no pool sleeps; a move
+    // under way does not hold it (the pins keep the pools awake then).
+    let awake = Arc::new(parking_lot::RwLock::new(()));
+    // Blocks of the scattering threads (renamed by the compactor); the mover's are its own.
+    let lists: Arc<Vec<parking_lot::Mutex<Vec<usize>>>> = Arc::new(
+        (0..2)
+            .map(|_| parking_lot::Mutex::new(Vec::new()))
+            .collect(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let (moved, compacted, refused_sleeps) = (
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+    );
+    let hb = tier.backend().clone();
+    std::thread::scope(|s| {
+        for t in 0..2usize {
+            let (kv, stop, lists, step) = (kv.clone(), stop.clone(), lists.clone(), step.clone());
+            s.spawn(move || {
+                let mut rng = Rng::new(t as u64 + 7);
+                while !stop.load(Ordering::Relaxed) {
+                    let _step = step.read();
+                    let mut mine = lists[t].lock();
+                    if mine.len() < 24 && rng.below(2) == 0 {
+                        match kv.alloc(1 + rng.below(6) as usize) {
+                            Ok(ids) => mine.extend(ids),
+                            Err(Error::Asleep { .. }) | Err(Error::KvOutOfBlocks { .. }) => {}
+                            Err(e) => panic!("alloc: {e}"),
+                        }
+                    } else if !mine.is_empty() {
+                        let at = rng.below(mine.len() as u64) as usize;
+                        let x = mine.swap_remove(at);
+                        kv.free(&[x]).expect("free");
+                    }
+                }
+            });
+        }
+        {
+            let (kv, stop, lists, step) = (kv.clone(), stop.clone(), lists.clone(), step.clone());
+            let compacted = &compacted;
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_micros(300));
+                    let _step = step.write();
+                    let c = match kv.compact(32) {
+                        Ok(c) => c,
+                        Err(Error::Asleep { .. }) | Err(Error::KvCompactionFailed { .. }) => {
+                            continue
+                        }
+                        Err(e) => panic!("compact: {e}"),
+                    };
+                    for l in lists.iter() {
+                        for x in l.lock().iter_mut() {
+                            *x = c.rename(*x);
+                        }
+                    }
+                    compacted.fetch_add(c.moves.len(), Ordering::Relaxed);
+                }
+            });
+        }
+        {
+            let (p, tier, stop, awake) = (p.clone(), tier.clone(), stop.clone(), awake.clone());
+            let refused_sleeps = &refused_sleeps;
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(1));
+                    let _asleep = awake.write();
+                    for pool in [&p, &tier] {
+                        match pool.sleep(&SleepPolicy::offload_all()) {
+                            Ok(_) => {
+                                std::thread::sleep(Duration::from_micros(200));
+                                pool.wake(AfterWake::KeepHostMemory).expect("wake");
+                            }
+                            Err(Error::SleepRefused { .. }) => {
+                                refused_sleeps.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) => panic!("sleep: {e}"),
+                        }
+                    }
+                }
+            });
+        }
+        // The mover; the others stop when it ends, also by a panic.
+        struct StopOnDrop(Arc<AtomicBool>);
+        impl Drop for StopOnDrop {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let _stop = StopOnDrop(stop.clone());
+        let span = kv.block_span_bytes() as usize;
+        // Out, left under way while the others run; retried while a pool sleeps.
+        let retry = |f: &dyn Fn() -> elastic_vmm::Result<elastic_vmm::kv::KvMove>| loop {
+            match f() {
+                Ok(m) => break m,
+                Err(Error::Asleep { .. }) => std::thread::sleep(Duration::from_micros(100)),
+                Err(e) => panic!("move: {e}"),
+            }
+        };
+        // The step lock keeps the compactor off the mover's blocks whenever no move pins them
+        // (they are in no list it renames); it is not held while a move is under way.
+        for round in 0..40usize {
+            let pattern = |i: usize, t: usize| block_pattern(round * 8 + i, t, span);
+            let m = {
+                let _step = step.read();
+                let ids = loop {
+                    match kv.alloc(4) {
+                        Ok(ids) => break ids,
+                        Err(Error::Asleep { .. }) | Err(Error::KvOutOfBlocks { .. }) => {
+                            std::thread::sleep(Duration::from_micros(100))
+                        }
+                        Err(e) => panic!("alloc: {e}"),
+                    }
+                };
+                let _touching = awake.read();
+                for (i, &x) in ids.iter().enumerate() {
+                    for t in 0..kv.tensors() {
+                        write(&backend, span_at(&kv, x, t), &pattern(i, t));
+                    }
+                }
+                drop(_touching);
+                retry(&|| kv.move_to(&ids, &host))
+            };
+            std::thread::sleep(Duration::from_micros(500));
+            let out = m.destinations().to_vec();
+            m.wait().expect("offload");
+            {
+                let _touching = awake.read();
+                for (i, &x) in out.iter().enumerate() {
+                    for t in 0..kv.tensors() {
+                        assert!(
+                            read(&hb, span_at(&host, x, t), span) == pattern(i, t),
+                            "round {round}: block {i} differs on the host"
+                        );
+                    }
+                }
+            }
+            let m = retry(&|| host.move_to(&out, &kv));
+            std::thread::sleep(Duration::from_micros(500));
+            let back = m.destinations().to_vec();
+            let _step = step.read();
+            m.wait().expect("onboard");
+            let _touching = awake.read();
+            for (i, &x) in back.iter().enumerate() {
+                for t in 0..kv.tensors() {
+                    assert!(
+                        read(&backend, span_at(&kv, x, t), span) == pattern(i, t),
+                        "round {round}: block {i} differs back on the device"
+                    );
+                }
+            }
+            kv.free(&back).expect("free the mover's blocks");
+            moved.fetch_add(4, Ordering::Relaxed);
+        }
+    });
+    let owned: Vec<usize> = lists.iter().flat_map(|l| l.lock().clone()).collect();
+    assert_eq!(kv.stats().live, owned.len(), "{:?}", kv.stats());
+    assert_eq!(host.stats().live, 0, "{:?}", host.stats());
+    assert!(
+        compacted.load(Ordering::Relaxed) > 0,
+        "no compaction moved anything"
+    );
+    eprintln!(
+        "moved {} blocks each way; compaction moved {}; {} sleeps refused",
+        moved.load(Ordering::Relaxed),
+        compacted.load(Ordering::Relaxed),
+        refused_sleeps.load(Ordering::Relaxed)
+    );
+    kv.free(&owned).expect("free");
+    drop((kv, host));
+    books_hold(&backend, &p);
+}
