@@ -515,16 +515,20 @@ fn host_tier_shared(
             info.name, info.device_name
         )));
     }
-    // Host memory: the machine's available memory (a CUDA host-tier backend's own memory
-    // info is the device's).
-    match crate::backend::host::read_meminfo() {
-        Ok(mem) if budget > mem.free => {
+    // At most the machine's available memory (page cache the kernel can drop counts as free;
+    // a NUMA node's meminfo has no such figure) and the tier's own total (a CUDA host tier's
+    // NUMA node: its `memory_info`).
+    let room = crate::backend::meminfo::machine(info.name)
+        .and_then(|m| Ok((m.free, backend.memory_info()?.total)));
+    match room {
+        Ok((free, total)) if budget > free.min(total) => {
             tracing::warn!(
                 asked = budget,
-                free = mem.free,
-                "host budget above the host's free memory; the budget is the free memory"
+                free,
+                total,
+                "host budget above the host's free memory or the tier's total; the budget is the lesser"
             );
-            budget = mem.free;
+            budget = free.min(total);
         }
         Ok(_) => {}
         Err(e) => {
