@@ -62,6 +62,9 @@ pub struct CudaBackend {
     /// Chunks are host memory (`CU_MEM_LOCATION_TYPE_HOST_NUMA`) that the device and the host
     /// both access: a host tier ([`CudaBackend::host_tier`]).
     host_location: bool,
+    /// The host NUMA node a host tier's chunks live on (`None`: the driver names none, or
+    /// device memory): whose memory [`Backend::memory_info`] reports.
+    host_node: Option<u32>,
     /// Threads a batch of new chunks is created on ([`CudaBackend::create_threads`]).
     create_threads: usize,
 }
@@ -134,6 +137,14 @@ fn driver_library_present() -> bool {
     false
 }
 
+/// The host memory a host tier's chunks come from: NUMA node `node`'s, or the machine's.
+fn host_memory(node: Option<u32>) -> Result<MemoryInfo> {
+    match node {
+        Some(n) => super::meminfo::node(NAME, n),
+        None => super::meminfo::machine(NAME),
+    }
+}
+
 /// A driver UUID as bytes (`c_char` is signed on some targets).
 fn uuid_bytes(uuid: &sys::CUuuid) -> [u8; 16] {
     uuid.bytes.map(|b| b as u8)
@@ -157,7 +168,9 @@ impl CudaBackend {
     /// and accessible to the device and to the host. A [`crate::Pool`] over it is an elastic
     /// host tier: page-locked, copied at link speed, created about 2.3x faster than
     /// `cuMemHostAlloc` (see the H100 facts). Its [`BackendInfo`] says host memory with the
-    /// device's ordinal. Refused ([`Error::BackendUnavailable`]) where the device does not
+    /// device's ordinal; its `total_memory` and [`Backend::memory_info`] are the host memory of
+    /// its NUMA node (`/sys/devices/system/node/node<N>/meminfo`: `MemTotal`, `MemFree`), or
+    /// the machine's (`/proc/meminfo`: `MemTotal`, `MemAvailable`) where there is no node. Refused ([`Error::BackendUnavailable`]) where the device does not
     /// support host VMM (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`).
     pub fn host_tier(ordinal: i32) -> Result<Self> {
         Self::build(ordinal, None, true)
@@ -220,6 +233,7 @@ impl CudaBackend {
         prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
         prop.location.id = ordinal;
         let mut device_name = name.clone();
+        let mut host_node = None;
         let rdma = rdma && !host;
         if host {
             let supported = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
@@ -234,6 +248,7 @@ impl CudaBackend {
             if node >= 0 {
                 prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
                 prop.location.id = node;
+                host_node = u32::try_from(node).ok();
                 device_name = format!("host memory (VMM, HOST_NUMA node {node}) of {name}");
             } else {
                 prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST;
@@ -273,6 +288,7 @@ impl CudaBackend {
             imported: Mutex::new(HashSet::new()),
             gather: std::sync::OnceLock::new(),
             host_location: host,
+            host_node,
             create_threads: if host {
                 std::thread::available_parallelism()
                     .map_or(1, |n| n.get())
@@ -304,6 +320,10 @@ impl CudaBackend {
         }
         backend.info.granularity = granularity;
         backend.info.min_granularity = min;
+        if host {
+            // A host tier's memory is the host's (its node's), not the device's.
+            backend.info.total_memory = host_memory(host_node)?.total;
+        }
         tracing::debug!(ordinal, granularity, rdma, posix_fd, "cuda backend ready");
         Ok(backend)
     }
@@ -855,7 +875,13 @@ impl Backend for CudaBackend {
             ))
     }
 
+    /// Device memory (`cuMemGetInfo`); for a host tier, the host memory of its NUMA node
+    /// (`MemFree` of `MemTotal`), or the machine's (`MemAvailable` of `MemTotal`) where the
+    /// driver names no node or the kernel has no file for it.
     fn memory_info(&self) -> Result<MemoryInfo> {
+        if self.host_location {
+            return host_memory(self.host_node);
+        }
         let _bound = self.bind()?;
         let (free, total) = result::mem_get_info().map_err(driver_error("cuMemGetInfo", ""))?;
         Ok(MemoryInfo {

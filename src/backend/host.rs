@@ -177,25 +177,6 @@ fn os_error(call: &'static str, detail: String) -> Error {
     Error::backend(NAME, call, errno_name(&err), detail)
 }
 
-pub(crate) fn read_meminfo() -> Result<MemoryInfo> {
-    let text = std::fs::read_to_string("/proc/meminfo")
-        .map_err(|e| Error::backend(NAME, "read /proc/meminfo", errno_name(&e), ""))?;
-    let field = |key: &str| -> Option<u64> {
-        let line = text.lines().find(|l| l.starts_with(key))?;
-        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib * 1024)
-    };
-    match (field("MemAvailable:"), field("MemTotal:")) {
-        (Some(free), Some(total)) => Ok(MemoryInfo { free, total }),
-        _ => Err(Error::backend(
-            NAME,
-            "read /proc/meminfo",
-            "unparsable",
-            "MemAvailable or MemTotal missing",
-        )),
-    }
-}
-
 impl HostBackend {
     /// A host backend with the given granularity (a power of two, at least the 4 KiB page),
     /// every chunk in one shared memfd ([`ChunkFiles::Shared`]).
@@ -228,7 +209,7 @@ impl HostBackend {
                 format!("memfd to {MEMFD_SPAN} bytes"),
             ));
         }
-        let total = read_meminfo()?.total;
+        let total = super::meminfo::machine(NAME)?.total;
         Ok(HostBackend {
             info: BackendInfo {
                 name: NAME,
@@ -593,7 +574,7 @@ impl Backend for HostBackend {
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {
-        read_meminfo()
+        super::meminfo::machine(NAME)
     }
 
     fn physical_bytes(&self) -> Result<u64> {

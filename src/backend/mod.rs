@@ -16,6 +16,7 @@ pub mod testing;
 
 mod cuda_staging;
 pub(crate) mod driver;
+pub(crate) mod meminfo;
 
 use std::fmt;
 use std::os::fd::OwnedFd;
@@ -142,7 +143,8 @@ pub enum AccessMode {
 /// Free and total memory as the driver (or the kernel) reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryInfo {
-    /// Bytes free on the device (CUDA: `cuMemGetInfo`; host: `MemAvailable`).
+    /// Bytes free on the device (CUDA: `cuMemGetInfo`; host: `MemAvailable`; a CUDA host
+    /// tier: `MemFree` of its NUMA node, see [`cuda::CudaBackend::host_tier`]).
     pub free: u64,
     /// Bytes in total.
     pub total: u64,

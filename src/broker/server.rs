@@ -27,7 +27,7 @@ use super::protocol::{
 };
 use super::HOST_IDS;
 use crate::backend::counting::Counting;
-use crate::backend::{Backend, PhysicalChunk};
+use crate::backend::{Backend, Need, PhysicalChunk};
 use crate::budget::change::{self, GuaranteeRefused, LimitRefused, Lowering};
 use crate::budget::{self, Ask, Donors, GivenBack, Ledger, Refusal as LedgerRefusal};
 use crate::error::{Error, Result};
@@ -515,16 +515,20 @@ fn host_tier_shared(
             info.name, info.device_name
         )));
     }
-    // Host memory: the machine's available memory (a CUDA host-tier backend's own memory
-    // info is the device's).
-    match crate::backend::host::read_meminfo() {
-        Ok(mem) if budget > mem.free => {
+    // At most the machine's available memory (page cache the kernel can drop counts as free;
+    // a NUMA node's meminfo has no such figure) and the tier's own total (a CUDA host tier's
+    // NUMA node: its `memory_info`).
+    let room = crate::backend::meminfo::machine(info.name)
+        .and_then(|m| Ok((m.free, backend.memory_info()?.total)));
+    match room {
+        Ok((free, total)) if budget > free.min(total) => {
             tracing::warn!(
                 asked = budget,
-                free = mem.free,
-                "host budget above the host's free memory; the budget is the free memory"
+                free,
+                total,
+                "host budget above the host's free memory or the tier's total; the budget is the lesser"
             );
-            budget = mem.free;
+            budget = free.min(total);
         }
         Ok(_) => {}
         Err(e) => {
@@ -1080,9 +1084,11 @@ impl Shared {
     }
 
     /// `count` chunks of `size` bytes for `model`, all or none: idle chunks of that size
-    /// handed over, or new ones charged then created; when the budget is short, idle chunks of
-    /// other sizes are released and other engines asked to give back, once, within the reclaim
-    /// wait. Each chunk is exported as a descriptor; one reply carries them all
+    /// handed over first, the others charged, then created together in one
+    /// [`Backend::create_many`] once the whole batch is admitted (CUDA's host tier spreads it
+    /// over threads, instead of a create after each admission). When the budget is short, idle
+    /// chunks of other sizes are released and other engines asked to give back, once, within
+    /// the reclaim wait. Each chunk is exported as a descriptor; one reply carries them all
     /// ([`Reply::GrantedMany`] for a batch, `count` `Some`; [`Reply::Granted`] for one chunk).
     /// A `look_ahead` growth asks no other engine to give back: short of budget it is refused.
     fn grow(
@@ -1109,16 +1115,33 @@ impl Shared {
             );
         }
         let mut granted: Vec<(u64, PhysicalChunk, bool)> = Vec::with_capacity(count as usize);
+        // Chunks charged to the model, to be created together once the whole batch is admitted.
+        let mut charged = 0usize;
         // Other engines are asked at most once for the whole batch.
         let mut reclaim_asked = false;
-        while granted.len() < count as usize {
-            let rest = size.saturating_mul(u64::from(count) - 1 - granted.len() as u64);
+        while granted.len() + charged < count as usize {
+            let later = u64::from(count) - 1 - (granted.len() + charged) as u64;
+            let rest = size.saturating_mul(later);
             match self.grant_one(conn, model, size, rest, look_ahead, &mut reclaim_asked) {
-                Ok(g) => granted.push(g),
+                Ok(Some((cid, chunk))) => granted.push((cid, chunk, true)),
+                Ok(None) => charged += 1,
                 Err(reply) => {
+                    self.undo_charges(model, size, charged);
                     self.undo_grants(conn, model, &granted);
                     return (reply, Vec::new());
                 }
+            }
+        }
+        if charged > 0 {
+            let need = if look_ahead {
+                Need::LookAhead
+            } else {
+                Need::Required
+            };
+            if let Err(reply) = self.create_charged(model, size, charged, need, &mut granted) {
+                self.undo_charges(model, size, charged);
+                self.undo_grants(conn, model, &granted);
+                return (reply, Vec::new());
             }
         }
         let mut fds = Vec::with_capacity(granted.len());
@@ -1149,6 +1172,71 @@ impl Shared {
         (reply, fds)
     }
 
+    /// `count` chunks of `size` bytes charged to `model` for this request, none of them made
+    /// (or all of them released again by [`Backend::create_many`]), are credited back: the
+    /// request failed.
+    fn undo_charges(&self, model: u64, size: u64, count: usize) {
+        if count == 0 {
+            return;
+        }
+        let mut book = self.book.lock();
+        for _ in 0..count {
+            book.ledger.credit(model, size);
+        }
+        drop(book);
+        // Room came back: a growth waiting on the budget may go on.
+        self.changed.notify_all();
+    }
+
+    /// Create the `count` chunks of `size` bytes charged to `model` in one
+    /// [`Backend::create_many`] (the book unlocked; CUDA's host tier spreads it over threads),
+    /// and book them into `granted`. All or none: on a failure nothing was made (the backend
+    /// released what it had made) and the charges are still to be credited by the caller.
+    fn create_charged(
+        &self,
+        model: u64,
+        size: u64,
+        count: usize,
+        need: Need,
+        granted: &mut Vec<(u64, PhysicalChunk, bool)>,
+    ) -> std::result::Result<(), Reply> {
+        let started = Instant::now();
+        let made = match self.backend.create_many(size as usize, count, need) {
+            Ok(made) => made,
+            Err(e) => {
+                tracing::debug!(model, size, count, error = %e, "batch create failed; its charges go back");
+                return Err(error_reply(ErrorKind::Backend, e.to_string()));
+            }
+        };
+        if made.len() != count || made.iter().any(|c| c.size as u64 != size) {
+            let got = made.len();
+            let n = made.iter().filter(|c| c.size as u64 == size).count();
+            for c in made {
+                // SAFETY: just made by this backend, booked nowhere, mapped nowhere.
+                if let Err(e) = unsafe { self.backend.release(c) } {
+                    tracing::error!(error = %e, "release of a wrong batch failed; the chunk is leaked");
+                }
+            }
+            return Err(error_reply(
+                ErrorKind::Backend,
+                format!("the backend made {got} chunks ({n} of {size} bytes) for a batch of {count} chunks of {size} bytes"),
+            ));
+        }
+        tracing::debug!(
+            model,
+            size,
+            count,
+            micros = started.elapsed().as_micros() as u64,
+            "batch of chunks created"
+        );
+        let mut book = self.book.lock();
+        for chunk in made {
+            let cid = book.add_created(model, chunk);
+            granted.push((cid, chunk, false));
+        }
+        Ok(())
+    }
+
     /// Chunks granted by this request go back as if given back (the request failed).
     fn undo_grants(&self, conn: u64, model: u64, granted: &[(u64, PhysicalChunk, bool)]) {
         let mut release = Vec::new();
@@ -1163,10 +1251,11 @@ impl Shared {
         self.release_all(release, None);
     }
 
-    /// One chunk of `size` bytes for `model` (see [`Shared::grow`]): its id, the chunk, and
-    /// whether it was handed over. An idle chunk of that size is reused first; otherwise the
-    /// budget engine ([`crate::budget`]) admits it, with the idle list and other engines as
-    /// donors. A refusal or an error comes back as the reply to send.
+    /// One chunk of `size` bytes for `model` (see [`Shared::grow`]): an idle chunk handed over
+    /// (its id and the chunk), or `None` when the model was charged for a new chunk that the
+    /// caller creates with the rest of its batch. An idle chunk of that size is reused first;
+    /// otherwise the budget engine ([`crate::budget`]) admits it, with the idle list and other
+    /// engines as donors. A refusal or an error comes back as the reply to send.
     fn grant_one(
         &self,
         conn: u64,
@@ -1175,7 +1264,7 @@ impl Shared {
         rest: u64,
         look_ahead: bool,
         reclaim_asked: &mut bool,
-    ) -> std::result::Result<(u64, PhysicalChunk, bool), Reply> {
+    ) -> std::result::Result<Option<(u64, PhysicalChunk)>, Reply> {
         {
             let mut book = self.book.lock();
             if let Err(e) = book.own_model(conn, model) {
@@ -1187,8 +1276,8 @@ impl Shared {
             }
             // Memory no model holds is reused before anything is created, as a pool reuses
             // its own cache.
-            if let Some((cid, chunk)) = book.hand_over(model, size) {
-                return Ok((cid, chunk, true));
+            if let Some(handed) = book.hand_over(model, size) {
+                return Ok(Some(handed));
             }
         }
         let mut remote = Remote {
@@ -1200,20 +1289,11 @@ impl Shared {
             handed: None,
         };
         let admitted = budget::admit(&mut remote, model, size, look_ahead);
-        if let Some((cid, chunk)) = remote.handed.take() {
-            return Ok((cid, chunk, true));
+        if let Some(handed) = remote.handed.take() {
+            return Ok(Some(handed));
         }
         match admitted.charged {
-            Ok(_) => match self.backend.create(size as usize) {
-                Ok(chunk) => {
-                    let cid = self.book.lock().add_created(model, chunk);
-                    Ok((cid, chunk, false))
-                }
-                Err(e) => {
-                    self.book.lock().ledger.credit(model, size);
-                    Err(error_reply(ErrorKind::Backend, e.to_string()))
-                }
-            },
+            Ok(_) => Ok(None),
             Err((why, _)) => {
                 let mut book = self.book.lock();
                 book.counters.refusals += 1;
@@ -1574,5 +1654,252 @@ mod tests {
         writer_thread.join().unwrap();
         drop(broker);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A backend whose batch creates go over threads, as CUDA's host tier's do
+    /// ([`crate::backend::create_on_threads`]; the host backend's `create_many` is the serial
+    /// default); every other call goes to `inner`.
+    #[derive(Debug)]
+    struct Threaded {
+        inner: Arc<dyn Backend>,
+        threads: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Backend for Threaded {
+        fn info(&self) -> &crate::backend::BackendInfo {
+            self.inner.info()
+        }
+        fn reserve(&self, size: usize, alignment: usize) -> Result<u64> {
+            self.inner.reserve(size, alignment)
+        }
+        unsafe fn free_reservation(&self, base: u64, size: usize) -> Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.free_reservation(base, size) }
+        }
+        fn create(&self, size: usize) -> Result<PhysicalChunk> {
+            self.inner.create(size)
+        }
+        fn create_many(&self, size: usize, count: usize, _: Need) -> Result<Vec<PhysicalChunk>> {
+            let threads = self.threads.load(Ordering::SeqCst);
+            crate::backend::create_on_threads(&*self.inner, size, count, threads)
+        }
+        unsafe fn release(&self, chunk: PhysicalChunk) -> Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.release(chunk) }
+        }
+        unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.map(addr, chunk) }
+        }
+        unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.set_access(addr, size) }
+        }
+        unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
+            // SAFETY: forwarded contract.
+            unsafe { self.inner.unmap(addr, size) }
+        }
+        fn memory_info(&self) -> Result<crate::backend::MemoryInfo> {
+            self.inner.memory_info()
+        }
+        fn physical_bytes(&self) -> Result<u64> {
+            self.inner.physical_bytes()
+        }
+        fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+            self.inner.export_chunk(chunk)
+        }
+        fn copies(&self) -> &dyn crate::backend::Copies {
+            self.inner.copies()
+        }
+    }
+
+    const CHUNK: usize = DEFAULT_GRANULARITY;
+
+    /// A broker on host chunks, seen through (from the driver up): `delays` (single creates),
+    /// `faults` (single creates), [`Threaded`] batch creates, and `batches` (no delay set; it
+    /// counts the broker's calls, a batch create as one).
+    struct Rig {
+        broker: Broker,
+        host: Arc<dyn Backend>,
+        delays: Arc<crate::backend::testing::DelayInjector>,
+        faults: Arc<crate::backend::testing::FaultInjector>,
+        threaded: Arc<Threaded>,
+        batches: Arc<crate::backend::testing::DelayInjector>,
+        dir: PathBuf,
+    }
+
+    fn rig(tag: &str) -> Rig {
+        use crate::backend::testing::{DelayInjector, FaultInjector};
+        let dir = std::env::temp_dir().join(format!("evmm-unit-{tag}-{}", std::process::id()));
+        let host: Arc<dyn Backend> =
+            Arc::new(HostBackend::with_chunk_files(CHUNK, ChunkFiles::PerChunk).unwrap());
+        let delays = Arc::new(DelayInjector::new(host.clone()));
+        let faults = Arc::new(FaultInjector::new(delays.clone()));
+        let threaded = Arc::new(Threaded {
+            inner: faults.clone(),
+            threads: 8.into(),
+        });
+        let batches = Arc::new(DelayInjector::new(threaded.clone()));
+        let broker = Broker::start(
+            batches.clone(),
+            BrokerConfig::new(dir.join("b.sock"), 64 << 20),
+        )
+        .unwrap();
+        Rig {
+            broker,
+            host,
+            delays,
+            faults,
+            threaded,
+            batches,
+            dir,
+        }
+    }
+
+    /// What a failed batch must leave as it found: the ledger, the idle list, the model's
+    /// charge and chunks, and the driver's physical bytes.
+    fn books(rig: &Rig) -> (u64, u64, u64, u64, u64) {
+        let s = rig.broker.snapshot();
+        assert_eq!(s.audit, None);
+        let m = s.models.iter().find(|m| m.name == "m").expect("model m");
+        (
+            s.global_used,
+            s.idle,
+            m.used,
+            m.chunks,
+            rig.host.physical_bytes().unwrap(),
+        )
+    }
+
+    /// A batch grant hands idle chunks over first, then makes all its new chunks in one
+    /// `create_many`: with 100 ms per create spread over 8 threads (as CUDA's host tier
+    /// spreads them), 8 new chunks take about one create's delay, not 8; created on one
+    /// thread (as the broker did, a create after each admission) they take 8.
+    #[test]
+    fn a_batch_grant_creates_its_new_chunks_together() {
+        use crate::backend::DriverCall::Create;
+        use crate::broker::BrokerClient;
+        const D: Duration = Duration::from_millis(100);
+        let rig = rig("batchcreate");
+        let client = BrokerClient::connect(rig.broker.socket(), "unit").unwrap();
+        let m = client
+            .register(crate::ModelConfig::new("m", 1 << 30, 64 << 20))
+            .unwrap();
+        let b = m.backend().clone();
+        // Two idle chunks at the broker: made, then given back.
+        let two = b.create_many(CHUNK, 2, Need::Required).unwrap();
+        // SAFETY: just granted, mapped nowhere.
+        assert!(unsafe { b.release_many(&two) }.iter().all(|r| r.is_ok()));
+        assert_eq!(rig.broker.snapshot().idle, 2 * CHUNK as u64);
+        let mut timed = Vec::new();
+        for threads in [8, 1] {
+            rig.threaded.threads.store(threads, Ordering::SeqCst);
+            rig.delays.set_delay(Create, D);
+            let before = rig.broker.snapshot().counters;
+            let (batches, singles) = (rig.batches.calls(Create), rig.delays.calls(Create));
+            let t = Instant::now();
+            let got = b.create_many(CHUNK, 10, Need::Required).unwrap();
+            let took = t.elapsed();
+            rig.delays.clear();
+            let after = rig.broker.snapshot().counters;
+            assert_eq!(got.len(), 10);
+            // The idle chunks first, then one batch create of the other 8.
+            assert_eq!(after.handovers - before.handovers, 2, "{after:?}");
+            assert_eq!(after.creates - before.creates, 8, "{after:?}");
+            assert_eq!(rig.batches.calls(Create) - batches, 1, "one create_many");
+            assert_eq!(rig.delays.calls(Create) - singles, 8, "8 creates under it");
+            eprintln!(
+                "batch of 8 new chunks (+2 handed over), {} ms per create, {threads} thread(s): {} ms",
+                D.as_millis(),
+                took.as_millis()
+            );
+            timed.push(took);
+            // SAFETY: just granted, mapped nowhere. All 10 go idle for the next round.
+            assert!(unsafe { b.release_many(&got) }.iter().all(|r| r.is_ok()));
+            // The next round hands 10 over: trim to the two idle chunks it starts from.
+            let s = rig.broker.snapshot();
+            assert_eq!(s.idle, 10 * CHUNK as u64);
+            let idle = rig.broker.shared.book.lock().take_idle(8 * CHUNK as u64);
+            rig.broker.shared.release_all(idle, Some(IDLE));
+            assert_eq!(rig.broker.snapshot().idle, 2 * CHUNK as u64);
+        }
+        // One-sided where it matters: 8 delays of D on one thread take at least 8 D on any
+        // machine; on 8 threads they overlap (4 D leaves room for a loaded CI box).
+        assert!(timed[1] >= 8 * D, "serial: {:?}", timed[1]);
+        assert!(
+            timed[0] >= D && timed[0] < 4 * D,
+            "on threads: {:?}",
+            timed[0]
+        );
+        drop((m, client));
+        drop(rig.broker);
+        let _ = std::fs::remove_dir_all(rig.dir);
+    }
+
+    /// A batch create that fails part way (one of its 8 creates, the others made on other
+    /// threads) leaves everything as it was: the charges of the whole batch credited back, the
+    /// chunks made released, the idle chunks handed over back on the idle list, the driver's
+    /// physical bytes as before. Every position of the failure, then a batch that goes through.
+    #[test]
+    fn a_failed_batch_create_leaves_the_books_as_before() {
+        use crate::backend::DriverCall::Create;
+        use crate::broker::BrokerClient;
+        let rig = rig("batchfail");
+        let client = BrokerClient::connect(rig.broker.socket(), "unit").unwrap();
+        let m = client
+            .register(crate::ModelConfig::new("m", 1 << 30, 64 << 20))
+            .unwrap();
+        let b = m.backend().clone();
+        // The model holds one chunk; two wait idle.
+        let three = b.create_many(CHUNK, 3, Need::Required).unwrap();
+        // SAFETY: just granted, mapped nowhere.
+        assert!(unsafe { b.release_many(&three[1..]) }
+            .iter()
+            .all(|r| r.is_ok()));
+        let before = books(&rig);
+        assert_eq!(
+            before,
+            (
+                3 * CHUNK as u64,
+                2 * CHUNK as u64,
+                CHUNK as u64,
+                1,
+                3 * CHUNK as u64
+            )
+        );
+        for n in 1..=8u64 {
+            let counters = rig.broker.snapshot().counters;
+            rig.faults.fail_nth(Create, n);
+            let e = b
+                .create_many(CHUNK, 10, Need::Required)
+                .expect_err("a create of the batch fails");
+            assert!(e.to_string().contains("FAULT_INJECTED"), "{e}");
+            assert_eq!(books(&rig), before, "failure at create {n}");
+            let after = rig.broker.snapshot().counters;
+            assert_eq!(
+                after.handovers - counters.handovers,
+                2,
+                "handed over, then back"
+            );
+            assert_eq!(after.creates, counters.creates, "nothing booked as created");
+            rig.faults.clear();
+        }
+        assert_eq!(
+            b.physical_bytes().unwrap(),
+            CHUNK as u64,
+            "the engine holds one"
+        );
+        let got = b.create_many(CHUNK, 10, Need::Required).unwrap();
+        let (used, idle, mine, chunks, physical) = books(&rig);
+        assert_eq!(
+            (used, idle, mine, chunks),
+            (11 * CHUNK as u64, 0, 11 * CHUNK as u64, 11)
+        );
+        assert_eq!(physical, 11 * CHUNK as u64);
+        // SAFETY: granted, mapped nowhere.
+        assert!(unsafe { b.release_many(&got) }.iter().all(|r| r.is_ok()));
+        drop((m, client));
+        drop(rig.broker);
+        let _ = std::fs::remove_dir_all(rig.dir);
     }
 }

@@ -49,3 +49,58 @@ fn caller_device_memory_declared_host_is_refused() {
     assert!(e.to_string().contains("driver says it is Host"), "{e}");
     drop(host);
 }
+
+/// A host tier's memory is its NUMA node's host memory, not the device's: `memory_info` and
+/// `total_memory` are the node's `MemTotal` (read here from the kernel's file), or
+/// `/proc/meminfo`'s where the driver names no node or the kernel has no file for it.
+#[test]
+fn a_host_tier_reports_its_numa_nodes_memory() {
+    use cudarc::driver::{result, sys};
+    let device = cuda();
+    let tier = CudaBackend::host_tier(0).expect("host VMM on CUDA device 0");
+    // SAFETY: the driver is initialized (the backends above) and device 0 exists.
+    let node = unsafe {
+        result::device::get_attribute(
+            result::device::get(0).expect("device 0"),
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+        )
+    }
+    .expect("HOST_NUMA_ID");
+    let node_file = format!("/sys/devices/system/node/node{node}/meminfo");
+    let (path, text) = match std::fs::read_to_string(&node_file) {
+        Ok(t) if node >= 0 => (node_file, t),
+        _ => (
+            "/proc/meminfo".to_string(),
+            std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo"),
+        ),
+    };
+    let mem_total = text
+        .lines()
+        .find_map(|l| {
+            let rest = l.split_once("MemTotal:")?.1;
+            let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or_else(|| panic!("no MemTotal in {path}: {text:?}"));
+    let got = tier.memory_info().expect("host tier memory info");
+    let dev = device.memory_info().expect("device memory info");
+    println!(
+        "host tier ({}) on NUMA node {node}: {} of {} bytes free; {path} MemTotal {mem_total}; device {} of {}",
+        tier.info().device_name,
+        got.free,
+        got.total,
+        dev.free,
+        dev.total
+    );
+    assert_eq!(
+        got.total, mem_total,
+        "the host tier's total is {path}'s MemTotal"
+    );
+    assert_eq!(tier.info().total_memory, mem_total, "and so is its info's");
+    assert!(got.free > 0 && got.free <= got.total, "{got:?}");
+    assert_ne!(
+        got.total, dev.total,
+        "the device's memory is not the host tier's"
+    );
+    assert_ne!(tier.info().total_memory, device.info().total_memory);
+}
