@@ -30,7 +30,8 @@ use super::slices::{
 use super::{candle_error, element_size, TensorPool};
 use crate::error::{Error, Result};
 use crate::kv::{
-    BlockId, Compaction, CompactionGain, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks,
+    BlockId, Compaction, CompactionGain, KvLayout, KvMove, PagedKv, PagedKvConfig, PagedKvStats,
+    Watermarks,
 };
 
 /// A paged KV cache as candle tensors; see the module documentation. `Send + Sync`, every
@@ -237,6 +238,40 @@ impl PagedKvTensors {
             _ => LEGACY_STREAM,
         };
         self.core.kv.compact_on(max_moves, stream)
+    }
+
+    /// [`PagedKv::move_to`] of `ids` to `dst` (a cache of the same shape on other memory, e.g.
+    /// a [`PagedKv`] on a host tier): the copies run after every kernel candle queued before on
+    /// this device (the ordering stream, as [`PagedKvTensors::compact`]), and the host does not
+    /// wait. Until the move is waited for the blocks are pinned; once it is, they are freed
+    /// here (their pages go back after the GPU ran what was queued on them).
+    pub fn move_out(&self, ids: &[BlockId], dst: &PagedKv) -> Result<KvMove> {
+        match self.stream() {
+            // SAFETY: the device's ordering stream is live for as long as the device.
+            Some(stream) => unsafe { self.core.kv.move_to_after(ids, dst, stream) },
+            None => self.core.kv.move_to(ids, dst),
+        }
+    }
+
+    /// Blocks `ids` of `src` (a cache of the same shape, e.g. on a host tier) moved into this
+    /// cache ([`PagedKv::move_to`]); [`KvMove::destinations`] are their ids here. Candle's
+    /// kernels queued on this device after the call run after the copies (the ordering stream
+    /// waits for them), so a block table naming the new ids can be used at once.
+    pub fn move_in(&self, src: &PagedKv, ids: &[BlockId]) -> Result<KvMove> {
+        let m = src.move_to(ids, &self.core.kv)?;
+        if let Some(stream) = self.stream() {
+            // SAFETY: as in `move_out`.
+            unsafe { m.order_before(stream) }?;
+        }
+        Ok(m)
+    }
+
+    /// The device's ordering stream, on CUDA.
+    fn stream(&self) -> Option<u64> {
+        match &self.core.device {
+            Device::Cuda(d) => Some(ordering_stream(device_stream(d))),
+            _ => None,
+        }
     }
 
     /// [`PagedKv::compaction_gain`].

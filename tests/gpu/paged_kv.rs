@@ -5,8 +5,8 @@
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use elastic_vmm::candle::{PagedKvTensors, TensorPool};
-use elastic_vmm::kv::{KvLayout, PagedKvConfig};
-use elastic_vmm::Pool;
+use elastic_vmm::kv::{KvLayout, PagedKv, PagedKvConfig};
+use elastic_vmm::{Pool, PoolConfig};
 
 use crate::suite::{Rng, GIB};
 
@@ -251,4 +251,66 @@ fn paged_kv_compaction_per_layer() {
 #[test]
 fn paged_kv_compaction_contiguous() {
     compaction_keeps_blocks_bit_exact(KvLayout::Contiguous);
+}
+
+/// Blocks written by candle kernels go out to a host-tier cache with no host wait in between
+/// (the copies ordered after candle's stream), the device pages go back, then come home under
+/// new ids and read back bit for bit by a gather queued right after (ordered after the copies).
+fn blocks_go_to_the_host_tier_and_back(layout: KvLayout) {
+    let (dev, pool, _tensors, cache) = setup(layout, 1024);
+    let tier = Pool::host_tier(0, PoolConfig::new(2 * GIB as usize)).expect("host tier");
+    let host = PagedKv::new(&tier, cache.config().clone()).expect("host cache");
+    let ids = cache.alloc(300).expect("alloc");
+    for &b in &ids {
+        write_block(&cache, &dev, b);
+    }
+    let mapped = pool.stats().mapped;
+    let out = cache.move_out(&ids, &host).expect("move out");
+    let on_host = out.destinations().to_vec();
+    let r = out.wait().expect("offload");
+    assert_eq!(r.blocks, 300);
+    assert!(pool.stats().mapped < mapped, "{:?}", pool.stats());
+    assert_eq!(host.stats().live, 300);
+    let back = cache.move_in(&host, &on_host).expect("move in");
+    let now = back.destinations().to_vec();
+    let table: Vec<u32> = now.iter().map(|&b| b as u32).collect();
+    let idx = Tensor::new(table.as_slice(), &dev).expect("table");
+    // Queued before the wait: ordered after the copies by `move_in`.
+    let got: Vec<Tensor> = (0..2)
+        .flat_map(|layer| (0..2).map(move |kv| (layer, kv)))
+        .map(|(layer, kv)| gather(&cache, &idx, layer, kv))
+        .collect();
+    back.wait().expect("onboard");
+    assert_eq!(host.stats().live, 0);
+    for (i, (layer, kv)) in (0..2).flat_map(|l| (0..2).map(move |k| (l, k))).enumerate() {
+        let want: Vec<Tensor> = ids
+            .iter()
+            .map(|&b| block_data(&dev, layer, kv, b))
+            .collect();
+        let want = Tensor::cat(&want, 0).expect("cat");
+        let same = got[i]
+            .eq(&want)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .and_then(|t| t.min_all())
+            .and_then(|t| t.to_scalar::<f32>())
+            .expect("compare");
+        assert_eq!(
+            same, 1.0,
+            "{layout:?} layer {layer} kv {kv}: a block differs"
+        );
+    }
+    cache.free(&now).expect("free");
+    drop((cache, host));
+    pool.trim().expect("trim");
+    assert_eq!(pool.stats().mapped, 0, "{:?}", pool.stats());
+}
+
+#[test]
+fn paged_kv_moves_to_the_host_tier_per_layer() {
+    blocks_go_to_the_host_tier_and_back(KvLayout::PerLayer);
+}
+
+#[test]
+fn paged_kv_moves_to_the_host_tier_contiguous() {
+    blocks_go_to_the_host_tier_and_back(KvLayout::Contiguous);
 }
