@@ -287,7 +287,7 @@ pub fn run() -> Result<(), BoxError> {
             gbps(bytes, cached_r),
         );
     }
-    paged_offload(&backend, &pool)?;
+    paged_offload(&backend)?;
     host_tier(&backend, &pool, total)?;
     Ok(())
 }
@@ -297,15 +297,16 @@ pub fn run() -> Result<(), BoxError> {
 /// of 128, 16 tokens, f16: 32 KiB per block per tensor, 64 tensors, 2 MiB per block), against
 /// the same 16384 copies made raw, one `copy_to_host_async` (or from) per block per tensor on
 /// one stream, as an engine moving per-layer pieces does (ratio raw time / ours).
-fn paged_offload(backend: &Arc<dyn Backend>, pool: &Pool) -> Result<(), BoxError> {
+fn paged_offload(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     use elastic_vmm::kv::{PagedKv, PagedKvConfig};
     let config = PagedKvConfig::new(32, 8, 128, 16, 2, 1024);
-    let kv = PagedKv::new(pool, config.clone())?;
-    let tier = Pool::new(
-        Arc::new(CudaBackend::host_tier(0)?),
-        PoolConfig::new(8 * GIB as usize).name("offload-tier"),
+    let pool = Pool::new(
+        backend.clone(),
+        PoolConfig::new(4 * GIB as usize).name("offload-device"),
     )?;
-    let host = PagedKv::new(&tier, config)?;
+    let kv = PagedKv::new(&pool, config.clone()).map_err(|e| format!("device cache: {e}"))?;
+    let tier = Pool::host_tier(0, PoolConfig::new(8 * GIB as usize).name("offload-tier"))?;
+    let host = PagedKv::new(&tier, config).map_err(|e| format!("host-tier cache: {e}"))?;
     let all = kv.alloc(512)?;
     let (mut live, gone): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| b % 2 == 0);
     kv.free(&gone)?;

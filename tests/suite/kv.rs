@@ -1196,17 +1196,21 @@ pub fn kv_blocks_move_to_a_host_tier_cache_and_back(backend: Arc<dyn Backend>) {
     let e = kv.move_to(&ids, &small).expect_err("too few blocks there");
     assert!(matches!(e, Error::KvOutOfBlocks { .. }), "{e}");
     drop((other, small));
-    // A copy that fails: the source stays, the destination gives its blocks back.
-    faults.fail_copy_nth(2);
-    let e = kv.move_to(&ids, &host).expect_err("injected");
-    faults.clear();
-    assert!(
-        matches!(e, Error::TierMoveFailed { .. }) && e.to_string().contains("FAULT_INJECTED"),
-        "{e}"
-    );
-    assert!(ids.iter().all(|&x| kv.is_live(x)));
-    assert_eq!(host.stats().live, 0, "{:?}", host.stats());
-    assert_eq!(p.stats().mapped, mapped);
+    // A copy that fails: the source stays, the destination gives its blocks back. (Pieces of
+    // 2 MiB go through the copy engines, which the injector sees; a forced gather kernel
+    // does not.)
+    if std::env::var("EVMM_TIER_ENGINE").as_deref() != Ok("kernel") {
+        faults.fail_copy_nth(2);
+        let e = kv.move_to(&ids, &host).expect_err("injected");
+        faults.clear();
+        assert!(
+            matches!(e, Error::TierMoveFailed { .. }) && e.to_string().contains("FAULT_INJECTED"),
+            "{e}"
+        );
+        assert!(ids.iter().all(|&x| kv.is_live(x)));
+        assert_eq!(host.stats().live, 0, "{:?}", host.stats());
+        assert_eq!(p.stats().mapped, mapped);
+    }
     // Offload six.
     let m = kv.move_to(&ids[..6], &host).expect("offload");
     let moved: Vec<usize> = m.destinations().to_vec();
