@@ -306,6 +306,12 @@ fn paged_offload(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     )?;
     let kv = PagedKv::new(&pool, config.clone()).map_err(|e| format!("device cache: {e}"))?;
     let tier = Pool::host_tier(0, PoolConfig::new(8 * GIB as usize).name("offload-tier"))?;
+    // A fact worth knowing: aliasing every unbacked page of a large host-tier cache to one
+    // zero chunk (what a device cache does) is refused by CUDA; host-tier caches do not alias.
+    match PagedKv::new(&tier, config.clone().zero_unbacked(true)) {
+        Ok(_) => println!("a 2 GiB host-tier cache with its unbacked pages zero-aliased: made"),
+        Err(e) => println!("a 2 GiB host-tier cache with its unbacked pages zero-aliased: {e}"),
+    }
     let host = PagedKv::new(&tier, config).map_err(|e| format!("host-tier cache: {e}"))?;
     let all = kv.alloc(512)?;
     let (mut live, gone): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| b % 2 == 0);

@@ -12,7 +12,8 @@
 //! - [`PagedKv::free`] takes them back; a page goes back to the pool when no backed block
 //!   touches it; [`PagedKv::available`] says how many blocks can still be had under the
 //!   model's limit without reclaiming anything;
-//! - every unbacked page of the tensors is aliased read-only to the pool's zero page
+//! - every unbacked page of the tensors is aliased read-only to the pool's zero page (on a host
+//!   tier, by default, left unmapped instead: [`PagedKvConfig::zero_unbacked`])
 //!   ([`crate::MemOptions::zeroed`] at [`crate::Pool::reserve_region_with`]): a kernel reading a block nobody allocated (a
 //!   padded block table) reads zeros; **a write into a block that is not allocated faults**
 //!   (host: `SIGSEGV`; CUDA: an illegal-address error that poisons the context). Backends

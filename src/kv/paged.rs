@@ -84,6 +84,12 @@ pub struct PagedKvConfig {
     pub layout: KvLayout,
     /// Blocks kept mapped ahead of need, if any.
     pub watermarks: Option<Watermarks>,
+    /// Whether pages under no block are aliased read-only to the pool's zero page (reads of an
+    /// unallocated block give zeros) or left unmapped (reads fault). `None`: aliased, except
+    /// on a host tier (page-locked host memory: a cache that holds offloaded blocks, which no
+    /// kernel reads through a padded block table; CUDA also limits how many times one host
+    /// allocation may be mapped, so a large host cache could not alias every page).
+    pub zero_unbacked: Option<bool>,
 }
 
 impl PagedKvConfig {
@@ -105,7 +111,15 @@ impl PagedKvConfig {
             max_blocks,
             layout: KvLayout::PerLayer,
             watermarks: None,
+            zero_unbacked: None,
         }
+    }
+
+    /// With unbacked pages aliased to the zero page (`true`) or unmapped (`false`); see
+    /// [`PagedKvConfig::zero_unbacked`].
+    pub fn zero_unbacked(mut self, zero: bool) -> Self {
+        self.zero_unbacked = Some(zero);
+        self
     }
 
     /// With `layout`.
@@ -341,7 +355,8 @@ pub(super) fn group_of(geo: &KvGeometry, page: u64, b: usize) -> usize {
 impl PagedKv {
     /// A cache shaped by `config` in a region of `pool` (a [`crate::ModelHandle`] derefs to its
     /// pool): the address space of every tensor reserved, each unbacked page aliased to the
-    /// zero page, no memory of its own yet. Tagged [`Tag::Kv`]. With watermarks, the
+    /// zero page (unless [`PagedKvConfig::zero_unbacked`] says otherwise), no memory of its
+    /// own yet. Tagged [`Tag::Kv`]. With watermarks, the
     /// background thread starts here.
     ///
     /// Errors: a zero or overflowing shape, watermarks out of order, a reservation the pool
@@ -350,8 +365,15 @@ impl PagedKv {
         config.check()?;
         let page = pool.granularity();
         let geo = KvGeometry::new(&config, page)?;
-        let region =
-            pool.reserve_region_with(geo.region_bytes(), &MemOptions::new().tag(Tag::Kv).zeroed())?;
+        let info = pool.backend_info();
+        let host_tier = info.memory_kind == crate::MemoryKind::Host && info.page_locked;
+        let options = MemOptions::new().tag(Tag::Kv);
+        let options = if config.zero_unbacked.unwrap_or(!host_tier) {
+            options.zeroed()
+        } else {
+            options
+        };
+        let region = pool.reserve_region_with(geo.region_bytes(), &options)?;
         let backing = BlockBacking::new(region, geo, None)?;
         let groups = group_of(&geo, page, config.max_blocks - 1) + 1;
         let book = Book {

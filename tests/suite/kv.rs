@@ -1179,6 +1179,11 @@ pub fn kv_blocks_move_to_a_host_tier_cache_and_back(backend: Arc<dyn Backend>) {
     let c = config(g, 1, 2, 16);
     let kv = PagedKv::new(&p, c.clone()).expect("device cache");
     let host = PagedKv::new(&tier, c.clone()).expect("host cache");
+    assert_eq!(
+        tier.stats().zero_page,
+        0,
+        "a host tier's cache leaves unbacked pages unmapped"
+    );
     let ids = kv.alloc(8).expect("alloc");
     fill_blocks(&b, &kv, &ids);
     let mapped = p.stats().mapped;
