@@ -45,7 +45,8 @@ fn run(core: &Core, w: Watermarks) {
             }
             let warm = book.warm_len();
             let idle = book.last_alloc.elapsed() >= w.idle_after;
-            let work = (warm < w.low && !book.asleep) || (idle && warm > w.low);
+            let refilling = warm < w.low && !book.asleep && !book.trimmed;
+            let work = refilling || (idle && warm > w.low);
             if !work {
                 core.wake.wait_for(&mut book, w.tick);
                 if book.stop {
@@ -54,7 +55,7 @@ fn run(core: &Core, w: Watermarks) {
             }
             let warm = book.warm_len();
             let idle = book.last_alloc.elapsed() >= w.idle_after;
-            let refill = (warm < w.low && !book.asleep).then(|| w.high - warm);
+            let refill = (warm < w.low && !book.asleep && !book.trimmed).then(|| w.high - warm);
             let trim = idle && warm > w.low;
             (refill, trim)
         };

@@ -203,11 +203,13 @@ fn give_back(core: &Core, ids: &[BlockId]) {
     }
 }
 
-/// The copies: per tensor, runs of consecutive ids on both sides merged.
+/// The copies: runs of consecutive ids on both sides merged, tensor by tensor (a copy walks
+/// each tensor's pages in order: scattered blocks of a per-layer cache otherwise jump between
+/// tensors at every piece).
 fn pieces(src: &Core, from: &[BlockId], dst: &Core, to: &[BlockId]) -> Vec<Piece> {
     let (unit, tensors) = (src.geo.unit, src.geo.tensors);
     let (sa, da) = (src.backing.addr(), dst.backing.addr());
-    let mut out = Vec::new();
+    let mut runs = Vec::new();
     let mut i = 0;
     while i < from.len() {
         let mut n = 1;
@@ -217,14 +219,16 @@ fn pieces(src: &Core, from: &[BlockId], dst: &Core, to: &[BlockId]) -> Vec<Piece
         {
             n += 1;
         }
-        for t in 0..tensors {
-            out.push(Piece {
-                src: sa + t * src.geo.stride + from[i] as u64 * unit,
-                dst: da + t * dst.geo.stride + to[i] as u64 * unit,
-                len: n as u64 * unit,
-            });
-        }
+        runs.push((from[i] as u64, to[i] as u64, n as u64));
         i += n;
+    }
+    let mut out = Vec::with_capacity(runs.len() * tensors as usize);
+    for t in 0..tensors {
+        out.extend(runs.iter().map(|&(s, d, n)| Piece {
+            src: sa + t * src.geo.stride + s * unit,
+            dst: da + t * dst.geo.stride + d * unit,
+            len: n * unit,
+        }));
     }
     out
 }

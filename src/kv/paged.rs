@@ -296,6 +296,9 @@ pub(crate) struct Book {
     pub(super) blocks_moved: u64,
     pub(super) bytes_compacted: u64,
     pub(crate) asleep: bool,
+    /// [`PagedKv::trim`] ran and no `alloc` since: the look-ahead thread maps nothing (a trim
+    /// in a reclaim would otherwise be undone a tick later, under a limit being lowered).
+    pub(crate) trimmed: bool,
     pub(crate) stop: bool,
     pub(crate) last_alloc: Instant,
     pub(crate) mapped_ahead: u64,
@@ -390,6 +393,7 @@ impl PagedKv {
             blocks_moved: 0,
             bytes_compacted: 0,
             asleep: false,
+            trimmed: false,
             stop: false,
             last_alloc: Instant::now(),
             mapped_ahead: 0,
@@ -494,6 +498,7 @@ impl PagedKv {
     /// Give every warm block back (pages no live block touches go back to the pool). Returns
     /// the blocks released. The background thread maps ahead again once the cache is used.
     pub fn trim(&self) -> usize {
+        self.core.book.lock().trimmed = true;
         self.core.release_warm(0)
     }
 
@@ -584,6 +589,7 @@ impl Core {
             if book.asleep {
                 return Err(self.asleep_error("alloc"));
             }
+            book.trimmed = false;
             let free = book.warm.len() + book.cold.len();
             if n > free {
                 return Err(Error::KvOutOfBlocks {

@@ -1442,3 +1442,35 @@ pub fn kv_moves_race_compaction_free_and_sleep(backend: Arc<dyn Backend>) {
     drop((kv, host));
     books_hold(&backend, &p);
 }
+
+/// A trim holds until the next alloc: the look-ahead thread maps nothing back in between (a
+/// reclaim's trim under a limit being lowered was undone a tick later: the lowering then saw
+/// the refill and failed, `ChangeNotReached` on the H100). Then an alloc lets it refill.
+pub fn kv_trim_holds_until_the_next_alloc(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 256 * g);
+    let w = Watermarks {
+        low: 2,
+        high: 4,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(2),
+    };
+    let kv = PagedKv::new(&p, config(g, 2, 1, 64).watermarks(w)).expect("cache");
+    let ids = kv.alloc(6).expect("alloc");
+    wait_until("warm up to the high mark", Duration::from_secs(5), || {
+        kv.stats().warm >= 2
+    });
+    kv.free(&ids).expect("free");
+    assert!(kv.trim() > 0);
+    let mapped = p.stats().mapped;
+    for _ in 0..25 {
+        std::thread::sleep(Duration::from_millis(4));
+        assert_eq!(kv.stats().warm, 0, "the look-ahead refilled after a trim");
+        assert_eq!(p.stats().mapped, mapped);
+    }
+    let one = kv.alloc(1).expect("alloc");
+    wait_until("refilled after the alloc", Duration::from_secs(5), || {
+        kv.stats().warm >= 2
+    });
+    kv.free(&one).expect("free");
+}

@@ -102,6 +102,7 @@ macro_rules! kv_suite {
             kv_compaction_races_alloc_free_trim_sleep,
             kv_blocks_move_to_a_host_tier_cache_and_back,
             kv_moves_race_compaction_free_and_sleep,
+            kv_trim_holds_until_the_next_alloc,
         );
     };
 }
