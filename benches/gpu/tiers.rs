@@ -115,6 +115,9 @@ pub fn run() -> Result<(), BoxError> {
         .map(Into::into)
         .unwrap_or_else(std::env::temp_dir);
     let backend: Arc<dyn Backend> = Arc::new(CudaBackend::new(0)?);
+    if std::env::var("TIERS_ONLY").as_deref() == Ok("paged") {
+        return paged_offload(&backend);
+    }
     let pool = Pool::new(
         backend.clone(),
         PoolConfig::new(2 * total as usize + 256 * MIB as usize),
@@ -293,24 +296,52 @@ pub fn run() -> Result<(), BoxError> {
 }
 
 /// A paged KV cache's blocks to a cache of the same shape on a host tier and back
-/// (`PagedKv::move_to`): 256 scattered blocks of a Llama-8B-shaped cache (32 layers, 8 KV heads
-/// of 128, 16 tokens, f16: 32 KiB per block per tensor, 64 tensors, 2 MiB per block), against
-/// the same 16384 copies made raw, one `copy_to_host_async` (or from) per block per tensor on
-/// one stream, as an engine moving per-layer pieces does (ratio raw time / ours).
+/// (`PagedKv::move_to`): 256 scattered blocks of a Llama-8B-shaped cache (32 layers, 16 tokens,
+/// f16, 8 KV heads of 128: 32 KiB per block per tensor, 64 tensors; and with 16 heads, 64 KiB),
+/// against the same copies made raw, one `copy_to_host_async` (or from) per block per tensor on
+/// one stream, as an engine moving per-layer pieces does (ratio raw time / ours); ours with
+/// the engine it picks, and with each forced (`EVMM_TIER_ENGINE`). `TIERS_ONLY=paged` runs
+/// only this.
 fn paged_offload(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
+    for heads in [8, 16] {
+        for engine in ["auto", "kernel", "memcpy"] {
+            match engine {
+                "auto" => std::env::remove_var("EVMM_TIER_ENGINE"),
+                e => std::env::set_var("EVMM_TIER_ENGINE", e),
+            }
+            paged_offload_once(backend, heads, engine)?;
+        }
+    }
+    std::env::remove_var("EVMM_TIER_ENGINE");
+    Ok(())
+}
+
+fn paged_offload_once(
+    backend: &Arc<dyn Backend>,
+    heads: usize,
+    engine: &str,
+) -> Result<(), BoxError> {
     use elastic_vmm::kv::{PagedKv, PagedKvConfig};
-    let config = PagedKvConfig::new(32, 8, 128, 16, 2, 1024);
+    let config = PagedKvConfig::new(32, heads, 128, 16, 2, 512);
     let pool = Pool::new(
         backend.clone(),
         PoolConfig::new(4 * GIB as usize).name("offload-device"),
     )?;
     let kv = PagedKv::new(&pool, config.clone()).map_err(|e| format!("device cache: {e}"))?;
     let tier = Pool::host_tier(0, PoolConfig::new(8 * GIB as usize).name("offload-tier"))?;
-    // A fact worth knowing: aliasing every unbacked page of a large host-tier cache to one
-    // zero chunk (what a device cache does) is refused by CUDA; host-tier caches do not alias.
-    match PagedKv::new(&tier, config.clone().zero_unbacked(true)) {
-        Ok(_) => println!("a 2 GiB host-tier cache with its unbacked pages zero-aliased: made"),
-        Err(e) => println!("a 2 GiB host-tier cache with its unbacked pages zero-aliased: {e}"),
+    if heads == 8 && engine == "auto" {
+        // A fact worth knowing: aliasing every unbacked page of a large host-tier cache to one
+        // zero chunk (what a device cache does) is refused by CUDA; host-tier caches do not.
+        match PagedKv::new(&tier, config.clone().zero_unbacked(true)) {
+            Ok(_) => println!(
+                "a host-tier cache of {} MiB with its unbacked pages zero-aliased: made",
+                512 * 2 * heads / 8
+            ),
+            Err(e) => println!(
+                "a host-tier cache of {} MiB with its unbacked pages zero-aliased: {e}",
+                512 * 2 * heads / 8
+            ),
+        }
     }
     let host = PagedKv::new(&tier, config).map_err(|e| format!("host-tier cache: {e}"))?;
     let all = kv.alloc(512)?;
@@ -319,7 +350,7 @@ fn paged_offload(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     let span = kv.block_span_bytes();
     let bytes = live.len() as u64 * span * kv.tensors() as u64;
     let c = backend.copies();
-    // Raw: per block, per tensor, into blocks of the host cache.
+    // Raw: per block, per tensor, into blocks of the other cache.
     let raw = |from: &PagedKv,
                ids: &[usize],
                to: &PagedKv,
@@ -369,7 +400,7 @@ fn paged_offload(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     let raw_back = best(|| raw(&host, &held, &kv, false))?;
     host.free(&held)?;
     println!(
-        "paged KV to a host tier cache and back, {} scattered blocks of {} MiB ({} MiB, {} pieces of {} KiB): out ours {:.1} GB/s raw per piece {:.1} GB/s ratio {:.2}x | back ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+        "paged KV to a host-tier cache and back ({engine:>6}), {} scattered blocks of {} MiB ({} MiB, {} pieces of {} KiB): out ours {:.1} GB/s raw per piece {:.1} GB/s ratio {:.2}x | back ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
         live.len(),
         span * kv.tensors() as u64 / MIB,
         bytes / MIB,
