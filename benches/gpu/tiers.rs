@@ -300,36 +300,49 @@ pub fn run() -> Result<(), BoxError> {
 /// f16, 8 KV heads of 128: 32 KiB per block per tensor, 64 tensors; and with 16 heads, 64 KiB),
 /// against the same copies made raw, one `copy_to_host_async` (or from) per block per tensor on
 /// one stream, as an engine moving per-layer pieces does (ratio raw time / ours); ours with
-/// the engine it picks, and with each forced (`EVMM_TIER_ENGINE`). `TIERS_ONLY=paged` runs
-/// only this.
+/// the gather kernel and with the copy engines (`EVMM_TIER_ENGINE`), each cold and warm.
+/// `TIERS_ONLY=paged` runs only this.
 fn paged_offload(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     for heads in [8, 16] {
-        for engine in ["auto", "kernel", "memcpy"] {
-            match engine {
-                "auto" => std::env::remove_var("EVMM_TIER_ENGINE"),
-                e => std::env::set_var("EVMM_TIER_ENGINE", e),
+        for warm in [false, true] {
+            for engine in ["kernel", "memcpy"] {
+                std::env::set_var("EVMM_TIER_ENGINE", engine);
+                paged_offload_once(backend, heads, engine, warm)?;
             }
-            paged_offload_once(backend, heads, engine)?;
         }
     }
     std::env::remove_var("EVMM_TIER_ENGINE");
     Ok(())
 }
 
+/// One case; `warm`: both caches keep freed blocks mapped (watermarks), so a move maps and
+/// unmaps nothing after the first round: the copies alone. Cold: the destination maps its
+/// pages and the source gives its back within the move (elastic on both sides).
 fn paged_offload_once(
     backend: &Arc<dyn Backend>,
     heads: usize,
     engine: &str,
+    warm: bool,
 ) -> Result<(), BoxError> {
-    use elastic_vmm::kv::{PagedKv, PagedKvConfig};
+    use elastic_vmm::kv::{PagedKv, PagedKvConfig, Watermarks};
     let config = PagedKvConfig::new(32, heads, 128, 16, 2, 512);
+    let config = if warm {
+        config.watermarks(Watermarks {
+            low: 1,
+            high: 512,
+            idle_after: Duration::from_secs(600),
+            tick: Duration::from_millis(100),
+        })
+    } else {
+        config
+    };
     let pool = Pool::new(
         backend.clone(),
         PoolConfig::new(4 * GIB as usize).name("offload-device"),
     )?;
     let kv = PagedKv::new(&pool, config.clone()).map_err(|e| format!("device cache: {e}"))?;
     let tier = Pool::host_tier(0, PoolConfig::new(8 * GIB as usize).name("offload-tier"))?;
-    if heads == 8 && engine == "auto" {
+    if heads == 8 && engine == "kernel" && !warm {
         // A fact worth knowing: aliasing every unbacked page of a large host-tier cache to one
         // zero chunk (what a device cache does) is refused by CUDA; host-tier caches do not.
         match PagedKv::new(&tier, config.clone().zero_unbacked(true)) {
@@ -400,7 +413,8 @@ fn paged_offload_once(
     let raw_back = best(|| raw(&host, &held, &kv, false))?;
     host.free(&held)?;
     println!(
-        "paged KV to a host-tier cache and back ({engine:>6}), {} scattered blocks of {} MiB ({} MiB, {} pieces of {} KiB): out ours {:.1} GB/s raw per piece {:.1} GB/s ratio {:.2}x | back ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+        "paged KV to a host-tier cache and back ({engine:>6}, {}), {} scattered blocks of {} MiB ({} MiB, {} pieces of {} KiB): out ours {:.1} GB/s raw per piece {:.1} GB/s ratio {:.2}x | back ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+        if warm { "warm" } else { "cold" },
         live.len(),
         span * kv.tensors() as u64 / MIB,
         bytes / MIB,
