@@ -357,6 +357,16 @@ fn paged_offload_once(
         }
     }
     let host = PagedKv::new(&tier, config).map_err(|e| format!("host-tier cache: {e}"))?;
+    if warm {
+        // The look-ahead threads map every block of both caches first.
+        let t = Instant::now();
+        while kv.stats().warm < 512 || host.stats().warm < 512 {
+            if t.elapsed() > Duration::from_secs(60) {
+                return Err("the caches did not warm up in 60 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
     let all = kv.alloc(512)?;
     let (mut live, gone): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| b % 2 == 0);
     kv.free(&gone)?;
