@@ -367,11 +367,15 @@ fn paged_offload_once(
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let all = kv.alloc(512)?;
-    let (mut live, gone): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| b % 2 == 0);
-    kv.free(&gone)?;
+    // Every round starts scattered: 512 blocks taken, every other one given back.
+    let scatter = |kv: &PagedKv| -> Result<Vec<usize>, BoxError> {
+        let all = kv.alloc(512)?;
+        let (live, gone): (Vec<usize>, Vec<usize>) = all.iter().partition(|&&b| b % 2 == 0);
+        kv.free(&gone)?;
+        Ok(live)
+    };
     let span = kv.block_span_bytes();
-    let bytes = live.len() as u64 * span * kv.tensors() as u64;
+    let bytes = 256 * span * kv.tensors() as u64;
     let c = backend.copies();
     // Raw: per block, per tensor, into blocks of the other cache.
     let raw = |from: &PagedKv,
@@ -405,31 +409,36 @@ fn paged_offload_once(
         to.free(&dst)?;
         Ok(e)
     };
-    let (mut out, mut back) = (Duration::MAX, Duration::MAX);
+    let (mut out, mut back, mut copies) = (Duration::MAX, Duration::MAX, (0, 0));
     for _ in 0..3 {
+        let live = scatter(&kv)?;
         let t = Instant::now();
         let m = kv.move_to(&live, &host)?;
         let on_host = m.destinations().to_vec();
-        m.wait()?;
+        copies.0 = m.wait()?.copies;
         out = out.min(t.elapsed());
         let t = Instant::now();
         let m = host.move_to(&on_host, &kv)?;
-        live = m.destinations().to_vec();
-        m.wait()?;
+        let home = m.destinations().to_vec();
+        copies.1 = m.wait()?.copies;
         back = back.min(t.elapsed());
+        kv.free(&home)?;
     }
+    let live = scatter(&kv)?;
     let raw_out = best(|| raw(&kv, &live, &host, true))?;
     let held = host.alloc(live.len())?;
     let raw_back = best(|| raw(&host, &held, &kv, false))?;
     host.free(&held)?;
     println!(
-        "paged KV to a host-tier cache and back ({engine:>6}, {}), {} scattered blocks of {} MiB ({} MiB, {} pieces of {} KiB): out ours {:.1} GB/s raw per piece {:.1} GB/s ratio {:.2}x | back ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
+        "paged KV to a host-tier cache and back ({engine:>6}, {}), {} scattered blocks of {} MiB ({} MiB, {} pieces of {} KiB; ours {} and {} copies): out ours {:.1} GB/s raw per piece {:.1} GB/s ratio {:.2}x | back ours {:.1} GB/s raw {:.1} GB/s ratio {:.2}x",
         if warm { "warm" } else { "cold" },
         live.len(),
         span * kv.tensors() as u64 / MIB,
         bytes / MIB,
         live.len() * kv.tensors(),
         span >> 10,
+        copies.0,
+        copies.1,
         gbps(bytes, out),
         gbps(bytes, raw_out),
         raw_out.as_secs_f64() / out.as_secs_f64(),
