@@ -1523,3 +1523,28 @@ pub fn kv_trim_holds_against_a_refill_under_way(backend: Arc<dyn Backend>) {
     kv.free(&ids).expect("free");
     kv.free(&first).expect("free");
 }
+
+/// `move_to_after` between two caches on host tiers (host <-> host: no device copy a stream
+/// could order) is refused with nothing changed, as its documentation says. Today the two host
+/// pools go through the source backend's "streamed" copies, so the stream is accepted (and,
+/// on CUDA, a marker recorded on it) and the move runs.
+pub fn kv_move_after_between_host_caches_is_refused(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let a = Pool::host_tier(ordinal, PoolConfig::new(64 * g as usize)).expect("host tier a");
+    let b = Pool::host_tier(ordinal, PoolConfig::new(64 * g as usize)).expect("host tier b");
+    let c = config(g, 1, 1, 8);
+    let ka = PagedKv::new(&a, c.clone()).expect("cache a");
+    let kb = PagedKv::new(&b, c).expect("cache b");
+    let ids = ka.alloc(2).expect("alloc");
+    // SAFETY: the legacy default stream (a special handle) is live; refused before use.
+    let r = unsafe { ka.move_to_after(&ids, &kb, 1) };
+    let settled = r.map(|m| m.wait());
+    assert!(
+        settled.is_err(),
+        "host <-> host move_to_after was accepted: {settled:?}"
+    );
+    assert!(ids.iter().all(|&x| ka.is_live(x)));
+    assert_eq!(kb.stats().live, 0);
+    ka.free(&ids).expect("free");
+}
