@@ -106,6 +106,12 @@ impl PagedKvTensors {
         dtype: DType,
     ) -> Result<PagedKvTensors> {
         config.elem_bytes = element_size(dtype)?;
+        // Candle ops read the tensors whole: every page must be mapped (memory or zeros).
+        if config.zero_unbacked == Some(false) {
+            return Err(Error::InvalidArgument(
+                "candle tensors over a paged KV cache read every page: zero_unbacked(false) would leave pages a kernel reads unmapped".into(),
+            ));
+        }
         let kv = PagedKv::new(tensors.pool(), config.clone())?;
         let fences = tensors.fences().clone();
         let wait = fences.clone();
@@ -258,11 +264,15 @@ impl PagedKvTensors {
     /// kernels queued on this device after the call run after the copies (the ordering stream
     /// waits for them), so a block table naming the new ids can be used at once.
     pub fn move_in(&self, src: &PagedKv, ids: &[BlockId]) -> Result<KvMove> {
-        let m = src.move_to(ids, &self.core.kv)?;
-        if let Some(stream) = self.stream() {
-            // SAFETY: as in `move_out`.
-            unsafe { m.order_before(stream) }?;
-        }
+        let Some(stream) = self.stream() else {
+            return src.move_to(ids, &self.core.kv);
+        };
+        // The destinations may be blocks freed with kernels still queued on them: the copies
+        // run after those (the ordering stream), and the kernels queued next after the copies.
+        // SAFETY: as in `move_out`.
+        let m = unsafe { src.move_to_after(ids, &self.core.kv, stream) }?;
+        // SAFETY: as in `move_out`.
+        unsafe { m.order_before(stream) }?;
         Ok(m)
     }
 

@@ -314,3 +314,79 @@ fn paged_kv_moves_to_the_host_tier_per_layer() {
 fn paged_kv_moves_to_the_host_tier_contiguous() {
     blocks_go_to_the_host_tier_and_back(KvLayout::Contiguous);
 }
+
+/// Candle tensors span every page of the cache and any candle op reads them whole (`sum_all`
+/// on `k(0)`): a cache whose unbacked pages are left unmapped (`zero_unbacked(false)`, a
+/// public knob) would let safe code fault the device (an illegal address poisons the context).
+/// The constructor must refuse it, or alias those pages anyway (the pool's zero page in use).
+/// No kernel is launched here, so a failure does not poison the other tests of this binary.
+#[test]
+fn paged_kv_tensors_never_leave_unbacked_pages_unmapped() {
+    let dev = Device::new_cuda(0).expect("candle CUDA device 0");
+    let pool = Pool::cuda(0, GIB as usize).expect("CUDA pool");
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let config = PagedKvConfig::new(2, HEADS, DIM, TOKENS, 4, 256).zero_unbacked(false);
+    match PagedKvTensors::new(&tensors, config, DType::F32) {
+        Err(e) => eprintln!("refused: {e}"),
+        Ok(cache) => {
+            assert!(
+                pool.stats().zero_page > 0,
+                "candle tensors over a cache whose unbacked pages are unmapped: {:?}",
+                pool.stats()
+            );
+            drop(cache);
+        }
+    }
+}
+
+/// `move_in` takes its destination blocks from the device cache: a block the engine freed with
+/// a kernel still queued on it (allowed: "a kernel queued on a block before its free never sees
+/// its page go") may be one of them. The copies into it must run after that kernel, as
+/// `move_out` and `compact` order theirs after candle's stream; copies on a copy stream of
+/// their own overwrite the block while the kernel still waits behind earlier work, and it reads
+/// the onboarded block instead of the one it was queued on.
+#[test]
+fn paged_kv_move_in_waits_for_kernels_queued_on_its_destinations() {
+    let (dev, _pool, _tensors, cache) = setup(KvLayout::PerLayer, 1024);
+    let tier = Pool::host_tier(0, PoolConfig::new(GIB as usize)).expect("host tier");
+    let host = PagedKv::new(&tier, cache.config().clone()).expect("host cache");
+    // Blocks 0, 1, 2 on one page; block 2 stays live so that no page goes back (a page going
+    // back waits for the GPU, which would hide the race).
+    let ids = cache.alloc(3).expect("alloc");
+    assert_eq!(ids, vec![0, 1, 2]);
+    for &b in &ids {
+        write_block(&cache, &dev, b);
+    }
+    let out = cache.move_out(&[1], &host).expect("move out");
+    let on_host = out.destinations().to_vec();
+    out.wait().expect("offload");
+    // Work that keeps candle's stream busy for tens of milliseconds, then a read of block 0.
+    let mut x = Tensor::randn(0f32, 1e-3, (4096, 4096), &dev).expect("randn");
+    for _ in 0..30 {
+        x = x.matmul(&x).expect("matmul");
+    }
+    let idx = Tensor::new(&[0u32], &dev).expect("table");
+    let read = gather(&cache, &idx, 0, 0);
+    // Freed with the read still queued; the onboard takes it (the lowest free block on a
+    // mapped page) for the block that was 1.
+    cache.free(&[0]).expect("free");
+    let back = cache.move_in(&host, &on_host).expect("move in");
+    assert_eq!(
+        back.destinations(),
+        &[0],
+        "the onboard took the freed block"
+    );
+    back.wait().expect("onboard");
+    let want = block_data(&dev, 0, 0, 0);
+    let diff = (read - want)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.max_all())
+        .and_then(|d| d.to_scalar::<f32>())
+        .expect("diff");
+    assert_eq!(
+        diff, 0.0,
+        "a kernel queued on block 0 before its free read what move_in copied into it"
+    );
+    drop(x);
+    cache.free(&[0, 2]).expect("free");
+}

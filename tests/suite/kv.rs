@@ -1474,3 +1474,77 @@ pub fn kv_trim_holds_until_the_next_alloc(backend: Arc<dyn Backend>) {
     });
     kv.free(&one).expect("free");
 }
+
+/// A trim holds also against a refill the look-ahead thread had under way when the trim came:
+/// with the maps slowed, an alloc drains the warm blocks, the thread starts mapping ahead, and
+/// a trim lands while its first map is in flight. Nothing may be warm (or newly mapped) after
+/// the trim until the next alloc. Today the thread's in-flight batch lands after the trim, and
+/// `map_ahead` goes on with further batches without looking at `trimmed` again: a reclaim's
+/// trim under a lowered limit is undone, the same `ChangeNotReached` the fix for a refill a
+/// tick later was meant to cure.
+pub fn kv_trim_holds_against_a_refill_under_way(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 256 * g);
+    let w = Watermarks {
+        low: 2,
+        high: 4,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(2),
+    };
+    // One block per page: every warm block the thread makes is one page per tensor.
+    let kv = PagedKv::new(&p, config(g, 1, 1, 64).watermarks(w)).expect("cache");
+    let first = kv.alloc(2).expect("alloc");
+    wait_until("warm up to the high mark", Duration::from_secs(5), || {
+        kv.stats().warm >= 4
+    });
+    slow.set_delay(DriverCall::Map, Duration::from_millis(150));
+    let maps = slow.calls(DriverCall::Map);
+    // Takes the four warm blocks: no map; the thread then refills, slowly.
+    let ids = kv.alloc(4).expect("alloc");
+    wait_until(
+        "the look-ahead started mapping",
+        Duration::from_secs(5),
+        || slow.calls(DriverCall::Map) > maps,
+    );
+    kv.trim();
+    let mapped = p.stats().mapped;
+    // Long enough for the thread to finish its batch and start (and finish) several more.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (warm, now) = (kv.stats().warm, p.stats().mapped);
+    slow.clear();
+    assert_eq!(
+        (warm, now),
+        (0, mapped),
+        "the look-ahead's refill under way landed after the trim ({warm} warm blocks, {} bytes mapped since)",
+        now.saturating_sub(mapped)
+    );
+    kv.free(&ids).expect("free");
+    kv.free(&first).expect("free");
+}
+
+/// `move_to_after` between two caches on host tiers (host <-> host: no device copy a stream
+/// could order) is refused with nothing changed, as its documentation says. Today the two host
+/// pools go through the source backend's "streamed" copies, so the stream is accepted (and,
+/// on CUDA, a marker recorded on it) and the move runs.
+pub fn kv_move_after_between_host_caches_is_refused(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let a = Pool::host_tier(ordinal, PoolConfig::new(64 * g as usize)).expect("host tier a");
+    let b = Pool::host_tier(ordinal, PoolConfig::new(64 * g as usize)).expect("host tier b");
+    let c = config(g, 1, 1, 8);
+    let ka = PagedKv::new(&a, c.clone()).expect("cache a");
+    let kb = PagedKv::new(&b, c).expect("cache b");
+    let ids = ka.alloc(2).expect("alloc");
+    // SAFETY: the legacy default stream (a special handle) is live; refused before use.
+    let r = unsafe { ka.move_to_after(&ids, &kb, 1) };
+    let settled = r.map(|m| m.wait());
+    assert!(
+        settled.is_err(),
+        "host <-> host move_to_after was accepted: {settled:?}"
+    );
+    assert!(ids.iter().all(|&x| ka.is_live(x)));
+    assert_eq!(kb.stats().live, 0);
+    ka.free(&ids).expect("free");
+}

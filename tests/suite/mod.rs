@@ -103,6 +103,8 @@ macro_rules! kv_suite {
             kv_blocks_move_to_a_host_tier_cache_and_back,
             kv_moves_race_compaction_free_and_sleep,
             kv_trim_holds_until_the_next_alloc,
+            kv_trim_holds_against_a_refill_under_way,
+            kv_move_after_between_host_caches_is_refused,
         );
     };
 }
