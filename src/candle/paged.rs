@@ -272,7 +272,14 @@ impl PagedKvTensors {
         // SAFETY: as in `move_out`.
         let m = unsafe { src.move_to_after(ids, &self.core.kv, stream) }?;
         // SAFETY: as in `move_out`.
-        unsafe { m.order_before(stream) }?;
+        if let Err(e) = unsafe { m.order_before(stream) } {
+            // The move stands (returning the error would drop it, settled, with its new ids
+            // lost): once its copies are done there is nothing left to order.
+            tracing::warn!(error = %e, "ordering candle's stream after a move in failed; waiting for its copies");
+            while !m.is_done() {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
         Ok(m)
     }
 

@@ -63,7 +63,7 @@ impl PagedKv {
 
     /// [`PagedKv::move_to`], with the device copies ordered after the work queued so far on
     /// `stream` (the engine's stream whose kernels wrote the blocks): the host does not wait.
-    /// Refused (nothing changed) for a move with no device copies (host <-> host).
+    /// Refused (nothing changed) for a move no device makes (between two host caches).
     ///
     /// # Safety
     /// `stream` is a live stream (a raw `CUstream`, or a special handle of
@@ -195,10 +195,9 @@ fn unpin(core: &Core, ids: &[BlockId]) {
     }
 }
 
-/// Unpin and free blocks of `core` a move took.
+/// Unpin and free blocks of `core` a move pinned, under one lock.
 fn give_back(core: &Core, ids: &[BlockId]) {
-    unpin(core, ids);
-    if let Err(e) = core.free(ids) {
+    if let Err(e) = core.free_as(ids, true) {
         tracing::error!(error = %e, "freeing the blocks of a settled move between caches failed");
     }
 }

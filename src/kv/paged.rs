@@ -706,6 +706,13 @@ impl Core {
     }
 
     pub(super) fn free(&self, ids: &[BlockId]) -> Result<()> {
+        self.free_as(ids, false)
+    }
+
+    /// [`Core::free`]; `unpin`: the blocks are a settled move's, pinned in `tiered`: unpinned
+    /// and freed under one lock (between two, another thread could free an unpinned id, have
+    /// it allocated again, and this free would then take the new owner's block).
+    pub(super) fn free_as(&self, ids: &[BlockId], unpin: bool) -> Result<()> {
         let max = self.config.max_blocks;
         let to_release = {
             let mut book = self.book.lock();
@@ -714,8 +721,12 @@ impl Core {
                     Some("out of range")
                 } else if book.moving.contains(&b) {
                     Some("being moved by a compaction (free it under its new id once compact returns)")
-                } else if book.tiered.contains(&b) {
-                    Some("being moved between caches (free it once the move is waited for)")
+                } else if book.tiered.contains(&b) != unpin {
+                    Some(if unpin {
+                        "not pinned by the move that frees it"
+                    } else {
+                        "being moved between caches (free it once the move is waited for)"
+                    })
                 } else if book.in_alloc.contains(&b) {
                     // Freed before its alloc returned: the alloc would then hand out a free
                     // block (or put it back twice on failure).
@@ -746,6 +757,11 @@ impl Core {
                 .map_or(0, |w| w.high.saturating_sub(book.warm.len()))
                 .min(ids.len());
             book.live_count -= ids.len();
+            if unpin {
+                for b in ids {
+                    book.tiered.remove(b);
+                }
+            }
             for &b in &ids[..keep] {
                 book.warm.insert(b);
             }
@@ -824,7 +840,7 @@ impl Core {
     fn map_ahead_once(&self, want: usize) -> usize {
         let taken: Vec<usize> = {
             let mut book = self.book.lock();
-            if book.asleep {
+            if book.asleep || book.trimmed {
                 return 0;
             }
             let mut t = Vec::with_capacity(want);
@@ -842,6 +858,16 @@ impl Core {
         let ok = self.backing.ensure_backed_ahead(taken.iter().copied());
         let mut book = self.book.lock();
         match ok {
+            Ok(_) if book.trimmed => {
+                // A trim came while these were mapping: it holds until the next alloc, so they
+                // go back at once rather than sit warm under a limit being lowered.
+                for &b in &taken {
+                    self.backed(&mut book, b);
+                }
+                drop(book);
+                self.release(&taken);
+                0
+            }
             Ok(_) => {
                 for &b in &taken {
                     self.backed(&mut book, b);

@@ -283,15 +283,34 @@ fn way<'a>(from: &End<'a>, to: &End<'a>, sk: StorageKind, dk: StorageKind) -> Re
     Ok(way)
 }
 
+impl Way<'_> {
+    /// The device whose copy stream the copies go on (they can be ordered after a stream of
+    /// that device); `None` for copies no device makes (threads, or a host backend's copies).
+    fn device(&self) -> Option<Option<i32>> {
+        match self {
+            Way::Streamed { backend, .. } if backend.info().memory_kind == MemoryKind::Device => {
+                Some(backend.info().device_ordinal)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Why a move between `sk` and `dk` cannot be ordered after a stream.
+fn no_stream(sk: StorageKind, dk: StorageKind) -> Error {
+    Error::InvalidArgument(format!(
+        "a move from {} to {} storage has no device copies to order after a stream: synchronize the stream and start the move without one",
+        sk.name(),
+        dk.name()
+    ))
+}
+
 /// Whether blocks can move from `src` to `dst` at all (storage kinds and backends): an error
-/// saying why not, before anything is taken or copied. `Some(device ordinal)` when the copies
-/// go on a device's copy stream (they can be ordered after a stream of that device).
+/// saying why not, before anything is taken or copied. `Some(device ordinal)` when a device
+/// makes the copies (they can be ordered after a stream of that device).
 pub(crate) fn check_path(src: &Layout, dst: &Layout) -> Result<Option<Option<i32>>> {
     let (from, to) = (end_of(src)?, end_of(dst)?);
-    Ok(match way(&from, &to, src.storage(), dst.storage())? {
-        Way::Streamed { backend, .. } => Some(backend.info().device_ordinal),
-        Way::Cpu(_) => None,
-    })
+    Ok(way(&from, &to, src.storage(), dst.storage())?.device())
 }
 
 /// Whether blocks can move from memory of a pool on backend `from` to one on `to` (with copies
@@ -305,14 +324,11 @@ pub(crate) fn check_between_pools(
         StorageKind::of_backend(from.info()),
         StorageKind::of_backend(to.info()),
     );
-    match way(&End::Pool(from), &End::Pool(to), sk, dk)? {
-        Way::Cpu(_) if after => Err(Error::InvalidArgument(format!(
-            "a move from {} to {} memory has no device copies to order after a stream: synchronize the stream and move without one",
-            sk.name(),
-            dk.name()
-        ))),
-        _ => Ok(()),
+    let way = way(&End::Pool(from), &End::Pool(to), sk, dk)?;
+    if after && way.device().is_none() {
+        return Err(no_stream(sk, dk));
     }
+    Ok(())
 }
 
 /// Start copying `pieces` (addresses) from memory of a pool on backend `from` to memory of a
@@ -509,15 +525,11 @@ pub(crate) unsafe fn start(
         bytes,
         source: Box::new(e),
     };
+    if after.is_some() && way.device().is_none() {
+        return Err(no_stream(sk, dk));
+    }
     let flight = match way {
         Way::Cpu(op) => {
-            if after.is_some() {
-                return Err(Error::InvalidArgument(format!(
-                    "a move from {} to {} storage has no device copies to order after a stream: synchronize the stream and start the move without one",
-                    sk.name(),
-                    dk.name()
-                )));
-            }
             // SAFETY: the caller's promise, forwarded.
             unsafe { on_threads(op, &pieces) }.map_err(|e| failed(0, e))?
         }

@@ -286,7 +286,8 @@ impl KvTiers {
 
     /// [`KvTiers::start_move`], with the device copies ordered after the work queued so far on
     /// `stream` (the engine's stream whose kernels wrote the blocks): the host does not wait
-    /// for it. Refused (nothing changed) for a move with no device copies (host <-> disk).
+    /// for it. Refused (nothing changed) for a move no device makes (host <-> disk, host <->
+    /// host).
     ///
     /// # Safety
     /// `stream` is a live stream (a raw `CUstream`, or a special handle of
@@ -371,6 +372,11 @@ impl KvTiers {
                 books.blocks.insert(*id, Place::Moving(*src));
             }
         }
+        // The first source's kind names the move in messages (a move may gather from several
+        // tiers).
+        let from = moves
+            .first()
+            .map_or(self.tiers[to].storage(), |m| self.tiers[m.1.tier].storage());
         let mut pending = Pending {
             moves,
             flights: Vec::new(),
@@ -378,7 +384,7 @@ impl KvTiers {
             started,
             bytes: 0,
             copies: 0,
-            from: self.tiers[to].storage(),
+            from,
             to: self.tiers[to].storage(),
         };
         // The pools under the tiers involved stay awake until the move is waited for.
@@ -416,7 +422,6 @@ impl KvTiers {
                 Ok(st) => {
                     pending.bytes += st.bytes;
                     pending.copies += st.copies;
-                    pending.from = st.from;
                     pending.flights.push(st.flight);
                 }
                 Err(e) => {

@@ -820,8 +820,18 @@ pub fn moves_start_in_stream_order_and_settle_at_wait(backend: Arc<dyn Backend>)
             }
         }
     }
-    // SAFETY: STREAM is a special handle of this device.
-    let m = unsafe { tiers.start_move_after(&ids, 1, STREAM) }.expect("start");
+    let m = if streamed {
+        // SAFETY: STREAM is a special handle of this device.
+        unsafe { tiers.start_move_after(&ids, 1, STREAM) }.expect("start")
+    } else {
+        // No device makes these copies: ordering them after a stream is refused, nothing
+        // changed.
+        // SAFETY: refused before any stream is used.
+        let e = unsafe { tiers.start_move_after(&ids, 1, STREAM) }.expect_err("no device");
+        assert!(e.to_string().contains("no device copy"), "{e}");
+        assert!(ids.iter().all(|&id| !tiers.is_moving(id)));
+        tiers.start_move(&ids, 1).expect("start")
+    };
     assert_eq!(m.destinations().len(), 8);
     let e = p
         .sleep(&SleepPolicy::offload_all())
