@@ -380,11 +380,12 @@ fn paged_kv_move_in_waits_for_kernels_queued_on_its_destinations() {
     let on_host = out.destinations().to_vec();
     out.wait().expect("offload"); // block 1 stays mapped, warm
     // Work that keeps candle's stream busy for tens of milliseconds, then a read of block 0.
+    // (The table is made first: copying it to the device waits for the stream.)
+    let idx = Tensor::new(&[0u32], &dev).expect("table");
     let mut x = Tensor::randn(0f32, 1e-3, (4096, 4096), &dev).expect("randn");
     for _ in 0..30 {
         x = x.matmul(&x).expect("matmul");
     }
-    let idx = Tensor::new(&[0u32], &dev).expect("table");
     let read = gather(&cache, &idx, 0, 0);
     // Freed with the read still queued: warm, nothing released, no wait. The onboard takes
     // it (the lowest warm block) for the block that was 1.
