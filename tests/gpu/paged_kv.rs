@@ -347,7 +347,10 @@ fn paged_kv_tensors_never_leave_unbacked_pages_unmapped() {
 /// the onboarded block instead of the one it was queued on.
 ///
 /// Blocks of one page each and a high watermark, so that the `free` keeps the block warm and
-/// releases nothing: a release waits for the GPU, which would hide the race.
+/// releases nothing: a release waits for the GPU, which would hide the race. On the H100 this
+/// test also passed with `move_in` reverted to an unordered copy (four runs; something on the
+/// way still waits for candle's stream), so it checks the data and the block chosen, not yet
+/// the ordering itself.
 #[test]
 fn paged_kv_move_in_waits_for_kernels_queued_on_its_destinations() {
     const TOKENS_PER_BLOCK: usize = 2048; // 2048 x 4 heads x 64 x 4 bytes: one 2 MiB page
