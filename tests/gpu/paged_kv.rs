@@ -381,7 +381,8 @@ fn paged_kv_move_in_waits_for_kernels_queued_on_its_destinations() {
     }
     let out = cache.move_out(&[1], &host).expect("move out");
     let on_host = out.destinations().to_vec();
-    out.wait().expect("offload"); // block 1 stays mapped, warm
+    // Block 1 stays mapped, warm.
+    out.wait().expect("offload");
     // Work that keeps candle's stream busy for tens of milliseconds, then a read of block 0.
     // (The table is made first: copying it to the device waits for the stream.)
     let idx = Tensor::new(&[0u32], &dev).expect("table");
@@ -394,7 +395,11 @@ fn paged_kv_move_in_waits_for_kernels_queued_on_its_destinations() {
     // it (the lowest warm block) for the block that was 1.
     cache.free(&[0]).expect("free");
     let back = cache.move_in(&host, &on_host).expect("move in");
-    assert_eq!(back.destinations(), &[0], "the onboard took the freed block");
+    assert_eq!(
+        back.destinations(),
+        &[0],
+        "the onboard took the freed block"
+    );
     back.wait().expect("onboard");
     let diff = (read - 1.0)
         .and_then(|d| d.abs())
