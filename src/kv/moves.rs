@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use super::paged::{BlockId, Core, PagedKv};
 use crate::error::{Error, Result};
-use crate::layout::copies::{check_between_pools, start_between_pools, Flight, Piece};
+use crate::layout::copies::{check_between_pools, runs, start_between_pools, Flight, Piece};
 use crate::layout::MoveReport;
 
 /// A move of blocks between two paged KV caches, under way ([`PagedKv::move_to`]). Wait for it
@@ -208,19 +208,10 @@ fn give_back(core: &Core, ids: &[BlockId]) {
 fn pieces(src: &Core, from: &[BlockId], dst: &Core, to: &[BlockId]) -> Vec<Piece> {
     let (unit, tensors) = (src.geo.unit, src.geo.tensors);
     let (sa, da) = (src.backing.addr(), dst.backing.addr());
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < from.len() {
-        let mut n = 1;
-        while i + n < from.len()
-            && from[i + n - 1] + 1 == from[i + n]
-            && to[i + n - 1] + 1 == to[i + n]
-        {
-            n += 1;
-        }
-        runs.push((from[i] as u64, to[i] as u64, n as u64));
-        i += n;
-    }
+    let runs: Vec<(u64, u64, u64)> = runs(from, to)
+        .into_iter()
+        .map(|(s, d, n)| (s as u64, d as u64, n as u64))
+        .collect();
     let mut out = Vec::with_capacity(runs.len() * tensors as usize);
     for t in 0..tensors {
         out.extend(runs.iter().map(|&(s, d, n)| Piece {

@@ -167,24 +167,34 @@ fn plan(
         }
     }
     let mut pieces = Vec::new();
-    let mut i = 0;
-    while i < src_blocks.len() {
-        let mut n = 1;
-        while i + n < src_blocks.len()
-            && src_blocks[i + n - 1] + 1 == src_blocks[i + n]
-            && dst_blocks[i + n - 1] + 1 == dst_blocks[i + n]
-        {
-            n += 1;
-        }
-        let (s, d) = (src.blocks(src_blocks[i], n)?, dst.blocks(dst_blocks[i], n)?);
+    for (s0, d0, n) in runs(src_blocks, dst_blocks) {
+        let (s, d) = (src.blocks(s0, n)?, dst.blocks(d0, n)?);
         pieces.extend(s.iter().zip(&d).map(|(s, d)| Piece {
             src: s.addr,
             dst: d.addr,
             len: s.len,
         }));
-        i += n;
     }
     Ok(pieces)
+}
+
+/// Runs of blocks paired by position, consecutive on both sides: `(first source, first
+/// destination, blocks)`.
+pub(crate) fn runs(src: &[usize], dst: &[usize]) -> Vec<(usize, usize, usize)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < src.len().min(dst.len()) {
+        let mut n = 1;
+        while i + n < src.len().min(dst.len())
+            && src[i + n - 1] + 1 == src[i + n]
+            && dst[i + n - 1] + 1 == dst[i + n]
+        {
+            n += 1;
+        }
+        out.push((src[i], dst[i], n));
+        i += n;
+    }
+    out
 }
 
 /// How a copy goes between two storages. `Streamed` copies go on the backend's copy stream;
