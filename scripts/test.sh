@@ -103,7 +103,11 @@ print(exes[0] if exes else "")
   echo "cargo reported no elastic-vmm binary" >&2
   exit 1
 }
-"$cli" --backend host demo --sequences 60 --report-every 1000 >/dev/null
+"$cli" --backend host demo --steps 120 --report-every 1000 --svg "$tmp/cli/demo.svg" >/dev/null
+head -c 5 "$tmp/cli/demo.svg" | grep -q '^<svg' || {
+  echo "demo wrote no SVG plot to $tmp/cli/demo.svg" >&2
+  exit 1
+}
 # A folder that does not exist yet: the tool creates it.
 svg="$tmp/cli/plots/multi-model.svg"
 "$cli" --backend host multi --steps 120 --svg "$svg" >/dev/null

@@ -955,11 +955,9 @@ impl SharedInner {
         drop(local);
         let charged = admitted.charged.map_err(|(why, left)| {
             let err = self.ledger.lock().refusal_error(key, left, why);
-            if optional {
-                tracing::debug!(error = %err, "optional growth not admitted");
-            } else {
-                tracing::warn!(error = %err, "admission refused");
-            }
+            // The caller gets the error with these numbers: a refusal is back-pressure an
+            // engine handles (it waits or preempts), not a fault to warn about.
+            tracing::debug!(error = %err, optional, "growth not admitted");
             err
         });
         Acquired { donated, charged }

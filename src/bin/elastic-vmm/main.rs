@@ -1,8 +1,8 @@
 //! `elastic-vmm`: the command-line tool. Uses the crate's public API only.
 //!
 //! - `info`: the backend, device, granularity and VMM support.
-//! - `demo`: an elastic KV-cache workload (sequences growing block by block and finishing),
-//!   with stats as it goes and a summary against a static worst-case preallocation.
+//! - `demo`: several models' paged KV caches under one budget, the same workload split
+//!   statically and elastic; a table as it goes, a comparison and an SVG plot at the end.
 //! - `multi`: three models with bursty, out-of-phase load sharing one budget smaller than the
 //!   sum of their peaks; per-model use over time, and an SVG plot of it (its folder is created
 //!   when missing).
@@ -56,8 +56,9 @@ pub enum BackendChoice {
 enum Command {
     /// Print the backend, device, granularity and VMM support.
     Info,
-    /// Run an elastic KV-cache workload and compare it with static preallocation.
-    Demo(DemoArgs),
+    /// Several models share one budget through paged KV caches, static split against elastic;
+    /// prints the table and writes an SVG plot.
+    Demo(demo::DemoArgs),
     /// Three models with bursty, out-of-phase load on one budget; writes an SVG plot.
     Multi(multi::MultiArgs),
     /// The broker daemon: one device's memory shared by engine processes, with quotas.
@@ -66,31 +67,6 @@ enum Command {
     Ctl(ops::CtlArgs),
     /// A live terminal view of a running broker.
     Top(top::TopArgs),
-}
-
-#[derive(clap::Args, Clone)]
-pub struct DemoArgs {
-    /// Sequences to serve in total.
-    #[arg(long, default_value_t = 400)]
-    pub sequences: usize,
-    /// Sequences running at the same time (the batch).
-    #[arg(long, default_value_t = 32)]
-    pub concurrent: usize,
-    /// Longest sequence in tokens (prompt plus output): what a static cache reserves per slot.
-    #[arg(long, default_value_t = 2048)]
-    pub max_tokens: usize,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
-    pub block_tokens: usize,
-    /// KV bytes per token (all layers, K and V).
-    #[arg(long, default_value_t = 32 * 1024)]
-    pub bytes_per_token: usize,
-    /// Print a line every this many decode steps.
-    #[arg(long, default_value_t = 250)]
-    pub report_every: usize,
-    /// Seed of the workload generator.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
 }
 
 fn main() -> ExitCode {
@@ -239,19 +215,24 @@ mod tests {
                 &["demo", "--report-every", "0"][..],
                 "--report-every must be at least 1, got 0",
             ),
-            (&["demo", "--concurrent", "0"][..], "--concurrent"),
-            (&["demo", "--max-tokens", "31"][..], "--max-tokens"),
             (
-                &[
-                    "demo",
-                    "--block-tokens",
-                    "4294967296",
-                    "--bytes-per-token",
-                    "4294967296",
-                    "--max-tokens",
-                    "18446744073709551615",
-                ][..],
-                "4294967296 x 4294967296 overflows",
+                &["demo", "--models", "1"][..],
+                "--models must be at least 2, got 1",
+            ),
+            (&["demo", "--models", "7"][..], "--models 7 is more than"),
+            (&["demo", "--max-prompt", "63"][..], "--max-prompt"),
+            (
+                &["demo", "--peak-rate", "0"][..],
+                "--peak-rate must be above 0",
+            ),
+            (&["demo", "--peak-rate", "NaN"][..], "--peak-rate"),
+            (
+                &["demo", "--budget-mib", "18446744073709551615"][..],
+                "overflows",
+            ),
+            (
+                &["demo", "--block-tokens", "4294967296"][..],
+                "--block-tokens must be at most 4096, got 4294967296",
             ),
             (
                 &["multi", "--steps", "1"][..],
