@@ -36,7 +36,8 @@ pub enum KvLayout {
 /// - When fewer than `low` blocks are warm, the thread maps more, up to `high`, with memory the
 ///   pool's admission gives at once only: never reclaimed or handed over from another model
 ///   (what is not free now is not taken; the thread tries again later).
-/// - [`PagedKv::free`] keeps freed blocks warm up to `high`, and gives the rest back.
+/// - [`PagedKv::free`] keeps freed blocks warm up to `high`, and gives the rest back (all of
+///   them after a [`PagedKv::trim`], until the next `alloc`).
 /// - Once no `alloc` came for `idle_after`, the thread gives warm blocks above `low` back: after
 ///   a spike the cache is back at its idle floor (live blocks plus `low` warm ones) within
 ///   `idle_after` plus one `tick`.
@@ -296,8 +297,9 @@ pub(crate) struct Book {
     pub(super) blocks_moved: u64,
     pub(super) bytes_compacted: u64,
     pub(crate) asleep: bool,
-    /// [`PagedKv::trim`] ran and no `alloc` since: the look-ahead thread maps nothing (a trim
-    /// in a reclaim would otherwise be undone a tick later, under a limit being lowered).
+    /// [`PagedKv::trim`] ran and no `alloc` since: the look-ahead thread maps nothing and
+    /// `free` keeps nothing warm (a trim in a reclaim would otherwise be undone a tick later,
+    /// or by the frees after it, under a limit being lowered).
     pub(crate) trimmed: bool,
     pub(crate) stop: bool,
     pub(crate) last_alloc: Instant,
@@ -476,7 +478,8 @@ impl PagedKv {
     }
 
     /// Give back `ids`, each allocated and named once. Freed blocks stay mapped while warm
-    /// blocks are below the high watermark; the rest are released (a page goes back to the
+    /// blocks are below the high watermark (none after a trim, until the next `alloc`); the
+    /// rest are released (a page goes back to the
     /// pool when no backed block touches it). A bad id (out of range, not allocated, repeated)
     /// is an error naming it and frees nothing.
     pub fn free(&self, ids: &[BlockId]) -> Result<()> {
@@ -751,11 +754,13 @@ impl Core {
                 // Marked free as we go: a repeat finds itself free (caught above).
                 book.live[b] = false;
             }
-            let keep = self
-                .config
-                .watermarks
-                .map_or(0, |w| w.high.saturating_sub(book.warm.len()))
-                .min(ids.len());
+            // After a trim (until the next alloc) nothing is kept warm: a reclaim's frees
+            // would otherwise refill what its trim gave back.
+            let keep = match self.config.watermarks {
+                Some(w) if !book.trimmed => w.high.saturating_sub(book.warm.len()),
+                _ => 0,
+            }
+            .min(ids.len());
             book.live_count -= ids.len();
             if unpin {
                 for b in ids {
