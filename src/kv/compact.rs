@@ -289,6 +289,7 @@ impl Core {
                         book.moving.remove(&old);
                     }
                     book.warm.extend(plan.rewarm.iter().copied());
+                    self.landed.notify_all();
                     let mut out: Vec<usize> = plan.moves.iter().map(|m| m.0).collect();
                     let per = self.per_group().unwrap_or(1);
                     for &g in &plan.groups {
@@ -351,6 +352,7 @@ impl Core {
                 let r = book.rank(&self.geo, self.page, b);
                 book.cold.insert((r, b));
             }
+            self.landed.notify_all();
             return Err(e);
         }
         {

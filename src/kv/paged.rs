@@ -3,6 +3,12 @@
 //! Locking: the cache's book (a `parking_lot` mutex) is a leaf: never held across a call into
 //! the backing (which maps and unmaps), the pool, or a drop. Blocks taken out of the book by an
 //! operation belong to it alone until it puts them back, so driver calls happen unlocked.
+//!
+//! Free blocks out of both free lists (a release unmapping them, the look-ahead or a
+//! compaction mapping them) are *in transit*: allocated by nobody, so `alloc` counts them
+//! (`max_blocks - live`) and waits on `Core::landed` for them rather than refuse. Every path
+//! that puts blocks back in a free list notifies `landed`. Such a wait ends with a map, an unmap
+//! or a compaction's copy: none of them waits for an `alloc` of the cache.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -36,7 +42,8 @@ pub enum KvLayout {
 /// - When fewer than `low` blocks are warm, the thread maps more, up to `high`, with memory the
 ///   pool's admission gives at once only: never reclaimed or handed over from another model
 ///   (what is not free now is not taken; the thread tries again later).
-/// - [`PagedKv::free`] keeps freed blocks warm up to `high`, and gives the rest back.
+/// - [`PagedKv::free`] keeps freed blocks warm up to `high`, and gives the rest back (all of
+///   them after a [`PagedKv::trim`], until the next `alloc`).
 /// - Once no `alloc` came for `idle_after`, the thread gives warm blocks above `low` back: after
 ///   a spike the cache is back at its idle floor (live blocks plus `low` warm ones) within
 ///   `idle_after` plus one `tick`.
@@ -296,9 +303,13 @@ pub(crate) struct Book {
     pub(super) blocks_moved: u64,
     pub(super) bytes_compacted: u64,
     pub(crate) asleep: bool,
-    /// [`PagedKv::trim`] ran and no `alloc` since: the look-ahead thread maps nothing (a trim
-    /// in a reclaim would otherwise be undone a tick later, under a limit being lowered).
+    /// [`PagedKv::trim`] ran and no `alloc` since: the look-ahead thread maps nothing and
+    /// `free` keeps nothing warm (a trim in a reclaim would otherwise be undone a tick later,
+    /// or by the frees after it, under a limit being lowered).
     pub(crate) trimmed: bool,
+    /// The look-ahead thread has a batch out of the free lists (mapping, or giving back after
+    /// a trim came meanwhile); a trim waits for it to land.
+    pub(crate) ahead_busy: bool,
     pub(crate) stop: bool,
     pub(crate) last_alloc: Instant,
     pub(crate) mapped_ahead: u64,
@@ -315,6 +326,9 @@ pub(crate) struct Core {
     pub(crate) book: Mutex<Book>,
     /// Wakes the background thread (warm below low, stop).
     pub(crate) wake: Condvar,
+    /// Blocks in transit landed in a free list, or the look-ahead's batch did (see the module
+    /// documentation): wakes an `alloc` or a trim waiting for them.
+    pub(super) landed: Condvar,
     pub(super) pool: Pool,
     watcher: u64,
     /// Called before pages may be unmapped (set once by a face whose device queues work, e.g.
@@ -394,6 +408,7 @@ impl PagedKv {
             bytes_compacted: 0,
             asleep: false,
             trimmed: false,
+            ahead_busy: false,
             stop: false,
             last_alloc: Instant::now(),
             mapped_ahead: 0,
@@ -410,6 +425,7 @@ impl PagedKv {
                 config: config.clone(),
                 book: Mutex::new(book),
                 wake: Condvar::new(),
+                landed: Condvar::new(),
                 pool: pool.clone(),
                 watcher: inner.add_watcher(watcher),
                 before_release: std::sync::OnceLock::new(),
@@ -466,7 +482,8 @@ impl PagedKv {
         &self.core
     }
 
-    /// `n` free blocks, each mapped in every tensor when this returns (one request for the
+    /// `n` free blocks (free ones a release or the look-ahead is unmapping or mapping are
+    /// waited for, not refused), each mapped in every tensor when this returns (one request for the
     /// memory it needs, under the model's limit; reclaim from others as any required growth).
     /// Blocks kept warm are taken first, so in steady state no driver call is made. `n == 0`
     /// gives none. Errors (fewer free blocks than `n`, a refused admission, the pool asleep, a
@@ -476,7 +493,8 @@ impl PagedKv {
     }
 
     /// Give back `ids`, each allocated and named once. Freed blocks stay mapped while warm
-    /// blocks are below the high watermark; the rest are released (a page goes back to the
+    /// blocks are below the high watermark (none after a trim, until the next `alloc`); the
+    /// rest are released (a page goes back to the
     /// pool when no backed block touches it). A bad id (out of range, not allocated, repeated)
     /// is an error naming it and frees nothing.
     pub fn free(&self, ids: &[BlockId]) -> Result<()> {
@@ -495,11 +513,12 @@ impl PagedKv {
         self.core.book.lock().live.get(id).copied().unwrap_or(false)
     }
 
-    /// Give every warm block back (pages no live block touches go back to the pool). Returns
-    /// the blocks released. The background thread maps ahead again once the cache is used.
+    /// Give every warm block back (pages no live block touches go back to the pool), a batch
+    /// the background thread is mapping ahead included (waited for: when this returns, no
+    /// memory of the cache is warm or on its way to being warm). Returns the blocks released
+    /// here. Until the next `alloc`, the thread maps nothing and freed blocks are not kept warm.
     pub fn trim(&self) -> usize {
-        self.core.book.lock().trimmed = true;
-        self.core.release_warm(0)
+        self.core.trim()
     }
 
     /// A snapshot.
@@ -586,17 +605,24 @@ impl Core {
         let max = self.config.max_blocks;
         let (ids, to_back, low) = {
             let mut book = self.book.lock();
-            if book.asleep {
-                return Err(self.asleep_error("alloc"));
-            }
-            book.trimmed = false;
-            let free = book.warm.len() + book.cold.len();
-            if n > free {
-                return Err(Error::KvOutOfBlocks {
-                    requested: n,
-                    free,
-                    max_blocks: max,
-                });
+            loop {
+                if book.asleep {
+                    return Err(self.asleep_error("alloc"));
+                }
+                book.trimmed = false;
+                if n <= book.warm.len() + book.cold.len() {
+                    break;
+                }
+                // Allocated by nobody: the free lists and blocks in transit, which land free.
+                let free = max - book.live_count;
+                if n > free {
+                    return Err(Error::KvOutOfBlocks {
+                        requested: n,
+                        free,
+                        max_blocks: max,
+                    });
+                }
+                self.landed.wait(&mut book);
             }
             let mut ids = Vec::with_capacity(n);
             let mut to_back = Vec::new();
@@ -670,6 +696,7 @@ impl Core {
                     }
                 }
                 book.live_count -= ids.len();
+                self.landed.notify_all();
                 Err(e)
             }
         }
@@ -751,11 +778,13 @@ impl Core {
                 // Marked free as we go: a repeat finds itself free (caught above).
                 book.live[b] = false;
             }
-            let keep = self
-                .config
-                .watermarks
-                .map_or(0, |w| w.high.saturating_sub(book.warm.len()))
-                .min(ids.len());
+            // After a trim (until the next alloc) nothing is kept warm: a reclaim's frees
+            // would otherwise refill what its trim gave back.
+            let keep = match self.config.watermarks {
+                Some(w) if !book.trimmed => w.high.saturating_sub(book.warm.len()),
+                _ => 0,
+            }
+            .min(ids.len());
             book.live_count -= ids.len();
             if unpin {
                 for b in ids {
@@ -765,6 +794,7 @@ impl Core {
             for &b in &ids[..keep] {
                 book.warm.insert(b);
             }
+            self.landed.notify_all();
             ids[keep..].to_vec()
         };
         self.release(&to_release);
@@ -790,6 +820,7 @@ impl Core {
                     let r = book.rank(&self.geo, self.page, b);
                     book.cold.insert((r, b));
                 }
+                self.landed.notify_all();
                 change.bytes
             }
             Err(e) => {
@@ -798,6 +829,7 @@ impl Core {
                 tracing::error!(error = %e, blocks = blocks.len(), "releasing KV blocks failed; they stay mapped as warm blocks");
                 let mut book = self.book.lock();
                 book.warm.extend(blocks.iter().copied());
+                self.landed.notify_all();
                 0
             }
         }
@@ -850,6 +882,7 @@ impl Core {
                 };
                 t.push(b);
             }
+            book.ahead_busy = !t.is_empty();
             t
         };
         if taken.is_empty() {
@@ -857,15 +890,17 @@ impl Core {
         }
         let ok = self.backing.ensure_backed_ahead(taken.iter().copied());
         let mut book = self.book.lock();
-        match ok {
+        let made = match ok {
             Ok(_) if book.trimmed => {
-                // A trim came while these were mapping: it holds until the next alloc, so they
-                // go back at once rather than sit warm under a limit being lowered.
+                // A trim came while these were mapping (it waits for this batch): it holds
+                // until the next alloc, so they go back rather than sit warm under a limit
+                // being lowered.
                 for &b in &taken {
                     self.backed(&mut book, b);
                 }
                 drop(book);
                 self.release(&taken);
+                book = self.book.lock();
                 0
             }
             Ok(_) => {
@@ -885,7 +920,24 @@ impl Core {
                 }
                 0
             }
+        };
+        book.ahead_busy = false;
+        self.landed.notify_all();
+        made
+    }
+
+    /// See [`PagedKv::trim`]. The wait for the look-ahead's batch is bounded by its map: the
+    /// look-ahead takes only memory admission gives at once (no reclaim, so no callback, such
+    /// as the one this trim may run in, is waited for).
+    pub(super) fn trim(&self) -> usize {
+        {
+            let mut book = self.book.lock();
+            book.trimmed = true;
+            while book.ahead_busy {
+                self.landed.wait(&mut book);
+            }
         }
+        self.release_warm(0)
     }
 
     fn available(&self) -> usize {
@@ -947,6 +999,8 @@ impl SleepWatcher for Core {
             });
         }
         book.asleep = true;
+        // An alloc waiting for blocks in transit is refused now.
+        self.landed.notify_all();
         Ok(())
     }
 

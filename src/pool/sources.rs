@@ -248,6 +248,9 @@ impl Inner {
                 KeepFailed::Apart => st.given_away.extend_from_slice(&kept),
             }
             self.in_flight.fetch_sub(bytes_of(&kept), Ordering::AcqRel);
+            // Chunks that were in flight are held again: physical may be at a new high (a
+            // growth's created chunks were never counted before).
+            st.note_peaks();
         }
         (released, first_err)
     }
@@ -276,6 +279,7 @@ impl Inner {
                     st.peer_held_apart.extend(held.iter().map(|c| c.raw));
                 }
                 st.peer_held.extend(held);
+                st.note_peaks();
             }
             (free, later)
         };

@@ -1548,3 +1548,158 @@ pub fn kv_move_after_between_host_caches_is_refused(backend: Arc<dyn Backend>) {
     assert_eq!(kb.stats().live, 0);
     ka.free(&ids).expect("free");
 }
+
+/// `alloc` counts free blocks that a release or the look-ahead holds out of the free lists
+/// while it unmaps or maps them (issue 33, defect 4): with nothing live, every block is
+/// allocatable. Two windows widened with slow driver calls: a `free` whose unmaps take 100 ms,
+/// and the look-ahead mapping a block in 60 ms. Today both answer `KvOutOfBlocks` (`live 0`,
+/// the blocks in neither list), and succeed once the release or the map finished.
+pub fn kv_alloc_counts_blocks_in_transit(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 64 * g);
+    // A release under way: every block freed, their pages unmapping slowly.
+    let kv = PagedKv::new(&p, config(g, 1, 1, 4)).expect("cache");
+    let ids = kv.alloc(4).expect("alloc");
+    slow.set_delay(DriverCall::Unmap, Duration::from_millis(100));
+    let unmaps = slow.calls(DriverCall::Unmap);
+    let mut failed = Vec::new();
+    std::thread::scope(|s| {
+        s.spawn(|| kv.free(&ids).expect("free"));
+        wait_until(
+            "the release started unmapping",
+            Duration::from_secs(5),
+            || slow.calls(DriverCall::Unmap) > unmaps,
+        );
+        let live = kv.stats().live;
+        match kv.alloc(4) {
+            Ok(got) => kv.free(&got).expect("free"),
+            Err(e) => failed.push(format!(
+                "alloc(4) with {live} blocks live of 4 while a release unmaps: {e:?}"
+            )),
+        }
+    });
+    slow.clear();
+    drop(kv);
+    // The look-ahead under way: 4 blocks live, 4 free, one of them mapping slowly.
+    let w = Watermarks {
+        low: 4,
+        high: 4,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(2),
+    };
+    let kv = PagedKv::new(&p, config(g, 1, 1, 8).watermarks(w)).expect("cache");
+    wait_until("the look-ahead at rest", Duration::from_secs(5), || {
+        kv.stats().warm == 4
+    });
+    slow.set_delay(DriverCall::Map, Duration::from_millis(60));
+    let maps = slow.calls(DriverCall::Map);
+    let ids = kv.alloc(4).expect("alloc of the warm blocks");
+    wait_until(
+        "the look-ahead started mapping",
+        Duration::from_secs(5),
+        || slow.calls(DriverCall::Map) > maps,
+    );
+    let live = kv.stats().live;
+    match kv.alloc(4) {
+        Ok(got) => kv.free(&got).expect("free"),
+        Err(e) => failed.push(format!(
+            "alloc(4) with {live} blocks live of 8 while the look-ahead maps: {e:?}"
+        )),
+    }
+    slow.clear();
+    kv.free(&ids).expect("free");
+    drop(kv);
+    books_hold(&backend, &p);
+    assert!(failed.is_empty(), "{}", failed.join("; "));
+}
+
+/// A trim holds against frees too (issue 33, defect 5): blocks freed after a reclaim's trim,
+/// with no alloc since, are given back rather than kept warm up to the high watermark. Today
+/// `free` ignores the trim: 8 blocks warm and their pages mapped after the trim.
+pub fn kv_trim_holds_against_frees(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 256 * g);
+    let w = Watermarks {
+        low: 2,
+        high: 8,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(2),
+    };
+    // One block per page: a warm block holds a page per tensor.
+    let kv = PagedKv::new(&p, config(g, 1, 1, 64).watermarks(w)).expect("cache");
+    // At rest first: an alloc during the first fill would leave the thread short of `high`.
+    wait_until("the look-ahead at rest", Duration::from_secs(5), || {
+        kv.stats().warm == 8
+    });
+    let ids = kv.alloc(8).expect("alloc");
+    wait_until("refilled to the high mark", Duration::from_secs(5), || {
+        kv.stats().warm == 8
+    });
+    kv.trim();
+    kv.free(&ids).expect("free");
+    let s = kv.stats();
+    assert!(
+        s.warm == 0 && s.mapped_bytes == 0,
+        "frees after a trim refilled the warm set: {} warm, {} bytes mapped",
+        s.warm,
+        s.mapped_bytes
+    );
+    let one = kv.alloc(1).expect("alloc");
+    wait_until("refilled after the alloc", Duration::from_secs(5), || {
+        kv.stats().warm >= 2
+    });
+    kv.free(&one).expect("free");
+}
+
+/// A limit lowered to the live footprint holds while the look-ahead refills (issue 33,
+/// defect 9): the model's reclaim callback trims, and the trim must not return while a
+/// look-ahead batch is charged and still mapping. Watermarks (32, 64) at rest, maps slowed to
+/// 25 ms, `alloc(40)` (the thread starts refilling), 30 ms later the limit goes to the live
+/// footprint. Today `ChangeNotReached`: one batch of the refill (a page per tensor) still in
+/// use after the trim.
+pub fn kv_limit_lowering_holds_against_a_refill_in_flight(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = slow.clone();
+    let shared = SharedPool::new(b, SharedPoolConfig::new()).expect("shared");
+    let slot: Arc<OnceLock<Arc<PagedKv>>> = Arc::new(OnceLock::new());
+    let cb = slot.clone();
+    let m = shared
+        .register(
+            ModelConfig::new("m", (512 * g) as usize, 256 * g).on_reclaim(move |_| {
+                if let Some(kv) = cb.get() {
+                    kv.trim();
+                }
+            }),
+        )
+        .expect("model");
+    let w = Watermarks {
+        low: 32,
+        high: 64,
+        idle_after: Duration::from_secs(60),
+        tick: Duration::from_millis(2),
+    };
+    // Four blocks per page, one layer: a batch of the look-ahead is a page in each tensor.
+    // Unbacked pages left unmapped: the trim's unmaps then make no (slowed) alias maps.
+    let c = config(g, 4, 1, 256).watermarks(w).zero_unbacked(false);
+    let kv = Arc::new(PagedKv::new(&m, c).expect("cache"));
+    if slot.set(kv.clone()).is_err() {
+        panic!("the slot is set once");
+    }
+    wait_until("the look-ahead at rest", Duration::from_secs(5), || {
+        kv.stats().warm == 64
+    });
+    slow.set_delay(DriverCall::Map, Duration::from_millis(25));
+    let ids = kv.alloc(40).expect("alloc");
+    std::thread::sleep(Duration::from_millis(30));
+    let floor = kv.stats().packed_floor_bytes;
+    let r = shared.set_limit("m", floor);
+    slow.clear();
+    assert!(
+        r.is_ok(),
+        "lowering the limit to the live footprint ({floor} bytes) while the look-ahead refills: {r:?}"
+    );
+    kv.free(&ids).expect("free");
+}
