@@ -40,3 +40,50 @@ fn small_granularity() {
         "granularity must be a power of two >= page size"
     );
 }
+
+/// Growth in one request costs the per-chunk minimum of driver calls: one create and one map
+/// per chunk of the largest size (plus one for a remainder) and a single access grant for the
+/// whole run; nothing unmapped or released on the way. Checked on a fresh pool and after the
+/// GPU bench's sequence (2 MiB steps, freed, trimmed), scaled down: 8 chunks as the bench's
+/// 8 GiB in 1 GiB chunks. Issue 34's 30x slower bulk growth was the driver's (the same
+/// calls at e60bd17 and on main); this keeps a per-page or per-granule path out of ours.
+#[test]
+fn one_large_request_makes_the_per_chunk_minimum_of_driver_calls() {
+    use elastic_vmm::backend::counting::Counting;
+    use elastic_vmm::{DriverCall, Pool, PoolConfig};
+
+    const MIB: usize = 1 << 20;
+    let counting = Arc::new(Counting::new(host()));
+    let backend: Arc<dyn Backend> = counting.clone();
+    let config = PoolConfig::new(4 << 30).max_chunk(64 * MIB);
+    let expect = |pool: &Pool, bytes: usize, chunks: u64, what: &str| {
+        let before = counting.counts();
+        let a = pool.allocate(bytes).expect("one large request");
+        let calls = counting.counts().since(&before);
+        for (call, n) in [
+            (DriverCall::Create, chunks),
+            (DriverCall::Map, chunks),
+            (DriverCall::SetAccess, 1),
+        ] {
+            assert_eq!(
+                calls.get(call),
+                n,
+                "{what}: {call} for {bytes} bytes: {calls}"
+            );
+        }
+        assert_eq!(calls.total(), 2 * chunks + 1, "{what}: {calls}");
+        drop(a);
+        pool.trim().expect("trim");
+    };
+
+    let pool = Pool::new(backend.clone(), config.clone()).expect("pool");
+    expect(&pool, 512 * MIB, 8, "fresh pool");
+    expect(&pool, 512 * MIB + 2 * MIB, 9, "fresh pool, a remainder");
+    // The bench's order: 2 MiB steps to the same size, freed, trimmed, then one request.
+    let steps: Vec<_> = (0..256)
+        .map(|_| pool.allocate(2 * MIB).expect("step"))
+        .collect();
+    drop(steps);
+    pool.trim().expect("trim");
+    expect(&pool, 512 * MIB, 8, "after steps and a trim");
+}

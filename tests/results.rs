@@ -10,6 +10,13 @@
 use std::fs;
 use std::path::Path;
 
+// The RESULT line format and the regression guard (`gpu-bench --check`), shared with the bench.
+#[allow(dead_code)]
+#[path = "../benches/gpu/check.rs"]
+mod check;
+
+use check::Line;
+
 const BEGIN: &str = "<!-- results: generated from docs/results/ by tests/results.rs -->";
 const END: &str = "<!-- end of results -->";
 
@@ -18,7 +25,7 @@ struct Run {
     file: String,
     gpu: String,
     command: String,
-    rows: Vec<Vec<String>>,
+    rows: Vec<Line>,
 }
 
 fn parse(file: &str, text: &str) -> Result<Run, String> {
@@ -30,23 +37,7 @@ fn parse(file: &str, text: &str) -> Result<Run, String> {
             .ok_or_else(|| format!("{file}: no '# {name}:' line"))
     };
     let (gpu, command) = (header("gpu")?, header("command")?);
-    let mut rows = Vec::new();
-    for line in text.lines().filter(|l| l.starts_with("RESULT|")) {
-        let cells: Vec<String> = line.split('|').skip(1).map(|c| c.trim().into()).collect();
-        if cells.len() != 6 {
-            return Err(format!("{file}: a RESULT line needs 6 cells: {line}"));
-        }
-        let ratio = cells[5]
-            .strip_suffix('x')
-            .and_then(|r| r.parse::<f64>().ok());
-        if !ratio.is_some_and(|r| r.is_finite() && r > 0.0) {
-            return Err(format!(
-                "{file}: ratio {:?} is not a number like 1.23x",
-                cells[5]
-            ));
-        }
-        rows.push(cells);
-    }
+    let rows = check::lines_of(text).map_err(|e| format!("{file}: {e}"))?;
     if rows.is_empty() {
         return Err(format!("{file}: no RESULT line"));
     }
@@ -63,10 +54,10 @@ fn table(runs: &[Run]) -> String {
     for run in runs {
         for c in &run.rows {
             let line = format!(
-                "| {} | {} | {} ({}) | **{}** | {} | `{}` ([log](docs/results/{})) |",
-                c[1], c[2], c[4], c[3], c[5], run.gpu, run.command, run.file
+                "| {} | {} | {} ({}) | **{:.2}x** | {} | `{}` ([log](docs/results/{})) |",
+                c.what, c.ours, c.peer_figure, c.peer, c.ratio, run.gpu, run.command, run.file
             );
-            rows.push((c[0].clone(), line));
+            rows.push((c.key.clone(), line));
         }
     }
     rows.sort();
@@ -137,4 +128,98 @@ fn a_result_line_without_a_number_is_refused() {
     )
     .unwrap();
     assert_eq!(ok.rows.len(), 1);
+}
+
+/// A saved pool log with two lines, as `docs/results/` holds them.
+const SAVED: &str = "# gpu: g\n# command: ./gpu-bench pool\n\
+RESULT|pool/hot-pair|hot pair|100 ns|async|700 ns|7.00x\n\
+RESULT|pool/growth|steps|1300 GiB/s|raw|57 GiB/s|20.00x\n";
+
+fn saved() -> Vec<(String, Line)> {
+    check::saved_bench_lines(SAVED)
+        .expect("parses")
+        .into_iter()
+        .map(|l| ("pool.log".to_string(), l))
+        .collect()
+}
+
+fn fresh(hot: &str, growth: Option<&str>) -> Vec<Line> {
+    let mut text = format!("RESULT|pool/hot-pair|hot pair|x|async|y|{hot}\n");
+    if let Some(g) = growth {
+        text.push_str(&format!("RESULT|pool/growth|steps|x|raw|y|{g}\n"));
+    }
+    check::lines_of(&text).expect("parses")
+}
+
+#[test]
+fn the_guard_fails_a_ratio_25_percent_worse_and_passes_10_percent() {
+    // 7.00x -> 5.25x is 25% worse: fails; 20.00x -> 18.00x is 10% worse: passes.
+    let r = check::compare(&saved(), &fresh("5.25x", Some("18.00x")), &["pool"]);
+    assert!(!r.passed(), "{}", r.text());
+    assert_eq!(r.failed, 1, "{}", r.text());
+    let text = r.text();
+    assert!(
+        text.contains("FAIL    pool/hot-pair: saved 7.00x") && text.contains("now 5.25x"),
+        "{text}"
+    );
+    assert!(
+        text.contains("ok      pool/growth: saved 20.00x") && text.contains("now 18.00x"),
+        "{text}"
+    );
+    // 10% worse and better both pass.
+    let r = check::compare(&saved(), &fresh("6.30x", Some("25.00x")), &["pool"]);
+    assert!(r.passed(), "{}", r.text());
+    // Exactly at the edge (20% worse) passes; just past it fails.
+    assert!(check::compare(&saved(), &fresh("5.60x", Some("20.00x")), &["pool"]).passed());
+    assert!(!check::compare(&saved(), &fresh("5.59x", Some("20.00x")), &["pool"]).passed());
+}
+
+#[test]
+fn the_guard_fails_a_missing_line_and_reports_a_new_one() {
+    let r = check::compare(&saved(), &fresh("7.00x", None), &["pool"]);
+    assert!(!r.passed());
+    assert!(
+        r.text().contains(
+            "FAIL    pool/growth: saved 20.00x (1300 GiB/s vs raw 57 GiB/s) [pool.log], missing"
+        ),
+        "{}",
+        r.text()
+    );
+    // A line with no saved figure is printed, not failed; saved lines of sections that did not
+    // run are not expected.
+    let mut lines = fresh("7.00x", Some("20.00x"));
+    lines.extend(check::lines_of("RESULT|pool/bulk|one request|1 ms|raw|0.5 ms|0.50x").unwrap());
+    let r = check::compare(&saved(), &lines, &["pool"]);
+    assert!(r.passed(), "{}", r.text());
+    assert!(
+        r.text().contains("new     pool/bulk: now 0.50x"),
+        "{}",
+        r.text()
+    );
+    assert!(check::compare(&saved(), &[], &["sleep"]).passed());
+}
+
+#[test]
+fn every_saved_bench_log_passes_against_itself() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/results");
+    let mut all = Vec::new();
+    for e in fs::read_dir(&root).expect("docs/results") {
+        let p = e.expect("entry").path();
+        if p.extension().is_some_and(|x| x == "log") {
+            let text = fs::read_to_string(&p).expect("readable");
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let lines = check::saved_bench_lines(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            all.extend(lines.into_iter().map(|l| (name.clone(), l)));
+        }
+    }
+    assert!(all.iter().any(|(_, l)| l.key == "pool/growth"), "{all:?}");
+    assert!(
+        !all.iter().any(|(_, l)| l.section() == "candle"),
+        "the routed_llama log is no gpu-bench run"
+    );
+    let fresh: Vec<Line> = all.iter().map(|(_, l)| l.clone()).collect();
+    let sections: Vec<&str> = fresh.iter().map(Line::section).collect();
+    let r = check::compare(&all, &fresh, &sections);
+    assert!(r.passed(), "{}", r.text());
+    assert_eq!(r.rows.len(), all.len());
 }

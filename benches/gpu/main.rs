@@ -3,10 +3,15 @@
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
 //! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `p2p`,
 //! `tiers`, `kv`, `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
+//!
+//! `--check` compares every `RESULT` line of the run with the saved one in `docs/results/`
+//! (or `$EVMM_RESULTS_DIR`) and fails on a ratio more than 20% worse or a missing line
+//! (`check.rs`); `--check-log=FILE` does the same for a log saved before, without running.
 
 mod broker;
 #[cfg(feature = "candle")]
 mod candle;
+mod check;
 mod kv;
 #[cfg(feature = "nixl")]
 mod nixl_peer;
@@ -17,6 +22,7 @@ mod sleep;
 mod tiers;
 
 use std::process::ExitCode;
+use std::sync::Mutex;
 
 pub type BoxError = Box<dyn std::error::Error>;
 
@@ -43,7 +49,44 @@ pub fn ratio_line(label: &str, peer: f64, ours: f64) {
 /// runs in `docs/results/` to generate (and check) the table. `ratio` is oriented so that above
 /// 1 means elastic-vmm is better.
 pub fn result(key: &str, what: &str, ours: String, peer: &str, peer_figure: String, ratio: f64) {
-    println!("RESULT|{key}|{what}|{ours}|{peer}|{peer_figure}|{ratio:.2}x");
+    let line = format!("RESULT|{key}|{what}|{ours}|{peer}|{peer_figure}|{ratio:.2}x");
+    println!("{line}");
+    RESULTS.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+}
+
+/// The `RESULT` lines printed so far, for `--check`.
+static RESULTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// The saved `RESULT` lines of `gpu-bench` runs, with their files.
+fn saved_lines() -> Result<Vec<(String, check::Line)>, BoxError> {
+    let dir = std::env::var("EVMM_RESULTS_DIR").unwrap_or_else(|_| "docs/results".into());
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .map_err(|e| format!("saved results {dir}: {e}"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for p in files {
+        let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let name = p
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        let lines = check::saved_bench_lines(&text).map_err(|e| format!("{name}: {e}"))?;
+        out.extend(lines.into_iter().map(|l| (name.clone(), l)));
+    }
+    Ok(out)
+}
+
+/// Compare `fresh` with the saved lines of `sections`; prints the report, returns whether it
+/// passed.
+fn check_against_saved(fresh: &str, sections: &[&str]) -> Result<bool, BoxError> {
+    let fresh = check::lines_of(fresh)?;
+    let report = check::compare(&saved_lines()?, &fresh, sections);
+    print!("{}", report.text());
+    Ok(report.passed())
 }
 
 pub fn human(bytes: u64) -> String {
@@ -77,11 +120,33 @@ fn main() -> ExitCode {
             }
         };
     }
-    let args: Vec<String> = std::env::args()
-        .skip(1)
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<String> = all
+        .iter()
         .filter(|a| !a.starts_with('-'))
+        .cloned()
         .collect();
     let want = |name: &str| args.is_empty() || args.iter().any(|a| a == name);
+    if let Some(log) = all.iter().find_map(|a| a.strip_prefix("--check-log=")) {
+        let text = match std::fs::read_to_string(log) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("--check-log: {log}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        // The sections named, or every section with a line in the log.
+        let mut sections: Vec<String> = args.clone();
+        if sections.is_empty() {
+            sections = check::lines_of(&text)
+                .unwrap_or_default()
+                .iter()
+                .map(|l| l.section().to_string())
+                .collect();
+        }
+        let sections: Vec<&str> = sections.iter().map(String::as_str).collect();
+        return verdict(check_against_saved(&text, &sections));
+    }
     #[cfg_attr(not(feature = "candle"), allow(unused_mut))]
     let mut sections: Vec<Section> = vec![
         ("pool", pool::run),
@@ -95,12 +160,20 @@ fn main() -> ExitCode {
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));
     let mut failed = false;
+    let mut ran = Vec::new();
     for (name, run) in sections {
         if !want(name) {
             continue;
         }
+        ran.push(name);
         if let Err(e) = run() {
             eprintln!("section {name} failed: {e}");
+            failed = true;
+        }
+    }
+    if all.iter().any(|a| a == "--check") {
+        let fresh = RESULTS.lock().unwrap_or_else(|p| p.into_inner()).join("\n");
+        if verdict(check_against_saved(&fresh, &ran)) == ExitCode::FAILURE {
             failed = true;
         }
     }
@@ -108,5 +181,17 @@ fn main() -> ExitCode {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+/// A check's outcome as an exit code (an error reading the saved runs fails it).
+fn verdict(passed: Result<bool, BoxError>) -> ExitCode {
+    match passed {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("check failed: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -1,0 +1,169 @@
+//! The regression guard (`gpu-bench --check`): every `RESULT` ratio of a fresh run against the
+//! one saved in `docs/results/`. A line fails when its ratio is more than [`TOLERANCE`] worse
+//! than the saved one, or when a saved line of a section that ran is missing; a line with no
+//! saved figure is reported as new. Both figures are printed for every line.
+//!
+//! Pure text in, text out: `tests/results.rs` includes this file to test it on the host.
+
+use std::fmt::Write as _;
+
+/// How much worse than the saved ratio a fresh one may be: 20%.
+pub const TOLERANCE: f64 = 0.20;
+
+/// One `RESULT|key|what|ours|peer|peer's figure|ratio` line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Line {
+    /// `section/name`, e.g. `pool/growth`.
+    pub key: String,
+    /// What was measured.
+    pub what: String,
+    /// Our figure, as printed.
+    pub ours: String,
+    /// What we were compared with.
+    pub peer: String,
+    /// Its figure, as printed.
+    pub peer_figure: String,
+    /// Above 1: elastic-vmm is better.
+    pub ratio: f64,
+}
+
+impl Line {
+    /// The section that prints it: the key up to its first `/`.
+    pub fn section(&self) -> &str {
+        self.key.split('/').next().unwrap_or_default()
+    }
+}
+
+/// Parse one `RESULT|...` line (`None` for any other line).
+pub fn parse_line(line: &str) -> Option<Result<Line, String>> {
+    let rest = line.strip_prefix("RESULT|")?;
+    let cells: Vec<&str> = rest.split('|').map(str::trim).collect();
+    if cells.len() != 6 {
+        return Some(Err(format!("a RESULT line needs 6 cells: {line}")));
+    }
+    let ratio = cells[5]
+        .strip_suffix('x')
+        .and_then(|r| r.parse::<f64>().ok())
+        .filter(|r| r.is_finite() && *r > 0.0);
+    let Some(ratio) = ratio else {
+        return Some(Err(format!(
+            "ratio {:?} is not a number like 1.23x: {line}",
+            cells[5]
+        )));
+    };
+    Some(Ok(Line {
+        key: cells[0].into(),
+        what: cells[1].into(),
+        ours: cells[2].into(),
+        peer: cells[3].into(),
+        peer_figure: cells[4].into(),
+        ratio,
+    }))
+}
+
+/// Every `RESULT` line of a log, in order.
+pub fn lines_of(text: &str) -> Result<Vec<Line>, String> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+/// The `RESULT` lines of a saved log in `docs/results/` that `gpu-bench` printed (its
+/// `# command:` header runs `gpu-bench`); other saved logs (examples) yield none.
+pub fn saved_bench_lines(text: &str) -> Result<Vec<Line>, String> {
+    let command = text
+        .lines()
+        .find_map(|l| l.strip_prefix("# command: "))
+        .ok_or("no '# command:' line")?;
+    let program = command.split_whitespace().next().unwrap_or_default();
+    if !program.ends_with("gpu-bench") {
+        return Ok(Vec::new());
+    }
+    lines_of(text)
+}
+
+/// The outcome of a check: one printed row per line, and whether all passed.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// One row per compared line: verdict, key, both figures.
+    pub rows: Vec<String>,
+    /// Rows that failed.
+    pub failed: usize,
+}
+
+impl Report {
+    /// Whether no line failed.
+    pub fn passed(&self) -> bool {
+        self.failed == 0
+    }
+
+    /// The rows and a summary, for printing.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        for r in &self.rows {
+            let _ = writeln!(out, "{r}");
+        }
+        let _ = writeln!(
+            out,
+            "check: {} of {} lines {} (a ratio may be at most {:.0}% worse than the saved one)",
+            if self.passed() {
+                self.rows.len()
+            } else {
+                self.failed
+            },
+            self.rows.len(),
+            if self.passed() { "passed" } else { "FAILED" },
+            TOLERANCE * 100.0
+        );
+        out
+    }
+}
+
+fn figures(l: &Line) -> String {
+    format!(
+        "{:.2}x ({} vs {} {})",
+        l.ratio, l.ours, l.peer, l.peer_figure
+    )
+}
+
+/// Compare the fresh lines of the sections that ran with the saved ones (`(file, line)`).
+/// Saved lines of sections that did not run are ignored.
+pub fn compare(saved: &[(String, Line)], fresh: &[Line], sections: &[&str]) -> Report {
+    let mut report = Report::default();
+    for (file, s) in saved
+        .iter()
+        .filter(|(_, s)| sections.contains(&s.section()))
+    {
+        let Some(f) = fresh.iter().find(|f| f.key == s.key) else {
+            report.failed += 1;
+            report.rows.push(format!(
+                "FAIL    {}: saved {} [{file}], missing from this run",
+                s.key,
+                figures(s)
+            ));
+            continue;
+        };
+        let change = f.ratio / s.ratio - 1.0;
+        // Exactly the tolerance passes (a hair below it in floating point too).
+        let worse = change < -TOLERANCE - 1e-9;
+        if worse {
+            report.failed += 1;
+        }
+        report.rows.push(format!(
+            "{} {}: saved {} [{file}], now {}: {:+.1}%",
+            if worse { "FAIL   " } else { "ok     " },
+            s.key,
+            figures(s),
+            figures(f),
+            change * 100.0
+        ));
+    }
+    for f in fresh {
+        if !saved.iter().any(|(_, s)| s.key == f.key) {
+            report.rows.push(format!(
+                "new     {}: now {}, no saved figure",
+                f.key,
+                figures(f)
+            ));
+        }
+    }
+    report
+}
