@@ -107,6 +107,111 @@ impl Inner {
         Ok(made)
     }
 
+    /// Unmap `[offset, offset + len)` of a zero-filled region (mapped, whole chunks) where the
+    /// backend replaces mappings in one step ([`crate::backend::Backend::maps_over`]): the
+    /// zero page goes in place of each chunk at once, so a reader of any byte of the range
+    /// finds the chunk or zeros, never a hole. A chunk whose replacement fails is unmapped
+    /// plainly (the caller aliases what is left unaliased). If that unmap fails too, every
+    /// chunk is mapped back (the range is as before) and the error returned. The chunks go
+    /// where `fate` says.
+    pub(crate) fn unmap_to_zero(
+        &self,
+        offset: u64,
+        len: u64,
+        fate: super::ChunkFate,
+    ) -> Result<()> {
+        let zero = self.zero_chunk()?;
+        let end = self.check_range(offset, len)?;
+        let victims = self.claim_unmap(offset, end, super::Space::Region)?;
+        let mut aliased: Vec<(u64, u64)> = Vec::new();
+        let mut failure = None;
+        for (i, &(o, c)) in victims.iter().enumerate() {
+            let size = c.size as u64;
+            // SAFETY: the chunk's range was claimed above (out of the books, in transit): the
+            // caller no longer uses it and only the zero page, read-only, goes there.
+            if unsafe { self.alias_over(o, size, zero) }.is_ok() {
+                aliased.push((o, o + size));
+                continue;
+            }
+            // SAFETY: as above; an unmap takes out the chunk and the aliases made over parts of it.
+            if let Some(e) = unsafe { self.unmap_placed(vec![(o, c)]) }.error {
+                failure = Some((i, e));
+                break;
+            }
+        }
+        let Some((failed_at, error)) = failure else {
+            let mut st = self.state.lock();
+            st.in_transit -= len;
+            st.unmapped_home(offset, end).insert(offset, end);
+            for &(s, e) in &aliased {
+                st.zero.insert(s, e);
+            }
+            drop(st);
+            self.put_away(victims.into_iter().map(|(_, c)| c).collect(), fate);
+            return Ok(());
+        };
+        // Put every chunk touched back where it was, in one step each (the rest never moved).
+        let mut restored: Vec<Placed> = victims[failed_at + 1..].to_vec();
+        let mut lost: Vec<Placed> = Vec::new();
+        let mut stuck: Vec<Placed> = Vec::new();
+        for &(o, c) in &victims[..=failed_at] {
+            // SAFETY: claimed; what is mapped there is the chunk itself, zero aliases or nothing.
+            let back = unsafe {
+                self.backend
+                    .map_over(self.base + o, c, crate::backend::AccessMode::ReadWrite)
+            };
+            self.drivers.bump(DriverCall::Map);
+            match back {
+                Ok(()) => restored.push((o, c)),
+                // SAFETY: as above; nothing uses the range.
+                Err(_) => match unsafe { self.unmap_placed(vec![(o, c)]) }.error {
+                    None => lost.push((o, c)),
+                    Some(_) => stuck.push((o, c)),
+                },
+            }
+        }
+        tracing::error!(pool = %self.name, offset, len, error = %error, restored = restored.len(), lost = lost.len(), stuck = stuck.len(), "unmapping to the zero page failed; the range was mapped back");
+        let mut st = self.state.lock();
+        st.in_transit -= len;
+        for &(o, c) in &restored {
+            st.chunks.insert(o, c);
+            st.ranges.insert(o, o + c.size as u64);
+            st.mapped += c.size as u64;
+        }
+        for &(o, c) in &lost {
+            let e = o + c.size as u64;
+            st.unmapped_home(o, e).insert(o, e);
+        }
+        st.put_stuck(&stuck);
+        let settled = restored.iter().chain(&stuck).map(|(_, c)| c);
+        self.in_flight.fetch_sub(
+            super::mapper::bytes_of(settled),
+            std::sync::atomic::Ordering::AcqRel,
+        );
+        drop(st);
+        self.put_away(lost.into_iter().map(|(_, c)| c).collect(), fate);
+        Err(error)
+    }
+
+    /// Put the zero page, read-only, in place of whatever is mapped at `[offset, offset +
+    /// len)`, granule by granule, each in one step.
+    ///
+    /// # Safety
+    /// The range is claimed by the caller and nothing uses what is mapped there.
+    unsafe fn alias_over(&self, offset: u64, len: u64, zero: PhysicalChunk) -> Result<()> {
+        let mut at = offset;
+        while at < offset + len {
+            self.drivers.bump(DriverCall::Map);
+            // SAFETY: forwarded; the zero chunk is only ever mapped read-only.
+            unsafe {
+                self.backend
+                    .map_over(self.base + at, zero, crate::backend::AccessMode::ReadOnly)
+            }?;
+            at += self.gran;
+        }
+        Ok(())
+    }
+
     /// Map `made` (one new granule) read-write at a free place, write zeros, unmap it. On
     /// failure, whether the chunk is still free to release (false: it stays mapped, stuck).
     fn clear_chunk(&self, made: PhysicalChunk) -> Result<(), (Error, bool)> {
@@ -395,7 +500,10 @@ mod tests {
             .expect("zeroed region");
         region.map(0, 4096).expect("map granule 0");
         assert_eq!(pool.stats().zero_alias_failed, 0);
+        // Call 1 puts the zero page in place of the chunk (host: in one step); when it fails
+        // the chunk is unmapped plainly and call 2 aliases the hole.
         faults.fail_nth(DriverCall::Map, 1);
+        faults.fail_nth(DriverCall::Map, 2);
         region
             .unmap(0, 4096)
             .expect("the memory goes back even if the alias fails");
