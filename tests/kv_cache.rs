@@ -50,16 +50,24 @@ fn a_padded_read_finds_no_hole_while_a_neighbour_maps_or_unmaps() {
     let g: u64 = 2 << 20;
     let delays = Arc::new(DelayInjector::new(host()));
     let backend: Arc<dyn Backend> = delays.clone();
-    let pool = Pool::new(backend, PoolConfig::new(64 * g as usize).growth_divisor(0)).expect("pool");
+    let pool =
+        Pool::new(backend, PoolConfig::new(64 * g as usize).growth_divisor(0)).expect("pool");
     // One layer (a K and a V tensor), two blocks of 256-byte tokens per page.
-    let kv = PagedKv::new(&pool, PagedKvConfig::new(1, 2, 64, (g / 2 / 256) as usize, 2, 8))
-        .expect("cache");
+    let kv = PagedKv::new(
+        &pool,
+        PagedKvConfig::new(1, 2, 64, (g / 2 / 256) as usize, 2, 8),
+    )
+    .expect("cache");
     let span = kv.block_span_bytes();
     let block1: Vec<u64> = (0..kv.tensors())
         .map(|t| kv.tensor_addr(t).expect("tensor") + span)
         .collect();
     for &a in &block1 {
-        assert_eq!(probe(a, 4096), Some(vec![0; 4096]), "block 1 reads zeros at rest");
+        assert_eq!(
+            probe(a, 4096),
+            Some(vec![0; 4096]),
+            "block 1 reads zeros at rest"
+        );
     }
     delays.set_delay(DriverCall::Map, Duration::from_millis(300));
     let stop = AtomicBool::new(false);
@@ -71,7 +79,9 @@ fn a_padded_read_finds_no_hole_while_a_neighbour_maps_or_unmaps() {
                     reads.fetch_add(1, Ordering::Relaxed);
                     match probe(a, 4096) {
                         None => holes.fetch_add(1, Ordering::Relaxed),
-                        Some(b) if b.iter().any(|&x| x != 0) => stale.fetch_add(1, Ordering::Relaxed),
+                        Some(b) if b.iter().any(|&x| x != 0) => {
+                            stale.fetch_add(1, Ordering::Relaxed)
+                        }
                         Some(_) => 0,
                     };
                 }

@@ -53,6 +53,7 @@ macro_rules! shared_suite {
             donors_race_askers_and_owners,
             global_limit_changes,
             global_limit_races_growth,
+            handed_over_memory_shows_nothing_of_its_last_owner,
         );
     };
 }
@@ -105,6 +106,7 @@ macro_rules! kv_suite {
             kv_trim_holds_until_the_next_alloc,
             kv_trim_holds_against_a_refill_under_way,
             kv_move_after_between_host_caches_is_refused,
+            kv_free_blocks_never_show_earlier_bytes,
         );
     };
 }
