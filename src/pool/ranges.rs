@@ -253,10 +253,21 @@ impl Inner {
                 "chunk sources returned {got} bytes for a range of {len} bytes at {offset:#x}"
             )));
         }
+        // A batch over zero-page aliases maps pages that serve blocks nobody allocated: every
+        // chunk of it is cleared. Otherwise only chunks whose bytes were someone else's are:
+        // handed over by another model, or new from a backend that promises no zeros.
         let serves_unallocated = !zeroed.is_empty();
+        let dirty: Vec<PhysicalChunk> = if serves_unallocated {
+            per_range.concat()
+        } else if self.backend.creates_zeroed() {
+            donated.clone()
+        } else {
+            donated.iter().chain(&created).copied().collect()
+        };
+        let to_fill = self.wipe_unmapped(dirty);
         // Where the backend can replace a mapping in one step, each chunk goes in place of the
         // aliases under it, so a reader of a neighbouring unallocated block never finds a hole.
-        let over = serves_unallocated && self.backend.maps_over();
+        let over = serves_unallocated && to_fill.is_empty() && self.backend.maps_over();
         if !over {
             // SAFETY: the zero-page aliases lie in ranges claimed above (in transit) and nothing
             // writes through them.
@@ -299,6 +310,11 @@ impl Inner {
             for &c in chunks {
                 done.push((at, c));
                 at += c.size as u64;
+            }
+        }
+        if failed.is_none() && !to_fill.is_empty() {
+            if let Err(e) = self.fill_placed(&done, &to_fill) {
+                failed = Some((e, Vec::new()));
             }
         }
         if let Some((error, mut stuck)) = failed {

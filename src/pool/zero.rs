@@ -74,6 +74,47 @@ pub(crate) struct ZeroFailure {
 }
 
 impl Inner {
+    /// Clear `chunks` (in flight, mapped nowhere) where the backend can without mapping them
+    /// ([`crate::backend::Backend::wipe_chunk`]); the ones it cannot clear come back, for
+    /// [`Inner::fill_placed`] once mapped.
+    pub(crate) fn wipe_unmapped(&self, chunks: Vec<PhysicalChunk>) -> Vec<PhysicalChunk> {
+        let mut left = Vec::new();
+        for c in chunks {
+            // SAFETY: in flight: ours, mapped nowhere, seen by nobody.
+            if let Err(e) = unsafe { self.backend.wipe_chunk(c) } {
+                let unsupported =
+                    matches!(&e, Error::Backend { code, .. } if code == "UNSUPPORTED");
+                if left.is_empty() && !unsupported {
+                    tracing::debug!(pool = %self.name, error = %e, "clearing a chunk before mapping failed; it is cleared once mapped");
+                }
+                left.push(c);
+            }
+        }
+        left
+    }
+
+    /// Write zeros over every chunk of `placed` (mapped with access, claimed, unseen) that is
+    /// in `dirty`, before the range is handed to anyone.
+    pub(crate) fn fill_placed(&self, placed: &[Placed], dirty: &[PhysicalChunk]) -> Result<()> {
+        let dirty: std::collections::HashSet<PhysicalChunk> = dirty.iter().copied().collect();
+        let mut runs = Intervals::default();
+        for &(o, c) in placed.iter().filter(|(_, c)| dirty.contains(c)) {
+            runs.insert(o, o + c.size as u64);
+        }
+        // One fill per contiguous run (on CUDA each is a driver call and a wait).
+        for (s, e) in runs.iter() {
+            // SAFETY: mapped read-write just before, claimed (in transit): nobody else uses it.
+            unsafe {
+                self.backend
+                    .copies()
+                    .fill(self.base + s, (e - s) as usize, 0)
+            }?;
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
     /// The pool's zero chunk, made (and filled with zeros) on first use.
     fn zero_chunk(&self) -> Result<PhysicalChunk> {
         if let Some(c) = self.state.lock().zero.chunk {
