@@ -9,8 +9,17 @@
 //! region, not charged to the pool's limit (one granule per pool), shown in
 //! [`crate::PoolStats::zero_page`] and released when the pool goes.
 //!
-//! Mapping a range over aliases ([`Inner::map_batch`]) unmaps them first, after its new chunks
-//! are in hand; unmapping a range of a zero-filled region aliases it again.
+//! Mapping a range over aliases ([`Inner::map_batch`]) puts its chunks in place of them in one
+//! step where the backend can ([`crate::backend::Backend::maps_over`], the host backend), and
+//! unmapping a range of a zero-filled region puts the zero page in place of its chunks
+//! ([`Inner::unmap_to_zero`]): a read of a neighbouring unallocated block never finds a hole.
+//! Elsewhere (CUDA) the aliases are unmapped first, after the new chunks are in hand, and put
+//! back after the unmap: a read racing them may fault.
+//!
+//! Clearing: chunks mapped over aliases serve bytes nobody allocated, and chunks from another
+//! owner (handed over, or new from a backend that promises no zeros) hold someone else's
+//! bytes: both are cleared before the range is handed out ([`Inner::wipe_unmapped`] before
+//! mapping where the backend can, [`Inner::fill_placed`] after mapping otherwise).
 
 use super::intervals::Intervals;
 use super::mapper::Placed;
