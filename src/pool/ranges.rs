@@ -32,8 +32,11 @@ pub(super) enum Zeroed<'a> {
     },
 }
 
+/// Address ranges, start to end.
+type Spans = Vec<(u64, u64)>;
+
 /// `parts` cut into what lies under the `placed` chunks and what does not.
-fn split_under(parts: &[(u64, u64)], placed: &[Placed]) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+fn split_under(parts: &[(u64, u64)], placed: &[Placed]) -> (Spans, Spans) {
     let mut under = super::intervals::Intervals::default();
     for &(o, c) in placed {
         under.insert(o, o + c.size as u64);

@@ -1135,5 +1135,6 @@ pub fn handed_over_memory_shows_nothing_of_its_last_owner(backend: Arc<dyn Backe
     assert_eq!(seen, 0, "{seen} bytes of b's allocations show a's data");
     assert_eq!(used(&s, "a"), 0, "everything a held went to b");
     s.audit().expect("audit");
-    drop((got, kv));
+    drop(got);
+    kv.free(&ids).expect("free");
 }
