@@ -492,6 +492,87 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    unsafe fn map_over(
+        &self,
+        addr: u64,
+        chunk: PhysicalChunk,
+        mode: super::AccessMode,
+    ) -> Result<()> {
+        let (fd, offset) = self.file_of(chunk)?;
+        let prot = match mode {
+            super::AccessMode::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
+            super::AccessMode::ReadOnly => libc::PROT_READ,
+        };
+        // SAFETY: the caller guarantees [addr, addr + size) lies in one of our reservations and
+        // holds only our own mappings nothing uses (or placeholders): MAP_FIXED replaces them
+        // in one step, under the kernel's address-space lock, so a concurrent reader faults in
+        // either the old pages or the new ones, never in a hole.
+        let ptr = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                chunk.size,
+                prot,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd,
+                offset as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            // A failed MAP_FIXED leaves the old mapping (the kernel unmaps only on success).
+            return Err(os_error(
+                "mmap(MAP_FIXED over)",
+                format!("{} bytes at {addr:#x}", chunk.size),
+            ));
+        }
+        let end = addr.saturating_add(chunk.size as u64);
+        {
+            let mut maps = self.maps.lock();
+            forget_maps(&mut maps, addr, end);
+            maps.insert(addr, end);
+        }
+        // SAFETY: the range is our own mapping, readable and writable.
+        if self.locked
+            && mode == super::AccessMode::ReadWrite
+            && unsafe { libc::mlock(addr as *const libc::c_void, chunk.size) } != 0
+        {
+            return Err(os_error(
+                "mlock",
+                format!("{} bytes at {addr:#x}", chunk.size),
+            ));
+        }
+        Ok(())
+    }
+
+    fn maps_over(&self) -> bool {
+        true
+    }
+
+    unsafe fn wipe_chunk(&self, chunk: PhysicalChunk) -> Result<()> {
+        let (fd, offset) = self.file_of(chunk)?;
+        // SAFETY: the caller guarantees the chunk is ours, live and mapped nowhere: its pages
+        // go back to the kernel and fresh ones (zeros) are committed in their place, so the
+        // file holds as many blocks as before.
+        let rc = unsafe {
+            let punched = punch_hole(fd, offset, chunk.size);
+            if punched != 0 {
+                punched
+            } else {
+                libc::fallocate(fd, 0, offset as libc::off_t, chunk.size as libc::off_t)
+            }
+        };
+        if rc != 0 {
+            return Err(os_error(
+                "fallocate(clear)",
+                format!("{} bytes at file offset {offset:#x}", chunk.size),
+            ));
+        }
+        Ok(())
+    }
+
+    fn creates_zeroed(&self) -> bool {
+        true
+    }
+
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<()> {
         // SAFETY: the caller guarantees the range is made of our mapped chunks.
         let rc = unsafe {

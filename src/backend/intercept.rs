@@ -320,6 +320,27 @@ impl<H: Hook> Backend for Intercept<H> {
         self.around(Call::Unmap { addr, size }, f, none)
     }
 
+    // A replacing map passes the hook as a map (it is one driver call that maps).
+    unsafe fn map_over(&self, addr: u64, chunk: PhysicalChunk, mode: AccessMode) -> Result<()> {
+        // SAFETY: forwarded contract.
+        let f = || unsafe { self.inner.map_over(addr, chunk, mode) };
+        self.around(Call::Map { addr, chunk }, f, none)
+    }
+
+    fn maps_over(&self) -> bool {
+        self.inner.maps_over()
+    }
+
+    // Clearing moves data, as copies do: straight up.
+    unsafe fn wipe_chunk(&self, chunk: PhysicalChunk) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.wipe_chunk(chunk) }
+    }
+
+    fn creates_zeroed(&self) -> bool {
+        self.inner.creates_zeroed()
+    }
+
     fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
         self.around(
             Call::Export { chunk },

@@ -465,6 +465,57 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// that memory any more.
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()>;
 
+    /// Map `chunk` at `addr` with `mode` access in one step, in place of whatever this backend
+    /// maps there (chunks, or read-only aliases of a pool's zero page) or of unmapped space: a
+    /// concurrent reader of any byte of the range sees the old mapping or the new one, never
+    /// a hole. What was mapped there is unmapped by the call. Backends that cannot replace a
+    /// mapping atomically (CUDA: `cuMemMap` needs unmapped space) keep this default, which
+    /// fails with code `UNSUPPORTED`; [`Backend::maps_over`] says which it is.
+    ///
+    /// # Safety
+    /// As for [`Backend::map`], except that the range may be mapped: every mapping of it is
+    /// whole chunks (or granules of a read-only alias) this backend mapped, which nothing uses
+    /// any more (an alias may be read meanwhile).
+    unsafe fn map_over(&self, addr: u64, chunk: PhysicalChunk, mode: AccessMode) -> Result<()> {
+        let _ = (addr, chunk, mode);
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "map_over",
+            "UNSUPPORTED",
+            "this backend cannot replace a mapping in one step",
+        ))
+    }
+
+    /// Whether [`Backend::map_over`] works here.
+    fn maps_over(&self) -> bool {
+        false
+    }
+
+    /// Set every byte of `chunk`, mapped nowhere, to zero without mapping it (host: its file
+    /// range is punched and committed again). Backends that can only clear mapped memory keep
+    /// this default, which fails with code `UNSUPPORTED`; the pool then clears the chunk once
+    /// it is mapped, before anyone sees it.
+    ///
+    /// # Safety
+    /// `chunk` is live, from this backend, and mapped nowhere (in no process).
+    unsafe fn wipe_chunk(&self, chunk: PhysicalChunk) -> Result<()> {
+        let _ = chunk;
+        Err(crate::error::Error::backend(
+            self.info().name,
+            "wipe_chunk",
+            "UNSUPPORTED",
+            "this backend clears only mapped memory",
+        ))
+    }
+
+    /// Whether every chunk [`Backend::create`] makes reads as zero (host: fresh file pages).
+    /// False where a new chunk may hold what an earlier user of its memory wrote (CUDA, whose
+    /// driver promises nothing; a broker's engine, whose chunks may be handed over from
+    /// another engine): the pool then clears what it creates before anyone sees it.
+    fn creates_zeroed(&self) -> bool {
+        false
+    }
+
     /// Free and total memory of the device.
     fn memory_info(&self) -> Result<MemoryInfo>;
 

@@ -38,8 +38,10 @@
 //! - A malformed or oversized message gets an error reply and closes that connection; a
 //!   connection thread that panics still gives back everything; the broker goes on.
 //!
-//! Memory handed over keeps what its last user wrote (as reused memory in one pool does):
-//! engines that do not trust each other need brokers of their own, or zeroing on allocation.
+//! Memory handed over is cleared by the engine that receives it before its pool maps it
+//! where anyone sees it (a broker's chunks are never taken as zero: `creates_zeroed` is
+//! false). A process that keeps a mapping of a chunk it gave back can still see later users'
+//! bytes: that is the security model's limit, below.
 
 mod accept;
 mod book;

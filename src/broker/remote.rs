@@ -734,6 +734,22 @@ impl Backend for ModelBackend {
         self.local.memory_info()
     }
 
+    unsafe fn map_over(&self, addr: u64, chunk: PhysicalChunk, mode: AccessMode) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.map_over(addr, chunk, mode) }
+    }
+
+    fn maps_over(&self) -> bool {
+        self.local.maps_over()
+    }
+
+    // Imported chunks clear like the engine's own; `creates_zeroed` stays false: a chunk the
+    // broker grants may be handed over from another engine with its bytes.
+    unsafe fn wipe_chunk(&self, chunk: PhysicalChunk) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.local.wipe_chunk(chunk) }
+    }
+
     fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
         self.local.export_chunk(chunk)
     }

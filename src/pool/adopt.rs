@@ -189,7 +189,11 @@ impl Region {
             }
         };
         let inner = self.pool().inner();
-        inner.unmap_range_as(abs, len, Space::Region, ChunkFate::Release)?;
+        if self.is_zeroed() && inner.backend.maps_over() {
+            inner.unmap_to_zero(abs, len, ChunkFate::Release)?;
+        } else {
+            inner.unmap_range_as(abs, len, Space::Region, ChunkFate::Release)?;
+        }
         if self.is_zeroed() {
             if let Err(e) = inner.zero_alias(abs, len) {
                 // The memory went; only the alias is missing (reads of it fault).

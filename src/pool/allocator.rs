@@ -238,8 +238,17 @@ impl Inner {
             max_chunk: self.max_chunk,
             room: plan.room_end - cs - chunks.bytes(),
         };
+        // Chunks whose bytes were someone else's (another model's, or an earlier user's of new
+        // memory where the backend promises no zeros) are cleared before the allocation is
+        // handed out.
+        let mut dirty: Vec<PhysicalChunk> = Vec::new();
+        let zeroed_creates = self.backend.creates_zeroed();
         match self.obtain(required, Urgency::Required, fit) {
             Ok(o) => {
+                dirty.extend(&o.donated);
+                if !zeroed_creates {
+                    dirty.extend(&o.created);
+                }
                 chunks.reusable.extend(o.donated);
                 chunks.created.extend(o.created);
             }
@@ -256,6 +265,10 @@ impl Inner {
             };
             match self.obtain(optional, Urgency::LookAhead, fit) {
                 Ok(o) => {
+                    dirty.extend(&o.donated);
+                    if !zeroed_creates {
+                        dirty.extend(&o.created);
+                    }
                     chunks.reusable.extend(o.donated);
                     chunks.created.extend(o.created);
                 }
@@ -291,8 +304,27 @@ impl Inner {
             .chain(&chunks.created)
             .copied()
             .collect();
+        let to_fill = self.wipe_unmapped(dirty);
         // SAFETY: `[cs, cs + total)` is claimed (in transit) and unmapped; the chunks are ours.
-        if let Err(f) = unsafe { self.map_run(cs, &order) } {
+        let mapped = unsafe { self.map_run(cs, &order) }.and_then(|()| {
+            let mut at = cs;
+            let placed: Vec<super::mapper::Placed> = order
+                .iter()
+                .map(|&c| {
+                    at += c.size as u64;
+                    (at - c.size as u64, c)
+                })
+                .collect();
+            self.fill_placed(&placed, &to_fill).map_err(|error| {
+                // SAFETY: mapped just above, seen by nobody.
+                let undone = unsafe { self.unmap_placed(placed) };
+                super::mapper::MapFailure {
+                    error,
+                    stuck: undone.kept,
+                }
+            })
+        });
+        if let Err(f) = mapped {
             let stuck: Vec<u64> = f.stuck.iter().map(|(o, _)| *o).collect();
             let keep = |c: &Vec<PhysicalChunk>| -> Vec<PhysicalChunk> {
                 let mut at = cs;

@@ -25,6 +25,38 @@ pub(crate) enum ChunkFate {
 pub(super) enum Zeroed<'a> {
     Remap(&'a [(u64, u64)]),
     Still(Vec<(u64, u64)>),
+    /// Some to map again (their chunks were mapped over them), some still mapped.
+    Split {
+        remap: Vec<(u64, u64)>,
+        still: Vec<(u64, u64)>,
+    },
+}
+
+/// Address ranges, start to end.
+type Spans = Vec<(u64, u64)>;
+
+/// `parts` cut into what lies under the `placed` chunks and what does not.
+fn split_under(parts: &[(u64, u64)], placed: &[Placed]) -> (Spans, Spans) {
+    let mut under = super::intervals::Intervals::default();
+    for &(o, c) in placed {
+        under.insert(o, o + c.size as u64);
+    }
+    let mut inside = Vec::new();
+    let mut outside = Vec::new();
+    for &(s, e) in parts {
+        let mut at = s;
+        for (us, ue) in under.iter().filter(|&(us, ue)| us < e && ue > s) {
+            if at < us {
+                outside.push((at, us));
+            }
+            inside.push((at.max(us), ue.min(e)));
+            at = ue.min(e);
+        }
+        if at < e {
+            outside.push((at, e));
+        }
+    }
+    (inside, outside)
 }
 
 /// Which address space a range-API call works in.
@@ -224,31 +256,87 @@ impl Inner {
                 "chunk sources returned {got} bytes for a range of {len} bytes at {offset:#x}"
             )));
         }
-        // SAFETY: the zero-page aliases lie in ranges claimed above (in transit) and nothing
-        // writes through them.
-        if let Err(f) = unsafe { self.unmap_zero(&zeroed) } {
-            self.undo_batch(&spans, reusable, created, &[], Zeroed::Still(f.still));
-            return Err(f.error);
+        // A batch over zero-page aliases maps pages that serve blocks nobody allocated: every
+        // chunk of it is cleared. Otherwise only chunks whose bytes were someone else's are:
+        // handed over by another model, or new from a backend that promises no zeros.
+        let serves_unallocated = !zeroed.is_empty();
+        let dirty: Vec<PhysicalChunk> = if serves_unallocated {
+            per_range.concat()
+        } else if self.backend.creates_zeroed() {
+            donated.clone()
+        } else {
+            donated.iter().chain(&created).copied().collect()
+        };
+        let to_fill = self.wipe_unmapped(dirty);
+        // Where the backend can replace a mapping in one step, each chunk goes in place of the
+        // aliases under it, so a reader of a neighbouring unallocated block never finds a hole.
+        let over = serves_unallocated && to_fill.is_empty() && self.backend.maps_over();
+        if !over {
+            // SAFETY: the zero-page aliases lie in ranges claimed above (in transit) and nothing
+            // writes through them.
+            if let Err(f) = unsafe { self.unmap_zero(&zeroed) } {
+                self.undo_batch(&spans, reusable, created, &[], Zeroed::Still(f.still));
+                return Err(f.error);
+            }
         }
         let mut done: Vec<Placed> = Vec::new();
-        for (&(offset, _), chunks) in spans.iter().zip(&per_range) {
+        let mut failed: Option<(Error, Vec<Placed>)> = None;
+        'ranges: for (&(offset, _), chunks) in spans.iter().zip(&per_range) {
+            if over {
+                let mut at = offset;
+                for &c in chunks {
+                    self.drivers.bump(crate::backend::DriverCall::Map);
+                    // SAFETY: the range is claimed (in transit) and holds only zero-page aliases
+                    // (read-only, never written) or nothing; the chunk is ours, mapped nowhere.
+                    let r = unsafe {
+                        self.backend.map_over(
+                            self.base + at,
+                            c,
+                            crate::backend::AccessMode::ReadWrite,
+                        )
+                    };
+                    if let Err(e) = r {
+                        failed = Some((e, Vec::new()));
+                        break 'ranges;
+                    }
+                    done.push((at, c));
+                    at += c.size as u64;
+                }
+                continue;
+            }
             // SAFETY: the range is claimed (in transit) and unmapped; the chunks are ours.
             if let Err(f) = unsafe { self.map_run(offset, chunks) } {
-                // SAFETY: ranges mapped just above that nobody has seen yet.
-                let undone = unsafe { self.unmap_placed(std::mem::take(&mut done)) };
-                let mut stuck = f.stuck;
-                stuck.extend(undone.kept);
-                let is_stuck = |c: &PhysicalChunk| stuck.iter().any(|(_, s)| s == c);
-                reusable.retain(|c| !is_stuck(c));
-                let created = created.into_iter().filter(|c| !is_stuck(c)).collect();
-                self.undo_batch(&spans, reusable, created, &stuck, Zeroed::Remap(&zeroed));
-                return Err(f.error);
+                failed = Some((f.error, f.stuck));
+                break;
             }
             let mut at = offset;
             for &c in chunks {
                 done.push((at, c));
                 at += c.size as u64;
             }
+        }
+        if failed.is_none() && !to_fill.is_empty() {
+            if let Err(e) = self.fill_placed(&done, &to_fill) {
+                failed = Some((e, Vec::new()));
+            }
+        }
+        if let Some((error, mut stuck)) = failed {
+            // Aliases under chunks mapped over them are gone once those are unmapped; the rest
+            // of the aliases of a replacing batch are still in place.
+            let zeroed = if over {
+                let (remap, still) = split_under(&zeroed, &done);
+                Zeroed::Split { remap, still }
+            } else {
+                Zeroed::Remap(&zeroed)
+            };
+            // SAFETY: ranges mapped just above that nobody has seen yet.
+            let undone = unsafe { self.unmap_placed(std::mem::take(&mut done)) };
+            stuck.extend(undone.kept);
+            let is_stuck = |c: &PhysicalChunk| stuck.iter().any(|(_, s)| s == c);
+            reusable.retain(|c| !is_stuck(c));
+            let created = created.into_iter().filter(|c| !is_stuck(c)).collect();
+            self.undo_batch(&spans, reusable, created, &stuck, zeroed);
+            return Err(error);
         }
         let mut st = self.state.lock();
         for &(o, c) in &done {
@@ -283,6 +371,11 @@ impl Inner {
             // chunks, which `map_zero_back` skips.
             Zeroed::Remap(parts) => unsafe { self.map_zero_back(parts, stuck) },
             Zeroed::Still(parts) => parts,
+            Zeroed::Split { remap, mut still } => {
+                // SAFETY: as for `Remap`, for the parts whose chunks were unmapped.
+                still.extend(unsafe { self.map_zero_back(&remap, stuck) });
+                still
+            }
         };
         let mut st = self.state.lock();
         let total: u64 = spans.iter().map(|(s, e)| e - s).sum();
@@ -328,63 +421,7 @@ impl Inner {
         fate: ChunkFate,
     ) -> Result<()> {
         let end = self.check_range(offset, len)?;
-        let victims: Vec<Placed> = {
-            let mut st = self.state.lock();
-            st.sleep.refuse_unless_awake(&self.name, "unmap")?;
-            if space == Space::Pool {
-                if let Some((s, e)) = st.regions.first_overlap(offset, end) {
-                    return Err(Error::RangeInUse {
-                        offset,
-                        len,
-                        busy_offset: s,
-                        busy_len: e - s,
-                    });
-                }
-            }
-            if let Some((s, e)) = st.ranges.first_gap(offset, end) {
-                return Err(Error::RangeNotMapped {
-                    offset,
-                    len,
-                    hole_offset: s,
-                    hole_len: e - s,
-                });
-            }
-            if let Some((s, e)) = st.pinned_in(offset, end) {
-                return Err(Error::RangeInUse {
-                    offset,
-                    len,
-                    busy_offset: s,
-                    busy_len: e - s,
-                });
-            }
-            // Chunks are unmapped whole: refuse a range that cuts one.
-            for at in [offset, end - 1] {
-                if let Some((&co, c)) = st.chunks.range(..=at).next_back() {
-                    let ce = co + c.size as u64;
-                    if at < ce && (co < offset || ce > end) {
-                        return Err(Error::SplitsChunk {
-                            offset,
-                            len,
-                            chunk_offset: co,
-                            chunk_len: c.size as u64,
-                        });
-                    }
-                }
-            }
-            let victims: Vec<Placed> = st
-                .chunks
-                .range(offset..end)
-                .map(|(&o, &c)| (o, c))
-                .collect();
-            for (o, _) in &victims {
-                st.chunks.remove(o);
-            }
-            st.ranges.remove(offset, end);
-            st.mapped -= len;
-            st.in_transit += len;
-            self.in_flight.fetch_add(len, Ordering::AcqRel);
-            victims
-        };
+        let victims = self.claim_unmap(offset, end, space)?;
         // Chunk by chunk, stopping at the first failure so that the range can be restored.
         let mut gone: Vec<Placed> = Vec::with_capacity(victims.len());
         let mut failure = None;
@@ -433,6 +470,68 @@ impl Inner {
         tracing::debug!(pool = %self.name, offset, len, chunks = victims.len(), "range unmapped");
         self.put_away(victims.into_iter().map(|(_, c)| c).collect(), fate);
         Ok(())
+    }
+
+    /// Take the chunks of `[offset, end)` of `space` (mapped through the range API, unpinned,
+    /// whole chunks) out of the books for an unmap: the range goes in transit, its bytes in
+    /// flight.
+    pub(super) fn claim_unmap(&self, offset: u64, end: u64, space: Space) -> Result<Vec<Placed>> {
+        let len = end - offset;
+        let mut st = self.state.lock();
+        st.sleep.refuse_unless_awake(&self.name, "unmap")?;
+        if space == Space::Pool {
+            if let Some((s, e)) = st.regions.first_overlap(offset, end) {
+                return Err(Error::RangeInUse {
+                    offset,
+                    len,
+                    busy_offset: s,
+                    busy_len: e - s,
+                });
+            }
+        }
+        if let Some((s, e)) = st.ranges.first_gap(offset, end) {
+            return Err(Error::RangeNotMapped {
+                offset,
+                len,
+                hole_offset: s,
+                hole_len: e - s,
+            });
+        }
+        if let Some((s, e)) = st.pinned_in(offset, end) {
+            return Err(Error::RangeInUse {
+                offset,
+                len,
+                busy_offset: s,
+                busy_len: e - s,
+            });
+        }
+        // Chunks are unmapped whole: refuse a range that cuts one.
+        for at in [offset, end - 1] {
+            if let Some((&co, c)) = st.chunks.range(..=at).next_back() {
+                let ce = co + c.size as u64;
+                if at < ce && (co < offset || ce > end) {
+                    return Err(Error::SplitsChunk {
+                        offset,
+                        len,
+                        chunk_offset: co,
+                        chunk_len: c.size as u64,
+                    });
+                }
+            }
+        }
+        let victims: Vec<Placed> = st
+            .chunks
+            .range(offset..end)
+            .map(|(&o, &c)| (o, c))
+            .collect();
+        for (o, _) in &victims {
+            st.chunks.remove(o);
+        }
+        st.ranges.remove(offset, end);
+        st.mapped -= len;
+        st.in_transit += len;
+        self.in_flight.fetch_add(len, Ordering::AcqRel);
+        Ok(victims)
     }
 
     /// Pin `[offset, offset + len)`, which must be mapped through the range API, against

@@ -200,7 +200,12 @@ impl Region {
     /// [`Region::write`] is copying any byte of it.
     pub fn unmap(&self, at: u64, len: u64) -> Result<()> {
         let abs = self.absolute(at, len)?;
-        self.pool.inner().unmap_range(abs, len, Space::Region)?;
+        let inner = self.pool.inner();
+        if self.zeroed && inner.backend.maps_over() {
+            inner.unmap_to_zero(abs, len, super::ChunkFate::Cache)?;
+        } else {
+            inner.unmap_range(abs, len, Space::Region)?;
+        }
         if self.zeroed {
             if let Err(e) = self.pool.inner().zero_alias(abs, len) {
                 // The memory went back; only the alias is missing (reads of it fault).

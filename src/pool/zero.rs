@@ -9,8 +9,17 @@
 //! region, not charged to the pool's limit (one granule per pool), shown in
 //! [`crate::PoolStats::zero_page`] and released when the pool goes.
 //!
-//! Mapping a range over aliases ([`Inner::map_batch`]) unmaps them first, after its new chunks
-//! are in hand; unmapping a range of a zero-filled region aliases it again.
+//! Mapping a range over aliases ([`Inner::map_batch`]) puts its chunks in place of them in one
+//! step where the backend can ([`crate::backend::Backend::maps_over`], the host backend), and
+//! unmapping a range of a zero-filled region puts the zero page in place of its chunks
+//! ([`Inner::unmap_to_zero`]): a read of a neighbouring unallocated block never finds a hole.
+//! Elsewhere (CUDA) the aliases are unmapped first, after the new chunks are in hand, and put
+//! back after the unmap: a read racing them may fault.
+//!
+//! Clearing: chunks mapped over aliases serve bytes nobody allocated, and chunks from another
+//! owner (handed over, or new from a backend that promises no zeros) hold someone else's
+//! bytes: both are cleared before the range is handed out ([`Inner::wipe_unmapped`] before
+//! mapping where the backend can, [`Inner::fill_placed`] after mapping otherwise).
 
 use super::intervals::Intervals;
 use super::mapper::Placed;
@@ -74,6 +83,47 @@ pub(crate) struct ZeroFailure {
 }
 
 impl Inner {
+    /// Clear `chunks` (in flight, mapped nowhere) where the backend can without mapping them
+    /// ([`crate::backend::Backend::wipe_chunk`]); the ones it cannot clear come back, for
+    /// [`Inner::fill_placed`] once mapped.
+    pub(crate) fn wipe_unmapped(&self, chunks: Vec<PhysicalChunk>) -> Vec<PhysicalChunk> {
+        let mut left = Vec::new();
+        for c in chunks {
+            // SAFETY: in flight: ours, mapped nowhere, seen by nobody.
+            if let Err(e) = unsafe { self.backend.wipe_chunk(c) } {
+                let unsupported =
+                    matches!(&e, Error::Backend { code, .. } if code == "UNSUPPORTED");
+                if left.is_empty() && !unsupported {
+                    tracing::debug!(pool = %self.name, error = %e, "clearing a chunk before mapping failed; it is cleared once mapped");
+                }
+                left.push(c);
+            }
+        }
+        left
+    }
+
+    /// Write zeros over every chunk of `placed` (mapped with access, claimed, unseen) that is
+    /// in `dirty`, before the range is handed to anyone.
+    pub(crate) fn fill_placed(&self, placed: &[Placed], dirty: &[PhysicalChunk]) -> Result<()> {
+        let dirty: std::collections::HashSet<PhysicalChunk> = dirty.iter().copied().collect();
+        let mut runs = Intervals::default();
+        for &(o, c) in placed.iter().filter(|(_, c)| dirty.contains(c)) {
+            runs.insert(o, o + c.size as u64);
+        }
+        // One fill per contiguous run (on CUDA each is a driver call and a wait).
+        for (s, e) in runs.iter() {
+            // SAFETY: mapped read-write just before, claimed (in transit): nobody else uses it.
+            unsafe {
+                self.backend
+                    .copies()
+                    .fill(self.base + s, (e - s) as usize, 0)
+            }?;
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
     /// The pool's zero chunk, made (and filled with zeros) on first use.
     fn zero_chunk(&self) -> Result<PhysicalChunk> {
         if let Some(c) = self.state.lock().zero.chunk {
@@ -105,6 +155,111 @@ impl Inner {
         st.zero.chunk = Some(made);
         tracing::debug!(pool = %self.name, bytes = self.gran, "zero page made");
         Ok(made)
+    }
+
+    /// Unmap `[offset, offset + len)` of a zero-filled region (mapped, whole chunks) where the
+    /// backend replaces mappings in one step ([`crate::backend::Backend::maps_over`]): the
+    /// zero page goes in place of each chunk at once, so a reader of any byte of the range
+    /// finds the chunk or zeros, never a hole. A chunk whose replacement fails is unmapped
+    /// plainly (the caller aliases what is left unaliased). If that unmap fails too, every
+    /// chunk is mapped back (the range is as before) and the error returned. The chunks go
+    /// where `fate` says.
+    pub(crate) fn unmap_to_zero(
+        &self,
+        offset: u64,
+        len: u64,
+        fate: super::ChunkFate,
+    ) -> Result<()> {
+        let zero = self.zero_chunk()?;
+        let end = self.check_range(offset, len)?;
+        let victims = self.claim_unmap(offset, end, super::Space::Region)?;
+        let mut aliased: Vec<(u64, u64)> = Vec::new();
+        let mut failure = None;
+        for (i, &(o, c)) in victims.iter().enumerate() {
+            let size = c.size as u64;
+            // SAFETY: the chunk's range was claimed above (out of the books, in transit): the
+            // caller no longer uses it and only the zero page, read-only, goes there.
+            if unsafe { self.alias_over(o, size, zero) }.is_ok() {
+                aliased.push((o, o + size));
+                continue;
+            }
+            // SAFETY: as above; an unmap takes out the chunk and the aliases made over parts of it.
+            if let Some(e) = unsafe { self.unmap_placed(vec![(o, c)]) }.error {
+                failure = Some((i, e));
+                break;
+            }
+        }
+        let Some((failed_at, error)) = failure else {
+            let mut st = self.state.lock();
+            st.in_transit -= len;
+            st.unmapped_home(offset, end).insert(offset, end);
+            for &(s, e) in &aliased {
+                st.zero.insert(s, e);
+            }
+            drop(st);
+            self.put_away(victims.into_iter().map(|(_, c)| c).collect(), fate);
+            return Ok(());
+        };
+        // Put every chunk touched back where it was, in one step each (the rest never moved).
+        let mut restored: Vec<Placed> = victims[failed_at + 1..].to_vec();
+        let mut lost: Vec<Placed> = Vec::new();
+        let mut stuck: Vec<Placed> = Vec::new();
+        for &(o, c) in &victims[..=failed_at] {
+            // SAFETY: claimed; what is mapped there is the chunk itself, zero aliases or nothing.
+            let back = unsafe {
+                self.backend
+                    .map_over(self.base + o, c, crate::backend::AccessMode::ReadWrite)
+            };
+            self.drivers.bump(DriverCall::Map);
+            match back {
+                Ok(()) => restored.push((o, c)),
+                // SAFETY: as above; nothing uses the range.
+                Err(_) => match unsafe { self.unmap_placed(vec![(o, c)]) }.error {
+                    None => lost.push((o, c)),
+                    Some(_) => stuck.push((o, c)),
+                },
+            }
+        }
+        tracing::error!(pool = %self.name, offset, len, error = %error, restored = restored.len(), lost = lost.len(), stuck = stuck.len(), "unmapping to the zero page failed; the range was mapped back");
+        let mut st = self.state.lock();
+        st.in_transit -= len;
+        for &(o, c) in &restored {
+            st.chunks.insert(o, c);
+            st.ranges.insert(o, o + c.size as u64);
+            st.mapped += c.size as u64;
+        }
+        for &(o, c) in &lost {
+            let e = o + c.size as u64;
+            st.unmapped_home(o, e).insert(o, e);
+        }
+        st.put_stuck(&stuck);
+        let settled = restored.iter().chain(&stuck).map(|(_, c)| c);
+        self.in_flight.fetch_sub(
+            super::mapper::bytes_of(settled),
+            std::sync::atomic::Ordering::AcqRel,
+        );
+        drop(st);
+        self.put_away(lost.into_iter().map(|(_, c)| c).collect(), fate);
+        Err(error)
+    }
+
+    /// Put the zero page, read-only, in place of whatever is mapped at `[offset, offset +
+    /// len)`, granule by granule, each in one step.
+    ///
+    /// # Safety
+    /// The range is claimed by the caller and nothing uses what is mapped there.
+    unsafe fn alias_over(&self, offset: u64, len: u64, zero: PhysicalChunk) -> Result<()> {
+        let mut at = offset;
+        while at < offset + len {
+            self.drivers.bump(DriverCall::Map);
+            // SAFETY: forwarded; the zero chunk is only ever mapped read-only.
+            unsafe {
+                self.backend
+                    .map_over(self.base + at, zero, crate::backend::AccessMode::ReadOnly)
+            }?;
+            at += self.gran;
+        }
+        Ok(())
     }
 
     /// Map `made` (one new granule) read-write at a free place, write zeros, unmap it. On
@@ -395,7 +550,10 @@ mod tests {
             .expect("zeroed region");
         region.map(0, 4096).expect("map granule 0");
         assert_eq!(pool.stats().zero_alias_failed, 0);
+        // Call 1 puts the zero page in place of the chunk (host: in one step); when it fails
+        // the chunk is unmapped plainly and call 2 aliases the hole.
         faults.fail_nth(DriverCall::Map, 1);
+        faults.fail_nth(DriverCall::Map, 2);
         region
             .unmap(0, 4096)
             .expect("the memory goes back even if the alias fails");

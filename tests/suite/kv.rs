@@ -1702,4 +1702,46 @@ pub fn kv_limit_lowering_holds_against_a_refill_in_flight(backend: Arc<dyn Backe
         "lowering the limit to the live footprint ({floor} bytes) while the look-ahead refills: {r:?}"
     );
     kv.free(&ids).expect("free");
+/// Bytes that are not zero in the first `len` bytes of every block of every tensor of `kv`
+/// that is not live (blocks nobody holds now; pages under none of them read the zero page).
+fn stale_bytes_in_free_blocks(backend: &Arc<dyn Backend>, kv: &PagedKv, len: usize) -> usize {
+    let mut stale = 0;
+    for id in (0..kv.config().max_blocks).filter(|&id| !kv.is_live(id)) {
+        for t in 0..kv.tensors() {
+            let at = kv.tensor_addr(t).expect("tensor") + id as u64 * kv.block_span_bytes();
+            stale += read(backend, at, len).iter().filter(|&&b| b != 0).count();
+        }
+    }
+    stale
+}
+
+/// Issue 33, defect 3: a page mapped for one block must not show what its chunk held before
+/// under the blocks nobody allocated. Blocks 0 and 1 (one page) are written with 0x5A and
+/// freed (the chunk goes to the pool's cache); one block allocated again maps that chunk.
+pub fn kv_free_blocks_never_show_earlier_bytes(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 64 * g);
+    let kv = PagedKv::new(&p, config(g, 2, 1, 8)).expect("cache");
+    for round in 0..3 {
+        let both = kv.alloc(2).expect("alloc 2");
+        for &id in &both {
+            for t in 0..kv.tensors() {
+                let at = kv.tensor_addr(t).expect("tensor") + id as u64 * kv.block_span_bytes();
+                write(&backend, at, &vec![0x5A; kv.block_span_bytes() as usize]);
+            }
+        }
+        kv.free(&both).expect("free");
+        assert!(
+            p.stats().cached > 0,
+            "round {round}: the chunks wait in the cache"
+        );
+        let one = kv.alloc(1).expect("alloc 1");
+        let stale = stale_bytes_in_free_blocks(&backend, &kv, 1024);
+        assert_eq!(
+            stale, 0,
+            "round {round}: {stale} bytes of blocks nobody holds show earlier data"
+        );
+        kv.free(&one).expect("free");
+    }
+    books_hold(&backend, &p);
 }

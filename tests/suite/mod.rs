@@ -54,6 +54,7 @@ macro_rules! shared_suite {
             donors_race_askers_and_owners,
             global_limit_changes,
             global_limit_races_growth,
+            handed_over_memory_shows_nothing_of_its_last_owner,
         );
     };
 }
@@ -109,6 +110,7 @@ macro_rules! kv_suite {
             kv_alloc_counts_blocks_in_transit,
             kv_trim_holds_against_frees,
             kv_limit_lowering_holds_against_a_refill_in_flight,
+            kv_free_blocks_never_show_earlier_bytes,
         );
     };
 }

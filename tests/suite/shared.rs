@@ -1081,3 +1081,60 @@ pub fn global_limit_races_growth(backend: Arc<dyn Backend>) {
     s.set_global_limit(32 * g).expect("raise at the end");
     s.audit().expect("audit at the end");
 }
+
+/// Issue 33, defect 3: memory handed over from one model to another never shows the first
+/// model's bytes, neither under an allocation nor under the blocks nobody allocated of a KV
+/// cache whose page it backs. Model a fills the whole budget with 0x5A and frees it (idle,
+/// still mapped); model b's KV cache, then b's allocations, take it over.
+pub fn handed_over_memory_shows_nothing_of_its_last_owner(backend: Arc<dyn Backend>) {
+    use elastic_vmm::kv::{PagedKv, PagedKvConfig};
+    let g = backend.info().granularity as u64;
+    let s = shared(&backend, 8 * g);
+    let a = s
+        .register(ModelConfig::new("a", (64 * g) as usize, 8 * g))
+        .expect("a");
+    let b = s
+        .register(ModelConfig::new("b", (64 * g) as usize, 8 * g))
+        .expect("b");
+    let mut held: Vec<Allocation> = (0..8)
+        .map(|_| a.allocate(g as usize).expect("a fills the budget"))
+        .collect();
+    for x in &mut held {
+        x.fill(0x5A).expect("fill");
+    }
+    drop(held);
+    // One layer, K and V, two blocks per page: one block allocated maps one page per tensor.
+    let kv = PagedKv::new(
+        &b,
+        PagedKvConfig::new(1, 2, 64, (g / 2 / 256) as usize, 2, 8),
+    )
+    .expect("b's cache");
+    let ids = kv.alloc(1).expect("b allocates a block");
+    assert!(used(&s, "a") < 8 * g, "a's memory went to b");
+    let mut stale = 0;
+    for id in (0..8).filter(|&id| !kv.is_live(id)) {
+        for t in 0..kv.tensors() {
+            let at = kv.tensor_addr(t).expect("tensor") + id as u64 * kv.block_span_bytes();
+            let mut out = vec![0xEEu8; 4096];
+            // SAFETY: a live cache's block: mapped or aliased to the zero page.
+            unsafe { backend.copies().read(at, &mut out) }.expect("read");
+            stale += out.iter().filter(|&&x| x != 0).count();
+        }
+    }
+    assert_eq!(stale, 0, "{stale} bytes of b's free blocks show a's data");
+    // b's cache holds two pages: six more take all that a held.
+    let got: Vec<Allocation> = (0..6)
+        .map(|_| b.allocate(g as usize).expect("b grows"))
+        .collect();
+    let mut seen = 0;
+    for x in &got {
+        let mut out = vec![0u8; g as usize];
+        x.read(0, &mut out).expect("read");
+        seen += out.iter().filter(|&&v| v == 0x5A).count();
+    }
+    assert_eq!(seen, 0, "{seen} bytes of b's allocations show a's data");
+    assert_eq!(used(&s, "a"), 0, "everything a held went to b");
+    s.audit().expect("audit");
+    drop(got);
+    kv.free(&ids).expect("free");
+}
