@@ -1270,11 +1270,19 @@ fn engines_grow_at_once_under_pressure(n: u64) {
     let answers: Vec<String> = engines.iter_mut().map(read).collect();
     let micros: Vec<u64> = answers
         .iter()
-        .map(|a| a.split_whitespace().nth(1).and_then(|w| w.parse().ok()).unwrap_or(u64::MAX))
+        .map(|a| {
+            a.split_whitespace()
+                .nth(1)
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(u64::MAX)
+        })
         .collect();
     eprintln!(
         "  {n} engines growing 24 MiB at once under pressure: grant latencies {:?} ms",
-        micros.iter().map(|&us| us as f64 / 1000.0).collect::<Vec<_>>()
+        micros
+            .iter()
+            .map(|&us| us as f64 / 1000.0)
+            .collect::<Vec<_>>()
     );
     for (i, a) in answers.iter().enumerate() {
         assert!(a.starts_with("ok "), "engine e{i}: {a} (all: {answers:?})");
@@ -1287,7 +1295,12 @@ fn engines_grow_at_once_under_pressure(n: u64) {
     let s = broker.control().snapshot().unwrap();
     check_books(&s);
     for m in &s.models {
-        assert!(m.used >= 24 * MIB, "model {} holds {} bytes", m.name, m.used);
+        assert!(
+            m.used >= 24 * MIB,
+            "model {} holds {} bytes",
+            m.name,
+            m.used
+        );
     }
     for e in engines {
         e.finish();
@@ -1597,7 +1610,11 @@ fn engine_grow_race() {
         client
             .register(
                 ModelConfig::new(common::var("EVMM_MODEL"), 1 << 30, num("EVMM_LIMIT"))
-                    .pool_config(PoolConfig::new(1 << 30).growth_divisor(0).max_chunk(2 << 20))
+                    .pool_config(
+                        PoolConfig::new(1 << 30)
+                            .growth_divisor(0)
+                            .max_chunk(2 << 20),
+                    )
                     .on_reclaim(move |_| held.lock().clear()),
             )
             .unwrap()
