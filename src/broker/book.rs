@@ -826,6 +826,34 @@ mod tests {
         assert_eq!(plan, vec![(mine, 300), (lo, 200), (hi, 100)]);
     }
 
+    /// Issue 33, defect 11: with no cap set, the operator's user may hold guarantees up to the
+    /// global limit, and a guarantee above it is refused by the policy with those numbers.
+    #[test]
+    fn guarantee_caps_default_to_the_global_limit() {
+        let mut b = Book::new(1000, policy());
+        b.register(1, 0, "g", 100, 32, 0).unwrap();
+        let e = b.register(1, 0, "max", u64::MAX, u64::MAX, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("guarantee 18446744073709551615 refused") && m.contains("hold guarantees of 32 bytes, 1000 allowed per user")),
+            "{e:?}"
+        );
+        let e = b.register(1, 0, "tib", 1 << 40, 1 << 40, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("1000 allowed per user")),
+            "{e:?}"
+        );
+        // The total defaults to the global limit too.
+        let e = b.register(2, 7, "other", 2000, 0, 0).map(|_| ());
+        assert_eq!(e, Ok(()));
+        b.policy.max_guarantee_per_user = Some(u64::MAX);
+        let e = b.register(1, 0, "tib", 1 << 40, 1 << 40, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("hold guarantees of 32 bytes, 1000 allowed in all")),
+            "{e:?}"
+        );
+        b.audit().unwrap();
+    }
+
     #[test]
     fn caps_per_user_and_guarantee_policy() {
         let mut b = Book::new(
