@@ -100,7 +100,7 @@ pub(crate) struct Policy {
     /// The broker's own user: it (and root) may hold guarantees by default; others may not.
     pub(crate) broker_uid: u32,
     pub(crate) max_models_per_user: usize,
-    /// `None`: only the budget bounds guarantees (the ledger refuses one that does not fit).
+    /// `None`: the global limit.
     pub(crate) max_guarantee_total: Option<u64>,
     pub(crate) max_guarantee_per_user: Option<u64>,
     /// The most bytes the models of one user other than the broker's and root may hold
@@ -109,11 +109,13 @@ pub(crate) struct Policy {
 }
 
 impl Policy {
-    /// The most bytes of guarantees the models of `uid` may hold together.
-    pub(crate) fn guarantee_cap(&self, uid: u32) -> u64 {
+    /// The most bytes of guarantees the models of `uid` may hold together, under a budget of
+    /// `global` bytes: the operator's cap, else the global limit for the broker's user and
+    /// root and nothing for other users.
+    pub(crate) fn guarantee_cap(&self, uid: u32, global: u64) -> u64 {
         match self.max_guarantee_per_user {
-            Some(cap) => cap,
-            None if uid == self.broker_uid || uid == 0 => u64::MAX,
+            Some(cap) => cap.min(global),
+            None if uid == self.broker_uid || uid == 0 => global,
             None => 0,
         }
     }
@@ -127,9 +129,10 @@ impl Policy {
         model: Option<u64>,
         guarantee: u64,
     ) -> Result<(), BookError> {
-        let Some(max) = self.max_guarantee_total else {
-            return Ok(());
-        };
+        let max = self
+            .max_guarantee_total
+            .unwrap_or(ledger.global_limit)
+            .min(ledger.global_limit);
         let others = ledger
             .models
             .iter()
@@ -265,13 +268,13 @@ impl Book {
             )));
         }
         if guarantee > 0 {
-            let cap = self.policy.guarantee_cap(uid);
+            let cap = self.policy.guarantee_cap(uid, self.ledger.global_limit);
             let held = self.guarantees(|m| m.uid == uid);
             if held.checked_add(guarantee).is_none_or(|g| g > cap) {
-                let why = if cap == 0 && self.policy.max_guarantee_per_user.is_none() {
-                    format!(" (users other than the broker's, uid {}, and root get none unless the operator allows them some)", self.policy.broker_uid)
-                } else {
-                    String::new()
+                let why = match self.policy.max_guarantee_per_user {
+                    None if cap == 0 => format!(" (users other than the broker's, uid {}, and root get none unless the operator allows them some)", self.policy.broker_uid),
+                    None => " (the global limit: no cap per user is set)".to_string(),
+                    Some(_) => String::new(),
                 };
                 return Err(BookError::Forbidden(format!(
                     "model {name:?}: guarantee {guarantee} refused: the models of user {uid} hold guarantees of {held} bytes, {cap} allowed per user{why}"
@@ -843,12 +846,11 @@ mod tests {
             "{e:?}"
         );
         // The total defaults to the global limit too.
-        let e = b.register(2, 7, "other", 2000, 0, 0).map(|_| ());
-        assert_eq!(e, Ok(()));
-        b.policy.max_guarantee_per_user = Some(u64::MAX);
-        let e = b.register(1, 0, "tib", 1 << 40, 1 << 40, 0).unwrap_err();
+        b.policy.max_guarantee_per_user = Some(600);
+        b.register(2, 7, "other", 2000, 600, 0).unwrap();
+        let e = b.register(1, 0, "more", 1000, 500, 0).unwrap_err();
         assert!(
-            matches!(&e, BookError::Forbidden(m) if m.contains("hold guarantees of 32 bytes, 1000 allowed in all")),
+            matches!(&e, BookError::Forbidden(m) if m.contains("hold guarantees of 632 bytes, 1000 allowed in all")),
             "{e:?}"
         );
         b.audit().unwrap();
