@@ -100,7 +100,8 @@ pub(crate) struct Policy {
     /// The broker's own user: it (and root) may hold guarantees by default; others may not.
     pub(crate) broker_uid: u32,
     pub(crate) max_models_per_user: usize,
-    /// `None`: the global limit.
+    /// `None`: the global limit (the ledger's rule: guarantees fit beside everything used or
+    /// promised).
     pub(crate) max_guarantee_total: Option<u64>,
     pub(crate) max_guarantee_per_user: Option<u64>,
     /// The most bytes the models of one user other than the broker's and root may hold
@@ -129,10 +130,11 @@ impl Policy {
         model: Option<u64>,
         guarantee: u64,
     ) -> Result<(), BookError> {
-        let max = self
-            .max_guarantee_total
-            .unwrap_or(ledger.global_limit)
-            .min(ledger.global_limit);
+        // Without a total of the operator's, the ledger's own rule is the total (guarantees
+        // fit beside everything used or promised), refused with the room left.
+        let Some(max) = self.max_guarantee_total else {
+            return Ok(());
+        };
         let others = ledger
             .models
             .iter()
@@ -270,7 +272,15 @@ impl Book {
         if guarantee > 0 {
             let cap = self.policy.guarantee_cap(uid, self.ledger.global_limit);
             let held = self.guarantees(|m| m.uid == uid);
-            if held.checked_add(guarantee).is_none_or(|g| g > cap) {
+            // Without an operator's cap, the broker's user and root are bounded by the global
+            // limit: a guarantee above it is the policy's refusal; what does not fit beside the
+            // others is the ledger's, with the room left (it holds the same bound).
+            let asked = if self.policy.max_guarantee_per_user.is_none() && cap > 0 {
+                Some(guarantee)
+            } else {
+                held.checked_add(guarantee)
+            };
+            if asked.is_none_or(|g| g > cap) {
                 let why = match self.policy.max_guarantee_per_user {
                     None if cap == 0 => format!(" (users other than the broker's, uid {}, and root get none unless the operator allows them some)", self.policy.broker_uid),
                     None => " (the global limit: no cap per user is set)".to_string(),
@@ -430,12 +440,14 @@ impl Book {
         cid: u64,
     ) -> Result<Option<PhysicalChunk>, BookError> {
         self.own_model(conn, model)?;
-        // Asked to give back and not answered yet: this may be what it gives for the asker.
+        // Asked to give back and not answered yet: this may be what it gives for the asker
+        // (of its oldest ticket: an engine serves its reclaim requests in order).
         let asker = self
             .tickets
-            .values()
-            .find(|t| t.model == model && t.freed.is_none())
-            .and_then(|t| t.asker);
+            .iter()
+            .filter(|(_, t)| t.model == model && t.freed.is_none())
+            .min_by_key(|(&id, _)| id)
+            .and_then(|(_, t)| t.asker);
         let Some(e) = self
             .chunks
             .get_mut(&cid)
@@ -845,12 +857,11 @@ mod tests {
             matches!(&e, BookError::Forbidden(m) if m.contains("1000 allowed per user")),
             "{e:?}"
         );
-        // The total defaults to the global limit too.
-        b.policy.max_guarantee_per_user = Some(600);
-        b.register(2, 7, "other", 2000, 600, 0).unwrap();
-        let e = b.register(1, 0, "more", 1000, 500, 0).unwrap_err();
+        // Within the global limit but not beside the others: the ledger says how much room
+        // is left.
+        let e = b.register(1, 0, "more", 1000, 990, 0).unwrap_err();
         assert!(
-            matches!(&e, BookError::Forbidden(m) if m.contains("hold guarantees of 632 bytes, 1000 allowed in all")),
+            matches!(&e, BookError::Invalid(m) if m.contains("guarantee 990 does not fit: 968 bytes of the global budget 1000")),
             "{e:?}"
         );
         b.audit().unwrap();
