@@ -176,8 +176,10 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
             if readable {
                 match w.hello.read_available(&w.stream, MAX_HELLO) {
                     Ok(Some(frame)) => {
+                        // A refused hello counts against its user, as every other refusal.
+                        let uid = w.peer.uid;
                         if !welcome(&shared, w, frame) {
-                            door.refused += 1;
+                            door.refused(uid, is_operator(&shared, uid), now);
                         }
                         continue;
                     }

@@ -38,6 +38,9 @@ pub(crate) enum Holder {
 pub(crate) struct ChunkEntry {
     pub(crate) chunk: PhysicalChunk,
     pub(crate) holder: Holder,
+    /// Idle, given back by a model while it was asked to give back for model `reserved`: it
+    /// serves that model's request first (see [`Book::kept_for_other`]).
+    pub(crate) reserved: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -83,6 +86,12 @@ pub(crate) struct Orphan {
 pub(crate) struct Ticket {
     pub(crate) conn: u64,
     pub(crate) model: u64,
+    /// The model whose request asked (`None`: the model's own limit was lowered). The ticket
+    /// stays in the book until that request ends, and what the model gives back before it
+    /// answered is kept for the asker meanwhile.
+    pub(crate) asker: Option<u64>,
+    /// The engine's answer: the bytes it says it gave back (`None` until it answered).
+    pub(crate) freed: Option<u64>,
 }
 
 /// The operator's caps per user (see [`super::BrokerConfig`]).
@@ -91,7 +100,8 @@ pub(crate) struct Policy {
     /// The broker's own user: it (and root) may hold guarantees by default; others may not.
     pub(crate) broker_uid: u32,
     pub(crate) max_models_per_user: usize,
-    /// `None`: only the budget bounds guarantees (the ledger refuses one that does not fit).
+    /// `None`: the global limit (the ledger's rule: guarantees fit beside everything used or
+    /// promised).
     pub(crate) max_guarantee_total: Option<u64>,
     pub(crate) max_guarantee_per_user: Option<u64>,
     /// The most bytes the models of one user other than the broker's and root may hold
@@ -100,11 +110,13 @@ pub(crate) struct Policy {
 }
 
 impl Policy {
-    /// The most bytes of guarantees the models of `uid` may hold together.
-    pub(crate) fn guarantee_cap(&self, uid: u32) -> u64 {
+    /// The most bytes of guarantees the models of `uid` may hold together, under a budget of
+    /// `global` bytes: the operator's cap, else the global limit for the broker's user and
+    /// root and nothing for other users.
+    pub(crate) fn guarantee_cap(&self, uid: u32, global: u64) -> u64 {
         match self.max_guarantee_per_user {
-            Some(cap) => cap,
-            None if uid == self.broker_uid || uid == 0 => u64::MAX,
+            Some(cap) => cap.min(global),
+            None if uid == self.broker_uid || uid == 0 => global,
             None => 0,
         }
     }
@@ -118,6 +130,8 @@ impl Policy {
         model: Option<u64>,
         guarantee: u64,
     ) -> Result<(), BookError> {
+        // Without a total of the operator's, the ledger's own rule is the total (guarantees
+        // fit beside everything used or promised), refused with the room left.
         let Some(max) = self.max_guarantee_total else {
             return Ok(());
         };
@@ -256,13 +270,21 @@ impl Book {
             )));
         }
         if guarantee > 0 {
-            let cap = self.policy.guarantee_cap(uid);
+            let cap = self.policy.guarantee_cap(uid, self.ledger.global_limit);
             let held = self.guarantees(|m| m.uid == uid);
-            if held.checked_add(guarantee).is_none_or(|g| g > cap) {
-                let why = if cap == 0 && self.policy.max_guarantee_per_user.is_none() {
-                    format!(" (users other than the broker's, uid {}, and root get none unless the operator allows them some)", self.policy.broker_uid)
-                } else {
-                    String::new()
+            // Without an operator's cap, the broker's user and root are bounded by the global
+            // limit: a guarantee above it is the policy's refusal; what does not fit beside the
+            // others is the ledger's, with the room left (it holds the same bound).
+            let asked = if self.policy.max_guarantee_per_user.is_none() && cap > 0 {
+                Some(guarantee)
+            } else {
+                held.checked_add(guarantee)
+            };
+            if asked.is_none_or(|g| g > cap) {
+                let why = match self.policy.max_guarantee_per_user {
+                    None if cap == 0 => format!(" (users other than the broker's, uid {}, and root get none unless the operator allows them some)", self.policy.broker_uid),
+                    None => " (the global limit: no cap per user is set)".to_string(),
+                    Some(_) => String::new(),
                 };
                 return Err(BookError::Forbidden(format!(
                     "model {name:?}: guarantee {guarantee} refused: the models of user {uid} hold guarantees of {held} bytes, {cap} allowed per user{why}"
@@ -327,7 +349,11 @@ impl Book {
     /// Hand an idle chunk of exactly `size` bytes to `model`, if there is one and the model's
     /// limit allows; the chunk is then held by the model.
     pub(crate) fn hand_over(&mut self, model: u64, size: u64) -> Option<(u64, PhysicalChunk)> {
-        let &cid = self.idle.get(&size)?.last()?;
+        let list = self.idle.get(&size)?;
+        let at = list
+            .iter()
+            .rposition(|&c| !self.kept_for_other(c, Some(model)))?;
+        let cid = list[at];
         // Both are invariants (idle chunks are in the table; the caller checked the model); if
         // one were broken the request is served by a new chunk instead of a broker panic.
         if !self.chunks.contains_key(&cid) || !self.models.contains_key(&model) {
@@ -342,7 +368,7 @@ impl Book {
             return None;
         }
         if let Some(list) = self.idle.get_mut(&size) {
-            list.pop();
+            list.remove(at);
             if list.is_empty() {
                 self.idle.remove(&size);
             }
@@ -350,6 +376,7 @@ impl Book {
         self.idle_bytes -= size;
         let e = self.chunks.get_mut(&cid)?;
         e.holder = Holder::Model(model);
+        e.reserved = None;
         let chunk = e.chunk;
         if let Some(m) = self.models.get_mut(&model) {
             m.chunks.insert(cid);
@@ -393,6 +420,7 @@ impl Book {
             ChunkEntry {
                 chunk,
                 holder: Holder::Model(model),
+                reserved: None,
             },
         );
         if let Some(m) = self.models.get_mut(&model) {
@@ -412,6 +440,14 @@ impl Book {
         cid: u64,
     ) -> Result<Option<PhysicalChunk>, BookError> {
         self.own_model(conn, model)?;
+        // Asked to give back and not answered yet: this may be what it gives for the asker
+        // (of its oldest ticket: an engine serves its reclaim requests in order).
+        let asker = self
+            .tickets
+            .iter()
+            .filter(|(_, t)| t.model == model && t.freed.is_none())
+            .min_by_key(|(&id, _)| id)
+            .and_then(|(_, t)| t.asker);
         let Some(e) = self
             .chunks
             .get_mut(&cid)
@@ -429,6 +465,7 @@ impl Book {
         self.counters.give_backs += 1;
         if self.ledger.try_charge(IDLE, size).is_ok() {
             e.holder = Holder::Idle;
+            e.reserved = asker;
             self.idle.entry(size).or_default().push(cid);
             self.idle_bytes += size;
             Ok(None)
@@ -438,33 +475,59 @@ impl Book {
         }
     }
 
-    /// Take idle chunks out (moving) until at least `bytes` are taken or none is left; their
-    /// charges stay on the idle line until [`Book::released`].
-    pub(crate) fn take_idle(&mut self, bytes: u64) -> Vec<(u64, PhysicalChunk)> {
+    /// Whether idle chunk `cid` is kept for another model than `model` (`None`: anyone): it
+    /// was given back for that model's request, which is still under way (its ticket is in the
+    /// book). Engines growing at once under pressure would otherwise take what was given back
+    /// for each other (the donor's own growth first of all) until their rounds ran out.
+    pub(crate) fn kept_for_other(&self, cid: u64, model: Option<u64>) -> bool {
+        let Some(asker) = self.chunks.get(&cid).and_then(|e| e.reserved) else {
+            return false;
+        };
+        model != Some(asker) && self.tickets.values().any(|t| t.asker == Some(asker))
+    }
+
+    /// Take idle chunks out (moving) until at least `bytes` are taken or none is left, largest
+    /// first, leaving those kept for other models than `asker` ([`Book::kept_for_other`];
+    /// `None`: none is left, as for the operator's trim); their charges stay on the idle line
+    /// until [`Book::released`].
+    pub(crate) fn take_idle(
+        &mut self,
+        bytes: u64,
+        asker: Option<u64>,
+    ) -> Vec<(u64, PhysicalChunk)> {
         let mut out = Vec::new();
         let mut got = 0u64;
-        while got < bytes {
-            // Largest first: fewest driver calls.
-            let Some(mut entry) = self.idle.last_entry() else {
+        let sizes: Vec<u64> = self.idle.keys().rev().copied().collect();
+        for size in sizes {
+            if got >= bytes {
                 break;
-            };
-            let popped = entry.get_mut().pop();
-            if entry.get().is_empty() {
-                entry.remove();
             }
-            let Some(cid) = popped else { continue };
-            let Some(e) = self.chunks.get_mut(&cid) else {
-                tracing::error!(
-                    chunk = cid,
-                    "broker book: idle chunk missing from the table"
-                );
+            let Some(mut list) = self.idle.remove(&size) else {
                 continue;
             };
-            e.holder = Holder::Moving;
-            let size = e.chunk.size as u64;
-            self.idle_bytes -= size;
-            got += size;
-            out.push((cid, e.chunk));
+            let mut kept = Vec::new();
+            while let Some(cid) = list.pop() {
+                if got >= bytes || (asker.is_some() && self.kept_for_other(cid, asker)) {
+                    kept.push(cid);
+                    continue;
+                }
+                let Some(e) = self.chunks.get_mut(&cid) else {
+                    tracing::error!(
+                        chunk = cid,
+                        "broker book: idle chunk missing from the table"
+                    );
+                    continue;
+                };
+                e.holder = Holder::Moving;
+                e.reserved = None;
+                self.idle_bytes -= size;
+                got += size;
+                out.push((cid, e.chunk));
+            }
+            if !kept.is_empty() {
+                kept.reverse();
+                self.idle.insert(size, kept);
+            }
         }
         out
     }
@@ -568,17 +631,31 @@ impl Book {
         out
     }
 
-    /// The lines a growth of connection `asking` may take from, for the budget engine: the
-    /// idle line (what it holds), and the models of other connections (what they could give
-    /// only their engines know). The asking connection's own models are left out: its requests
-    /// are served one at a time, so what they gave back would only arrive after the growth
-    /// waiting for it.
-    pub(crate) fn reachable(&self, asking: u64) -> Vec<(u64, u64)> {
-        std::iter::once((IDLE, self.idle_bytes))
+    /// The lines a growth of `asker` may take from, for the budget engine: the idle line (what
+    /// it holds, less what is kept for other requests), and every model whose connection is
+    /// open (what it could give only its engine knows; the asker itself is left out by the
+    /// engine). The asking connection's other models are reachable too: an engine's give-backs
+    /// and reclaim answers are served while its own growth waits (`server.rs`,
+    /// `answered_at_once`).
+    pub(crate) fn reachable(&self, asker: u64) -> Vec<(u64, u64)> {
+        let kept: u64 = if self.tickets.values().any(|t| t.asker.is_some()) {
+            self.idle
+                .iter()
+                .map(|(&size, list)| {
+                    size * list
+                        .iter()
+                        .filter(|&&c| self.kept_for_other(c, Some(asker)))
+                        .count() as u64
+                })
+                .sum()
+        } else {
+            0
+        };
+        std::iter::once((IDLE, self.idle_bytes.saturating_sub(kept)))
             .chain(
                 self.models
                     .iter()
-                    .filter(|(_, m)| m.conn != asking && !m.orphaned)
+                    .filter(|(_, m)| !m.orphaned)
                     .map(|(&k, _)| (k, u64::MAX)),
             )
             .collect()
@@ -746,20 +823,48 @@ mod tests {
     }
 
     #[test]
-    fn broker_donors_skip_the_asking_connection_and_guarantees() {
+    fn broker_donors_skip_the_asker_and_guarantees() {
         let mut b = Book::new(1000, policy());
         let lo = b.register(1, 0, "lo", 500, 100, -1).unwrap();
         let hi = b.register(2, 0, "hi", 500, 0, 5).unwrap();
         let mine = b.register(3, 0, "mine", 500, 0, -9).unwrap();
-        b.register(3, 0, "me", 500, 0, 0).unwrap();
+        let me = b.register(3, 0, "me", 500, 0, -20).unwrap();
         b.ledger.try_charge(lo, 300).unwrap();
         b.ledger.try_charge(hi, 300).unwrap();
         b.ledger.try_charge(mine, 300).unwrap();
-        let me = b.names["me"];
-        let donors = crate::budget::donors(&b.ledger, me, &b.reachable(3));
-        let plan = crate::budget::plan(&donors, 250);
+        b.ledger.try_charge(me, 50).unwrap();
+        // The asker's own connection's other model gives too: its engine's give-backs are
+        // served while the asker's growth waits.
+        let donors = crate::budget::donors(&b.ledger, me, &b.reachable(me));
+        let plan = crate::budget::plan(&donors, 600);
         let plan: Vec<(u64, u64)> = plan.iter().map(|a| (a.key, a.bytes)).collect();
-        assert_eq!(plan, vec![(lo, 200), (hi, 50)]);
+        assert_eq!(plan, vec![(mine, 300), (lo, 200), (hi, 100)]);
+    }
+
+    /// Issue 33, defect 11: with no cap set, the operator's user may hold guarantees up to the
+    /// global limit, and a guarantee above it is refused by the policy with those numbers.
+    #[test]
+    fn guarantee_caps_default_to_the_global_limit() {
+        let mut b = Book::new(1000, policy());
+        b.register(1, 0, "g", 100, 32, 0).unwrap();
+        let e = b.register(1, 0, "max", u64::MAX, u64::MAX, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("guarantee 18446744073709551615 refused") && m.contains("hold guarantees of 32 bytes, 1000 allowed per user")),
+            "{e:?}"
+        );
+        let e = b.register(1, 0, "tib", 1 << 40, 1 << 40, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("1000 allowed per user")),
+            "{e:?}"
+        );
+        // Within the global limit but not beside the others: the ledger says how much room
+        // is left.
+        let e = b.register(1, 0, "more", 1000, 990, 0).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Invalid(m) if m.contains("guarantee 990 does not fit: 968 bytes of the global budget 1000")),
+            "{e:?}"
+        );
+        b.audit().unwrap();
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The broker daemon: a Unix socket, one thread accepting every connection and reading every
-//! hello (`accept.rs`), then two threads per connection (its reader and its writer), the books
-//! under one lock.
+//! hello (`accept.rs`), then three threads per connection (its reader, which answers
+//! give-backs, reclaim answers and reports at once; its worker, which serves the other
+//! requests in order and where a growth waits for other engines; its writer), the books under
+//! one lock.
 //!
 //! Locks: the book ([`Book`], a `parking_lot` mutex) guards bookkeeping only. Driver calls
 //! (create, export, release), socket reads and queued writes all happen without it, on chunks
@@ -460,7 +462,7 @@ impl Broker {
                     .collect::<Vec<_>>()
             };
             s.release_all(orphaned, None);
-            let idle = s.book.lock().take_idle(u64::MAX);
+            let idle = s.book.lock().take_idle(u64::MAX, None);
             s.release_all(idle, Some(IDLE));
         }
         self.dir.remove_socket();
@@ -620,7 +622,81 @@ pub(super) fn serve(
     tracing::debug!(conn, pid = peer.pid, "connection closed");
 }
 
+/// Requests queued for a connection's worker (its lane of requests that may wait) before its
+/// reader stops reading: the backpressure a connection had when it was served by one thread.
+const LANE_DEPTH: usize = 64;
+
+/// Whether `request` is answered by the connection's reader at once, even while a request of
+/// the same connection waits (a growth waiting for other engines to give back): what the
+/// engine gives back (chunks, reclaim answers, reports) never waits behind its own growth, so
+/// engines growing at once under pressure can each serve the others' reclaims. These requests
+/// take the book's lock only for bookkeeping and never wait for anyone.
+fn answered_at_once(request: &Request) -> bool {
+    match request {
+        Request::GiveBack { .. }
+        | Request::GiveBackMany { .. }
+        | Request::ReclaimDone { .. }
+        | Request::Report { .. } => true,
+        Request::HostTier(inner) => matches!(
+            **inner,
+            Request::GiveBack { .. }
+                | Request::GiveBackMany { .. }
+                | Request::ReclaimDone { .. }
+                | Request::Report { .. }
+        ),
+        _ => false,
+    }
+}
+
+/// A connection's requests: its reader answers give-backs, reclaim answers and reports at once
+/// ([`answered_at_once`]); every other request goes, in order, to the connection's worker
+/// thread, where a growth may wait for other engines. A panic of the worker is resumed here
+/// (the connection's cleanup runs after it, see [`Shared::guarded`]).
 fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, role: Role, writer: &FrameWriter) {
+    let (lane, queued) = std::sync::mpsc::sync_channel::<ToBroker>(LANE_DEPTH);
+    let closing = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let worker = std::thread::Builder::new()
+            .name(format!("broker-conn-{conn}"))
+            .spawn_scoped(s, || {
+                for msg in queued {
+                    // The reader stopped (the peer went away or sent garbage): nobody waits
+                    // for these answers, and the cleanup takes everything back.
+                    if closing.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    if !answer(shared, conn, role, writer, msg) {
+                        return;
+                    }
+                }
+            });
+        let (lane, worker) = match worker {
+            Ok(w) => (Some(lane), Some(w)),
+            Err(e) => {
+                // No thread for it: this connection is served by its reader alone, as before.
+                tracing::warn!(conn, error = %e, "no worker thread for a connection; its requests are served in turn");
+                (None, None)
+            }
+        };
+        read_frames(shared, stream, conn, role, writer, lane.as_ref());
+        closing.store(true, Ordering::SeqCst);
+        drop(lane);
+        if let Some(Err(panic)) = worker.map(|w| w.join()) {
+            std::panic::resume_unwind(panic);
+        }
+    });
+}
+
+/// Read `conn`'s frames until it ends; requests that may wait go to `lane` (the worker), the
+/// others are answered here (all of them when there is no worker).
+fn read_frames(
+    shared: &Shared,
+    stream: &UnixStream,
+    conn: u64,
+    role: Role,
+    writer: &FrameWriter,
+    lane: Option<&std::sync::mpsc::SyncSender<ToBroker>>,
+) {
     loop {
         let frame = match ipc::recv_frame(stream, ipc::MAX_FRAME) {
             Ok(Some(f)) => f,
@@ -650,20 +726,33 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, role: Role, writer
                 return;
             }
         };
-        let started = Instant::now();
-        let is_grow = matches!(msg.request, Request::Grow { .. } | Request::GrowMany { .. });
-        let (reply, fd) = shared.handle(conn, role, msg.request);
-        if is_grow && matches!(reply, Reply::Granted { .. } | Reply::GrantedMany { .. }) {
-            shared.metrics.observe_grant(started.elapsed());
-            let mut book = shared.book.lock();
-            let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-            book.counters.grant_micros = book.counters.grant_micros.saturating_add(micros);
-        }
-        if let Err(e) = send(writer, msg.id, reply, fd) {
-            tracing::debug!(conn, error = %e, "reply not sent; closing");
+        let served = match lane {
+            Some(lane) if !answered_at_once(&msg.request) => lane.send(msg).is_ok(),
+            _ => answer(shared, conn, role, writer, msg),
+        };
+        if !served {
             return;
         }
     }
+}
+
+/// Serve one request of `conn` and send its reply; false when the reply could not be sent
+/// (the connection is done).
+fn answer(shared: &Shared, conn: u64, role: Role, writer: &FrameWriter, msg: ToBroker) -> bool {
+    let started = Instant::now();
+    let is_grow = matches!(msg.request, Request::Grow { .. } | Request::GrowMany { .. });
+    let (reply, fd) = shared.handle(conn, role, msg.request);
+    if is_grow && matches!(reply, Reply::Granted { .. } | Reply::GrantedMany { .. }) {
+        shared.metrics.observe_grant(started.elapsed());
+        let mut book = shared.book.lock();
+        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        book.counters.grant_micros = book.counters.grant_micros.saturating_add(micros);
+    }
+    if let Err(e) = send(writer, msg.id, reply, fd) {
+        tracing::debug!(conn, error = %e, "reply not sent; closing");
+        return false;
+    }
+    true
 }
 
 /// Watches the processes of orphaned connections: when one is gone, its models go with their
@@ -972,19 +1061,24 @@ impl Shared {
                     .tickets
                     .get(&ticket)
                     .copied()
-                    .filter(|t| t.conn == conn)
+                    .filter(|t| t.conn == conn && t.freed.is_none())
                 {
-                    // Answered, however badly: the growth waiting for it goes on.
-                    book.tickets.remove(&ticket);
+                    // Answered, however badly: the growth waiting for it goes on (and takes
+                    // the ticket out).
                     let so_far = book.ledger.models.get(&t.model).map_or(0, |b| b.reclaimed);
                     let global = book.ledger.global_limit;
-                    if freed > global || so_far.checked_add(freed).is_none() {
+                    let counted = if freed > global || so_far.checked_add(freed).is_none() {
                         reply = error_reply(
                             ErrorKind::InvalidArgument,
                             format!("reclaim {ticket}: {freed} bytes freed claimed, more than the global budget of {global}; not counted"),
                         );
+                        0
                     } else {
                         book.ledger.note_reclaimed(t.model, freed);
+                        freed
+                    };
+                    if let Some(t) = book.tickets.get_mut(&ticket) {
+                        t.freed = Some(counted);
                     }
                 }
                 drop(book);
@@ -1031,7 +1125,7 @@ impl Shared {
                 // trims the host tier's alone).
                 let mut released = 0u64;
                 for s in std::iter::once(self).chain(self.host.as_deref()) {
-                    let idle = s.book.lock().take_idle(u64::MAX);
+                    let idle = s.book.lock().take_idle(u64::MAX, None);
                     released += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
                     s.release_all(idle, Some(IDLE));
                 }
@@ -1050,7 +1144,7 @@ impl Shared {
                 Vec::new(),
             ),
             Request::SetGuarantee { model, guarantee } if control_only(role) => {
-                (self.set_guarantee(conn, &model, guarantee), Vec::new())
+                (self.set_guarantee(&model, guarantee), Vec::new())
             }
             Request::HostTier(inner) => match (&self.host, *inner) {
                 (None, _) => (
@@ -1099,7 +1193,6 @@ impl Shared {
         batch: Option<u32>,
         look_ahead: bool,
     ) -> (Reply, Vec<OwnedFd>) {
-        let count = batch.unwrap_or(1);
         let gran = self.desc.granularity;
         if size == 0
             || size % gran != 0
@@ -1114,15 +1207,31 @@ impl Shared {
                 Vec::new(),
             );
         }
+        // Other engines are asked for the whole batch, within one reclaim wait.
+        let mut asked = Asked::default();
+        let out = self.grow_batch(conn, model, size, batch, look_ahead, &mut asked);
+        self.end_asks(&asked);
+        out
+    }
+
+    /// [`Shared::grow`] of a checked request; `reclaim_asked`: the other engines it asked.
+    fn grow_batch(
+        &self,
+        conn: u64,
+        model: u64,
+        size: u64,
+        batch: Option<u32>,
+        look_ahead: bool,
+        reclaim_asked: &mut Asked,
+    ) -> (Reply, Vec<OwnedFd>) {
+        let count = batch.unwrap_or(1);
         let mut granted: Vec<(u64, PhysicalChunk, bool)> = Vec::with_capacity(count as usize);
         // Chunks charged to the model, to be created together once the whole batch is admitted.
         let mut charged = 0usize;
-        // Other engines are asked at most once for the whole batch.
-        let mut reclaim_asked = false;
         while granted.len() + charged < count as usize {
             let later = u64::from(count) - 1 - (granted.len() + charged) as u64;
             let rest = size.saturating_mul(later);
-            match self.grant_one(conn, model, size, rest, look_ahead, &mut reclaim_asked) {
+            match self.grant_one(conn, model, size, rest, look_ahead, reclaim_asked) {
                 Ok(Some((cid, chunk))) => granted.push((cid, chunk, true)),
                 Ok(None) => charged += 1,
                 Err(reply) => {
@@ -1263,7 +1372,7 @@ impl Shared {
         size: u64,
         rest: u64,
         look_ahead: bool,
-        reclaim_asked: &mut bool,
+        reclaim_asked: &mut Asked,
     ) -> std::result::Result<Option<(u64, PhysicalChunk)>, Reply> {
         {
             let mut book = self.book.lock();
@@ -1282,7 +1391,7 @@ impl Shared {
         }
         let mut remote = Remote {
             shared: self,
-            conn,
+            asker: model,
             size,
             rest,
             asked: reclaim_asked,
@@ -1296,6 +1405,7 @@ impl Shared {
             Ok(_) => Ok(None),
             Err((why, _)) => {
                 let mut book = self.book.lock();
+                tracing::debug!(model, size, idle = book.idle_bytes, ?why, "growth refused");
                 book.counters.refusals += 1;
                 match (why, book.check_user_bytes(model, size)) {
                     (LedgerRefusal::Policy, Err(e)) => Err(book_error(e)),
@@ -1315,7 +1425,14 @@ impl Shared {
                 bytes,
                 deadline_ms: self.config.reclaim_wait.as_millis() as u64,
             });
-            tracing::debug!(ticket, model, bytes, "asking an engine to give memory back");
+            let asker = self.book.lock().tickets.get(&ticket).and_then(|t| t.asker);
+            tracing::debug!(
+                ticket,
+                model,
+                bytes,
+                ?asker,
+                "asking an engine to give memory back"
+            );
             let sent = ipc::encode(&push).and_then(|payload| {
                 writer.send(Outgoing {
                     payload,
@@ -1329,17 +1446,39 @@ impl Shared {
         }
     }
 
-    /// Wait until none of `tickets` is outstanding, or `deadline`.
-    fn wait_tickets(&self, tickets: &[u64], deadline: Instant) {
+    /// Wait until every one of `tickets` is answered (or gone with its connection), or
+    /// `deadline`. Returns the bytes each engine said it gave back (0 without an answer). The
+    /// tickets stay in the book until their request ends ([`Shared::end_asks`]).
+    fn wait_tickets(&self, tickets: &[u64], deadline: Instant) -> Vec<u64> {
         let mut book = self.book.lock();
-        while tickets.iter().any(|t| book.tickets.contains_key(t)) {
+        let pending = |book: &Book| {
+            tickets
+                .iter()
+                .any(|t| book.tickets.get(t).is_some_and(|t| t.freed.is_none()))
+        };
+        while pending(&book) {
             if self.changed.wait_until(&mut book, deadline).timed_out() {
                 break;
             }
         }
-        for t in tickets {
+        tickets
+            .iter()
+            .map(|t| book.tickets.get(t).and_then(|t| t.freed).unwrap_or(0))
+            .collect()
+    }
+
+    /// A request that asked other engines to give back ended: its tickets go, and what was
+    /// given back for it is anyone's now.
+    fn end_asks(&self, asked: &Asked) {
+        if asked.tickets.is_empty() {
+            return;
+        }
+        let mut book = self.book.lock();
+        for t in &asked.tickets {
             book.tickets.remove(t);
         }
+        drop(book);
+        self.changed.notify_all();
     }
 
     /// Change a model's limit ([`crate::budget::change`]'s rules, the shared pool's too).
@@ -1393,7 +1532,7 @@ impl Shared {
     /// at once; raising needs room in the budget, made once by the budget engine's donors (the
     /// idle list, then other engines asked to give back), within the policy's total; else
     /// nothing changes and the error says how much room there is.
-    fn set_guarantee(&self, conn: u64, name: &str, guarantee: u64) -> Reply {
+    fn set_guarantee(&self, name: &str, guarantee: u64) -> Reply {
         let Some(key) = self.book.lock().names.get(name).copied() else {
             return error_reply(
                 ErrorKind::Unknown,
@@ -1401,10 +1540,10 @@ impl Shared {
             );
         };
         let policy = self.book.lock().policy.clone();
-        let mut asked = false;
+        let mut asked = Asked::default();
         let mut remote = Remote {
             shared: self,
-            conn,
+            asker: key,
             size: 0,
             rest: 0,
             asked: &mut asked,
@@ -1413,6 +1552,7 @@ impl Shared {
         let outcome = change::set_guarantee(&mut remote, key, guarantee, |l| {
             policy.check_guarantee_total(l, name, Some(key), guarantee)
         });
+        self.end_asks(&asked);
         match outcome {
             Ok(Ok((used, reclaimed))) => {
                 let limit = self.book.lock().ledger.models.get(&key).map_or(0, |b| b.limit);
@@ -1458,7 +1598,15 @@ impl Lowering for OwnEngine<'_> {
                 return (GivenBack::default(), Ok(()));
             };
             let t = book.next_id();
-            book.tickets.insert(t, Ticket { conn, model: key });
+            book.tickets.insert(
+                t,
+                Ticket {
+                    conn,
+                    model: key,
+                    asker: None,
+                    freed: None,
+                },
+            );
             book.counters.reclaim_requests += 1;
             (t, conn)
         };
@@ -1476,19 +1624,38 @@ impl Lowering for OwnEngine<'_> {
     }
 }
 
-/// The broker's transport for the budget engine, for one request of connection `conn`: the idle
-/// list is handed over (a chunk of the size asked) or released, other engines are asked to give
-/// back (at most once per request, waiting up to the reclaim wait).
+/// The broker's transport for the budget engine, for one request: the idle list is handed
+/// over (a chunk of the size asked) or released, other engines are asked to give back (again
+/// only after an ask that gave something back, all within one reclaim wait).
 struct Remote<'a> {
     shared: &'a Shared,
-    conn: u64,
+    /// The model asking.
+    asker: u64,
     /// The size of the chunk asked for (0: not a growth), and the bytes of the batch after it.
     size: u64,
     rest: u64,
-    /// Whether other engines were asked already for this request.
-    asked: &'a mut bool,
+    /// Other engines asked for this request so far.
+    asked: &'a mut Asked,
     /// The idle chunk handed over.
     handed: Option<(u64, PhysicalChunk)>,
+}
+
+/// Other engines asked to give back for one request (a growth's whole batch, a guarantee
+/// raised). A request asks again after an ask that gave something back (what is given back
+/// for it is kept for it, but a later chunk of its batch may need more); a model that gave
+/// nothing is not asked again, the next donors in order are asked instead; it waits no longer
+/// in all than the reclaim wait from its first ask.
+#[derive(Debug, Default)]
+pub(super) struct Asked {
+    /// The end of this request's reclaim wait, from its first ask.
+    deadline: Option<Instant>,
+    /// Its tickets, in the book until the request ends: what the engines asked give back
+    /// meanwhile is kept for it.
+    tickets: Vec<u64>,
+    /// No engine is asked again for this request.
+    spent: bool,
+    /// Models that gave nothing when asked (or did not answer in time): not asked again.
+    dry: std::collections::BTreeSet<u64>,
 }
 
 impl Donors for Remote<'_> {
@@ -1504,8 +1671,11 @@ impl Donors for Remote<'_> {
         book.ledger.try_charge(asker, bytes)
     }
 
-    fn reachable(&mut self, _asker: u64) -> Vec<(u64, u64)> {
-        self.shared.book.lock().reachable(self.conn)
+    /// Every line but the models that gave nothing when asked for this request.
+    fn reachable(&mut self, asker: u64) -> Vec<(u64, u64)> {
+        let mut reach = self.shared.book.lock().reachable(asker);
+        reach.retain(|(k, _)| !self.asked.dry.contains(k));
+        reach
     }
 
     fn rest(&self) -> u64 {
@@ -1526,26 +1696,72 @@ impl Donors for Remote<'_> {
 
     fn reclaim(&mut self, asks: &[Ask]) -> u64 {
         let mut got = 0u64;
-        let mut pushes = Vec::new();
+        let mut engines = Vec::new();
         for a in asks {
             if a.key == IDLE {
                 // Only what this chunk lacks: the rest of a batch may still be handed idle
                 // chunks over.
                 let want = a.bytes.saturating_sub(self.rest).max(1);
-                let idle = self.shared.book.lock().take_idle(want);
+                let idle = self.shared.book.lock().take_idle(want, Some(self.asker));
                 got += idle.iter().map(|(_, c)| c.size as u64).sum::<u64>();
                 self.shared.release_all(idle, Some(IDLE));
-            } else if !*self.asked {
-                pushes.push(*a);
+            } else if !self.asked.spent {
+                engines.push(*a);
             }
         }
-        if pushes.is_empty() {
+        if engines.is_empty() {
             return got;
         }
-        *self.asked = true;
+        let want = engines
+            .iter()
+            .fold(0u64, |sum, a| sum.saturating_add(a.bytes));
+        let deadline = *self
+            .asked
+            .deadline
+            .get_or_insert_with(|| Instant::now() + self.shared.config.reclaim_wait);
+        loop {
+            if Instant::now() >= deadline {
+                self.asked.spent = true;
+                return got;
+            }
+            let freed = self.ask_engines(&engines, deadline);
+            if freed > 0 {
+                return got.saturating_add(freed);
+            }
+            // Those gave nothing (their memory in use, or given for another request already):
+            // the next donors in the engine's order are asked, within the same wait.
+            let reach = self.reachable(self.asker);
+            // Idle memory this request may take came back meanwhile (given back for a request
+            // that ended, or by no request): the engine's next round takes it.
+            let idle = reach
+                .iter()
+                .find(|(k, _)| *k == IDLE)
+                .map_or(0, |&(_, b)| b);
+            if idle > 0 {
+                return got.saturating_add(idle);
+            }
+            let donors = self.with_ledger(|l| budget::donors(l, self.asker, &reach));
+            engines = budget::plan(&donors, want)
+                .into_iter()
+                .filter(|a| a.key != IDLE)
+                .collect();
+            if engines.is_empty() {
+                self.asked.spent = true;
+                return got;
+            }
+        }
+    }
+}
+
+impl Remote<'_> {
+    /// Ask the engines of `asks` to give back, and wait for their answers until `deadline`.
+    /// Only what the engines say they gave back counts (it is on the idle list or released by
+    /// then: an engine answers after its give-backs were answered); a model that gave nothing,
+    /// or did not answer in time, is not asked again for this request.
+    fn ask_engines(&mut self, asks: &[Ask], deadline: Instant) -> u64 {
         let pushes: Vec<(u64, u64, u64, u64)> = {
             let mut book = self.shared.book.lock();
-            let pushes: Vec<_> = pushes
+            let pushes: Vec<_> = asks
                 .iter()
                 .filter_map(|a| {
                     let vconn = book.models.get(&a.key)?.conn;
@@ -1555,6 +1771,8 @@ impl Donors for Remote<'_> {
                         Ticket {
                             conn: vconn,
                             model: a.key,
+                            asker: Some(self.asker),
+                            freed: None,
                         },
                     );
                     Some((ticket, a.key, vconn, a.bytes))
@@ -1564,12 +1782,23 @@ impl Donors for Remote<'_> {
             pushes
         };
         let tickets: Vec<u64> = pushes.iter().map(|p| p.0).collect();
+        self.asked.tickets.extend(&tickets);
         self.shared.push_reclaims(&pushes);
-        self.shared
-            .wait_tickets(&tickets, Instant::now() + self.shared.config.reclaim_wait);
-        // What came back is on the idle list (or released) by now; the engine's next round
-        // sees it.
-        got + pushes.iter().map(|p| p.3).sum::<u64>()
+        let answers = self.shared.wait_tickets(&tickets, deadline);
+        let mut freed = 0u64;
+        for (p, got) in pushes.iter().zip(answers) {
+            if got == 0 {
+                self.asked.dry.insert(p.1);
+            }
+            freed = freed.saturating_add(got);
+        }
+        // Asked models that went away meanwhile gave nothing either.
+        for a in asks {
+            if !pushes.iter().any(|p| p.1 == a.key) {
+                self.asked.dry.insert(a.key);
+            }
+        }
+        freed
     }
 }
 
@@ -1819,7 +2048,12 @@ mod tests {
             // The next round hands 10 over: trim to the two idle chunks it starts from.
             let s = rig.broker.snapshot();
             assert_eq!(s.idle, 10 * CHUNK as u64);
-            let idle = rig.broker.shared.book.lock().take_idle(8 * CHUNK as u64);
+            let idle = rig
+                .broker
+                .shared
+                .book
+                .lock()
+                .take_idle(8 * CHUNK as u64, None);
             rig.broker.shared.release_all(idle, Some(IDLE));
             assert_eq!(rig.broker.snapshot().idle, 2 * CHUNK as u64);
         }

@@ -22,8 +22,9 @@
 //!   is the first donor; a transport may also reuse it before asking for a charge at all, as a
 //!   pool reuses its own cache.
 //! - **Never from the asker, never below a guarantee.** The asker is never its own donor (a
-//!   transport may leave out more lines it cannot reach while the asker waits: the other models
-//!   of the asking broker connection, whose engine answers one request at a time). A donor
+//!   transport may leave out more lines it cannot reach while the asker waits; the broker
+//!   reaches every open connection's models, the asker's own other models included, since an
+//!   engine's give-backs are served while its own growth waits). A donor
 //!   gives at most `used - guarantee`; retired lines (unregistered or orphaned models) give
 //!   nothing (their memory leaves with them).
 //! - **What a guarantee protects.** A model's unused guarantee (`guarantee - used`, when
@@ -39,8 +40,10 @@
 //!   everyone's reach). Look-ahead (optional) requests use the free budget only.
 //! - **Bounded.** A request makes at most [`MAX_ROUNDS`] attempts to charge, and stops earlier
 //!   when a round moved nothing. A reclaim waits at most its deadline (for a remote donor,
-//!   `BrokerConfig::reclaim_wait`; each engine is asked at most once per request): when it
-//!   times out the request goes on with what came back and is refused if that is not enough;
+//!   `BrokerConfig::reclaim_wait`, from the request's first ask; engines are asked again only
+//!   after an ask that gave something back, which engines growing at once may have taken
+//!   first): when it times out the request goes on with what came back (only what the engines
+//!   said they gave back counts) and is refused if that is not enough;
 //!   memory given back late goes to the idle list and serves the next request.
 //! - **Bookkeeping.** Everything moved is booked in the same critical section as the move's
 //!   charge: a hand-over moves the charge (global use unchanged), a reclaim credits the donor

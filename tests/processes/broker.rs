@@ -70,6 +70,14 @@ pub const TESTS: &[(&str, fn())] = &[
         "broker::top_shows_engines_in_a_terminal",
         top_shows_engines_in_a_terminal,
     ),
+    (
+        "broker::two_engines_grow_at_once_under_pressure",
+        two_engines_grow_at_once_under_pressure,
+    ),
+    (
+        "broker::four_engines_grow_at_once_under_pressure",
+        four_engines_grow_at_once_under_pressure,
+    ),
 ];
 
 pub fn role(name: &str) -> Option<fn()> {
@@ -80,6 +88,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "engine-grow-forever" => Some(engine_grow_forever),
         "engine-size-at-start" => Some(engine_size_at_start),
         "engine-cut-off" => Some(engine_cut_off),
+        "engine-grow-race" => Some(engine_grow_race),
         _ => None,
     }
 }
@@ -1226,6 +1235,88 @@ fn top_shows_engines_in_a_terminal() {
     b.finish();
 }
 
+/// The slowest grant a growth under pressure may take here (2 shared cores in CI): the target
+/// on the GPU is 50 ms; a growth that waits for the reclaim wait (1000 ms here) fails it.
+const PRESSURED_GRANT_BOUND: Duration = Duration::from_millis(400);
+
+/// `n` engines each hold 28 MiB of a budget of `n * 32` MiB with reclaim callbacks that free
+/// all of it, then all grow 24 MiB at the same moment: every growth fits once the others gave
+/// back, so each is granted, quickly (each engine's give-back is served while its own growth
+/// waits at the broker). Prints the grant latencies.
+fn engines_grow_at_once_under_pressure(n: u64) {
+    let broker = BrokerProc::start("grow-race", n * 32 * MIB, &[]);
+    let mut engines: Vec<Script> = (0..n)
+        .map(|i| {
+            let mut vars = engine_vars(&broker.socket, &format!("e{i}"), 64 * MIB, 0, 0);
+            vars.push(("EVMM_HOLD_MIB", "28".into()));
+            vars.push(("EVMM_GROW_MIB", "24".into()));
+            Script::new(common::spawn_piped("engine-grow-race", &vars))
+        })
+        .collect();
+    let read = |e: &mut Script| {
+        let mut line = String::new();
+        e.stdout.read_line(&mut line).unwrap();
+        line.trim().to_string()
+    };
+    for e in &mut engines {
+        assert_eq!(read(e), "ready");
+    }
+    let before = broker.control().snapshot().unwrap();
+    assert_eq!(before.global_used, n * 28 * MIB, "each engine holds 28 MiB");
+    for e in &mut engines {
+        writeln!(e.stdin, "grow").unwrap();
+        e.stdin.flush().unwrap();
+    }
+    let answers: Vec<String> = engines.iter_mut().map(read).collect();
+    let micros: Vec<u64> = answers
+        .iter()
+        .map(|a| {
+            a.split_whitespace()
+                .nth(1)
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(u64::MAX)
+        })
+        .collect();
+    eprintln!(
+        "  {n} engines growing 24 MiB at once under pressure: grant latencies {:?} ms",
+        micros
+            .iter()
+            .map(|&us| us as f64 / 1000.0)
+            .collect::<Vec<_>>()
+    );
+    for (i, a) in answers.iter().enumerate() {
+        assert!(a.starts_with("ok "), "engine e{i}: {a} (all: {answers:?})");
+        assert!(
+            Duration::from_micros(micros[i]) < PRESSURED_GRANT_BOUND,
+            "engine e{i} was granted after {} us, not within {PRESSURED_GRANT_BOUND:?} (all: {answers:?})",
+            micros[i]
+        );
+    }
+    let s = broker.control().snapshot().unwrap();
+    check_books(&s);
+    for m in &s.models {
+        assert!(
+            m.used >= 24 * MIB,
+            "model {} holds {} bytes",
+            m.name,
+            m.used
+        );
+    }
+    for e in engines {
+        e.finish();
+    }
+}
+
+/// Issue 33, defect 1: two engines under pressure growing at once.
+fn two_engines_grow_at_once_under_pressure() {
+    engines_grow_at_once_under_pressure(2);
+}
+
+/// The same with four engines.
+fn four_engines_grow_at_once_under_pressure() {
+    engines_grow_at_once_under_pressure(4);
+}
+
 // ---------------------------------------------------------------- child roles
 
 /// A CUDA backend on device 0, made once per process.
@@ -1506,6 +1597,48 @@ fn engine_cut_off() {
     std::io::stdout().flush().unwrap();
     for _ in std::io::stdin().lock().lines() {}
     drop(held);
+}
+
+/// Holds `EVMM_HOLD_MIB` in 2 MiB allocations (its reclaim callback frees all of them), says
+/// "ready", and on "grow" allocates `EVMM_GROW_MIB` at once: answers "ok <micros>" or
+/// "refused <micros> <why>", then keeps what it holds until stdin closes.
+fn engine_grow_race() {
+    let held: Arc<parking_lot::Mutex<Vec<elastic_vmm::Allocation>>> = Arc::default();
+    let client = BrokerClient::connect(common::var("EVMM_SOCKET"), "grow-race").unwrap();
+    let model = {
+        let held = held.clone();
+        client
+            .register(
+                ModelConfig::new(common::var("EVMM_MODEL"), 1 << 30, num("EVMM_LIMIT"))
+                    .pool_config(
+                        PoolConfig::new(1 << 30)
+                            .growth_divisor(0)
+                            .max_chunk(2 << 20),
+                    )
+                    .on_reclaim(move |_| held.lock().clear()),
+            )
+            .unwrap()
+    };
+    for _ in 0..num("EVMM_HOLD_MIB") / 2 {
+        let a = model.allocate(2 << 20).unwrap();
+        held.lock().push(a);
+    }
+    let mut lines = std::io::stdin().lock().lines();
+    let mut out = std::io::stdout();
+    writeln!(out, "ready").unwrap();
+    out.flush().unwrap();
+    assert_eq!(lines.next().unwrap().unwrap(), "grow");
+    let start = Instant::now();
+    let grown = model.allocate((num("EVMM_GROW_MIB") * MIB) as usize);
+    let us = start.elapsed().as_micros();
+    match &grown {
+        Ok(_) => writeln!(out, "ok {us}").unwrap(),
+        Err(e) => writeln!(out, "refused {us} {e}").unwrap(),
+    }
+    out.flush().unwrap();
+    for _ in lines {}
+    drop(grown);
+    held.lock().clear();
 }
 
 /// Grows 4 MiB at a time, writing each allocation, until killed.

@@ -54,6 +54,10 @@ pub const TESTS: &[(&str, fn())] = &[
         "security::a_group_user_cannot_take_and_strand_the_whole_budget",
         a_group_user_cannot_take_and_strand_the_whole_budget,
     ),
+    (
+        "security::a_user_sending_bad_hellos_in_a_loop_is_muted",
+        a_user_sending_bad_hellos_in_a_loop_is_muted,
+    ),
 ];
 
 /// A group user at its connection cap reconnects in a tight loop (each connection refused):
@@ -120,6 +124,49 @@ fn a_reconnecting_user_cannot_stall_the_operators_hello() {
     );
 }
 
+/// Issue 33, defect 12: a group user sending refused hellos (a control hello, for the operator
+/// only) in a loop from four threads is muted like any other refused user: after 512
+/// refusals within 1 s its new connections are closed unanswered. Before the fix a refused
+/// hello was counted only in the broker's total, never against the user, and it was answered
+/// forever.
+fn a_user_sending_bad_hellos_in_a_loop_is_muted() {
+    require_root();
+    let group = NOBODY.to_string();
+    let broker = BrokerProc::start("bad-hellos", 64 * MIB, &["--group", &group]);
+    let child = common::spawn_as(
+        "foreign-bad-hellos",
+        &[
+            ("EVMM_SOCKET", broker.socket.display().to_string()),
+            ("EVMM_SECS", "4".to_string()),
+        ],
+        NOBODY,
+        NOBODY,
+    );
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    eprintln!("  user {NOBODY}: {said}");
+    let field = |name: &str| -> u64 {
+        said.split_whitespace()
+            .skip_while(|w| *w != name)
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {said:?}"))
+    };
+    assert!(
+        field("refused") >= 512,
+        "the loop was refused only {} times: {said}",
+        field("refused")
+    );
+    assert!(
+        field("unanswered") > 0,
+        "user {NOBODY} sent {} refused hellos and was never muted: {said}",
+        field("refused")
+    );
+    // The operator still connects while the user is muted.
+    let s = broker.control().snapshot().unwrap();
+    assert!(s.counters.refused_connections >= 512, "{:?}", s.counters);
+}
+
 /// A user let in with `--group` (no guarantee) grows one model as far as it can, then drops
 /// its connection while its process lives (its model is orphaned, kept charged). Its bytes are
 /// capped (half the budget by default, orphaned models counted), so the operator's engine still
@@ -182,6 +229,7 @@ pub fn role(name: &str) -> Option<fn()> {
         "foreign-client" => Some(foreign_client),
         "foreign-flood" => Some(foreign_flood),
         "foreign-reconnect-hammer" => Some(foreign_reconnect_hammer),
+        "foreign-bad-hellos" => Some(foreign_bad_hellos),
         "engine-hostile-reclaim" => Some(engine_hostile_reclaim),
         "foreign-engine-lib" => Some(foreign_engine_lib),
         _ => None,
@@ -1045,6 +1093,68 @@ fn foreign_reconnect_hammer() {
         .collect();
     let n: u64 = loops.into_iter().map(|t| t.join().unwrap()).sum();
     println!("connects {n}");
+}
+
+/// Four threads: connect, say a control hello (refused: not the operator), read the answer;
+/// until a connection is closed unanswered (muted) or `EVMM_SECS` pass. Prints "refused R
+/// unanswered U".
+fn foreign_bad_hellos() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let socket = common::var("EVMM_SOCKET");
+    let secs: u64 = common::var("EVMM_SECS").parse().unwrap();
+    let end = Instant::now() + Duration::from_secs(secs);
+    let (refused, unanswered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let muted = Arc::new(AtomicBool::new(false));
+    let hello = ipc::encode(&ToBroker {
+        id: 1,
+        request: Request::Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::Control,
+            name: "not-the-operator".into(),
+        },
+    })
+    .unwrap();
+    let loops: Vec<_> = (0..4)
+        .map(|_| {
+            let (socket, hello) = (socket.clone(), hello.clone());
+            let (refused, unanswered, muted) = (refused.clone(), unanswered.clone(), muted.clone());
+            std::thread::spawn(move || {
+                while Instant::now() < end && !muted.load(Ordering::SeqCst) {
+                    let Ok(s) = UnixStream::connect(&socket) else {
+                        continue;
+                    };
+                    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    if ipc::send_frame(&s, &hello, &[]).is_err() {
+                        unanswered.fetch_add(1, Ordering::SeqCst);
+                        muted.store(true, Ordering::SeqCst);
+                        continue;
+                    }
+                    match raw_reply(&s) {
+                        Some(Reply::Error {
+                            kind: ErrorKind::Forbidden,
+                            ..
+                        }) => {
+                            refused.fetch_add(1, Ordering::SeqCst);
+                        }
+                        None => {
+                            unanswered.fetch_add(1, Ordering::SeqCst);
+                            muted.store(true, Ordering::SeqCst);
+                        }
+                        Some(other) => panic!("a control hello of another user got {other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for l in loops {
+        l.join().unwrap();
+    }
+    println!(
+        "refused {} unanswered {}",
+        refused.load(Ordering::SeqCst),
+        unanswered.load(Ordering::SeqCst)
+    );
 }
 
 fn foreign_flood() {
