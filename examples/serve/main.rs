@@ -67,15 +67,19 @@
 //! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
 //! saturation takes about the trace and its drain (60 + 15 s). `--duration` shortens them.
 
+mod bench;
 mod cluster;
+mod deploy;
 mod engine;
 mod host;
 #[cfg(feature = "candle-example")]
 mod llama;
+mod metrics;
 #[cfg(feature = "candle-example")]
 mod paged_llama;
 mod report;
 mod trace;
+mod workload;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -677,7 +681,40 @@ fn run_gpu(_: &Args, _: Instant) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // A child in a role of the process deployment (broker, engine): that and nothing else.
+    if let Some(r) = deploy::run_role() {
+        return match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!(
+                    "serve ({}): {e}",
+                    std::env::var(deploy::ROLE_VAR).unwrap_or_default()
+                );
+                ExitCode::FAILURE
+            }
+        };
+    }
     let start = Instant::now();
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("bench") {
+        let out = std::env::var_os("OUT")
+            .map(|o| PathBuf::from(o).join("serve-bench"))
+            .unwrap_or_else(|| PathBuf::from("target/serve-bench"));
+        let result = bench::BenchArgs::parse(&argv[2..], out).and_then(|a| {
+            let launcher = deploy::Launcher::this()?;
+            bench::run(&a, &launcher, &argv.join(" ")).map(|_| ())
+        });
+        return match result {
+            Ok(()) => {
+                progress(start, "done");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("serve bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = parse().and_then(|a| {
         println!(
             "serve: {} models, {} s traces (+{} s drain), seed {}, policies {:?}, output in {}",
