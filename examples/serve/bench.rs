@@ -63,7 +63,8 @@ pub struct BenchArgs {
 impl BenchArgs {
     /// Defaults (`out` as given): 3 models, all three policies, loads 0.5, 1, 1.5, five seeds,
     /// 20 s traces and 5 s drain, the Azure conversation and code traces and Mooncake, lengths
-    /// at a quarter, an SLO of 1 s TTFT and 50 ms TPOT.
+    /// at a quarter (the host simulation's KV budget is small), 192 KV blocks per model, an
+    /// SLO of 1 s TTFT and 50 ms TPOT.
     pub fn defaults(out: PathBuf) -> BenchArgs {
         BenchArgs {
             models: 3,
@@ -79,7 +80,7 @@ impl BenchArgs {
             sources: vec![Source::AzureConv, Source::AzureCode, Source::Mooncake],
             traces_dir: default_traces_dir(),
             len_scale: 0.25,
-            kv_blocks_per_model: 128,
+            kv_blocks_per_model: 192,
             slo: Slo {
                 ttft_s: 1.0,
                 tpot_s: 0.05,

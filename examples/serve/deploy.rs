@@ -135,8 +135,8 @@ pub struct SimSizes {
 
 impl SimSizes {
     /// CI-sized: 256 KiB granules of 32 tokens, 1 MiB of weights and 1 MiB of activations
-    /// per model, 128 KV blocks per model (4,096 tokens), batches of up to 64, contexts of up
-    /// to 2,048 tokens.
+    /// per model, 192 KV blocks per model (6,144 tokens), batches of up to 64, contexts of up
+    /// to 4,096 tokens.
     pub fn small(models: usize) -> SimSizes {
         SimSizes {
             granularity: 256 << 10,
@@ -144,13 +144,13 @@ impl SimSizes {
             weights: 1 << 20,
             act_reserve: 1 << 20,
             act_bytes_per_token: 128,
-            kv_blocks: 128 * models as u64,
+            kv_blocks: 192 * models as u64,
             engine: EngineConfig {
                 max_batch: 64,
                 max_prefill_tokens: 2048,
-                max_context: 2048,
+                max_context: 4096,
             },
-            cost: SimCost::small(),
+            cost: SimCost::memory_bound(),
         }
     }
 
@@ -201,6 +201,12 @@ pub struct EngineReport {
     pub counters: EngineCounters,
     /// KV allocations the broker refused.
     pub kv_refusals: u64,
+    /// Wall seconds spent in KV allocations that succeeded (mapping, growth at the broker,
+    /// hand-over from other engines included).
+    pub kv_alloc_s: f64,
+    /// Wall seconds spent in KV allocations that were refused (the broker's reclaim from
+    /// other engines included).
+    pub kv_refused_s: f64,
     /// Reclaim requests the broker sent it.
     pub reclaims: u64,
     /// Most KV blocks it held at once.
@@ -221,13 +227,27 @@ struct BrokerKv {
     cap: usize,
     admit_cap: usize,
     refusals: u64,
+    alloc_s: f64,
+    refused_s: f64,
+    /// No admission before this (a back-off after a refusal).
+    retry_at: Instant,
+    /// The last back-off (seconds).
+    backoff: f64,
 }
+
+/// Back-off after a refused KV allocation: from the first, doubling to the second (seconds).
+const BACKOFF_S: (f64, f64) = (0.002, 0.032);
 
 impl KvBlocks for BrokerKv {
     fn block_tokens(&self) -> u32 {
         self.block_tokens
     }
     fn available(&mut self) -> usize {
+        // After a refusal, nothing is asked of the broker again until a block was freed here
+        // or the back-off passed (each refusal makes the broker ask the others for memory).
+        if Instant::now() < self.retry_at {
+            return 0;
+        }
         self.admit_cap.min(self.cap).saturating_sub(self.held)
     }
     fn capacity(&self) -> usize {
@@ -237,15 +257,23 @@ impl KvBlocks for BrokerKv {
         if self.held + n > self.cap {
             return None;
         }
-        match self.store.alloc(n) {
+        let t = Instant::now();
+        let r = self.store.alloc(n);
+        let dt = t.elapsed().as_secs_f64();
+        match r {
             Ok(ids) => {
+                self.backoff = 0.0;
+                self.alloc_s += dt;
                 self.held += ids.len();
                 self.peak = self.peak.max(self.held);
                 Some(ids.into_iter().map(|i| i as u32).collect())
             }
             Err(e) => {
                 tracing::debug!(n, error = %e, "KV blocks refused");
+                self.refused_s += dt;
                 self.refusals += 1;
+                self.backoff = (self.backoff * 2.0).clamp(BACKOFF_S.0, BACKOFF_S.1);
+                self.retry_at = Instant::now() + Duration::from_secs_f64(self.backoff);
                 None
             }
         }
@@ -253,7 +281,10 @@ impl KvBlocks for BrokerKv {
     fn free(&mut self, ids: &[u32]) {
         let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
         match self.store.free(&ids) {
-            Ok(()) => self.held -= ids.len(),
+            Ok(()) => {
+                self.held -= ids.len();
+                self.retry_at = Instant::now();
+            }
             Err(e) => tracing::error!(error = %e, "KV release failed"),
         }
     }
@@ -376,6 +407,10 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         cap: spec.cap_blocks.min(blocks),
         admit_cap: spec.cap_blocks.min(blocks),
         refusals: 0,
+        alloc_s: 0.0,
+        refused_s: 0.0,
+        retry_at: Instant::now(),
+        backoff: 0.0,
     };
     let sim = SimModel {
         pool: model.pool().clone(),
@@ -508,6 +543,8 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         records,
         counters: engine.counters,
         kv_refusals: engine.kv.refusals,
+        kv_alloc_s: engine.kv.alloc_s,
+        kv_refused_s: engine.kv.refused_s,
         reclaims: reclaims.load(Ordering::Relaxed),
         peak_blocks: engine.kv.peak,
         setup_s,

@@ -447,6 +447,21 @@ impl SimCost {
     }
 }
 
+impl SimCost {
+    /// Compute cheap against memory (the deployment benchmark on the host, where the KV
+    /// budget is small): 2 ms per step, 2 µs per prefill token, 20 µs per decoded sequence,
+    /// 1 ns per context token. A model's share of the KV budget fills before its steps
+    /// take all its time.
+    pub fn memory_bound() -> Self {
+        SimCost {
+            step_s: 2e-3,
+            prefill_token_s: 2e-6,
+            decode_seq_s: 20e-6,
+            context_token_s: 1e-9,
+        }
+    }
+}
+
 impl StepModel for SimCost {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
         let tokens: u64 = seqs.iter().map(|s| s.new_tokens as u64).sum();
