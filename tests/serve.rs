@@ -1121,6 +1121,7 @@ mod deploy_tests {
             demand: vec![1.0, 0.0],
             duration_s: 0.5,
             drain_s: 1.5,
+            reclaim_wait_ms: 200,
         }
     }
 

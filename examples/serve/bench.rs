@@ -5,8 +5,13 @@
 //! serve bench [--models K] [--policies static-equal,static-best,elastic] [--loads 0.5,1,1.5]
 //!             [--seeds 1,2,3,4,5] [--duration S] [--drain S] [--traces conv,code,mooncake]
 //!             [--traces-dir DIR] [--len-scale F] [--kv-blocks B] [--slo-ttft S]
-//!             [--slo-tpot S] [--out DIR]
+//!             [--slo-tpot S] [--reclaim-wait-ms MS] [--out DIR]
 //! ```
+//!
+//! `--reclaim-wait-ms` (default 200) is the broker's `reclaim_wait`: how long a growth the
+//! budget cannot take waits for other engines to give memory back before it is refused.
+//! Elastic runs are sensitive to it: on the host, two engines growing at once have each
+//! waited for the other's give-back until this deadline (see the report of issue 32's work).
 //!
 //! Load 1.0 is the nominal capacity of a static split: the rate per model at which the
 //! models' mean KV demand (Little's law: rate x `(prompt + output / 2) * output` tokens held
@@ -56,6 +61,8 @@ pub struct BenchArgs {
     pub kv_blocks_per_model: u64,
     /// The SLO.
     pub slo: Slo,
+    /// The broker's reclaim wait (milliseconds).
+    pub reclaim_wait_ms: u64,
     /// Output folder.
     pub out: PathBuf,
 }
@@ -85,6 +92,7 @@ impl BenchArgs {
                 ttft_s: 1.0,
                 tpot_s: 0.05,
             },
+            reclaim_wait_ms: 200,
             out,
         }
     }
@@ -137,6 +145,7 @@ impl BenchArgs {
                 "--kv-blocks" => a.kv_blocks_per_model = num(v)? as u64,
                 "--slo-ttft" => a.slo.ttft_s = num(v)?,
                 "--slo-tpot" => a.slo.tpot_s = num(v)?,
+                "--reclaim-wait-ms" => a.reclaim_wait_ms = num(v)? as u64,
                 "--out" => a.out = PathBuf::from(v),
                 _ => return Err(format!("bench: unknown flag {flag} (see bench.rs)")),
             }
@@ -148,7 +157,7 @@ impl BenchArgs {
             || a.sources.is_empty()
             || a.kv_blocks_per_model == 0
             || !(a.duration_s > 0.0 && a.drain_s >= 0.0 && a.len_scale > 0.0)
-            || a.loads.iter().any(|l| !(*l > 0.0));
+            || !a.loads.iter().all(|l| *l > 0.0);
         if bad {
             return Err("bench: models, policies, seeds, traces, KV blocks, duration, length scale and loads must be positive".into());
         }
@@ -277,6 +286,8 @@ pub struct RunFile {
     pub duration_s: f64,
     /// Drain.
     pub drain_s: f64,
+    /// The broker's reclaim wait (milliseconds).
+    pub reclaim_wait_ms: u64,
     /// All models.
     pub stats: RunStats,
     /// Per model.
@@ -411,7 +422,7 @@ pub fn table(cells: &[Cell], slo: &Slo) -> String {
 
 /// SLO attainment against load with 95% bands, per policy.
 pub fn attainment_svg(cells: &[Cell], slo: &Slo) -> String {
-    let mut series: Vec<(String, Vec<(f64, f64, f64, f64)>)> = Vec::new();
+    let mut series: Vec<report::BandSeries> = Vec::new();
     for c in cells {
         let (_, m, ci) = c.metrics[0];
         let ci = if ci.is_finite() { ci } else { 0.0 };
@@ -473,6 +484,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     demand: demand.clone(),
                     duration_s: a.duration_s,
                     drain_s: a.drain_s,
+                    reclaim_wait_ms: a.reclaim_wait_ms,
                 };
                 let result = deploy::run_point(launcher, &point)?;
                 let records = result.records();
@@ -510,6 +522,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     slo: a.slo,
                     duration_s: a.duration_s,
                     drain_s: a.drain_s,
+                    reclaim_wait_ms: a.reclaim_wait_ms,
                     stats: stats.clone(),
                     per_model,
                     result,

@@ -316,6 +316,7 @@ struct BrokerSpec {
     socket: PathBuf,
     budget: u64,
     granularity: u64,
+    reclaim_wait_ms: u64,
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
@@ -349,8 +350,8 @@ fn broker_role(spec: &Path) -> Result<(), String> {
     let e = |e: elastic_vmm::Error| e.to_string();
     let backend = HostBackend::with_chunk_files(spec.granularity as usize, ChunkFiles::PerChunk)
         .map_err(e)?;
-    let config =
-        BrokerConfig::new(&spec.socket, spec.budget).reclaim_wait(Duration::from_millis(200));
+    let config = BrokerConfig::new(&spec.socket, spec.budget)
+        .reclaim_wait(Duration::from_millis(spec.reclaim_wait_ms));
     let broker = Broker::start(Arc::new(backend), config).map_err(e)?;
     say("ready");
     // Serve until the driver closes stdin.
@@ -705,6 +706,9 @@ pub struct Point {
     pub duration_s: f64,
     /// Seconds after the trace before the run ends.
     pub drain_s: f64,
+    /// How long the broker waits for other engines to give memory back before it refuses a
+    /// growth (`BrokerConfig::reclaim_wait`; milliseconds).
+    pub reclaim_wait_ms: u64,
 }
 
 /// Each model's KV blocks under a static split proportional to `weights`: whole blocks, at
@@ -789,6 +793,7 @@ fn run_in(
             socket: socket.clone(),
             budget: s.budget(k),
             granularity: s.granularity,
+            reclaim_wait_ms: point.reclaim_wait_ms,
         },
     )?;
     let mut broker = launcher.spawn("broker", &bspec)?;

@@ -97,6 +97,9 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// A named line with a band: points `(x, y, low, high)`.
+pub type BandSeries = (String, Vec<(f64, f64, f64, f64)>);
+
 /// A line chart: `series` of (name, points), axes labelled; y on a log scale if `log_y`.
 pub fn line_chart(
     title: &str,
@@ -105,7 +108,7 @@ pub fn line_chart(
     series: &[(String, Vec<(f64, f64)>)],
     log_y: bool,
 ) -> String {
-    let banded: Vec<(String, Vec<(f64, f64, f64, f64)>)> = series
+    let banded: Vec<BandSeries> = series
         .iter()
         .map(|(n, p)| (n.clone(), p.iter().map(|&(x, y)| (x, y, y, y)).collect()))
         .collect();
@@ -118,7 +121,7 @@ pub fn band_chart(
     title: &str,
     x_label: &str,
     y_label: &str,
-    series: &[(String, Vec<(f64, f64, f64, f64)>)],
+    series: &[BandSeries],
     log_y: bool,
 ) -> String {
     let (w, h, l, r, t, b) = (720.0, 420.0, 70.0, 150.0, 40.0, 50.0);
