@@ -1181,3 +1181,64 @@ mod deploy_tests {
         );
     }
 }
+
+mod bench_tests {
+    use super::bench::{attainment_svg, summarise, table};
+    use super::metrics::{RunStats, Slo};
+
+    fn stats(slo: f64, p99: f64) -> RunStats {
+        RunStats {
+            slo_attainment: slo,
+            ttft_p99: p99,
+            ..RunStats::default()
+        }
+    }
+
+    /// Cells hold each metric's mean and CI over the seeds of one load and policy; the knee is
+    /// read off the best static policy at each load, not off elastic.
+    #[test]
+    fn cells_and_the_knee_over_seeds() {
+        let mut runs = Vec::new();
+        for (load, eq, best, el) in [
+            (0.5, [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]),
+            (1.0, [0.90, 0.94], [0.98, 0.98], [1.0, 1.0]),
+            (1.5, [0.5, 0.7], [0.6, 0.8], [0.99, 1.0]),
+        ] {
+            for i in 0..2 {
+                runs.push((
+                    load,
+                    "static-equal".to_string(),
+                    stats(eq[i], 1.0 + i as f64),
+                ));
+                runs.push((load, "static-best".to_string(), stats(best[i], 2.0)));
+                runs.push((load, "elastic".to_string(), stats(el[i], 0.5)));
+            }
+        }
+        let (cells, knee) = summarise(&runs);
+        assert_eq!(cells.len(), 9);
+        let c = cells
+            .iter()
+            .find(|c| c.load == 1.5 && c.policy == "static-equal")
+            .unwrap();
+        assert_eq!(c.runs, 2);
+        let (name, mean, ci) = &c.metrics[0];
+        assert_eq!(name, "slo");
+        assert!((mean - 0.6).abs() < 1e-12);
+        // Two samples 0.2 apart: sd 0.1414, t(1) 12.706, half-width 12.706 * 0.1.
+        assert!((ci - 1.2706).abs() < 1e-9, "{ci}");
+        let p99 = c.metrics.iter().find(|m| m.0 == "ttft p99").unwrap();
+        assert!((p99.1 - 1.5).abs() < 1e-12);
+        // Best static: 1.0 at 0.5, 0.98 at 1.0: below 99% half way between 0.5 and 1.0.
+        assert!((knee.unwrap() - 0.75).abs() < 1e-12, "{knee:?}");
+        let slo = Slo {
+            ttft_s: 1.0,
+            tpot_s: 0.05,
+        };
+        let t = table(&cells, &slo);
+        assert!(
+            t.contains("TTFT <= 1 s") && t.contains("0.600±1.271"),
+            "{t}"
+        );
+        assert_eq!(attainment_svg(&cells, &slo).matches("<polyline").count(), 3);
+    }
+}
