@@ -996,13 +996,23 @@ mod workload_tests {
         }));
         assert!(w.iter().all(|r| r.arrival() < 20.0 && r.model == 1));
         assert!(w.iter().enumerate().all(|(i, r)| r.id == i as u64));
-        // Lengths: half, clamped to 300.
+        // Lengths: halved, the output cut to 150, the prompt to 300 less the output.
         let first = w[0].prompt;
-        assert!(w.iter().all(|r| r.prompt <= 300 && r.output <= 300));
-        assert!(w
-            .iter()
-            .filter(|r| r.output < 300)
-            .all(|r| (r.output as i64 - 2 * r.prompt as i64).abs() <= 1));
+        for r in &w {
+            assert!(r.output <= 150 && r.prompt + r.output <= 300, "{r:?}");
+            if r.output < 150 {
+                assert!((r.output as i64 - 2 * r.prompt as i64).abs() <= 1, "{r:?}");
+            } else {
+                assert!(r.prompt >= 75, "{r:?}");
+            }
+        }
+        let l = Lengths {
+            scale: 1.0,
+            max_len: 100,
+        };
+        assert_eq!(l.apply(500, 500), (50, 50));
+        assert_eq!(l.apply(500, 10), (90, 10));
+        assert_eq!(l.apply(0, 0), (1, 1));
         let other = window(&rows, 1, 8, 10.0, 20.0, len);
         assert_ne!(other[0].prompt, first, "another seed, another window");
         assert_eq!(

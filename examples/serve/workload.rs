@@ -14,7 +14,8 @@
 //! `r` requests/s, a trace of mean rate `R` is sped up by `r / R`, so a `d`-second run replays
 //! `d r / R` seconds of it, starting at a point drawn from the seed and the model (so seeds are
 //! windows). Its bursts and lulls are the trace's own, only faster. Lengths are multiplied by
-//! `len_scale` (the host simulation serves smaller contexts) and clamped to `1..=max_len`.
+//! `len_scale` (the host simulation serves smaller contexts), then cut to the engines' context
+//! ([`Lengths`]: the output to half of it, the prompt to the rest).
 
 use std::path::Path;
 
@@ -188,13 +189,22 @@ pub fn span_rate(rows: &[Row]) -> (f64, f64) {
 pub struct Lengths {
     /// Factor on prompt and output lengths.
     pub scale: f64,
-    /// Longest prompt or output after scaling.
+    /// Longest context (prompt and output) after scaling: the engines' context. The output is
+    /// cut to half of it, then the prompt to the rest (as a front end truncates a prompt to
+    /// the model's context), so no request is refused for its length alone.
     pub max_len: u32,
 }
 
 impl Lengths {
-    fn apply(&self, n: u32) -> u32 {
-        ((n as f64 * self.scale).round().max(1.0) as u32).min(self.max_len.max(1))
+    fn scaled(&self, n: u32) -> u32 {
+        (n as f64 * self.scale).round().max(1.0) as u32
+    }
+
+    /// Prompt and output of a request of `prompt` and `output` tokens.
+    pub fn apply(&self, prompt: u32, output: u32) -> (u32, u32) {
+        let max = self.max_len.max(2);
+        let output = self.scaled(output).min(max / 2);
+        (self.scaled(prompt).min(max - output), output)
     }
 }
 
@@ -220,12 +230,15 @@ pub fn window(
         .iter()
         .take_while(|r| r.t < start + real)
         .enumerate()
-        .map(|(i, r)| Request {
-            id: i as u64,
-            model,
-            arrival_us: ((r.t - start) / speed * 1e6) as u64,
-            prompt: len.apply(r.prompt),
-            output: len.apply(r.output),
+        .map(|(i, r)| {
+            let (prompt, output) = len.apply(r.prompt, r.output);
+            Request {
+                id: i as u64,
+                model,
+                arrival_us: ((r.t - start) / speed * 1e6) as u64,
+                prompt,
+                output,
+            }
         })
         .collect()
 }
@@ -247,10 +260,11 @@ pub fn synthetic(
     let mut out = vec![Vec::new(); models];
     for r in t.requests {
         let q = &mut out[r.model];
+        let (prompt, output) = len.apply(r.prompt, r.output);
         q.push(Request {
             id: q.len() as u64,
-            prompt: len.apply(r.prompt),
-            output: len.apply(r.output),
+            prompt,
+            output,
             ..r
         });
     }
