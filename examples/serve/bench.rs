@@ -536,10 +536,15 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
     }
     let (cells, knee) = summarise(&all);
     let mut text = table(&cells, &a.slo);
+    let any_static = cells.iter().any(|c| c.policy.starts_with("static"));
     let _ = writeln!(
         text,
         "\nknee (best static SLO attainment below 99%): {}",
-        knee.map_or("not reached".into(), |k| format!("load {k:.3}"))
+        match knee {
+            Some(k) => format!("load {k:.3}"),
+            None if any_static => "not reached".into(),
+            None => "no static policy in the sweep".into(),
+        }
     );
     print!("{text}");
     let write = |name: &str, bytes: &[u8]| {
