@@ -296,14 +296,28 @@ pub struct RunFile {
     pub result: PointResult,
 }
 
+/// The commit of the source tree the binary was built in, `+dirty` with changes not
+/// committed (`unknown` without git there, as in a bundle on a GPU machine).
 fn commit() -> String {
-    std::process::Command::new("git")
-        .args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(["-C", env!("CARGO_MANIFEST_DIR")])
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head)
+            if git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty()) =>
+        {
+            format!("{head}+dirty")
+        }
+        Some(head) => head,
+        None => "unknown".into(),
+    }
 }
 
 fn machine() -> String {
