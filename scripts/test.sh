@@ -116,9 +116,12 @@ head -c 5 "$svg" | grep -q '^<svg' || {
   exit 1
 }
 
-step "serving benchmark (examples/serve): its whole driver on the host backend, simulated compute"
-# Calibration, five loads x three policies, a JSON summary per run, the plots (a second or two;
-# tests/serve.rs tests the parts). The example the tests built, found as the CLI is above.
+step "serving benchmark (examples/serve): the process deployment and the in-process driver, host backend, simulated compute"
+# `serve bench`: a broker and three engine processes per run, wall clock, open loop, 2 seeds x
+# 2 loads x 3 policies of 1.5 s traces (about 25 s), the real traces beside the repository
+# when there (../shared/traces), the generator's otherwise; then the in-process virtual-clock
+# driver (a second or two). tests/serve.rs tests the parts. The example the tests built,
+# found as the CLI is above.
 serve=$(cargo test --profile "$profile" --no-run --quiet --message-format=json | python3 -c '
 import json, sys
 exes = [m["executable"] for m in map(json.loads, sys.stdin)
@@ -128,6 +131,16 @@ print(exes[0] if exes else "")
 ')
 [[ -x "$serve" ]] || {
   echo "cargo reported no serve example" >&2
+  exit 1
+}
+traces=synthetic
+[[ -f ../shared/traces/azure-llm-2023-conv.csv ]] && traces=conv,code,mooncake
+"$serve" bench --sim --seeds 1,2 --loads 0.5,1.5 --duration 1.5 --drain 0.5 --traces "$traces" \
+  --traces-dir ../shared/traces --out "$tmp/serve-bench" >/dev/null
+runs=$(find "$tmp/serve-bench/runs" -name '*.json' | wc -l)
+[[ "$runs" -eq 12 && -s "$tmp/serve-bench/table.txt" && -s "$tmp/serve-bench/summary.json" ]] &&
+  head -c 5 "$tmp/serve-bench/slo-attainment.svg" | grep -q '^<svg' || {
+  echo "serve bench wrote $runs of 12 runs, or no table, summary or plot, to $tmp/serve-bench" >&2
   exit 1
 }
 "$serve" --sim --duration 20 --out "$tmp/serve" >/dev/null

@@ -1,19 +1,29 @@
 //! Host tests of the serving benchmark (examples/serve): the trace generator, the scheduler's
-//! admission and preemption with a simulated model, and a tiny end-to-end run of the three
-//! policies on the host backend (real memory, real sleep and wake).
+//! admission and preemption with a simulated model, a tiny end-to-end run of the three
+//! policies on the host backend (real memory, real sleep and wake), the measurement core
+//! (censoring, SLO, percentiles, confidence intervals, the knee), the real-trace loaders, and
+//! the process deployment (a broker and engine processes, wall clock, open loop) run briefly.
 // The benchmark's modules, shared with the GPU binary; not every item is used here.
 #![allow(dead_code)]
 
+#[path = "../examples/serve/bench.rs"]
+mod bench;
 #[path = "../examples/serve/cluster.rs"]
 mod cluster;
+#[path = "../examples/serve/deploy.rs"]
+mod deploy;
 #[path = "../examples/serve/engine.rs"]
 mod engine;
 #[path = "../examples/serve/host.rs"]
 mod host;
+#[path = "../examples/serve/metrics.rs"]
+mod metrics;
 #[path = "../examples/serve/report.rs"]
 mod report;
 #[path = "../examples/serve/trace.rs"]
 mod trace;
+#[path = "../examples/serve/workload.rs"]
+mod workload;
 
 use engine::{Engine, EngineConfig, KvBlocks, SeqView, SimCost, StepModel};
 use trace::{Request, Trace, TraceConfig};
@@ -799,5 +809,446 @@ mod new_parts {
             );
             m.handle.sleep(&sleep).unwrap();
         }
+    }
+}
+
+mod metrics_tests {
+    use super::metrics::*;
+
+    fn rec(
+        id: u64,
+        arrival: f64,
+        first: Option<f64>,
+        finish: Option<f64>,
+        outcome: Outcome,
+    ) -> Record {
+        Record {
+            model: 0,
+            id,
+            arrival,
+            first_token: first,
+            finish,
+            prompt: 10,
+            output: 11,
+            generated: if finish.is_some() {
+                11
+            } else {
+                first.map_or(0, |_| 3)
+            },
+            outcome,
+            preemptions: 0,
+        }
+    }
+
+    const SLO: Slo = Slo {
+        ttft_s: 1.0,
+        tpot_s: 0.1,
+    };
+
+    /// 100 requests served at once (TTFT 0.1 s, TPOT 0.05 s, all meet the SLO), arriving
+    /// over the first 10 s of a 10 s trace; the run ends at 20 s.
+    fn served() -> Vec<Record> {
+        (0..100)
+            .map(|i| {
+                let a = i as f64 * 0.1;
+                rec(i, a, Some(a + 0.1), Some(a + 0.6), Outcome::Finished)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.9), 90.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
+        assert!(percentile(&[], 0.5).is_nan());
+    }
+
+    #[test]
+    fn all_served_in_time_meet_the_slo() {
+        let s = RunStats::of(&served(), &SLO, 10.0, 20.0);
+        assert_eq!(
+            (s.requests, s.finished, s.censored, s.refused),
+            (100, 100, 0, 0)
+        );
+        assert_eq!(s.slo_attainment, 1.0);
+        assert!((s.goodput - 10.0).abs() < 1e-9, "{}", s.goodput);
+        assert!((s.ttft_p99 - 0.1).abs() < 1e-9);
+        assert!((s.tpot_p50 - 0.05).abs() < 1e-9);
+        // 100 requests of 11 tokens over the 20 s run.
+        assert!((s.throughput - 55.0).abs() < 1e-9);
+    }
+
+    /// Two requests that never got a first token: left out, p99 would be 0.1 s; counted,
+    /// censored at the run's end (20 s), they raise p99 to their lower bound.
+    #[test]
+    fn a_censored_tail_raises_p99() {
+        let mut r = served();
+        r.truncate(98);
+        r.push(rec(98, 9.0, None, None, Outcome::Censored));
+        r.push(rec(99, 9.5, None, None, Outcome::Censored));
+        let s = RunStats::of(&r, &SLO, 10.0, 20.0);
+        assert_eq!(s.censored, 2);
+        // Their TTFTs are 11 and 10.5 s; the 99th of 100 values is the smaller.
+        assert!((s.ttft_p99 - 10.5).abs() < 1e-9, "p99 {}", s.ttft_p99);
+        assert!((s.ttft_p50 - 0.1).abs() < 1e-9);
+        assert!((s.slo_attainment - 0.98).abs() < 1e-9);
+        // A request censored after its first token: its TPOT is at least what the tokens it
+        // has not got would make if they came at the end.
+        let late = rec(7, 0.0, Some(0.5), None, Outcome::Censored);
+        assert!((late.tpot(20.0).unwrap() - 19.5 / 10.0).abs() < 1e-9);
+        assert_eq!(late.ttft(20.0), 0.5);
+        assert!(!late.meets(&SLO, 20.0));
+    }
+
+    #[test]
+    fn a_request_never_served_counts_as_a_miss() {
+        let mut r = served();
+        r[5] = rec(5, 0.5, None, None, Outcome::Refused);
+        r[6] = rec(6, 0.6, None, None, Outcome::Censored);
+        let s = RunStats::of(&r, &SLO, 10.0, 20.0);
+        assert_eq!((s.finished, s.censored, s.refused), (98, 1, 1));
+        assert!((s.slo_attainment - 0.98).abs() < 1e-9);
+        assert!((s.goodput - 9.8).abs() < 1e-9);
+        // A finished request late by its TTFT or its TPOT misses too.
+        let slow_first = rec(0, 0.0, Some(1.5), Some(2.0), Outcome::Finished);
+        let slow_decode = rec(1, 0.0, Some(0.1), Some(2.1), Outcome::Finished);
+        assert!(!slow_first.meets(&SLO, 20.0));
+        assert!(!slow_decode.meets(&SLO, 20.0));
+        assert!(rec(2, 0.0, Some(0.1), Some(1.0), Outcome::Finished).meets(&SLO, 20.0));
+    }
+
+    #[test]
+    fn confidence_interval_of_known_samples() {
+        // Mean 3, sample sd sqrt(2.5), n 5: half-width t(4) * sd / sqrt(5) = 2.776 * 0.7071.
+        let (m, ci) = mean_ci(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!((m - 3.0).abs() < 1e-12);
+        assert!((ci - 2.776 * (2.5f64 / 5.0).sqrt()).abs() < 1e-9, "{ci}");
+        // Equal samples: no width; one sample: unbounded; NaN left out.
+        assert_eq!(mean_ci(&[0.5, 0.5, 0.5]), (0.5, 0.0));
+        assert_eq!(mean_ci(&[2.0]).1, f64::INFINITY);
+        let (m, ci) = mean_ci(&[1.0, f64::NAN, 3.0]);
+        assert_eq!(m, 2.0);
+        assert!((ci - 12.706).abs() < 1e-9);
+        assert_eq!(t975(1000), 1.96);
+    }
+
+    #[test]
+    fn the_knee_is_where_best_static_falls_below_99() {
+        let pts = [(1.5, 0.80), (0.5, 1.0), (1.0, 0.98)];
+        // Between 0.5 (1.0) and 1.0 (0.98): 0.99 is half way.
+        assert!((knee(&pts, 0.99).unwrap() - 0.75).abs() < 1e-12);
+        assert_eq!(knee(&[(0.5, 1.0), (1.0, 0.995)], 0.99), None);
+        assert_eq!(knee(&[(0.5, 0.9), (1.0, 0.5)], 0.99), Some(0.5));
+    }
+}
+
+mod workload_tests {
+    use super::workload::*;
+
+    const AZURE: &str = "TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.5000000,374,44
+2023-11-16 18:15:47.0000000,396,109
+2023-11-16 18:16:46.5000000,100,1
+";
+
+    const MOONCAKE: &str = r#"{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1]}
+{"timestamp": 2500, "input_length": 100, "output_length": 3, "hash_ids": [2]}
+"#;
+
+    #[test]
+    fn azure_and_mooncake_rows_parse() {
+        let a = parse_azure(AZURE).unwrap();
+        assert_eq!(a.len(), 3);
+        assert_eq!((a[0].t, a[0].prompt, a[0].output), (0.0, 374, 44));
+        assert!((a[1].t - 0.5).abs() < 1e-9);
+        assert!((a[2].t - 60.0).abs() < 1e-9);
+        let m = parse_mooncake(MOONCAKE).unwrap();
+        assert_eq!((m[1].t, m[1].prompt, m[1].output), (2.5, 100, 3));
+        assert!(parse_azure("TIMESTAMP,ContextTokens,GeneratedTokens\nnot,a,row\n").is_err());
+    }
+
+    /// A window replays the trace's own gaps, sped up to the rate asked, for the duration
+    /// asked; seeds pick other windows; lengths are scaled and clamped.
+    #[test]
+    fn a_window_is_the_trace_time_scaled() {
+        // One request a second for 1000 s, lengths equal to the index.
+        let rows: Vec<Row> = (0..1000)
+            .map(|i| Row {
+                t: i as f64,
+                prompt: i + 1,
+                output: 2 * (i + 1),
+            })
+            .collect();
+        let len = Lengths {
+            scale: 0.5,
+            max_len: 300,
+        };
+        let w = window(&rows, 1, 7, 10.0, 20.0, len);
+        assert!((195..=201).contains(&w.len()), "{} requests", w.len());
+        // The trace's rate is 1000 requests over 999 s: sped up 9.99 times.
+        let gap_us = 1e6 / (10.0 * 999.0 / 1000.0);
+        assert!(w.windows(2).all(|p| {
+            let gap = (p[1].arrival_us - p[0].arrival_us) as f64;
+            (gap - gap_us).abs() <= 2.0
+        }));
+        assert!(w.iter().all(|r| r.arrival() < 20.0 && r.model == 1));
+        assert!(w.iter().enumerate().all(|(i, r)| r.id == i as u64));
+        // Lengths: halved, the output cut to 150, the prompt to 300 less the output.
+        let first = w[0].prompt;
+        for r in &w {
+            assert!(r.output <= 150 && r.prompt + r.output <= 300, "{r:?}");
+            if r.output < 150 {
+                assert!((r.output as i64 - 2 * r.prompt as i64).abs() <= 1, "{r:?}");
+            } else {
+                assert!(r.prompt >= 75, "{r:?}");
+            }
+        }
+        let l = Lengths {
+            scale: 1.0,
+            max_len: 100,
+        };
+        assert_eq!(l.apply(500, 500), (50, 50));
+        assert_eq!(l.apply(500, 10), (90, 10));
+        assert_eq!(l.apply(0, 0), (1, 1));
+        let other = window(&rows, 1, 8, 10.0, 20.0, len);
+        assert_ne!(other[0].prompt, first, "another seed, another window");
+        assert_eq!(
+            window(&rows, 1, 7, 10.0, 20.0, len),
+            w,
+            "the same seed, the same window"
+        );
+    }
+
+    #[test]
+    fn synthetic_traces_come_at_the_mean_rate_asked() {
+        let len = Lengths {
+            scale: 1.0,
+            max_len: 2048,
+        };
+        let t = synthetic(3, 42, 2.0, 300.0, len).unwrap();
+        let n: usize = t.iter().map(Vec::len).sum();
+        let rate = n as f64 / 3.0 / 300.0;
+        assert!((1.5..2.5).contains(&rate), "rate {rate}");
+        assert!(t
+            .iter()
+            .enumerate()
+            .all(|(m, r)| r.iter().all(|q| q.model == m)));
+    }
+
+    /// The real traces beside the repository, when there (`../shared/traces`): each loads
+    /// whole, at the rate its README gives.
+    #[test]
+    fn real_traces_load_when_present() {
+        let dir = super::bench::default_traces_dir();
+        if !dir.join("README.md").exists() {
+            eprintln!("no traces at {}: skipped", dir.display());
+            return;
+        }
+        for (src, n) in [
+            (Source::AzureConv, 19_366),
+            (Source::AzureCode, 8_819),
+            (Source::Mooncake, 12_031),
+        ] {
+            let rows = load(&dir, src).unwrap();
+            assert_eq!(rows.len(), n, "{}", src.name());
+            let (span, _) = span_rate(&rows);
+            assert!(
+                (3_000.0..3_600.0).contains(&span),
+                "{} spans {span} s",
+                src.name()
+            );
+        }
+    }
+}
+
+mod deploy_tests {
+    use super::deploy::*;
+    use super::metrics::{Outcome, RunStats, Slo};
+    use super::trace::Request;
+
+    /// The process deployment's roles, run by this test binary re-executed (the driver passes
+    /// this test's name and the role in the environment). Run without a role it does nothing:
+    /// it is the children's entry point, not a test.
+    #[test]
+    fn role_child() {
+        if let Some(r) = run_role() {
+            if let Err(e) = r {
+                eprintln!("role failed: {e}");
+                std::process::exit(1);
+            }
+            std::process::exit(0);
+        }
+    }
+
+    fn launcher() -> Launcher {
+        Launcher {
+            exe: std::env::current_exe().unwrap(),
+            args: [
+                "--exact",
+                "deploy_tests::role_child",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ]
+            .map(String::from)
+            .to_vec(),
+        }
+    }
+
+    #[test]
+    fn static_shares_split_by_weight_above_a_floor() {
+        assert_eq!(static_shares(100, &[1.0, 1.0], 0), vec![50, 50]);
+        assert_eq!(static_shares(100, &[3.0, 1.0], 10), vec![70, 30]);
+        assert_eq!(static_shares(100, &[1.0, 0.0, 0.0], 10), vec![80, 10, 10]);
+        assert_eq!(static_shares(90, &[0.0, 0.0, 0.0], 10), vec![30, 30, 30]);
+        // A floor larger than an equal share is cut to it.
+        assert_eq!(static_shares(30, &[1.0, 1.0, 1.0], 50), vec![10, 10, 10]);
+    }
+
+    /// Model 0 gets a burst of requests whose contexts fill twice its equal share; model 1
+    /// gets none. Under `elastic` model 0 grows past its share through the broker (the other
+    /// engine holds nothing above its guarantee), under `static-equal` it is held to it and
+    /// its queue waits longer; every request of the trace has a record either way.
+    fn burst_point(policy: DeployPolicy) -> Point {
+        let mut sizes = SimSizes::small(2);
+        sizes.kv_blocks = 128; // 64 blocks (2,048 tokens) each under an equal split
+        let burst: Vec<Request> = (0..12)
+            .map(|i| Request {
+                id: i,
+                model: 0,
+                arrival_us: i * 20_000,
+                prompt: 600,
+                output: 40,
+            })
+            .collect();
+        Point {
+            policy,
+            sizes,
+            requests: vec![burst, Vec::new()],
+            demand: vec![1.0, 0.0],
+            duration_s: 0.5,
+            drain_s: 1.5,
+            reclaim_wait_ms: 200,
+        }
+    }
+
+    #[test]
+    fn processes_under_one_broker_serve_on_wall_clock() {
+        let slo = Slo {
+            ttft_s: 10.0,
+            tpot_s: 1.0,
+        };
+        let mut seen = Vec::new();
+        for policy in [DeployPolicy::Elastic, DeployPolicy::StaticEqual] {
+            let p = burst_point(policy);
+            let r = run_point(&launcher(), &p).unwrap();
+            assert_eq!(r.engines.len(), 2);
+            let recs = r.records();
+            // Every request is accounted for, once.
+            let mut ids: Vec<u64> = recs.iter().filter(|x| x.model == 0).map(|x| x.id).collect();
+            ids.sort_unstable();
+            assert_eq!(ids, (0..12).collect::<Vec<_>>(), "{}", policy.name());
+            assert!(r.engines[1].records.is_empty());
+            let step = p.sizes.cost.step_s;
+            for x in &recs {
+                // Wall clock: a first token comes at least one step of simulated compute
+                // after its arrival, the last 39 decode steps after the first.
+                if let Some(f) = x.first_token {
+                    assert!(f - x.arrival >= step, "{x:?}");
+                }
+                if x.outcome == Outcome::Finished {
+                    let decode = x.finish.unwrap() - x.first_token.unwrap();
+                    assert!(decode >= 39.0 * step, "{x:?}");
+                }
+            }
+            let st = RunStats::of(&recs, &slo, p.duration_s, r.end_s);
+            assert_eq!(st.requests, 12);
+            assert_eq!(st.finished + st.censored + st.refused, 12);
+            assert_eq!(st.refused, 0);
+            assert!(
+                r.engines.iter().all(|e| e.errors.is_empty()),
+                "{:?}",
+                r.engines
+            );
+            seen.push((policy, r.engines[0].peak_blocks, st));
+        }
+        let (_, elastic_peak, el) = &seen[0];
+        let (_, static_peak, stc) = &seen[1];
+        // 19 blocks a request (600 + 40 tokens of 32): three fit an equal share of 64.
+        assert!(*static_peak <= 64, "static held {static_peak} blocks");
+        assert!(
+            *elastic_peak > 64,
+            "elastic held only {elastic_peak} blocks"
+        );
+        assert!(
+            el.ttft_p90 < stc.ttft_p90,
+            "elastic p90 TTFT {} s, static {} s",
+            el.ttft_p90,
+            stc.ttft_p90
+        );
+    }
+}
+
+mod bench_tests {
+    use super::bench::{attainment_svg, summarise, table};
+    use super::metrics::{RunStats, Slo};
+
+    fn stats(slo: f64, p99: f64) -> RunStats {
+        RunStats {
+            slo_attainment: slo,
+            ttft_p99: p99,
+            ..RunStats::default()
+        }
+    }
+
+    /// Cells hold each metric's mean and CI over the seeds of one load and policy; the knee is
+    /// read off the best static policy at each load, not off elastic.
+    #[test]
+    fn cells_and_the_knee_over_seeds() {
+        let mut runs = Vec::new();
+        for (load, eq, best, el) in [
+            (0.5, [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]),
+            (1.0, [0.90, 0.94], [0.98, 0.98], [1.0, 1.0]),
+            (1.5, [0.5, 0.7], [0.6, 0.8], [0.99, 1.0]),
+        ] {
+            for i in 0..2 {
+                runs.push((
+                    load,
+                    "static-equal".to_string(),
+                    stats(eq[i], 1.0 + i as f64),
+                ));
+                runs.push((load, "static-best".to_string(), stats(best[i], 2.0)));
+                runs.push((load, "elastic".to_string(), stats(el[i], 0.5)));
+            }
+        }
+        let (cells, knee) = summarise(&runs);
+        assert_eq!(cells.len(), 9);
+        let c = cells
+            .iter()
+            .find(|c| c.load == 1.5 && c.policy == "static-equal")
+            .unwrap();
+        assert_eq!(c.runs, 2);
+        let (name, mean, ci) = &c.metrics[0];
+        assert_eq!(name, "slo");
+        assert!((mean - 0.6).abs() < 1e-12);
+        // Two samples 0.2 apart: sd 0.1414, t(1) 12.706, half-width 12.706 * 0.1.
+        assert!((ci - 1.2706).abs() < 1e-9, "{ci}");
+        let p99 = c.metrics.iter().find(|m| m.0 == "ttft p99").unwrap();
+        assert!((p99.1 - 1.5).abs() < 1e-12);
+        // Best static: 1.0 at 0.5, 0.98 at 1.0: below 99% half way between 0.5 and 1.0.
+        assert!((knee.unwrap() - 0.75).abs() < 1e-12, "{knee:?}");
+        let slo = Slo {
+            ttft_s: 1.0,
+            tpot_s: 0.05,
+        };
+        let t = table(&cells, &slo);
+        assert!(
+            t.contains("TTFT <= 1 s") && t.contains("0.600±1.271"),
+            "{t}"
+        );
+        assert_eq!(attainment_svg(&cells, &slo).matches("<polyline").count(), 3);
     }
 }

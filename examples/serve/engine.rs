@@ -11,6 +11,8 @@
 
 use std::collections::VecDeque;
 
+use serde::{Deserialize, Serialize};
+
 use crate::trace::Request;
 
 /// A model's KV cache as the scheduler sees it: blocks of `block_tokens()` tokens.
@@ -50,7 +52,7 @@ pub trait StepModel {
 }
 
 /// Engine limits.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct EngineConfig {
     /// Most sequences in the running batch.
     pub max_batch: usize,
@@ -90,7 +92,7 @@ impl Seq {
 }
 
 /// Counters of one engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineCounters {
     /// Prefill steps run.
     pub prefills: u64,
@@ -125,6 +127,23 @@ pub struct Engine<K: KvBlocks, M: StepModel> {
     pub counters: EngineCounters,
     /// The last error a step returned.
     pub last_error: Option<String>,
+    /// Where token times come from: `None`, the virtual clock (a step's tokens come at `now`
+    /// plus what the model says the step took); `Some`, a wall clock read when the step's
+    /// compute returns (allocation, mapping and any wait inside the step included).
+    pub clock: Option<Box<dyn Fn() -> f64 + Send>>,
+}
+
+/// A request still queued or running when a run ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Unfinished {
+    /// The request.
+    pub req: Request,
+    /// Time of its first token, if it had one.
+    pub first_token: Option<f64>,
+    /// Tokens generated.
+    pub generated: u32,
+    /// Times it was preempted.
+    pub preemptions: u32,
 }
 
 fn blocks_for(tokens: u32, block_tokens: u32) -> usize {
@@ -160,6 +179,7 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
             refused: Vec::new(),
             counters: EngineCounters::default(),
             last_error: None,
+            clock: None,
         }
     }
 
@@ -271,7 +291,7 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
                     return 0.0;
                 }
             };
-            let t = now + dt;
+            let t = self.stamp(now, dt);
             for mut s in prefill.drain(..) {
                 if s.first_token.is_none() {
                     s.first_token = Some(t);
@@ -331,8 +351,14 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
         }
         self.counters.tokens += self.running.len() as u64;
         self.counters.decode_seqs += self.running.len() as u64;
-        self.retire(now + dt);
+        let t = self.stamp(now, dt);
+        self.retire(t);
         dt
+    }
+
+    /// When a step that started at `now` and computed for `dt` seconds produced its tokens.
+    fn stamp(&self, now: f64, dt: f64) -> f64 {
+        self.clock.as_ref().map_or(now + dt, |c| c())
     }
 
     fn fail(&mut self, e: String, seqs: Vec<Seq>) {
@@ -364,6 +390,24 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
         }
     }
 
+    /// Requests still queued or running (unfinished at the end of a run), taken out with what
+    /// they got; their blocks freed.
+    pub fn take_unfinished(&mut self) -> Vec<Unfinished> {
+        let mut out = Vec::new();
+        let running = std::mem::take(&mut self.running);
+        let waiting = std::mem::take(&mut self.waiting);
+        for s in running.into_iter().chain(waiting) {
+            self.kv.free(&s.blocks);
+            out.push(Unfinished {
+                req: s.req,
+                first_token: s.first_token,
+                generated: s.generated,
+                preemptions: s.preemptions,
+            });
+        }
+        out
+    }
+
     /// Requests still queued or running (unfinished at the end of a run), dropped; their blocks
     /// freed.
     pub fn abandon(&mut self) -> usize {
@@ -378,7 +422,7 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
 
 /// A simulated model: a step costs a fixed overhead, time per token computed, and time per
 /// token of context read (the roofline of a memory-bound decode).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct SimCost {
     /// Seconds per step.
     pub step_s: f64,
@@ -399,6 +443,21 @@ impl SimCost {
             prefill_token_s: 20e-6,
             decode_seq_s: 50e-6,
             context_token_s: 10e-9,
+        }
+    }
+}
+
+impl SimCost {
+    /// Compute cheap against memory (the deployment benchmark on the host, where the KV
+    /// budget is small): 2 ms per step, 2 µs per prefill token, 20 µs per decoded sequence,
+    /// 1 ns per context token. A model's share of the KV budget fills before its steps
+    /// take all its time.
+    pub fn memory_bound() -> Self {
+        SimCost {
+            step_s: 2e-3,
+            prefill_token_s: 2e-6,
+            decode_seq_s: 20e-6,
+            context_token_s: 1e-9,
         }
     }
 }

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use elastic_vmm::backend::host::HostBackend;
 use elastic_vmm::kv::{KvLayout, PagedKv, PagedKvConfig};
 use elastic_vmm::{
-    Allocation, MemOptions, ModelConfig, ModelHandle, Pool, PoolConfig, SharedPool,
-    SharedPoolConfig, Tag,
+    Allocation, MemOptions, ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig, Tag,
 };
 
 use crate::cluster::{paged_block_bytes, PoolKv, Served};
@@ -18,13 +17,22 @@ use crate::engine::{Engine, EngineConfig, SeqView, SimCost, StepModel};
 
 /// A simulated model over real memory: its weights are an allocation with a known pattern (a
 /// sleep must bring them back intact), each step allocates (and frees) its activations in the
-/// model's pool, so a step that cannot get its memory fails like an out-of-memory would.
+/// model's pool, so a step that cannot get its memory fails like an out-of-memory would. With
+/// `wall` set a step also takes its modelled time in wall-clock time (it sleeps), as a real
+/// model's forward would; the virtual-clock driver leaves it off.
 pub struct SimModel {
-    model: ModelHandle,
-    cost: SimCost,
-    act_bytes_per_token: u64,
-    weights: Allocation,
-    pattern: u8,
+    /// The model's pool (a shared pool's model, or a model on the broker).
+    pub pool: Pool,
+    /// Step costs.
+    pub cost: SimCost,
+    /// Activation bytes per token of a step.
+    pub act_bytes_per_token: u64,
+    /// The weights, filled with `pattern`.
+    pub weights: Allocation,
+    /// The weights' byte.
+    pub pattern: u8,
+    /// Whether a step sleeps for its modelled time.
+    pub wall: bool,
 }
 
 impl SimModel {
@@ -44,7 +52,7 @@ impl SimModel {
     fn activations(&self, tokens: u64) -> Result<(), String> {
         let bytes = (tokens * self.act_bytes_per_token).max(1) as usize;
         let mut a = self
-            .model
+            .pool
             .allocate_with(bytes, &MemOptions::new().tag(Tag::Activations))
             .map_err(|e| format!("activations of {bytes} bytes: {e}"))?;
         a.write(0, &[1]).map_err(|e| e.to_string())?;
@@ -52,14 +60,25 @@ impl SimModel {
     }
 }
 
+impl SimModel {
+    fn took(&self, dt: f64) -> f64 {
+        if self.wall {
+            std::thread::sleep(std::time::Duration::from_secs_f64(dt));
+        }
+        dt
+    }
+}
+
 impl StepModel for SimModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
         self.activations(seqs.iter().map(|s| s.new_tokens as u64).sum())?;
-        self.cost.prefill(seqs)
+        let dt = self.cost.prefill(seqs)?;
+        Ok(self.took(dt))
     }
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
         self.activations(seqs.len() as u64)?;
-        self.cost.decode(seqs)
+        let dt = self.cost.decode(seqs)?;
+        Ok(self.took(dt))
     }
 }
 
@@ -204,11 +223,12 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>, Pool), 
             block_bytes,
         );
         let model = SimModel {
-            model: handle.clone(),
+            pool: handle.pool().clone(),
             cost: sizes.cost,
             act_bytes_per_token: sizes.act_bytes_per_token,
             weights,
             pattern,
+            wall: false,
         };
         models.push(Served {
             handle,

@@ -1,8 +1,40 @@
-//! Many models on one GPU, end to end (issue 24): K Llama-shaped candle models with random
-//! weights, every allocation routed into its model of one shared pool, each behind a
-//! continuous-batching engine whose KV is a paged KV cache (`elastic_vmm::kv::PagedKv`; on the
-//! GPU its candle tensors, attended through block tables: `paged_llama.rs`), serve one seeded bursty trace under three memory policies (static 1/K partitions,
-//! elastic, elastic with sleep), swept over load.
+//! Many models on one GPU, end to end (issues 24 and 32), in two deployments.
+//!
+//! **`serve bench`: the deployment users run** (`bench.rs`, `deploy.rs`, `metrics.rs`,
+//! `workload.rs`). One broker process and one engine process per model (this binary
+//! re-executed in each role), on wall clock, open loop: each engine admits a request when the
+//! wall clock reaches its arrival, from one start instant (`CLOCK_MONOTONIC`) all engines
+//! share, whatever it is doing; TTFT is its first token less its arrival, so allocation,
+//! mapping, the broker's reclaim and hand-over between engines and every wait are inside
+//! what is measured. Every request of the trace has a record (finished, censored at the
+//! run's end, refused); SLO attainment (TTFT <= S1 and mean TPOT <= S2, both printed),
+//! goodput and TTFT/TPOT p50/p90/p99 count them all, censored values at their lower bound.
+//! Each model replays a window of a real trace (Azure LLM inference 2023 conversation and code:
+//! CC-BY 4.0, Patel et al., ISCA 2024; Mooncake conversation: Apache-2.0, Qin et al., FAST
+//! 2025; the files are in `../shared/traces` beside the repository, with their README) or the
+//! seeded generator's trace, time-scaled to the load point; seeds pick windows. Policies:
+//! static equal split, static best split (shares proportional to each model's mean demand),
+//! elastic; the same engine. Per load point it prints a table of each metric's mean and 95%
+//! confidence interval over seeds per policy, saves every run as JSON (command, commit,
+//! machine, every record), `summary.json` with the knee (the load at which the best static
+//! policy's SLO attainment falls below 99%) and `slo-attainment.svg` (confidence bands). It
+//! runs on the host backend with simulated compute (a step sleeps for the cost model's time;
+//! costs chosen so that memory binds); the GPU engine is not wired to it yet. Flags: see
+//! `bench.rs`; for example
+//!
+//! ```text
+//! serve bench --sim --seeds 1,2,3,4,5 --loads 0.5,1,1.5 --duration 20 --drain 5 \
+//!     --traces conv,code,mooncake --slo-ttft 1 --slo-tpot 0.05 --out $OUT/bench
+//! ```
+//!
+//! **The in-process driver** (the rest of this page; `cluster.rs`): K Llama-shaped candle
+//! models with random weights, every allocation routed into its model of one shared pool
+//! (`SharedPool`), each behind a continuous-batching engine whose KV is a paged KV cache
+//! (`elastic_vmm::kv::PagedKv`; on the GPU its candle tensors, attended through block tables:
+//! `paged_llama.rs`), serve one seeded bursty trace under three memory policies (static 1/K
+//! partitions, elastic, elastic with sleep), swept over load. Its clock is virtual (advanced
+//! by forward time; models stepped round-robin in one process) and its percentiles count
+//! finished requests only: it checks the policies' mechanics, and `serve bench` measures.
 //!
 //! ```text
 //! serve [--sizes small,8b] [--duration S] [--drain S] [--points 0,1,2,3,4] [--loads-small R,..]
@@ -67,15 +99,19 @@
 //! Time is virtual (see `cluster.rs`): a run at low load replays faster than its trace, one at
 //! saturation takes about the trace and its drain (60 + 15 s). `--duration` shortens them.
 
+mod bench;
 mod cluster;
+mod deploy;
 mod engine;
 mod host;
 #[cfg(feature = "candle-example")]
 mod llama;
+mod metrics;
 #[cfg(feature = "candle-example")]
 mod paged_llama;
 mod report;
 mod trace;
+mod workload;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -677,7 +713,40 @@ fn run_gpu(_: &Args, _: Instant) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // A child in a role of the process deployment (broker, engine): that and nothing else.
+    if let Some(r) = deploy::run_role() {
+        return match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!(
+                    "serve ({}): {e}",
+                    std::env::var(deploy::ROLE_VAR).unwrap_or_default()
+                );
+                ExitCode::FAILURE
+            }
+        };
+    }
     let start = Instant::now();
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("bench") {
+        let out = std::env::var_os("OUT")
+            .map(|o| PathBuf::from(o).join("serve-bench"))
+            .unwrap_or_else(|| PathBuf::from("target/serve-bench"));
+        let result = bench::BenchArgs::parse(&argv[2..], out).and_then(|a| {
+            let launcher = deploy::Launcher::this()?;
+            bench::run(&a, &launcher, &argv.join(" ")).map(|_| ())
+        });
+        return match result {
+            Ok(()) => {
+                progress(start, "done");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("serve bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = parse().and_then(|a| {
         println!(
             "serve: {} models, {} s traces (+{} s drain), seed {}, policies {:?}, output in {}",

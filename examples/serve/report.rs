@@ -97,6 +97,9 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// A named line with a band: points `(x, y, low, high)`.
+pub type BandSeries = (String, Vec<(f64, f64, f64, f64)>);
+
 /// A line chart: `series` of (name, points), axes labelled; y on a log scale if `log_y`.
 pub fn line_chart(
     title: &str,
@@ -105,18 +108,32 @@ pub fn line_chart(
     series: &[(String, Vec<(f64, f64)>)],
     log_y: bool,
 ) -> String {
+    let banded: Vec<BandSeries> = series
+        .iter()
+        .map(|(n, p)| (n.clone(), p.iter().map(|&(x, y)| (x, y, y, y)).collect()))
+        .collect();
+    band_chart(title, x_label, y_label, &banded, log_y)
+}
+
+/// A line chart with bands: `series` of (name, points `(x, y, low, high)`), each line drawn
+/// over a shaded band from `low` to `high` (a confidence interval; none where they equal `y`).
+pub fn band_chart(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[BandSeries],
+    log_y: bool,
+) -> String {
     let (w, h, l, r, t, b) = (720.0, 420.0, 70.0, 150.0, 40.0, 50.0);
     let fy = |y: f64| if log_y { y.max(1e-6).log10() } else { y };
-    let pts = series
-        .iter()
-        .flat_map(|s| s.1.iter())
-        .filter(|p| p.1.is_finite());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in pts {
-        x0 = x0.min(x);
-        x1 = x1.max(x);
-        y0 = y0.min(fy(y));
-        y1 = y1.max(fy(y));
+    for &(x, y, lo, hi) in series.iter().flat_map(|s| s.1.iter()) {
+        for v in [y, lo, hi].into_iter().filter(|v| v.is_finite()) {
+            x0 = x0.min(x);
+            x1 = x1.max(x);
+            y0 = y0.min(fy(v));
+            y1 = y1.max(fy(v));
+        }
     }
     if x0 > x1 {
         (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
@@ -172,10 +189,31 @@ pub fn line_chart(
     );
     for (i, (name, points)) in series.iter().enumerate() {
         let c = COLORS[i % COLORS.len()];
+        let banded: Vec<_> = points
+            .iter()
+            .filter(|p| p.2.is_finite() && p.3.is_finite() && p.2 < p.3)
+            .collect();
+        if banded.len() == points.len() && !banded.is_empty() {
+            let edge: Vec<String> = banded
+                .iter()
+                .map(|p| format!("{:.1},{:.1}", px(p.0), py(p.3)))
+                .chain(
+                    banded
+                        .iter()
+                        .rev()
+                        .map(|p| format!("{:.1},{:.1}", px(p.0), py(p.2))),
+                )
+                .collect();
+            let _ = writeln!(
+                svg,
+                "<polygon fill=\"{c}\" fill-opacity=\"0.18\" stroke=\"none\" points=\"{}\"/>",
+                edge.join(" ")
+            );
+        }
         let path: Vec<String> = points
             .iter()
             .filter(|p| p.1.is_finite())
-            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+            .map(|&(x, y, _, _)| format!("{:.1},{:.1}", px(x), py(y)))
             .collect();
         let _ = writeln!(
             svg,

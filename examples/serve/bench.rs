@@ -1,0 +1,587 @@
+//! `serve bench`: the process deployment (`deploy.rs`) swept over load points, seeds (trace
+//! windows) and policies, every request counted (`metrics.rs`).
+//!
+//! ```text
+//! serve bench [--models K] [--policies static-equal,static-best,elastic] [--loads 0.5,1,1.5]
+//!             [--seeds 1,2,3,4,5] [--duration S] [--drain S] [--traces conv,code,mooncake]
+//!             [--traces-dir DIR] [--len-scale F] [--kv-blocks B] [--slo-ttft S]
+//!             [--slo-tpot S] [--reclaim-wait-ms MS] [--out DIR]
+//! ```
+//!
+//! `--reclaim-wait-ms` (default 200) is the broker's `reclaim_wait`: how long a growth the
+//! budget cannot take waits for other engines to give memory back before it is refused.
+//! Elastic runs are sensitive to it: on the host, two engines growing at once have each
+//! waited for the other's give-back until this deadline (see the report of issue 32's work).
+//!
+//! Load 1.0 is the nominal capacity of a static split: the rate per model at which the
+//! models' mean KV demand (Little's law: rate x `(prompt + output / 2) * output` tokens held
+//! for one decode step each, over each model's whole trace at the scaled lengths) fills the
+//! whole KV budget, at the cost model's decode step for the batch a static share holds. The
+//! knee is then measured: the load at which the best static policy's mean SLO attainment falls
+//! below 99%. Runs go seed by seed, load by load, the policies' order rotated per seed.
+//!
+//! Output under `--out`: `runs/<load>-<policy>-s<seed>.json` (every record, the engines'
+//! counters, the command, commit and machine), `table.txt` (per load, per policy: mean and
+//! 95% confidence interval of each metric over the seeds), `summary.json`, and
+//! `slo-attainment.svg` (SLO attainment against load with confidence bands per policy).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::deploy::{self, DeployPolicy, Launcher, Point, PointResult, SimSizes};
+use crate::metrics::{self, RunStats, Slo};
+use crate::report;
+use crate::trace::Request;
+use crate::workload::{self, Lengths, Source};
+
+/// The sweep's settings.
+#[derive(Debug, Clone)]
+pub struct BenchArgs {
+    /// Models (engine processes).
+    pub models: usize,
+    /// Policies.
+    pub policies: Vec<DeployPolicy>,
+    /// Load points (multiples of the nominal static capacity).
+    pub loads: Vec<f64>,
+    /// Seeds (trace windows).
+    pub seeds: Vec<u64>,
+    /// Seconds of trace.
+    pub duration_s: f64,
+    /// Seconds after it.
+    pub drain_s: f64,
+    /// Trace sources, cycled over the models.
+    pub sources: Vec<Source>,
+    /// Where the real traces are.
+    pub traces_dir: PathBuf,
+    /// Factor on lengths.
+    pub len_scale: f64,
+    /// KV blocks per model (the KV budget is this times the models).
+    pub kv_blocks_per_model: u64,
+    /// The SLO.
+    pub slo: Slo,
+    /// The broker's reclaim wait (milliseconds).
+    pub reclaim_wait_ms: u64,
+    /// Output folder.
+    pub out: PathBuf,
+}
+
+impl BenchArgs {
+    /// Defaults (`out` as given): 3 models, all three policies, loads 0.5, 1, 1.5, five seeds,
+    /// 20 s traces and 5 s drain, the Azure conversation and code traces and Mooncake, lengths
+    /// at a quarter (the host simulation's KV budget is small), 192 KV blocks per model, an
+    /// SLO of 1 s TTFT and 50 ms TPOT.
+    pub fn defaults(out: PathBuf) -> BenchArgs {
+        BenchArgs {
+            models: 3,
+            policies: vec![
+                DeployPolicy::StaticEqual,
+                DeployPolicy::StaticBest,
+                DeployPolicy::Elastic,
+            ],
+            loads: vec![0.5, 1.0, 1.5],
+            seeds: vec![1, 2, 3, 4, 5],
+            duration_s: 20.0,
+            drain_s: 5.0,
+            sources: vec![Source::AzureConv, Source::AzureCode, Source::Mooncake],
+            traces_dir: default_traces_dir(),
+            len_scale: 0.25,
+            kv_blocks_per_model: 192,
+            slo: Slo {
+                ttft_s: 1.0,
+                tpot_s: 0.05,
+            },
+            reclaim_wait_ms: 200,
+            out,
+        }
+    }
+
+    /// Parse `bench`'s flags.
+    pub fn parse(argv: &[String], out: PathBuf) -> Result<BenchArgs, String> {
+        let mut a = BenchArgs::defaults(out);
+        let mut i = 0;
+        while i < argv.len() {
+            let flag = argv[i].as_str();
+            if flag == "--sim" {
+                i += 1;
+                continue;
+            }
+            let v = argv
+                .get(i + 1)
+                .ok_or_else(|| format!("{flag} needs a value"))?;
+            let num = |v: &str| {
+                v.parse::<f64>()
+                    .map_err(|_| format!("{flag}: bad number {v:?}"))
+            };
+            let list = |v: &str| -> Result<Vec<String>, String> {
+                Ok(v.split(',').map(|x| x.trim().to_string()).collect())
+            };
+            match flag {
+                "--models" => a.models = num(v)? as usize,
+                "--policies" => {
+                    a.policies = list(v)?
+                        .iter()
+                        .map(|p| DeployPolicy::parse(p))
+                        .collect::<Result<_, _>>()?
+                }
+                "--loads" => a.loads = list(v)?.iter().map(|x| num(x)).collect::<Result<_, _>>()?,
+                "--seeds" => {
+                    a.seeds = list(v)?
+                        .iter()
+                        .map(|x| x.parse().map_err(|_| format!("--seeds: bad seed {x:?}")))
+                        .collect::<Result<_, _>>()?
+                }
+                "--duration" => a.duration_s = num(v)?,
+                "--drain" => a.drain_s = num(v)?,
+                "--traces" => {
+                    a.sources = list(v)?
+                        .iter()
+                        .map(|s| Source::parse(s))
+                        .collect::<Result<_, _>>()?
+                }
+                "--traces-dir" => a.traces_dir = PathBuf::from(v),
+                "--len-scale" => a.len_scale = num(v)?,
+                "--kv-blocks" => a.kv_blocks_per_model = num(v)? as u64,
+                "--slo-ttft" => a.slo.ttft_s = num(v)?,
+                "--slo-tpot" => a.slo.tpot_s = num(v)?,
+                "--reclaim-wait-ms" => a.reclaim_wait_ms = num(v)? as u64,
+                "--out" => a.out = PathBuf::from(v),
+                _ => return Err(format!("bench: unknown flag {flag} (see bench.rs)")),
+            }
+            i += 2;
+        }
+        let bad = a.models == 0
+            || a.policies.is_empty()
+            || a.seeds.is_empty()
+            || a.sources.is_empty()
+            || a.kv_blocks_per_model == 0
+            || !(a.duration_s > 0.0 && a.drain_s >= 0.0 && a.len_scale > 0.0)
+            || !a.loads.iter().all(|l| *l > 0.0);
+        if bad {
+            return Err("bench: models, policies, seeds, traces, KV blocks, duration, length scale and loads must be positive".into());
+        }
+        Ok(a)
+    }
+
+    fn sizes(&self) -> SimSizes {
+        SimSizes {
+            kv_blocks: self.kv_blocks_per_model * self.models as u64,
+            ..SimSizes::small(self.models)
+        }
+    }
+
+    fn lengths(&self) -> Lengths {
+        Lengths {
+            scale: self.len_scale,
+            max_len: self.sizes().engine.max_context,
+        }
+    }
+}
+
+/// `../shared/traces` beside the repository (the crate's root is known at build time).
+pub fn default_traces_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces")
+}
+
+/// What each model's trace is made from.
+enum Feed {
+    /// Rows of a real trace.
+    Real(Vec<workload::Row>),
+    /// The generator.
+    Synthetic,
+}
+
+/// The models' feeds, their mean KV demand per request (token-steps) and mean context.
+fn feeds(a: &BenchArgs) -> Result<Vec<(Feed, f64, f64)>, String> {
+    let len = a.lengths();
+    let mut out = Vec::new();
+    for m in 0..a.models {
+        let src = a.sources[m % a.sources.len()];
+        let feed = match src {
+            Source::Synthetic => {
+                let reqs = workload::synthetic(a.models, 0, 1.0, 600.0, len)?;
+                let r = &reqs[m];
+                (
+                    Feed::Synthetic,
+                    workload::demand_per_request(r),
+                    workload::mean_context(r),
+                )
+            }
+            _ => {
+                let rows = workload::load(&a.traces_dir, src)?;
+                let (span, _) = workload::span_rate(&rows);
+                let all = workload::window(&rows, m, 0, rows.len() as f64 / span, span, len);
+                let d = workload::demand_per_request(&all);
+                (Feed::Real(rows), d, workload::mean_context(&all))
+            }
+        };
+        out.push(feed);
+    }
+    Ok(out)
+}
+
+/// The rate per model (requests/s) at load 1.0: see the module docs.
+fn nominal_rate(a: &BenchArgs, demands: &[f64], contexts: &[f64]) -> f64 {
+    let s = a.sizes();
+    let kv_tokens = s.kv_blocks as f64 * s.block_tokens as f64;
+    let share_tokens = kv_tokens / a.models as f64;
+    let mean_ctx = (contexts.iter().sum::<f64>() / contexts.len().max(1) as f64).max(1.0);
+    let batch = (share_tokens / mean_ctx).clamp(1.0, s.engine.max_batch as f64);
+    let step = s.cost.step_s + s.cost.decode_seq_s * batch;
+    kv_tokens / (step * demands.iter().sum::<f64>().max(1e-9))
+}
+
+fn requests(
+    a: &BenchArgs,
+    feeds: &[(Feed, f64, f64)],
+    seed: u64,
+    rate: f64,
+) -> Result<Vec<Vec<Request>>, String> {
+    let len = a.lengths();
+    let mut synth: Option<Vec<Vec<Request>>> = None;
+    let mut out = Vec::new();
+    for (m, (feed, _, _)) in feeds.iter().enumerate() {
+        out.push(match feed {
+            Feed::Real(rows) => workload::window(rows, m, seed, rate, a.duration_s, len),
+            Feed::Synthetic => {
+                if synth.is_none() {
+                    synth = Some(workload::synthetic(
+                        a.models,
+                        seed,
+                        rate,
+                        a.duration_s,
+                        len,
+                    )?);
+                }
+                synth.as_ref().map(|s| s[m].clone()).unwrap_or_default()
+            }
+        });
+    }
+    Ok(out)
+}
+
+/// One run as saved.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunFile {
+    /// The command line.
+    pub command: String,
+    /// The commit it was built from.
+    pub commit: String,
+    /// The machine.
+    pub machine: String,
+    /// Policy.
+    pub policy: String,
+    /// Load point.
+    pub load: f64,
+    /// Mean rate per model (requests/s).
+    pub rate: f64,
+    /// Seed (trace window).
+    pub seed: u64,
+    /// Traces per model.
+    pub traces: Vec<String>,
+    /// The SLO.
+    pub slo: Slo,
+    /// Seconds of trace, and of drain.
+    pub duration_s: f64,
+    /// Drain.
+    pub drain_s: f64,
+    /// The broker's reclaim wait (milliseconds).
+    pub reclaim_wait_ms: u64,
+    /// All models.
+    pub stats: RunStats,
+    /// Per model.
+    pub per_model: Vec<RunStats>,
+    /// The engines' reports (every record).
+    pub result: PointResult,
+}
+
+/// The commit of the source tree the binary was built in, `+dirty` with changes not
+/// committed (`unknown` without git there, as in a bundle on a GPU machine).
+fn commit() -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(["-C", env!("CARGO_MANIFEST_DIR")])
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head)
+            if git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty()) =>
+        {
+            format!("{head}+dirty")
+        }
+        Some(head) => head,
+        None => "unknown".into(),
+    }
+}
+
+fn machine() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!(
+        "{} ({cpus} CPUs): host backend, simulated compute",
+        host.trim()
+    )
+}
+
+/// Mean and CI of each metric per (load, policy).
+#[derive(Debug, Clone, Serialize)]
+pub struct Cell {
+    /// Load point.
+    pub load: f64,
+    /// Policy.
+    pub policy: String,
+    /// Runs (seeds).
+    pub runs: usize,
+    /// (metric, mean, 95% CI half-width).
+    pub metrics: Vec<(String, f64, f64)>,
+}
+
+/// The sweep's summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// The command line.
+    pub command: String,
+    /// Commit.
+    pub commit: String,
+    /// Machine.
+    pub machine: String,
+    /// The SLO.
+    pub slo: Slo,
+    /// Rate per model at load 1.0.
+    pub nominal_rate: f64,
+    /// Cells.
+    pub cells: Vec<Cell>,
+    /// The knee (load at which the best static policy's SLO attainment falls below 99%).
+    pub knee: Option<f64>,
+}
+
+/// Summarise `runs` (load, policy, stats).
+pub fn summarise(runs: &[(f64, String, RunStats)]) -> (Vec<Cell>, Option<f64>) {
+    let mut keys: Vec<(f64, String)> = Vec::new();
+    for (l, p, _) in runs {
+        if !keys.iter().any(|(kl, kp)| kl == l && kp == p) {
+            keys.push((*l, p.clone()));
+        }
+    }
+    keys.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let cells: Vec<Cell> = keys
+        .into_iter()
+        .map(|(load, policy)| {
+            let of: Vec<&RunStats> = runs
+                .iter()
+                .filter(|(l, p, _)| *l == load && *p == policy)
+                .map(|r| &r.2)
+                .collect();
+            let names = RunStats::default().metrics().map(|m| m.0);
+            let metrics = names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| {
+                    let v: Vec<f64> = of.iter().map(|s| s.metrics()[i].1).collect();
+                    let (m, ci) = metrics::mean_ci(&v);
+                    (n.to_string(), m, ci)
+                })
+                .collect();
+            Cell {
+                load,
+                policy,
+                runs: of.len(),
+                metrics,
+            }
+        })
+        .collect();
+    // The best static policy at each load: the most attainment of the static ones.
+    let mut best: Vec<(f64, f64)> = Vec::new();
+    for c in cells.iter().filter(|c| c.policy.starts_with("static")) {
+        let att = c.metrics[0].1;
+        match best.iter_mut().find(|b| b.0 == c.load) {
+            Some(b) => b.1 = b.1.max(att),
+            None => best.push((c.load, att)),
+        }
+    }
+    let knee = metrics::knee(&best, 0.99);
+    (cells, knee)
+}
+
+/// The table: per load, a line per policy with each metric's mean ± CI.
+pub fn table(cells: &[Cell], slo: &Slo) -> String {
+    let mut out = format!(
+        "SLO: TTFT <= {} s and mean TPOT <= {} s; mean ± 95% CI over seeds; percentiles over all requests (censored at the run's end)\n",
+        slo.ttft_s, slo.tpot_s
+    );
+    let mut last = f64::NAN;
+    for c in cells {
+        if c.load != last {
+            last = c.load;
+            let _ = write!(out, "\nload {:<6} {:<13} {:>4}", c.load, "policy", "runs");
+            for (n, _, _) in &c.metrics {
+                let _ = write!(out, " {n:>17}");
+            }
+            out.push('\n');
+        }
+        let _ = write!(out, "{:<11} {:<13} {:>4}", "", c.policy, c.runs);
+        for (_, m, ci) in &c.metrics {
+            let _ = write!(out, " {:>17}", format!("{m:.3}±{ci:.3}"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// SLO attainment against load with 95% bands, per policy.
+pub fn attainment_svg(cells: &[Cell], slo: &Slo) -> String {
+    let mut series: Vec<report::BandSeries> = Vec::new();
+    for c in cells {
+        let (_, m, ci) = c.metrics[0];
+        let ci = if ci.is_finite() { ci } else { 0.0 };
+        let p = (c.load, m, (m - ci).max(0.0), (m + ci).min(1.0));
+        match series.iter_mut().find(|s| s.0 == c.policy) {
+            Some(s) => s.1.push(p),
+            None => series.push((c.policy.clone(), vec![p])),
+        }
+    }
+    report::band_chart(
+        &format!(
+            "SLO attainment (TTFT <= {} s, TPOT <= {} s), 95% CI",
+            slo.ttft_s, slo.tpot_s
+        ),
+        "load (x nominal static capacity)",
+        "SLO attainment",
+        &series,
+        false,
+    )
+}
+
+/// Run the sweep with `launcher` starting the roles.
+pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary, String> {
+    let feeds = feeds(a)?;
+    let demands: Vec<f64> = feeds.iter().map(|f| f.1).collect();
+    let contexts: Vec<f64> = feeds.iter().map(|f| f.2).collect();
+    let rate1 = nominal_rate(a, &demands, &contexts);
+    let (commit, machine) = (commit(), machine());
+    let traces: Vec<String> = (0..a.models)
+        .map(|m| a.sources[m % a.sources.len()].name().to_string())
+        .collect();
+    let runs_dir = a.out.join("runs");
+    std::fs::create_dir_all(&runs_dir).map_err(|e| format!("{}: {e}", runs_dir.display()))?;
+    println!(
+        "bench: {} models ({}), load 1.0 = {rate1:.3} requests/s per model, SLO TTFT <= {} s, TPOT <= {} s",
+        a.models,
+        traces.join(","),
+        a.slo.ttft_s,
+        a.slo.tpot_s
+    );
+    let mut all = Vec::new();
+    let total = a.seeds.len() * a.loads.len() * a.policies.len();
+    for (si, &seed) in a.seeds.iter().enumerate() {
+        for &load in &a.loads {
+            let rate = load * rate1;
+            let reqs = requests(a, &feeds, seed, rate)?;
+            let demand: Vec<f64> = reqs
+                .iter()
+                .map(|r| r.len() as f64 * workload::demand_per_request(r))
+                .collect();
+            // The policies' order rotates from seed to seed.
+            let n = a.policies.len();
+            for j in 0..n {
+                let policy = a.policies[(j + si) % n];
+                let point = Point {
+                    policy,
+                    sizes: a.sizes(),
+                    requests: reqs.clone(),
+                    demand: demand.clone(),
+                    duration_s: a.duration_s,
+                    drain_s: a.drain_s,
+                    reclaim_wait_ms: a.reclaim_wait_ms,
+                };
+                let result = deploy::run_point(launcher, &point)?;
+                let records = result.records();
+                let stats = RunStats::of(&records, &a.slo, a.duration_s, result.end_s);
+                let per_model = (0..a.models)
+                    .map(|m| {
+                        let r: Vec<_> = records.iter().filter(|r| r.model == m).copied().collect();
+                        RunStats::of(&r, &a.slo, a.duration_s, result.end_s)
+                    })
+                    .collect();
+                println!(
+                    "[{}/{total}] load {load} seed {seed} {:<12}: {} requests, {} finished, {} censored, {} refused; SLO {:.3}, goodput {:.2}/s, ttft p50/p99 {:.3}/{:.3} s, tpot p50 {:.4} s ({:.1} s)",
+                    all.len() + 1,
+                    policy.name(),
+                    stats.requests,
+                    stats.finished,
+                    stats.censored,
+                    stats.refused,
+                    stats.slo_attainment,
+                    stats.goodput,
+                    stats.ttft_p50,
+                    stats.ttft_p99,
+                    stats.tpot_p50,
+                    result.wall_s
+                );
+                let file = RunFile {
+                    command: command.to_string(),
+                    commit: commit.clone(),
+                    machine: machine.clone(),
+                    policy: policy.name().to_string(),
+                    load,
+                    rate,
+                    seed,
+                    traces: traces.clone(),
+                    slo: a.slo,
+                    duration_s: a.duration_s,
+                    drain_s: a.drain_s,
+                    reclaim_wait_ms: a.reclaim_wait_ms,
+                    stats: stats.clone(),
+                    per_model,
+                    result,
+                };
+                let path = runs_dir.join(format!("{load}-{}-s{seed}.json", policy.name()));
+                let json = serde_json::to_vec_pretty(&file).map_err(|e| e.to_string())?;
+                std::fs::write(&path, json).map_err(|e| format!("{}: {e}", path.display()))?;
+                all.push((load, policy.name().to_string(), stats));
+            }
+        }
+    }
+    let (cells, knee) = summarise(&all);
+    let mut text = table(&cells, &a.slo);
+    let any_static = cells.iter().any(|c| c.policy.starts_with("static"));
+    let _ = writeln!(
+        text,
+        "\nknee (best static SLO attainment below 99%): {}",
+        match knee {
+            Some(k) => format!("load {k:.3}"),
+            None if any_static => "not reached".into(),
+            None => "no static policy in the sweep".into(),
+        }
+    );
+    print!("{text}");
+    let write = |name: &str, bytes: &[u8]| {
+        let p = a.out.join(name);
+        std::fs::write(&p, bytes).map_err(|e| format!("{}: {e}", p.display()))
+    };
+    write("table.txt", text.as_bytes())?;
+    write(
+        "slo-attainment.svg",
+        attainment_svg(&cells, &a.slo).as_bytes(),
+    )?;
+    let summary = Summary {
+        command: command.to_string(),
+        commit,
+        machine,
+        slo: a.slo,
+        nominal_rate: rate1,
+        cells,
+        knee,
+    };
+    write(
+        "summary.json",
+        &serde_json::to_vec_pretty(&summary).map_err(|e| e.to_string())?,
+    )?;
+    Ok(summary)
+}

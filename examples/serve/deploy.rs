@@ -1,0 +1,862 @@
+//! The deployment users run: one broker process and one engine process per model, on wall
+//! clock, open loop.
+//!
+//! A run ([`run_point`]): the driver starts a broker (this binary re-executed in the broker
+//! role: `elastic_vmm::broker::Broker` on the host backend, chunks shared as memfds, the
+//! budget being the whole device less nothing: every model's weights and activations plus the
+//! KV budget), waits for it, then starts one engine process per model (the binary in the
+//! engine role, its [`EngineSpec`] in a JSON file). Each engine connects with `BrokerClient`,
+//! registers its model with the policy's limit and guarantee, loads its weights, builds its
+//! paged KV cache on the model's pool and says it is ready. When all are, the driver sends
+//! every engine one start instant, a `CLOCK_MONOTONIC` time (system-wide). From then on each
+//! engine runs on its own: a request is submitted to its scheduler at the first loop turn at
+//! or after its arrival (whatever the engine was doing: a step under way delays it, and that
+//! delay is in its TTFT, measured from the arrival); token times are the wall clock when a
+//! step's compute returns, so allocation, mapping, the broker's reclaim and hand-over between
+//! engines and any wait inside a step are all inside TTFT and TPOT. Compute is simulated (the
+//! step sleeps for `SimCost`'s time) so that on the host memory binds, not compute.
+//!
+//! At the run's end (trace plus drain) each engine stops, writes a [`Record`] for every
+//! request of its trace (finished, censored or refused) and exits; the driver reads them all,
+//! stops the broker and computes the run's statistics ([`RunStats`]).
+//!
+//! Policies (the same engine; only the limit, guarantee and caps differ):
+//! - `static-equal`: each model's limit and guarantee are its base (weights, activations) plus
+//!   1/K of the KV budget;
+//! - `static-best`: the same with shares proportional to each model's mean KV demand in its
+//!   trace window (rate times `(prompt + output / 2) * output`: an oracle split no static
+//!   operator can beat on average), each share at least the longest context an engine
+//!   serves, so that no model is left unable to serve a request it would otherwise take;
+//! - `elastic`: limit the base plus the whole KV budget, guarantee the base. A model grows
+//!   into what the others do not hold; the broker asks the others to give back (their idle
+//!   chunks) when one cannot grow. An engine asked to give back (its reclaim callback) admits
+//!   nothing beyond its fair share (1/K of the KV budget) for the next `CONTENDED_S`.
+//!
+//! Roles are chosen by the variable [`ROLE_VAR`] (`broker` or `engine`) and [`SPEC_VAR`]; a
+//! role talks to the driver by lines on stdin and stdout, each of its own lines holding
+//! [`LINE_PREFIX`] then the word (a test harness may print other text, even ahead of it on
+//! the line).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use elastic_vmm::backend::host::{ChunkFiles, HostBackend};
+use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
+use elastic_vmm::kv::PagedKv;
+use elastic_vmm::{MemOptions, ModelConfig, Tag};
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{Engine, EngineConfig, EngineCounters, KvBlocks, SimCost};
+use crate::host::{kv_config, SimModel};
+use crate::metrics::{Outcome, Record};
+use crate::trace::Request;
+
+/// The variable naming a child's role.
+pub const ROLE_VAR: &str = "SERVE_ROLE";
+/// The variable naming a child's spec file.
+pub const SPEC_VAR: &str = "SERVE_SPEC";
+/// The start of every line a role writes for the driver.
+pub const LINE_PREFIX: &str = "serve-role:";
+/// How long a role may take to get ready.
+const READY_WAIT: Duration = Duration::from_secs(30);
+/// Seconds an engine asked to give back keeps to its fair share.
+pub const CONTENDED_S: f64 = 0.25;
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC is always supported.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_MONOTONIC)");
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A memory policy of the deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeployPolicy {
+    /// Equal static shares.
+    StaticEqual,
+    /// Static shares proportional to mean demand.
+    StaticBest,
+    /// One shared budget.
+    Elastic,
+}
+
+impl DeployPolicy {
+    /// Its name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeployPolicy::StaticEqual => "static-equal",
+            DeployPolicy::StaticBest => "static-best",
+            DeployPolicy::Elastic => "elastic",
+        }
+    }
+
+    /// Parse a name.
+    pub fn parse(s: &str) -> Result<DeployPolicy, String> {
+        [
+            DeployPolicy::StaticEqual,
+            DeployPolicy::StaticBest,
+            DeployPolicy::Elastic,
+        ]
+        .into_iter()
+        .find(|p| p.name() == s)
+        .ok_or_else(|| format!("unknown policy {s:?}: static-equal, static-best or elastic"))
+    }
+}
+
+/// Sizes of a simulated deployment (host backend).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct SimSizes {
+    /// The broker's chunk granularity (bytes); one KV block is one granule.
+    pub granularity: u64,
+    /// Tokens per KV block.
+    pub block_tokens: u32,
+    /// Weights per model (bytes).
+    pub weights: u64,
+    /// Activation bytes reserved per model (its base is weights plus this).
+    pub act_reserve: u64,
+    /// Activation bytes per token of a step.
+    pub act_bytes_per_token: u64,
+    /// KV blocks of all models together (the KV budget).
+    pub kv_blocks: u64,
+    /// Engine limits.
+    pub engine: EngineConfig,
+    /// Step costs.
+    pub cost: SimCost,
+}
+
+impl SimSizes {
+    /// CI-sized: 256 KiB granules of 32 tokens, 1 MiB of weights and 1 MiB of activations
+    /// per model, 192 KV blocks per model (6,144 tokens), batches of up to 64, contexts of up
+    /// to 4,096 tokens.
+    pub fn small(models: usize) -> SimSizes {
+        SimSizes {
+            granularity: 256 << 10,
+            block_tokens: 32,
+            weights: 1 << 20,
+            act_reserve: 1 << 20,
+            act_bytes_per_token: 128,
+            kv_blocks: 192 * models as u64,
+            engine: EngineConfig {
+                max_batch: 64,
+                max_prefill_tokens: 2048,
+                max_context: 4096,
+            },
+            cost: SimCost::memory_bound(),
+        }
+    }
+
+    /// A model's base: weights and activations.
+    pub fn base(&self) -> u64 {
+        self.weights + self.act_reserve
+    }
+
+    /// The broker's budget for `models` models: their bases and the KV budget.
+    pub fn budget(&self, models: usize) -> u64 {
+        self.base() * models as u64 + self.kv_blocks * self.granularity
+    }
+}
+
+/// What one engine process does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineSpec {
+    /// The broker's socket.
+    pub socket: PathBuf,
+    /// Model index.
+    pub model: usize,
+    /// Sizes.
+    pub sizes: SimSizes,
+    /// Limit at the broker (bytes).
+    pub limit: u64,
+    /// Guarantee at the broker (bytes).
+    pub guarantee: u64,
+    /// KV blocks it may hold (its share under a static policy, the whole KV budget else).
+    pub cap_blocks: usize,
+    /// Its fair share (blocks), kept to while another model waits (elastic).
+    pub fair_blocks: usize,
+    /// Seconds from the start instant at which it stops.
+    pub end_s: f64,
+    /// Its requests, arrivals in seconds from the start instant.
+    pub requests: Vec<Request>,
+    /// Where it writes its [`EngineReport`].
+    pub out: PathBuf,
+}
+
+/// What an engine process reports at its end.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct EngineReport {
+    /// Model index.
+    pub model: usize,
+    /// A record per request of its trace.
+    pub records: Vec<Record>,
+    /// Its scheduler's counters.
+    pub counters: EngineCounters,
+    /// KV allocations the broker refused.
+    pub kv_refusals: u64,
+    /// Wall seconds spent in KV allocations that succeeded (mapping, growth at the broker,
+    /// hand-over from other engines included).
+    pub kv_alloc_s: f64,
+    /// Wall seconds spent in KV allocations that were refused (the broker's reclaim from
+    /// other engines included).
+    pub kv_refused_s: f64,
+    /// Reclaim requests the broker sent it.
+    pub reclaims: u64,
+    /// Most KV blocks it held at once.
+    pub peak_blocks: usize,
+    /// Seconds from its process start to ready (connect, register, weights, KV cache).
+    pub setup_s: f64,
+    /// Errors seen (failed steps).
+    pub errors: Vec<String>,
+}
+
+/// A paged KV cache on a broker model as the scheduler sees it: blocks it may hold by the
+/// policy's caps; whether memory is there is the broker's to say at `alloc`.
+struct BrokerKv {
+    store: PagedKv,
+    block_tokens: u32,
+    held: usize,
+    peak: usize,
+    cap: usize,
+    admit_cap: usize,
+    refusals: u64,
+    alloc_s: f64,
+    refused_s: f64,
+    /// No admission before this (a back-off after a refusal).
+    retry_at: Instant,
+    /// The last back-off (seconds).
+    backoff: f64,
+}
+
+/// Back-off after a refused KV allocation: from the first, doubling to the second (seconds).
+const BACKOFF_S: (f64, f64) = (0.002, 0.032);
+
+impl KvBlocks for BrokerKv {
+    fn block_tokens(&self) -> u32 {
+        self.block_tokens
+    }
+    fn available(&mut self) -> usize {
+        // After a refusal, nothing is asked of the broker again until a block was freed here
+        // or the back-off passed (each refusal makes the broker ask the others for memory).
+        if Instant::now() < self.retry_at {
+            return 0;
+        }
+        self.admit_cap.min(self.cap).saturating_sub(self.held)
+    }
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+    fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        if self.held + n > self.cap {
+            return None;
+        }
+        let t = Instant::now();
+        let r = self.store.alloc(n);
+        let dt = t.elapsed().as_secs_f64();
+        match r {
+            Ok(ids) => {
+                self.backoff = 0.0;
+                self.alloc_s += dt;
+                self.held += ids.len();
+                self.peak = self.peak.max(self.held);
+                Some(ids.into_iter().map(|i| i as u32).collect())
+            }
+            Err(e) => {
+                tracing::debug!(n, error = %e, "KV blocks refused");
+                self.refused_s += dt;
+                self.refusals += 1;
+                self.backoff = (self.backoff * 2.0).clamp(BACKOFF_S.0, BACKOFF_S.1);
+                self.retry_at = Instant::now() + Duration::from_secs_f64(self.backoff);
+                None
+            }
+        }
+    }
+    fn free(&mut self, ids: &[u32]) {
+        let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+        match self.store.free(&ids) {
+            Ok(()) => {
+                self.held -= ids.len();
+                self.retry_at = Instant::now();
+            }
+            Err(e) => tracing::error!(error = %e, "KV release failed"),
+        }
+    }
+    fn used(&self) -> usize {
+        self.held
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{LINE_PREFIX}{line}");
+    let _ = out.flush();
+}
+
+/// Run this process's role if [`ROLE_VAR`] names one: `Some(result)` then, `None` else.
+pub fn run_role() -> Option<Result<(), String>> {
+    let role = std::env::var(ROLE_VAR).ok()?;
+    let spec = std::env::var(SPEC_VAR).map_err(|_| format!("{SPEC_VAR} not set"));
+    Some(spec.and_then(|spec| match role.as_str() {
+        "broker" => broker_role(Path::new(&spec)),
+        "engine" => engine_role(Path::new(&spec)),
+        other => Err(format!("unknown role {other:?}")),
+    }))
+}
+
+/// The broker's spec.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct BrokerSpec {
+    socket: PathBuf,
+    budget: u64,
+    granularity: u64,
+    reclaim_wait_ms: u64,
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn write_json<T: Serialize>(path: &Path, v: &T) -> Result<(), String> {
+    let bytes = serde_json::to_vec(v).map_err(|e| e.to_string())?;
+    std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Raise the open-files limit to its hard limit (the broker holds a descriptor per chunk).
+fn raise_nofile() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid rlimit to fill and then pass back.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+fn broker_role(spec: &Path) -> Result<(), String> {
+    let spec: BrokerSpec = read_json(spec)?;
+    raise_nofile();
+    let e = |e: elastic_vmm::Error| e.to_string();
+    let backend = HostBackend::with_chunk_files(spec.granularity as usize, ChunkFiles::PerChunk)
+        .map_err(e)?;
+    let config = BrokerConfig::new(&spec.socket, spec.budget)
+        .reclaim_wait(Duration::from_millis(spec.reclaim_wait_ms));
+    let broker = Broker::start(Arc::new(backend), config).map_err(e)?;
+    say("ready");
+    // Serve until the driver closes stdin.
+    let mut sink = String::new();
+    while std::io::stdin()
+        .read_line(&mut sink)
+        .map_err(|e| e.to_string())?
+        > 0
+    {
+        sink.clear();
+    }
+    broker.shutdown();
+    Ok(())
+}
+
+fn engine_role(spec: &Path) -> Result<(), String> {
+    let born = Instant::now();
+    let spec: EngineSpec = read_json(spec)?;
+    raise_nofile();
+    let s = spec.sizes;
+    let e = |e: elastic_vmm::Error| e.to_string();
+    let id = format!("model-{}", spec.model);
+    let client = BrokerClient::connect(&spec.socket, &id).map_err(e)?;
+    // Asked to give back: another model cannot grow. The pool gives its idle chunks back by
+    // itself; the engine keeps to its fair share for a while.
+    let asked = Arc::new(AtomicU64::new(0));
+    let reclaims = Arc::new(AtomicU64::new(0));
+    let (a, r) = (asked.clone(), reclaims.clone());
+    // Room for the weights, activations and a KV cache of the whole KV budget, twice over.
+    let virt = (2 * (s.base() + s.kv_blocks * s.granularity) + (64 << 20)) as usize;
+    let config = ModelConfig::new(&id, virt, spec.limit)
+        .guarantee(spec.guarantee)
+        .on_reclaim(move |_| {
+            a.store(monotonic_ns(), Ordering::Relaxed);
+            r.fetch_add(1, Ordering::Relaxed);
+        });
+    let model = client.register(config).map_err(e)?;
+    let mut weights = model
+        .allocate_with(s.weights as usize, &MemOptions::new().tag(Tag::Weights))
+        .map_err(e)?;
+    let pattern = 0x5A ^ spec.model as u8;
+    weights.fill(pattern).map_err(e)?;
+    let blocks = s.kv_blocks as usize;
+    let store = PagedKv::new(
+        model.pool(),
+        kv_config(blocks, s.block_tokens, s.granularity)?,
+    )
+    .map_err(e)?;
+    let kv = BrokerKv {
+        store,
+        block_tokens: s.block_tokens,
+        held: 0,
+        peak: 0,
+        cap: spec.cap_blocks.min(blocks),
+        admit_cap: spec.cap_blocks.min(blocks),
+        refusals: 0,
+        alloc_s: 0.0,
+        refused_s: 0.0,
+        retry_at: Instant::now(),
+        backoff: 0.0,
+    };
+    let sim = SimModel {
+        pool: model.pool().clone(),
+        cost: s.cost,
+        act_bytes_per_token: s.act_bytes_per_token,
+        weights,
+        pattern,
+        wall: true,
+    };
+    let mut engine = Engine::new(kv, sim, s.engine);
+    let setup_s = born.elapsed().as_secs_f64();
+    say("ready");
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let start: u64 = line
+        .trim()
+        .strip_prefix("start ")
+        .and_then(|x| x.parse().ok())
+        .ok_or_else(|| format!("expected `start <ns>`, got {line:?}"))?;
+    let clock = move || (monotonic_ns() as f64 - start as f64) / 1e9;
+    engine.clock = Some(Box::new(clock));
+    let mut errors = Vec::new();
+    let reqs = &spec.requests;
+    let mut next = 0;
+    loop {
+        let now = clock();
+        if now >= spec.end_s {
+            break;
+        }
+        while next < reqs.len() && reqs[next].arrival() <= now {
+            engine.submit(reqs[next]);
+            next += 1;
+        }
+        let since_asked = (monotonic_ns() as f64 - asked.load(Ordering::Relaxed) as f64) / 1e9;
+        engine.kv.admit_cap = if since_asked < CONTENDED_S {
+            spec.fair_blocks
+        } else {
+            engine.kv.cap
+        };
+        let before = engine.counters;
+        if engine.has_work() {
+            engine.step(now);
+        }
+        if engine.counters.oom > before.oom {
+            if let Some(err) = engine.last_error.take() {
+                if errors.len() < 8 {
+                    errors.push(err);
+                }
+            }
+        }
+        let ran =
+            engine.counters.prefills + engine.counters.decodes > before.prefills + before.decodes;
+        if !ran {
+            // Nothing ran: idle until the next arrival, or retry admission shortly.
+            let next_at = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival());
+            let retry = if engine.has_work() {
+                now + 0.002
+            } else {
+                f64::INFINITY
+            };
+            let until = next_at.min(retry).min(spec.end_s);
+            let wait = (until - clock()).max(0.0);
+            std::thread::sleep(Duration::from_secs_f64(wait.min(0.05)));
+        }
+    }
+    let end = spec.end_s;
+    let mut records = Vec::with_capacity(reqs.len());
+    for f in engine.finished.drain(..) {
+        records.push(Record {
+            model: spec.model,
+            id: f.req.id,
+            arrival: f.req.arrival(),
+            first_token: Some(f.first_token),
+            finish: Some(f.done),
+            prompt: f.req.prompt,
+            output: f.req.output,
+            generated: f.req.output,
+            outcome: Outcome::Finished,
+            preemptions: f.preemptions,
+        });
+    }
+    for u in engine.take_unfinished() {
+        records.push(Record {
+            model: spec.model,
+            id: u.req.id,
+            arrival: u.req.arrival(),
+            first_token: u.first_token,
+            finish: None,
+            prompt: u.req.prompt,
+            output: u.req.output,
+            generated: u.generated,
+            outcome: Outcome::Censored,
+            preemptions: u.preemptions,
+        });
+    }
+    for r in engine.refused.drain(..) {
+        records.push(Record {
+            model: spec.model,
+            id: r.id,
+            arrival: r.arrival(),
+            first_token: None,
+            finish: None,
+            prompt: r.prompt,
+            output: r.output,
+            generated: 0,
+            outcome: Outcome::Refused,
+            preemptions: 0,
+        });
+    }
+    // Requests that had not arrived by the end (a late start) are censored too.
+    for r in &reqs[next..] {
+        records.push(Record {
+            model: spec.model,
+            id: r.id,
+            arrival: r.arrival().min(end),
+            first_token: None,
+            finish: None,
+            prompt: r.prompt,
+            output: r.output,
+            generated: 0,
+            outcome: Outcome::Censored,
+            preemptions: 0,
+        });
+    }
+    records.sort_by_key(|r| r.id);
+    let report = EngineReport {
+        model: spec.model,
+        records,
+        counters: engine.counters,
+        kv_refusals: engine.kv.refusals,
+        kv_alloc_s: engine.kv.alloc_s,
+        kv_refused_s: engine.kv.refused_s,
+        reclaims: reclaims.load(Ordering::Relaxed),
+        peak_blocks: engine.kv.peak,
+        setup_s,
+        errors,
+    };
+    if !engine.model.weights_intact()? {
+        return Err(format!("{id}: weights changed during the run"));
+    }
+    write_json(&spec.out, &report)?;
+    say("done");
+    Ok(())
+}
+
+/// How to start this binary in a role: the executable and the arguments that make it run
+/// [`run_role`] (none for the serve binary; a test binary's filter for its role test).
+#[derive(Debug, Clone)]
+pub struct Launcher {
+    /// The executable.
+    pub exe: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+}
+
+impl Launcher {
+    /// This very binary, no arguments.
+    pub fn this() -> Result<Launcher, String> {
+        Ok(Launcher {
+            exe: std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?,
+            args: Vec::new(),
+        })
+    }
+
+    fn spawn(&self, role: &str, spec: &Path) -> Result<Role, String> {
+        let mut child = Command::new(&self.exe)
+            .args(&self.args)
+            .env(ROLE_VAR, role)
+            .env(SPEC_VAR, spec)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("spawning {} as {role}: {e}", self.exe.display()))?;
+        let stdin = child.stdin.take();
+        // Its lines come through a channel, so that waiting for one can time out.
+        let (tx, lines) = mpsc::channel();
+        if let Some(out) = child.stdout.take() {
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        Ok(Role {
+            name: role.to_string(),
+            child,
+            stdin,
+            lines,
+        })
+    }
+}
+
+/// A child in a role.
+struct Role {
+    name: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Role {
+    /// Wait up to `timeout` for its line `want` (other lines are skipped); an error if it
+    /// ends or the time passes first.
+    fn expect(&mut self, want: &str, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = match self.lines.recv_timeout(left) {
+                Ok(l) => l,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(format!(
+                        "{} did not say {want:?} within {timeout:?}",
+                        self.name
+                    ))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = self.child.wait().map_err(|e| e.to_string())?;
+                    return Err(format!(
+                        "{} ended ({status}) before saying {want:?}",
+                        self.name
+                    ));
+                }
+            };
+            // A test harness may have started the line already.
+            let said = line
+                .find(LINE_PREFIX)
+                .map(|i| line[i + LINE_PREFIX.len()..].trim_end());
+            if said == Some(want) {
+                return Ok(());
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) -> Result<(), String> {
+        let w = self
+            .stdin
+            .as_mut()
+            .ok_or_else(|| format!("{}: no stdin", self.name))?;
+        writeln!(w, "{line}")
+            .and_then(|()| w.flush())
+            .map_err(|e| format!("{}: {e}", self.name))
+    }
+
+    /// Wait for it to exit, killing it after `deadline`.
+    fn finish(mut self, deadline: Instant) -> Result<(), String> {
+        drop(self.stdin.take());
+        loop {
+            if let Some(st) = self.child.try_wait().map_err(|e| e.to_string())? {
+                return if st.success() {
+                    Ok(())
+                } else {
+                    Err(format!("{} exited with {st}", self.name))
+                };
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                return Err(format!("{} did not exit in time: killed", self.name));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        // A child left running (an error half way) is ended: it is ours.
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One run: the policy's limits for every model, their requests.
+#[derive(Debug, Clone)]
+pub struct Point {
+    /// Policy.
+    pub policy: DeployPolicy,
+    /// Sizes.
+    pub sizes: SimSizes,
+    /// Per model: its requests (arrivals from the start instant).
+    pub requests: Vec<Vec<Request>>,
+    /// Per model: its mean KV demand (any unit; static-best splits by it).
+    pub demand: Vec<f64>,
+    /// Seconds of trace.
+    pub duration_s: f64,
+    /// Seconds after the trace before the run ends.
+    pub drain_s: f64,
+    /// How long the broker waits for other engines to give memory back before it refuses a
+    /// growth (`BrokerConfig::reclaim_wait`; milliseconds).
+    pub reclaim_wait_ms: u64,
+}
+
+/// Each model's KV blocks under a static split proportional to `weights`: whole blocks, at
+/// least `floor` each (what an operator gives every model: room for its longest request)
+/// when `total` has room for that, the rest by weight, summing to at most `total`. Equal
+/// shares when no weight is positive.
+pub fn static_shares(total: usize, weights: &[f64], floor: usize) -> Vec<usize> {
+    let k = weights.len().max(1);
+    let floor = floor.min(total / k);
+    let sum: f64 = weights.iter().filter(|w| w.is_finite() && **w > 0.0).sum();
+    if sum <= 0.0 {
+        return vec![total / k; weights.len()];
+    }
+    let free = total - floor * weights.len();
+    weights
+        .iter()
+        .map(|&w| {
+            let w = if w.is_finite() { w.max(0.0) } else { 0.0 };
+            floor + (free as f64 * w / sum).floor() as usize
+        })
+        .collect()
+}
+
+/// A run's results: every engine's report.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PointResult {
+    /// Per model, in model order.
+    pub engines: Vec<EngineReport>,
+    /// When the run ended (seconds from the start instant).
+    pub end_s: f64,
+    /// Wall seconds the whole run took (processes started and stopped included).
+    pub wall_s: f64,
+}
+
+impl PointResult {
+    /// Every record of every model.
+    pub fn records(&self) -> Vec<Record> {
+        self.engines
+            .iter()
+            .flat_map(|e| e.records.iter().copied())
+            .collect()
+    }
+}
+
+/// A private temporary folder for the run's socket and files.
+fn temp_dir() -> Result<PathBuf, String> {
+    let d = std::env::temp_dir().join(format!("serve-{}-{}", std::process::id(), monotonic_ns()));
+    std::fs::create_dir_all(&d).map_err(|e| format!("{}: {e}", d.display()))?;
+    std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .map_err(|e| format!("{}: {e}", d.display()))?;
+    Ok(d)
+}
+
+/// Run `point` as processes: a broker, one engine per model; see the module docs.
+pub fn run_point(launcher: &Launcher, point: &Point) -> Result<PointResult, String> {
+    let wall = Instant::now();
+    let dir = temp_dir()?;
+    let r = run_in(launcher, point, &dir);
+    std::fs::remove_dir_all(&dir).ok();
+    r.map(|(engines, end_s)| PointResult {
+        engines,
+        end_s,
+        wall_s: wall.elapsed().as_secs_f64(),
+    })
+}
+
+fn run_in(
+    launcher: &Launcher,
+    point: &Point,
+    dir: &Path,
+) -> Result<(Vec<EngineReport>, f64), String> {
+    let s = point.sizes;
+    let k = point.requests.len();
+    if k == 0 {
+        return Err("a run with no models".into());
+    }
+    let socket = dir.join("broker.sock");
+    let bspec = dir.join("broker.json");
+    write_json(
+        &bspec,
+        &BrokerSpec {
+            socket: socket.clone(),
+            budget: s.budget(k),
+            granularity: s.granularity,
+            reclaim_wait_ms: point.reclaim_wait_ms,
+        },
+    )?;
+    let mut broker = launcher.spawn("broker", &bspec)?;
+    broker.expect("ready", READY_WAIT)?;
+    let total = s.kv_blocks as usize;
+    let shares = match point.policy {
+        DeployPolicy::StaticEqual => vec![total / k; k],
+        DeployPolicy::StaticBest => {
+            let longest = s.engine.max_context.div_ceil(s.block_tokens) as usize;
+            static_shares(total, &point.demand, longest)
+        }
+        DeployPolicy::Elastic => vec![total; k],
+    };
+    let end_s = point.duration_s + point.drain_s;
+    let mut engines = Vec::new();
+    for (m, reqs) in point.requests.iter().enumerate() {
+        let share = shares[m] as u64 * s.granularity;
+        let (limit, guarantee) = match point.policy {
+            DeployPolicy::Elastic => (s.base() + share, s.base()),
+            _ => (s.base() + share, s.base() + share),
+        };
+        let spec = EngineSpec {
+            socket: socket.clone(),
+            model: m,
+            sizes: s,
+            limit,
+            guarantee,
+            cap_blocks: shares[m],
+            fair_blocks: total / k,
+            end_s,
+            requests: reqs.clone(),
+            out: dir.join(format!("engine-{m}.out.json")),
+        };
+        let path = dir.join(format!("engine-{m}.json"));
+        write_json(&path, &spec)?;
+        let mut role = launcher.spawn("engine", &path)?;
+        role.name = format!("engine {m}");
+        engines.push((role, spec.out));
+    }
+    for (role, _) in engines.iter_mut() {
+        role.expect("ready", READY_WAIT)?;
+    }
+    // Every engine gets the same start instant, a little ahead (they read it at once).
+    let start = monotonic_ns() + 20_000_000;
+    for (role, _) in engines.iter_mut() {
+        role.send(&format!("start {start}"))?;
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(end_s + 30.0);
+    let mut reports = Vec::new();
+    let mut failed = Vec::new();
+    for (role, out) in engines {
+        let name = role.name.clone();
+        match role
+            .finish(deadline)
+            .and_then(|()| read_json::<EngineReport>(&out))
+        {
+            Ok(r) => reports.push(r),
+            Err(e) => failed.push(format!("{name}: {e}")),
+        }
+    }
+    broker.finish(Instant::now() + Duration::from_secs(10))?;
+    if !failed.is_empty() {
+        return Err(failed.join("; "));
+    }
+    Ok((reports, end_s))
+}
