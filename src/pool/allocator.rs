@@ -424,9 +424,9 @@ impl Inner {
         let _ = self.release_chunks(chunks.created);
     }
 
-    /// Called by [`Allocation`]'s drop. Returns the pool's last reference when this was the
-    /// last allocation of a closed pool: the caller drops it (which may end the pool) once
-    /// nothing of the pool is used any more.
+    /// Called by [`Allocation`]'s drop. On a closed pool, returns a reference to it (its
+    /// last one when this was the last allocation): the caller drops it (which may end the
+    /// pool) once nothing of the pool is used any more.
     #[must_use]
     pub(crate) fn free(&self, offset: u64, footprint: u64, slot: u32) -> Option<Arc<Inner>> {
         let (closed, last) = {
@@ -435,8 +435,11 @@ impl Inner {
             st.alloc_bytes -= footprint;
             st.frees += 1;
             st.put_warm(offset, footprint);
+            // A closed pool's free goes on using the pool after the lock (the trim below),
+            // while another thread may free the last allocation: it holds the pool itself.
             let last = if st.closed {
                 st.take_unused_keep_alive()
+                    .or_else(|| st.keep_alive.clone_held())
             } else {
                 None
             };

@@ -139,6 +139,11 @@ impl KeepAlive {
             self.0 = Some(pool.clone());
         }
     }
+
+    /// A reference of its own for a caller that uses the pool past the lock.
+    pub(crate) fn clone_held(&self) -> Option<Arc<super::Inner>> {
+        self.0.clone()
+    }
 }
 
 impl std::fmt::Debug for KeepAlive {
