@@ -87,3 +87,36 @@ fn one_large_request_makes_the_per_chunk_minimum_of_driver_calls() {
     pool.trim().expect("trim");
     expect(&pool, 512 * MIB, 8, "after steps and a trim");
 }
+
+/// The reservation goes back exactly once, when the last of the pool's handles and live
+/// allocations goes, whichever goes last (allocations share one reference to the pool: it must
+/// be given up then, and not before).
+#[test]
+fn the_reservation_goes_with_the_last_handle_or_allocation() {
+    use elastic_vmm::backend::counting::Counting;
+    use elastic_vmm::{DriverCall, Pool, PoolConfig};
+
+    let counting = Arc::new(Counting::new(host()));
+    let backend: Arc<dyn Backend> = counting.clone();
+    let freed = || counting.counts().get(DriverCall::FreeReservation);
+    for allocations_last in [false, true] {
+        let before = freed();
+        let pool = Pool::new(backend.clone(), PoolConfig::new(1 << 30)).expect("pool");
+        let clone = pool.clone();
+        drop(pool.allocate(4096).expect("allocate"));
+        let a = pool.allocate(4096).expect("allocate");
+        let b = pool.allocate(1 << 20).expect("allocate");
+        if allocations_last {
+            drop((pool, clone));
+            drop(a);
+            assert_eq!(freed(), before, "freed with an allocation live");
+            drop(b);
+        } else {
+            drop((a, b));
+            drop(pool);
+            assert_eq!(freed(), before, "freed with a handle open");
+            drop(clone);
+        }
+        assert_eq!(freed(), before + 1, "allocations last: {allocations_last}");
+    }
+}

@@ -1,6 +1,7 @@
 //! RAII allocations handed out by [`crate::Pool::allocate`].
 
 use std::fmt;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use super::Inner;
@@ -16,24 +17,36 @@ use crate::tag::Tag;
 /// reference to the pool's internals, so its address stays valid even if every [`crate::Pool`]
 /// handle is dropped first, on any thread, in any order.
 pub struct Allocation {
-    pool: Arc<Inner>,
+    /// The pool, kept alive by its [`super::state::KeepAlive`] while this allocation is live
+    /// (not by a reference count of its own: allocating and freeing touch none).
+    pool: NonNull<Inner>,
     offset: u64,
     size: usize,
     footprint: u64,
     slot: u32,
 }
 
+// SAFETY: an allocation is a shared reference to the pool's internals (`Inner: Send + Sync`)
+// plus plain numbers, as an `Arc<Inner>` would be.
+unsafe impl Send for Allocation {}
+// SAFETY: as for `Send`; every method takes the pool's lock or reads immutable fields.
+unsafe impl Sync for Allocation {}
+
 impl Allocation {
     /// An allocation the caller recorded as live under the pool's lock.
-    pub(crate) fn new(
-        pool: Arc<Inner>,
+    ///
+    /// # Safety
+    /// `slot` is live in `pool`'s books and the pool's `KeepAlive` is held, until this
+    /// allocation's drop frees the slot.
+    pub(crate) unsafe fn new(
+        pool: &Arc<Inner>,
         offset: u64,
         size: usize,
         footprint: u64,
         slot: u32,
     ) -> Self {
         Allocation {
-            pool,
+            pool: NonNull::from(&**pool),
             offset,
             size,
             footprint,
@@ -42,7 +55,8 @@ impl Allocation {
     }
 
     fn inner(&self) -> &Inner {
-        &self.pool
+        // SAFETY: the pool's `KeepAlive` holds it while this allocation is live (see `new`).
+        unsafe { self.pool.as_ref() }
     }
 
     /// Address of the first byte (a device pointer on CUDA, a host pointer on host memory).
@@ -179,7 +193,8 @@ impl fmt::Debug for Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // The `Arc` goes after this: the last allocation of a closed pool ends the pool.
-        self.pool.free(self.offset, self.footprint, self.slot);
+        // The last allocation of a closed pool ends the pool: its last reference is dropped
+        // here, after `free` returned and with nothing of the pool used any more.
+        drop(self.inner().free(self.offset, self.footprint, self.slot));
     }
 }

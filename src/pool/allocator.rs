@@ -12,6 +12,7 @@ use std::sync::Arc;
 use super::admission::{Fit, Urgency};
 use super::allocation::Allocation;
 use super::mapper::{bytes_of, Placed};
+use super::sleep::SleepStatus;
 use super::state::{LiveRecord, State};
 use super::Inner;
 use crate::backend::PhysicalChunk;
@@ -64,6 +65,19 @@ impl Gathered {
 
 impl Inner {
     pub(super) fn footprint(&self, bytes: usize) -> Result<u64> {
+        // Fast path: a size that fits the reservation rounds up without overflow.
+        if bytes != 0 && (bytes as u64) <= self.capacity {
+            let f = (bytes as u64 + self.alignment - 1) & !(self.alignment - 1);
+            if f <= self.capacity {
+                return Ok(f);
+            }
+        }
+        self.footprint_refused(bytes)
+    }
+
+    /// Why [`Inner::footprint`] refuses `bytes` (kept off the hot path).
+    #[cold]
+    fn footprint_refused(&self, bytes: usize) -> Result<u64> {
         if bytes == 0 {
             return Err(Error::ZeroSize {
                 what: "allocation size",
@@ -94,6 +108,34 @@ impl Inner {
         tag: Tag,
     ) -> Result<Allocation> {
         let footprint = self.footprint(bytes)?;
+        {
+            // Hot path: a freed range of this very size, no driver call, nothing to plan.
+            let mut st = self.state.lock();
+            if st.refusing.is_none() && st.sleep.status == SleepStatus::Awake {
+                if let Some(off) = st.quick.take(footprint) {
+                    // Taking warm memory changes no physical figure: only the in-use peak.
+                    let slot = record(&mut st, off, footprint, name, tag);
+                    st.peak_in_use = st.peak_in_use.max(st.in_use());
+                    st.keep_alive.hold(self);
+                    drop(st);
+                    // SAFETY: recorded live just above, with the pool kept alive for it.
+                    return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
+                }
+            }
+        }
+        self.allocate_slow(bytes, footprint, name, tag)
+    }
+
+    /// [`Inner::allocate`] past the quick bins: refusals, best fit in idle memory, growth.
+    #[cold]
+    #[inline(never)]
+    fn allocate_slow(
+        self: &Arc<Self>,
+        bytes: usize,
+        footprint: u64,
+        name: Option<Arc<str>>,
+        tag: Tag,
+    ) -> Result<Allocation> {
         for _ in 0..MAX_ROUNDS {
             let growth = {
                 let mut st = self.state.lock();
@@ -111,14 +153,19 @@ impl Inner {
                     }
                 };
                 if let Some(off) = warm {
+                    // Taking warm memory changes no physical figure: only the in-use peak.
                     let slot = record(&mut st, off, footprint, name, tag);
+                    st.peak_in_use = st.peak_in_use.max(st.in_use());
+                    st.keep_alive.hold(self);
                     drop(st);
-                    return Ok(Allocation::new(self.clone(), off, bytes, footprint, slot));
+                    // SAFETY: recorded live just above, with the pool kept alive for it.
+                    return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
                 }
                 self.plan_growth(&mut st, footprint)?
             };
             if let Some((off, slot)) = self.grow(growth, footprint, &name, &tag)? {
-                return Ok(Allocation::new(self.clone(), off, bytes, footprint, slot));
+                // SAFETY: `grow` recorded it live and keeps the pool alive for it.
+                return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
             }
         }
         Err(Error::InvalidArgument(format!(
@@ -221,7 +268,7 @@ impl Inner {
     /// (nothing lost: the chunks wait in the cache) when the address space it had to extend
     /// into was taken meanwhile: plan again.
     fn grow(
-        &self,
+        self: &Arc<Self>,
         plan: Growth,
         footprint: u64,
         name: &Option<Arc<str>>,
@@ -363,6 +410,8 @@ impl Inner {
             st.idle.insert(end, cs + total);
         }
         let slot = record(&mut st, plan.start, footprint, name.clone(), tag.clone());
+        st.note_peaks();
+        st.keep_alive.hold(self);
         drop(st);
         tracing::debug!(pool = %self.name, offset = cs, mapped = total, chunks = order.len(), "grew");
         Ok(Some((plan.start, slot)))
@@ -407,15 +456,26 @@ impl Inner {
         let _ = self.release_chunks(chunks.created);
     }
 
-    /// Called by [`Allocation`]'s drop.
-    pub(crate) fn free(&self, offset: u64, footprint: u64, slot: u32) {
-        let closed = {
+    /// Called by [`Allocation`]'s drop. On a closed pool, returns a reference to it (its
+    /// last one when this was the last allocation): the caller drops it (which may end the
+    /// pool) once nothing of the pool is used any more.
+    #[must_use]
+    pub(crate) fn free(&self, offset: u64, footprint: u64, slot: u32) -> Option<Arc<Inner>> {
+        let (closed, last) = {
             let mut st = self.state.lock();
             st.live.remove(slot);
             st.alloc_bytes -= footprint;
             st.frees += 1;
             st.put_warm(offset, footprint);
-            st.closed
+            // A closed pool's free goes on using the pool after the lock (the trim below),
+            // while another thread may free the last allocation: it holds the pool itself.
+            let last = if st.closed {
+                st.take_unused_keep_alive()
+                    .or_else(|| st.keep_alive.clone_held())
+            } else {
+                None
+            };
+            (st.closed, last)
         };
         if closed {
             // Nobody can allocate any more: give the memory straight back.
@@ -423,13 +483,13 @@ impl Inner {
                 tracing::warn!(pool = %self.name, error = %e, "giving back memory of a closed pool failed");
             }
         }
+        last
     }
 }
 
 fn record(st: &mut State, offset: u64, footprint: u64, name: Option<Arc<str>>, tag: Tag) -> u32 {
     st.alloc_bytes += footprint;
     st.allocations += 1;
-    st.note_peaks();
     st.live.insert(LiveRecord {
         offset,
         footprint,

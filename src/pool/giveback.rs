@@ -204,9 +204,12 @@ impl Inner {
         // back by the trim below).
         self.front_gate.close();
         self.close_fronts();
-        let (spans, live, live_bytes, names) = {
+        let (spans, live, live_bytes, names, unused) = {
             let mut st = self.state.lock();
             st.closed = true;
+            // No allocation live: nothing needs the pool past its handles (dropped after the
+            // trim below; the closing handle still holds the pool).
+            let unused = st.take_unused_keep_alive();
             let mut spans: Vec<(u64, u64)> = Vec::new();
             for (s, e) in st.ranges.iter() {
                 spans.extend(st.chunks.range(s..e).map(|(&o, c)| (o, c.size as u64)));
@@ -217,7 +220,7 @@ impl Inner {
                 .filter_map(|r| r.name.as_deref().map(str::to_owned))
                 .take(16)
                 .collect();
-            (spans, st.live.live(), st.alloc_bytes, names)
+            (spans, st.live.live(), st.alloc_bytes, names, unused)
         };
         // Range mappings belong to the pool alone now: give them back chunk by chunk.
         for (o, size) in spans {
@@ -242,6 +245,7 @@ impl Inner {
                 "pool dropped with live allocations; their memory is given back as each is dropped"
             );
         }
+        drop(unused);
     }
 }
 

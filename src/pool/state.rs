@@ -125,6 +125,34 @@ impl Slab {
     }
 }
 
+/// One reference to the pool shared by all its live allocations, so that allocating and freeing
+/// touch no reference count: taken with the first allocation, given up once the pool is closed
+/// and no allocation is live (while the pool is open its handle keeps the pool alive anyway).
+/// Invariant: held whenever an allocation is live.
+#[derive(Default)]
+pub(crate) struct KeepAlive(Option<Arc<super::Inner>>);
+
+impl KeepAlive {
+    /// Hold the pool (an allocation was just recorded live).
+    pub(crate) fn hold(&mut self, pool: &Arc<super::Inner>) {
+        if self.0.is_none() {
+            self.0 = Some(pool.clone());
+        }
+    }
+
+    /// A reference of its own for a caller that uses the pool past the lock.
+    pub(crate) fn clone_held(&self) -> Option<Arc<super::Inner>> {
+        self.0.clone()
+    }
+}
+
+impl std::fmt::Debug for KeepAlive {
+    // Not the pool itself: it contains this.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "held" } else { "none" })
+    }
+}
+
 /// All of a pool's mutable bookkeeping.
 #[derive(Debug, Default)]
 pub(crate) struct State {
@@ -168,6 +196,8 @@ pub(crate) struct State {
     /// Handles of `peer_held` chunks that were handed off: kept apart if their release fails.
     pub(crate) peer_held_apart: Vec<u64>,
     pub(crate) live: Slab,
+    /// The reference to the pool that live allocations share (see [`KeepAlive`]).
+    pub(crate) keep_alive: KeepAlive,
     pub(crate) alloc_bytes: u64,
     pub(crate) mapped: u64,
     pub(crate) in_transit: u64,
@@ -180,6 +210,16 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// The shared reference of the allocations, once no allocation is live (the pool closed):
+    /// to be dropped by the caller with no lock held.
+    pub(crate) fn take_unused_keep_alive(&mut self) -> Option<Arc<super::Inner>> {
+        if self.live.live() == 0 {
+            self.keep_alive.0.take()
+        } else {
+            None
+        }
+    }
+
     pub(crate) fn in_use(&self) -> u64 {
         self.alloc_bytes + self.ranges.total()
     }
