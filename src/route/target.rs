@@ -168,6 +168,12 @@ pub(crate) struct Target {
     pub(crate) pool_allocations: AtomicU64,
     pub(crate) fences: AtomicU64,
     pub(crate) captured_allocations: AtomicU64,
+    /// Tests: how long a flush pauses while it holds blocks out of both the cache and the
+    /// fenced list, and how many times one paused.
+    #[cfg(test)]
+    transit_pause_ms: AtomicU64,
+    #[cfg(test)]
+    transit_pauses: AtomicU64,
 }
 
 /// Every target with blocks behind fences, so that any routed call can give them back.
@@ -197,6 +203,10 @@ impl Target {
             pool_allocations: AtomicU64::new(0),
             fences: AtomicU64::new(0),
             captured_allocations: AtomicU64::new(0),
+            #[cfg(test)]
+            transit_pause_ms: AtomicU64::new(0),
+            #[cfg(test)]
+            transit_pauses: AtomicU64::new(0),
         });
         let mut all = ALL.lock();
         all.retain(|w| w.strong_count() > 0);
@@ -286,6 +296,9 @@ impl Target {
             cache.bytes = 0;
             std::mem::take(&mut cache.streams)
         };
+        if !streams.is_empty() {
+            self.pause_in_transit();
+        }
         for (key, s) in streams.into_iter().filter(|(_, s)| s.bytes > 0) {
             self.fence_stream(key, s);
         }
@@ -374,7 +387,22 @@ impl Target {
         if !keep.is_empty() {
             self.fenced.lock().extend(keep);
         }
+        if !done.is_empty() {
+            self.pause_in_transit();
+        }
         drop(done); // outside every lock: the memory is the pool's again
+    }
+
+    /// Tests widen the moment blocks are held out of both lists here.
+    fn pause_in_transit(&self) {
+        #[cfg(test)]
+        {
+            let ms = self.transit_pause_ms.load(Ordering::Acquire);
+            if ms > 0 {
+                self.transit_pauses.fetch_add(1, Ordering::AcqRel);
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+        }
     }
 
     /// Fence every stream's cached blocks, then give back what has passed (or wait).
@@ -648,4 +676,55 @@ pub(crate) fn stream_destroyed(key: StreamKey) {
         }
     }
     drop(all); // a target ending here takes STREAM_LIFE itself
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::{ModelConfig, SharedPool, SharedPoolConfig};
+
+    /// Issue 33: `SharedPool::unregister` racing a flush of the same model was refused with
+    /// `ModelBusy` though every block had been freed: the flush held them out of both the
+    /// cache and the fenced list (while fencing them, and after their fences passed until they
+    /// were dropped), so the unregister's own flush found nothing to wait for. The pause widens
+    /// each of those moments.
+    #[test]
+    fn unregister_waits_for_blocks_a_concurrent_flush_holds() {
+        let mut refused = Vec::new();
+        for window in ["fencing", "landing"] {
+            let shared = SharedPool::host(SharedPoolConfig::new().global_limit(64 << 20)).unwrap();
+            let model = shared
+                .register(ModelConfig::new("rb", 1 << 30, 64 << 20))
+                .unwrap();
+            let t = Target::new(&model, Place::Host, 1 << 30);
+            for i in 0..5usize {
+                let a = model.allocate(3 << 20).unwrap();
+                t.put_cached(StreamKey::Stream(0x1000 + (i % 2)), 4 << 20, a, None);
+            }
+            if window == "landing" {
+                t.fence_all(); // fenced, and (on the host) passed already
+            }
+            t.transit_pause_ms.store(300, Ordering::Release);
+            let unregistered = std::thread::scope(|s| {
+                let flusher = s.spawn(|| t.flush(Wait::Yes));
+                while t.transit_pauses.load(Ordering::Acquire) == 0 {
+                    std::thread::yield_now();
+                }
+                let r = shared.unregister("rb");
+                flusher.join().unwrap();
+                r
+            });
+            if let Err(e) = unregistered {
+                refused.push(format!("{window}: {e}"));
+                continue;
+            }
+            let s = model.stats();
+            assert_eq!((s.live_allocations, s.in_use), (0, 0), "{window}");
+            shared.audit().unwrap();
+            drop(t);
+            drop(model);
+            assert_eq!(shared.stats().global.used, 0, "{window}");
+        }
+        assert!(refused.is_empty(), "{refused:#?}");
+    }
 }
