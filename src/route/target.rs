@@ -5,7 +5,11 @@
 //! keeps and serves freed blocks only while the pool's gate is open (the pool awake and not
 //! closed), reading the gate under its `cache` lock; the pool flushes it on trim, sleep and
 //! close, and the shared pool and the broker through the pool before they measure or take a
-//! model's idle memory.
+//! model's idle memory. A flush returns only once every block that left the cache (its own or
+//! another thread's flush, an eviction) is back in the pool: a block on its way stays counted
+//! in `fenced_bytes` until it is dropped, and a flush waits (yielding, no lock held) for that
+//! count to reach 0. So an unregister racing a flush never finds the model's freed blocks
+//! still live.
 //!
 //! Locks here guard bookkeeping only and are never held while an [`Allocation`] is dropped
 //! (the last one of a closed pool gives memory back to the driver) or a driver call is made.
@@ -161,6 +165,10 @@ pub(crate) struct Target {
     tags: Mutex<Vec<Arc<TagCounters>>>,
     cache: Mutex<Cache>,
     fenced: Mutex<Vec<Fenced>>,
+    /// Bytes out of the cache and not yet back in the pool: behind fences, and on their way
+    /// (being fenced, or passed and being dropped). Charged under the `cache` lock as blocks
+    /// leave it, lowered only once they are dropped: a flush that finds it 0 after finding the
+    /// cache empty knows no block of this target is on its way to the pool.
     fenced_bytes: AtomicU64,
     parked: Mutex<Vec<Allocation>>,
     parked_bytes: AtomicU64,
@@ -293,6 +301,7 @@ impl Target {
         let _life = STREAM_LIFE.read();
         let streams = {
             let mut cache = self.cache.lock();
+            self.fenced_bytes.fetch_add(cache.bytes, Ordering::AcqRel);
             cache.bytes = 0;
             std::mem::take(&mut cache.streams)
         };
@@ -304,8 +313,8 @@ impl Target {
         }
     }
 
-    /// Fence one stream's freed blocks; if that cannot be done now they go back to the cache.
-    /// The caller holds `STREAM_LIFE`.
+    /// Fence one stream's freed blocks (counted in `fenced_bytes` already); if that cannot be
+    /// done now they go back to the cache. The caller holds `STREAM_LIFE`.
     fn fence_stream(&self, key: StreamKey, s: StreamFree) {
         let bytes = s.bytes;
         let fence = self
@@ -326,12 +335,13 @@ impl Target {
                 dst.bytes += bytes;
                 dst.ctx = dst.ctx.or(s.ctx);
                 cache.bytes += bytes;
+                self.fenced_bytes.fetch_sub(bytes, Ordering::AcqRel);
             }
         }
     }
 
+    /// Put blocks behind `fence` (their bytes are in `fenced_bytes` already).
     fn push_fenced(&self, fence: Fence, blocks: Vec<Allocation>, bytes: u64) {
-        self.fenced_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.fenced.lock().push(Fenced {
             fence,
             blocks,
@@ -351,8 +361,8 @@ impl Target {
     }
 
     /// Give back to the pool the fenced blocks the GPU has passed (with [`Wait::Yes`], wait for
-    /// all of them, including fences another thread is looking at meanwhile, unless a capture
-    /// is in progress).
+    /// all of them, including blocks another thread is fencing or handing back meanwhile, unless
+    /// a capture is in progress).
     pub(crate) fn reap(&self, wait: Wait) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
@@ -372,13 +382,14 @@ impl Target {
         let fenced = std::mem::take(&mut *self.fenced.lock());
         let mut keep = Vec::new();
         let mut done: Vec<Allocation> = Vec::new();
+        let mut done_bytes = 0;
         for f in fenced {
             let state = match wait {
                 Wait::Yes => f.fence.wait(),
                 Wait::No => f.fence.poll(),
             };
             if state == FenceState::Passed {
-                self.fenced_bytes.fetch_sub(f.bytes, Ordering::Release);
+                done_bytes += f.bytes;
                 done.extend(f.blocks);
             } else {
                 keep.push(f);
@@ -391,6 +402,8 @@ impl Target {
             self.pause_in_transit();
         }
         drop(done); // outside every lock: the memory is the pool's again
+                    // Only now: until the blocks are dropped the pool counts them live.
+        self.fenced_bytes.fetch_sub(done_bytes, Ordering::AcqRel);
     }
 
     /// Tests widen the moment blocks are held out of both lists here.
@@ -448,6 +461,7 @@ impl Target {
             let s = cache.streams.remove(&key);
             if let Some(s) = &s {
                 cache.bytes -= s.bytes;
+                self.fenced_bytes.fetch_add(s.bytes, Ordering::AcqRel);
             }
             s
         };
@@ -462,12 +476,16 @@ impl Target {
                 self.fences.fetch_add(1, Ordering::Relaxed);
                 self.push_fenced(fence, s.into_blocks(), bytes);
             }
-            None => orphan(Orphan {
-                key: None,
-                ctx,
-                fence: None,
-                blocks: s.into_blocks(),
-            }),
+            None => {
+                orphan(Orphan {
+                    key: None,
+                    ctx,
+                    fence: None,
+                    blocks: s.into_blocks(),
+                });
+                // The target's no more: a synchronize of the context gives them back.
+                self.fenced_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            }
         }
     }
 
