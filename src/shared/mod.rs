@@ -903,9 +903,23 @@ impl SharedPool {
                     .physical_bytes()
                     .map_err(|e| e.to_string())?;
                 if held < l.used {
+                    let lines: Vec<String> = l
+                        .models
+                        .values()
+                        .map(|m| {
+                            format!(
+                                "{} {}{}",
+                                m.id,
+                                m.used,
+                                if m.retired { " retired" } else { "" }
+                            )
+                        })
+                        .collect();
                     return Err(format!(
-                        "ledger says {} bytes, backend holds only {held}",
-                        l.used
+                        "ledger says {} bytes ({}; leaked {}), backend holds only {held}",
+                        l.used,
+                        lines.join(", "),
+                        l.leaked
                     ));
                 }
             }
