@@ -22,8 +22,9 @@ use super::Inner;
 /// A holder of freed blocks of one pool (see the module documentation). Called with no pool
 /// lock held.
 pub(crate) trait FrontCache: Send + Sync {
-    /// Give every block held back to the pool (waiting for the GPU where a block waits for it).
-    /// Cheap when nothing is held.
+    /// Give every block held back to the pool (waiting for the GPU where a block waits for it),
+    /// including blocks another thread is handing back at the moment: on return none of them
+    /// is live in the pool's books. Cheap when nothing is held.
     fn flush(&self);
     /// The pool closed (its gate is shut for good): give everything back, as `flush`.
     fn close(&self);

@@ -358,21 +358,7 @@ impl Pool {
 
     /// The physical chunks mapped under `[offset, offset + len)`, in address order.
     pub fn chunks_in(&self, offset: u64, len: u64) -> Vec<ChunkSpan> {
-        let end = offset.saturating_add(len);
-        let st = self.inner().state.lock();
-        let first = st
-            .chunks
-            .range(..=offset)
-            .next_back()
-            .map_or(offset, |(&o, _)| o);
-        st.chunks
-            .range(first..end)
-            .filter(|(&o, c)| o + c.size as u64 > offset)
-            .map(|(&o, c)| ChunkSpan {
-                offset: o,
-                size: c.size as u64,
-            })
-            .collect()
+        self.inner().chunks_in(offset, len)
     }
 
     /// Bytes this pool could map now without reclaiming anything from anyone: its cached chunks

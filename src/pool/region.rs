@@ -9,7 +9,7 @@
 
 use std::fmt;
 
-use super::{ChunkSpan, MemOptions, Pool, Space, Urgency};
+use super::{ChunkSpan, Inner, MemOptions, Pool, SleepStatus, Space, Urgency};
 use crate::error::{round_up, Error, Result};
 use crate::tag::Tag;
 
@@ -336,31 +336,89 @@ impl fmt::Debug for Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        let inner = self.pool.inner();
-        let end = self.offset + self.len;
-        // Unmap what the owner left mapped, chunk by chunk (chunks never straddle our edges).
-        let spans = self.pool.chunks_in(self.offset, self.len);
-        for c in spans {
-            if let Err(e) = inner.unmap_range(c.offset, c.size, Space::Region) {
-                tracing::error!(pool = %inner.name, error = %e, offset = c.offset, "unmapping a region's chunk at drop failed; it stays mapped until the pool goes");
+        self.pool
+            .inner()
+            .end_region(self.offset, self.len, self.zeroed);
+    }
+}
+
+impl Inner {
+    /// The physical chunks mapped under `[offset, offset + len)`, in address order.
+    pub(crate) fn chunks_in(&self, offset: u64, len: u64) -> Vec<ChunkSpan> {
+        let end = offset.saturating_add(len);
+        let st = self.state.lock();
+        let first = st
+            .chunks
+            .range(..=offset)
+            .next_back()
+            .map_or(offset, |(&o, _)| o);
+        st.chunks
+            .range(first..end)
+            .filter(|(&o, c)| o + c.size as u64 > offset)
+            .map(|(&o, c)| ChunkSpan {
+                offset: o,
+                size: c.size as u64,
+            })
+            .collect()
+    }
+
+    /// Give a dropped region's span back: unmap what its owner left mapped, chunk by chunk
+    /// (chunks never straddle its edges), and free its address space. While the pool is not
+    /// awake nothing can be unmapped: the span stays reserved (its memory asleep with the
+    /// rest) and is given back by [`Inner::end_regions_dropped_asleep`] once the pool is awake.
+    fn end_region(&self, offset: u64, len: u64, zeroed: bool) {
+        let end = offset + len;
+        let defer = |st: &mut super::state::State| {
+            if st.sleep.status == SleepStatus::Awake {
+                return false;
+            }
+            st.sleep.dropped_regions.push((offset, len, zeroed));
+            tracing::debug!(pool = %self.name, offset, len, "region dropped while the pool is not awake; given back at the wake");
+            true
+        };
+        if defer(&mut self.state.lock()) {
+            return;
+        }
+        for c in self.chunks_in(offset, len) {
+            if let Err(e) = self.unmap_range(c.offset, c.size, Space::Region) {
+                // A sleep that began meanwhile: the rest waits for the wake.
+                if matches!(e, Error::Asleep { .. }) && defer(&mut self.state.lock()) {
+                    return;
+                }
+                tracing::error!(pool = %self.name, error = %e, offset = c.offset, "unmapping a region's chunk at drop failed; it stays mapped until the pool goes");
             }
         }
-        if self.zeroed {
-            inner.zero_unalias(self.offset, self.len);
+        if zeroed {
+            self.zero_unalias(offset, len);
         }
-        let mut st = inner.state.lock();
+        let mut st = self.state.lock();
         let held: Vec<(u64, u64)> = st
             .held
             .iter()
-            .filter(|&(s, e)| s < end && e > self.offset)
-            .map(|(s, e)| (s.max(self.offset), e.min(end)))
+            .filter(|&(s, e)| s < end && e > offset)
+            .map(|(s, e)| (s.max(offset), e.min(end)))
             .collect();
         for (s, e) in held {
             st.held.remove(s, e);
             st.cold.insert(s, e);
         }
-        st.regions.remove(self.offset, end);
+        st.regions.remove(offset, end);
         drop(st);
-        tracing::debug!(pool = %inner.name, offset = self.offset, len = self.len, "region returned");
+        tracing::debug!(pool = %self.name, offset, len, "region returned");
+    }
+
+    /// Give back the regions dropped while the pool was not awake, if it is awake now (called
+    /// after every sleep and wake, with no lock held).
+    pub(super) fn end_regions_dropped_asleep(&self) {
+        let dropped = {
+            let mut st = self.state.lock();
+            if st.sleep.status != SleepStatus::Awake {
+                return;
+            }
+            std::mem::take(&mut st.sleep.dropped_regions)
+        };
+        for (offset, len, zeroed) in dropped {
+            self.end_region(offset, len, zeroed);
+        }
     }
 }

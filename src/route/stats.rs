@@ -40,7 +40,8 @@ pub struct RouteStats {
     pub cached_bytes: u64,
     /// Blocks in that cache.
     pub cached_blocks: u64,
-    /// Bytes behind fences: freed, going back to the pool once the GPU passed the fence.
+    /// Bytes behind fences: freed, going back to the pool once the GPU passed the fence
+    /// (and those a flush is fencing or handing back at the moment).
     pub fenced_bytes: u64,
     /// Bytes held for CUDA graphs (allocated or freed during a capture) until
     /// `route::release_captured`.

@@ -5,7 +5,11 @@
 //! keeps and serves freed blocks only while the pool's gate is open (the pool awake and not
 //! closed), reading the gate under its `cache` lock; the pool flushes it on trim, sleep and
 //! close, and the shared pool and the broker through the pool before they measure or take a
-//! model's idle memory.
+//! model's idle memory. A flush returns only once every block that left the cache (its own or
+//! another thread's flush, an eviction) is back in the pool: a block on its way stays counted
+//! in `fenced_bytes` until it is dropped, and a flush waits (yielding, no lock held) for that
+//! count to reach 0. So an unregister racing a flush never finds the model's freed blocks
+//! still live.
 //!
 //! Locks here guard bookkeeping only and are never held while an [`Allocation`] is dropped
 //! (the last one of a closed pool gives memory back to the driver) or a driver call is made.
@@ -161,6 +165,10 @@ pub(crate) struct Target {
     tags: Mutex<Vec<Arc<TagCounters>>>,
     cache: Mutex<Cache>,
     fenced: Mutex<Vec<Fenced>>,
+    /// Bytes out of the cache and not yet back in the pool: behind fences, and on their way
+    /// (being fenced, or passed and being dropped). Charged under the `cache` lock as blocks
+    /// leave it, lowered only once they are dropped: a flush that finds it 0 after finding the
+    /// cache empty knows no block of this target is on its way to the pool.
     fenced_bytes: AtomicU64,
     parked: Mutex<Vec<Allocation>>,
     parked_bytes: AtomicU64,
@@ -168,6 +176,12 @@ pub(crate) struct Target {
     pub(crate) pool_allocations: AtomicU64,
     pub(crate) fences: AtomicU64,
     pub(crate) captured_allocations: AtomicU64,
+    /// Tests: how long a flush pauses while it holds blocks out of both the cache and the
+    /// fenced list, and how many times one paused.
+    #[cfg(test)]
+    transit_pause_ms: AtomicU64,
+    #[cfg(test)]
+    transit_pauses: AtomicU64,
 }
 
 /// Every target with blocks behind fences, so that any routed call can give them back.
@@ -197,6 +211,10 @@ impl Target {
             pool_allocations: AtomicU64::new(0),
             fences: AtomicU64::new(0),
             captured_allocations: AtomicU64::new(0),
+            #[cfg(test)]
+            transit_pause_ms: AtomicU64::new(0),
+            #[cfg(test)]
+            transit_pauses: AtomicU64::new(0),
         });
         let mut all = ALL.lock();
         all.retain(|w| w.strong_count() > 0);
@@ -283,16 +301,20 @@ impl Target {
         let _life = STREAM_LIFE.read();
         let streams = {
             let mut cache = self.cache.lock();
+            self.fenced_bytes.fetch_add(cache.bytes, Ordering::AcqRel);
             cache.bytes = 0;
             std::mem::take(&mut cache.streams)
         };
+        if !streams.is_empty() {
+            self.pause_in_transit();
+        }
         for (key, s) in streams.into_iter().filter(|(_, s)| s.bytes > 0) {
             self.fence_stream(key, s);
         }
     }
 
-    /// Fence one stream's freed blocks; if that cannot be done now they go back to the cache.
-    /// The caller holds `STREAM_LIFE`.
+    /// Fence one stream's freed blocks (counted in `fenced_bytes` already); if that cannot be
+    /// done now they go back to the cache. The caller holds `STREAM_LIFE`.
     fn fence_stream(&self, key: StreamKey, s: StreamFree) {
         let bytes = s.bytes;
         let fence = self
@@ -313,12 +335,13 @@ impl Target {
                 dst.bytes += bytes;
                 dst.ctx = dst.ctx.or(s.ctx);
                 cache.bytes += bytes;
+                self.fenced_bytes.fetch_sub(bytes, Ordering::AcqRel);
             }
         }
     }
 
+    /// Put blocks behind `fence` (their bytes are in `fenced_bytes` already).
     fn push_fenced(&self, fence: Fence, blocks: Vec<Allocation>, bytes: u64) {
-        self.fenced_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.fenced.lock().push(Fenced {
             fence,
             blocks,
@@ -338,8 +361,8 @@ impl Target {
     }
 
     /// Give back to the pool the fenced blocks the GPU has passed (with [`Wait::Yes`], wait for
-    /// all of them, including fences another thread is looking at meanwhile, unless a capture
-    /// is in progress).
+    /// all of them, including blocks another thread is fencing or handing back meanwhile, unless
+    /// a capture is in progress).
     pub(crate) fn reap(&self, wait: Wait) {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
@@ -359,13 +382,14 @@ impl Target {
         let fenced = std::mem::take(&mut *self.fenced.lock());
         let mut keep = Vec::new();
         let mut done: Vec<Allocation> = Vec::new();
+        let mut done_bytes = 0;
         for f in fenced {
             let state = match wait {
                 Wait::Yes => f.fence.wait(),
                 Wait::No => f.fence.poll(),
             };
             if state == FenceState::Passed {
-                self.fenced_bytes.fetch_sub(f.bytes, Ordering::Release);
+                done_bytes += f.bytes;
                 done.extend(f.blocks);
             } else {
                 keep.push(f);
@@ -374,7 +398,24 @@ impl Target {
         if !keep.is_empty() {
             self.fenced.lock().extend(keep);
         }
+        if !done.is_empty() {
+            self.pause_in_transit();
+        }
         drop(done); // outside every lock: the memory is the pool's again
+                    // Only now: until the blocks are dropped the pool counts them live.
+        self.fenced_bytes.fetch_sub(done_bytes, Ordering::AcqRel);
+    }
+
+    /// Tests widen the moment blocks are held out of both lists here.
+    fn pause_in_transit(&self) {
+        #[cfg(test)]
+        {
+            let ms = self.transit_pause_ms.load(Ordering::Acquire);
+            if ms > 0 {
+                self.transit_pauses.fetch_add(1, Ordering::AcqRel);
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+        }
     }
 
     /// Fence every stream's cached blocks, then give back what has passed (or wait).
@@ -420,6 +461,7 @@ impl Target {
             let s = cache.streams.remove(&key);
             if let Some(s) = &s {
                 cache.bytes -= s.bytes;
+                self.fenced_bytes.fetch_add(s.bytes, Ordering::AcqRel);
             }
             s
         };
@@ -434,12 +476,16 @@ impl Target {
                 self.fences.fetch_add(1, Ordering::Relaxed);
                 self.push_fenced(fence, s.into_blocks(), bytes);
             }
-            None => orphan(Orphan {
-                key: None,
-                ctx,
-                fence: None,
-                blocks: s.into_blocks(),
-            }),
+            None => {
+                orphan(Orphan {
+                    key: None,
+                    ctx,
+                    fence: None,
+                    blocks: s.into_blocks(),
+                });
+                // The target's no more: a synchronize of the context gives them back.
+                self.fenced_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            }
         }
     }
 
@@ -648,4 +694,55 @@ pub(crate) fn stream_destroyed(key: StreamKey) {
         }
     }
     drop(all); // a target ending here takes STREAM_LIFE itself
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::{ModelConfig, SharedPool, SharedPoolConfig};
+
+    /// Issue 33: `SharedPool::unregister` racing a flush of the same model was refused with
+    /// `ModelBusy` though every block had been freed: the flush held them out of both the
+    /// cache and the fenced list (while fencing them, and after their fences passed until they
+    /// were dropped), so the unregister's own flush found nothing to wait for. The pause widens
+    /// each of those moments.
+    #[test]
+    fn unregister_waits_for_blocks_a_concurrent_flush_holds() {
+        let mut refused = Vec::new();
+        for window in ["fencing", "landing"] {
+            let shared = SharedPool::host(SharedPoolConfig::new().global_limit(64 << 20)).unwrap();
+            let model = shared
+                .register(ModelConfig::new("rb", 1 << 30, 64 << 20))
+                .unwrap();
+            let t = Target::new(&model, Place::Host, 1 << 30);
+            for i in 0..5usize {
+                let a = model.allocate(3 << 20).unwrap();
+                t.put_cached(StreamKey::Stream(0x1000 + (i % 2)), 4 << 20, a, None);
+            }
+            if window == "landing" {
+                t.fence_all(); // fenced, and (on the host) passed already
+            }
+            t.transit_pause_ms.store(300, Ordering::Release);
+            let unregistered = std::thread::scope(|s| {
+                let flusher = s.spawn(|| t.flush(Wait::Yes));
+                while t.transit_pauses.load(Ordering::Acquire) == 0 {
+                    std::thread::yield_now();
+                }
+                let r = shared.unregister("rb");
+                flusher.join().unwrap();
+                r
+            });
+            if let Err(e) = unregistered {
+                refused.push(format!("{window}: {e}"));
+                continue;
+            }
+            let s = model.stats();
+            assert_eq!((s.live_allocations, s.in_use), (0, 0), "{window}");
+            shared.audit().unwrap();
+            drop(t);
+            drop(model);
+            assert_eq!(shared.stats().global.used, 0, "{window}");
+        }
+        assert!(refused.is_empty(), "{refused:#?}");
+    }
 }

@@ -668,7 +668,9 @@ impl SharedPool {
     /// memory, and its line disappears when the last handle is gone.
     pub fn unregister(&self, id: &str) -> Result<()> {
         let slot = self.slot(id)?;
-        // Blocks front caches keep for the model's reuse are not the model's use.
+        // Blocks front caches keep for the model's reuse are not the model's use. The flush
+        // also waits for blocks a concurrent flush is handing back (no lock held meanwhile):
+        // they are live in the pool's books until they land.
         slot.pool.inner().flush_fronts();
         slot.pool
             .inner()
@@ -901,9 +903,23 @@ impl SharedPool {
                     .physical_bytes()
                     .map_err(|e| e.to_string())?;
                 if held < l.used {
+                    let lines: Vec<String> = l
+                        .models
+                        .values()
+                        .map(|m| {
+                            format!(
+                                "{} {}{}",
+                                m.id,
+                                m.used,
+                                if m.retired { " retired" } else { "" }
+                            )
+                        })
+                        .collect();
                     return Err(format!(
-                        "ledger says {} bytes, backend holds only {held}",
-                        l.used
+                        "ledger says {} bytes ({}; leaked {}), backend holds only {held}",
+                        l.used,
+                        lines.join(", "),
+                        l.leaked
                     ));
                 }
             }

@@ -287,6 +287,10 @@ pub(crate) struct SleepBook {
     pub(crate) wakes: u64,
     pub(crate) watchers: Vec<(u64, Weak<dyn SleepWatcher>)>,
     pub(crate) next_watcher: u64,
+    /// Regions dropped while the pool was not awake, as `(offset, len, zeroed)`: nothing can be
+    /// unmapped then, so each keeps its span (its memory sleeping with the rest) until the pool
+    /// is awake again and [`super::Inner::end_regions_dropped_asleep`] gives it back.
+    pub(crate) dropped_regions: Vec<(u64, u64, bool)>,
 }
 
 impl SleepBook {

@@ -155,10 +155,14 @@ impl Inner {
         // What front caches hold is idle memory: back to the pool, given back by the trim
         // below rather than slept.
         self.flush_fronts();
-        self.drain_for_sleep()?;
-        let watchers = self.watchers();
-        let result = self.sleep_frozen(policy, &watchers, t0);
-        drop(watchers);
+        let result = self.drain_for_sleep().and_then(|()| {
+            let watchers = self.watchers();
+            let result = self.sleep_frozen(policy, &watchers, t0);
+            drop(watchers);
+            result
+        });
+        // A failed sleep leaves the pool awake: regions dropped meanwhile go now.
+        self.end_regions_dropped_asleep();
         result
     }
 
@@ -541,6 +545,7 @@ impl Inner {
         let watchers = self.watchers();
         let result = self.wake_held(slots, staging, after, &watchers, t0);
         drop(watchers);
+        self.end_regions_dropped_asleep();
         result
     }
 

@@ -122,3 +122,32 @@ fn a_host_tier_does_not_sleep_under_a_staging_buffer() {
     pool.audit().expect("pool audit");
     tier.audit().expect("tier audit");
 }
+
+/// A region dropped while its pool sleeps (a paged KV cache an engine drops while its model
+/// sleeps) is given back at the wake: its ranges are not left mapped for good, where nothing
+/// could unmap them and the model could never be unregistered (`ModelBusy` with the region's
+/// bytes as mapped ranges).
+#[test]
+fn a_region_dropped_while_asleep_is_given_back_at_the_wake() {
+    for policy in [SleepPolicy::discard_all(), SleepPolicy::offload_all()] {
+        let pool = Pool::host(1 << 30).unwrap();
+        let r = pool.reserve_region(8 << 20).unwrap();
+        r.map(0, 8 << 20).unwrap();
+        let kept = pool.reserve_region(4 << 20).unwrap();
+        kept.map(0, 2 << 20).unwrap();
+        pool.sleep(&policy).unwrap();
+        drop(r);
+        pool.wake(AfterWake::KeepHostMemory).unwrap();
+        let s = pool.stats();
+        assert_eq!(
+            (s.range_mapped, s.reserved_regions, s.in_use),
+            (2 << 20, 4 << 20, 2 << 20),
+            "{policy:?}: {s:?}"
+        );
+        drop(kept);
+        pool.trim().unwrap();
+        let s = pool.stats();
+        assert_eq!((s.mapped, s.cached), (0, 0), "{policy:?}: {s:?}");
+        pool.inner().close_if_unused("a test").unwrap();
+    }
+}
