@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the PTX of the crate's CUDA kernels (src/backend/kernels/*.cu -> *.ptx), which is
+# Regenerate the PTX of the crate's CUDA kernels (src/backend/kernels/*.cu and
+# src/candle/kernels/*.cu -> *.ptx), which is
 # committed and embedded with include_str!, so that building the crate needs no CUDA compiler.
 # The committed PTX is what nvcc V13.0.88 makes of the source; its header
 # names that compiler, and another nvcc writes other bytes. So this script uses that nvcc: the one
@@ -25,7 +26,7 @@ have() { nvcc --version 2>/dev/null | sed -n 's/.*release .*, \(V[0-9.]*\).*/\1/
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-vmm-ptx.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 status=0
-for cu in src/backend/kernels/*.cu; do
+for cu in src/backend/kernels/*.cu src/candle/kernels/*.cu; do
   ptx=${cu%.cu}.ptx
   # -lineinfo off and no host compilation: the PTX depends on the source and nvcc alone.
   nvcc -ptx -arch=compute_80 -O3 -std=c++17 -o "$tmp/out.ptx" "$cu"

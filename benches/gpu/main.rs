@@ -2,12 +2,15 @@
 //! one run, with ratios printed. Built only with the `gpu-tests` feature:
 //! `cargo bench --features gpu-tests --bench gpu --no-run`, then run the binary on the GPU
 //! machine. Arguments name the sections to run (`pool`, `shared`, `sleep`, `broker`, `p2p`,
-//! `tiers`, `kv`, `candle`); none runs all. With `nixl`, `p2p` has NIXL columns (see `p2p.rs`).
+//! `tiers`, `kv`, `candle`, `attention`); none runs all. With `nixl`, `p2p` has NIXL columns
+//! (see `p2p.rs`).
 //!
 //! `--check` compares every `RESULT` line of the run with the saved one in `docs/results/`
 //! (or `$EVMM_RESULTS_DIR`) and fails on a ratio more than 20% worse or a missing line
 //! (`check.rs`); `--check-log=FILE` does the same for a log saved before, without running.
 
+#[cfg(feature = "candle")]
+mod attention;
 mod broker;
 #[cfg(feature = "candle")]
 mod candle;
@@ -159,6 +162,8 @@ fn main() -> ExitCode {
     ];
     #[cfg(feature = "candle")]
     sections.push(("candle", candle::run));
+    #[cfg(feature = "candle")]
+    sections.push(("attention", attention::run));
     let mut failed = false;
     let mut ran = Vec::new();
     for (name, run) in sections {

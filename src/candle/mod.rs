@@ -80,6 +80,7 @@
 //! collects blocking once before it gives up), and dropping the last handle of a
 //! [`TensorPool`] or an [`ElasticKv`] with no live views do.
 
+mod attention;
 mod kv;
 mod orphans;
 mod paged;
@@ -87,6 +88,7 @@ mod retire;
 mod slices;
 mod tensor_pool;
 
+pub use attention::paged_attention_decode;
 pub use kv::{ElasticKv, KvStats};
 pub use orphans::{reap_orphans, reap_orphans_blocking};
 pub use paged::PagedKvTensors;

@@ -18,6 +18,8 @@ mod soundness;
 mod tiers;
 
 #[cfg(feature = "candle")]
+mod attention;
+#[cfg(feature = "candle")]
 mod candle;
 #[cfg(feature = "candle")]
 mod paged_kv;
