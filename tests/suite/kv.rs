@@ -1702,6 +1702,8 @@ pub fn kv_limit_lowering_holds_against_a_refill_in_flight(backend: Arc<dyn Backe
         "lowering the limit to the live footprint ({floor} bytes) while the look-ahead refills: {r:?}"
     );
     kv.free(&ids).expect("free");
+}
+
 /// Bytes that are not zero in the first `len` bytes of every block of every tensor of `kv`
 /// that is not live (blocks nobody holds now; pages under none of them read the zero page).
 fn stale_bytes_in_free_blocks(backend: &Arc<dyn Backend>, kv: &PagedKv, len: usize) -> usize {
