@@ -1559,8 +1559,9 @@ pub fn kv_alloc_counts_blocks_in_transit(backend: Arc<dyn Backend>) {
     let slow = Arc::new(DelayInjector::new(backend.clone()));
     let b: Arc<dyn Backend> = slow.clone();
     let p = pool(&b, 64 * g);
-    // A release under way: every block freed, their pages unmapping slowly.
-    let kv = PagedKv::new(&p, config(g, 1, 1, 4)).expect("cache");
+    // A release under way: every block freed, their pages unmapping slowly (unaliased pages:
+    // a release over zero-page aliases replaces the mapping without an unmap call).
+    let kv = PagedKv::new(&p, config(g, 1, 1, 4).zero_unbacked(false)).expect("cache");
     let ids = kv.alloc(4).expect("alloc");
     slow.set_delay(DriverCall::Unmap, Duration::from_millis(100));
     let unmaps = slow.calls(DriverCall::Unmap);
