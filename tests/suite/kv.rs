@@ -1856,7 +1856,7 @@ pub fn kv_null_block_is_reserved_backed_and_zero(backend: Arc<dyn Backend>) {
     // A sleep that discards KV: the null block's contents go with the rest; the wake makes it
     // zero again. Bytes written into it behind the cache's back stand for lost contents.
     for t in 0..kv.tensors() {
-        write(&backend, span_at(&kv, 0, t), &vec![0x5A; 64]);
+        write(&backend, span_at(&kv, 0, t), &[0x5A; 64]);
     }
     let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
     m.sleep(&policy).expect("sleep");
