@@ -194,7 +194,12 @@ impl Core {
         // free slots. (Moving only into groups denser than the source stopped half way on the
         // H100: survivors fill their groups unevenly, 2.52x the floor after compaction.)
         let mut ranked: Vec<usize> = (0..groups).filter(|&g| book.group_backed[g] > 0).collect();
-        ranked.sort_by_key(|&g| (Reverse(need(g)), g));
+        // The null block's group is never emptied: always a target, first.
+        let null_group = self
+            .config
+            .null_block
+            .then(|| group_of(&self.geo, self.page, 0));
+        ranked.sort_by_key(|&g| (Some(g) != null_group, Reverse(need(g)), g));
         let total: usize = ranked.iter().map(|&g| need(g)).sum();
         let (mut held, mut free, mut t) = (0usize, 0usize, 0usize);
         while t < ranked.len() && held + free < total {
@@ -212,7 +217,7 @@ impl Core {
         slots.sort_unstable_by(|a, b| b.cmp(a));
         // Sources, sparsest first (they cost the fewest moves per page given back).
         for &g in ranked[t..].iter().rev() {
-            if need(g) == 0 || !settled(g) {
+            if need(g) == 0 || !settled(g) || Some(g) == null_group {
                 continue;
             }
             if plan.moves.len() + live[g] > max_moves || slots.len() < need(g) {

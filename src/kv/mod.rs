@@ -14,10 +14,23 @@
 //!   model's limit without reclaiming anything;
 //! - every unbacked page of the tensors is aliased read-only to the pool's zero page (on a host
 //!   tier, by default, left unmapped instead: [`PagedKvConfig::zero_unbacked`])
-//!   ([`crate::MemOptions::zeroed`] at [`crate::Pool::reserve_region_with`]): a kernel reading a block nobody allocated (a
-//!   padded block table) reads zeros; **a write into a block that is not allocated faults**
-//!   (host: `SIGSEGV`; CUDA: an illegal-address error that poisons the context). Backends
-//!   that cannot map read-only are refused when the cache is made;
+//!   ([`crate::MemOptions::zeroed`] at [`crate::Pool::reserve_region_with`]). What a read of
+//!   a block nobody allocated gets: zeros where its page is unbacked; where a backed block
+//!   keeps the page mapped, zeros or bytes this cache wrote into it before it was freed, never
+//!   another model's or engine's (memory mapped from elsewhere is cleared first). On the host
+//!   backend such a read never faults (a page's mapping is replaced in one step); on CUDA a read
+//!   racing the map or unmap of its page may fault (an illegal address that poisons the
+//!   context). **A write into a block that is not allocated faults** where its page is unbacked
+//!   (host: `SIGSEGV`; CUDA: an illegal-address error). Backends that cannot map read-only
+//!   are refused when the cache is made;
+//! - with [`PagedKvConfig::null_block`], block 0 is reserved for padded block tables
+//!   (mistral.rs and candle-vllm pad with 0): backed and all zeros while the pool is awake,
+//!   never handed out, freed, released, compacted or moved, charged to the model and counted
+//!   in the stats' `mapped_bytes` (not in `live`); `alloc` gives at most `max_blocks - 1`
+//!   blocks and [`PagedKv::available`] never counts it. Its pages are never unmapped, so on
+//!   CUDA too a padded read of it cannot fault while neighbours are mapped or unmapped. A
+//!   sleep that discards KV drops its memory with the rest (no kernel may run while the pool
+//!   sleeps); the wake clears it again;
 //! - with [`Watermarks`], blocks are kept mapped ahead of need (mapped but free, "warm") by a
 //!   background thread, so that `alloc` on the token path makes no driver call in steady
 //!   state; see [`Watermarks`] for the rules (never another model's memory, bounded look-ahead,

@@ -163,6 +163,8 @@ fn pin_sources(core: &Core, ids: &[BlockId]) -> Result<()> {
     for &b in ids {
         let reason = if b >= max {
             Some("out of range")
+        } else if core.is_null(b) {
+            Some("the reserved null block (never moved)")
         } else if !seen.insert(b) {
             Some("named twice in one move")
         } else if book.in_alloc.contains(&b) {

@@ -97,6 +97,15 @@ pub struct PagedKvConfig {
     /// kernel reads through a padded block table; CUDA also limits how many times one host
     /// allocation may be mapped, so a large host cache could not alias every page).
     pub zero_unbacked: Option<bool>,
+    /// Whether block 0 is the reserved *null block*: backed and all zeros from creation to
+    /// drop, never handed out by `alloc`, never freed, released, compacted or moved, so a block
+    /// table padded with 0 (mistral.rs, candle-vllm) always reads zeros there, also on CUDA
+    /// while neighbours on its pages are mapped or unmapped. It costs its pages (one per tensor,
+    /// charged to the model as a live block's) for the cache's lifetime, and `max_blocks - 1`
+    /// blocks are left to allocate. Off by default: the cache then holds no memory until the
+    /// first `alloc` and hands out every block id, as before; turn it on where tables are
+    /// padded with block 0.
+    pub null_block: bool,
 }
 
 impl PagedKvConfig {
@@ -119,7 +128,19 @@ impl PagedKvConfig {
             layout: KvLayout::PerLayer,
             watermarks: None,
             zero_unbacked: None,
+            null_block: false,
         }
+    }
+
+    /// With block 0 reserved as the null block (`true`); see [`PagedKvConfig::null_block`].
+    pub fn null_block(mut self, on: bool) -> Self {
+        self.null_block = on;
+        self
+    }
+
+    /// Blocks `alloc` can hand out: `max_blocks`, less the null block if reserved.
+    pub fn allocatable_blocks(&self) -> usize {
+        self.max_blocks - usize::from(self.null_block)
     }
 
     /// With unbacked pages aliased to the zero page (`true`) or unmapped (`false`); see
@@ -179,11 +200,17 @@ impl PagedKvConfig {
                 u32::MAX
             )));
         }
+        if self.null_block && self.max_blocks < 2 {
+            return Err(Error::InvalidArgument(format!(
+                "paged KV cache: a null block needs max_blocks of at least 2 (one reserved, one to allocate), got {}",
+                self.max_blocks
+            )));
+        }
         if let Some(w) = self.watermarks {
-            if w.low > w.high || w.high > self.max_blocks || w.tick.is_zero() {
+            if w.low > w.high || w.high > self.allocatable_blocks() || w.tick.is_zero() {
                 return Err(Error::InvalidArgument(format!(
-                    "paged KV cache: watermarks low {} high {} tick {:?} must satisfy low <= high <= max_blocks ({}) and a tick above 0",
-                    w.low, w.high, w.tick, self.max_blocks
+                    "paged KV cache: watermarks low {} high {} tick {:?} must satisfy low <= high <= allocatable blocks ({}) and a tick above 0",
+                    w.low, w.high, w.tick, self.allocatable_blocks()
                 )));
             }
         }
@@ -255,8 +282,11 @@ impl BlockGeometry for KvGeometry {
 pub struct PagedKvStats {
     /// Blocks of the cache.
     pub max_blocks: usize,
-    /// Blocks allocated (handed out by `alloc`, not freed).
+    /// Blocks allocated (handed out by `alloc`, not freed); the null block is not one of them.
     pub live: usize,
+    /// Whether block 0 is the reserved null block ([`PagedKvConfig::null_block`]): always
+    /// backed, its pages counted in `mapped_bytes` and `packed_floor_bytes`.
+    pub null_block: bool,
     /// Free blocks kept mapped ahead of need.
     pub warm: usize,
     /// Bytes mapped under the tensors now.
@@ -281,7 +311,10 @@ pub struct PagedKvStats {
 /// The allocator's books, under the cache's mutex (a leaf lock).
 #[derive(Debug)]
 pub(crate) struct Book {
+    /// Allocated blocks, and the null block if reserved (so no path frees, moves or
+    /// releases it as a free block; the paths that take live blocks refuse it by id).
     pub(super) live: Vec<bool>,
+    /// Blocks marked in `live`.
     pub(super) live_count: usize,
     /// Free and backed.
     pub(super) warm: BTreeSet<usize>,
@@ -334,6 +367,26 @@ pub(crate) struct Core {
     /// Called before pages may be unmapped (set once by a face whose device queues work, e.g.
     /// the candle one: waits for the GPU to finish what was queued on the blocks).
     before_release: std::sync::OnceLock<BeforeRelease>,
+}
+
+/// The id of the reserved null block ([`PagedKvConfig::null_block`]).
+pub(crate) const NULL_BLOCK: BlockId = 0;
+
+/// Write zeros over the null block's span in every tensor (mapped with access): its pages
+/// may come from the pool's cache, or back from a sleep that discarded their contents.
+fn zero_null_block(pool: &Pool, geo: &KvGeometry, base: u64) -> Result<()> {
+    let mut spans = Vec::with_capacity(geo.tensors as usize);
+    geo.block_spans(NULL_BLOCK, &mut spans);
+    let len = usize::try_from(geo.unit).map_err(|_| Error::SizeOverflow {
+        what: "KV null block",
+        detail: format!("a span of {} bytes", geo.unit),
+    })?;
+    for (offset, _) in spans {
+        // SAFETY: the null block is backed (mapped with access) for as long as the cache lives
+        // and the pool is awake; nothing else writes it (no `alloc` hands it out).
+        unsafe { pool.backend().copies().fill(base + offset, len, 0) }?;
+    }
+    Ok(())
 }
 
 /// See `Core::before_release`.
@@ -393,12 +446,27 @@ impl PagedKv {
         let region = pool.reserve_region_with(geo.region_bytes(), &options)?;
         let backing = BlockBacking::new(region, geo, None)?;
         let groups = group_of(&geo, page, config.max_blocks - 1) + 1;
+        let mut group_backed = vec![0; groups];
+        let mut live = vec![false; config.max_blocks];
+        if config.null_block {
+            // Backed before anyone can see the cache; dropping the backing on an error unmaps
+            // and uncharges it.
+            backing.ensure_backed([NULL_BLOCK])?;
+            zero_null_block(pool, &geo, backing.addr())?;
+            live[NULL_BLOCK] = true;
+            group_backed[group_of(&geo, page, NULL_BLOCK)] = 1;
+        }
+        // Free blocks on the null block's pages cost nothing to take: ranked first.
+        let rank = |b: usize| u8::from(group_backed[group_of(&geo, page, b)] == 0);
         let book = Book {
-            live: vec![false; config.max_blocks],
-            live_count: 0,
+            live_count: usize::from(config.null_block),
             warm: BTreeSet::new(),
-            cold: (0..config.max_blocks).map(|b| (1, b)).collect(),
-            group_backed: vec![0; groups],
+            cold: (0..config.max_blocks)
+                .filter(|&b| !live[b])
+                .map(|b| (rank(b), b))
+                .collect(),
+            live,
+            group_backed,
             in_alloc: BTreeSet::new(),
             moving: BTreeSet::new(),
             tiered: BTreeSet::new(),
@@ -508,9 +576,15 @@ impl PagedKv {
         self.core.available()
     }
 
-    /// Whether `id` is allocated.
+    /// Whether `id` is allocated (the null block is not: it is reserved).
     pub fn is_live(&self, id: BlockId) -> bool {
-        self.core.book.lock().live.get(id).copied().unwrap_or(false)
+        !self.core.is_null(id) && self.core.book.lock().live.get(id).copied().unwrap_or(false)
+    }
+
+    /// The reserved null block's id (0), if [`PagedKvConfig::null_block`] is on: pad block
+    /// tables with it.
+    pub fn null_block(&self) -> Option<BlockId> {
+        self.core.config.null_block.then_some(NULL_BLOCK)
     }
 
     /// Give every warm block back (pages no live block touches go back to the pool), a batch
@@ -732,6 +806,11 @@ impl Core {
         }
     }
 
+    /// Whether `b` is the reserved null block.
+    pub(super) fn is_null(&self, b: BlockId) -> bool {
+        self.config.null_block && b == NULL_BLOCK
+    }
+
     pub(super) fn free(&self, ids: &[BlockId]) -> Result<()> {
         self.free_as(ids, false)
     }
@@ -746,6 +825,8 @@ impl Core {
             for (i, &b) in ids.iter().enumerate() {
                 let reason = if b >= max {
                     Some("out of range")
+                } else if self.is_null(b) {
+                    Some("the reserved null block (never allocated, never freed)")
                 } else if book.moving.contains(&b) {
                     Some("being moved by a compaction (free it under its new id once compact returns)")
                 } else if book.tiered.contains(&b) != unpin {
@@ -969,9 +1050,11 @@ impl Core {
         };
         let per_group = (self.page / self.geo.unit).max(1);
         let group_bytes = self.geo.tensors * self.geo.unit.div_ceil(self.page) * self.page;
+        let null = usize::from(self.config.null_block);
         PagedKvStats {
             max_blocks: self.config.max_blocks,
-            live,
+            live: live - null,
+            null_block: self.config.null_block,
             warm,
             mapped_bytes: self.backing.stats().mapped_bytes,
             packed_floor_bytes: (live as u64).div_ceil(per_group) * group_bytes,
@@ -1012,6 +1095,11 @@ impl SleepWatcher for Core {
     fn unmapping_all(&self) {}
 
     fn mapped_all(&self) -> Result<()> {
+        // A sleep may have discarded the null block's contents: zeros again before any
+        // kernel can read it.
+        if self.config.null_block {
+            zero_null_block(&self.pool, &self.geo, self.backing.addr())?;
+        }
         Ok(())
     }
 }

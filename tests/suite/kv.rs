@@ -1559,8 +1559,9 @@ pub fn kv_alloc_counts_blocks_in_transit(backend: Arc<dyn Backend>) {
     let slow = Arc::new(DelayInjector::new(backend.clone()));
     let b: Arc<dyn Backend> = slow.clone();
     let p = pool(&b, 64 * g);
-    // A release under way: every block freed, their pages unmapping slowly.
-    let kv = PagedKv::new(&p, config(g, 1, 1, 4)).expect("cache");
+    // A release under way: every block freed, their pages unmapping slowly (unaliased pages:
+    // a release over zero-page aliases replaces the mapping without an unmap call).
+    let kv = PagedKv::new(&p, config(g, 1, 1, 4).zero_unbacked(false)).expect("cache");
     let ids = kv.alloc(4).expect("alloc");
     slow.set_delay(DriverCall::Unmap, Duration::from_millis(100));
     let unmaps = slow.calls(DriverCall::Unmap);
@@ -1746,4 +1747,242 @@ pub fn kv_free_blocks_never_show_earlier_bytes(backend: Arc<dyn Backend>) {
         kv.free(&one).expect("free");
     }
     books_hold(&backend, &p);
+}
+
+/// Block 0's span in every tensor reads zeros.
+fn null_reads_zeros(backend: &Arc<dyn Backend>, kv: &PagedKv, what: &str) {
+    let len = kv.block_span_bytes() as usize;
+    for t in 0..kv.tensors() {
+        let got = read(backend, span_at(kv, 0, t), len);
+        let bad = got.iter().filter(|&&x| x != 0).count();
+        assert_eq!(
+            bad, 0,
+            "{what}: {bad} bytes of the null block in tensor {t} are not 0"
+        );
+    }
+}
+
+/// The reserved null block ([`PagedKvConfig::null_block`]): backed and zero from creation,
+/// charged to the model and counted in the pool's books, never handed out, freed, moved or
+/// compacted; the rest of the cache allocates whole; after a sleep that discards KV it is zero
+/// again.
+pub fn kv_null_block_is_reserved_backed_and_zero(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    assert!(matches!(
+        PagedKv::new(&pool(&backend, 8 * g), config(g, 4, 1, 1).null_block(true)),
+        Err(Error::InvalidArgument(_))
+    ));
+    let shared = SharedPool::new(backend.clone(), SharedPoolConfig::new()).expect("shared");
+    let m = shared
+        .register(ModelConfig::new("m", (64 * g) as usize, 64 * g))
+        .expect("model");
+    let used = || {
+        shared
+            .model("m")
+            .expect("m")
+            .model_stats()
+            .expect("stats")
+            .used
+    };
+    let used_before = used();
+    // Two layers (4 tensors), 4 blocks per page, 16 blocks.
+    let kv = PagedKv::new(&m, config(g, 4, 2, 16).null_block(true)).expect("cache");
+    let group = 4 * g;
+    assert_eq!(kv.null_block(), Some(0));
+    assert!(!kv.is_live(0), "the null block is not allocated");
+    let s = kv.stats();
+    assert!(s.null_block && s.live == 0 && s.warm == 0, "{s:?}");
+    assert_eq!(s.mapped_bytes, group, "the null block's pages are mapped");
+    assert_eq!(s.packed_floor_bytes, group, "and part of the floor");
+    assert_eq!(used() - used_before, group, "charged to the model");
+    assert_eq!(m.stats().mapped, group, "in the pool's books");
+    null_reads_zeros(&backend, &kv, "at creation");
+    assert_eq!(kv.available(), 15, "every other block can be had");
+    // Bad ids are refused, the null block by name.
+    match kv.free(&[0]) {
+        Err(Error::KvBadBlock {
+            block: 0, reason, ..
+        }) => {
+            assert!(reason.contains("null block"), "reason: {reason}")
+        }
+        other => panic!("free of the null block: {other:?}"),
+    }
+    // A full alloc of the rest, never block 0.
+    let ids = kv.alloc(15).expect("every other block");
+    assert_eq!(ids.len(), 15);
+    assert!(
+        !ids.contains(&0),
+        "alloc handed out the null block: {ids:?}"
+    );
+    assert!(matches!(
+        kv.alloc(1),
+        Err(Error::KvOutOfBlocks { free: 0, .. })
+    ));
+    fill_blocks(&backend, &kv, &ids);
+    null_reads_zeros(&backend, &kv, "with every other block written");
+    assert_eq!(kv.stats().mapped_bytes, 4 * group);
+    assert_eq!(used() - used_before, 4 * group);
+    match kv.free(&[ids[0], 0]) {
+        Err(Error::KvBadBlock { block: 0, .. }) => {}
+        other => panic!("a free naming the null block: {other:?}"),
+    }
+    assert!(kv.is_live(ids[0]), "a refused free frees nothing");
+    // Keep one block on the null block's page and a few elsewhere; compaction packs them
+    // around the null block, which stays.
+    let keep = [1usize, 6, 11];
+    let gone: Vec<usize> = ids.iter().copied().filter(|b| !keep.contains(b)).collect();
+    kv.free(&gone).expect("free");
+    kv.trim();
+    let c = kv.compact(usize::MAX).expect("compact");
+    assert!(c.new_id(0).is_none(), "the null block was not moved");
+    assert!(
+        c.moves.iter().all(|&(_, to)| to != 0),
+        "nothing moved into the null block: {:?}",
+        c.moves
+    );
+    assert_eq!(
+        kv.stats().mapped_bytes,
+        group,
+        "packed around the null block"
+    );
+    null_reads_zeros(&backend, &kv, "after a compaction");
+    let now: Vec<usize> = keep.iter().map(|&b| c.rename(b)).collect();
+    kv.free(&now).expect("free the rest");
+    kv.trim();
+    let s = kv.stats();
+    assert_eq!((s.live, s.warm, s.mapped_bytes), (0, 0, group), "{s:?}");
+    m.trim().expect("trim the pool's cache");
+    assert_eq!(used() - used_before, group, "the null block stays charged");
+    // A sleep that discards KV: the null block's contents go with the rest; the wake makes it
+    // zero again. Bytes written into it behind the cache's back stand for lost contents.
+    for t in 0..kv.tensors() {
+        write(&backend, span_at(&kv, 0, t), &[0x5A; 64]);
+    }
+    let policy = SleepPolicy::offload_all().tag(Tag::Kv, SleepAction::Discard);
+    m.sleep(&policy).expect("sleep");
+    m.wake(AfterWake::KeepHostMemory).expect("wake");
+    null_reads_zeros(&backend, &kv, "after a discarding sleep");
+    assert_eq!(kv.stats().mapped_bytes, group);
+    drop(kv);
+    m.trim().expect("trim");
+    assert_eq!(m.stats().mapped, 0, "the drop gives the null block back");
+    assert_eq!(used(), used_before);
+    m.audit().expect("audit");
+}
+
+/// A padded block table read while neighbours churn: block 0 (the null block) reads zeros all
+/// along while other threads allocate, write, free, trim and compact the blocks on its pages
+/// and others, with slow maps and unmaps and the look-ahead running; no alloc returns 0.
+pub fn kv_null_block_reads_zeros_while_neighbours_churn(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    slow.set_delay(DriverCall::Map, Duration::from_micros(200));
+    slow.set_delay(DriverCall::Unmap, Duration::from_micros(200));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 256 * g);
+    let w = Watermarks {
+        low: 2,
+        high: 6,
+        idle_after: Duration::from_millis(5),
+        tick: Duration::from_millis(1),
+    };
+    const N: usize = 64;
+    let kv = Arc::new(
+        PagedKv::new(&p, config(g, 4, 1, N).watermarks(w).null_block(true)).expect("cache"),
+    );
+    let step = Arc::new(parking_lot::RwLock::new(()));
+    let lists: Arc<Vec<parking_lot::Mutex<Vec<usize>>>> = Arc::new(
+        (0..3)
+            .map(|_| parking_lot::Mutex::new(Vec::new()))
+            .collect(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = AtomicUsize::new(0);
+    let rounds = AtomicUsize::new(0);
+    let span = kv.block_span_bytes() as usize;
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        // The reader: a kernel reading a padded table.
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                for t in 0..kv.tensors() {
+                    let got = read(&backend, span_at(&kv, 0, t), span);
+                    assert!(
+                        got.iter().all(|&x| x == 0),
+                        "the null block of tensor {t} read non-zero bytes"
+                    );
+                    reads.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        for t in 0..3usize {
+            let (kv, lists, step, stop) = (kv.clone(), lists.clone(), step.clone(), stop.clone());
+            let (b, rounds) = (b.clone(), &rounds);
+            s.spawn(move || {
+                let mut rng = Rng::new(7 + t as u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let _g = step.read();
+                    let mut mine = lists[t].lock();
+                    if mine.len() < 16 && rng.below(2) == 0 {
+                        match kv.alloc(1 + rng.below(4) as usize) {
+                            Ok(ids) => {
+                                assert!(!ids.contains(&0), "alloc handed out the null block");
+                                // Written as an engine writes KV: a wrong mapping would show
+                                // these bytes under block 0.
+                                for &i in &ids {
+                                    for tt in 0..kv.tensors() {
+                                        write(&b, span_at(&kv, i, tt), &vec![0xA5; span]);
+                                    }
+                                }
+                                mine.extend(ids);
+                            }
+                            Err(Error::KvOutOfBlocks { .. }) => {}
+                            Err(e) => panic!("alloc: {e}"),
+                        }
+                    } else if !mine.is_empty() {
+                        let n = 1 + rng.below(mine.len() as u64) as usize;
+                        let gone: Vec<usize> = mine.drain(..n).collect();
+                        kv.free(&gone).expect("free");
+                    }
+                    rounds.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        // Reclaim-style trims and compactions between steps.
+        let mut i = 0;
+        while started.elapsed() < Duration::from_millis(1500) {
+            std::thread::sleep(Duration::from_millis(3));
+            if i % 2 == 0 {
+                kv.trim();
+            } else {
+                let _g = step.write();
+                let c = kv.compact(64).expect("compact");
+                assert!(c.new_id(0).is_none(), "the null block moved");
+                for l in lists.iter() {
+                    for id in l.lock().iter_mut() {
+                        *id = c.rename(*id);
+                    }
+                }
+            }
+            i += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(
+        rounds.load(Ordering::Relaxed) > 100,
+        "the neighbours churned"
+    );
+    assert!(reads.load(Ordering::Relaxed) > 100, "the reader read");
+    for l in lists.iter() {
+        kv.free(&l.lock()).expect("free at the end");
+    }
+    kv.trim();
+    let s = kv.stats();
+    assert_eq!((s.live, s.mapped_bytes), (0, 2 * g), "{s:?}");
+    null_reads_zeros(&b, &kv, "at the end");
+    drop(kv);
+    slow.clear();
+    p.trim().expect("trim");
+    assert_eq!(p.stats().mapped, 0);
+    books_hold(&b, &p);
 }

@@ -111,6 +111,8 @@ macro_rules! kv_suite {
             kv_trim_holds_against_frees,
             kv_limit_lowering_holds_against_a_refill_in_flight,
             kv_free_blocks_never_show_earlier_bytes,
+            kv_null_block_is_reserved_backed_and_zero,
+            kv_null_block_reads_zeros_while_neighbours_churn,
         );
     };
 }
