@@ -924,6 +924,14 @@ impl Copies for CudaBackend {
     }
 
     unsafe fn fill(&self, addr: u64, len: usize, byte: u8) -> Result<()> {
+        if self.host_location {
+            // A host tier's chunks are mapped for the host too (`set_access`), and
+            // `cuMemsetD8` refuses them (CUDA_ERROR_INVALID_VALUE on the H100): the CPU writes.
+            // SAFETY: the caller guarantees the range is mapped with access and that nothing
+            // else uses it meanwhile; the host has read/write access to a host tier's ranges.
+            unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len) };
+            return Ok(());
+        }
         let _bound = self.bind()?;
         // SAFETY: the caller guarantees the range is mapped with access.
         unsafe { result::memset_d8_sync(addr, byte, len) }.map_err(driver_error(

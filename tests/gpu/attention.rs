@@ -86,7 +86,11 @@ fn check(dtype: DType, heads: usize, kv_heads: usize, head_dim: usize, seed: u64
         }
         // Padding: a block nobody allocated, or an id past the cache.
         for j in n..width {
-            table.push(if (i + j) % 2 == 0 { (MAX_BLOCKS - 1) as u32 } else { u32::MAX });
+            table.push(if (i + j) % 2 == 0 {
+                (MAX_BLOCKS - 1) as u32
+            } else {
+                u32::MAX
+            });
         }
     }
     let batch = LENS.len();
@@ -105,8 +109,19 @@ fn check(dtype: DType, heads: usize, kv_heads: usize, head_dim: usize, seed: u64
     let tol = if dtype == DType::BF16 { 2e-2 } else { 4e-3 };
     for (b, &len) in LENS.iter().enumerate() {
         let n = len.div_ceil(TOKENS);
-        let rows = Tensor::from_vec(table[b * width..b * width + n].to_vec(), n, &dev)
-            .expect("rows");
+        if n == 0 {
+            // Nothing to attend over: zeros (no empty table to gather the reference by).
+            let sum = got
+                .get(b)
+                .and_then(|o| o.abs())
+                .and_then(|o| o.sum_all())
+                .and_then(|o| o.to_scalar::<f32>())
+                .expect("row of an empty sequence");
+            assert_eq!(sum, 0.0, "sequence {b} of length 0 is not zeros");
+            continue;
+        }
+        let rows =
+            Tensor::from_vec(table[b * width..b * width + n].to_vec(), n, &dev).expect("rows");
         let gather = |c: &Tensor| {
             c.index_select(&rows, 0)
                 .and_then(|x| x.reshape((n * TOKENS, kv_heads, head_dim)))
@@ -164,10 +179,22 @@ fn paged_attention_refuses_bad_shapes_and_the_device_stays_usable() {
     let f32_kv = Tensor::zeros((4, TOKENS, 2, 128), DType::F32, &dev).expect("f32");
     let short = Tensor::zeros((1, 4), DType::U32, &dev).expect("short table");
     for (what, r) in [
-        ("head_dim", paged_attention_decode(&q96, &bad_dim, &bad_dim, &table, &lens, 64, 1.0)),
-        ("cache dim", paged_attention_decode(&q, &bad_dim, &bad_dim, &table, &lens, 64, 1.0)),
-        ("dtype", paged_attention_decode(&q, &f32_kv, &f32_kv, &table, &lens, 64, 1.0)),
-        ("table rows", paged_attention_decode(&q, &kv, &kv, &short, &lens, 64, 1.0)),
+        (
+            "head_dim",
+            paged_attention_decode(&q96, &bad_dim, &bad_dim, &table, &lens, 64, 1.0),
+        ),
+        (
+            "cache dim",
+            paged_attention_decode(&q, &bad_dim, &bad_dim, &table, &lens, 64, 1.0),
+        ),
+        (
+            "dtype",
+            paged_attention_decode(&q, &f32_kv, &f32_kv, &table, &lens, 64, 1.0),
+        ),
+        (
+            "table rows",
+            paged_attention_decode(&q, &kv, &kv, &short, &lens, 64, 1.0),
+        ),
         (
             "3 heads per kv head",
             paged_attention_decode(

@@ -1978,10 +1978,14 @@ pub fn kv_null_block_reads_zeros_while_neighbours_churn(backend: Arc<dyn Backend
     }
     kv.trim();
     // Releases the look-ahead's idle return started (slowed unmaps) may still be landing.
-    wait_until("the cache back to its null block", Duration::from_secs(10), || {
-        let s = kv.stats();
-        (s.live, s.mapped_bytes) == (0, 2 * g)
-    });
+    wait_until(
+        "the cache back to its null block",
+        Duration::from_secs(10),
+        || {
+            let s = kv.stats();
+            (s.live, s.mapped_bytes) == (0, 2 * g)
+        },
+    );
     null_reads_zeros(&b, &kv, "at the end");
     drop(kv);
     slow.clear();
