@@ -158,7 +158,7 @@ impl PagedAttention {
         }
         // The kernel indexes with 32-bit block ids and token counts.
         let fits = |n: usize| u32::try_from(n).is_ok();
-        if !(fits(blocks) && fits(width) && fits(kv_heads)) || !fits(max_context) {
+        if !(fits(blocks) && fits(width) && fits(kv_heads) && fits(max_context)) {
             return Err(bad(format!(
                 "sizes past 32 bits: {blocks} blocks, width {width}, max_context {max_context}"
             )));
