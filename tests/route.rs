@@ -609,3 +609,173 @@ fn a_synchronous_free_is_not_kept_for_stream_reuse() {
     route::flush(&pool);
     pool.audit().unwrap();
 }
+
+/// Issue 33, defect 13: the books hold while two routed models race limit changes, trims,
+/// flushes and a third model's register/unregister, with blocks freed on other threads and
+/// streams. An auditor checks the ledger against every pool and the backend all the while; a
+/// delaying backend (150 us per create, map, unmap and release) widens every window.
+///
+/// Ignored: the drift is rare and not yet found. It failed once in about 30 runs of 4 s on
+/// main 23eee55 (`audit 701273: ledger says 167772160 bytes (a 54525952, b 92274688, c
+/// 20971520; leaked 0), backend holds only 166502400`: 1269760 bytes short, not a whole
+/// chunk, with nothing in flight in any registered pool). Run it with
+/// `cargo test --test route -- --ignored the_books_hold`.
+#[test]
+#[ignore = "issue 33 defect 13: rare drift, not yet found (fails about 1 run in 30)"]
+fn the_books_hold_while_routed_models_race_limits_trims_flushes_and_unregister() {
+    let _s = SERIAL.lock();
+    let host: Arc<dyn Backend> = Arc::new(HostBackend::new(2 << 20).unwrap());
+    let injector = Arc::new(DelayInjector::new(host));
+    let backend: Arc<dyn Backend> = injector.clone();
+    let shared = SharedPool::new(backend, SharedPoolConfig::new().global_limit(160 << 20)).unwrap();
+    let models: Vec<_> = ["a", "b"]
+        .iter()
+        .map(|id| {
+            let m = shared
+                .register(ModelConfig::new(*id, 1 << 30, 96 << 20))
+                .unwrap();
+            route::set_stream_cache_limit(&m, 6 << 20);
+            m
+        })
+        .collect();
+    for call in [DriverCall::Create, DriverCall::Map, DriverCall::Unmap, DriverCall::Release] {
+        injector.set_delay(call, Duration::from_micros(150));
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let failure: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+    let mut threads = Vec::new();
+    // Two workers per model: allocate on their own stream, hand blocks to the other to free.
+    type Inboxes = Arc<[Mutex<Vec<u64>>; 2]>;
+    let mut inboxes: Vec<Inboxes> = Vec::new();
+    for (mi, m) in models.iter().enumerate() {
+        let inbox: Inboxes = Arc::new([Mutex::default(), Mutex::default()]);
+        inboxes.push(inbox.clone());
+        for w in 0..2usize {
+            let (m, inbox, stop) = (m.clone(), inbox.clone(), stop.clone());
+            threads.push(std::thread::spawn(move || {
+                let stream = 0x100 * (mi + 1) + w;
+                let mut i = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let bytes = (64 << 10) + (i * 7919 + w * 104729) % (5 << 20);
+                    let got = route::with_route(&m, Tag::Activations, || alloc(bytes, stream));
+                    if let Ok(Ok(p)) = got {
+                        inbox[1 - w].lock().push(p);
+                    }
+                    let mine = std::mem::take(&mut *inbox[w].lock());
+                    for p in mine {
+                        assert_eq!(free(p, stream), CUresult::CUDA_SUCCESS);
+                    }
+                }
+            }));
+        }
+    }
+    // Limits up and down, trims and flushes.
+    {
+        let (shared, models, stop) = (shared.clone(), models.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                for (k, m) in models.iter().enumerate() {
+                    let limit = (16 + (i * 13 + k as u64 * 29) % 96) << 20;
+                    let _ = shared.set_limit(m.id(), limit);
+                    if i % 3 == 0 {
+                        let _ = m.trim();
+                    }
+                    if i % 2 == k as u64 {
+                        route::flush(m);
+                    }
+                }
+            }
+        }));
+    }
+    // A third model comes and goes, routed, under the same global limit: one thread allocates
+    // through it (registering it again when it is gone), another unregisters it at any moment.
+    {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut i = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let c = match shared.model("c") {
+                    Ok(c) => c,
+                    Err(_) => match shared.register(ModelConfig::new("c", 1 << 30, 32 << 20)) {
+                        Ok(c) => c,
+                        Err(_) => continue,
+                    },
+                };
+                let blocks: Vec<u64> = (0..4)
+                    .filter_map(|k| {
+                        i += 1;
+                        route::with_route(&c, Tag::Kv, || alloc((1 + (i + k) % 3) << 20, 0x900))
+                            .ok()
+                            .and_then(Result::ok)
+                    })
+                    .collect();
+                for p in blocks {
+                    assert_eq!(free(p, 0x901 + i % 2), CUresult::CUDA_SUCCESS);
+                }
+                if i % 3 == 0 {
+                    route::flush(&c);
+                }
+            }
+        }));
+    }
+    {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        threads.push(std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(c) = shared.model("c") {
+                    if let Some(r) = route::stats(&c) {
+                        if r.cached_bytes > 0 {
+                            route::flush(&c);
+                        }
+                    }
+                }
+                let _ = shared.unregister("c");
+                std::thread::sleep(Duration::from_micros(300));
+            }
+        }));
+    }
+    // The auditor.
+    {
+        let (shared, stop, failure) = (shared.clone(), stop.clone(), failure.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut audits = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if let Err(e) = shared.audit() {
+                    *failure.lock() = Some(format!("audit {audits}: {e}"));
+                    stop.store(true, Ordering::Relaxed);
+                }
+                audits += 1;
+            }
+            assert!(audits > 0);
+        }));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(4);
+    while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    if let Some(f) = failure.lock().take() {
+        panic!("the books drifted: {f}");
+    }
+    // Blocks still in an inbox when their receiver stopped.
+    for inbox in &inboxes {
+        for b in inbox.iter() {
+            for p in std::mem::take(&mut *b.lock()) {
+                assert_eq!(free(p, 0x77), CUresult::CUDA_SUCCESS);
+            }
+        }
+    }
+    injector.clear();
+    for m in models.iter().cloned().chain(shared.model("c").ok()) {
+        route::flush(&m);
+    }
+    shared.audit().unwrap();
+    let st = shared.stats();
+    assert_eq!(st.global.in_use, 0, "{st:?}");
+}
