@@ -34,7 +34,10 @@
 //!   metrics, the full view) need a control connection, open to the broker's own user or root.
 //! - How much one user may take: connections counted from accept against a total and a
 //!   per-user cap, a deadline for the whole hello with no thread per connection before it
-//!   (`accept.rs`), models per user, guarantees within the operator's policy.
+//!   (`accept.rs`), models per user, bytes per user, guarantees within the operator's policy,
+//!   and a priority cap for users other than the broker's own and root (0 by default:
+//!   reclaims take from the lowest priority first, so their models never outrank the
+//!   operator's).
 //! - A malformed or oversized message gets an error reply and closes that connection; a
 //!   connection thread that panics still gives back everything; the broker goes on.
 //!
