@@ -26,8 +26,9 @@
 //!
 //! Security model (README, "Security model"): bookkeeping isolation between cooperating
 //! engines, not protection against a process that keeps a mapping of a chunk it gave back.
-//! - Who connects: the socket's folder is private ([`crate::ipc::SocketDir`]), the socket mode
-//!   0600 (0660 for `BrokerConfig::group`); the broker checks the peer's `SO_PEERCRED` at
+//! - Who connects: the socket's folder is private ([`crate::ipc::SocketDir`]; the socket is
+//!   bound, set and removed through the folder's descriptor), the socket mode 0600 (0660 for
+//!   `BrokerConfig::group`); the broker checks the peer's `SO_PEERCRED` at
 //!   accept, engines check the broker's (its user must be theirs or root, or one they name).
 //! - An engine sees, maps and changes only its own models and chunks (ids of another engine's
 //!   are "unknown" to it); every number it sends is checked. Operator requests (limits, trim,

@@ -12,7 +12,7 @@
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -318,7 +318,7 @@ impl Broker {
         let lock = dir.lock()?;
         // The lock is ours: a socket left by a dead broker is stale (anything else is refused).
         dir.clear_stale_socket()?;
-        let listener = UnixListener::bind(&path).map_err(|e| io_err("bind", &path, e))?;
+        let listener = dir.bind()?;
         let mode = if config.group.is_some() { 0o660 } else { 0o600 };
         dir.set_socket_access(mode, config.group)?;
         let desc = BackendDesc {
