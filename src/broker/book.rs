@@ -107,6 +107,10 @@ pub(crate) struct Policy {
     /// The most bytes the models of one user other than the broker's and root may hold
     /// together, orphaned models included.
     pub(crate) max_bytes_per_user: u64,
+    /// The highest priority a user other than the broker's and root may register a model at
+    /// (reclaims take from the lowest priority first: above the operator's, a user's models
+    /// would make the operator's give first).
+    pub(crate) max_priority_per_user: i32,
 }
 
 impl Policy {
@@ -227,9 +231,10 @@ impl Book {
     }
 
     /// Register a model of connection `conn`, whose user is `uid`: within the model caps
-    /// (on the broker, and per user for users other than the broker's own and root) and the
-    /// guarantee policy (in all and per user), and if its guarantee fits beside everything
-    /// already used or promised.
+    /// (on the broker, and per user for users other than the broker's own and root), the
+    /// priority cap (users other than the broker's own and root), the guarantee policy (in
+    /// all and per user), and if its guarantee fits beside everything already used or
+    /// promised.
     pub(crate) fn register(
         &mut self,
         conn: u64,
@@ -267,6 +272,12 @@ impl Book {
             return Err(BookError::Forbidden(format!(
                 "model {name:?}: user {uid} has {of_user} models registered, {} allowed per user",
                 self.policy.max_models_per_user
+            )));
+        }
+        if !operator && priority > self.policy.max_priority_per_user {
+            return Err(BookError::Forbidden(format!(
+                "model {name:?}: priority {priority} refused: {} allowed per user for users other than the broker's (uid {}) and root (above it their models would outrank the operator's in a reclaim)",
+                self.policy.max_priority_per_user, self.policy.broker_uid
             )));
         }
         if guarantee > 0 {
@@ -778,6 +789,7 @@ mod tests {
             max_models_per_user: 32,
             max_guarantee_total: None,
             max_guarantee_per_user: None,
+            max_priority_per_user: 0,
             max_bytes_per_user: u64::MAX,
         }
     }
@@ -910,6 +922,36 @@ mod tests {
         // Peer numbers at the edge do not overflow.
         let e = b.register(9, 7, "max", u64::MAX, u64::MAX, 0).unwrap_err();
         assert!(matches!(e, BookError::Forbidden(_)), "{e:?}");
+        b.audit().unwrap();
+    }
+
+    /// Issue 33, defect 6: users other than the broker's and root register at most at the
+    /// policy's priority (0 by default); the operator's users at any.
+    #[test]
+    fn priorities_are_capped_per_user() {
+        let mut b = Book::new(
+            1000,
+            Policy {
+                broker_uid: 1,
+                ..policy()
+            },
+        );
+        let e = b.register(9, 7, "high", 10, 0, i32::MAX).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("priority 2147483647 refused: 0 allowed per user")),
+            "{e:?}"
+        );
+        b.register(9, 7, "at", 10, 0, 0).unwrap();
+        b.register(9, 7, "low", 10, 0, i32::MIN).unwrap();
+        b.register(1, 0, "root", 10, 0, i32::MAX).unwrap();
+        b.register(2, 1, "broker's", 10, 0, i32::MAX).unwrap();
+        b.policy.max_priority_per_user = 5;
+        b.register(9, 7, "five", 10, 0, 5).unwrap();
+        let e = b.register(9, 7, "six", 10, 0, 6).unwrap_err();
+        assert!(
+            matches!(&e, BookError::Forbidden(m) if m.contains("priority 6 refused: 5 allowed per user")),
+            "{e:?}"
+        );
         b.audit().unwrap();
     }
 }

@@ -26,15 +26,19 @@
 //!
 //! Security model (README, "Security model"): bookkeeping isolation between cooperating
 //! engines, not protection against a process that keeps a mapping of a chunk it gave back.
-//! - Who connects: the socket's folder is private ([`crate::ipc::SocketDir`]), the socket mode
-//!   0600 (0660 for `BrokerConfig::group`); the broker checks the peer's `SO_PEERCRED` at
+//! - Who connects: the socket's folder is private ([`crate::ipc::SocketDir`]; the socket is
+//!   bound, set and removed through the folder's descriptor), the socket mode 0600 (0660 for
+//!   `BrokerConfig::group`); the broker checks the peer's `SO_PEERCRED` at
 //!   accept, engines check the broker's (its user must be theirs or root, or one they name).
 //! - An engine sees, maps and changes only its own models and chunks (ids of another engine's
 //!   are "unknown" to it); every number it sends is checked. Operator requests (limits, trim,
 //!   metrics, the full view) need a control connection, open to the broker's own user or root.
 //! - How much one user may take: connections counted from accept against a total and a
 //!   per-user cap, a deadline for the whole hello with no thread per connection before it
-//!   (`accept.rs`), models per user, guarantees within the operator's policy.
+//!   (`accept.rs`), models per user, bytes per user, guarantees within the operator's policy,
+//!   and a priority cap for users other than the broker's own and root (0 by default:
+//!   reclaims take from the lowest priority first, so their models never outrank the
+//!   operator's).
 //! - A malformed or oversized message gets an error reply and closes that connection; a
 //!   connection thread that panics still gives back everything; the broker goes on.
 //!

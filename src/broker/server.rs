@@ -12,7 +12,7 @@
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,6 +72,11 @@ pub struct BrokerConfig {
     /// lives). `None`: half the global limit, so that no other user can take the whole budget
     /// and the operator's engines always have half of it to grow or reclaim into.
     pub max_bytes_per_user: Option<u64>,
+    /// The highest priority one user other than the broker's own and root may register a
+    /// model at (on both tiers); above it is refused. Reclaims take from the lowest priority
+    /// first, so the default, 0 (a model's default priority), keeps the users of
+    /// [`BrokerConfig::group`] from making the operator's models give first.
+    pub max_priority_per_user: i32,
     /// The host tier's budget in bytes (`None`: no host tier). Engines then get host memory
     /// from the broker too ([`super::BrokerClient::register_host_tier`]): host chunks the
     /// broker makes once (VMM host memory on CUDA, pinned memfd memory otherwise), exported as
@@ -86,7 +91,7 @@ impl BrokerConfig {
     /// A broker on `socket` with a global budget of `global_limit` bytes, mode 0600, reclaims
     /// waited for 2 s, 5 s to say hello, 32 connections and 32 models per other user than the
     /// broker's and root, guarantees up to the global limit for the broker's own user and root
-    /// and none for other users.
+    /// and none for other users, priorities up to 0 for other users.
     pub fn new(socket: impl Into<PathBuf>, global_limit: u64) -> Self {
         BrokerConfig {
             socket: socket.into(),
@@ -100,6 +105,7 @@ impl BrokerConfig {
             max_guarantee_total: None,
             max_guarantee_per_user: None,
             max_bytes_per_user: None,
+            max_priority_per_user: 0,
             host_budget: None,
         }
     }
@@ -156,6 +162,13 @@ impl BrokerConfig {
     /// [`BrokerConfig::max_bytes_per_user`]).
     pub fn max_bytes_per_user(mut self, bytes: u64) -> Self {
         self.max_bytes_per_user = Some(bytes);
+        self
+    }
+
+    /// The highest priority one user other than the broker's own and root may register at
+    /// (see [`BrokerConfig::max_priority_per_user`]).
+    pub fn max_priority_per_user(mut self, priority: i32) -> Self {
+        self.max_priority_per_user = priority;
         self
     }
 }
@@ -305,7 +318,7 @@ impl Broker {
         let lock = dir.lock()?;
         // The lock is ours: a socket left by a dead broker is stale (anything else is refused).
         dir.clear_stale_socket()?;
-        let listener = UnixListener::bind(&path).map_err(|e| io_err("bind", &path, e))?;
+        let listener = dir.bind()?;
         let mode = if config.group.is_some() { 0o660 } else { 0o600 };
         dir.set_socket_access(mode, config.group)?;
         let desc = BackendDesc {
@@ -321,6 +334,7 @@ impl Broker {
             max_guarantee_total: config.max_guarantee_total,
             max_guarantee_per_user: config.max_guarantee_per_user,
             max_bytes_per_user: config.max_bytes_per_user.unwrap_or(config.global_limit / 2),
+            max_priority_per_user: config.max_priority_per_user,
         };
         let host = match host {
             Some((budget, h)) => Some(host_tier_shared(h, budget, &config, uid)?),
@@ -549,6 +563,7 @@ fn host_tier_shared(
         max_guarantee_total: None,
         max_guarantee_per_user: None,
         max_bytes_per_user: budget / 2,
+        max_priority_per_user: config.max_priority_per_user,
     };
     let mut host_config = config.clone();
     host_config.global_limit = budget;

@@ -7,23 +7,31 @@
 //! from the root, each opened relative to its parent without following a symbolic link, and a
 //! folder above it that others may write is refused unless it is sticky (see `walk`): no
 //! other user can swap a parent to make the broker chmod or chown a folder it did not make.
-//! Everything after that check works through the
-//! folder's descriptor (opened without following a link), so the folder checked is the folder
-//! used: the socket's path is checked first, then the lock file beside the socket
-//! (`<socket's name>.lock`) is opened with `O_NOFOLLOW` and must be a regular file
-//! of ours (then it is rewritten, never anyone else's file), and only a stale socket of ours is
-//! removed from the socket's path; any other file there is refused and left as it was.
+//! Everything after that check works through the folder's descriptor (opened without
+//! following a link), so the folder checked is the folder used, even if a component of its
+//! path is swapped later: the socket's name is checked first, then the lock file beside the
+//! socket (`<socket's name>.lock`) is opened with `O_NOFOLLOW` and must be a regular file of
+//! ours (then it is rewritten, never anyone else's file), only a stale socket of ours is
+//! removed from the socket's name (any other file there is refused and left as it was), the
+//! socket is bound through the descriptor (`/proc/self/fd/<descriptor>/<name>`, see
+//! [`SocketDir::bind`]) and checked there after bind, and its mode, group and removal at
+//! the end are `*at` calls on the descriptor.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::error::{Error, Result};
+
+/// The longest address a Unix socket is bound to, in bytes: `sun_path` holds 108 with the
+/// terminating NUL.
+const MAX_SOCKET_ADDRESS: usize = 107;
 
 /// The permission bits a folder or file has, as `ls` would show them in octal.
 fn mode_of(st: &rustix::fs::Stat) -> u32 {
@@ -184,8 +192,8 @@ impl SocketDir {
         let private = mode & 0o077 == 0;
         if made || (private && group.is_some()) {
             // Made by this call (see `walk`), or ours and private: set exactly what is needed.
-            // The socket is later bound by path through this folder; its parents cannot be
-            // swapped (checked in `walk`) and the folder itself is private and ours.
+            // The socket is later bound through this folder's descriptor (`bind`), so what is
+            // set here is the socket's folder whatever happens to its path.
             if let Some(gid) = group {
                 rustix::fs::fchown(&dir, None, Some(rustix::process::Gid::from_raw(gid)))
                     .map_err(|e| io_error("chown socket folder", &dir_path, e))?;
@@ -333,6 +341,72 @@ impl SocketDir {
         Ok(true)
     }
 
+    /// Bind the listening socket in the claimed folder, through the folder's descriptor: the
+    /// address is `/proc/self/fd/<folder's descriptor>/<socket's name>`, and procfs resolves
+    /// that link to the folder the descriptor holds, so a component of the socket's path
+    /// swapped since the claim cannot move the socket elsewhere (Linux has no `bindat`).
+    /// Then the socket's name in that folder is checked (`fstatat` on the descriptor) to be a
+    /// socket of this user. Errors: an address beyond the 107 bytes a Unix socket's address
+    /// holds (a shorter socket name is needed), procfs missing, or the bind itself.
+    pub fn bind(&self) -> Result<UnixListener> {
+        let path = self.socket_path();
+        let fd = self.dir.as_raw_fd();
+        let mut via = OsString::from(format!("/proc/self/fd/{fd}/"));
+        via.push(&self.name);
+        if via.len() > MAX_SOCKET_ADDRESS {
+            return Err(Error::InvalidArgument(format!(
+                "the socket's name {:?} is {} bytes: bound through its folder's descriptor as {} ({} bytes), beyond the {MAX_SOCKET_ADDRESS} bytes a Unix socket's address holds; use a shorter name",
+                self.name,
+                self.name.len(),
+                Path::new(&via).display(),
+                via.len()
+            )));
+        }
+        // The link must lead to the folder held (procfs mounted, and no other `/proc`).
+        let held = rustix::fs::fstat(&self.dir).map_err(|e| io_error("stat", &self.dir_path, e))?;
+        let link = format!("/proc/self/fd/{fd}");
+        match rustix::fs::stat(link.as_str()) {
+            Ok(st) if st.st_dev == held.st_dev && st.st_ino == held.st_ino => {}
+            Ok(_) => {
+                return Err(insecure(
+                    &path,
+                    format!("{link} does not lead to the socket's folder (is /proc procfs?); the socket is bound through it"),
+                ))
+            }
+            Err(e) => {
+                return Err(io_error(
+                    "bind",
+                    &path,
+                    format!("{link}: {e}: the socket is bound through its folder's descriptor, which needs procfs at /proc"),
+                ))
+            }
+        }
+        let listener = UnixListener::bind(&via).map_err(|e| {
+            io_error(
+                "bind",
+                &path,
+                format!("through {}: {e}", Path::new(&via).display()),
+            )
+        })?;
+        // What is now at the name in the folder held must be a socket of ours.
+        let st = rustix::fs::statat(&self.dir, &self.name, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| io_error("stat the bound socket", &path, e))?;
+        let me = rustix::process::geteuid().as_raw();
+        if FileType::from_raw_mode(st.st_mode) != FileType::Socket || st.st_uid != me {
+            return Err(insecure(
+                &path,
+                format!(
+                    "after bind, {} of uid {} (mode {:04o}) sits at the socket's name in its folder, not the socket bound",
+                    kind_of(&st),
+                    st.st_uid,
+                    mode_of(&st)
+                ),
+            ));
+        }
+        tracing::debug!(socket = %path.display(), via = %Path::new(&via).display(), "socket bound through its folder's descriptor");
+        Ok(listener)
+    }
+
     /// Set the socket's mode and group (after bind, in the folder already checked).
     pub fn set_socket_access(&self, mode: u32, group: Option<u32>) -> Result<()> {
         let path = self.socket_path();
@@ -374,7 +448,7 @@ impl SocketDir {
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 
     use super::*;
 
@@ -500,6 +574,62 @@ mod tests {
                 clobbered.unwrap_or(0)
             );
         }
+    }
+
+    /// Issue 33, defect 7: the socket's folder renamed away after the claim and another folder
+    /// put at its old path: the socket is bound in the claimed folder (the one checked), never
+    /// in the folder now at the path, and its access is set and it is removed there too.
+    #[test]
+    fn the_socket_lands_in_the_claimed_folder_though_its_path_was_swapped() {
+        let d = scratch("bind-swap");
+        let s = SocketDir::claim(&d.join("a/x.sock"), None).unwrap();
+        let _lock = s.lock().unwrap();
+        s.clear_stale_socket().unwrap();
+        // The claimed folder goes to `moved`; a new folder takes its path.
+        std::fs::rename(d.join("a"), d.join("moved")).unwrap();
+        std::fs::create_dir(d.join("a")).unwrap();
+        let bound = s.bind();
+        let in_claimed = std::fs::symlink_metadata(d.join("moved/x.sock"));
+        let in_swapped = std::fs::symlink_metadata(d.join("a/x.sock"));
+        let _ = std::fs::remove_file(d.join("a/x.sock"));
+        let listener = bound.unwrap();
+        assert!(
+            in_swapped.is_err() && in_claimed.is_ok(),
+            "bound at the swapped path {} (a socket in the folder now at the path: {}; in the claimed folder, moved to {}: {})",
+            d.join("a/x.sock").display(),
+            in_swapped.is_ok(),
+            d.join("moved").display(),
+            in_claimed.is_ok()
+        );
+        assert!(in_claimed.unwrap().file_type().is_socket());
+        // The socket answers there, its access is set there, and it is removed from there.
+        drop(std::os::unix::net::UnixStream::connect(d.join("moved/x.sock")).unwrap());
+        assert!(listener.accept().is_ok());
+        s.set_socket_access(0o600, None).unwrap();
+        let mode = std::fs::symlink_metadata(d.join("moved/x.sock"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        s.remove_socket();
+        assert!(std::fs::symlink_metadata(d.join("moved/x.sock")).is_err());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A socket's name too long for a Unix socket's address once bound through its folder's
+    /// descriptor is refused with the numbers, before anything is bound.
+    #[test]
+    fn a_socket_name_beyond_the_address_limit_is_refused_with_the_numbers() {
+        let d = scratch("long-name");
+        let name = "n".repeat(100);
+        let s = SocketDir::claim(&d.join(&name), None).unwrap();
+        let e = s.bind().unwrap_err().to_string();
+        assert!(
+            e.contains("is 100 bytes") && e.contains("beyond the 107 bytes"),
+            "{e}"
+        );
+        assert!(!d.join(&name).exists());
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     /// A socket path naming a neighbour's file (`--socket dir/Cargo.toml`) is refused before

@@ -58,6 +58,10 @@ pub const TESTS: &[(&str, fn())] = &[
         "security::a_user_sending_bad_hellos_in_a_loop_is_muted",
         a_user_sending_bad_hellos_in_a_loop_is_muted,
     ),
+    (
+        "security::a_group_user_cannot_outrank_the_operator",
+        a_group_user_cannot_outrank_the_operator,
+    ),
 ];
 
 /// A group user at its connection cap reconnects in a tight loop (each connection refused):
@@ -165,6 +169,89 @@ fn a_user_sending_bad_hellos_in_a_loop_is_muted() {
     // The operator still connects while the user is muted.
     let s = broker.control().snapshot().unwrap();
     assert!(s.counters.refused_connections >= 512, "{:?}", s.counters);
+}
+
+/// Issue 33, defect 6: a user let in with `--group` registers at most at
+/// `--max-priority-per-user` (default 0, the default priority), so its models never outrank
+/// the operator's in a reclaim (lowest priority gives first); above it is refused `Forbidden`
+/// with the numbers, and root still registers at any priority. Before the fix the group user
+/// registered at `i32::MAX`.
+fn a_group_user_cannot_outrank_the_operator() {
+    require_root();
+    let (broker, mut foreign) = group_broker_and_foreign_engine("priority-cap", 64 * MIB);
+    let max = i32::MAX;
+    let answer = foreign.ask(&format!("register high {} 0 {max}", 8 * MIB));
+    eprintln!("  user {NOBODY} at priority {max}: {answer}");
+    assert!(
+        answer.starts_with("error Forbidden")
+            && answer.contains(&format!("priority {max} refused"))
+            && answer.contains("0 allowed per user"),
+        "user {NOBODY} at priority {max}: {answer}"
+    );
+    let answer = foreign.ask(&format!("register high {} 0 1", 8 * MIB));
+    assert!(
+        answer.starts_with("error Forbidden") && answer.contains("priority 1 refused"),
+        "{answer}"
+    );
+    // At the cap, and below it, it is granted.
+    for (name, priority) in [("at-cap", 0), ("below", -5)] {
+        let answer = foreign.ask(&format!("register {name} {} 0 {priority}", 8 * MIB));
+        assert!(
+            answer.starts_with("registered"),
+            "priority {priority}: {answer}"
+        );
+    }
+    // Root (the broker's user here) registers at any priority.
+    let owner = raw_hello(&broker.socket, PROTOCOL_VERSION);
+    raw_reply(&owner).unwrap();
+    let r = raw_request(
+        &owner,
+        2,
+        Request::Register {
+            model: "operator".into(),
+            limit: 8 * MIB,
+            guarantee: 0,
+            priority: max,
+        },
+    );
+    assert!(
+        matches!(r, Reply::Registered { .. }),
+        "root at {max}: {r:?}"
+    );
+    let s = broker.control().snapshot().unwrap();
+    let priorities: Vec<(String, i32)> = s
+        .models
+        .iter()
+        .map(|m| (m.name.clone(), m.priority))
+        .collect();
+    eprintln!("  registered: {priorities:?}");
+    assert_eq!(priorities.len(), 3, "{priorities:?}");
+    foreign.finish();
+    drop(broker);
+    // The operator may let the group's users go higher, up to its number.
+    let group = NOBODY.to_string();
+    let broker = BrokerProc::start(
+        "priority-flag",
+        64 * MIB,
+        &["--group", &group, "--max-priority-per-user", "5"],
+    );
+    let mut foreign = Script::new(common::spawn_as(
+        "foreign-client",
+        &[("EVMM_SOCKET", broker.socket.display().to_string())],
+        NOBODY,
+        NOBODY,
+    ));
+    assert_eq!(foreign.ask("hello engine"), "welcome");
+    let answer = foreign.ask(&format!("register six {} 0 6", 8 * MIB));
+    assert!(
+        answer.starts_with("error Forbidden")
+            && answer.contains("priority 6 refused")
+            && answer.contains("5 allowed per user"),
+        "{answer}"
+    );
+    let answer = foreign.ask(&format!("register five {} 0 5", 8 * MIB));
+    assert!(answer.starts_with("registered"), "{answer}");
+    foreign.finish();
 }
 
 /// A user let in with `--group` (no guarantee) grows one model as far as it can, then drops
@@ -838,7 +925,7 @@ fn hello(socket: &str, role: Role) -> Result<(UnixStream, Option<Reply>), String
 }
 
 /// A raw client of another user, driven line by line: `hello engine|control`, `register NAME
-/// LIMIT GUARANTEE`, `register-many PREFIX N LIMIT`, `grow MODEL SIZE`, `giveback MODEL CHUNK`,
+/// LIMIT GUARANTEE [PRIORITY]`, `register-many PREFIX N LIMIT`, `grow MODEL SIZE`, `giveback MODEL CHUNK`,
 /// `unregister MODEL`, `report MODEL`, `snapshot`, `setlimit NAME LIMIT`, `conns N` (more
 /// connections, each saying hello, kept open).
 fn foreign_client() {
@@ -896,7 +983,7 @@ fn foreign_client() {
                 model: w[1].into(),
                 limit: n(2),
                 guarantee: n(3),
-                priority: 0,
+                priority: w.get(4).and_then(|x| x.parse().ok()).unwrap_or(0),
             }),
             Some("register-many") => {
                 let mut ok = 0;

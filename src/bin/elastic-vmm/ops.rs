@@ -92,6 +92,12 @@ pub struct BrokerArgs {
     /// bounded by the budget only.
     #[arg(long, value_parser = parse_size)]
     pub max_bytes_per_user: Option<u64>,
+    /// The highest priority one user of --group may register a model at (on both tiers);
+    /// above it is refused. Reclaims take from the lowest priority first, so the default, 0
+    /// (a model's default priority), keeps those users from making the operator's models give
+    /// first. The broker's own user and root register at any priority.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub max_priority_per_user: i32,
     /// Give the broker a host tier with this budget (bytes, or with K/M/G/T): host memory
     /// (VMM host chunks on CUDA, else pinned memfd chunks) the broker makes once and hands
     /// between engines (`BrokerClient::register_host_tier`), for their sleeps to stage
@@ -155,6 +161,7 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
     config.max_guarantee_total = args.max_guarantee_total;
     config.max_guarantee_per_user = args.max_guarantee_per_user;
     config.max_bytes_per_user = args.max_bytes_per_user;
+    config.max_priority_per_user = args.max_priority_per_user;
     config.host_budget = args.host_budget;
     let broker = Broker::start(backend, config)?;
     if let Some(addr) = args.metrics_addr {
