@@ -12,7 +12,7 @@ const MIB: u64 = 1 << 20;
 
 fn main() -> elastic_vmm::Result<()> {
     let gpu = SharedPool::host(SharedPoolConfig::new().global_limit(256 << 20))?; // cuda(0, ..)
-    let model = gpu.register(ModelConfig::new("llama", 8 << 30, 64 << 20))?; // 64 MiB limit
+    let model = gpu.register(ModelConfig::new("llama", 8 << 30, 66 << 20))?; // 64 MiB of blocks + the 2 MiB zero page
                                                                              // Per layer a K and a V [1024 blocks, 16 tokens, 8 heads, 128 dims] of f16 (2 bytes), 8 layers:
     let shape = PagedKvConfig::new(8, 8, 128, 16, 2, 1024); // 512 MiB of addresses, none mapped
     let kv = PagedKv::new(&model, shape.clone())?;

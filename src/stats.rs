@@ -144,8 +144,9 @@ pub struct PoolStats {
     /// [`crate::p2p`]): never reused, still held (and charged) until every such peer forgot
     /// them, released then.
     pub peer_held: u64,
-    /// Bytes of the pool's zero page (one granule once a zero-filled region was made, else 0):
-    /// physical memory, not charged to the pool's limit, not in `mapped`.
+    /// Bytes of the pool's zero page (one granule while a zero-filled region lives, else 0):
+    /// physical memory, charged like any chunk (to the pool's limit or its model's ledger
+    /// line) and counted in [`PoolStats::physical`], not in `mapped`.
     pub zero_page: u64,
     /// Bytes of address space mapped read-only to the zero page (unbacked parts of
     /// zero-filled regions): no memory of their own, not in `mapped`.
@@ -157,9 +158,10 @@ pub struct PoolStats {
 }
 
 impl PoolStats {
-    /// Physical bytes held: mapped, cached, given away but not released, and held for peers.
+    /// Physical bytes held: mapped, cached, given away but not released, held for peers, and
+    /// the zero page.
     pub fn physical(&self) -> u64 {
-        self.mapped + self.cached + self.given_away + self.peer_held
+        self.mapped + self.cached + self.given_away + self.peer_held + self.zero_page
     }
 
     /// Mapped bytes not in use.

@@ -34,7 +34,6 @@ fn a_lowered_limit_stays_at_least_the_guarantee() {
 /// region, e.g. a KV cache); the ledger must count what the backend holds for its models, as
 /// a broker does for an engine's pool (every chunk it creates, the zero page included).
 #[test]
-#[ignore = "issue 33 defect 8: the fix (the zero page charged through admission) is pending"]
 fn the_ledger_counts_the_zero_page() {
     use elastic_vmm::kv::{PagedKv, PagedKvConfig};
     use elastic_vmm::{ModelConfig, SharedPool, SharedPoolConfig};
@@ -57,4 +56,124 @@ fn the_ledger_counts_the_zero_page() {
     );
     kv.free(&ids).expect("free");
     shared.audit().expect("audit");
+}
+
+/// Issue 33, defect 8: the zero page's charge goes with the last zero-filled region. Dropping
+/// the cache (its region) releases the zero page and credits the ledger: after a trim of the
+/// cached chunks the ledger is back to 0 and the backend holds nothing.
+#[test]
+fn the_zero_page_charge_goes_with_the_cache() {
+    use elastic_vmm::kv::{PagedKv, PagedKvConfig};
+    use elastic_vmm::{ModelConfig, SharedPool, SharedPoolConfig};
+    let backend = host();
+    let g = 2u64 << 20;
+    let shared = SharedPool::new(backend.clone(), SharedPoolConfig::new()).expect("shared");
+    let m = shared
+        .register(ModelConfig::new("m", (64 * g) as usize, 16 * g))
+        .expect("model");
+    let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).expect("cache");
+    let ids = kv.alloc(1).expect("alloc");
+    let held = backend.physical_bytes().expect("physical");
+    assert_eq!(
+        shared.stats().global.used,
+        held,
+        "charged while the cache lives"
+    );
+    assert_eq!(m.stats().physical(), held, "the pool counts its zero page");
+    kv.free(&ids).expect("free");
+    drop(kv);
+    let s = m.stats();
+    assert_eq!(
+        s.zero_page, 0,
+        "the last zero-filled region took the zero page with it"
+    );
+    assert_eq!(s.zero_aliased, 0);
+    m.trim().expect("trim");
+    shared.audit().expect("audit");
+    assert_eq!(shared.stats().global.used, 0, "nothing charged");
+    assert_eq!(
+        backend.physical_bytes().expect("physical"),
+        0,
+        "nothing held"
+    );
+    assert_eq!(m.stats().physical(), 0);
+    assert!(
+        m.stats().peak_physical >= held,
+        "the peak saw the zero page: {} < {held}",
+        m.stats().peak_physical
+    );
+    // A new cache makes (and charges) a zero page again.
+    let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).expect("cache again");
+    assert_eq!(m.stats().zero_page, g);
+    shared.audit().expect("audit");
+    drop(kv);
+    drop(m);
+    assert_eq!(
+        shared.stats().global.used,
+        0,
+        "nothing charged once the model is gone"
+    );
+    assert_eq!(backend.physical_bytes().expect("physical"), 0);
+}
+
+/// Issue 33, defect 8: a model's limit counts the zero page. A cache whose model has no room
+/// for it is refused with the limit's numbers, and nothing is left behind: no region, no
+/// charge, no memory; with the room it is made.
+#[test]
+fn a_limit_without_room_for_the_zero_page_refuses_the_cache() {
+    use elastic_vmm::kv::{PagedKv, PagedKvConfig};
+    use elastic_vmm::{Error, ModelConfig, Pool, PoolConfig, SharedPool, SharedPoolConfig};
+    let backend = host();
+    let g = 2u64 << 20;
+    let shared = SharedPool::new(backend.clone(), SharedPoolConfig::new()).expect("shared");
+    let m = shared
+        .register(ModelConfig::new("m", (64 * g) as usize, g / 2))
+        .expect("model");
+    let e = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16))
+        .expect_err("no room for the zero page");
+    assert!(
+        matches!(e, Error::AdmissionRefused { requested, model_limit, .. } if requested == g && model_limit == g / 2),
+        "{e}"
+    );
+    let s = m.stats();
+    assert_eq!(
+        (s.zero_page, s.reserved_regions, s.physical()),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(shared.stats().global.used, 0, "nothing charged");
+    assert_eq!(
+        backend.physical_bytes().expect("physical"),
+        0,
+        "nothing held"
+    );
+    m.audit().expect("pool audit");
+    shared.audit().expect("audit");
+    // One granule is room enough: the cache's only memory until blocks are allocated.
+    shared.set_limit("m", g).expect("raise the limit");
+    let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).expect("cache");
+    assert_eq!(shared.stats().global.used, g, "the zero page");
+    assert_eq!(m.stats().zero_page, g);
+    shared.audit().expect("audit");
+    drop(kv);
+    // A plain pool's physical limit counts it too, and its refusal names it.
+    let p = Pool::new(
+        backend.clone(),
+        PoolConfig::new((16 * g) as usize).physical_limit(g / 2),
+    )
+    .expect("pool");
+    let e = PagedKv::new(&p, PagedKvConfig::new(1, 2, 64, 4096, 2, 16))
+        .expect_err("no room for the zero page");
+    assert!(
+        matches!(&e, Error::OutOfPhysicalMemory { requested, .. } if *requested == g)
+            && e.to_string().contains("zero page"),
+        "{e}"
+    );
+    let s = p.stats();
+    assert_eq!(
+        (s.zero_page, s.reserved_regions, s.physical()),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    p.audit().expect("pool audit");
 }

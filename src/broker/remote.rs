@@ -813,6 +813,39 @@ mod tests {
         assert_eq!(&back, b"remote");
     }
 
+    /// Issue 33, defect 8: an engine's KV cache on a remote model charges the pool's zero page
+    /// once: the broker's line (every chunk the engine holds) equals what the engine's pool
+    /// counts (zero page included), and both go to 0 once the cache is gone.
+    #[test]
+    fn a_remote_kv_cache_charges_its_zero_page_once() {
+        use crate::kv::{PagedKv, PagedKvConfig};
+        const MIB: u64 = 1 << 20;
+        let g = DEFAULT_GRANULARITY as u64;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker =
+            Broker::start(Arc::new(host), BrokerConfig::new(socket("zero"), 64 * MIB)).unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let m = client
+            .register(ModelConfig::new("m", 1 << 30, 32 * MIB))
+            .unwrap();
+        let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).unwrap();
+        let ids = kv.alloc(1).unwrap();
+        let s = m.stats();
+        assert_eq!(s.zero_page, g, "{s:?}");
+        let view = m.broker_view().unwrap();
+        assert_eq!(view.used, s.physical(), "{view:?} {s:?}");
+        assert_eq!(m.backend().physical_bytes().unwrap(), s.physical());
+        kv.free(&ids).unwrap();
+        drop(kv);
+        m.trim().unwrap();
+        assert_eq!(m.stats().physical(), 0, "{:?}", m.stats());
+        let view = m.broker_view().unwrap();
+        assert_eq!((view.used, view.chunks), (0, 0), "{view:?}");
+        assert_eq!(client.snapshot().unwrap().audit, None);
+        broker.shutdown();
+    }
+
     /// A growth by many chunks travels in batches of [`MAX_BATCH`] and is all or none: a
     /// refusal in a later batch gives back every chunk of the earlier ones, and the books show
     /// nothing held. Handed-over chunks keep their bytes, and a batch give-back returns them.

@@ -429,8 +429,14 @@ impl PagedKv {
     /// own yet. Tagged [`Tag::Kv`]. With watermarks, the
     /// background thread starts here.
     ///
+    /// The pool's zero page (one granule per pool, made with its first zero-filled region) is
+    /// charged like any of its memory: to the pool's limit, or to the model's line of a
+    /// [`crate::SharedPool`].
+    ///
     /// Errors: a zero or overflowing shape, watermarks out of order, a reservation the pool
-    /// cannot hold, a backend that cannot map read-only; nothing is left reserved or mapped.
+    /// cannot hold, a backend that cannot map read-only, a limit with no room for the zero
+    /// page ([`crate::Error::OutOfPhysicalMemory`] naming it); nothing is left reserved or
+    /// mapped.
     pub fn new(pool: &Pool, config: PagedKvConfig) -> Result<PagedKv> {
         config.check()?;
         let page = pool.granularity();

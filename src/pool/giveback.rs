@@ -272,7 +272,7 @@ impl Drop for Inner {
                 .fetch_add(bytes + bytes_of(&cached), Ordering::AcqRel);
             (mapped, cached, kept)
         };
-        self.release_zero();
+        let zero = self.take_zero();
         let (kept_mapped, kept_unmapped): (Vec<_>, Vec<_>) = kept.into_iter().partition(|k| k.1);
         let mapped = mapped
             .into_iter()
@@ -286,6 +286,7 @@ impl Drop for Inner {
             .map(|(_, c)| c)
             .chain(cached)
             .chain(kept_unmapped.into_iter().map(|((_, c), _)| c))
+            .chain(zero)
             .collect();
         if let Some(keeper) = super::keeper::active() {
             // Released whatever peers keep imported (nothing is left to charge them to): they

@@ -42,8 +42,10 @@ impl Pool {
     /// [`Region::map`] uses (default: the pool's range chunk); `name` is refused.
     ///
     /// `zeroed`: every granule of the region that is not mapped reads as zeros. It is aliased
-    /// read-only to the pool's zero page (one granule of zeros, made once per pool, shown in
-    /// [`crate::PoolStats::zero_page`]): a read of an unbacked part returns zeros instead of
+    /// read-only to the pool's zero page (one granule of zeros per pool, made with its first
+    /// zero-filled region and released with its last; charged like any chunk, so a limit too
+    /// small for it refuses the region; shown in [`crate::PoolStats::zero_page`] and counted
+    /// in [`crate::PoolStats::physical`]): a read of an unbacked part returns zeros instead of
     /// faulting, a write faults (host: `SIGSEGV`; CUDA: an illegal-address error that poisons
     /// the context). [`Region::map`] replaces the aliases under the range it maps;
     /// [`Region::unmap`] puts them back. Aliases are not memory: they count in
@@ -84,6 +86,7 @@ impl Pool {
         .and_then(|mut region| {
             if opts.zeroed {
                 region.zeroed = true;
+                self.inner().zero_region_made();
                 // On failure the region's drop takes back what was aliased.
                 self.inner().zero_alias(region.offset, region.len)?;
             }
@@ -404,6 +407,9 @@ impl Inner {
         }
         st.regions.remove(offset, end);
         drop(st);
+        if zeroed {
+            self.zero_region_gone();
+        }
         tracing::debug!(pool = %self.name, offset, len, "region returned");
     }
 

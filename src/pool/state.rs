@@ -225,7 +225,11 @@ impl State {
     }
 
     pub(crate) fn physical(&self) -> u64 {
-        self.mapped + self.cache.bytes() + bytes_of(&self.given_away) + bytes_of(&self.peer_held)
+        self.mapped
+            + self.cache.bytes()
+            + bytes_of(&self.given_away)
+            + bytes_of(&self.peer_held)
+            + self.zero.chunk.map_or(0, |c| c.size as u64)
     }
 
     pub(crate) fn note_peaks(&mut self) {

@@ -5,9 +5,11 @@
 //! a CUDA context); a write through such a page faults (host: `SIGSEGV`; CUDA: an illegal
 //! address error). The aliases are not memory: in the books their ranges stay unmapped (in
 //! `held`), this module keeps which of them are aliased (`ZeroBook`), and sleep, trim, stats
-//! and limits see only real chunks. The chunk itself is created once, on the first zero-filled
-//! region, not charged to the pool's limit (one granule per pool), shown in
-//! [`crate::PoolStats::zero_page`] and released when the pool goes.
+//! and limits see only the chunks. The zero chunk itself is the pool's memory like any chunk:
+//! made on the first zero-filled region from the pool's cache or through admission (so charged
+//! to the pool's limit or its model's ledger line, like every chunk a broker creates), shown in
+//! [`crate::PoolStats::zero_page`] and counted in [`crate::PoolStats::physical`], and released
+//! (credited) when the last zero-filled region goes, or at the pool's teardown.
 //!
 //! Mapping a range over aliases ([`Inner::map_batch`]) puts its chunks in place of them in one
 //! step where the backend can ([`crate::backend::Backend::maps_over`], the host backend), and
@@ -30,8 +32,10 @@ use crate::error::{Error, Result};
 /// Which unmapped granules are aliased to the zero page, and the chunk.
 #[derive(Debug, Default)]
 pub(crate) struct ZeroBook {
-    /// The pool's zero chunk, once made.
+    /// The pool's zero chunk, once made (charged like any chunk of the pool).
     pub(crate) chunk: Option<PhysicalChunk>,
+    /// Zero-filled regions alive: the chunk is given back when the last one goes.
+    pub(crate) users: u64,
     /// Aliased ranges (a part of `held`).
     ranges: Intervals,
     /// Granule bytes whose aliasing failed (a driver error): left unmapped, so a read there
@@ -124,36 +128,84 @@ impl Inner {
 }
 
 impl Inner {
-    /// The pool's zero chunk, made (and filled with zeros) on first use.
+    /// The pool's zero chunk, made (and filled with zeros) on first use: a granule of the
+    /// pool's cache, else one obtained like any growth ([`Inner::obtain`]: admission charges
+    /// it, to the pool's limit or its model's ledger line). A refusal says the zero page asked.
     fn zero_chunk(&self) -> Result<PhysicalChunk> {
-        if let Some(c) = self.state.lock().zero.chunk {
-            return Ok(c);
-        }
-        let made = self.backend.create(self.gran as usize)?;
-        self.drivers.bump(DriverCall::Create);
-        // Fresh memory need not be zero (CUDA): map it read-write once, clear it, unmap.
+        let cached = {
+            let mut st = self.state.lock();
+            if let Some(c) = st.zero.chunk {
+                return Ok(c);
+            }
+            st.cache
+                .take_smallest_in(self.gran as usize, self.gran as usize)
+        };
+        let made = match cached {
+            Some(c) => {
+                self.take_out(vec![c]);
+                c
+            }
+            None => self.obtain_zero_granule()?,
+        };
+        // Fresh memory need not be zero (CUDA), nor is a cached or donated chunk: map it
+        // read-write once, clear it, unmap.
         let cleared = self.clear_chunk(made);
         if let Err((e, free)) = cleared {
             if free {
-                // SAFETY: made above and mapped nowhere now.
-                if let Err(r) = unsafe { self.call_release(made) } {
-                    tracing::error!(pool = %self.name, error = %r, "releasing a zero page that could not be cleared failed");
-                }
+                // Credited; a chunk whose release fails is cached (logged there).
+                let _ = self.release_chunks(vec![made]);
             }
             return Err(e);
         }
         let mut st = self.state.lock();
         if let Some(c) = st.zero.chunk {
             drop(st);
-            // Another thread made one first.
-            // SAFETY: ours, mapped nowhere.
-            if let Err(r) = unsafe { self.call_release(made) } {
-                tracing::error!(pool = %self.name, error = %r, "releasing a spare zero page failed");
-            }
+            // Another thread made one first: ours goes back to the cache.
+            self.stash(vec![made]);
             return Ok(c);
         }
         st.zero.chunk = Some(made);
+        self.in_flight
+            .fetch_sub(made.size as u64, std::sync::atomic::Ordering::AcqRel);
+        st.note_peaks();
         tracing::debug!(pool = %self.name, bytes = self.gran, "zero page made");
+        Ok(made)
+    }
+
+    /// One granule obtained for the zero page (in flight, charged); a refusal names it.
+    fn obtain_zero_granule(&self) -> Result<PhysicalChunk> {
+        let fit = super::Fit {
+            max_chunk: self.gran,
+            room: self.gran,
+        };
+        let got = self
+            .obtain(self.gran, super::Urgency::Required, fit)
+            .map_err(|e| match e {
+                Error::OutOfPhysicalMemory {
+                    requested,
+                    available,
+                    source_of_limit,
+                } => Error::OutOfPhysicalMemory {
+                    requested,
+                    available,
+                    source_of_limit: format!(
+                        "{source_of_limit}; asked for the pool's zero page (one granule, charged \
+                         once per pool for its zero-filled regions)"
+                    ),
+                },
+                other => other,
+            })?;
+        let mut chunks: Vec<PhysicalChunk> = got.donated.into_iter().chain(got.created).collect();
+        // Chunks are whole granules and at most `fit.room` came: exactly one.
+        let made = chunks.pop().ok_or_else(|| {
+            Error::backend(
+                self.backend.info().name,
+                "create",
+                "NO_RESULT",
+                "no chunk for the zero page",
+            )
+        })?;
+        self.stash(chunks);
         Ok(made)
     }
 
@@ -302,6 +354,10 @@ impl Inner {
         } else {
             // Still mapped: kept out of every use, retried by trim and teardown.
             st.put_stuck(&stuck);
+            self.in_flight.fetch_sub(
+                super::mapper::bytes_of(stuck.iter().map(|(_, c)| c)),
+                std::sync::atomic::Ordering::AcqRel,
+            );
         }
         r.map_err(|e| (e, stuck.is_empty()))
     }
@@ -511,19 +567,43 @@ impl Inner {
         }
     }
 
-    /// Release the zero chunk at teardown (nothing aliases it any more).
-    pub(super) fn release_zero(&mut self) {
-        let Some(c) = self.state.get_mut().zero.chunk.take() else {
-            return;
+    /// A zero-filled region was made: the zero page stays while it lives.
+    pub(crate) fn zero_region_made(&self) {
+        self.state.lock().zero.users += 1;
+    }
+
+    /// A zero-filled region is gone (its aliases dropped): the last one gives the zero page
+    /// back (released and credited; a failed release caches it, logged).
+    pub(crate) fn zero_region_gone(&self) {
+        let chunk = {
+            let mut st = self.state.lock();
+            st.zero.users = st.zero.users.saturating_sub(1);
+            if st.zero.users > 0 || st.zero.aliased() > 0 {
+                return;
+            }
+            let Some(c) = st.zero.chunk.take() else {
+                return;
+            };
+            self.take_out(vec![c])
         };
-        if self.state.get_mut().zero.aliased() > 0 {
+        if let (_, Some(e)) = self.release_chunks(chunk) {
+            tracing::warn!(pool = %self.name, error = %e, "releasing the zero page failed; it is cached");
+        }
+    }
+
+    /// The zero chunk at teardown, counted in flight for the caller to release (none while
+    /// aliases remain: then it stays, leaked and charged).
+    pub(super) fn take_zero(&mut self) -> Option<PhysicalChunk> {
+        let st = self.state.get_mut();
+        let c = st.zero.chunk?;
+        if st.zero.aliased() > 0 {
             tracing::error!(pool = %self.name, "zero-page aliases remain at teardown; the zero page is leaked");
-            return;
+            return None;
         }
-        // SAFETY: no alias is left, the chunk is ours and released once.
-        if let Err(e) = unsafe { self.call_release(c) } {
-            tracing::error!(pool = %self.name, error = %e, "releasing the zero page failed");
-        }
+        st.zero.chunk = None;
+        self.in_flight
+            .fetch_add(c.size as u64, std::sync::atomic::Ordering::AcqRel);
+        Some(c)
     }
 }
 

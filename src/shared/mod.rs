@@ -375,7 +375,8 @@ pub struct ModelStats {
     pub guarantee: u64,
     /// Its reclaim priority.
     pub priority: i32,
-    /// Physical bytes charged to it (mapped + cached + being created).
+    /// Physical bytes charged to it (mapped + cached + being created, and its pool's zero
+    /// page while a zero-filled region such as a KV cache lives).
     pub used: u64,
     /// Bytes held by its live allocations and mapped ranges.
     pub in_use: u64,
@@ -881,8 +882,8 @@ impl SharedPool {
                 let held = ps.physical() + ps.in_flight;
                 if used != held {
                     return Err(format!(
-                        "model {}: ledger says {used}, pool holds {held} (mapped {} + cached {} + in flight {})",
-                        r.id, ps.mapped, ps.cached, ps.in_flight
+                        "model {}: ledger says {used}, pool holds {held} (mapped {} + cached {} + zero page {} + in flight {})",
+                        r.id, ps.mapped, ps.cached, ps.zero_page, ps.in_flight
                     ));
                 }
             }

@@ -125,7 +125,7 @@ pub fn kv_alloc_maps_every_tensor(backend: Arc<dyn Backend>) {
     books_hold(&backend, &p);
 }
 
-/// Blocks nobody allocated read zeros (one zero page, made once per pool, not memory of its
+/// Blocks nobody allocated read zeros (aliases of one zero page per pool, no memory of their
 /// own), the contiguous layout maps one span per block, and allocated blocks replace the
 /// aliases.
 pub fn kv_unbacked_blocks_read_zeros(backend: Arc<dyn Backend>) {
@@ -278,10 +278,10 @@ pub fn kv_bad_input_changes_nothing(backend: Arc<dyn Backend>) {
 pub fn kv_limits_and_available(backend: Arc<dyn Backend>) {
     let g = gran(&backend);
     // 1 layer (2 tensors), 2 blocks per page: a fresh pair of blocks costs 2 pages. The zero
-    // page is not charged.
+    // page is charged: one granule of the limit.
     let p = Pool::new(
         backend.clone(),
-        PoolConfig::new(64 * g as usize).physical_limit(6 * g),
+        PoolConfig::new(64 * g as usize).physical_limit(7 * g),
     )
     .expect("pool");
     let kv = PagedKv::new(&p, config(g, 2, 1, 16)).expect("cache");
@@ -389,12 +389,14 @@ pub fn kv_ahead_takes_only_its_high_watermark(backend: Arc<dyn Backend>) {
     );
     // A required alloc may reclaim a's idle memory.
     // Beyond the warm blocks, 5 fresh ones (10 granules): within b's limit, more than the
-    // budget's free part once b's look-ahead took it.
+    // budget's free part once b's look-ahead took it (12 granules: b's zero page, and 5 blocks
+    // of 2 pages).
     assert_eq!(
         b.stats().mapped,
-        12 * g,
+        10 * g,
         "b's look-ahead took the free budget"
     );
+    assert_eq!(b.stats().zero_page, g);
     let ids = kv.alloc(s.warm + 5).expect("required growth");
     assert!(
         a.stats().mapped < a_idle,
@@ -1788,13 +1790,15 @@ pub fn kv_null_block_is_reserved_backed_and_zero(backend: Arc<dyn Backend>) {
     // Two layers (4 tensors), 4 blocks per page, 16 blocks.
     let kv = PagedKv::new(&m, config(g, 4, 2, 16).null_block(true)).expect("cache");
     let group = 4 * g;
+    // The pool's zero page (one granule) is charged too, while the cache lives.
+    let zero = g;
     assert_eq!(kv.null_block(), Some(0));
     assert!(!kv.is_live(0), "the null block is not allocated");
     let s = kv.stats();
     assert!(s.null_block && s.live == 0 && s.warm == 0, "{s:?}");
     assert_eq!(s.mapped_bytes, group, "the null block's pages are mapped");
     assert_eq!(s.packed_floor_bytes, group, "and part of the floor");
-    assert_eq!(used() - used_before, group, "charged to the model");
+    assert_eq!(used() - used_before, group + zero, "charged to the model");
     assert_eq!(m.stats().mapped, group, "in the pool's books");
     null_reads_zeros(&backend, &kv, "at creation");
     assert_eq!(kv.available(), 15, "every other block can be had");
@@ -1821,7 +1825,7 @@ pub fn kv_null_block_is_reserved_backed_and_zero(backend: Arc<dyn Backend>) {
     fill_blocks(&backend, &kv, &ids);
     null_reads_zeros(&backend, &kv, "with every other block written");
     assert_eq!(kv.stats().mapped_bytes, 4 * group);
-    assert_eq!(used() - used_before, 4 * group);
+    assert_eq!(used() - used_before, 4 * group + zero);
     match kv.free(&[ids[0], 0]) {
         Err(Error::KvBadBlock { block: 0, .. }) => {}
         other => panic!("a free naming the null block: {other:?}"),
@@ -1852,7 +1856,11 @@ pub fn kv_null_block_is_reserved_backed_and_zero(backend: Arc<dyn Backend>) {
     let s = kv.stats();
     assert_eq!((s.live, s.warm, s.mapped_bytes), (0, 0, group), "{s:?}");
     m.trim().expect("trim the pool's cache");
-    assert_eq!(used() - used_before, group, "the null block stays charged");
+    assert_eq!(
+        used() - used_before,
+        group + zero,
+        "the null block stays charged"
+    );
     // A sleep that discards KV: the null block's contents go with the rest; the wake makes it
     // zero again. Bytes written into it behind the cache's back stand for lost contents.
     for t in 0..kv.tensors() {
@@ -1866,6 +1874,7 @@ pub fn kv_null_block_is_reserved_backed_and_zero(backend: Arc<dyn Backend>) {
     drop(kv);
     m.trim().expect("trim");
     assert_eq!(m.stats().mapped, 0, "the drop gives the null block back");
+    assert_eq!(m.stats().zero_page, 0, "and the zero page");
     assert_eq!(used(), used_before);
     m.audit().expect("audit");
 }
