@@ -319,6 +319,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// A setting read from the environment (an orchestrator's variable) is missing or not
+    /// what it must be; the text is quoted as it was found.
+    #[error("model {model:?}: environment variable {var}={value:?}: {reason}")]
+    BadEnvVar {
+        /// The model being configured.
+        model: String,
+        /// The variable.
+        var: &'static str,
+        /// Its text (empty when unset).
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// Routing was asked for in a binary that does not define the hooks.
     #[error("CUDA allocation routing is not installed in this binary: invoke elastic_vmm::route_cuda_allocations!() once at the top level of the binary crate (main.rs, or the test target's root)")]
     RoutingNotInstalled,

@@ -638,7 +638,12 @@ fn the_books_hold_while_routed_models_race_limits_trims_flushes_and_unregister()
             m
         })
         .collect();
-    for call in [DriverCall::Create, DriverCall::Map, DriverCall::Unmap, DriverCall::Release] {
+    for call in [
+        DriverCall::Create,
+        DriverCall::Map,
+        DriverCall::Unmap,
+        DriverCall::Release,
+    ] {
         injector.set_delay(call, Duration::from_micros(150));
     }
     let stop = Arc::new(AtomicBool::new(false));

@@ -52,14 +52,22 @@
 //!   under way (in stream order on a device); the blocks are pinned until it is waited for.
 //!   See the `moves` module's documentation (private; summarized on [`KvMove`]).
 //!
+//! - [`BlockPool`] is the face a candle engine's block manager calls (take, free, a reserved
+//!   null block 0, a prefix cache whose unreferenced blocks are reclaimable, evicted least
+//!   recently used first when a take is short or the model's memory is reclaimed);
+//!   [`PagedKvConfig::size_for_budget`] sizes a cache from a model's limit and guarantee
+//!   instead of a fraction of free memory.
+//!
 //! Reclaim: a model's reclaim callback ([`crate::ModelConfig::on_reclaim`]) frees the blocks of
 //! sequences it evicts and calls [`PagedKv::trim`], which gives warm blocks back too.
 
 mod ahead;
+mod block_pool;
 mod compact;
 mod moves;
 mod paged;
 
+pub use block_pool::{BlockHash, BlockPool, BlockPoolHook, BlockPoolStats, KvSizing};
 pub(crate) use compact::LEGACY_STREAM;
 pub use compact::{Compaction, CompactionGain};
 pub use moves::KvMove;

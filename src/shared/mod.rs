@@ -48,6 +48,14 @@ pub const DEFAULT_MARGIN: u64 = 1 << 30;
 
 pub use crate::budget::ReclaimCallback;
 
+/// The environment variable [`ModelConfig::from_env`] reads the model's physical limit from
+/// (bytes): the one KAI-Scheduler injects into a pod given a share of a GPU's memory.
+pub const ENV_LIMIT: &str = "GPU_MEMORY_LIMIT";
+
+/// The environment variable [`ModelConfig::from_env`] reads the model's guarantee from
+/// (bytes, optional): the request of an orchestrator's request/limit pair.
+pub const ENV_REQUEST: &str = "GPU_MEMORY_REQUEST";
+
 /// How a [`SharedPool`] is set up.
 #[derive(Debug, Clone, Default)]
 pub struct SharedPoolConfig {
@@ -137,6 +145,85 @@ impl ModelConfig {
     pub fn pool_config(mut self, config: PoolConfig) -> Self {
         self.pool = Some(config);
         self
+    }
+
+    /// A model whose limit and guarantee come from the environment an orchestrator sets:
+    /// [`ENV_LIMIT`] (`GPU_MEMORY_LIMIT`, bytes, required: what KAI-Scheduler injects for a
+    /// GPU-memory share) and [`ENV_REQUEST`] (`GPU_MEMORY_REQUEST`, bytes, optional, default 0:
+    /// the request of a request/limit pair, which becomes the guarantee). A thin wrapper of
+    /// [`ModelConfig::from_lookup`] over `std::env::var`.
+    pub fn from_env(id: impl Into<String>, virtual_capacity: usize) -> Result<Self> {
+        Self::from_lookup(id, virtual_capacity, |k| std::env::var(k).ok())
+    }
+
+    /// [`ModelConfig::from_env`] with the variables read through `lookup` (`None`: unset).
+    /// Values are decimal byte counts (surrounding whitespace allowed, `_` and units not).
+    ///
+    /// Errors ([`Error::BadEnvVar`], quoting the text found): the limit unset, empty or 0; a
+    /// value that is not a decimal number or does not fit in 64 bits; a request above the
+    /// limit.
+    pub fn from_lookup(
+        id: impl Into<String>,
+        virtual_capacity: usize,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self> {
+        let id = id.into();
+        let bad = |var: &'static str, value: &str, reason: String| Error::BadEnvVar {
+            model: id.clone(),
+            var,
+            value: value.to_string(),
+            reason,
+        };
+        let parse = |var: &'static str, text: &str| -> Result<u64> {
+            let t = text.trim();
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad(var, text, "not a decimal number of bytes".into()));
+            }
+            t.parse::<u64>()
+                .map_err(|_| bad(var, text, format!("above {} bytes", u64::MAX)))
+        };
+        let limit = match lookup(ENV_LIMIT) {
+            None => {
+                return Err(bad(
+                    ENV_LIMIT,
+                    "",
+                    "not set (the orchestrator sets the model's memory limit in bytes)".into(),
+                ))
+            }
+            Some(text) => {
+                let v = parse(ENV_LIMIT, &text)?;
+                if v == 0 {
+                    return Err(bad(ENV_LIMIT, &text, "a limit of 0 bytes".into()));
+                }
+                v
+            }
+        };
+        let guarantee = match lookup(ENV_REQUEST) {
+            None => 0,
+            Some(text) => {
+                let v = parse(ENV_REQUEST, &text)?;
+                if v > limit {
+                    return Err(bad(
+                        ENV_REQUEST,
+                        &text,
+                        format!("the request is above the limit {ENV_LIMIT}={limit}"),
+                    ));
+                }
+                v
+            }
+        };
+        tracing::info!(model = %id, limit, guarantee, "model budget from the environment");
+        Ok(ModelConfig::new(id, virtual_capacity, limit).guarantee(guarantee))
+    }
+
+    /// The physical limit in bytes.
+    pub fn limit_bytes(&self) -> u64 {
+        self.limit
+    }
+
+    /// The guarantee in bytes.
+    pub fn guarantee_bytes(&self) -> u64 {
+        self.guarantee
     }
 
     /// Every setting, for registries other than [`SharedPool`] (the broker's engine side).
