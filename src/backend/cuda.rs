@@ -67,6 +67,19 @@ pub struct CudaBackend {
     host_node: Option<u32>,
     /// Threads a batch of new chunks is created on ([`CudaBackend::create_threads`]).
     create_threads: usize,
+    /// New device chunks are taken as zeros ([`Backend::creates_zeroed`]); see
+    /// [`CudaBackend::clear_new_chunks`].
+    new_chunks_zeroed: bool,
+}
+
+/// Set to `1` (or `true`), the pool clears every new CUDA chunk before anyone sees it, as
+/// [`CudaBackend::clear_new_chunks`]`(true)` does.
+pub const CLEAR_NEW_CHUNKS_ENV: &str = "EVMM_CLEAR_NEW_CHUNKS";
+
+/// Whether [`CLEAR_NEW_CHUNKS_ENV`] asks for new chunks to be cleared.
+fn clear_new_chunks_from_env() -> bool {
+    std::env::var(CLEAR_NEW_CHUNKS_ENV)
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
 }
 
 /// Threads a host tier creates a batch of chunks on, at most: `cuMemCreate` of host memory pins
@@ -185,6 +198,23 @@ impl CudaBackend {
         self
     }
 
+    /// Clear every new chunk before anyone sees it (`true`), or take new device chunks as zeros
+    /// (`false`, the default for device memory unless [`CLEAR_NEW_CHUNKS_ENV`] is set).
+    ///
+    /// CUDA does not promise that `cuMemCreate` hands out zeroed memory, but the driver does
+    /// not give one process's bytes to another, and on the H100 (driver 580.159.04,
+    /// `scripts/probe-fresh-chunks.py`, `docs/results/h100-fresh-chunks.txt`) new chunks read
+    /// as zero even right after this process released the same amount written with a pattern
+    /// (4 GiB in 2 MiB chunks, 8 GiB handles). Clearing them cost 2.7 ms per 8 GiB on top of a
+    /// 0.5 ms growth, and a synchronous clear is refused inside a CUDA graph capture. Memory
+    /// that changes hands inside the crate (another model's cached chunks, chunks handed over
+    /// through a broker) is always cleared, whatever this says. A host tier always clears (its
+    /// pages come from the driver's host allocations, which were not probed).
+    pub fn clear_new_chunks(mut self, clear: bool) -> Self {
+        self.new_chunks_zeroed = !clear && !self.host_location;
+        self
+    }
+
     fn build(ordinal: i32, granularity: Option<usize>, host: bool) -> Result<Self> {
         if !driver_library_present() {
             return Err(unavailable(
@@ -296,6 +326,7 @@ impl CudaBackend {
             } else {
                 1
             },
+            new_chunks_zeroed: !host && !clear_new_chunks_from_env(),
         };
         let _bound = backend.bind()?;
         let query = |flag| -> Result<usize> {
@@ -592,6 +623,10 @@ impl Drop for CudaBackend {
 }
 
 impl Backend for CudaBackend {
+    fn creates_zeroed(&self) -> bool {
+        self.new_chunks_zeroed
+    }
+
     fn info(&self) -> &BackendInfo {
         &self.info
     }

@@ -508,10 +508,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
         ))
     }
 
-    /// Whether every chunk [`Backend::create`] makes reads as zero (host: fresh file pages).
-    /// False where a new chunk may hold what an earlier user of its memory wrote (CUDA, whose
-    /// driver promises nothing; a broker's engine, whose chunks may be handed over from
-    /// another engine): the pool then clears what it creates before anyone sees it.
+    /// Whether every chunk [`Backend::create`] makes reads as zero (host: fresh file pages;
+    /// CUDA device memory: as measured, see [`cuda::CudaBackend::clear_new_chunks`]). False
+    /// where a new chunk may hold what an earlier user of its memory wrote (a broker's engine,
+    /// whose chunks may be handed over from another engine; a CUDA host tier; CUDA with
+    /// `EVMM_CLEAR_NEW_CHUNKS=1`): the pool then clears what it creates before anyone sees it.
     fn creates_zeroed(&self) -> bool {
         false
     }
