@@ -18,8 +18,10 @@ const G: u64 = 2 << 20;
 /// per block in each tensor: a block costs `2 * G` of physical memory.
 const BLOCK: u64 = 2 * G;
 
+/// Unbacked pages left unmapped: no zero page, so the byte counts are the blocks' alone (the
+/// zero page's charge is tested in `tests/shared_pool.rs`, its sizing below).
 fn cfg(max_blocks: usize) -> PagedKvConfig {
-    PagedKvConfig::new(1, 2, 64, (G / 256) as usize, 2, max_blocks)
+    PagedKvConfig::new(1, 2, 64, (G / 256) as usize, 2, max_blocks).zero_unbacked(false)
 }
 
 fn shared(global: u64) -> SharedPool {
@@ -347,7 +349,16 @@ fn a_hash_shares_a_referenced_block_and_duplicates_are_not_cached() {
 #[test]
 fn size_for_budget_numbers() {
     const GIB: u64 = 1 << 30;
-    let c = PagedKvConfig::new(32, 8, 128, 16, 2, 1).null_block(true);
+    // By default unbacked pages alias the zero page, one page of the model's memory: 8 GiB
+    // less 2 MiB over 64 tensors rounds down to 126 MiB a tensor, 4032 blocks (the 4 GiB of
+    // the guarantee: 62 MiB a tensor, 1984).
+    let aliased = PagedKvConfig::new(32, 8, 128, 16, 2, 1).null_block(true);
+    let sz = aliased
+        .size_for_budget(24 * GIB, 20 * GIB, 16 * GIB, G)
+        .expect("sizing");
+    assert_eq!((sz.max_blocks, sz.guaranteed_blocks), (4032, 1984));
+    // Without the zero page the numbers are the blocks' alone.
+    let c = aliased.zero_unbacked(false);
     // Limit 24 GiB, guarantee 20 GiB, 16 GiB of weights: 8 GiB / 64 tensors = 128 MiB a
     // tensor = 4096 blocks of 32 KiB; the guarantee's 4 GiB, 2048.
     let sz = c
@@ -410,15 +421,17 @@ fn sized_for_fills_the_limit_beside_the_weights() {
         ))
         .expect("m");
     let weights = m.allocate((6 * G) as usize).expect("weights");
-    // Two blocks per page: 14 pages of KV left, 7 per tensor, 14 blocks.
+    // Two blocks per page: 14 pages left beside the weights, one of them the zero page; 13
+    // pages of KV, 6 per tensor, 12 blocks (the guarantee's 3 pages: 1 per tensor, 2 blocks).
     let c = PagedKvConfig::new(1, 2, 64, (G / 2 / 256) as usize, 2, 1);
     let bp = BlockPool::sized_for(&m, c, 6 * G).expect("sized");
     let sz = bp.sizing().expect("sizing");
-    assert_eq!((sz.max_blocks, sz.guaranteed_blocks), (14, 4));
-    assert_eq!(bp.total_blocks(), 13);
-    assert_eq!(bp.free_blocks(), 13);
-    let all = bp.take(13).expect("every block fits the limit");
-    assert_eq!(used(&m), 20 * G);
+    assert_eq!((sz.max_blocks, sz.guaranteed_blocks), (12, 2));
+    assert_eq!(bp.total_blocks(), 11);
+    assert_eq!(bp.free_blocks(), 11);
+    let all = bp.take(11).expect("every block fits the limit");
+    // The weights, the zero page and 6 pages in each of the 2 tensors.
+    assert_eq!(used(&m), 19 * G);
     assert!(matches!(bp.take(1), Err(Error::KvOutOfBlocks { .. })));
     bp.free(&all).expect("free");
     drop(weights);

