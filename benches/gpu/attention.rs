@@ -121,7 +121,7 @@ pub fn run() -> Result<(), BoxError> {
         peer / ours
     );
     result(
-        "paged_attention_gather",
+        "attention/vs-gather",
         &format!("paged-attention decode, batch {BATCH}, context {CONTEXT}, 8B-shaped, bf16"),
         format!("{:.1} us", ours * 1e6),
         "attention by gather: index_select of the blocks, matmuls, softmax",
@@ -129,7 +129,7 @@ pub fn run() -> Result<(), BoxError> {
         peer / ours,
     );
     result(
-        "paged_attention_floor",
+        "attention/floor",
         &format!(
             "paged-attention decode against the HBM floor ({} of K and V read)",
             human(layer_kv)
@@ -254,7 +254,7 @@ fn decode_step(
         BATCH as f64 / ours
     );
     result(
-        "decode_step_floor",
+        "attention/decode-step-floor",
         &format!("decode step of an 8B-shaped model, batch {BATCH}, context {CONTEXT}, bf16"),
         format!("{:.2} ms", ours * 1e3),
         "the floor: weights and KV bytes over the measured copy bandwidth",
