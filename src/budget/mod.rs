@@ -16,9 +16,9 @@
 //!   lowest priority first, then the one with the most to give, then the oldest line (lowest
 //!   key). For each donor, its idle memory is taken first: whole chunks that fit the asker are
 //!   handed over (no driver release or create: their charge moves from donor to asker), then
-//!   what could not be handed over is reclaimed (given back to the driver, or, for a donor in
-//!   another process, the donor's engine is asked to give back, which may run its reclaim
-//!   callback). Memory no model holds (the broker's idle list, a line of the lowest priority)
+//!   what could not be handed over is reclaimed (given back to the driver; a donor with a
+//!   reclaim callback, a model of this process or an engine the broker asks, may run it to
+//!   free more than its idle memory). Memory no model holds (the broker's idle list, a line of the lowest priority)
 //!   is the first donor; a transport may also reuse it before asking for a charge at all, as a
 //!   pool reuses its own cache.
 //! - **Never from the asker, never below a guarantee.** The asker is never its own donor (a

@@ -134,7 +134,11 @@ impl ModelConfig {
         self
     }
 
-    /// The callback used when the model's limit is lowered below what it uses.
+    /// The callback asked to free `bytes` when the model's idle memory is not enough: when
+    /// its limit is lowered below what it uses, and when another model needs memory the budget
+    /// lacks (after every model's idle memory, lowest priority first, never below this model's
+    /// guarantee), as the broker asks an engine. Runs on the asking thread with no lock held;
+    /// what it frees (a `PagedKv::trim`, a `BlockPool`'s cached blocks) goes to the asker.
     pub fn on_reclaim(mut self, f: impl Fn(u64) + Send + Sync + 'static) -> Self {
         self.reclaim = Some(Arc::new(f));
         self
@@ -323,6 +327,9 @@ struct ModelRef {
     key: u64,
     id: String,
     pool: Arc<PoolInner>,
+    /// The model's reclaim callback: a donor that has one is asked, as an engine is by the
+    /// broker, for memory beyond its idle memory.
+    reclaim: Option<ReclaimCallback>,
 }
 
 /// A registered model: allocate from it exactly as from a [`Pool`] (it dereferences to its
@@ -1029,6 +1036,7 @@ impl SharedInner {
                 key: s.key,
                 id: id.clone(),
                 pool: s.pool.inner().clone(),
+                reclaim: s.reclaim.clone(),
             })
             .collect()
     }
@@ -1131,6 +1139,11 @@ impl Donors for Local<'_> {
             .iter()
             .map(|r| {
                 r.pool.flush_fronts();
+                // A model with a reclaim callback can free what it uses (as the broker reaches
+                // an engine): everything above its guarantee, which the engine's order caps.
+                if r.reclaim.is_some() {
+                    return (r.key, u64::MAX);
+                }
                 let ps = r.pool.stats();
                 (r.key, ps.idle() + ps.cached)
             })
@@ -1188,15 +1201,16 @@ impl Donors for Local<'_> {
             let Some(donor) = self.model(a.key) else {
                 continue;
             };
-            match donor.pool.reclaim(a.bytes) {
-                Ok(n) => {
-                    got += n;
-                    self.shared.ledger.lock().note_reclaimed(donor.key, n);
-                    tracing::info!(from = %donor.id, bytes = n, "reclaimed idle memory for another model");
-                }
-                Err(e) => {
-                    tracing::warn!(from = %donor.id, error = %e, "reclaiming idle memory failed")
-                }
+            // Idle memory first, then the model's callback (no lock held), then what it freed.
+            let (given, result) = budget::give_back(&donor.pool, donor.reclaim.as_ref(), a.bytes);
+            let n = given.idle + given.by_callback;
+            got += n;
+            if n > 0 {
+                self.shared.ledger.lock().note_reclaimed(donor.key, n);
+                tracing::info!(from = %donor.id, bytes = n, by_callback = given.by_callback, "reclaimed memory for another model");
+            }
+            if let Err(e) = result {
+                tracing::warn!(from = %donor.id, error = %e, "reclaiming memory failed");
             }
         }
         got
