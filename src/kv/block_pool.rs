@@ -50,7 +50,11 @@ impl PagedKvConfig {
         }
         let (tensors, unit) = self.tensors_and_unit()?;
         // The zero page under unbacked pages is one page of the model's memory too.
-        let zero_page = if self.zero_unbacked.unwrap_or(true) { page } else { 0 };
+        let zero_page = if self.zero_unbacked.unwrap_or(true) {
+            page
+        } else {
+            0
+        };
         let Some(kv) = reserved
             .checked_add(zero_page)
             .and_then(|r| budget.checked_sub(r))
