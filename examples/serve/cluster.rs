@@ -531,6 +531,16 @@ pub fn apply_policy<S: BlockStore, M: StepModel>(
 ) -> Result<u64, String> {
     let k = models.len() as u64;
     let bases: u64 = models.iter().map(|m| m.base).sum();
+    // What models outside this run hold (a sleeping model keeps its KV cache's zero page) is
+    // no part of the budget this run shares.
+    let others: u64 = gpu
+        .stats()
+        .models
+        .iter()
+        .filter(|s| !models.iter().any(|m| m.handle.id() == s.id))
+        .map(|s| s.used)
+        .sum();
+    let budget = budget.saturating_sub(others);
     // Lower every guarantee first (a raised guarantee must fit beside the others').
     for m in models.iter() {
         m.engine.kv.forget_guarantee();

@@ -185,7 +185,9 @@ pub fn host_tier(granularity: u64, capacity: u64) -> Result<Pool, String> {
 pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>, Pool), String> {
     let e = |e: elastic_vmm::Error| e.to_string();
     let g = sizes.granularity;
-    let base = sizes.weights + sizes.act_reserve;
+    // A model's base: weights, activations and its KV cache's zero page (one granule under the
+    // cache's unbacked pages, charged to the model).
+    let base = sizes.weights + sizes.act_reserve + g;
     let budget = base * sizes.resident as u64 + sizes.kv_blocks * g;
     let backend = Arc::new(HostBackend::new(g as usize).map_err(e)?);
     let gpu = SharedPool::new(backend, SharedPoolConfig::new().global_limit(budget)).map_err(e)?;
