@@ -981,7 +981,6 @@ impl SharedPool {
                     ));
                 }
             }
-            drop(guards);
             // Unregistered models still alive (allocations outlived their handles) are out of
             // the registry: their in-flight bytes are unknown, so compare only without them.
             // Models registered after the registry was read are unknown here too.
@@ -989,8 +988,13 @@ impl SharedPool {
                 .models
                 .iter()
                 .any(|(k, m)| m.used > 0 && (m.retired || !refs.iter().any(|r| r.key == *k)));
-            // The backend is asked under the ledger's lock on purpose: it must not change between
-            // the two numbers (it is a count or an `fstat`, not a driver call that maps memory).
+            // The backend is asked under the ledger's lock and every pool's on purpose: it must
+            // not change between the numbers (it is a count or an `fstat`, not a driver call that
+            // maps memory). With the pools' locks released first, a release could take chunks
+            // out (in flight after `in_flight` was summed) and punch them while the ledger still
+            // counted them: the audit then saw the backend short (issue 33, defect 13).
+            #[cfg(test)]
+            tests::before_backend_read();
             if in_flight == 0 && !unseen {
                 let held = self
                     .inner
@@ -1018,6 +1022,7 @@ impl SharedPool {
                     ));
                 }
             }
+            drop(guards);
             Ok(())
         })();
         drop(refs);
@@ -1241,5 +1246,63 @@ impl Lowering for OwnPool<'_> {
             .lock()
             .note_reclaimed(key, given.idle + given.by_callback);
         (given, result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::{ModelConfig, SharedPool, SharedPoolConfig};
+
+    thread_local! {
+        /// Run by [`SharedPool::audit`] on this thread just before it reads the backend.
+        static BEFORE_BACKEND_READ: RefCell<Option<Box<dyn Fn()>>> = RefCell::new(None);
+    }
+
+    pub(super) fn before_backend_read() {
+        BEFORE_BACKEND_READ.with(|h| {
+            if let Some(f) = h.borrow().as_ref() {
+                f()
+            }
+        });
+    }
+
+    /// Issue 33, defect 13: the audit summed every pool's in-flight bytes under the pools'
+    /// locks, released them, then read the backend under the ledger's lock alone. A release
+    /// starting in between (chunks taken out after the sum, punched while the ledger still
+    /// counted them, its credit waiting for the ledger's lock) made the backend look short:
+    /// "ledger says 167772160 bytes ..., backend holds only 166502400" once in ~30 stress runs.
+    /// Here a trim is let go just before the backend is read, and has 200 ms to run.
+    #[test]
+    fn a_release_starting_during_an_audit_does_not_make_the_books_drift() {
+        let shared = SharedPool::host(SharedPoolConfig::new().global_limit(64 << 20)).unwrap();
+        let m = shared
+            .register(ModelConfig::new("m", 1 << 30, 64 << 20))
+            .unwrap();
+        drop(m.allocate(8 << 20).unwrap()); // idle memory a trim gives back
+        let (go, wait) = mpsc::channel::<()>();
+        let trimmer = {
+            let m = m.clone();
+            std::thread::spawn(move || {
+                wait.recv().unwrap();
+                m.trim().unwrap()
+            })
+        };
+        BEFORE_BACKEND_READ.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let _ = go.send(());
+                std::thread::sleep(Duration::from_millis(200));
+            }))
+        });
+        let audit = shared.audit();
+        BEFORE_BACKEND_READ.with(|h| *h.borrow_mut() = None);
+        let trimmed = trimmer.join().unwrap();
+        audit.unwrap();
+        assert_eq!(trimmed.released, 8 << 20);
+        shared.audit().unwrap();
+        assert_eq!(shared.stats().global.used, 0);
     }
 }
