@@ -10,7 +10,7 @@
 //! to the pool's limit or its model's ledger line, like every chunk a broker creates), shown in
 //! [`crate::PoolStats::zero_page`] and counted in [`crate::PoolStats::physical`], and released
 //! (credited) when the last zero-filled region goes, or at the pool's teardown. A sleep leaves
-//! it (and its aliases) in place: a sleeping pool with a zero-filled region holds one granule.
+//! it in place: a sleeping pool with a zero-filled region holds one granule.
 //!
 //! Mapping a range over aliases ([`Inner::map_batch`]) puts its chunks in place of them in one
 //! step where the backend can ([`crate::backend::Backend::maps_over`], the host backend), and
