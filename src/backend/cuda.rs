@@ -72,14 +72,24 @@ pub struct CudaBackend {
     new_chunks_zeroed: bool,
 }
 
-/// Set to `1` (or `true`), the pool clears every new CUDA chunk before anyone sees it, as
-/// [`CudaBackend::clear_new_chunks`]`(true)` does.
+/// Set to `1` (`true`, `yes`, `on`), the pool clears every new CUDA chunk before anyone sees
+/// it, as [`CudaBackend::clear_new_chunks`]`(true)` does; any value other than those and
+/// `0`/`false`/`no`/`off` clears too, with a warning (the safe side of a misspelling).
 pub const CLEAR_NEW_CHUNKS_ENV: &str = "EVMM_CLEAR_NEW_CHUNKS";
 
 /// Whether [`CLEAR_NEW_CHUNKS_ENV`] asks for new chunks to be cleared.
 fn clear_new_chunks_from_env() -> bool {
-    std::env::var(CLEAR_NEW_CHUNKS_ENV)
-        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
+    let Ok(v) = std::env::var(CLEAR_NEW_CHUNKS_ENV) else {
+        return false;
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        _ => {
+            tracing::warn!(value = %v, "{CLEAR_NEW_CHUNKS_ENV} is not one of 1/true/yes/on or 0/false/no/off: new chunks are cleared");
+            true
+        }
+    }
 }
 
 /// Threads a host tier creates a batch of chunks on, at most: `cuMemCreate` of host memory pins

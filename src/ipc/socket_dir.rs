@@ -346,8 +346,8 @@ impl SocketDir {
     /// that link to the folder the descriptor holds, so a component of the socket's path
     /// swapped since the claim cannot move the socket elsewhere (Linux has no `bindat`).
     /// Then the socket's name in that folder is checked (`fstatat` on the descriptor) to be a
-    /// socket of this user. Errors: an address beyond the 107 bytes a Unix socket's address
-    /// holds (a shorter socket name is needed), procfs missing, or the bind itself.
+    /// socket of this user. Errors: an address or a socket path beyond the 107 bytes a Unix
+    /// socket's address holds (clients connect by path), procfs missing, or the bind itself.
     pub fn bind(&self) -> Result<UnixListener> {
         let path = self.socket_path();
         let fd = self.dir.as_raw_fd();
@@ -360,6 +360,15 @@ impl SocketDir {
                 self.name.len(),
                 Path::new(&via).display(),
                 via.len()
+            )));
+        }
+        // Clients connect by path: a path no address can hold would bind here and be
+        // unreachable for every client.
+        if path.as_os_str().len() > MAX_SOCKET_ADDRESS {
+            return Err(Error::InvalidArgument(format!(
+                "the socket's path {} is {} bytes, beyond the {MAX_SOCKET_ADDRESS} bytes a Unix socket's address holds: clients connect by path; use a shorter folder or name",
+                path.display(),
+                path.as_os_str().len()
             )));
         }
         // The link must lead to the folder held (procfs mounted, and no other `/proc`).

@@ -514,7 +514,14 @@ impl BlockPool {
             return None;
         };
         let e = st.blocks.get_mut(&b).expect("a hashed block is held");
-        e.refs += 1;
+        let Some(refs) = e.refs.checked_add(1) else {
+            tracing::warn!(
+                block = b,
+                "a block's reference count is at its maximum; not shared"
+            );
+            return None;
+        };
+        e.refs = refs;
         let revived = e.lru.take();
         if let Some(t) = revived {
             st.lru.remove(&t);
@@ -569,6 +576,7 @@ impl BlockPool {
         let mut given = before.saturating_sub(mapped());
         let mut evicted = 0;
         while given < bytes {
+            let had = given;
             let want = usize::try_from((bytes - given).div_ceil(per_block))
                 .unwrap_or(usize::MAX)
                 .max(1);
@@ -582,6 +590,11 @@ impl BlockPool {
             }
             // After the trim, frees release their pages (none is kept warm).
             given = before.saturating_sub(mapped());
+            if given <= had {
+                // The batch gave nothing back (its pages shared with referenced blocks, or the
+                // engine mapping meanwhile): stop rather than empty the whole prefix cache.
+                break;
+            }
         }
         self.state.lock().stats.reclaimed_bytes += given;
         tracing::info!(asked = bytes, given, evicted, "KV block pool reclaimed");

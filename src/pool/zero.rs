@@ -138,14 +138,14 @@ impl Inner {
             if let Some(c) = st.zero.chunk {
                 return Ok(c);
             }
+            // Counted in flight in the same critical section as it leaves the cache: the
+            // charge always equals mapped + cached + zero page + in flight.
             st.cache
                 .take_smallest_in(self.gran as usize, self.gran as usize)
+                .map(|c| self.take_out(vec![c])[0])
         };
         let made = match cached {
-            Some(c) => {
-                self.take_out(vec![c]);
-                c
-            }
+            Some(c) => c,
             None => self.obtain_zero_granule()?,
         };
         // Fresh memory need not be zero (CUDA), nor is a cached or donated chunk: map it

@@ -1065,6 +1065,7 @@ impl SharedInner {
     ) -> Acquired {
         let mut local = Local::new(self, in_flight);
         (local.max_chunk, local.room) = (fit.max_chunk, fit.room);
+        local.ask_callbacks = true;
         let optional = urgency == Urgency::LookAhead;
         let admitted = budget::admit(&mut local, key, bytes, optional);
         let donated = std::mem::take(&mut local.donated);
@@ -1102,6 +1103,10 @@ struct Local<'a> {
     refs: Vec<ModelRef>,
     /// Chunks handed over so far.
     donated: Vec<PhysicalChunk>,
+    /// Whether donors' reclaim callbacks may be asked (a growth), or only their idle memory
+    /// (making room for a guarantee or a lower global limit: a refused change must not have
+    /// made other models evict anything).
+    ask_callbacks: bool,
 }
 
 impl<'a> Local<'a> {
@@ -1114,6 +1119,7 @@ impl<'a> Local<'a> {
             room: 0,
             refs: Vec::new(),
             donated: Vec::new(),
+            ask_callbacks: false,
         }
     }
 
@@ -1146,7 +1152,7 @@ impl Donors for Local<'_> {
                 r.pool.flush_fronts();
                 // A model with a reclaim callback can free what it uses (as the broker reaches
                 // an engine): everything above its guarantee, which the engine's order caps.
-                if r.reclaim.is_some() {
+                if self.ask_callbacks && r.reclaim.is_some() {
                     return (r.key, u64::MAX);
                 }
                 let ps = r.pool.stats();
@@ -1201,21 +1207,41 @@ impl Donors for Local<'_> {
     }
 
     fn reclaim(&mut self, asks: &[Ask]) -> u64 {
-        let mut got = 0;
-        for a in asks {
-            let Some(donor) = self.model(a.key) else {
-                continue;
-            };
-            // Idle memory first, then the model's callback (no lock held), then what it freed.
-            let (given, result) = budget::give_back(&donor.pool, donor.reclaim.as_ref(), a.bytes);
+        let want = asks.iter().fold(0u64, |w, a| w.saturating_add(a.bytes));
+        let mut got = 0u64;
+        let note = |donor: &ModelRef, given: GivenBack, result: Result<()>| {
             let n = given.idle + given.by_callback;
-            got += n;
             if n > 0 {
                 self.shared.ledger.lock().note_reclaimed(donor.key, n);
                 tracing::info!(from = %donor.id, bytes = n, by_callback = given.by_callback, "reclaimed memory for another model");
             }
             if let Err(e) = result {
                 tracing::warn!(from = %donor.id, error = %e, "reclaiming memory failed");
+            }
+            n
+        };
+        // Every donor's idle memory first, in the engine's order ...
+        let mut short = Vec::new();
+        for a in asks {
+            let Some(donor) = self.refs.iter().find(|r| r.key == a.key) else {
+                continue;
+            };
+            let (given, result) = budget::give_back(&donor.pool, None, a.bytes);
+            got += note(donor, given, result);
+            if given.idle < a.bytes {
+                short.push((donor, a.bytes - given.idle));
+            }
+        }
+        // ... then, for what is still missing, the donors' callbacks in the same order (no
+        // lock held): no model evicts anything while another has idle memory to give.
+        if self.ask_callbacks {
+            for (donor, rest) in short {
+                let Some(cb) = donor.reclaim.as_ref().filter(|_| got < want) else {
+                    continue;
+                };
+                let (given, result) =
+                    budget::give_back(&donor.pool, Some(cb), rest.min(want - got));
+                got += note(donor, given, result);
             }
         }
         got
@@ -1270,12 +1296,62 @@ mod tests {
         });
     }
 
+    /// A donor's reclaim callback runs for another model's growth the budget cannot otherwise
+    /// serve, after every donor's idle memory, and never for a guarantee or a global limit
+    /// that is then refused (a refused change must not have made anyone evict anything).
+    #[test]
+    fn callbacks_serve_growth_after_idle_memory_and_never_a_refused_change() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        const MIB: u64 = 1 << 20;
+        let shared = SharedPool::host(SharedPoolConfig::new().global_limit(32 * MIB)).unwrap();
+        let asked = Arc::new(AtomicU64::new(0));
+        let held = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let a = {
+            let (asked, held) = (asked.clone(), held.clone());
+            shared
+                .register(
+                    ModelConfig::new("a", 1 << 30, 32 * MIB).on_reclaim(move |_| {
+                        asked.fetch_add(1, Ordering::Relaxed);
+                        held.lock().clear(); // frees what a holds (its drop runs here, no lock held)
+                    }),
+                )
+                .unwrap()
+        };
+        let idle = shared
+            .register(ModelConfig::new("idle", 1 << 30, 32 * MIB))
+            .unwrap();
+        held.lock().push(a.allocate((16 * MIB) as usize).unwrap());
+        drop(idle.allocate((8 * MIB) as usize).unwrap()); // 8 MiB idle in another model
+                                                          // A guarantee that cannot fit beside a's 16 MiB in use: refused, nobody asked.
+        let refused = shared.register(ModelConfig::new("g", 1 << 30, 32 * MIB).guarantee(24 * MIB));
+        assert!(refused.is_err());
+        assert!(shared.set_global_limit(8 * MIB).is_err());
+        assert_eq!(
+            asked.load(Ordering::Relaxed),
+            0,
+            "a refused change asked a callback"
+        );
+        // Growth that idle memory covers: no callback.
+        let b = shared
+            .register(ModelConfig::new("b", 1 << 30, 32 * MIB))
+            .unwrap();
+        let first = b.allocate((16 * MIB) as usize).unwrap();
+        assert_eq!(asked.load(Ordering::Relaxed), 0, "idle memory went first");
+        // Growth only a's callback can serve.
+        let second = b.allocate((8 * MIB) as usize).unwrap();
+        assert_eq!(asked.load(Ordering::Relaxed), 1);
+        assert!(held.lock().is_empty());
+        drop((first, second));
+        shared.audit().unwrap();
+    }
+
     /// Issue 33, defect 13: the audit summed every pool's in-flight bytes under the pools'
     /// locks, released them, then read the backend under the ledger's lock alone. A release
     /// starting in between (chunks taken out after the sum, punched while the ledger still
     /// counted them, its credit waiting for the ledger's lock) made the backend look short:
     /// "ledger says 167772160 bytes ..., backend holds only 166502400" once in ~30 stress runs.
-    /// Here a trim is let go just before the backend is read, and has 200 ms to run.
+    /// Here a trim is let go just before the backend is read, and has 500 ms to run.
     #[test]
     fn a_release_starting_during_an_audit_does_not_make_the_books_drift() {
         let shared = SharedPool::host(SharedPoolConfig::new().global_limit(64 << 20)).unwrap();
@@ -1294,7 +1370,7 @@ mod tests {
         BEFORE_BACKEND_READ.with(|h| {
             *h.borrow_mut() = Some(Box::new(move || {
                 let _ = go.send(());
-                std::thread::sleep(Duration::from_millis(200));
+                std::thread::sleep(Duration::from_millis(500));
             }))
         });
         let audit = shared.audit();
