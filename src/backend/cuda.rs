@@ -217,8 +217,10 @@ impl CudaBackend {
     /// as zero even right after this process released the same amount written with a pattern
     /// (4 GiB in 2 MiB chunks, 8 GiB handles). Clearing them cost 2.7 ms per 8 GiB on top of a
     /// 0.5 ms growth, and a synchronous clear is refused inside a CUDA graph capture. Memory
-    /// that changes hands inside the crate (another model's cached chunks, chunks handed over
-    /// through a broker) is always cleared, whatever this says. A host tier always clears (its
+    /// that changes hands inside the crate (another model's cached chunks taken by a growth,
+    /// chunks handed over through a broker) is cleared whatever this says; not yet at a wake,
+    /// where a slot whose content was dropped by the sleep may map another model's chunk
+    /// uncleared. A host tier always clears (its
     /// pages come from the driver's host allocations, which were not probed).
     pub fn clear_new_chunks(mut self, clear: bool) -> Self {
         self.new_chunks_zeroed = !clear && !self.host_location;
