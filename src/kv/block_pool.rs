@@ -210,6 +210,16 @@ impl State {
         }
     }
 
+    /// The entry of a block just checked ([`State::check_referenced`]) to be held: an error
+    /// rather than a panic if the books ever disagree.
+    fn held(&mut self, b: BlockId, max: usize) -> Result<&mut Entry> {
+        self.blocks.get_mut(&b).ok_or(Error::KvBadBlock {
+            block: b,
+            max_blocks: max,
+            reason: "not taken from this block pool",
+        })
+    }
+
     /// `ids` each referenced as many times as named; else the error for the first that is not.
     fn check_referenced(&self, ids: &[BlockId], max: usize, null: BlockId) -> Result<()> {
         let mut named: HashMap<BlockId, u32> = HashMap::with_capacity(ids.len());
@@ -434,7 +444,7 @@ impl BlockPool {
             st.check_referenced(ids, max, self.null_block())?;
             let mut gone = Vec::new();
             for &b in ids {
-                let e = st.blocks.get_mut(&b).expect("checked");
+                let e = st.held(b, max)?;
                 e.refs -= 1;
                 if e.refs == 0 {
                     let hash = e.hash;
@@ -465,7 +475,7 @@ impl BlockPool {
             st.check_referenced(&[id], max, self.null_block())?;
             let other = st.by_hash.get(&hash).copied().filter(|&b| b != id);
             let tick = st.tick;
-            let e = st.blocks.get_mut(&id).expect("checked");
+            let e = st.held(id, max)?;
             let old = e.hash.filter(|&h| h != hash);
             e.refs -= 1;
             e.hash = if other.is_some() { None } else { Some(hash) };
@@ -484,7 +494,7 @@ impl BlockPool {
                 st.referenced -= 1;
                 st.tick += 1;
                 st.lru.insert(tick, id);
-                st.blocks.get_mut(&id).expect("checked").lru = Some(tick);
+                st.held(id, max)?.lru = Some(tick);
                 None
             } else {
                 st.referenced -= 1;
@@ -513,7 +523,12 @@ impl BlockPool {
             st.stats.misses += 1;
             return None;
         };
-        let e = st.blocks.get_mut(&b).expect("a hashed block is held");
+        let Some(e) = st.blocks.get_mut(&b) else {
+            // Never: a hash names a held block. Forget the stale hash; a miss.
+            st.by_hash.remove(&hash);
+            st.stats.misses += 1;
+            return None;
+        };
         let Some(refs) = e.refs.checked_add(1) else {
             tracing::warn!(
                 block = b,
