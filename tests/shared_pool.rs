@@ -30,11 +30,18 @@ fn a_lowered_limit_stays_at_least_the_guarantee() {
     suite::shared::a_lowered_limit_stays_at_least_the_guarantee(host());
 }
 
-/// Issue 33, defect 8: the zero page is real memory (one granule per pool with a zero-filled
-/// region, e.g. a KV cache); the ledger must count what the backend holds for its models, as
-/// a broker does for an engine's pool (every chunk it creates, the zero page included).
-#[test]
-fn the_ledger_counts_the_zero_page() {
+/// A model of 16 granules in a shared pool on the host backend, with a small KV cache (whose
+/// zero page it makes) and one block allocated: the zero-page tests' start.
+struct ZeroPageCase {
+    backend: Arc<dyn Backend>,
+    g: u64,
+    shared: elastic_vmm::SharedPool,
+    m: elastic_vmm::ModelHandle,
+    kv: elastic_vmm::kv::PagedKv,
+    ids: Vec<elastic_vmm::kv::BlockId>,
+}
+
+fn zero_page_case() -> ZeroPageCase {
     use elastic_vmm::kv::{PagedKv, PagedKvConfig};
     use elastic_vmm::{ModelConfig, SharedPool, SharedPoolConfig};
     let backend = host();
@@ -45,6 +52,29 @@ fn the_ledger_counts_the_zero_page() {
         .expect("model");
     let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).expect("cache");
     let ids = kv.alloc(1).expect("alloc");
+    ZeroPageCase {
+        backend,
+        g,
+        shared,
+        m,
+        kv,
+        ids,
+    }
+}
+
+/// Issue 33, defect 8: the zero page is real memory (one granule per pool with a zero-filled
+/// region, e.g. a KV cache); the ledger must count what the backend holds for its models, as
+/// a broker does for an engine's pool (every chunk it creates, the zero page included).
+#[test]
+fn the_ledger_counts_the_zero_page() {
+    let ZeroPageCase {
+        backend,
+        g,
+        shared,
+        m,
+        kv,
+        ids,
+    } = zero_page_case();
     let pool = m.stats();
     assert_eq!(pool.zero_page, g, "the pool made its zero page");
     let ledger = shared.stats().global.used;
@@ -63,16 +93,14 @@ fn the_ledger_counts_the_zero_page() {
 /// cached chunks the ledger is back to 0 and the backend holds nothing.
 #[test]
 fn the_zero_page_charge_goes_with_the_cache() {
-    use elastic_vmm::kv::{PagedKv, PagedKvConfig};
-    use elastic_vmm::{ModelConfig, SharedPool, SharedPoolConfig};
-    let backend = host();
-    let g = 2u64 << 20;
-    let shared = SharedPool::new(backend.clone(), SharedPoolConfig::new()).expect("shared");
-    let m = shared
-        .register(ModelConfig::new("m", (64 * g) as usize, 16 * g))
-        .expect("model");
-    let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).expect("cache");
-    let ids = kv.alloc(1).expect("alloc");
+    let ZeroPageCase {
+        backend,
+        g,
+        shared,
+        m,
+        kv,
+        ids,
+    } = zero_page_case();
     let held = backend.physical_bytes().expect("physical");
     assert_eq!(
         shared.stats().global.used,
@@ -103,7 +131,11 @@ fn the_zero_page_charge_goes_with_the_cache() {
         m.stats().peak_physical
     );
     // A new cache makes (and charges) a zero page again.
-    let kv = PagedKv::new(&m, PagedKvConfig::new(1, 2, 64, 4096, 2, 16)).expect("cache again");
+    let kv = elastic_vmm::kv::PagedKv::new(
+        &m,
+        elastic_vmm::kv::PagedKvConfig::new(1, 2, 64, 4096, 2, 16),
+    )
+    .expect("cache again");
     assert_eq!(m.stats().zero_page, g);
     shared.audit().expect("audit");
     drop(kv);
