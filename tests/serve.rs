@@ -1113,7 +1113,7 @@ mod deploy_tests {
     /// engine holds nothing above its guarantee), under `static-equal` it is held to it and
     /// its queue waits longer; every request of the trace has a record either way.
     fn burst_point(policy: DeployPolicy) -> Point {
-        let mut sizes = SimSizes::small(2);
+        let mut sizes = DeploySizes::small(2);
         sizes.kv_blocks = 128; // 64 blocks (2,048 tokens) each under an equal split
         let burst: Vec<Request> = (0..12)
             .map(|i| Request {

@@ -6,7 +6,18 @@
 //!             [--seeds 1,2,3,4,5] [--duration S] [--drain S] [--traces conv,code,mooncake]
 //!             [--traces-dir DIR] [--len-scale F] [--kv-blocks B] [--slo-ttft S]
 //!             [--slo-tpot S] [--reclaim-wait-ms MS] [--out DIR]
+//!             [--gpu small|8b [--budget-gib G] [--reserve-gib G] [--act-reserve-gib G]
+//!              [--cost-ms STEP,SEQ] [--max-batch N] [--max-context N] [--prefill-chunk N]]
 //! ```
+//!
+//! With `--gpu` the engines are candle Llamas on CUDA device 0 (see `deploy.rs`); lengths
+//! are the traces' own (`--len-scale 1`), the TPOT SLO 100 ms, contexts up to 4,096 tokens
+//! (longer requests are refused, and counted), batches of up to 64. The budget is the
+//! device's free memory less `--reserve-gib` (default 1.5) per engine, or `--budget-gib`;
+//! each model's base is its weights and `--act-reserve-gib` (8B: 2.5, small: 1); the KV
+//! budget is the rest. `--cost-ms` is the cost model of one engine alone (8B: 8 ms per step
+//! and 0.14 ms per sequence, from the H100's decode benchmark), multiplied by the models for
+//! the nominal load because the engines share the device's compute.
 //!
 //! `--reclaim-wait-ms` (default 200) is the broker's `reclaim_wait`: how long a growth the
 //! budget cannot take waits for other engines to give memory back before it is refused.
@@ -30,7 +41,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::deploy::{self, DeployPolicy, Launcher, Point, PointResult, SimSizes};
+use crate::deploy::{self, DeployPolicy, DeploySizes, Launcher, Point, PointResult};
 use crate::metrics::{self, RunStats, Slo};
 use crate::report;
 use crate::trace::Request;
@@ -65,6 +76,23 @@ pub struct BenchArgs {
     pub reclaim_wait_ms: u64,
     /// Output folder.
     pub out: PathBuf,
+    /// Real engines on the GPU: the model size (`small`, `8b`); `None`: simulated compute.
+    pub gpu: Option<String>,
+    /// GPU: the broker's budget (bytes); `None`: the device's free memory less `reserve`.
+    pub budget: Option<u64>,
+    /// GPU: bytes per engine left outside the budget (its CUDA context, cuBLAS workspace).
+    pub reserve_per_engine: u64,
+    /// GPU: activation bytes reserved per model (its base is its weights and this).
+    pub act_reserve: Option<u64>,
+    /// GPU: the cost model for the nominal load, seconds per decode step and per sequence in
+    /// it, one engine alone on the device.
+    pub cost: Option<(f64, f64)>,
+    /// GPU: engine limits.
+    pub max_batch: usize,
+    /// GPU: longest context.
+    pub max_context: u32,
+    /// GPU: most tokens in one prefill forward.
+    pub prefill_chunk: usize,
 }
 
 impl BenchArgs {
@@ -94,12 +122,26 @@ impl BenchArgs {
             },
             reclaim_wait_ms: 200,
             out,
+            gpu: None,
+            budget: None,
+            reserve_per_engine: 3 << 29,
+            act_reserve: None,
+            cost: None,
+            max_batch: 64,
+            max_context: 4096,
+            prefill_chunk: 512,
         }
     }
 
     /// Parse `bench`'s flags.
     pub fn parse(argv: &[String], out: PathBuf) -> Result<BenchArgs, String> {
         let mut a = BenchArgs::defaults(out);
+        // On the GPU, real lengths (the host simulation's KV budget is small).
+        if let Some(i) = argv.iter().position(|f| f == "--gpu") {
+            a.len_scale = 1.0;
+            a.slo.tpot_s = 0.1;
+            a.gpu = argv.get(i + 1).cloned();
+        }
         let mut i = 0;
         while i < argv.len() {
             let flag = argv[i].as_str();
@@ -147,6 +189,25 @@ impl BenchArgs {
                 "--slo-tpot" => a.slo.tpot_s = num(v)?,
                 "--reclaim-wait-ms" => a.reclaim_wait_ms = num(v)? as u64,
                 "--out" => a.out = PathBuf::from(v),
+                "--gpu" => a.gpu = Some(v.clone()),
+                "--budget-gib" => a.budget = Some(gib(num(v)?)?),
+                "--reserve-gib" => a.reserve_per_engine = gib(num(v)?)?,
+                "--act-reserve-gib" => a.act_reserve = Some(gib(num(v)?)?),
+                "--cost-ms" => {
+                    let c = list(v)?
+                        .iter()
+                        .map(|x| num(x))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    match c[..] {
+                        [step, seq] if step > 0.0 && seq >= 0.0 => {
+                            a.cost = Some((step / 1e3, seq / 1e3))
+                        }
+                        _ => return Err(format!("--cost-ms: STEP,SEQ in ms, got {v:?}")),
+                    }
+                }
+                "--max-batch" => a.max_batch = num(v)? as usize,
+                "--max-context" => a.max_context = num(v)? as u32,
+                "--prefill-chunk" => a.prefill_chunk = num(v)? as usize,
                 _ => return Err(format!("bench: unknown flag {flag} (see bench.rs)")),
             }
             i += 2;
@@ -164,19 +225,92 @@ impl BenchArgs {
         Ok(a)
     }
 
-    fn sizes(&self) -> SimSizes {
-        SimSizes {
-            kv_blocks: self.kv_blocks_per_model * self.models as u64,
-            ..SimSizes::small(self.models)
-        }
+    /// The deployment's sizes; on the GPU with no KV budget yet (see [`run`]).
+    fn sizes(&self) -> Result<DeploySizes, String> {
+        let Some(size) = &self.gpu else {
+            return Ok(DeploySizes {
+                kv_blocks: self.kv_blocks_per_model * self.models as u64,
+                ..DeploySizes::small(self.models)
+            });
+        };
+        gpu_sizes(self, size)
     }
 
     fn lengths(&self) -> Lengths {
         Lengths {
             scale: self.len_scale,
-            max_len: self.sizes().engine.max_context,
+            max_len: if self.gpu.is_some() {
+                self.max_context
+            } else {
+                DeploySizes::small(1).engine.max_context
+            },
         }
     }
+}
+
+fn gib(g: f64) -> Result<u64, String> {
+    if g.is_finite() && g > 0.0 && g < 1e6 {
+        Ok((g * (1u64 << 30) as f64) as u64)
+    } else {
+        Err(format!("{g} GiB is not a size"))
+    }
+}
+
+/// Sizes of real engines of `size` on the GPU (2 MiB granules; the KV budget set later).
+#[cfg(feature = "candle-example")]
+fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
+    use crate::engine::{EngineConfig, SimCost};
+    use crate::llama::Size;
+    use crate::paged_llama::BLOCK_TOKENS;
+    let z = Size::parse(size)?;
+    const PAGE: u64 = 2 << 20;
+    let block = z.block_bytes();
+    let layer_tensors = 2 * z.config().layers as u64;
+    // One page of every layer's K and V holds this many blocks.
+    let per_page = (PAGE / (block / layer_tensors)).max(1);
+    // Measured on the H100 (docs/results): an 8B decode step ~8 ms alone plus ~0.14 ms per
+    // sequence at 2K context; the small model ~1.5 ms plus 0.02 ms.
+    let (step, seq) = a.cost.unwrap_or(match z {
+        Size::Llama8B => (8e-3, 0.14e-3),
+        Size::Small => (1.5e-3, 0.02e-3),
+    });
+    let act = a.act_reserve.unwrap_or(match z {
+        Size::Llama8B => 5 << 29,
+        Size::Small => 1 << 30,
+    });
+    Ok(DeploySizes {
+        granularity: PAGE,
+        block_tokens: BLOCK_TOKENS as u32,
+        group_blocks: per_page,
+        group_bytes: per_page * block,
+        weights: z.weight_bytes(),
+        // The zero page of the paged KV cache's unbacked blocks is one granule more.
+        act_reserve: act + PAGE,
+        act_bytes_per_token: 0,
+        kv_blocks: 0,
+        engine: EngineConfig {
+            max_batch: a.max_batch,
+            max_prefill_tokens: a.prefill_chunk.max(1) as u32 * 4,
+            max_context: a.max_context,
+        },
+        // The engines share the device's compute (time-sliced): with all of them busy a step
+        // takes K times as long.
+        cost: SimCost {
+            step_s: step * a.models as f64,
+            prefill_token_s: 0.0,
+            decode_seq_s: seq * a.models as f64,
+            context_token_s: 0.0,
+        },
+        gpu: Some(deploy::GpuEngines {
+            size: size.to_string(),
+            prefill_chunk: a.prefill_chunk,
+        }),
+    })
+}
+
+#[cfg(not(feature = "candle-example"))]
+fn gpu_sizes(_: &BenchArgs, _: &str) -> Result<DeploySizes, String> {
+    Err("--gpu: built without the candle-example feature".into())
 }
 
 /// `../shared/traces` beside the repository (the crate's root is known at build time).
@@ -222,8 +356,7 @@ fn feeds(a: &BenchArgs) -> Result<Vec<(Feed, f64, f64)>, String> {
 }
 
 /// The rate per model (requests/s) at load 1.0: see the module docs.
-fn nominal_rate(a: &BenchArgs, demands: &[f64], contexts: &[f64]) -> f64 {
-    let s = a.sizes();
+fn nominal_rate(a: &BenchArgs, s: &DeploySizes, demands: &[f64], contexts: &[f64]) -> f64 {
     let kv_tokens = s.kv_blocks as f64 * s.block_tokens as f64;
     let share_tokens = kv_tokens / a.models as f64;
     let mean_ctx = (contexts.iter().sum::<f64>() / contexts.len().max(1) as f64).max(1.0);
@@ -320,14 +453,25 @@ fn commit() -> String {
     }
 }
 
-fn machine() -> String {
+fn machine(gpu: Option<&deploy::BrokerInfo>) -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!(
-        "{} ({cpus} CPUs): host backend, simulated compute",
-        host.trim()
-    )
+    match gpu {
+        None => format!(
+            "{} ({cpus} CPUs): host backend, simulated compute",
+            host.trim()
+        ),
+        Some(i) => format!(
+            "{} ({cpus} CPUs): {}, {:.2} GiB, {:.2} GiB free at the probe; candle engines",
+            host.trim(),
+            i.device,
+            i.total as f64 / GIB,
+            i.free as f64 / GIB
+        ),
+    }
 }
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Mean and CI of each metric per (load, policy).
 #[derive(Debug, Clone, Serialize)]
@@ -463,8 +607,39 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
     let feeds = feeds(a)?;
     let demands: Vec<f64> = feeds.iter().map(|f| f.1).collect();
     let contexts: Vec<f64> = feeds.iter().map(|f| f.2).collect();
-    let rate1 = nominal_rate(a, &demands, &contexts);
-    let (commit, machine) = (commit(), machine());
+    let mut sizes = a.sizes()?;
+    let mut gpu = None;
+    if sizes.gpu.is_some() {
+        // The KV budget: what the device has (or --budget-gib) less the models' bases.
+        let reserve = a.reserve_per_engine.saturating_mul(a.models as u64);
+        let info = deploy::probe_budget(launcher, &sizes, reserve)?;
+        let budget = a.budget.unwrap_or(info.budget);
+        let bases = sizes.base().saturating_mul(a.models as u64);
+        let groups = budget.saturating_sub(bases) / sizes.group_bytes.max(1);
+        sizes.kv_blocks = groups * sizes.group_blocks;
+        if sizes.kv_blocks == 0 {
+            return Err(format!(
+                "a budget of {:.2} GiB leaves no KV beside {} bases of {:.2} GiB",
+                budget as f64 / GIB,
+                a.models,
+                sizes.base() as f64 / GIB
+            ));
+        }
+        println!(
+            "bench: {} on the GPU: budget {:.2} GiB = {} x {:.2} GiB bases (weights {:.2}) + {:.2} GiB of KV ({} blocks of {} tokens)",
+            info.device,
+            (bases + sizes.kv_bytes(sizes.kv_blocks)) as f64 / GIB,
+            a.models,
+            sizes.base() as f64 / GIB,
+            sizes.weights as f64 / GIB,
+            sizes.kv_bytes(sizes.kv_blocks) as f64 / GIB,
+            sizes.kv_blocks,
+            sizes.block_tokens
+        );
+        gpu = Some(info);
+    }
+    let rate1 = nominal_rate(a, &sizes, &demands, &contexts);
+    let (commit, machine) = (commit(), machine(gpu.as_ref()));
     let traces: Vec<String> = (0..a.models)
         .map(|m| a.sources[m % a.sources.len()].name().to_string())
         .collect();
@@ -493,7 +668,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                 let policy = a.policies[(j + si) % n];
                 let point = Point {
                     policy,
-                    sizes: a.sizes(),
+                    sizes: sizes.clone(),
                     requests: reqs.clone(),
                     demand: demand.clone(),
                     duration_s: a.duration_s,

@@ -44,13 +44,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use elastic_vmm::backend::cuda::CudaBackend;
 use elastic_vmm::backend::host::{ChunkFiles, HostBackend};
+use elastic_vmm::backend::Backend;
 use elastic_vmm::broker::{Broker, BrokerClient, BrokerConfig};
 use elastic_vmm::kv::PagedKv;
 use elastic_vmm::{MemOptions, ModelConfig, Tag};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Engine, EngineConfig, EngineCounters, KvBlocks, SimCost};
+use crate::engine::{Engine, EngineConfig, EngineCounters, KvBlocks, SimCost, StepModel};
 use crate::host::{kv_config, SimModel};
 use crate::metrics::{Outcome, Record};
 use crate::trace::Request;
@@ -112,35 +114,55 @@ impl DeployPolicy {
     }
 }
 
-/// Sizes of a simulated deployment (host backend).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub struct SimSizes {
-    /// The broker's chunk granularity (bytes); one KV block is one granule.
+/// A deployment's engines on the GPU: candle Llamas with random weights, real kernels.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GpuEngines {
+    /// Model size (`small` or `8b`, see `llama.rs`).
+    pub size: String,
+    /// Most tokens in one forward of a prefill.
+    pub prefill_chunk: usize,
+}
+
+/// Sizes of a deployment: on the host backend with simulated compute (`gpu` is `None`), or
+/// on the GPU with real engines.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeploySizes {
+    /// The broker's chunk granularity (bytes).
     pub granularity: u64,
     /// Tokens per KV block.
     pub block_tokens: u32,
+    /// KV blocks per mapped group: a cache maps memory for this many blocks at a time (1 on
+    /// the host, where a block is one granule; a page of every layer's tensors on the GPU).
+    pub group_blocks: u64,
+    /// Bytes of one mapped group.
+    pub group_bytes: u64,
     /// Weights per model (bytes).
     pub weights: u64,
     /// Activation bytes reserved per model (its base is weights plus this).
     pub act_reserve: u64,
-    /// Activation bytes per token of a step.
+    /// Activation bytes per token of a step (simulated compute).
     pub act_bytes_per_token: u64,
     /// KV blocks of all models together (the KV budget).
     pub kv_blocks: u64,
     /// Engine limits.
     pub engine: EngineConfig,
-    /// Step costs.
+    /// Step costs: the simulated compute's, or the GPU's cost model (which only sets the
+    /// nominal load).
     pub cost: SimCost,
+    /// Real engines on the GPU, or `None` for simulated compute on the host.
+    pub gpu: Option<GpuEngines>,
 }
 
-impl SimSizes {
+impl DeploySizes {
     /// CI-sized: 256 KiB granules of 32 tokens, 1 MiB of weights and 1 MiB of activations
     /// per model, 192 KV blocks per model (6,144 tokens), batches of up to 64, contexts of up
     /// to 4,096 tokens.
-    pub fn small(models: usize) -> SimSizes {
-        SimSizes {
+    pub fn small(models: usize) -> DeploySizes {
+        DeploySizes {
             granularity: 256 << 10,
             block_tokens: 32,
+            group_blocks: 1,
+            group_bytes: 256 << 10,
             weights: 1 << 20,
             act_reserve: 1 << 20,
             act_bytes_per_token: 128,
@@ -151,6 +173,7 @@ impl SimSizes {
                 max_context: 4096,
             },
             cost: SimCost::memory_bound(),
+            gpu: None,
         }
     }
 
@@ -159,9 +182,14 @@ impl SimSizes {
         self.weights + self.act_reserve
     }
 
+    /// Memory a cache maps to hold `blocks` blocks.
+    pub fn kv_bytes(&self, blocks: u64) -> u64 {
+        blocks.div_ceil(self.group_blocks.max(1)) * self.group_bytes
+    }
+
     /// The broker's budget for `models` models: their bases and the KV budget.
     pub fn budget(&self, models: usize) -> u64 {
-        self.base() * models as u64 + self.kv_blocks * self.granularity
+        self.base() * models as u64 + self.kv_bytes(self.kv_blocks)
     }
 }
 
@@ -173,7 +201,7 @@ pub struct EngineSpec {
     /// Model index.
     pub model: usize,
     /// Sizes.
-    pub sizes: SimSizes,
+    pub sizes: DeploySizes,
     /// Limit at the broker (bytes).
     pub limit: u64,
     /// Guarantee at the broker (bytes).
@@ -213,6 +241,9 @@ pub struct EngineReport {
     pub peak_blocks: usize,
     /// Seconds from its process start to ready (connect, register, weights, KV cache).
     pub setup_s: f64,
+    /// Its base as measured (bytes): weights and the warm-up's activations on the GPU.
+    #[serde(default)]
+    pub base: u64,
     /// Errors seen (failed steps).
     pub errors: Vec<String>,
 }
@@ -220,7 +251,7 @@ pub struct EngineReport {
 /// A paged KV cache on a broker model as the scheduler sees it: blocks it may hold by the
 /// policy's caps; whether memory is there is the broker's to say at `alloc`.
 struct BrokerKv {
-    store: PagedKv,
+    store: KvStore,
     block_tokens: u32,
     held: usize,
     peak: usize,
@@ -233,6 +264,41 @@ struct BrokerKv {
     retry_at: Instant,
     /// The last back-off (seconds).
     backoff: f64,
+}
+
+/// The cache under a [`BrokerKv`]: plain on the host, candle tensors on the GPU.
+enum KvStore {
+    Host(PagedKv),
+    #[cfg(feature = "candle-example")]
+    Gpu(Arc<elastic_vmm::candle::PagedKvTensors>),
+}
+
+impl KvStore {
+    fn kv(&self) -> &PagedKv {
+        match self {
+            KvStore::Host(kv) => kv,
+            #[cfg(feature = "candle-example")]
+            KvStore::Gpu(t) => t.cache(),
+        }
+    }
+}
+
+impl BrokerKv {
+    fn new(store: KvStore, block_tokens: u32, cap: usize) -> BrokerKv {
+        BrokerKv {
+            store,
+            block_tokens,
+            held: 0,
+            peak: 0,
+            cap,
+            admit_cap: cap,
+            refusals: 0,
+            alloc_s: 0.0,
+            refused_s: 0.0,
+            retry_at: Instant::now(),
+            backoff: 0.0,
+        }
+    }
 }
 
 /// Back-off after a refused KV allocation: from the first, doubling to the second (seconds).
@@ -258,7 +324,7 @@ impl KvBlocks for BrokerKv {
             return None;
         }
         let t = Instant::now();
-        let r = self.store.alloc(n);
+        let r = self.store.kv().alloc(n);
         let dt = t.elapsed().as_secs_f64();
         match r {
             Ok(ids) => {
@@ -280,7 +346,7 @@ impl KvBlocks for BrokerKv {
     }
     fn free(&mut self, ids: &[u32]) {
         let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-        match self.store.free(&ids) {
+        match self.store.kv().free(&ids) {
             Ok(()) => {
                 self.held -= ids.len();
                 self.retry_at = Instant::now();
@@ -314,9 +380,30 @@ pub fn run_role() -> Option<Result<(), String>> {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct BrokerSpec {
     socket: PathBuf,
+    /// Its budget; 0 on the GPU: the device's free memory less `reserve` (it says which in
+    /// its [`BrokerInfo`]).
     budget: u64,
     granularity: u64,
     reclaim_wait_ms: u64,
+    /// CUDA chunks on device 0 (else host memory).
+    cuda: bool,
+    /// Bytes of the device left outside the budget (the engines' CUDA contexts, cuBLAS).
+    reserve: u64,
+    /// Where it writes its [`BrokerInfo`].
+    out: PathBuf,
+}
+
+/// What the broker says about itself once ready.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BrokerInfo {
+    /// Its budget (bytes).
+    pub budget: u64,
+    /// The device's free memory when it started, and in total.
+    pub free: u64,
+    /// Total memory.
+    pub total: u64,
+    /// The device, as the backend names it.
+    pub device: String,
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, String> {
@@ -348,11 +435,35 @@ fn broker_role(spec: &Path) -> Result<(), String> {
     let spec: BrokerSpec = read_json(spec)?;
     raise_nofile();
     let e = |e: elastic_vmm::Error| e.to_string();
-    let backend = HostBackend::with_chunk_files(spec.granularity as usize, ChunkFiles::PerChunk)
-        .map_err(e)?;
-    let config = BrokerConfig::new(&spec.socket, spec.budget)
+    let backend: Arc<dyn Backend> = if spec.cuda {
+        Arc::new(CudaBackend::new(0).map_err(e)?)
+    } else {
+        Arc::new(
+            HostBackend::with_chunk_files(spec.granularity as usize, ChunkFiles::PerChunk)
+                .map_err(e)?,
+        )
+    };
+    let mem = backend.memory_info().map_err(e)?;
+    let budget = match spec.budget {
+        0 => mem.free.saturating_sub(spec.reserve),
+        b if spec.cuda && b > mem.free => {
+            return Err(format!(
+                "a budget of {b} bytes does not fit the device's {} free bytes",
+                mem.free
+            ))
+        }
+        b => b,
+    };
+    let config = BrokerConfig::new(&spec.socket, budget)
         .reclaim_wait(Duration::from_millis(spec.reclaim_wait_ms));
-    let broker = Broker::start(Arc::new(backend), config).map_err(e)?;
+    let info = BrokerInfo {
+        budget,
+        free: mem.free,
+        total: mem.total,
+        device: backend.info().device_name.clone(),
+    };
+    let broker = Broker::start(backend, config).map_err(e)?;
+    write_json(&spec.out, &info)?;
     say("ready");
     // Serve until the driver closes stdin.
     let mut sink = String::new();
@@ -371,7 +482,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
     let born = Instant::now();
     let spec: EngineSpec = read_json(spec)?;
     raise_nofile();
-    let s = spec.sizes;
+    let s = &spec.sizes;
     let e = |e: elastic_vmm::Error| e.to_string();
     let id = format!("model-{}", spec.model);
     let client = BrokerClient::connect(&spec.socket, &id).map_err(e)?;
@@ -381,7 +492,8 @@ fn engine_role(spec: &Path) -> Result<(), String> {
     let reclaims = Arc::new(AtomicU64::new(0));
     let (a, r) = (asked.clone(), reclaims.clone());
     // Room for the weights, activations and a KV cache of the whole KV budget, twice over.
-    let virt = (2 * (s.base() + s.kv_blocks * s.granularity) + (64 << 20)) as usize;
+    let virt = 2 * (s.base() + s.kv_bytes(s.kv_blocks)) + (64 << 20);
+    let virt = usize::try_from(virt).map_err(|_| format!("{virt} bytes of address space"))?;
     let config = ModelConfig::new(&id, virt, spec.limit)
         .guarantee(spec.guarantee)
         .on_reclaim(move |_| {
@@ -389,97 +501,170 @@ fn engine_role(spec: &Path) -> Result<(), String> {
             r.fetch_add(1, Ordering::Relaxed);
         });
     let model = client.register(config).map_err(e)?;
-    let mut weights = model
-        .allocate_with(s.weights as usize, &MemOptions::new().tag(Tag::Weights))
-        .map_err(e)?;
-    let pattern = 0x5A ^ spec.model as u8;
-    weights.fill(pattern).map_err(e)?;
     let blocks = s.kv_blocks as usize;
-    let store = PagedKv::new(
-        model.pool(),
-        kv_config(blocks, s.block_tokens, s.granularity)?,
-    )
-    .map_err(e)?;
-    let kv = BrokerKv {
-        store,
-        block_tokens: s.block_tokens,
-        held: 0,
-        peak: 0,
-        cap: spec.cap_blocks.min(blocks),
-        admit_cap: spec.cap_blocks.min(blocks),
-        refusals: 0,
-        alloc_s: 0.0,
-        refused_s: 0.0,
-        retry_at: Instant::now(),
-        backoff: 0.0,
+    let cap = spec.cap_blocks.min(blocks);
+    let ctx = Serving {
+        spec: &spec,
+        born,
+        asked: &asked,
+        reclaims: &reclaims,
     };
-    let sim = SimModel {
-        pool: model.pool().clone(),
-        cost: s.cost,
-        act_bytes_per_token: s.act_bytes_per_token,
-        weights,
-        pattern,
-        wall: true,
+    let report = match &s.gpu {
+        None => {
+            let mut weights = model
+                .allocate_with(s.weights as usize, &MemOptions::new().tag(Tag::Weights))
+                .map_err(e)?;
+            let pattern = 0x5A ^ spec.model as u8;
+            weights.fill(pattern).map_err(e)?;
+            let store = PagedKv::new(
+                model.pool(),
+                kv_config(blocks, s.block_tokens, s.granularity)?,
+            )
+            .map_err(e)?;
+            let sim = SimModel {
+                pool: model.pool().clone(),
+                cost: s.cost,
+                act_bytes_per_token: s.act_bytes_per_token,
+                weights,
+                pattern,
+                wall: true,
+            };
+            let kv = BrokerKv::new(KvStore::Host(store), s.block_tokens, cap);
+            let (report, engine) = ctx.serve(Engine::new(kv, sim, s.engine), s.base())?;
+            if !engine.model.weights_intact()? {
+                return Err(format!("{id}: weights changed during the run"));
+            }
+            report
+        }
+        #[cfg(feature = "candle-example")]
+        Some(g) => {
+            use crate::llama::{engine_model, Size};
+            let size = Size::parse(&g.size)?;
+            let m = engine_model(size, model.pool(), &id, blocks, s.engine, g.prefill_chunk)?;
+            let base = m.weights + m.act_peak;
+            if base > s.base() {
+                tracing::warn!(
+                    base,
+                    planned = s.base(),
+                    "{id}: weights and the warm-up's activations exceed the planned base"
+                );
+            }
+            let kv = BrokerKv::new(KvStore::Gpu(m.kv.clone()), s.block_tokens, cap);
+            let (report, engine) = ctx.serve(Engine::new(kv, m.model, s.engine), base)?;
+            drop(engine);
+            drop(m.kv);
+            drop(m.tensors);
+            report
+        }
+        #[cfg(not(feature = "candle-example"))]
+        Some(_) => return Err("built without the candle-example feature: no GPU engine".into()),
     };
-    let mut engine = Engine::new(kv, sim, s.engine);
-    let setup_s = born.elapsed().as_secs_f64();
-    say("ready");
-    let mut line = String::new();
-    std::io::stdin()
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let start: u64 = line
-        .trim()
-        .strip_prefix("start ")
-        .and_then(|x| x.parse().ok())
-        .ok_or_else(|| format!("expected `start <ns>`, got {line:?}"))?;
-    let clock = move || (monotonic_ns() as f64 - start as f64) / 1e9;
-    engine.clock = Some(Box::new(clock));
-    let mut errors = Vec::new();
-    let reqs = &spec.requests;
-    let mut next = 0;
-    loop {
-        let now = clock();
-        if now >= spec.end_s {
-            break;
-        }
-        while next < reqs.len() && reqs[next].arrival() <= now {
-            engine.submit(reqs[next]);
-            next += 1;
-        }
-        let since_asked = (monotonic_ns() as f64 - asked.load(Ordering::Relaxed) as f64) / 1e9;
-        engine.kv.admit_cap = if since_asked < CONTENDED_S {
-            spec.fair_blocks
-        } else {
-            engine.kv.cap
-        };
-        let before = engine.counters;
-        if engine.has_work() {
-            engine.step(now);
-        }
-        if engine.counters.oom > before.oom {
-            if let Some(err) = engine.last_error.take() {
-                if errors.len() < 8 {
-                    errors.push(err);
+    write_json(&spec.out, &report)?;
+    say("done");
+    Ok(())
+}
+
+/// What an engine's serving loop needs besides its engine.
+struct Serving<'a> {
+    spec: &'a EngineSpec,
+    born: Instant,
+    asked: &'a AtomicU64,
+    reclaims: &'a AtomicU64,
+}
+
+impl Serving<'_> {
+    /// Say ready, wait for the start instant, serve the trace on wall clock until its end,
+    /// then account for every request. `base` is the model's measured base (bytes).
+    fn serve<M: StepModel>(
+        &self,
+        mut engine: Engine<BrokerKv, M>,
+        base: u64,
+    ) -> Result<(EngineReport, Engine<BrokerKv, M>), String> {
+        let spec = self.spec;
+        let setup_s = self.born.elapsed().as_secs_f64();
+        say("ready");
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let start: u64 = line
+            .trim()
+            .strip_prefix("start ")
+            .and_then(|x| x.parse().ok())
+            .ok_or_else(|| format!("expected `start <ns>`, got {line:?}"))?;
+        let clock = move || (monotonic_ns() as f64 - start as f64) / 1e9;
+        engine.clock = Some(Box::new(clock));
+        let mut errors = Vec::new();
+        let reqs = &spec.requests;
+        let mut next = 0;
+        loop {
+            let now = clock();
+            if now >= spec.end_s {
+                break;
+            }
+            while next < reqs.len() && reqs[next].arrival() <= now {
+                engine.submit(reqs[next]);
+                next += 1;
+            }
+            let since_asked =
+                (monotonic_ns() as f64 - self.asked.load(Ordering::Relaxed) as f64) / 1e9;
+            engine.kv.admit_cap = if since_asked < CONTENDED_S {
+                spec.fair_blocks
+            } else {
+                engine.kv.cap
+            };
+            let before = engine.counters;
+            if engine.has_work() {
+                engine.step(now);
+            }
+            if engine.counters.oom > before.oom {
+                if let Some(err) = engine.last_error.take() {
+                    if errors.len() < 8 {
+                        errors.push(err);
+                    }
                 }
             }
+            let ran = engine.counters.prefills + engine.counters.decodes
+                > before.prefills + before.decodes;
+            if !ran {
+                // Nothing ran: idle until the next arrival, or retry admission shortly.
+                let next_at = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival());
+                let retry = if engine.has_work() {
+                    now + 0.002
+                } else {
+                    f64::INFINITY
+                };
+                let until = next_at.min(retry).min(spec.end_s);
+                let wait = (until - clock()).max(0.0);
+                std::thread::sleep(Duration::from_secs_f64(wait.min(0.05)));
+            }
         }
-        let ran =
-            engine.counters.prefills + engine.counters.decodes > before.prefills + before.decodes;
-        if !ran {
-            // Nothing ran: idle until the next arrival, or retry admission shortly.
-            let next_at = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival());
-            let retry = if engine.has_work() {
-                now + 0.002
-            } else {
-                f64::INFINITY
-            };
-            let until = next_at.min(retry).min(spec.end_s);
-            let wait = (until - clock()).max(0.0);
-            std::thread::sleep(Duration::from_secs_f64(wait.min(0.05)));
-        }
+        let records = records(spec, &mut engine, next);
+        let report = EngineReport {
+            model: spec.model,
+            records,
+            counters: engine.counters,
+            kv_refusals: engine.kv.refusals,
+            kv_alloc_s: engine.kv.alloc_s,
+            kv_refused_s: engine.kv.refused_s,
+            reclaims: self.reclaims.load(Ordering::Relaxed),
+            peak_blocks: engine.kv.peak,
+            setup_s,
+            base,
+            errors,
+        };
+        Ok((report, engine))
     }
-    let end = spec.end_s;
+}
+
+/// A record for every request of `spec`'s trace: finished, censored at the run's end
+/// (running, queued, or not arrived by then: `next` is the first not submitted) or refused.
+fn records<M: StepModel>(
+    spec: &EngineSpec,
+    engine: &mut Engine<BrokerKv, M>,
+    next: usize,
+) -> Vec<Record> {
+    let (reqs, end) = (&spec.requests, spec.end_s);
     let mut records = Vec::with_capacity(reqs.len());
     for f in engine.finished.drain(..) {
         records.push(Record {
@@ -524,7 +709,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         });
     }
     // Requests that had not arrived by the end (a late start) are censored too.
-    for r in &reqs[next..] {
+    for r in &reqs[next.min(reqs.len())..] {
         records.push(Record {
             model: spec.model,
             id: r.id,
@@ -539,24 +724,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         });
     }
     records.sort_by_key(|r| r.id);
-    let report = EngineReport {
-        model: spec.model,
-        records,
-        counters: engine.counters,
-        kv_refusals: engine.kv.refusals,
-        kv_alloc_s: engine.kv.alloc_s,
-        kv_refused_s: engine.kv.refused_s,
-        reclaims: reclaims.load(Ordering::Relaxed),
-        peak_blocks: engine.kv.peak,
-        setup_s,
-        errors,
-    };
-    if !engine.model.weights_intact()? {
-        return Err(format!("{id}: weights changed during the run"));
-    }
-    write_json(&spec.out, &report)?;
-    say("done");
-    Ok(())
+    records
 }
 
 /// How to start this binary in a role: the executable and the arguments that make it run
@@ -697,7 +865,7 @@ pub struct Point {
     /// Policy.
     pub policy: DeployPolicy,
     /// Sizes.
-    pub sizes: SimSizes,
+    pub sizes: DeploySizes,
     /// Per model: its requests (arrivals from the start instant).
     pub requests: Vec<Vec<Request>>,
     /// Per model: its mean KV demand (any unit; static-best splits by it).
@@ -762,6 +930,73 @@ fn temp_dir() -> Result<PathBuf, String> {
     Ok(d)
 }
 
+/// How long a role may take to get ready: engines on the GPU load and warm a model.
+fn ready_wait(s: &DeploySizes) -> Duration {
+    if s.gpu.is_some() {
+        READY_WAIT * 6
+    } else {
+        READY_WAIT
+    }
+}
+
+/// Start the broker for `s` in `dir` with `budget` (0 on the GPU: the device's free memory
+/// less the reserve, see [`probe_budget`]); ready when this returns, with what it says.
+fn start_broker(
+    launcher: &Launcher,
+    dir: &Path,
+    s: &DeploySizes,
+    budget: u64,
+    reclaim_wait_ms: u64,
+) -> Result<(Role, BrokerInfo), String> {
+    start_broker_reserving(launcher, dir, s, budget, 0, reclaim_wait_ms)
+}
+
+fn start_broker_reserving(
+    launcher: &Launcher,
+    dir: &Path,
+    s: &DeploySizes,
+    budget: u64,
+    reserve: u64,
+    reclaim_wait_ms: u64,
+) -> Result<(Role, BrokerInfo), String> {
+    let bspec = dir.join("broker.json");
+    let out = dir.join("broker.out.json");
+    write_json(
+        &bspec,
+        &BrokerSpec {
+            socket: dir.join("broker.sock"),
+            budget,
+            granularity: s.granularity,
+            reclaim_wait_ms,
+            cuda: s.gpu.is_some(),
+            reserve,
+            out: out.clone(),
+        },
+    )?;
+    let mut broker = launcher.spawn("broker", &bspec)?;
+    broker.expect("ready", ready_wait(s))?;
+    let info = read_json(&out)?;
+    Ok((broker, info))
+}
+
+/// What a broker for `s` would have as its budget with `reserve` bytes of the device left
+/// to the engines' contexts (the device's free memory less that; on the host, `s`'s own).
+pub fn probe_budget(
+    launcher: &Launcher,
+    s: &DeploySizes,
+    reserve: u64,
+) -> Result<BrokerInfo, String> {
+    let dir = temp_dir()?;
+    let r = (|| {
+        let budget = if s.gpu.is_some() { 0 } else { s.budget(1) };
+        let (broker, info) = start_broker_reserving(launcher, &dir, s, budget, reserve, 100)?;
+        broker.finish(Instant::now() + Duration::from_secs(10))?;
+        Ok(info)
+    })();
+    std::fs::remove_dir_all(&dir).ok();
+    r
+}
+
 /// Run `point` as processes: a broker, one engine per model; see the module docs.
 pub fn run_point(launcher: &Launcher, point: &Point) -> Result<PointResult, String> {
     let wall = Instant::now();
@@ -780,37 +1015,29 @@ fn run_in(
     point: &Point,
     dir: &Path,
 ) -> Result<(Vec<EngineReport>, f64), String> {
-    let s = point.sizes;
+    let s = &point.sizes;
     let k = point.requests.len();
     if k == 0 {
         return Err("a run with no models".into());
     }
     let socket = dir.join("broker.sock");
-    let bspec = dir.join("broker.json");
-    write_json(
-        &bspec,
-        &BrokerSpec {
-            socket: socket.clone(),
-            budget: s.budget(k),
-            granularity: s.granularity,
-            reclaim_wait_ms: point.reclaim_wait_ms,
-        },
-    )?;
-    let mut broker = launcher.spawn("broker", &bspec)?;
-    broker.expect("ready", READY_WAIT)?;
+    let broker = start_broker(launcher, dir, s, s.budget(k), point.reclaim_wait_ms)?.0;
+    // Shares in whole mapped groups, so that the static limits sum to at most the budget.
+    let g = s.group_blocks.max(1) as usize;
     let total = s.kv_blocks as usize;
-    let shares = match point.policy {
-        DeployPolicy::StaticEqual => vec![total / k; k],
+    let groups = match point.policy {
+        DeployPolicy::StaticEqual => vec![total / g / k; k],
         DeployPolicy::StaticBest => {
             let longest = s.engine.max_context.div_ceil(s.block_tokens) as usize;
-            static_shares(total, &point.demand, longest)
+            static_shares(total / g, &point.demand, longest.div_ceil(g))
         }
-        DeployPolicy::Elastic => vec![total; k],
+        DeployPolicy::Elastic => vec![total / g; k],
     };
+    let shares: Vec<usize> = groups.iter().map(|n| n * g).collect();
     let end_s = point.duration_s + point.drain_s;
     let mut engines = Vec::new();
     for (m, reqs) in point.requests.iter().enumerate() {
-        let share = shares[m] as u64 * s.granularity;
+        let share = s.kv_bytes(shares[m] as u64);
         let (limit, guarantee) = match point.policy {
             DeployPolicy::Elastic => (s.base() + share, s.base()),
             _ => (s.base() + share, s.base() + share),
@@ -818,7 +1045,7 @@ fn run_in(
         let spec = EngineSpec {
             socket: socket.clone(),
             model: m,
-            sizes: s,
+            sizes: s.clone(),
             limit,
             guarantee,
             cap_blocks: shares[m],
@@ -834,7 +1061,7 @@ fn run_in(
         engines.push((role, spec.out));
     }
     for (role, _) in engines.iter_mut() {
-        role.expect("ready", READY_WAIT)?;
+        role.expect("ready", ready_wait(s))?;
     }
     // Every engine gets the same start instant, a little ahead (they read it at once).
     let start = monotonic_ns() + 20_000_000;

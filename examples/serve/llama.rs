@@ -47,6 +47,43 @@ pub enum Size {
 }
 
 impl Size {
+    /// The size named `s` (`small` or `8b`).
+    pub fn parse(s: &str) -> Result<Size, String> {
+        [Size::Small, Size::Llama8B]
+            .into_iter()
+            .find(|z| z.name() == s)
+            .ok_or_else(|| format!("unknown model size {s:?}: small or 8b"))
+    }
+
+    /// Bytes of its weights in the model's dtype, and of its rotary tables.
+    pub fn weight_bytes(self) -> u64 {
+        let c = self.config();
+        let (h, kv) = (c.hidden as u64, (c.kv_heads * c.head_dim()) as u64);
+        let layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * c.intermediate as u64;
+        let elems = 2 * c.vocab as u64 * h + c.layers as u64 * layer + h;
+        let rotary = 2 * crate::paged_llama::MAX_POSITION as u64 * (c.head_dim() / 2) as u64;
+        (elems + rotary) * DTYPE.size_in_bytes() as u64
+    }
+
+    /// Bytes of one KV block over all layers (K and V).
+    pub fn block_bytes(self) -> u64 {
+        let c = self.config();
+        (2 * c.layers * BLOCK_TOKENS * c.kv_heads * c.head_dim() * DTYPE.size_in_bytes()) as u64
+    }
+
+    /// Its paged KV cache's shape for `max_blocks` blocks.
+    pub fn kv_config(self, max_blocks: usize) -> PagedKvConfig {
+        let c = self.config();
+        PagedKvConfig::new(
+            c.layers,
+            c.kv_heads,
+            c.head_dim(),
+            BLOCK_TOKENS,
+            DTYPE.size_in_bytes(),
+            max_blocks,
+        )
+    }
+
     /// Its name.
     pub fn name(self) -> &'static str {
         match self {
@@ -82,13 +119,18 @@ impl Size {
     }
 }
 
+/// Elements of one f32 draw of random weights (32 MiB).
+const DRAW_ELEMS: usize = 8 << 20;
+
 /// Random weights made on the device. Each tensor is drawn in f32 (cuRAND has no bf16
 /// normal) by the init candle-nn names for it, an unnamed (zero) init becoming N(0, 0.02), and
 /// converted to the model's dtype. The draws go to `scratch`, a pool of their own: drawn in the
 /// model's pool they left holes between the weights that no trim could give back (8B-shaped:
 /// 14.98 GiB of weights held 32.97 GiB on the H100).
-struct RandomWeights {
-    scratch: Pool,
+pub struct RandomWeights {
+    /// Where the f32 draws go (a pool of their own, or the model's: they are freed slab by
+    /// slab).
+    pub scratch: Pool,
 }
 
 impl SimpleBackend for RandomWeights {
@@ -107,13 +149,33 @@ impl SimpleBackend for RandomWeights {
             },
             h => h,
         };
-        // Detached: a tensor made from a `Var` keeps its op graph (the f32 draw) alive for
-        // backprop, which left the draws in use beside the weights (3x the weights' bytes).
-        let draw = route::with_route(&self.scratch, Tag::Activations, || {
-            h.var(s, DType::F32, dev)
-        })
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))??;
-        Ok(draw.as_tensor().to_dtype(dtype)?.detach())
+        if let Init::Const(v) = h {
+            return Tensor::ones(s, dtype, dev)?.affine(v, 0.0);
+        }
+        // Drawn a slab of rows at a time into the finished tensor, so the f32 draws in flight
+        // stay small (a whole draw is twice the weight) and leave no holes between weights.
+        let out = Tensor::zeros(s.clone(), dtype, dev)?;
+        let dims = s.dims().to_vec();
+        let rows = dims.first().copied().unwrap_or(1).max(1);
+        let row_elems = (s.elem_count() / rows).max(1);
+        let slab = (DRAW_ELEMS / row_elems).max(1);
+        for first in (0..rows).step_by(slab) {
+            let mut part = dims.clone();
+            if let Some(d) = part.first_mut() {
+                *d = slab.min(rows - first);
+            }
+            // Detached: a tensor made from a `Var` keeps its op graph (the f32 draw) alive
+            // for backprop.
+            let draw =
+                route::with_route(&self.scratch, Tag::Scratch, || h.var(part, DType::F32, dev))
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))??;
+            let piece = draw.as_tensor().to_dtype(dtype)?.detach();
+            if dims.is_empty() {
+                return Ok(piece);
+            }
+            out.slice_set(&piece, 0, first)?;
+        }
+        Ok(out)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
@@ -129,7 +191,9 @@ impl SimpleBackend for RandomWeights {
 
 /// One model's compute.
 pub struct LlamaModel {
-    handle: ModelHandle,
+    pool: Pool,
+    /// The model's id (a routing refusal names it).
+    id: String,
     llama: PagedLlama,
     kv: Arc<PagedKvTensors>,
     device: Device,
@@ -140,19 +204,19 @@ pub struct LlamaModel {
 impl LlamaModel {
     fn run(&mut self, f: impl FnOnce(&mut Self) -> candle_core::Result<()>) -> Result<f64, String> {
         let t = Instant::now();
-        let handle = self.handle.clone();
-        route::with_route(&handle, Tag::Activations, || f(self))
+        let (pool, id) = (self.pool.clone(), self.id.clone());
+        route::with_route(&pool, Tag::Activations, || f(self))
             .map_err(|e| format!("route: {e}"))?
-            .map_err(|e| refusal(&handle, e.to_string()))?;
+            .map_err(|e| refusal(&id, e.to_string()))?;
         self.device.synchronize().map_err(|e| e.to_string())?;
         Ok(t.elapsed().as_secs_f64())
     }
 }
 
 /// `e` with the last refusal of routing (the numbers of an out-of-memory) when there was one.
-fn refusal(handle: &ModelHandle, e: String) -> String {
+fn refusal(id: &str, e: String) -> String {
     match route::last_refusal() {
-        Some(r) if r.model == handle.id() => format!("{e} ({r})"),
+        Some(r) if r.model == id => format!("{e} ({r})"),
         _ => e,
     }
 }
@@ -241,6 +305,85 @@ pub struct GpuSizes {
     pub host_tier: Option<u64>,
 }
 
+/// One engine process's model (`serve bench` on the GPU): a Llama of `size` with random weights
+/// in `pool` (a broker model's), its paged KV cache of `max_blocks` blocks there, warmed by the
+/// largest steps `engine` runs. Field order is drop order: the model and cache before the
+/// tensor pool that serves them.
+pub struct EngineModel {
+    /// The compute.
+    pub model: LlamaModel,
+    /// Its KV cache.
+    pub kv: Arc<PagedKvTensors>,
+    /// The cache's tensor pool.
+    pub tensors: TensorPool,
+    /// Weight bytes (the routed weights in use).
+    pub weights: u64,
+    /// The warm-up's routed peak of live activations.
+    pub act_peak: u64,
+}
+
+/// Load and warm the model of one engine process; see [`EngineModel`].
+pub fn engine_model(
+    size: Size,
+    pool: &Pool,
+    id: &str,
+    max_blocks: usize,
+    engine: EngineConfig,
+    prefill_chunk: usize,
+) -> Result<EngineModel, String> {
+    let e = |e: elastic_vmm::Error| e.to_string();
+    let ce = |e: candle_core::Error| e.to_string();
+    let device = Device::new_cuda(0).map_err(ce)?;
+    let cfg = size.config();
+    let llama = route::with_route(pool, Tag::Weights, || {
+        let draws = RandomWeights {
+            scratch: pool.clone(),
+        };
+        let vb = VarBuilder::from_backend(Box::new(draws), DTYPE, device.clone());
+        PagedLlama::load(cfg, vb)
+    })
+    .map_err(e)?
+    .map_err(|err| refusal(id, format!("loading {id}: {err}")))?;
+    device.synchronize().map_err(ce)?;
+    route::flush(pool);
+    pool.trim().map_err(e)?;
+    let weights = route::stats(pool)
+        .and_then(|r| r.tag(&Tag::Weights).map(|t| t.live_bytes))
+        .unwrap_or(0);
+    let tensors = TensorPool::new(pool, &device).map_err(e)?;
+    let kv = Arc::new(PagedKvTensors::new(&tensors, size.kv_config(max_blocks), DTYPE).map_err(e)?);
+    let mut model = LlamaModel {
+        pool: pool.clone(),
+        id: id.to_string(),
+        llama,
+        kv: kv.clone(),
+        device,
+        chunk: prefill_chunk,
+    };
+    let max_context = (engine.max_context as usize).max(1);
+    warm(
+        &mut model,
+        &kv,
+        prefill_chunk,
+        engine.max_batch,
+        max_context,
+    )
+    .map_err(|err| format!("warming {id}: {err}"))?;
+    kv.cache().trim();
+    let act_peak = route::stats(pool)
+        .and_then(|r| r.tag(&Tag::Activations).map(|t| t.peak_bytes))
+        .unwrap_or(0);
+    route::flush(pool);
+    pool.trim().map_err(e)?;
+    Ok(EngineModel {
+        model,
+        kv,
+        tensors,
+        weights,
+        act_peak,
+    })
+}
+
 /// Tensor pools outlive nothing they serve: kept beside the cluster.
 pub struct GpuCluster {
     /// The shared pool.
@@ -264,7 +407,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// the longest context, one decode of `max_batch` sequences all at the longest context. The
 /// block tables repeat one real block (attention reads `context` keys through them; the
 /// writes land in that block), so the warm-up needs no KV beyond it.
-fn warm(
+pub fn warm(
     model: &mut LlamaModel,
     store: &Arc<PagedKvTensors>,
     chunk: usize,
@@ -370,7 +513,7 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             PagedLlama::load(cfg, vb)
         })
         .map_err(e)?
-        .map_err(|err| refusal(&handle, format!("loading {id}: {err}")))?;
+        .map_err(|err| refusal(&id, format!("loading {id}: {err}")))?;
         device.synchronize().map_err(ce)?;
         // The f32 draws the weights were converted from go back to the device.
         route::flush(&scratch);
@@ -386,23 +529,12 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
         ));
         let tensors = TensorPool::new(&handle, &device).map_err(e)?;
         let kv = Arc::new(
-            PagedKvTensors::new(
-                &tensors,
-                PagedKvConfig::new(
-                    cfg.layers,
-                    cfg.kv_heads,
-                    cfg.head_dim(),
-                    BLOCK_TOKENS,
-                    DTYPE.size_in_bytes(),
-                    max_blocks,
-                ),
-                DTYPE,
-            )
-            .map_err(e)?,
+            PagedKvTensors::new(&tensors, sizes.size.kv_config(max_blocks), DTYPE).map_err(e)?,
         );
         let block_bytes = paged_block_bytes(kv.cache());
         let mut model = LlamaModel {
-            handle: handle.clone(),
+            pool: (*handle).clone(),
+            id: id.clone(),
             llama,
             kv: kv.clone(),
             device: device.clone(),

@@ -19,12 +19,18 @@
 //! machine, every record), `summary.json` with the knee (the load at which the best static
 //! policy's SLO attainment falls below 99%) and `slo-attainment.svg` (confidence bands). It
 //! runs on the host backend with simulated compute (a step sleeps for the cost model's time;
-//! costs chosen so that memory binds); the GPU engine is not wired to it yet. Flags: see
-//! `bench.rs`; for example
+//! costs chosen so that memory binds), or with `--gpu small|8b` on CUDA device 0: the broker
+//! on CUDA chunks, each engine a candle Llama of that shape with random weights loaded into
+//! its broker model's pool, its KV a paged KV cache there (`PagedKvTensors`), attended in
+//! place by the paged-attention kernel, every step real kernels (the engines share the GPU's
+//! compute, time-sliced, as separate engine processes do). The budget is the device's free
+//! memory less `--reserve-gib` per engine (contexts, cuBLAS), the KV budget what the models'
+//! bases (weights, `--act-reserve-gib`) leave: no ballast. Flags: see `bench.rs`; for example
 //!
 //! ```text
 //! serve bench --sim --seeds 1,2,3,4,5 --loads 0.5,1,1.5 --duration 20 --drain 5 \
 //!     --traces conv,code,mooncake --slo-ttft 1 --slo-tpot 0.05 --out $OUT/bench
+//! serve bench --gpu 8b --seeds 1,2,3 --loads 0.5,1,2 --duration 30 --drain 5 --out $OUT/b
 //! ```
 //!
 //! **The in-process driver** (the rest of this page; `cluster.rs`): K Llama-shaped candle
