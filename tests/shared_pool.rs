@@ -209,3 +209,55 @@ fn a_limit_without_room_for_the_zero_page_refuses_the_cache() {
     );
     p.audit().expect("pool audit");
 }
+
+/// Issue 33, defect 3 at a wake: a model that slept dropping its data gets fresh physical
+/// memory at its wake, and when the budget is full that memory is another model's idle
+/// cache. Its bytes must not come with it: the woken allocation reads zeros, not the other
+/// model's data.
+#[test]
+fn a_wake_over_another_models_memory_reads_no_stale_bytes() {
+    use elastic_vmm::{AfterWake, MemOptions, ModelConfig, SharedPool, SharedPoolConfig};
+    use elastic_vmm::{SleepPolicy, Tag};
+    let g = 2usize << 20;
+    let shared = SharedPool::new(host(), SharedPoolConfig::new().global_limit(4 * g as u64))
+        .expect("shared");
+    let a = shared
+        .register(ModelConfig::new("a", 16 * g, 4 * g as u64))
+        .expect("a");
+    let b = shared
+        .register(ModelConfig::new("b", 16 * g, 4 * g as u64))
+        .expect("b");
+    let kv = MemOptions::new().tag(Tag::Kv);
+    let mut mine = b.allocate_with(2 * g, &kv).expect("b's allocation");
+    mine.fill(0x11).expect("fill");
+    b.sleep(&SleepPolicy::discard_all()).expect("sleep");
+    // Model a takes the whole budget a granule at a time, writes it and frees it: its idle
+    // cache holds it, in chunks a wake can take.
+    let theirs: Vec<_> = (0..4)
+        .map(|_| {
+            let mut x = a.allocate_with(g, &kv).expect("a's allocation");
+            x.fill(0x5A).expect("fill");
+            x
+        })
+        .collect();
+    drop(theirs);
+    b.wake(AfterWake::FreeHostMemory)
+        .expect("wake over a's idle memory");
+    let got = b.model_stats().expect("b");
+    assert_eq!(got.mapped, 2 * g as u64, "{got:?}");
+    assert!(
+        a.model_stats().expect("a").reclaimed < 4 * g as u64,
+        "a's chunks were handed over, not released: {:?}",
+        a.model_stats()
+    );
+    let mut buf = vec![0u8; 2 * g];
+    mine.read(0, &mut buf).expect("read");
+    let stale = buf.iter().filter(|&&x| x != 0).count();
+    assert_eq!(
+        stale,
+        0,
+        "{stale} of {} bytes of b's woken allocation are not zero (a's bytes: {})",
+        buf.len(),
+        buf.iter().filter(|&&x| x == 0x5A).count()
+    );
+}

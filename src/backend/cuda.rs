@@ -218,10 +218,9 @@ impl CudaBackend {
     /// (4 GiB in 2 MiB chunks, 8 GiB handles). Clearing them cost 2.7 ms per 8 GiB on top of a
     /// 0.5 ms growth, and a synchronous clear is refused inside a CUDA graph capture. Memory
     /// that changes hands inside the crate (another model's cached chunks taken by a growth,
-    /// chunks handed over through a broker) is cleared whatever this says; not yet at a wake,
-    /// where a slot whose content was dropped by the sleep may map another model's chunk
-    /// uncleared. A host tier always clears (its
-    /// pages come from the driver's host allocations, which were not probed).
+    /// chunks handed over through a broker, a wake's dropped slots) is cleared whatever this
+    /// says. A host tier always clears (its pages come from the driver's host allocations,
+    /// which were not probed).
     pub fn clear_new_chunks(mut self, clear: bool) -> Self {
         self.new_chunks_zeroed = !clear && !self.host_location;
         self

@@ -577,6 +577,10 @@ impl Inner {
         // 1. Physical memory for every slot, admitted as any growth (donation, reclaim); a kept
         // chunk is the pool's already.
         let mut got: Vec<Vec<PhysicalChunk>> = Vec::with_capacity(slots.len());
+        // A slot whose data was dropped gets no copy over it: chunks whose bytes were someone
+        // else's (another model's, or new where the backend promises no zeros) are cleared.
+        let mut dirty: Vec<PhysicalChunk> = Vec::new();
+        let zeroed_creates = self.backend.creates_zeroed();
         for s in &slots {
             if let Some(k) = s.kept {
                 got.push(vec![k.chunk]);
@@ -587,7 +591,15 @@ impl Inner {
                 room: s.size,
             };
             match self.obtain(s.size, Urgency::Required, fit) {
-                Ok(o) => got.push(o.donated.into_iter().chain(o.created).collect()),
+                Ok(o) => {
+                    if s.host.is_none() {
+                        dirty.extend(&o.donated);
+                        if !zeroed_creates {
+                            dirty.extend(&o.created);
+                        }
+                    }
+                    got.push(o.donated.into_iter().chain(o.created).collect())
+                }
                 Err(e) => {
                     let obtained = got
                         .into_iter()
@@ -606,6 +618,7 @@ impl Inner {
                 }
             }
         }
+        let to_fill = self.wipe_unmapped(dirty);
         // 2. Map slot by slot; copies are queued as runs fill up and overlap the next maps.
         let mut placed: Vec<Placed> = Vec::new();
         let mut pieces = Pieces::new();
@@ -671,6 +684,11 @@ impl Inner {
         let waited = pieces.drain(self);
         if failure.is_none() {
             if let Err(e) = waited {
+                failure = Some((e, Vec::new()));
+            }
+        }
+        if failure.is_none() && !to_fill.is_empty() {
+            if let Err(e) = self.fill_placed(&placed, &to_fill) {
                 failure = Some((e, Vec::new()));
             }
         }
