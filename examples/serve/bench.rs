@@ -12,7 +12,8 @@
 //!
 //! With `--gpu` the engines are candle Llamas on CUDA device 0 (see `deploy.rs`); lengths
 //! are the traces' own (`--len-scale 1`), the TPOT SLO 100 ms, contexts up to 4,096 tokens
-//! (longer requests are refused, and counted), batches of up to 64. The budget is the
+//! (longer requests are cut to it, as `workload.rs` does for every source), batches of up to
+//! 64. The budget is the
 //! device's free memory less `--reserve-gib` (default 1.5) per engine, or `--budget-gib`;
 //! each model's base is its weights and `--act-reserve-gib` (8B: 2.5, small: 1); the KV
 //! budget is the rest. `--cost-ms` is the cost model of one engine alone (8B: 8 ms per step
@@ -425,6 +426,10 @@ pub struct RunFile {
     pub stats: RunStats,
     /// Per model.
     pub per_model: Vec<RunStats>,
+    /// The deployment's sizes (budget, KV blocks, bases, cost model, engine limits).
+    pub sizes: DeploySizes,
+    /// The broker's device (GPU runs).
+    pub device: Option<deploy::BrokerInfo>,
     /// The engines' reports (every record).
     pub result: PointResult,
 }
@@ -614,6 +619,13 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         let reserve = a.reserve_per_engine.saturating_mul(a.models as u64);
         let info = deploy::probe_budget(launcher, &sizes, reserve)?;
         let budget = a.budget.unwrap_or(info.budget);
+        if budget > info.budget {
+            return Err(format!(
+                "--budget-gib {:.2} is more than the device's free memory less the engines' reserve ({:.2} GiB)",
+                budget as f64 / GIB,
+                info.budget as f64 / GIB
+            ));
+        }
         let bases = sizes.base().saturating_mul(a.models as u64);
         let groups = budget.saturating_sub(bases) / sizes.group_bytes.max(1);
         sizes.kv_blocks = groups * sizes.group_blocks;
@@ -684,8 +696,20 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                         RunStats::of(&r, &a.slo, a.duration_s, result.end_s)
                     })
                     .collect();
+                let failed: u64 = result.engines.iter().map(|e| e.counters.oom).sum();
+                let refusals: u64 = result.engines.iter().map(|e| e.kv_refusals).sum();
+                let setup = result.engines.iter().map(|e| e.setup_s).fold(0.0, f64::max);
+                // A failed step is no SLO miss to average away: it is shown, with the errors.
+                for e in result.engines.iter().filter(|e| !e.errors.is_empty()) {
+                    eprintln!(
+                        "bench: model {} had {} failed steps: {}",
+                        e.model,
+                        e.counters.oom,
+                        e.errors.join("; ")
+                    );
+                }
                 println!(
-                    "[{}/{total}] load {load} seed {seed} {:<12}: {} requests, {} finished, {} censored, {} refused; SLO {:.3}, goodput {:.2}/s, ttft p50/p99 {:.3}/{:.3} s, tpot p50 {:.4} s ({:.1} s)",
+                    "[{}/{total}] load {load} seed {seed} {:<12}: {} requests, {} finished, {} censored, {} refused; SLO {:.3}, goodput {:.2}/s, ttft p50/p99 {:.3}/{:.3} s, tpot p50 {:.4} s; failed steps {failed}, KV refusals {refusals}; setup {setup:.1} s ({:.1} s)",
                     all.len() + 1,
                     policy.name(),
                     stats.requests,
@@ -714,6 +738,8 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     reclaim_wait_ms: a.reclaim_wait_ms,
                     stats: stats.clone(),
                     per_model,
+                    sizes: sizes.clone(),
+                    device: gpu.clone(),
                     result,
                 };
                 let path = runs_dir.join(format!("{load}-{}-s{seed}.json", policy.name()));

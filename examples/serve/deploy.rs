@@ -541,13 +541,17 @@ fn engine_role(spec: &Path) -> Result<(), String> {
             use crate::llama::{engine_model, Size};
             let size = Size::parse(&g.size)?;
             let m = engine_model(size, model.pool(), &id, blocks, s.engine, g.prefill_chunk)?;
-            let base = m.weights + m.act_peak;
+            // What the model holds besides KV: mapped after the warm-up (weights, gaps, the
+            // zero page) and the warm-up's activations. More than planned would come out of
+            // a static share: refused, with the numbers.
+            let base = m.held + m.act_peak;
             if base > s.base() {
-                tracing::warn!(
-                    base,
-                    planned = s.base(),
-                    "{id}: weights and the warm-up's activations exceed the planned base"
-                );
+                return Err(format!(
+                    "{id}: its base is {base} bytes ({} held after loading, {} of activations at the warm-up's peak), more than the {} planned: raise --act-reserve-gib",
+                    m.held,
+                    m.act_peak,
+                    s.base()
+                ));
             }
             let kv = BrokerKv::new(KvStore::Gpu(m.kv.clone()), s.block_tokens, cap);
             let (report, engine) = ctx.serve(Engine::new(kv, m.model, s.engine), base)?;

@@ -316,8 +316,9 @@ pub struct EngineModel {
     pub kv: Arc<PagedKvTensors>,
     /// The cache's tensor pool.
     pub tensors: TensorPool,
-    /// Weight bytes (the routed weights in use).
-    pub weights: u64,
+    /// Bytes the model's pool held after loading and the warm-up, all idle memory given
+    /// back: weights (with any gaps between them), the KV cache's zero page.
+    pub held: u64,
     /// The warm-up's routed peak of live activations.
     pub act_peak: u64,
 }
@@ -347,9 +348,6 @@ pub fn engine_model(
     device.synchronize().map_err(ce)?;
     route::flush(pool);
     pool.trim().map_err(e)?;
-    let weights = route::stats(pool)
-        .and_then(|r| r.tag(&Tag::Weights).map(|t| t.live_bytes))
-        .unwrap_or(0);
     let tensors = TensorPool::new(pool, &device).map_err(e)?;
     let kv = Arc::new(PagedKvTensors::new(&tensors, size.kv_config(max_blocks), DTYPE).map_err(e)?);
     let mut model = LlamaModel {
@@ -375,11 +373,12 @@ pub fn engine_model(
         .unwrap_or(0);
     route::flush(pool);
     pool.trim().map_err(e)?;
+    let st = pool.stats();
     Ok(EngineModel {
         model,
         kv,
         tensors,
-        weights,
+        held: st.mapped + st.zero_page,
         act_peak,
     })
 }
