@@ -106,6 +106,9 @@ impl Hook for Counter {
             Call::StagingCopy { bytes, direction } => {
                 tracing::trace!(call = "staging_copy", bytes, ?direction, %outcome, "data movement")
             }
+            Call::Wipe { chunk } => {
+                tracing::trace!(call = "wipe_chunk", handle = chunk.raw, size = chunk.size, %outcome, "data movement")
+            }
         }
     }
 }

@@ -82,6 +82,11 @@ pub enum Call {
         /// Bytes.
         size: usize,
     },
+    /// [`Backend::wipe_chunk`]: a chunk cleared before it is mapped.
+    Wipe {
+        /// The chunk.
+        chunk: PhysicalChunk,
+    },
     /// A staging copy of sleep or wake ([`Copies::copy_to_host_async`],
     /// [`Copies::copy_from_host_async`]).
     StagingCopy {
@@ -113,7 +118,10 @@ impl Call {
             Call::Map { .. } => DriverCall::Map,
             Call::SetAccess { .. } => DriverCall::SetAccess,
             Call::Unmap { .. } => DriverCall::Unmap,
-            Call::Export { .. } | Call::Import { .. } | Call::StagingCopy { .. } => return None,
+            Call::Export { .. }
+            | Call::Import { .. }
+            | Call::Wipe { .. }
+            | Call::StagingCopy { .. } => return None,
         })
     }
 
@@ -331,10 +339,11 @@ impl<H: Hook> Backend for Intercept<H> {
         self.inner.maps_over()
     }
 
-    // Clearing moves data, as copies do: straight up.
+    // Clearing moves data, as copies do: no driver call of the VMM model, but hooks see it.
     unsafe fn wipe_chunk(&self, chunk: PhysicalChunk) -> Result<()> {
         // SAFETY: forwarded contract.
-        unsafe { self.inner.wipe_chunk(chunk) }
+        let f = || unsafe { self.inner.wipe_chunk(chunk) };
+        self.around(Call::Wipe { chunk }, f, none)
     }
 
     fn creates_zeroed(&self) -> bool {

@@ -260,6 +260,7 @@ impl BrokerClient {
                     device_ordinal: None,
                     granularity: 0,
                     device_name: String::new(),
+                    creates_zeroed: false,
                 },
                 global_limit: 0,
                 engine: 0,

@@ -44,8 +44,11 @@
 //!
 //! Memory handed over is cleared by the engine that receives it before its pool maps it
 //! where anyone sees it (a broker's chunks are never taken as zero: `creates_zeroed` is
-//! false). A process that keeps a mapping of a chunk it gave back can still see later users'
-//! bytes: that is the security model's limit, below.
+//! false). A chunk the broker created for the request, on a device backend whose new chunks
+//! read as zeros (its `BackendDesc::creates_zeroed`, said at hello; never the host tier), is
+//! not cleared again: the grant says which chunks were handed over. A process that keeps a
+//! mapping of a chunk it gave back can still see later users' bytes: that is the security
+//! model's limit, below.
 
 mod accept;
 mod book;

@@ -223,6 +223,11 @@ pub struct BackendDesc {
     pub granularity: u64,
     /// Device name.
     pub device_name: String,
+    /// Whether a chunk the broker creates reads as zeros ([`crate::Backend::creates_zeroed`]
+    /// of its device backend): a granted chunk that was created, not handed over, then needs
+    /// no clearing. Host-tier chunks are always cleared.
+    #[serde(default)]
+    pub creates_zeroed: bool,
 }
 
 /// Answers.

@@ -5,7 +5,7 @@
 //! and gives the chunk back to the broker, which may hand it to another engine without any
 //! release or create. So allocations, range maps, regions and layouts work unchanged.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Deref;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -138,6 +138,8 @@ impl BrokerClient {
             name: id.clone(),
             local,
             granted: Mutex::new(HashMap::new()),
+            fresh: Mutex::new(HashSet::new()),
+            zeroed_creates: !host && inner.welcome().backend.creates_zeroed,
             held: AtomicU64::new(0),
         });
         let mut cfg = p.pool.unwrap_or_else(|| {
@@ -278,6 +280,13 @@ pub(crate) struct ModelBackend {
     local: Arc<dyn Backend>,
     /// Local raw handle -> the broker's chunk id. Bookkeeping only.
     granted: Mutex<HashMap<u64, u64>>,
+    /// Local raw handles of chunks the broker created for this model (none handed over from
+    /// another engine) on a backend whose new chunks read as zeros: clearing them is a no-op.
+    /// Lock order: taken alone.
+    fresh: Mutex<HashSet<u64>>,
+    /// Whether created chunks are taken as zeros (the broker's device backend says so; never
+    /// for the host tier).
+    zeroed_creates: bool,
     held: AtomicU64,
 }
 
@@ -477,7 +486,7 @@ impl Backend for ModelBackend {
             Reply::Granted {
                 chunk,
                 size: granted,
-                ..
+                handed_over,
             } => {
                 let fd: Option<OwnedFd> = fds.pop();
                 let fd = match fd {
@@ -496,6 +505,9 @@ impl Backend for ModelBackend {
                 match self.local.import_chunk(fd, size) {
                     Ok(c) => {
                         self.granted.lock().insert(c.raw, chunk);
+                        if self.zeroed_creates && !handed_over {
+                            self.fresh.lock().insert(c.raw);
+                        }
                         self.held.fetch_add(size as u64, Ordering::Relaxed);
                         Ok(c)
                     }
@@ -554,12 +566,14 @@ impl Backend for ModelBackend {
                     continue;
                 }
             };
-            let ids = match reply {
+            let (ids, handed_over) = match reply {
                 Reply::GrantedMany {
                     chunks,
                     size: granted,
-                    ..
-                } if chunks.len() == n && fds.len() == n && granted == size as u64 => chunks,
+                    handed_over,
+                } if chunks.len() == n && fds.len() == n && granted == size as u64 => {
+                    (chunks, handed_over as usize)
+                }
                 Reply::GrantedMany {
                     chunks,
                     size: granted,
@@ -596,12 +610,19 @@ impl Backend for ModelBackend {
             // The next batch goes out before this one is imported.
             fill(&mut sent, &mut left, &mut failure);
             let threads = self.client.import_threads.load(Ordering::Relaxed);
-            for (cid, r) in ids
+            // The broker lists the chunks handed over first, then the ones it created.
+            for (i, (cid, r)) in ids
                 .into_iter()
                 .zip(import_all(&*self.local, fds, size, threads))
+                .enumerate()
             {
                 match r {
-                    Ok(c) => made.push((c, cid)),
+                    Ok(c) => {
+                        if self.zeroed_creates && i >= handed_over {
+                            self.fresh.lock().insert(c.raw);
+                        }
+                        made.push((c, cid))
+                    }
                     Err(e) => {
                         unimported.push(cid);
                         failure.get_or_insert(e);
@@ -621,6 +642,7 @@ impl Backend for ModelBackend {
         };
         // All or none: every import is released here and every chunk goes back.
         for &(c, cid) in &made {
+            self.fresh.lock().remove(&c.raw);
             // SAFETY: imported just above, mapped nowhere, released once.
             match unsafe { self.local.release(c) } {
                 Ok(()) => unimported.push(cid),
@@ -641,6 +663,7 @@ impl Backend for ModelBackend {
                 let Some(cid) = self.granted.lock().remove(&chunk.raw) else {
                     return Err(not_ours(chunk, &self.name));
                 };
+                self.fresh.lock().remove(&chunk.raw);
                 // SAFETY: forwarded contract: the chunk is ours, live and mapped nowhere.
                 if let Err(e) = unsafe { self.local.release(chunk) } {
                     self.granted.lock().insert(chunk.raw, cid);
@@ -659,6 +682,7 @@ impl Backend for ModelBackend {
         let Some(cid) = self.granted.lock().remove(&chunk.raw) else {
             return Err(not_ours(chunk, &self.name));
         };
+        self.fresh.lock().remove(&chunk.raw);
         // SAFETY: forwarded contract: the chunk is ours, live and mapped nowhere.
         if let Err(e) = unsafe { self.local.release(chunk) } {
             self.granted.lock().insert(chunk.raw, cid);
@@ -700,6 +724,8 @@ impl Backend for ModelBackend {
     }
 
     unsafe fn map(&self, addr: u64, chunk: PhysicalChunk) -> Result<()> {
+        // Mapped, it may be written: no later clear of it is a no-op.
+        self.fresh.lock().remove(&chunk.raw);
         // SAFETY: forwarded contract.
         unsafe { self.local.map(addr, chunk) }
     }
@@ -735,6 +761,7 @@ impl Backend for ModelBackend {
     }
 
     unsafe fn map_over(&self, addr: u64, chunk: PhysicalChunk, mode: AccessMode) -> Result<()> {
+        self.fresh.lock().remove(&chunk.raw);
         // SAFETY: forwarded contract.
         unsafe { self.local.map_over(addr, chunk, mode) }
     }
@@ -744,8 +771,13 @@ impl Backend for ModelBackend {
     }
 
     // Imported chunks clear like the engine's own; `creates_zeroed` stays false: a chunk the
-    // broker grants may be handed over from another engine with its bytes.
+    // broker grants may be handed over from another engine with its bytes. One the broker
+    // created on a backend whose new chunks read as zeros is cleared already: a clear before
+    // its first mapping is a no-op (once mapped it may hold this engine's bytes).
     unsafe fn wipe_chunk(&self, chunk: PhysicalChunk) -> Result<()> {
+        if self.fresh.lock().remove(&chunk.raw) {
+            return Ok(());
+        }
         // SAFETY: forwarded contract.
         unsafe { self.local.wipe_chunk(chunk) }
     }
@@ -922,6 +954,102 @@ mod tests {
         assert_eq!(end.counters.give_backs - after.give_backs, 32);
         assert!(end.models.iter().all(|m| m.used == 0), "{:?}", end.models);
         assert_eq!(end.audit, None);
+        broker.shutdown();
+    }
+
+    /// Counts the chunks an engine's local backend is asked to clear.
+    #[derive(Debug, Default)]
+    struct Wipes(std::sync::atomic::AtomicU64);
+
+    impl crate::backend::intercept::Hook for Wipes {
+        type Pass = ();
+        fn before(
+            &self,
+            call: &crate::backend::intercept::Call,
+            _: &crate::backend::BackendInfo,
+        ) -> Result<()> {
+            if matches!(call, crate::backend::intercept::Call::Wipe { .. }) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+        fn after(
+            &self,
+            _: &crate::backend::intercept::Call,
+            _: (),
+            _: crate::backend::intercept::Outcome<'_>,
+        ) {
+        }
+    }
+
+    /// An engine on a local backend that counts its clears.
+    fn counting_engine(
+        socket: &std::path::Path,
+        name: &str,
+    ) -> (
+        BrokerClient,
+        Arc<crate::backend::intercept::Intercept<Wipes>>,
+    ) {
+        let client = BrokerClient::connect(socket, name).unwrap();
+        let local =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let counted = Arc::new(crate::backend::intercept::Intercept::<Wipes>::new(
+            Arc::new(local),
+        ));
+        client.set_local_backend(counted.clone()).unwrap();
+        (client, counted)
+    }
+
+    /// Chunks the broker creates on a backend whose new chunks read as zeros are not cleared
+    /// again by the engine (the broker says which chunks it created); chunks handed over from
+    /// another engine still are, and read as zeros.
+    #[test]
+    fn created_chunks_are_not_cleared_again_handed_over_ones_are() {
+        const MIB: u64 = 1 << 20;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        assert!(host.creates_zeroed());
+        let broker =
+            Broker::start(Arc::new(host), BrokerConfig::new(socket("fresh"), 64 * MIB)).unwrap();
+        let (ca, wa) = counting_engine(broker.socket(), "a");
+        assert!(ca.welcome().backend.creates_zeroed);
+        let a = ca
+            .register(ModelConfig::new("a", 1 << 30, 32 * MIB))
+            .unwrap();
+        // A batch growth and a single one, both of new chunks.
+        a.map_with(0, 16 * MIB, &MemOptions::new().chunk(2 * MIB))
+            .unwrap();
+        let mut one = a.allocate(2 * MIB as usize).unwrap();
+        assert_eq!(wa.0.load(Ordering::Relaxed), 0, "new chunks were cleared");
+        one.fill(0xab).unwrap();
+        // SAFETY: [0, 16 MiB) was just mapped with access; nothing else uses it.
+        unsafe {
+            a.backend()
+                .copies()
+                .fill(a.base(), (16 * MIB) as usize, 0xab)
+                .unwrap()
+        };
+        drop(one);
+        a.unmap(0, 16 * MIB).unwrap();
+        a.trim().unwrap();
+        // Engine b takes a's chunks over: each is cleared (9 chunks: 8 and the single one).
+        let (cb, wb) = counting_engine(broker.socket(), "b");
+        let b = cb
+            .register(ModelConfig::new("b", 1 << 30, 32 * MIB))
+            .unwrap();
+        b.map_with(0, 18 * MIB, &MemOptions::new().chunk(2 * MIB))
+            .unwrap();
+        let handed = cb.snapshot().unwrap().counters.handovers;
+        assert!(handed >= 9, "{handed} handed over");
+        assert_eq!(
+            wb.0.load(Ordering::Relaxed),
+            9,
+            "handed-over chunks cleared"
+        );
+        let mut buf = vec![0u8; (18 * MIB) as usize];
+        // SAFETY: mapped with access just above.
+        unsafe { b.backend().copies().read(b.base(), &mut buf).unwrap() };
+        assert!(buf.iter().all(|&x| x == 0), "a's bytes show in b's memory");
         broker.shutdown();
     }
 

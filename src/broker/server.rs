@@ -326,6 +326,7 @@ impl Broker {
             device_ordinal: info.device_ordinal,
             granularity: info.granularity as u64,
             device_name: info.device_name.clone(),
+            creates_zeroed: backend.creates_zeroed(),
         };
         let uid = rustix::process::geteuid().as_raw();
         let policy = Policy {
@@ -576,6 +577,7 @@ fn host_tier_shared(
             device_ordinal: info.device_ordinal,
             granularity: info.granularity as u64,
             device_name: info.device_name.clone(),
+            creates_zeroed: false,
         },
         book: Mutex::new(Book::new(budget, policy).ids_from(HOST_IDS)),
         changed: Condvar::new(),

@@ -285,6 +285,7 @@ mod tests {
                 device_ordinal: None,
                 granularity: 2 << 20,
                 device_name: "host memory".into(),
+                creates_zeroed: true,
             },
             global_limit: 1 << 30,
             global_used: 1 << 29,
