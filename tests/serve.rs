@@ -16,8 +16,15 @@ mod deploy;
 mod engine;
 #[path = "../examples/serve/host.rs"]
 mod host;
+// The GPU engine, built where the candle example is (every-feature lints).
+#[cfg(feature = "candle-example")]
+#[path = "../examples/serve/llama.rs"]
+mod llama;
 #[path = "../examples/serve/metrics.rs"]
 mod metrics;
+#[cfg(feature = "candle-example")]
+#[path = "../examples/serve/paged_llama.rs"]
+mod paged_llama;
 #[path = "../examples/serve/report.rs"]
 mod report;
 #[path = "../examples/serve/trace.rs"]

@@ -285,8 +285,8 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
         group_blocks: per_page,
         group_bytes: per_page * block,
         weights: z.weight_bytes(),
-        // The zero page of the paged KV cache's unbacked blocks is one granule more.
-        act_reserve: act + PAGE,
+        act_reserve: act,
+        zero_page: PAGE,
         act_bytes_per_token: 0,
         kv_blocks: 0,
         engine: EngineConfig {
@@ -626,7 +626,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                 info.budget as f64 / GIB
             ));
         }
-        let bases = sizes.base().saturating_mul(a.models as u64);
+        let bases = (sizes.base() + sizes.zero_page).saturating_mul(a.models as u64);
         let groups = budget.saturating_sub(bases) / sizes.group_bytes.max(1);
         sizes.kv_blocks = groups * sizes.group_blocks;
         if sizes.kv_blocks == 0 {

@@ -6,8 +6,11 @@
 //! budget being the whole device less nothing: every model's weights and activations plus the
 //! KV budget), waits for it, then starts one engine process per model (the binary in the
 //! engine role, its [`EngineSpec`] in a JSON file). Each engine connects with `BrokerClient`,
-//! registers its model with the policy's limit and guarantee, loads its weights, builds its
-//! paged KV cache on the model's pool and says it is ready. When all are, the driver sends
+//! registers two models at the broker, as kvcached splits an engine's memory: its base
+//! (weights and activations, limit and guarantee both the base, under every policy: no other
+//! engine's KV can take the memory a step's activations need) and its KV (the policy's limit
+//! and guarantee), loads its weights, builds its paged KV cache on the KV model's pool and says
+//! it is ready. When all are, the driver sends
 //! every engine one start instant, a `CLOCK_MONOTONIC` time (system-wide). From then on each
 //! engine runs on its own: a request is submitted to its scheduler at the first loop turn at
 //! or after its arrival (whatever the engine was doing: a step under way delays it, and that
@@ -20,14 +23,13 @@
 //! request of its trace (finished, censored or refused) and exits; the driver reads them all,
 //! stops the broker and computes the run's statistics ([`RunStats`]).
 //!
-//! Policies (the same engine; only the limit, guarantee and caps differ):
-//! - `static-equal`: each model's limit and guarantee are its base (weights, activations) plus
-//!   1/K of the KV budget;
+//! Policies (the same engine; only the KV model's limit, guarantee and caps differ):
+//! - `static-equal`: each KV model's limit and guarantee are 1/K of the KV budget;
 //! - `static-best`: the same with shares proportional to each model's mean KV demand in its
 //!   trace window (rate times `(prompt + output / 2) * output`: an oracle split no static
 //!   operator can beat on average), each share at least the longest context an engine
 //!   serves, so that no model is left unable to serve a request it would otherwise take;
-//! - `elastic`: limit the base plus the whole KV budget, guarantee the base. A model grows
+//! - `elastic`: limit the whole KV budget, no guarantee (but its zero page). A model grows
 //!   into what the others do not hold; the broker asks the others to give back (their idle
 //!   chunks) when one cannot grow. An engine asked to give back (its reclaim callback) admits
 //!   nothing beyond its fair share (1/K of the KV budget) for the next `CONTENDED_S`.
@@ -140,6 +142,8 @@ pub struct DeploySizes {
     pub weights: u64,
     /// Activation bytes reserved per model (its base is weights plus this).
     pub act_reserve: u64,
+    /// The paged KV cache's zero page (bytes; charged to the KV model).
+    pub zero_page: u64,
     /// Activation bytes per token of a step (simulated compute).
     pub act_bytes_per_token: u64,
     /// KV blocks of all models together (the KV budget).
@@ -165,6 +169,7 @@ impl DeploySizes {
             group_bytes: 256 << 10,
             weights: 1 << 20,
             act_reserve: 1 << 20,
+            zero_page: 256 << 10,
             act_bytes_per_token: 128,
             kv_blocks: 192 * models as u64,
             engine: EngineConfig {
@@ -187,9 +192,10 @@ impl DeploySizes {
         blocks.div_ceil(self.group_blocks.max(1)) * self.group_bytes
     }
 
-    /// The broker's budget for `models` models: their bases and the KV budget.
+    /// The broker's budget for `models` models: their bases, their KV caches' zero pages
+    /// and the KV budget.
     pub fn budget(&self, models: usize) -> u64 {
-        self.base() * models as u64 + self.kv_bytes(self.kv_blocks)
+        (self.base() + self.zero_page) * models as u64 + self.kv_bytes(self.kv_blocks)
     }
 }
 
@@ -202,9 +208,10 @@ pub struct EngineSpec {
     pub model: usize,
     /// Sizes.
     pub sizes: DeploySizes,
-    /// Limit at the broker (bytes).
+    /// Its KV model's limit at the broker (bytes); its base model's limit and guarantee are
+    /// the sizes' base.
     pub limit: u64,
-    /// Guarantee at the broker (bytes).
+    /// Its KV model's guarantee at the broker (bytes).
     pub guarantee: u64,
     /// KV blocks it may hold (its share under a static policy, the whole KV budget else).
     pub cap_blocks: usize,
@@ -491,16 +498,23 @@ fn engine_role(spec: &Path) -> Result<(), String> {
     let asked = Arc::new(AtomicU64::new(0));
     let reclaims = Arc::new(AtomicU64::new(0));
     let (a, r) = (asked.clone(), reclaims.clone());
-    // Room for the weights, activations and a KV cache of the whole KV budget, twice over.
-    let virt = 2 * (s.base() + s.kv_bytes(s.kv_blocks)) + (64 << 20);
-    let virt = usize::try_from(virt).map_err(|_| format!("{virt} bytes of address space"))?;
-    let config = ModelConfig::new(&id, virt, spec.limit)
+    // Room for the weights and activations, and for a KV cache of the whole KV budget, twice
+    // over each.
+    let room = |b: u64| {
+        let v = 2 * b + (64 << 20);
+        usize::try_from(v).map_err(|_| format!("{v} bytes of address space"))
+    };
+    let model = client
+        .register(ModelConfig::new(&id, room(s.base())?, s.base()).guarantee(s.base()))
+        .map_err(e)?;
+    let kv_id = format!("{id}-kv");
+    let config = ModelConfig::new(&kv_id, room(s.kv_bytes(s.kv_blocks))?, spec.limit)
         .guarantee(spec.guarantee)
         .on_reclaim(move |_| {
             a.store(monotonic_ns(), Ordering::Relaxed);
             r.fetch_add(1, Ordering::Relaxed);
         });
-    let model = client.register(config).map_err(e)?;
+    let kv_model = client.register(config).map_err(e)?;
     let blocks = s.kv_blocks as usize;
     let cap = spec.cap_blocks.min(blocks);
     let ctx = Serving {
@@ -517,7 +531,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
             let pattern = 0x5A ^ spec.model as u8;
             weights.fill(pattern).map_err(e)?;
             let store = PagedKv::new(
-                model.pool(),
+                kv_model.pool(),
                 kv_config(blocks, s.block_tokens, s.granularity)?,
             )
             .map_err(e)?;
@@ -540,10 +554,18 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         Some(g) => {
             use crate::llama::{engine_model, Size};
             let size = Size::parse(&g.size)?;
-            let m = engine_model(size, model.pool(), &id, blocks, s.engine, g.prefill_chunk)?;
-            // What the model holds besides KV: mapped after the warm-up (weights, gaps, the
-            // zero page) and the warm-up's activations. More than planned would come out of
-            // a static share: refused, with the numbers.
+            let m = engine_model(
+                size,
+                model.pool(),
+                kv_model.pool(),
+                &id,
+                blocks,
+                s.engine,
+                g.prefill_chunk,
+            )?;
+            // What the model holds besides KV: mapped after the warm-up (weights and any gaps
+            // between them) and the warm-up's activations. More than planned would fail its
+            // steps: refused, with the numbers.
             let base = m.held + m.act_peak;
             if base > s.base() {
                 return Err(format!(
@@ -1041,10 +1063,10 @@ fn run_in(
     let end_s = point.duration_s + point.drain_s;
     let mut engines = Vec::new();
     for (m, reqs) in point.requests.iter().enumerate() {
-        let share = s.kv_bytes(shares[m] as u64);
+        let share = s.kv_bytes(shares[m] as u64) + s.zero_page;
         let (limit, guarantee) = match point.policy {
-            DeployPolicy::Elastic => (s.base() + share, s.base()),
-            _ => (s.base() + share, s.base() + share),
+            DeployPolicy::Elastic => (share, s.zero_page),
+            _ => (share, share),
         };
         let spec = EngineSpec {
             socket: socket.clone(),

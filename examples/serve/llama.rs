@@ -306,7 +306,8 @@ pub struct GpuSizes {
 }
 
 /// One engine process's model (`serve bench` on the GPU): a Llama of `size` with random weights
-/// in `pool` (a broker model's), its paged KV cache of `max_blocks` blocks there, warmed by the
+/// and activations in `pool` (a broker model's), its paged KV cache of `max_blocks` blocks in
+/// `kv_pool` (another), warmed by the
 /// largest steps `engine` runs. Field order is drop order: the model and cache before the
 /// tensor pool that serves them.
 pub struct EngineModel {
@@ -317,16 +318,18 @@ pub struct EngineModel {
     /// The cache's tensor pool.
     pub tensors: TensorPool,
     /// Bytes the model's pool held after loading and the warm-up, all idle memory given
-    /// back: weights (with any gaps between them), the KV cache's zero page.
+    /// back: weights, with any gaps between them.
     pub held: u64,
     /// The warm-up's routed peak of live activations.
     pub act_peak: u64,
 }
 
 /// Load and warm the model of one engine process; see [`EngineModel`].
+#[allow(clippy::too_many_arguments)]
 pub fn engine_model(
     size: Size,
     pool: &Pool,
+    kv_pool: &Pool,
     id: &str,
     max_blocks: usize,
     engine: EngineConfig,
@@ -348,7 +351,7 @@ pub fn engine_model(
     device.synchronize().map_err(ce)?;
     route::flush(pool);
     pool.trim().map_err(e)?;
-    let tensors = TensorPool::new(pool, &device).map_err(e)?;
+    let tensors = TensorPool::new(kv_pool, &device).map_err(e)?;
     let kv = Arc::new(PagedKvTensors::new(&tensors, size.kv_config(max_blocks), DTYPE).map_err(e)?);
     let mut model = LlamaModel {
         pool: pool.clone(),
@@ -378,7 +381,7 @@ pub fn engine_model(
         model,
         kv,
         tensors,
-        held: st.mapped + st.zero_page,
+        held: st.mapped,
         act_peak,
     })
 }
