@@ -137,6 +137,12 @@ traces=synthetic
 [[ -f ../shared/traces/azure-llm-2023-conv.csv ]] && traces=conv,code,mooncake
 "$serve" bench --sim --seeds 1,2 --loads 0.5,1.5 --duration 1.5 --drain 0.5 --traces "$traces" \
   --traces-dir ../shared/traces --out "$tmp/serve-bench" >/dev/null
+# The same table again from the saved runs alone (how a sweep over several commands is summed).
+"$serve" bench --from "$tmp/serve-bench" --out "$tmp/serve-again" >/dev/null
+cmp "$tmp/serve-bench/table.txt" "$tmp/serve-again/table.txt" || {
+  echo "serve bench --from did not give the sweep's own table" >&2
+  exit 1
+}
 runs=$(find "$tmp/serve-bench/runs" -name '*.json' | wc -l)
 [[ "$runs" -eq 12 && -s "$tmp/serve-bench/table.txt" && -s "$tmp/serve-bench/summary.json" ]] &&
   head -c 5 "$tmp/serve-bench/slo-attainment.svg" | grep -q '^<svg' || {

@@ -40,7 +40,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::deploy::{self, DeployPolicy, DeploySizes, Launcher, Point, PointResult};
 use crate::metrics::{self, RunStats, Slo};
@@ -518,7 +518,7 @@ pub fn summarise(runs: &[(f64, String, RunStats)]) -> (Vec<Cell>, Option<f64>) {
             keys.push((*l, p.clone()));
         }
     }
-    keys.sort_by(|a, b| a.0.total_cmp(&b.0));
+    keys.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
     let cells: Vec<Cell> = keys
         .into_iter()
         .map(|(load, policy)| {
@@ -749,8 +749,30 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
             }
         }
     }
-    let (cells, knee) = summarise(&all);
-    let mut text = table(&cells, &a.slo);
+    write_summary(
+        &all,
+        &a.out,
+        Summary {
+            command: command.to_string(),
+            commit,
+            machine,
+            slo: a.slo,
+            nominal_rate: rate1,
+            cells: Vec::new(),
+            knee: None,
+        },
+    )
+}
+
+/// Summarise `all` (load, policy, stats) into `head`'s cells and knee, print the table and
+/// write it, the plot and `summary.json` into `out`.
+fn write_summary(
+    all: &[(f64, String, RunStats)],
+    out: &Path,
+    mut head: Summary,
+) -> Result<Summary, String> {
+    let (cells, knee) = summarise(all);
+    let mut text = table(&cells, &head.slo);
     let any_static = cells.iter().any(|c| c.policy.starts_with("static"));
     let _ = writeln!(
         text,
@@ -762,27 +784,93 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         }
     );
     print!("{text}");
+    std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
     let write = |name: &str, bytes: &[u8]| {
-        let p = a.out.join(name);
+        let p = out.join(name);
         std::fs::write(&p, bytes).map_err(|e| format!("{}: {e}", p.display()))
     };
     write("table.txt", text.as_bytes())?;
     write(
         "slo-attainment.svg",
-        attainment_svg(&cells, &a.slo).as_bytes(),
+        attainment_svg(&cells, &head.slo).as_bytes(),
     )?;
-    let summary = Summary {
-        command: command.to_string(),
-        commit,
-        machine,
-        slo: a.slo,
-        nominal_rate: rate1,
-        cells,
-        knee,
-    };
+    head.cells = cells;
+    head.knee = knee;
     write(
         "summary.json",
-        &serde_json::to_vec_pretty(&summary).map_err(|e| e.to_string())?,
+        &serde_json::to_vec_pretty(&head).map_err(|e| e.to_string())?,
     )?;
-    Ok(summary)
+    Ok(head)
+}
+
+/// What [`from_saved`] reads of a saved run.
+#[derive(Deserialize)]
+struct SavedRun {
+    command: String,
+    commit: String,
+    machine: String,
+    policy: String,
+    load: f64,
+    rate: f64,
+    slo: Slo,
+    stats: RunStats,
+}
+
+/// Summarise saved runs, as a sweep does at its end: every `runs/*.json` under `dirs` (the
+/// `--out` of earlier commands, a sweep spread over several), into `out`. Runs of different
+/// SLOs or nominal rates are refused: they do not belong in one table.
+pub fn from_saved(dirs: &[PathBuf], out: &Path) -> Result<Summary, String> {
+    let mut all = Vec::new();
+    let mut head: Option<Summary> = None;
+    for d in dirs {
+        let runs = d.join("runs");
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(&runs)
+            .map_err(|e| format!("{}: {e}", runs.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        paths.sort();
+        for p in paths {
+            let bytes = std::fs::read(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let r: SavedRun =
+                serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", p.display()))?;
+            let nominal = if r.load > 0.0 { r.rate / r.load } else { 0.0 };
+            match &mut head {
+                None => {
+                    head = Some(Summary {
+                        command: r.command.clone(),
+                        commit: r.commit.clone(),
+                        machine: r.machine.clone(),
+                        slo: r.slo,
+                        nominal_rate: nominal,
+                        cells: Vec::new(),
+                        knee: None,
+                    })
+                }
+                Some(h) => {
+                    if h.slo != r.slo || (h.nominal_rate - nominal).abs() > 1e-6 * nominal.max(1.0)
+                    {
+                        return Err(format!(
+                            "{}: SLO {:?} at {nominal:.4}/s nominal, where the first run had {:?} at {:.4}/s",
+                            p.display(),
+                            r.slo,
+                            h.slo,
+                            h.nominal_rate
+                        ));
+                    }
+                    for (mine, theirs) in [(&mut h.command, &r.command), (&mut h.commit, &r.commit)]
+                    {
+                        if !mine.split(" | ").any(|c| c == theirs) {
+                            mine.push_str(" | ");
+                            mine.push_str(theirs);
+                        }
+                    }
+                }
+            }
+            all.push((r.load, r.policy, r.stats));
+        }
+    }
+    let head = head.ok_or_else(|| format!("no saved runs under {dirs:?}"))?;
+    println!("{} saved runs", all.len());
+    write_summary(&all, out, head)
 }

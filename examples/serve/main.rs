@@ -738,10 +738,23 @@ fn main() -> ExitCode {
         let out = std::env::var_os("OUT")
             .map(|o| PathBuf::from(o).join("serve-bench"))
             .unwrap_or_else(|| PathBuf::from("target/serve-bench"));
-        let result = bench::BenchArgs::parse(&argv[2..], out).and_then(|a| {
-            let launcher = deploy::Launcher::this()?;
-            bench::run(&a, &launcher, &argv.join(" ")).map(|_| ())
-        });
+        // `serve bench --from DIR[,DIR..] [--out DIR]`: the table, plot and summary of saved
+        // runs (a sweep spread over several commands).
+        let result = if argv.get(2).map(String::as_str) == Some("--from") {
+            match (argv.get(3), argv.get(4).map(String::as_str), argv.get(5)) {
+                (Some(dirs), None, None) | (Some(dirs), Some("--out"), Some(_)) => {
+                    let out = argv.get(5).map_or(out, PathBuf::from);
+                    let dirs: Vec<PathBuf> = dirs.split(',').map(PathBuf::from).collect();
+                    bench::from_saved(&dirs, &out).map(|_| ())
+                }
+                _ => Err("usage: serve bench --from DIR[,DIR..] [--out DIR]".into()),
+            }
+        } else {
+            bench::BenchArgs::parse(&argv[2..], out).and_then(|a| {
+                let launcher = deploy::Launcher::this()?;
+                bench::run(&a, &launcher, &argv.join(" ")).map(|_| ())
+            })
+        };
         return match result {
             Ok(()) => {
                 progress(start, "done");
