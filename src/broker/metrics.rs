@@ -1,11 +1,23 @@
 //! Prometheus metrics of the broker (prometheus-client, text exposition): bytes per model and
 //! state, refusals, driver calls, grant latency. Served over the socket ([`super::protocol::Request::Metrics`],
 //! `elastic-vmm ctl metrics`) and, when asked, on a localhost TCP port.
+//!
+//! Names follow Prometheus's naming conventions: one prefix (`elastic_vmm_broker_`), base
+//! units in the name (`_bytes`, `_seconds`), counters ending `_total`, the model as a `model`
+//! label. What a planner scrapes per model (a KAI-Scheduler-style request/limit pair is the
+//! guarantee/limit pair): `model_physical_bytes` (charged to it), `model_limit_bytes`,
+//! `model_guarantee_bytes`, `model_reclaimable_bytes` (what the broker can take back without
+//! the engine losing data: idle and cached memory above the guarantee) and
+//! `model_grant_seconds` (a histogram of the time to serve its growths: charge, create or hand
+//! over, export; the engine then maps).
 
+use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -41,20 +53,39 @@ struct CallLabel {
 #[derive(Debug)]
 pub(crate) struct Metrics {
     grant_seconds: Histogram,
+    model_grant_seconds: Family<ModelLabel, Histogram, fn() -> Histogram>,
+    /// Models with a grant histogram, so that a model gone drops its series at a scrape.
+    /// Lock order: a leaf.
+    timed: Mutex<HashSet<String>>,
+}
+
+/// 10 µs to ~160 ms.
+fn grant_buckets() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1e-5, 2.0, 15,
+    ))
 }
 
 impl Metrics {
     pub(crate) fn new() -> Metrics {
         Metrics {
-            // 10 µs to ~160 ms.
-            grant_seconds: Histogram::new(
-                prometheus_client::metrics::histogram::exponential_buckets(1e-5, 2.0, 15),
-            ),
+            grant_seconds: grant_buckets(),
+            model_grant_seconds: Family::new_with_constructor(grant_buckets),
+            timed: Mutex::new(HashSet::new()),
         }
     }
 
-    pub(crate) fn observe_grant(&self, d: Duration) {
+    /// A growth of `model` (its name, when it is still registered) took `d`.
+    pub(crate) fn observe_grant(&self, model: Option<&str>, d: Duration) {
         self.grant_seconds.observe(d.as_secs_f64());
+        if let Some(name) = model {
+            self.timed.lock().insert(name.to_string());
+            self.model_grant_seconds
+                .get_or_create(&ModelLabel {
+                    model: name.to_string(),
+                })
+                .observe(d.as_secs_f64());
+        }
     }
 
     /// The text exposition for `snap` and the broker's driver calls; the host tier's, when
@@ -73,6 +104,24 @@ impl Metrics {
             "Time to serve a growth (charge, create or hand over, export)",
             self.grant_seconds.clone(),
         );
+        // Series of models no longer registered go.
+        {
+            let mut timed = self.timed.lock();
+            timed.retain(|name| {
+                let live = snap.models.iter().any(|m| m.name == *name);
+                if !live {
+                    self.model_grant_seconds.remove(&ModelLabel {
+                        model: name.clone(),
+                    });
+                }
+                live
+            });
+        }
+        reg.register(
+            "model_grant_seconds",
+            "Time to serve a growth per model (charge, create or hand over, export)",
+            self.model_grant_seconds.clone(),
+        );
         if let (Some(h), Some(hc)) = (&snap.host_tier, host_calls) {
             fill(reg.sub_registry_with_prefix("host"), h, hc);
         }
@@ -89,6 +138,8 @@ fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
     let bytes = Family::<ModelState, Gauge>::default();
     let limit = Family::<ModelLabel, Gauge>::default();
     let guarantee = Family::<ModelLabel, Gauge>::default();
+    let physical = Family::<ModelLabel, Gauge>::default();
+    let reclaimable = Family::<ModelLabel, Gauge>::default();
     let refusals = Family::<ModelLabel, Counter>::default();
     for m in &snap.models {
         let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
@@ -110,11 +161,26 @@ fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
         };
         limit.get_or_create(&l).set(g(m.limit));
         guarantee.get_or_create(&l).set(g(m.guarantee));
+        physical.get_or_create(&l).set(g(m.used));
+        let spare = m.idle.saturating_add(m.cached);
+        reclaimable
+            .get_or_create(&l)
+            .set(g(spare.min(m.used.saturating_sub(m.guarantee))));
         refusals.get_or_create(&l).inc_by(m.refusals);
     }
     reg.register("model_bytes", "Bytes per model and state", bytes);
     reg.register("model_limit_bytes", "Physical limit per model", limit);
     reg.register("model_guarantee_bytes", "Guarantee per model", guarantee);
+    reg.register(
+        "model_physical_bytes",
+        "Physical bytes charged per model",
+        physical,
+    );
+    reg.register(
+        "model_reclaimable_bytes",
+        "Bytes the broker can take back per model without losing data (idle and cached, above the guarantee)",
+        reclaimable,
+    );
     reg.register("model_refusals", "Growths refused per model", refusals);
     let gauge = |v: u64| {
         let g = Gauge::<i64>::default();

@@ -1053,6 +1053,70 @@ mod tests {
         broker.shutdown();
     }
 
+    /// The per-model series a planner scrapes (issue 36): physical bytes, limit, guarantee,
+    /// reclaimable bytes and the grant-latency histogram, under the model's name; a model
+    /// gone takes its series with it.
+    #[test]
+    fn metrics_carry_each_models_bytes_and_grant_latency() {
+        const MIB: u64 = 1 << 20;
+        let host =
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap();
+        let broker = Broker::start(
+            Arc::new(host),
+            BrokerConfig::new(socket("metrics"), 64 * MIB),
+        )
+        .unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let m = client
+            .register(ModelConfig::new("planner", 1 << 30, 32 * MIB).guarantee(2 * MIB))
+            .unwrap();
+        let a = m.allocate((8 * MIB) as usize).unwrap();
+        drop(a);
+        // 8 MiB charged, all of it idle in the engine's pool: 6 MiB above the guarantee.
+        let used = m.broker_view().unwrap().used;
+        // The engine reports its idle memory every 250 ms.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while m.broker_view().unwrap().idle == 0 {
+            assert!(Instant::now() < deadline, "no report of idle memory");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let text = broker.metrics_text();
+        for want in [
+            format!("elastic_vmm_broker_model_physical_bytes{{model=\"planner\"}} {used}"),
+            format!(
+                "elastic_vmm_broker_model_limit_bytes{{model=\"planner\"}} {}",
+                32 * MIB
+            ),
+            format!(
+                "elastic_vmm_broker_model_guarantee_bytes{{model=\"planner\"}} {}",
+                2 * MIB
+            ),
+            "elastic_vmm_broker_model_grant_seconds_count{model=\"planner\"}".to_string(),
+            "elastic_vmm_broker_model_reclaimable_bytes{model=\"planner\"}".to_string(),
+        ] {
+            assert!(text.contains(&want), "{want} missing:\n{text}");
+        }
+        let reclaimable: u64 = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("elastic_vmm_broker_model_reclaimable_bytes{model=\"planner\"} ")
+            })
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap();
+        assert!(
+            reclaimable > 0 && reclaimable <= used - 2 * MIB,
+            "{reclaimable} reclaimable of {used} charged"
+        );
+        drop(m);
+        // The unregistration is a message; the next scrape no longer shows the model.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while broker.metrics_text().contains("model=\"planner\"") {
+            assert!(Instant::now() < deadline, "{}", broker.metrics_text());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        broker.shutdown();
+    }
+
     /// Batch requests with bad counts, and a batch give-back naming a chunk the engine does not
     /// hold: clear errors with the numbers; the chunks it does hold still go back.
     #[test]

@@ -757,13 +757,20 @@ fn read_frames(
 /// (the connection is done).
 fn answer(shared: &Shared, conn: u64, role: Role, writer: &FrameWriter, msg: ToBroker) -> bool {
     let started = Instant::now();
-    let is_grow = matches!(msg.request, Request::Grow { .. } | Request::GrowMany { .. });
+    let grown = match msg.request {
+        Request::Grow { model, .. } | Request::GrowMany { model, .. } => Some(model),
+        _ => None,
+    };
     let (reply, fd) = shared.handle(conn, role, msg.request);
-    if is_grow && matches!(reply, Reply::Granted { .. } | Reply::GrantedMany { .. }) {
-        shared.metrics.observe_grant(started.elapsed());
-        let mut book = shared.book.lock();
-        let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-        book.counters.grant_micros = book.counters.grant_micros.saturating_add(micros);
+    if let (Some(model), Reply::Granted { .. } | Reply::GrantedMany { .. }) = (grown, &reply) {
+        let took = started.elapsed();
+        let name = {
+            let mut book = shared.book.lock();
+            let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+            book.counters.grant_micros = book.counters.grant_micros.saturating_add(micros);
+            book.models.get(&model).map(|m| m.name.clone())
+        };
+        shared.metrics.observe_grant(name.as_deref(), took);
     }
     if let Err(e) = send(writer, msg.id, reply, fd) {
         tracing::debug!(conn, error = %e, "reply not sent; closing");

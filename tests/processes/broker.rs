@@ -1140,6 +1140,9 @@ fn metrics_over_the_socket_and_http() {
             "elastic_vmm_broker_model_bytes{model=\"prom\",state=\"charged\"}",
             "elastic_vmm_broker_driver_calls_total{call=\"create\"}",
             "elastic_vmm_broker_grant_seconds_bucket",
+            "elastic_vmm_broker_model_physical_bytes{model=\"prom\"}",
+            "elastic_vmm_broker_model_reclaimable_bytes{model=\"prom\"}",
+            "elastic_vmm_broker_model_grant_seconds_count{model=\"prom\"}",
             "elastic_vmm_broker_global_limit_bytes 67108864",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
