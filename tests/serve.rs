@@ -1149,9 +1149,13 @@ mod deploy_tests {
             tpot_s: 1.0,
         };
         let mut seen = Vec::new();
+        // One deployment serves both runs: the driver lowers model 0's limit from the whole KV
+        // budget (elastic) to its share (static) between them, through the broker.
+        let first = burst_point(DeployPolicy::Elastic);
+        let mut d = Deployment::start(&launcher(), &first.sizes, 2, first.reclaim_wait_ms).unwrap();
         for policy in [DeployPolicy::Elastic, DeployPolicy::StaticEqual] {
             let p = burst_point(policy);
-            let r = run_point(&launcher(), &p).unwrap();
+            let r = d.run(&p).unwrap();
             assert_eq!(r.engines.len(), 2);
             let recs = r.records();
             // Every request is accounted for, once.
@@ -1182,6 +1186,7 @@ mod deploy_tests {
             );
             seen.push((policy, r.engines[0].peak_blocks, st));
         }
+        d.stop().unwrap();
         let (_, elastic_peak, el) = &seen[0];
         let (_, static_peak, stc) = &seen[1];
         // 19 blocks a request (600 + 40 tokens of 32): three fit an equal share of 64.

@@ -666,6 +666,8 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
     );
     let mut all = Vec::new();
     let total = a.seeds.len() * a.loads.len() * a.policies.len();
+    // One deployment serves every run of the sweep: engines are loaded once.
+    let mut deployment = deploy::Deployment::start(launcher, &sizes, a.models, a.reclaim_wait_ms)?;
     for (si, &seed) in a.seeds.iter().enumerate() {
         for &load in &a.loads {
             let rate = load * rate1;
@@ -687,7 +689,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     drain_s: a.drain_s,
                     reclaim_wait_ms: a.reclaim_wait_ms,
                 };
-                let result = deploy::run_point(launcher, &point)?;
+                let result = deployment.run(&point)?;
                 let records = result.records();
                 let stats = RunStats::of(&records, &a.slo, a.duration_s, result.end_s);
                 let per_model = (0..a.models)
@@ -749,6 +751,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
             }
         }
     }
+    deployment.stop()?;
     write_summary(
         &all,
         &a.out,

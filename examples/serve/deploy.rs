@@ -1,27 +1,34 @@
 //! The deployment users run: one broker process and one engine process per model, on wall
 //! clock, open loop.
 //!
-//! A run ([`run_point`]): the driver starts a broker (this binary re-executed in the broker
-//! role: `elastic_vmm::broker::Broker` on the host backend, chunks shared as memfds, the
-//! budget being the whole device less nothing: every model's weights and activations plus the
-//! KV budget), waits for it, then starts one engine process per model (the binary in the
-//! engine role, its [`EngineSpec`] in a JSON file). Each engine connects with `BrokerClient`,
-//! registers two models at the broker, as kvcached splits an engine's memory: its base
-//! (weights and activations, limit and guarantee both the base, under every policy: no other
-//! engine's KV can take the memory a step's activations need) and its KV (the policy's limit
-//! and guarantee), loads its weights, builds its paged KV cache on the KV model's pool and says
-//! it is ready. When all are, the driver sends
-//! every engine one start instant, a `CLOCK_MONOTONIC` time (system-wide). From then on each
-//! engine runs on its own: a request is submitted to its scheduler at the first loop turn at
-//! or after its arrival (whatever the engine was doing: a step under way delays it, and that
-//! delay is in its TTFT, measured from the arrival); token times are the wall clock when a
-//! step's compute returns, so allocation, mapping, the broker's reclaim and hand-over between
-//! engines and any wait inside a step are all inside TTFT and TPOT. Compute is simulated (the
-//! step sleeps for `SimCost`'s time) so that on the host memory binds, not compute.
+//! A deployment ([`Deployment`]) is started once per command and serves every run of it, as
+//! engines in production are not restarted for each load. The driver starts a broker (this
+//! binary re-executed in the broker role: `elastic_vmm::broker::Broker` on host memfds, or on
+//! CUDA chunks with `--gpu`; its budget every model's base and the KV budget), waits for it,
+//! then starts one engine process per model (the binary in the engine role, its
+//! [`EngineSpec`] in a JSON file). Each engine connects with `BrokerClient`, registers two
+//! models at the broker, as kvcached splits an engine's memory: its base (weights and
+//! activations, limit and guarantee both the base, under every policy: no other engine's KV
+//! can take the memory a step's activations need) and its KV, loads its weights, builds its
+//! paged KV cache on the KV model's pool and says it is ready.
 //!
-//! At the run's end (trace plus drain) each engine stops, writes a [`Record`] for every
-//! request of its trace (finished, censored or refused) and exits; the driver reads them all,
-//! stops the broker and computes the run's statistics ([`RunStats`]).
+//! A run: the driver sets each KV model's limit and guarantee for the policy over a control
+//! connection (as an operator does with `elastic-vmm ctl`) and releases the broker's idle
+//! chunks, so every run starts from the same state; it sends each engine its [`RunSpec`]
+//! (`run <file>`; the engine says `armed`), then one start instant, a `CLOCK_MONOTONIC` time
+//! (system-wide). From then on each engine runs on its own: a request is submitted to its
+//! scheduler at the first loop turn at or after its arrival (whatever the engine was doing: a
+//! step under way delays it, and that delay is in its TTFT, measured from the arrival); token
+//! times are the wall clock when a step's compute returns, so allocation, mapping, the
+//! broker's reclaim and hand-over between engines and any wait inside a step are all inside
+//! TTFT and TPOT. On the host, compute is simulated (the step sleeps for `SimCost`'s time) so
+//! that memory binds, not compute.
+//!
+//! At the run's end (trace plus drain) each engine writes a [`Record`] for every request of
+//! its trace (finished, censored or refused), frees every block and gives its pages back, and
+//! says `done`; the driver reads the reports and computes the run's statistics
+//! ([`RunStats`]). When the command ends, the engines' input closes and they exit, then the
+//! broker.
 //!
 //! Policies (the same engine; only the KV model's limit, guarantee and caps differ):
 //! - `static-equal`: each KV model's limit and guarantee are 1/K of the KV budget;
@@ -117,7 +124,7 @@ impl DeployPolicy {
 }
 
 /// A deployment's engines on the GPU: candle Llamas with random weights, real kernels.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuEngines {
     /// Model size (`small` or `8b`, see `llama.rs`).
     pub size: String,
@@ -127,7 +134,7 @@ pub struct GpuEngines {
 
 /// Sizes of a deployment: on the host backend with simulated compute (`gpu` is `None`), or
 /// on the GPU with real engines.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeploySizes {
     /// The broker's chunk granularity (bytes).
     pub granularity: u64,
@@ -213,6 +220,12 @@ pub struct EngineSpec {
     pub limit: u64,
     /// Its KV model's guarantee at the broker (bytes).
     pub guarantee: u64,
+}
+
+/// One run of an engine process (it serves runs one after the other; the driver sets its
+/// KV model's limit and guarantee at the broker before each).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunSpec {
     /// KV blocks it may hold (its share under a static policy, the whole KV budget else).
     pub cap_blocks: usize,
     /// Its fair share (blocks), kept to while another model waits (elastic).
@@ -291,6 +304,18 @@ impl KvStore {
 }
 
 impl BrokerKv {
+    /// A new run: at most `cap` blocks, counters at zero.
+    fn reset(&mut self, cap: usize) {
+        self.peak = self.held;
+        self.cap = cap;
+        self.admit_cap = cap;
+        self.refusals = 0;
+        self.alloc_s = 0.0;
+        self.refused_s = 0.0;
+        self.retry_at = Instant::now();
+        self.backoff = 0.0;
+    }
+
     fn new(store: KvStore, block_tokens: u32, cap: usize) -> BrokerKv {
         BrokerKv {
             store,
@@ -516,14 +541,14 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         });
     let kv_model = client.register(config).map_err(e)?;
     let blocks = s.kv_blocks as usize;
-    let cap = spec.cap_blocks.min(blocks);
     let ctx = Serving {
         spec: &spec,
         born,
         asked: &asked,
         reclaims: &reclaims,
+        kv_pool: kv_model.pool(),
     };
-    let report = match &s.gpu {
+    match &s.gpu {
         None => {
             let mut weights = model
                 .allocate_with(s.weights as usize, &MemOptions::new().tag(Tag::Weights))
@@ -543,12 +568,12 @@ fn engine_role(spec: &Path) -> Result<(), String> {
                 pattern,
                 wall: true,
             };
-            let kv = BrokerKv::new(KvStore::Host(store), s.block_tokens, cap);
-            let (report, engine) = ctx.serve(Engine::new(kv, sim, s.engine), s.base())?;
-            if !engine.model.weights_intact()? {
-                return Err(format!("{id}: weights changed during the run"));
-            }
-            report
+            let kv = BrokerKv::new(KvStore::Host(store), s.block_tokens, blocks);
+            let check = |m: &SimModel| match m.weights_intact()? {
+                true => Ok(()),
+                false => Err(format!("{id}: weights changed during the run")),
+            };
+            ctx.serve(Engine::new(kv, sim, s.engine), s.base(), check)?;
         }
         #[cfg(feature = "candle-example")]
         Some(g) => {
@@ -575,19 +600,26 @@ fn engine_role(spec: &Path) -> Result<(), String> {
                     s.base()
                 ));
             }
-            let kv = BrokerKv::new(KvStore::Gpu(m.kv.clone()), s.block_tokens, cap);
-            let (report, engine) = ctx.serve(Engine::new(kv, m.model, s.engine), base)?;
+            let kv = BrokerKv::new(KvStore::Gpu(m.kv.clone()), s.block_tokens, blocks);
+            let engine = ctx.serve(Engine::new(kv, m.model, s.engine), base, |_| Ok(()))?;
             drop(engine);
             drop(m.kv);
             drop(m.tensors);
-            report
         }
         #[cfg(not(feature = "candle-example"))]
         Some(_) => return Err("built without the candle-example feature: no GPU engine".into()),
-    };
-    write_json(&spec.out, &report)?;
-    say("done");
+    }
     Ok(())
+}
+
+/// A line from the driver; `None` at the end of its input.
+fn read_line() -> Result<Option<String>, String> {
+    let mut line = String::new();
+    match std::io::stdin().read_line(&mut line) {
+        Ok(0) => Ok(None),
+        Ok(_) => Ok(Some(line.trim().to_string())),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// What an engine's serving loop needs besides its engine.
@@ -596,25 +628,55 @@ struct Serving<'a> {
     born: Instant,
     asked: &'a AtomicU64,
     reclaims: &'a AtomicU64,
+    /// The KV model's pool, trimmed after each run.
+    kv_pool: &'a elastic_vmm::Pool,
 }
 
 impl Serving<'_> {
-    /// Say ready, wait for the start instant, serve the trace on wall clock until its end,
-    /// then account for every request. `base` is the model's measured base (bytes).
+    /// Say ready, then serve runs until the driver's input ends: for each, `run <spec file>`
+    /// (the engine says `armed`), `start <ns>` (the shared start instant), the trace on wall
+    /// clock until its end, a report of every request (written to the run's `out`; the engine
+    /// says `done`), `check` of the model, and every KV page given back. `base` is the
+    /// model's measured base (bytes).
     fn serve<M: StepModel>(
         &self,
         mut engine: Engine<BrokerKv, M>,
         base: u64,
-    ) -> Result<(EngineReport, Engine<BrokerKv, M>), String> {
-        let spec = self.spec;
+        check: impl Fn(&M) -> Result<(), String>,
+    ) -> Result<Engine<BrokerKv, M>, String> {
         let setup_s = self.born.elapsed().as_secs_f64();
         say("ready");
-        let mut line = String::new();
-        std::io::stdin()
-            .read_line(&mut line)
-            .map_err(|e| e.to_string())?;
+        while let Some(line) = read_line()? {
+            let path = line
+                .strip_prefix("run ")
+                .ok_or_else(|| format!("expected `run <spec>`, got {line:?}"))?;
+            let run: RunSpec = read_json(Path::new(path))?;
+            let report = self.run(&mut engine, &run, base, setup_s)?;
+            check(&engine.model)?;
+            // The next run starts from nothing: no block held, every page back at the broker.
+            engine.kv.store.kv().trim();
+            self.kv_pool.trim().map_err(|e| e.to_string())?;
+            write_json(&run.out, &report)?;
+            say("done");
+        }
+        Ok(engine)
+    }
+
+    /// One run; see [`Serving::serve`].
+    fn run<M: StepModel>(
+        &self,
+        engine: &mut Engine<BrokerKv, M>,
+        spec: &RunSpec,
+        base: u64,
+        setup_s: f64,
+    ) -> Result<EngineReport, String> {
+        engine.counters = EngineCounters::default();
+        engine.last_error = None;
+        engine.kv.reset(spec.cap_blocks);
+        let before_reclaims = self.reclaims.load(Ordering::Relaxed);
+        say("armed");
+        let line = read_line()?.unwrap_or_default();
         let start: u64 = line
-            .trim()
             .strip_prefix("start ")
             .and_then(|x| x.parse().ok())
             .ok_or_else(|| format!("expected `start <ns>`, got {line:?}"))?;
@@ -665,28 +727,29 @@ impl Serving<'_> {
                 std::thread::sleep(Duration::from_secs_f64(wait.min(0.05)));
             }
         }
-        let records = records(spec, &mut engine, next);
-        let report = EngineReport {
-            model: spec.model,
+        let model = self.spec.model;
+        let records = records(model, spec, engine, next);
+        Ok(EngineReport {
+            model,
             records,
             counters: engine.counters,
             kv_refusals: engine.kv.refusals,
             kv_alloc_s: engine.kv.alloc_s,
             kv_refused_s: engine.kv.refused_s,
-            reclaims: self.reclaims.load(Ordering::Relaxed),
+            reclaims: self.reclaims.load(Ordering::Relaxed) - before_reclaims,
             peak_blocks: engine.kv.peak,
             setup_s,
             base,
             errors,
-        };
-        Ok((report, engine))
+        })
     }
 }
 
 /// A record for every request of `spec`'s trace: finished, censored at the run's end
 /// (running, queued, or not arrived by then: `next` is the first not submitted) or refused.
 fn records<M: StepModel>(
-    spec: &EngineSpec,
+    model: usize,
+    spec: &RunSpec,
     engine: &mut Engine<BrokerKv, M>,
     next: usize,
 ) -> Vec<Record> {
@@ -694,7 +757,7 @@ fn records<M: StepModel>(
     let mut records = Vec::with_capacity(reqs.len());
     for f in engine.finished.drain(..) {
         records.push(Record {
-            model: spec.model,
+            model,
             id: f.req.id,
             arrival: f.req.arrival(),
             first_token: Some(f.first_token),
@@ -708,7 +771,7 @@ fn records<M: StepModel>(
     }
     for u in engine.take_unfinished() {
         records.push(Record {
-            model: spec.model,
+            model,
             id: u.req.id,
             arrival: u.req.arrival(),
             first_token: u.first_token,
@@ -722,7 +785,7 @@ fn records<M: StepModel>(
     }
     for r in engine.refused.drain(..) {
         records.push(Record {
-            model: spec.model,
+            model,
             id: r.id,
             arrival: r.arrival(),
             first_token: None,
@@ -737,7 +800,7 @@ fn records<M: StepModel>(
     // Requests that had not arrived by the end (a late start) are censored too.
     for r in &reqs[next.min(reqs.len())..] {
         records.push(Record {
-            model: spec.model,
+            model,
             id: r.id,
             arrival: r.arrival().min(end),
             first_token: None,
@@ -1023,93 +1086,229 @@ pub fn probe_budget(
     r
 }
 
-/// Run `point` as processes: a broker, one engine per model; see the module docs.
-pub fn run_point(launcher: &Launcher, point: &Point) -> Result<PointResult, String> {
-    let wall = Instant::now();
-    let dir = temp_dir()?;
-    let r = run_in(launcher, point, &dir);
-    std::fs::remove_dir_all(&dir).ok();
-    r.map(|(engines, end_s)| PointResult {
-        engines,
-        end_s,
-        wall_s: wall.elapsed().as_secs_f64(),
-    })
+/// A broker process and one engine process per model, started once and serving run after
+/// run (as engines do in production: they are not restarted for each load): between runs the
+/// driver sets each KV model's limit and guarantee at the broker, as an operator would
+/// (`elastic-vmm ctl`), and every engine starts a run from no KV held.
+pub struct Deployment {
+    dir: PathBuf,
+    sizes: DeploySizes,
+    broker: Option<Role>,
+    engines: Vec<Role>,
+    control: BrokerClient,
+    reclaim_wait_ms: u64,
+    runs: usize,
 }
 
-fn run_in(
-    launcher: &Launcher,
-    point: &Point,
-    dir: &Path,
-) -> Result<(Vec<EngineReport>, f64), String> {
-    let s = &point.sizes;
-    let k = point.requests.len();
-    if k == 0 {
-        return Err("a run with no models".into());
-    }
-    let socket = dir.join("broker.sock");
-    let broker = start_broker(launcher, dir, s, s.budget(k), point.reclaim_wait_ms)?.0;
-    // Shares in whole mapped groups, so that the static limits sum to at most the budget.
-    let g = s.group_blocks.max(1) as usize;
-    let total = s.kv_blocks as usize;
-    let groups = match point.policy {
-        DeployPolicy::StaticEqual => vec![total / g / k; k],
-        DeployPolicy::StaticBest => {
-            let longest = s.engine.max_context.div_ceil(s.block_tokens) as usize;
-            static_shares(total / g, &point.demand, longest.div_ceil(g))
+impl Deployment {
+    /// Start the broker (the budget `sizes.budget(k)`) and `k` engines, each loaded and
+    /// warmed; ready when this returns.
+    pub fn start(
+        launcher: &Launcher,
+        sizes: &DeploySizes,
+        k: usize,
+        reclaim_wait_ms: u64,
+    ) -> Result<Deployment, String> {
+        if k == 0 {
+            return Err("a deployment with no models".into());
         }
-        DeployPolicy::Elastic => vec![total / g; k],
-    };
-    let shares: Vec<usize> = groups.iter().map(|n| n * g).collect();
-    let end_s = point.duration_s + point.drain_s;
-    let mut engines = Vec::new();
-    for (m, reqs) in point.requests.iter().enumerate() {
-        let share = s.kv_bytes(shares[m] as u64) + s.zero_page;
-        let (limit, guarantee) = match point.policy {
-            DeployPolicy::Elastic => (share, s.zero_page),
-            _ => (share, share),
+        let dir = temp_dir()?;
+        let started = (|| {
+            let (broker, _) =
+                start_broker(launcher, &dir, sizes, sizes.budget(k), reclaim_wait_ms)?;
+            let socket = dir.join("broker.sock");
+            let mut engines = Vec::with_capacity(k);
+            for m in 0..k {
+                // Until the first run sets them: the zero page only.
+                let spec = EngineSpec {
+                    socket: socket.clone(),
+                    model: m,
+                    sizes: sizes.clone(),
+                    limit: sizes.zero_page.max(sizes.granularity),
+                    guarantee: sizes.zero_page,
+                };
+                let path = dir.join(format!("engine-{m}.json"));
+                write_json(&path, &spec)?;
+                let mut role = launcher.spawn("engine", &path)?;
+                role.name = format!("engine {m}");
+                engines.push(role);
+            }
+            for role in engines.iter_mut() {
+                role.expect("ready", ready_wait(sizes))?;
+            }
+            let control = BrokerClient::connect_control(&socket, "serve-driver")
+                .map_err(|e| e.to_string())?;
+            Ok((broker, engines, control))
+        })();
+        match started {
+            Ok((broker, engines, control)) => Ok(Deployment {
+                dir,
+                sizes: sizes.clone(),
+                broker: Some(broker),
+                engines,
+                control,
+                reclaim_wait_ms,
+                runs: 0,
+            }),
+            Err(e) => {
+                std::fs::remove_dir_all(&dir).ok();
+                Err(e)
+            }
+        }
+    }
+
+    /// Set a KV model's limit or guarantee at the broker, as an operator does.
+    fn set(&self, m: usize, limit: Option<u64>, guarantee: Option<u64>) -> Result<(), String> {
+        use elastic_vmm::broker::protocol::{Reply, Request};
+        let model = format!("model-{m}-kv");
+        let request = match (limit, guarantee) {
+            (Some(limit), _) => Request::SetLimit {
+                model: model.clone(),
+                limit,
+                deadline_ms: 2000,
+            },
+            (None, Some(guarantee)) => Request::SetGuarantee {
+                model: model.clone(),
+                guarantee,
+            },
+            (None, None) => return Ok(()),
         };
-        let spec = EngineSpec {
-            socket: socket.clone(),
-            model: m,
-            sizes: s.clone(),
-            limit,
-            guarantee,
-            cap_blocks: shares[m],
-            fair_blocks: total / k,
-            end_s,
-            requests: reqs.clone(),
-            out: dir.join(format!("engine-{m}.out.json")),
-        };
-        let path = dir.join(format!("engine-{m}.json"));
-        write_json(&path, &spec)?;
-        let mut role = launcher.spawn("engine", &path)?;
-        role.name = format!("engine {m}");
-        engines.push((role, spec.out));
+        match self.control.request(request) {
+            Ok((Reply::Changed(c), _))
+                if limit.is_none_or(|l| c.limit == l)
+                    && guarantee.is_none_or(|g| c.guarantee == g) =>
+            {
+                Ok(())
+            }
+            Ok((other, _)) => Err(format!(
+                "{model}: limit {limit:?}, guarantee {guarantee:?} not set: {other:?}"
+            )),
+            Err(e) => Err(format!("{model}: {e}")),
+        }
     }
-    for (role, _) in engines.iter_mut() {
-        role.expect("ready", ready_wait(s))?;
-    }
-    // Every engine gets the same start instant, a little ahead (they read it at once).
-    let start = monotonic_ns() + 20_000_000;
-    for (role, _) in engines.iter_mut() {
-        role.send(&format!("start {start}"))?;
-    }
-    let deadline = Instant::now() + Duration::from_secs_f64(end_s + 30.0);
-    let mut reports = Vec::new();
-    let mut failed = Vec::new();
-    for (role, out) in engines {
-        let name = role.name.clone();
-        match role
-            .finish(deadline)
-            .and_then(|()| read_json::<EngineReport>(&out))
+
+    /// One run of `point` (its sizes and model count must be the deployment's).
+    pub fn run(&mut self, point: &Point) -> Result<PointResult, String> {
+        let wall = Instant::now();
+        let s = &self.sizes;
+        let k = self.engines.len();
+        if point.requests.len() != k
+            || point.sizes != *s
+            || point.reclaim_wait_ms != self.reclaim_wait_ms
         {
-            Ok(r) => reports.push(r),
-            Err(e) => failed.push(format!("{name}: {e}")),
+            return Err(format!(
+                "a run of {} models, its sizes {}the deployment's, on a deployment of {k}",
+                point.requests.len(),
+                if point.sizes == *s { "" } else { "not " }
+            ));
+        }
+        // Shares in whole mapped groups, so that the static limits sum to at most the budget.
+        let g = s.group_blocks.max(1) as usize;
+        let total = s.kv_blocks as usize;
+        let groups = match point.policy {
+            DeployPolicy::StaticEqual => vec![total / g / k; k],
+            DeployPolicy::StaticBest => {
+                let longest = s.engine.max_context.div_ceil(s.block_tokens) as usize;
+                static_shares(total / g, &point.demand, longest.div_ceil(g))
+            }
+            DeployPolicy::Elastic => vec![total / g; k],
+        };
+        let shares: Vec<usize> = groups.iter().map(|n| n * g).collect();
+        let limits: Vec<(u64, u64)> = shares
+            .iter()
+            .map(|&n| {
+                let share = s.kv_bytes(n as u64) + s.zero_page;
+                match point.policy {
+                    DeployPolicy::Elastic => (share, s.zero_page),
+                    _ => (share, share),
+                }
+            })
+            .collect();
+        // Every engine holds only its zero page now: guarantees down first, then limits,
+        // then guarantees up, so that no step is refused for the sum.
+        for m in 0..k {
+            self.set(m, None, Some(s.zero_page))?;
+        }
+        for (m, &(limit, _)) in limits.iter().enumerate() {
+            self.set(m, Some(limit), None)?;
+        }
+        for (m, &(_, guarantee)) in limits.iter().enumerate() {
+            self.set(m, None, Some(guarantee))?;
+        }
+        // Every run starts from the same state: the chunks the last run gave back are
+        // released, not waiting idle at the broker for a hand-over.
+        match self
+            .control
+            .request(elastic_vmm::broker::protocol::Request::Trim)
+        {
+            Ok((elastic_vmm::broker::protocol::Reply::Trimmed { .. }, _)) => {}
+            Ok((other, _)) => return Err(format!("trim at the broker: {other:?}")),
+            Err(e) => return Err(format!("trim at the broker: {e}")),
+        }
+        let end_s = point.duration_s + point.drain_s;
+        let run = self.runs;
+        self.runs += 1;
+        let mut outs = Vec::with_capacity(k);
+        for (m, reqs) in point.requests.iter().enumerate() {
+            let spec = RunSpec {
+                cap_blocks: shares[m],
+                fair_blocks: total / k,
+                end_s,
+                requests: reqs.clone(),
+                out: self.dir.join(format!("run-{run}-engine-{m}.out.json")),
+            };
+            let path = self.dir.join(format!("run-{run}-engine-{m}.json"));
+            write_json(&path, &spec)?;
+            self.engines[m].send(&format!("run {}", path.display()))?;
+            outs.push(spec.out);
+        }
+        for role in self.engines.iter_mut() {
+            role.expect("armed", READY_WAIT)?;
+        }
+        // Every engine gets the same start instant, a little ahead (they read it at once).
+        let start = monotonic_ns() + 20_000_000;
+        for role in self.engines.iter_mut() {
+            role.send(&format!("start {start}"))?;
+        }
+        let wait = Duration::from_secs_f64(end_s + 30.0);
+        let mut reports = Vec::with_capacity(k);
+        for (role, out) in self.engines.iter_mut().zip(&outs) {
+            role.expect("done", wait)?;
+            reports.push(read_json::<EngineReport>(out)?);
+        }
+        Ok(PointResult {
+            engines: reports,
+            end_s,
+            wall_s: wall.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Stop the engines (their input ends), then the broker.
+    pub fn stop(mut self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut failed = Vec::new();
+        for role in std::mem::take(&mut self.engines) {
+            let name = role.name.clone();
+            if let Err(e) = role.finish(deadline) {
+                failed.push(format!("{name}: {e}"));
+            }
+        }
+        if let Some(b) = self.broker.take() {
+            if let Err(e) = b.finish(Instant::now() + Duration::from_secs(30)) {
+                failed.push(e);
+            }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(failed.join("; "))
         }
     }
-    broker.finish(Instant::now() + Duration::from_secs(10))?;
-    if !failed.is_empty() {
-        return Err(failed.join("; "));
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        // Roles left (an error half way) are killed by their own drop.
+        std::fs::remove_dir_all(&self.dir).ok();
     }
-    Ok((reports, end_s))
 }

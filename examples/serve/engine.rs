@@ -52,7 +52,7 @@ pub trait StepModel {
 }
 
 /// Engine limits.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct EngineConfig {
     /// Most sequences in the running batch.
     pub max_batch: usize,
@@ -422,7 +422,7 @@ impl<K: KvBlocks, M: StepModel> Engine<K, M> {
 
 /// A simulated model: a step costs a fixed overhead, time per token computed, and time per
 /// token of context read (the roofline of a memory-bound decode).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SimCost {
     /// Seconds per step.
     pub step_s: f64,
