@@ -1119,12 +1119,13 @@ impl Deployment {
             let socket = dir.join("broker.sock");
             let mut engines = Vec::with_capacity(k);
             for m in 0..k {
-                // Until the first run sets them: the zero page only.
+                // Until the first run sets them: the zero page and one mapped group (the
+                // warm-up's block).
                 let spec = EngineSpec {
                     socket: socket.clone(),
                     model: m,
                     sizes: sizes.clone(),
-                    limit: sizes.zero_page.max(sizes.granularity),
+                    limit: sizes.zero_page + sizes.group_bytes,
                     guarantee: sizes.zero_page,
                 };
                 let path = dir.join(format!("engine-{m}.json"));

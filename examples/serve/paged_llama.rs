@@ -671,7 +671,7 @@ mod tests {
             // a's last chunk ends some forward; b's last chunk ends the last forward.
             let last = rows(out.last().unwrap());
             close(last.last().unwrap(), &want_b, &format!("b, chunk {chunk}"));
-            let a_last = out.iter().flat_map(|t| rows(t)).find(|r| {
+            let a_last = out.iter().flat_map(rows).find(|r| {
                 r.iter()
                     .zip(&want_a)
                     .all(|(x, y)| (x - y).abs() <= 1e-3 * (1.0 + y.abs()))
