@@ -672,7 +672,15 @@ impl Serving<'_> {
     ) -> Result<EngineReport, String> {
         engine.counters = EngineCounters::default();
         engine.last_error = None;
+        if engine.kv.held != 0 {
+            return Err(format!(
+                "model {}: {} KV blocks still held from the last run",
+                self.spec.model, engine.kv.held
+            ));
+        }
         engine.kv.reset(spec.cap_blocks);
+        // A give-back asked during the last run (or by the limit change) holds nothing here.
+        self.asked.store(0, Ordering::Relaxed);
         let before_reclaims = self.reclaims.load(Ordering::Relaxed);
         say("armed");
         let line = read_line()?.unwrap_or_default();
@@ -1098,6 +1106,8 @@ pub struct Deployment {
     control: BrokerClient,
     reclaim_wait_ms: u64,
     runs: usize,
+    /// A run failed half way: lines may be left in the engines' channels; no more runs.
+    failed: bool,
 }
 
 impl Deployment {
@@ -1150,6 +1160,7 @@ impl Deployment {
                 control,
                 reclaim_wait_ms,
                 runs: 0,
+                failed: false,
             }),
             Err(e) => {
                 std::fs::remove_dir_all(&dir).ok();
@@ -1190,6 +1201,16 @@ impl Deployment {
 
     /// One run of `point` (its sizes and model count must be the deployment's).
     pub fn run(&mut self, point: &Point) -> Result<PointResult, String> {
+        if self.failed {
+            return Err("an earlier run of this deployment failed: start another".into());
+        }
+        self.failed = true;
+        let r = self.run_once(point);
+        self.failed = r.is_err();
+        r
+    }
+
+    fn run_once(&mut self, point: &Point) -> Result<PointResult, String> {
         let wall = Instant::now();
         let s = &self.sizes;
         let k = self.engines.len();
@@ -1198,9 +1219,11 @@ impl Deployment {
             || point.reclaim_wait_ms != self.reclaim_wait_ms
         {
             return Err(format!(
-                "a run of {} models, its sizes {}the deployment's, on a deployment of {k}",
+                "a run of {} models (sizes {}the deployment's, reclaim wait {} ms) on a deployment of {k} (reclaim wait {} ms)",
                 point.requests.len(),
-                if point.sizes == *s { "" } else { "not " }
+                if point.sizes == *s { "" } else { "not " },
+                point.reclaim_wait_ms,
+                self.reclaim_wait_ms
             ));
         }
         // Shares in whole mapped groups, so that the static limits sum to at most the budget.

@@ -15,8 +15,9 @@ use super::{
 };
 use crate::error::{Error, Result};
 
-/// A call an [`Intercept`] shows its hook, with its arguments.
+/// A call an [`Intercept`] shows its hook, with its arguments. More kinds may come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Call {
     /// [`Backend::reserve`].
     Reserve {

@@ -59,6 +59,9 @@ pub(crate) struct Metrics {
     timed: Mutex<HashSet<String>>,
 }
 
+/// Models with a grant histogram kept between scrapes at most (see `observe_grant`).
+const MAX_TIMED_MODELS: usize = 1024;
+
 /// 10 µs to ~160 ms.
 fn grant_buckets() -> Histogram {
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
@@ -79,7 +82,15 @@ impl Metrics {
     pub(crate) fn observe_grant(&self, model: Option<&str>, d: Duration) {
         self.grant_seconds.observe(d.as_secs_f64());
         if let Some(name) = model {
-            self.timed.lock().insert(name.to_string());
+            // Under the set's lock, so that a scrape's pruning cannot lose a series it then
+            // never prunes. Without scrapes, models come and go: past a bound the per-model
+            // histograms start over, so the broker's memory stays bounded.
+            let mut timed = self.timed.lock();
+            if timed.len() >= MAX_TIMED_MODELS && !timed.contains(name) {
+                self.model_grant_seconds.clear();
+                timed.clear();
+            }
+            timed.insert(name.to_string());
             self.model_grant_seconds
                 .get_or_create(&ModelLabel {
                     model: name.to_string(),

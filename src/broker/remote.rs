@@ -783,6 +783,8 @@ impl Backend for ModelBackend {
     }
 
     fn export_chunk(&self, chunk: PhysicalChunk) -> Result<OwnedFd> {
+        // Another process may write it through the export: no later clear is a no-op.
+        self.fresh.lock().remove(&chunk.raw);
         self.local.export_chunk(chunk)
     }
 
