@@ -16,19 +16,22 @@
 //! 64. The budget is the
 //! device's free memory less `--reserve-gib` (default 1.5) per engine, or `--budget-gib`;
 //! each model's base is its weights and `--act-reserve-gib` (8B: 2.5, small: 1); the KV
-//! budget is the rest. `--cost-ms` is the cost model of one engine alone (8B: 8 ms per step
-//! and 0.14 ms per sequence, from the H100's decode benchmark), multiplied by the models for
-//! the nominal load because the engines share the device's compute.
+//! budget is the rest. `--cost-ms` is the cost model of one engine alone (8B: 8 ms per step,
+//! 0.14 ms per sequence, from the H100's decode benchmark, and 0.14 ms per prefill token, from
+//! the first serve run there), multiplied by the models because the engines share the device's
+//! compute.
 //!
 //! `--reclaim-wait-ms` (default 200) is the broker's `reclaim_wait`: how long a growth the
 //! budget cannot take waits for other engines to give memory back before it is refused.
 //! Elastic runs are sensitive to it: on the host, two engines growing at once have each
 //! waited for the other's give-back until this deadline (see the report of issue 32's work).
 //!
-//! Load 1.0 is the nominal capacity of a static split: the rate per model at which the
-//! models' mean KV demand (Little's law: rate x `(prompt + output / 2) * output` tokens held
-//! for one decode step each, over each model's whole trace at the scaled lengths) fills the
-//! whole KV budget, at the cost model's decode step for the batch a static share holds. The
+//! Load 1.0 is the nominal capacity of a static split: the lower of two rates per model. The
+//! rate at which the models' mean KV demand (Little's law: rate x `(prompt + output / 2) *
+//! output` tokens held for one decode step each, over each model's whole trace at the scaled
+//! lengths) fills the whole KV budget, at the cost model's decode step for the batch a static
+//! share holds; and the rate at which a mean request's compute (its prompt's prefill, its
+//! output's decode at that batch) keeps its engine busy. The
 //! knee is then measured: the load at which the best static policy's mean SLO attainment falls
 //! below 99%. Runs go seed by seed, load by load, the policies' order rotated per seed.
 //!
@@ -85,9 +88,9 @@ pub struct BenchArgs {
     pub reserve_per_engine: u64,
     /// GPU: activation bytes reserved per model (its base is its weights and this).
     pub act_reserve: Option<u64>,
-    /// GPU: the cost model for the nominal load, seconds per decode step and per sequence in
-    /// it, one engine alone on the device.
-    pub cost: Option<(f64, f64)>,
+    /// GPU: the cost model for the nominal load, seconds per decode step, per sequence in it
+    /// and per prefill token, one engine alone on the device.
+    pub cost: Option<(f64, f64, f64)>,
     /// GPU: engine limits.
     pub max_batch: usize,
     /// GPU: longest context.
@@ -200,10 +203,14 @@ impl BenchArgs {
                         .map(|x| num(x))
                         .collect::<Result<Vec<_>, _>>()?;
                     match c[..] {
-                        [step, seq] if step > 0.0 && seq >= 0.0 => {
-                            a.cost = Some((step / 1e3, seq / 1e3))
+                        [step, seq, prefill] if step > 0.0 && seq >= 0.0 && prefill >= 0.0 => {
+                            a.cost = Some((step / 1e3, seq / 1e3, prefill / 1e3))
                         }
-                        _ => return Err(format!("--cost-ms: STEP,SEQ in ms, got {v:?}")),
+                        _ => {
+                            return Err(format!(
+                                "--cost-ms: STEP,SEQ,PREFILL_TOKEN in ms, got {v:?}"
+                            ))
+                        }
                     }
                 }
                 "--max-batch" => a.max_batch = num(v)? as usize,
@@ -270,10 +277,11 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
     // One page of every layer's K and V holds this many blocks.
     let per_page = (PAGE / (block / layer_tensors)).max(1);
     // Measured on the H100 (docs/results): an 8B decode step ~8 ms alone plus ~0.14 ms per
-    // sequence at 2K context; the small model ~1.5 ms plus 0.02 ms.
-    let (step, seq) = a.cost.unwrap_or(match z {
-        Size::Llama8B => (8e-3, 0.14e-3),
-        Size::Small => (1.5e-3, 0.02e-3),
+    // sequence at 2K context (`gpu-bench attention`), and ~7 K prefill tokens/s on the whole
+    // device (`serve-bench/h100-8b-first`); the small model guessed at a fifth of that.
+    let (step, seq, prefill) = a.cost.unwrap_or(match z {
+        Size::Llama8B => (8e-3, 0.14e-3, 0.14e-3),
+        Size::Small => (1.5e-3, 0.02e-3, 0.03e-3),
     });
     let act = a.act_reserve.unwrap_or(match z {
         Size::Llama8B => 5 << 29,
@@ -298,7 +306,7 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
         // takes K times as long.
         cost: SimCost {
             step_s: step * a.models as f64,
-            prefill_token_s: 0.0,
+            prefill_token_s: prefill * a.models as f64,
             decode_seq_s: seq * a.models as f64,
             context_token_s: 0.0,
         },
@@ -327,8 +335,19 @@ enum Feed {
     Synthetic,
 }
 
-/// The models' feeds, their mean KV demand per request (token-steps) and mean context.
-fn feeds(a: &BenchArgs) -> Result<Vec<(Feed, f64, f64)>, String> {
+/// A model's feed and what it asks per request on average.
+struct FeedStats {
+    feed: Feed,
+    /// KV demand (token-steps).
+    demand: f64,
+    /// Context over the decode.
+    context: f64,
+    /// Prompt and output tokens.
+    lengths: (f64, f64),
+}
+
+/// The models' feeds and their means per request.
+fn feeds(a: &BenchArgs) -> Result<Vec<FeedStats>, String> {
     let len = a.lengths();
     let mut out = Vec::new();
     for m in 0..a.models {
@@ -337,18 +356,23 @@ fn feeds(a: &BenchArgs) -> Result<Vec<(Feed, f64, f64)>, String> {
             Source::Synthetic => {
                 let reqs = workload::synthetic(a.models, 0, 1.0, 600.0, len)?;
                 let r = &reqs[m];
-                (
-                    Feed::Synthetic,
-                    workload::demand_per_request(r),
-                    workload::mean_context(r),
-                )
+                FeedStats {
+                    feed: Feed::Synthetic,
+                    demand: workload::demand_per_request(r),
+                    context: workload::mean_context(r),
+                    lengths: workload::mean_lengths(r),
+                }
             }
             _ => {
                 let rows = workload::load(&a.traces_dir, src)?;
                 let (span, _) = workload::span_rate(&rows);
                 let all = workload::window(&rows, m, 0, rows.len() as f64 / span, span, len);
-                let d = workload::demand_per_request(&all);
-                (Feed::Real(rows), d, workload::mean_context(&all))
+                FeedStats {
+                    demand: workload::demand_per_request(&all),
+                    context: workload::mean_context(&all),
+                    lengths: workload::mean_lengths(&all),
+                    feed: Feed::Real(rows),
+                }
             }
         };
         out.push(feed);
@@ -357,25 +381,40 @@ fn feeds(a: &BenchArgs) -> Result<Vec<(Feed, f64, f64)>, String> {
 }
 
 /// The rate per model (requests/s) at load 1.0: see the module docs.
-fn nominal_rate(a: &BenchArgs, s: &DeploySizes, demands: &[f64], contexts: &[f64]) -> f64 {
+fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
+    let demands: Vec<f64> = feeds.iter().map(|f| f.demand).collect();
+    let contexts: Vec<f64> = feeds.iter().map(|f| f.context).collect();
     let kv_tokens = s.kv_blocks as f64 * s.block_tokens as f64;
     let share_tokens = kv_tokens / a.models as f64;
     let mean_ctx = (contexts.iter().sum::<f64>() / contexts.len().max(1) as f64).max(1.0);
     let batch = (share_tokens / mean_ctx).clamp(1.0, s.engine.max_batch as f64);
     let step = s.cost.step_s + s.cost.decode_seq_s * batch;
-    kv_tokens / (step * demands.iter().sum::<f64>().max(1e-9))
+    let memory = kv_tokens / (step * demands.iter().sum::<f64>().max(1e-9));
+    // Compute: the time a mean request takes of its engine (its prefill, its decode at that
+    // batch; on the GPU the costs are already those of K engines sharing the device); the
+    // lower bound is the nominal capacity.
+    let k = feeds.len().max(1) as f64;
+    let (p, o) = feeds.iter().fold((0.0, 0.0), |(p, o), f| {
+        (p + f.lengths.0 / k, o + f.lengths.1 / k)
+    });
+    let per_request = p * s.cost.prefill_token_s + o * step / batch;
+    if per_request > 0.0 {
+        memory.min(1.0 / per_request)
+    } else {
+        memory
+    }
 }
 
 fn requests(
     a: &BenchArgs,
-    feeds: &[(Feed, f64, f64)],
+    feeds: &[FeedStats],
     seed: u64,
     rate: f64,
 ) -> Result<Vec<Vec<Request>>, String> {
     let len = a.lengths();
     let mut synth: Option<Vec<Vec<Request>>> = None;
     let mut out = Vec::new();
-    for (m, (feed, _, _)) in feeds.iter().enumerate() {
+    for (m, FeedStats { feed, .. }) in feeds.iter().enumerate() {
         out.push(match feed {
             Feed::Real(rows) => workload::window(rows, m, seed, rate, a.duration_s, len),
             Feed::Synthetic => {
@@ -610,8 +649,7 @@ pub fn attainment_svg(cells: &[Cell], slo: &Slo) -> String {
 /// Run the sweep with `launcher` starting the roles.
 pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary, String> {
     let feeds = feeds(a)?;
-    let demands: Vec<f64> = feeds.iter().map(|f| f.1).collect();
-    let contexts: Vec<f64> = feeds.iter().map(|f| f.2).collect();
+
     let mut sizes = a.sizes()?;
     let mut gpu = None;
     if sizes.gpu.is_some() {
@@ -650,7 +688,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         );
         gpu = Some(info);
     }
-    let rate1 = nominal_rate(a, &sizes, &demands, &contexts);
+    let rate1 = nominal_rate(a, &sizes, &feeds);
     let (commit, machine) = (commit(), machine(gpu.as_ref()));
     let traces: Vec<String> = (0..a.models)
         .map(|m| a.sources[m % a.sources.len()].name().to_string())

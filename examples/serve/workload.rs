@@ -284,6 +284,18 @@ pub fn demand_per_request(reqs: &[Request]) -> f64 {
         / reqs.len() as f64
 }
 
+/// The mean prompt and output lengths of `reqs` (0 for none).
+pub fn mean_lengths(reqs: &[Request]) -> (f64, f64) {
+    if reqs.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = reqs.len() as f64;
+    (
+        reqs.iter().map(|r| r.prompt as f64).sum::<f64>() / n,
+        reqs.iter().map(|r| r.output as f64).sum::<f64>() / n,
+    )
+}
+
 /// The mean context of a request of `reqs` over its decode, `prompt + output / 2` (0 for
 /// none).
 pub fn mean_context(reqs: &[Request]) -> f64 {
