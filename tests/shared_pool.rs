@@ -261,3 +261,58 @@ fn a_wake_over_another_models_memory_reads_no_stale_bytes() {
         buf.iter().filter(|&&x| x == 0x5A).count()
     );
 }
+
+/// The same after a failed wake whose rollback could not unmap a chunk it took from model a
+/// (`Map` #2 fails, then `Unmap` #1): the chunk stays in b's asleep slot, and the next wake
+/// must not take it as b's own clean memory.
+#[test]
+fn a_chunk_kept_by_a_failed_wake_is_cleared_at_the_next() {
+    use elastic_vmm::backend::testing::FaultInjector;
+    use elastic_vmm::backend::DriverCall;
+    use elastic_vmm::{AfterWake, MemOptions, ModelConfig, SharedPool, SharedPoolConfig};
+    use elastic_vmm::{SleepPolicy, Tag};
+    let g = 2usize << 20;
+    let faults = Arc::new(FaultInjector::new(host()));
+    let shared = SharedPool::new(
+        faults.clone(),
+        SharedPoolConfig::new().global_limit(4 * g as u64),
+    )
+    .expect("shared");
+    let cfg = |n: &str| ModelConfig::new(n, 16 * g, 4 * g as u64);
+    let a = shared.register(cfg("a")).expect("a");
+    let b = shared.register(cfg("b")).expect("b");
+    let kv = MemOptions::new().tag(Tag::Kv);
+    let mut mine = b.allocate_with(2 * g, &kv).expect("b's allocation");
+    mine.fill(0x11).expect("fill");
+    b.sleep(&SleepPolicy::discard_all()).expect("sleep");
+    let theirs: Vec<_> = (0..4)
+        .map(|_| {
+            let mut x = a.allocate_with(g, &kv).expect("a's allocation");
+            x.fill(0x5A).expect("fill");
+            x
+        })
+        .collect();
+    drop(theirs);
+    // As on CUDA, the chunks taken from a can be cleared only once mapped: the wake fails
+    // before that, and its rollback keeps one of them (the third unmap: the first two give
+    // a's idle chunks up).
+    faults.refuse_wipes();
+    faults.fail_nth(DriverCall::Map, 2);
+    faults.fail_nth(DriverCall::Unmap, 3);
+    b.wake(AfterWake::FreeHostMemory)
+        .expect_err("the wake's second map fails");
+    faults.clear();
+    assert_eq!(
+        b.stats().in_flight,
+        g as u64,
+        "one of a's chunks kept in b's slot"
+    );
+    b.wake(AfterWake::FreeHostMemory).expect("wake");
+    let mut buf = vec![0u8; 2 * g];
+    mine.read(0, &mut buf).expect("read");
+    let stale = buf.iter().filter(|&&x| x != 0).count();
+    assert_eq!(
+        stale, 0,
+        "{stale} bytes of b's woken allocation are not zero"
+    );
+}

@@ -1,7 +1,7 @@
 //! Faults: a hook of [`Intercept`] that fails chosen driver calls, to prove that every
 //! multi-step operation rolls back. Calls it does not fail go straight through.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -23,6 +23,9 @@ pub struct Faults {
     /// Staging copies (to or from host memory) seen, and the counts at which one fails.
     copies: AtomicU64,
     copy_plans: Mutex<Vec<u64>>,
+    /// Clears before mapping are refused as unsupported (as on a backend that clears only
+    /// mapped memory), until [`Self::clear`].
+    no_wipes: AtomicBool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -59,6 +62,14 @@ impl Faults {
     pub fn clear(&self) {
         self.plans.lock().clear();
         self.copy_plans.lock().clear();
+        self.no_wipes.store(false, Ordering::SeqCst);
+    }
+
+    /// Refuse every clear of an unmapped chunk ([`crate::Backend::wipe_chunk`]) as
+    /// unsupported from now on, as a backend that can clear only mapped memory does: the pool
+    /// fills such chunks once mapped.
+    pub fn refuse_wipes(&self) {
+        self.no_wipes.store(true, Ordering::SeqCst);
     }
 
     /// Fail the `n`-th staging copy (1-based; to or from host memory, as sleep and wake make
@@ -127,6 +138,14 @@ impl Hook for Faults {
             // A batch: one check per chunk, the first failure fails it all.
             Some(kind) => (0..call.count()).try_for_each(|_| self.check(kind, upstream)),
             None if matches!(call, Call::StagingCopy { .. }) => self.check_copy(upstream),
+            None if matches!(call, Call::Wipe { .. }) && self.no_wipes.load(Ordering::SeqCst) => {
+                Err(Error::backend(
+                    upstream.name,
+                    "wipe_chunk",
+                    "UNSUPPORTED",
+                    "clearing before mapping refused on purpose",
+                ))
+            }
             None => Ok(()),
         }
     }

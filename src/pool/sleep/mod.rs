@@ -257,6 +257,10 @@ pub(crate) struct Kept {
     /// Still mapped at its slot, perhaps without access (the rollback of a failed access grant
     /// could not unmap it): a wake unmaps it first.
     pub(crate) mapped: bool,
+    /// Not the slot's own memory (a failed wake's rollback kept a chunk it had taken, perhaps
+    /// another model's, perhaps not cleared yet): cleared by the wake that maps it where the
+    /// slot's content was dropped.
+    pub(crate) foreign: bool,
 }
 
 /// The sleep part of a pool's state (under the pool's lock).

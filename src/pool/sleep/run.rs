@@ -426,7 +426,11 @@ impl Inner {
                 offset,
                 size: chunk.size as u64,
                 host: None,
-                kept: Some(Kept { chunk, mapped }),
+                kept: Some(Kept {
+                    chunk,
+                    mapped,
+                    foreign: false,
+                }),
             })
             .collect();
         let back_in: Vec<Claimed> = claimed
@@ -583,6 +587,9 @@ impl Inner {
         let zeroed_creates = self.backend.creates_zeroed();
         for s in &slots {
             if let Some(k) = s.kept {
+                if k.foreign && s.host.is_none() {
+                    dirty.push(k.chunk);
+                }
                 got.push(vec![k.chunk]);
                 continue;
             }
@@ -966,6 +973,7 @@ fn keep_in_slot(st: &mut State, (offset, chunk): Placed) {
     let mapped = Kept {
         chunk,
         mapped: true,
+        foreign: true,
     };
     parts.push(part(offset, end, Some(mapped)));
     if end < slot_end {
