@@ -149,8 +149,8 @@ pub trait Hook: Send + Sync + fmt::Debug {
     /// fails the call there: the upstream never sees it, and `after` is not called.
     fn before(&self, call: &Call, upstream: &BackendInfo) -> Result<Self::Pass>;
 
-    /// After the upstream backend returned `outcome` for `call`.
-    fn after(&self, call: &Call, pass: Self::Pass, outcome: Outcome<'_>);
+    /// After the upstream backend returned `outcome` for `call` (by default nothing).
+    fn after(&self, _call: &Call, _pass: Self::Pass, _outcome: Outcome<'_>) {}
 }
 
 /// Wraps an upstream backend and shows each of its VMM calls to a [`Hook`]. Reads the hook's

@@ -1089,13 +1089,6 @@ mod create_tests {
             }
             Ok(())
         }
-        fn after(
-            &self,
-            _: &crate::backend::intercept::Call,
-            _: (),
-            _: crate::backend::intercept::Outcome<'_>,
-        ) {
-        }
     }
 
     /// A thread that panics mid-batch is an error like a failed create, and the chunks it made

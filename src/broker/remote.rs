@@ -975,13 +975,6 @@ mod tests {
             }
             Ok(())
         }
-        fn after(
-            &self,
-            _: &crate::backend::intercept::Call,
-            _: (),
-            _: crate::backend::intercept::Outcome<'_>,
-        ) {
-        }
     }
 
     /// An engine on a local backend that counts its clears.

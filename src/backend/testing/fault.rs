@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::backend::intercept::{Call, Hook, Intercept, Outcome};
+use crate::backend::intercept::{Call, Hook, Intercept};
 use crate::backend::{BackendInfo, DriverCall};
 use crate::error::{Error, Result};
 
@@ -149,6 +149,4 @@ impl Hook for Faults {
             None => Ok(()),
         }
     }
-
-    fn after(&self, _: &Call, _: (), _: Outcome<'_>) {}
 }
