@@ -210,74 +210,23 @@ fn a_limit_without_room_for_the_zero_page_refuses_the_cache() {
     p.audit().expect("pool audit");
 }
 
-/// Issue 33, defect 3 at a wake: a model that slept dropping its data gets fresh physical
-/// memory at its wake, and when the budget is full that memory is another model's idle
-/// cache. Its bytes must not come with it: the woken allocation reads zeros, not the other
-/// model's data.
-#[test]
-fn a_wake_over_another_models_memory_reads_no_stale_bytes() {
-    use elastic_vmm::{AfterWake, MemOptions, ModelConfig, SharedPool, SharedPoolConfig};
-    use elastic_vmm::{SleepPolicy, Tag};
-    let g = 2usize << 20;
-    let shared = SharedPool::new(host(), SharedPoolConfig::new().global_limit(4 * g as u64))
-        .expect("shared");
-    let a = shared
-        .register(ModelConfig::new("a", 16 * g, 4 * g as u64))
-        .expect("a");
-    let b = shared
-        .register(ModelConfig::new("b", 16 * g, 4 * g as u64))
-        .expect("b");
-    let kv = MemOptions::new().tag(Tag::Kv);
-    let mut mine = b.allocate_with(2 * g, &kv).expect("b's allocation");
-    mine.fill(0x11).expect("fill");
-    b.sleep(&SleepPolicy::discard_all()).expect("sleep");
-    // Model a takes the whole budget a granule at a time, writes it and frees it: its idle
-    // cache holds it, in chunks a wake can take.
-    let theirs: Vec<_> = (0..4)
-        .map(|_| {
-            let mut x = a.allocate_with(g, &kv).expect("a's allocation");
-            x.fill(0x5A).expect("fill");
-            x
-        })
-        .collect();
-    drop(theirs);
-    b.wake(AfterWake::FreeHostMemory)
-        .expect("wake over a's idle memory");
-    let got = b.model_stats().expect("b");
-    assert_eq!(got.mapped, 2 * g as u64, "{got:?}");
-    assert!(
-        a.model_stats().expect("a").reclaimed < 4 * g as u64,
-        "a's chunks were handed over, not released: {:?}",
-        a.model_stats()
-    );
-    let mut buf = vec![0u8; 2 * g];
-    mine.read(0, &mut buf).expect("read");
-    let stale = buf.iter().filter(|&&x| x != 0).count();
-    assert_eq!(
-        stale,
-        0,
-        "{stale} of {} bytes of b's woken allocation are not zero (a's bytes: {})",
-        buf.len(),
-        buf.iter().filter(|&&x| x == 0x5A).count()
-    );
+/// Model b (2 MiB granules, a 4-granule budget) holds 2 granules written 0x11 and sleeps
+/// dropping them; model a then takes the whole budget a granule at a time, writes it 0x5A and
+/// frees it: its idle cache holds it, in chunks b's wake can take. The wake tests' start.
+struct WakeOverACache {
+    g: usize,
+    _shared: elastic_vmm::SharedPool,
+    a: elastic_vmm::ModelHandle,
+    b: elastic_vmm::ModelHandle,
+    mine: elastic_vmm::Allocation,
 }
 
-/// The same after a failed wake whose rollback could not unmap a chunk it took from model a
-/// (`Map` #2 fails, then `Unmap` #1): the chunk stays in b's asleep slot, and the next wake
-/// must not take it as b's own clean memory.
-#[test]
-fn a_chunk_kept_by_a_failed_wake_is_cleared_at_the_next() {
-    use elastic_vmm::backend::testing::FaultInjector;
-    use elastic_vmm::backend::DriverCall;
-    use elastic_vmm::{AfterWake, MemOptions, ModelConfig, SharedPool, SharedPoolConfig};
+fn wake_over_a_cache(backend: Arc<dyn Backend>) -> WakeOverACache {
+    use elastic_vmm::{MemOptions, ModelConfig, SharedPool, SharedPoolConfig};
     use elastic_vmm::{SleepPolicy, Tag};
     let g = 2usize << 20;
-    let faults = Arc::new(FaultInjector::new(host()));
-    let shared = SharedPool::new(
-        faults.clone(),
-        SharedPoolConfig::new().global_limit(4 * g as u64),
-    )
-    .expect("shared");
+    let shared = SharedPool::new(backend, SharedPoolConfig::new().global_limit(4 * g as u64))
+        .expect("shared");
     let cfg = |n: &str| ModelConfig::new(n, 16 * g, 4 * g as u64);
     let a = shared.register(cfg("a")).expect("a");
     let b = shared.register(cfg("b")).expect("b");
@@ -293,6 +242,63 @@ fn a_chunk_kept_by_a_failed_wake_is_cleared_at_the_next() {
         })
         .collect();
     drop(theirs);
+    WakeOverACache {
+        g,
+        _shared: shared,
+        a,
+        b,
+        mine,
+    }
+}
+
+/// Bytes of `mine` that are not zero, and of those the other model's (0x5A).
+fn stale_bytes(mine: &elastic_vmm::Allocation) -> (usize, usize) {
+    let mut buf = vec![0u8; mine.size()];
+    mine.read(0, &mut buf).expect("read");
+    (
+        buf.iter().filter(|&&x| x != 0).count(),
+        buf.iter().filter(|&&x| x == 0x5A).count(),
+    )
+}
+
+/// Issue 33, defect 3 at a wake: a model that slept dropping its data gets fresh physical
+/// memory at its wake, and when the budget is full that memory is another model's idle
+/// cache. Its bytes must not come with it: the woken allocation reads zeros, not the other
+/// model's data.
+#[test]
+fn a_wake_over_another_models_memory_reads_no_stale_bytes() {
+    // Bound whole: the shared pool and model a live to the end.
+    let c = wake_over_a_cache(host());
+    let (g, a, b, mine) = (c.g, &c.a, &c.b, &c.mine);
+    b.wake(elastic_vmm::AfterWake::FreeHostMemory)
+        .expect("wake over a's idle memory");
+    let got = b.model_stats().expect("b");
+    assert_eq!(got.mapped, 2 * g as u64, "{got:?}");
+    assert!(
+        a.model_stats().expect("a").reclaimed < 4 * g as u64,
+        "a's chunks were handed over, not released: {:?}",
+        a.model_stats()
+    );
+    let (stale, theirs) = stale_bytes(mine);
+    assert_eq!(
+        stale,
+        0,
+        "{stale} of {} bytes of b's woken allocation are not zero (a's bytes: {theirs})",
+        mine.size()
+    );
+}
+
+/// The same after a failed wake whose rollback could not unmap a chunk it took from model a
+/// (`Map` #2 fails, then `Unmap` #3): the chunk stays in b's asleep slot, and the next wake
+/// must not take it as b's own clean memory.
+#[test]
+fn a_chunk_kept_by_a_failed_wake_is_cleared_at_the_next() {
+    use elastic_vmm::backend::testing::FaultInjector;
+    use elastic_vmm::backend::DriverCall;
+    use elastic_vmm::AfterWake;
+    let faults = Arc::new(FaultInjector::new(host()));
+    let c = wake_over_a_cache(faults.clone());
+    let (g, b, mine) = (c.g, &c.b, &c.mine);
     // As on CUDA, the chunks taken from a can be cleared only once mapped: the wake fails
     // before that, and its rollback keeps one of them (the third unmap: the first two give
     // a's idle chunks up).
@@ -308,9 +314,7 @@ fn a_chunk_kept_by_a_failed_wake_is_cleared_at_the_next() {
         "one of a's chunks kept in b's slot"
     );
     b.wake(AfterWake::FreeHostMemory).expect("wake");
-    let mut buf = vec![0u8; 2 * g];
-    mine.read(0, &mut buf).expect("read");
-    let stale = buf.iter().filter(|&&x| x != 0).count();
+    let (stale, _) = stale_bytes(mine);
     assert_eq!(
         stale, 0,
         "{stale} bytes of b's woken allocation are not zero"
