@@ -822,6 +822,23 @@ mod new_parts {
 mod metrics_tests {
     use super::metrics::*;
 
+    #[test]
+    fn least_squares_recovers_a_known_plane_and_refuses_a_singular_one() {
+        let rows: Vec<Vec<f64>> = [(1.0, 2.0), (3.0, 1.0), (5.0, 7.0), (2.0, 9.0)]
+            .iter()
+            .map(|&(x, z)| vec![1.0, x, z])
+            .collect();
+        let y: Vec<f64> = rows.iter().map(|r| 0.5 + 2.0 * r[1] - 3.0 * r[2]).collect();
+        let b = least_squares(&rows, &y).unwrap();
+        for (got, want) in b.iter().zip([0.5, 2.0, -3.0]) {
+            assert!((got - want).abs() < 1e-9, "{b:?}");
+        }
+        let e = least_squares(&vec![vec![1.0, 1.0]; 3], &[1.0; 3]).unwrap_err();
+        assert!(e.contains("singular at column 1"), "{e}");
+        let e = least_squares(&rows, &y[..2]).unwrap_err();
+        assert!(e.contains("4 rows of 3 columns against 2 values"), "{e}");
+    }
+
     fn rec(
         id: u64,
         arrival: f64,

@@ -88,9 +88,10 @@ pub struct BenchArgs {
     pub reserve_per_engine: u64,
     /// GPU: activation bytes reserved per model (its base is its weights and this).
     pub act_reserve: Option<u64>,
-    /// GPU: the cost model for the nominal load, seconds per decode step, per sequence in it
-    /// and per prefill token, one engine alone on the device.
-    pub cost: Option<(f64, f64, f64)>,
+    /// GPU: the cost model for the nominal load, seconds per decode step, per sequence in it,
+    /// per prefill token and per context token a decode reads, one engine alone on the
+    /// device (`serve probe` measures them).
+    pub cost: Option<[f64; 4]>,
     /// GPU: engine limits.
     pub max_batch: usize,
     /// GPU: longest context.
@@ -202,16 +203,17 @@ impl BenchArgs {
                         .iter()
                         .map(|x| num(x))
                         .collect::<Result<Vec<_>, _>>()?;
-                    match c[..] {
-                        [step, seq, prefill] if step > 0.0 && seq >= 0.0 && prefill >= 0.0 => {
-                            a.cost = Some((step / 1e3, seq / 1e3, prefill / 1e3))
-                        }
-                        _ => {
-                            return Err(format!(
-                                "--cost-ms: STEP,SEQ,PREFILL_TOKEN in ms, got {v:?}"
-                            ))
-                        }
+                    let c = match c[..] {
+                        [step, seq, prefill] => [step, seq, prefill, 0.0],
+                        [step, seq, prefill, ctx] => [step, seq, prefill, ctx],
+                        _ => [f64::NAN; 4],
+                    };
+                    if !(c[0] > 0.0 && c[1..].iter().all(|x| *x >= 0.0)) {
+                        return Err(format!(
+                            "--cost-ms: STEP,SEQ,PREFILL_TOKEN[,CONTEXT_TOKEN] in ms, the step above 0 and none below, got {v:?}"
+                        ));
                     }
+                    a.cost = Some(c.map(|x| x / 1e3));
                 }
                 "--max-batch" => a.max_batch = num(v)? as usize,
                 "--max-context" => a.max_context = num(v)? as u32,
@@ -279,9 +281,9 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
     // Measured on the H100 (docs/results): an 8B decode step ~8 ms alone plus ~0.14 ms per
     // sequence at 2K context (`gpu-bench attention`), and ~7 K prefill tokens/s on the whole
     // device (`serve-bench/h100-8b-first`); the small model guessed at a fifth of that.
-    let (step, seq, prefill) = a.cost.unwrap_or(match z {
-        Size::Llama8B => (8e-3, 0.14e-3, 0.14e-3),
-        Size::Small => (1.5e-3, 0.02e-3, 0.03e-3),
+    let [step, seq, prefill, ctx] = a.cost.unwrap_or(match z {
+        Size::Llama8B => [8e-3, 0.14e-3, 0.14e-3, 0.0],
+        Size::Small => [1.5e-3, 0.02e-3, 0.03e-3, 0.0],
     });
     let act = a.act_reserve.unwrap_or(match z {
         Size::Llama8B => 5 << 29,
@@ -308,7 +310,7 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
             step_s: step * a.models as f64,
             prefill_token_s: prefill * a.models as f64,
             decode_seq_s: seq * a.models as f64,
-            context_token_s: 0.0,
+            context_token_s: ctx * a.models as f64,
         },
         gpu: Some(deploy::GpuEngines {
             size: size.to_string(),
@@ -388,7 +390,7 @@ fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
     let share_tokens = kv_tokens / a.models as f64;
     let mean_ctx = (contexts.iter().sum::<f64>() / contexts.len().max(1) as f64).max(1.0);
     let batch = (share_tokens / mean_ctx).clamp(1.0, s.engine.max_batch as f64);
-    let step = s.cost.step_s + s.cost.decode_seq_s * batch;
+    let step = s.cost.step_s + (s.cost.decode_seq_s + s.cost.context_token_s * mean_ctx) * batch;
     let memory = kv_tokens / (step * demands.iter().sum::<f64>().max(1e-9));
     // Compute: the time a mean request takes of its engine (its prefill, its decode at that
     // batch; on the GPU the costs are already those of K engines sharing the device); the

@@ -252,10 +252,82 @@ impl StepModel for LlamaModel {
     }
 }
 
+/// The cache without its kernel: a forward over it gathers the blocks (the reference the
+/// kernel's decode is checked against).
+struct Gathered<'a>(&'a PagedKvTensors);
+
+impl LayerCache for Gathered<'_> {
+    fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        self.0.layer(l)
+    }
+}
+
+impl LlamaModel {
+    /// The largest difference between the logits of one decode step of `seqs` attended by the
+    /// paged-attention kernel and by gathering the blocks, and the largest logit (the same
+    /// K and V written twice, so both read the same cache).
+    pub fn decode_check(&mut self, seqs: &[SeqView]) -> Result<(f32, f32), String> {
+        let pieces: Vec<Piece> = seqs
+            .iter()
+            .map(|s| Piece {
+                blocks: s.blocks,
+                start: (s.context as usize).saturating_sub(1),
+                len: 1,
+            })
+            .collect();
+        let (pool, id) = (self.pool.clone(), self.id.clone());
+        route::with_route(
+            &pool,
+            Tag::Activations,
+            || -> candle_core::Result<(f32, f32)> {
+                let a = self
+                    .llama
+                    .forward(&*self.kv, &pieces)?
+                    .to_dtype(DType::F32)?;
+                let b = self
+                    .llama
+                    .forward(&Gathered(&self.kv), &pieces)?
+                    .to_dtype(DType::F32)?;
+                let diff = (&a - &b)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                let top = a.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                Ok((diff, top))
+            },
+        )
+        .map_err(|e| format!("route: {e}"))?
+        .map_err(|e| refusal(&id, e.to_string()))
+    }
+}
+
 impl LayerCache for PagedKvTensors {
     fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let e = candle_core::Error::wrap;
         Ok((self.k(l).map_err(e)?, self.v(l).map_err(e)?))
+    }
+
+    /// The crate's paged-attention op: K and V read in place through the tables, no gather.
+    fn decode_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        table: &Tensor,
+        lens: &Tensor,
+        max_context: usize,
+        scale: f32,
+    ) -> Option<candle_core::Result<Tensor>> {
+        Some(elastic_vmm::candle::paged_attention_decode(
+            q,
+            k,
+            v,
+            table,
+            lens,
+            max_context,
+            scale,
+        ))
     }
 }
 

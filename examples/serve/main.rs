@@ -115,6 +115,8 @@ mod llama;
 mod metrics;
 #[cfg(feature = "candle-example")]
 mod paged_llama;
+#[cfg(feature = "candle-example")]
+mod probe;
 mod report;
 mod trace;
 mod workload;
@@ -734,6 +736,20 @@ fn main() -> ExitCode {
     }
     let start = Instant::now();
     let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("probe") {
+        #[cfg(feature = "candle-example")]
+        let result = probe::run(&argv[2..]);
+        #[cfg(not(feature = "candle-example"))]
+        let result: Result<(), String> =
+            Err("built without the candle-example feature: probe needs the GPU engine".into());
+        return match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("serve probe: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if argv.get(1).map(String::as_str) == Some("bench") {
         let out = std::env::var_os("OUT")
             .map(|o| PathBuf::from(o).join("serve-bench"))

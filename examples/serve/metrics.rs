@@ -225,3 +225,46 @@ pub fn knee(points: &[(f64, f64)], target: f64) -> Option<f64> {
     let ((l0, a0), (l1, a1)) = (p[i - 1], p[i]);
     Some(l0 + (l1 - l0) * (a0 - target) / (a0 - a1))
 }
+
+/// Least squares `y ~ X b` for a few columns (`rows` are X's rows): the normal equations,
+/// solved by Gaussian elimination. An error when they are singular (a column with no
+/// variation of its own). `serve probe` fits its cost model with it.
+#[cfg_attr(not(feature = "candle-example"), allow(dead_code))]
+pub fn least_squares(rows: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>, String> {
+    let n = rows.first().map_or(0, Vec::len);
+    if n == 0 || rows.len() != y.len() || rows.iter().any(|r| r.len() != n) {
+        return Err(format!(
+            "least squares: {} rows of {n} columns against {} values",
+            rows.len(),
+            y.len()
+        ));
+    }
+    let mut m = vec![vec![0.0; n + 1]; n];
+    for (r, yi) in rows.iter().zip(y) {
+        for i in 0..n {
+            for j in 0..n {
+                m[i][j] += r[i] * r[j];
+            }
+            m[i][n] += r[i] * yi;
+        }
+    }
+    for c in 0..n {
+        let p = (c..n)
+            .max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))
+            .unwrap_or(c);
+        m.swap(c, p);
+        let scale = m.iter().map(|r| r[c].abs()).fold(0.0, f64::max);
+        if m[c][c].abs() <= 1e-12 * scale.max(f64::MIN_POSITIVE) {
+            return Err(format!("least squares: singular at column {c}"));
+        }
+        for r in 0..n {
+            if r != c {
+                let k = m[r][c] / m[c][c];
+                for j in c..=n {
+                    m[r][j] -= k * m[c][j];
+                }
+            }
+        }
+    }
+    Ok((0..n).map(|i| m[i][n] / m[i][i]).collect())
+}

@@ -35,6 +35,24 @@ pub const MAX_POSITION: usize = 32768;
 pub trait LayerCache {
     /// Layer `l`'s K and V.
     fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)>;
+
+    /// A decode batch's attention read in place through the block tables, where the cache has
+    /// a kernel for it (the GPU's paged-attention op): `q` `[batch, heads, head_dim]`, `table`
+    /// `[batch, width]` u32, `lens` `[batch]` u32 (each sequence's context), `max_context` the
+    /// longest. `None` where it has none: the forward gathers the blocks instead.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_attention(
+        &self,
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _table: &Tensor,
+        _lens: &Tensor,
+        _max_context: usize,
+        _scale: f32,
+    ) -> Option<candle_core::Result<Tensor>> {
+        None
+    }
 }
 
 fn kc_blocks(kv: &dyn LayerCache) -> candle_core::Result<usize> {
@@ -215,8 +233,9 @@ impl PagedLlama {
             let lens: Vec<u32> = pieces.iter().map(|p| (p.start + 1) as u32).collect();
             Some((
                 Tensor::new(table.as_slice(), &dev)?,
-                Tensor::new(lens.as_slice(), &dev)?.reshape((pieces.len(), 1))?,
+                Tensor::new(lens.as_slice(), &dev)?,
                 nb,
+                lens.iter().copied().max().unwrap_or(1) as usize,
             ))
         } else {
             None
@@ -253,14 +272,30 @@ impl PagedLlama {
             vc.reshape((max_blocks * bt, kvd))?
                 .scatter_set(&rows, &v, 0)?;
             let a = match &decode {
-                Some((table, lens, nb)) => attend_decode(s, &q, &kc, &vc, table, lens, *nb)?,
+                Some((table, lens, nb, longest)) => {
+                    let b = pieces.len();
+                    let scale = 1.0 / (hd as f32).sqrt();
+                    let q3 = q.reshape((b, s.heads, hd))?;
+                    let table2 = table.reshape((b, *nb))?;
+                    match kv.decode_attention(&q3, &kc, &vc, &table2, lens, *longest, scale) {
+                        Some(a) => a?.reshape((b, s.heads * hd))?,
+                        None => attend_decode(s, &q, &kc, &vc, table, lens, *nb)?,
+                    }
+                }
                 None => {
                     let mut outs = Vec::with_capacity(pieces.len());
                     let mut off = 0;
                     for (p, table) in pieces.iter().zip(&tables) {
                         let q = q.narrow(0, off, p.len)?;
+                        // A piece from position 0 has no context but its own tokens: their K
+                        // and V as computed (what was just written), no gather.
+                        let src = if p.start == 0 {
+                            Context::Own(k.narrow(0, off, p.len)?, v.narrow(0, off, p.len)?)
+                        } else {
+                            Context::Blocks(&kc, &vc, table)
+                        };
                         off += p.len;
-                        outs.push(attend(s, &q, &kc, &vc, table, p.start, p.len)?);
+                        outs.push(attend(s, &q, src, p.start, p.len)?);
                     }
                     Tensor::cat(&outs, 0)?
                 }
@@ -319,42 +354,58 @@ impl PagedLlama {
     }
 }
 
+/// Where a prefill piece's context is.
+enum Context<'a> {
+    /// Only its own new tokens (it starts at position 0): their K and V `[len, kv_heads *
+    /// head_dim]`.
+    Own(Tensor, Tensor),
+    /// Its blocks (`table`) of the layer's cache tensors `[blocks, block_tokens, kv_heads,
+    /// head_dim]`, K and V.
+    Blocks(&'a Tensor, &'a Tensor, &'a Tensor),
+}
+
 /// Attention of one sequence's `len` new queries `q` `[len, heads * head_dim]` (positions
-/// `start..start + len`) over its context `0..start + len`, read from its blocks (`table`) of
-/// the layer's cache tensors `[blocks, block_tokens, kv_heads, head_dim]`. Returns
-/// `[len, heads * head_dim]`.
+/// `start..start + len`) over its context `0..start + len`. Returns `[len, heads * head_dim]`.
 fn attend(
     s: &LlamaShape,
     q: &Tensor,
-    kc: &Tensor,
-    vc: &Tensor,
-    table: &Tensor,
+    context: Context,
     start: usize,
     len: usize,
 ) -> candle_core::Result<Tensor> {
     let (hd, kvh) = (s.head_dim(), s.kv_heads);
     let rep = s.heads / kvh;
     let ctx = start + len;
-    let nb = table.dim(0)?;
-    // [len, kvh, rep, hd] -> [kvh, rep * len, hd]
-    let q = q
+    // [len, kvh, rep, hd] -> [kvh, rep * len, hd], scaled here (len rows) rather than the
+    // scores (len x ctx).
+    let q = (q
         .reshape((len, kvh, rep, hd))?
         .permute((1, 2, 0, 3))?
         .contiguous()?
-        .reshape((kvh, rep * len, hd))?;
-    let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
-        // [nb, bt, kvh, hd] -> [ctx, kvh, hd] -> [kvh, ctx, hd]
-        c.index_select(table, 0)?
-            .reshape((nb * BLOCK_TOKENS, kvh, hd))?
-            .narrow(0, 0, ctx)?
-            .transpose(0, 1)?
-            .contiguous()
+        .reshape((kvh, rep * len, hd))?
+        * (1.0 / (hd as f64).sqrt()))?;
+    let (k, v) = match context {
+        Context::Own(k, v) => {
+            // [len, kvh * hd] -> [kvh, len, hd]
+            let own = |c: Tensor| c.reshape((len, kvh, hd))?.transpose(0, 1)?.contiguous();
+            (own(k)?, own(v)?)
+        }
+        Context::Blocks(kc, vc, table) => {
+            let nb = table.dim(0)?;
+            let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+                // [nb, bt, kvh, hd] -> [ctx, kvh, hd] -> [kvh, ctx, hd]
+                c.index_select(table, 0)?
+                    .reshape((nb * BLOCK_TOKENS, kvh, hd))?
+                    .narrow(0, 0, ctx)?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            (gather(kc)?, gather(vc)?)
+        }
     };
-    let (k, v) = (gather(kc)?, gather(vc)?);
     let scores = q
         .matmul(&k.t()?)?
         .to_dtype(DType::F32)?
-        .affine(1.0 / (hd as f64).sqrt(), 0.0)?
         .reshape((kvh, rep, len, ctx))?;
     let scores = if len > 1 {
         // Query i (position start + i) sees keys 0..=start + i.
@@ -413,7 +464,7 @@ fn attend_decode(
     let dev = q.device();
     let key = Tensor::arange(0u32, l as u32, dev)?.reshape((1, l))?;
     let masked = key
-        .broadcast_ge(lens)?
+        .broadcast_ge(&lens.reshape((b, 1))?)?
         .reshape((b, 1, 1, l))?
         .broadcast_as((b, kvh, rep, l))?;
     let neg = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((b, kvh, rep, l))?;
