@@ -7,7 +7,7 @@
 //!             [--traces-dir DIR] [--len-scale F] [--kv-blocks B] [--slo-ttft S]
 //!             [--slo-tpot S] [--reclaim-wait-ms MS] [--out DIR]
 //!             [--gpu small|8b [--budget-gib G] [--reserve-gib G] [--act-reserve-gib G]
-//!              [--cost-ms STEP,SEQ] [--max-batch N] [--max-context N] [--prefill-chunk N]]
+//!              [--cost-ms STEP,SEQ,PREFILL[,CTX]] [--max-batch N] [--max-context N] [--prefill-chunk N]]
 //! ```
 //!
 //! With `--gpu` the engines are candle Llamas on CUDA device 0 (see `deploy.rs`); lengths
@@ -16,10 +16,13 @@
 //! 64. The budget is the
 //! device's free memory less `--reserve-gib` (default 1.5) per engine, or `--budget-gib`;
 //! each model's base is its weights and `--act-reserve-gib` (8B: 2.5, small: 1); the KV
-//! budget is the rest. `--cost-ms` is the cost model of one engine alone (8B: 8 ms per step,
-//! 0.14 ms per sequence, from the H100's decode benchmark, and 0.14 ms per prefill token, from
-//! the first serve run there), multiplied by the models because the engines share the device's
-//! compute.
+//! budget is the rest. `--cost-ms` is the cost model of one engine alone, in ms: per decode
+//! step, per sequence in it, per prefill token, and per context token a decode reads
+//! (optional, 0 without it). `serve probe --gpu 8b` measures them on the machine and prints
+//! the line to pass; the defaults (8B: 8 ms a step, 0.14 ms a sequence from `gpu-bench
+//! attention`, 0.14 ms a prefill token from the first serve run, when decode still gathered
+//! its blocks) only stand in where no probe ran. The costs are multiplied by the models
+//! because the engines share the device's compute.
 //!
 //! `--reclaim-wait-ms` (default 200) is the broker's `reclaim_wait`: how long a growth the
 //! budget cannot take waits for other engines to give memory back before it is refused.

@@ -6,8 +6,9 @@
 //!
 //! A step runs real kernels over real shapes, as a paged-attention engine does (see
 //! `paged_llama.rs`): projections and MLP batched over every token of the step, each token's K
-//! and V written into its sequence's blocks, attention over each sequence's blocks gathered by
-//! its block table (a decode step in one batch). A prefill is chunked: forwards of at most
+//! and V written into its sequence's blocks; a decode step attended in one batch by the
+//! paged-attention kernel, reading K and V in place through the block tables; a prefill's
+//! attention per sequence. A prefill is chunked: forwards of at most
 //! `prefill_chunk` tokens (`--prefill-chunk`), each writing its tokens' K and V into the
 //! sequence's blocks and attending over the cache so far (a later chunk reads the earlier ones
 //! from the blocks), so a prefill's activations are bounded by the chunk, not the prompt.

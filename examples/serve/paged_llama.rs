@@ -15,11 +15,14 @@
 //!   sequence's blocks (`scatter_set` on the layer's tensor viewed as `[blocks * block_tokens,
 //!   kv_heads * head_dim]`: one kernel per layer for K and one for V, in place; only blocks the
 //!   engine allocated are written);
-//! - attention reads each sequence's blocks through its block table (`index_select`, as
-//!   `examples/paged_kv_attention.rs` checks bit for bit against a static cache): a decode step
-//!   in one batch (tables padded to the longest with the sequence's own last block, keys past
-//!   its length masked), a prefill per piece, causal within its new tokens (a piece after an
-//!   earlier one of the same sequence reads it from the blocks);
+//! - a decode step (one token per piece) attends in one batch through the block tables
+//!   (padded to the longest with the sequence's own last block, keys past its length masked):
+//!   in place by the cache's kernel where it has one ([`LayerCache::decode_attention`]: the
+//!   crate's paged-attention op on the GPU), else by gathering each sequence's blocks
+//!   (`index_select`, as `examples/paged_kv_attention.rs` checks bit for bit against a static
+//!   cache; the CPU path, and the reference `serve probe` checks the kernel against);
+//! - a prefill attends per piece, causal within its new tokens: a piece from position 0 over
+//!   its own K and V as computed, a later piece of a sequence over its blocks, gathered;
 //! - only each piece's last token goes through the final norm and the LM head.
 
 use candle_core::{DType, Device, Module, Tensor};
