@@ -241,11 +241,11 @@ pub fn least_squares(rows: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>, String> {
     }
     let mut m = vec![vec![0.0; n + 1]; n];
     for (r, yi) in rows.iter().zip(y) {
-        for i in 0..n {
-            for j in 0..n {
-                m[i][j] += r[i] * r[j];
+        for (row, ri) in m.iter_mut().zip(r) {
+            for (x, rj) in row.iter_mut().zip(r) {
+                *x += ri * rj;
             }
-            m[i][n] += r[i] * yi;
+            row[n] += ri * yi;
         }
     }
     for c in 0..n {
@@ -257,11 +257,12 @@ pub fn least_squares(rows: &[Vec<f64>], y: &[f64]) -> Result<Vec<f64>, String> {
         if m[c][c].abs() <= 1e-12 * scale.max(f64::MIN_POSITIVE) {
             return Err(format!("least squares: singular at column {c}"));
         }
-        for r in 0..n {
+        let pivot = m[c].clone();
+        for (r, row) in m.iter_mut().enumerate() {
             if r != c {
-                let k = m[r][c] / m[c][c];
-                for j in c..=n {
-                    m[r][j] -= k * m[c][j];
+                let k = row[c] / pivot[c];
+                for (x, p) in row.iter_mut().zip(&pivot).skip(c) {
+                    *x -= k * p;
                 }
             }
         }

@@ -91,7 +91,7 @@ mod tensor_pool;
 pub use attention::paged_attention_decode;
 pub use kv::{ElasticKv, KvStats};
 pub use orphans::{reap_orphans, reap_orphans_blocking};
-pub use paged::PagedKvTensors;
+pub use paged::{BlockShape, PagedKvTensors};
 pub use tensor_pool::{CollectReport, TensorPool, TensorPoolStats};
 
 use candle_core::{DType, Tensor};

@@ -34,6 +34,47 @@ use crate::kv::{
     Watermarks,
 };
 
+/// The order of a block's elements as the per-layer tensors present them: the engines'
+/// kernels each read their own. Every shape spans the same bytes per block (`block_tokens *
+/// kv_heads * head_dim` elements of K, as many of V), so the cache underneath, its ids, moves
+/// and budget are the same whatever the shape; only the tensors' dimensions differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BlockShape {
+    /// K and V `[blocks, block_tokens, kv_heads, head_dim]`: the crate's
+    /// [`super::paged_attention_decode`], and [`KvLayout::Contiguous`]'s order.
+    #[default]
+    TokenMajor,
+    /// K and V `[blocks, kv_heads, block_tokens, head_dim]`: FlashInfer's paged cache (NHD
+    /// per head), as mistral.rs's FlashInfer path allocates it.
+    HeadMajor,
+    /// vLLM's paged-attention kernels (mistral.rs, candle-vllm, attention-rs): K `[blocks,
+    /// kv_heads, head_dim / x, block_tokens, x]` with `x` elements in 16 bytes (8 for f16 and
+    /// bf16), V `[blocks, kv_heads, head_dim, block_tokens]`.
+    SplitK,
+}
+
+impl BlockShape {
+    /// Layer tensors' dimensions for K (`kv = 0`) and V (`kv = 1`) of `c`, elements of
+    /// `elem` bytes; an error where the shape cannot hold the cache's.
+    fn dims(self, c: &PagedKvConfig, elem: usize, kv: usize) -> Result<Vec<usize>> {
+        let (n, bt, h, d) = (c.max_blocks, c.block_tokens, c.kv_heads, c.head_dim);
+        Ok(match (self, kv) {
+            (BlockShape::TokenMajor, _) => vec![n, bt, h, d],
+            (BlockShape::HeadMajor, _) => vec![n, h, bt, d],
+            (BlockShape::SplitK, 0) => {
+                let x = 16 / elem.max(1);
+                if elem == 0 || 16 % elem != 0 || d % x != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "BlockShape::SplitK: head_dim {d} is not a multiple of x = {x} ({elem}-byte elements in 16 bytes)"
+                    )));
+                }
+                vec![n, h, d / x, bt, x]
+            }
+            (BlockShape::SplitK, _) => vec![n, h, d, bt],
+        })
+    }
+}
+
 /// A paged KV cache as candle tensors; see the module documentation. `Send + Sync`, every
 /// method takes `&self`.
 ///
@@ -56,6 +97,7 @@ use crate::kv::{
 /// ```
 pub struct PagedKvTensors {
     core: Arc<Core>,
+    shape: BlockShape,
 }
 
 /// Fields drop in order: the tensors, the GPU past its work, then the cache (pages unmapped).
@@ -102,10 +144,32 @@ impl PagedKvTensors {
     /// not store.
     pub fn new(
         tensors: &TensorPool,
-        mut config: PagedKvConfig,
+        config: PagedKvConfig,
         dtype: DType,
     ) -> Result<PagedKvTensors> {
+        Self::with_shape(tensors, config, dtype, BlockShape::TokenMajor)
+    }
+
+    /// [`PagedKvTensors::new`] with each layer's K and V in `shape`'s order (per-layer
+    /// tensors only: a [`KvLayout::Contiguous`] cache is token-major). Errors as `new`, and
+    /// where the shape does not fit the config (nothing is mapped then).
+    pub fn with_shape(
+        tensors: &TensorPool,
+        mut config: PagedKvConfig,
+        dtype: DType,
+        shape: BlockShape,
+    ) -> Result<PagedKvTensors> {
         config.elem_bytes = element_size(dtype)?;
+        if shape != BlockShape::TokenMajor && config.layout != KvLayout::PerLayer {
+            return Err(Error::InvalidArgument(format!(
+                "{shape:?} blocks need per-layer tensors (KvLayout::PerLayer); a contiguous cache is token-major"
+            )));
+        }
+        // Checked before anything is made.
+        let per_kv = [
+            shape.dims(&config, config.elem_bytes, 0)?,
+            shape.dims(&config, config.elem_bytes, 1)?,
+        ];
         // Candle ops read the tensors whole: every page must be mapped (memory or zeros).
         if config.zero_unbacked == Some(false) {
             return Err(Error::InvalidArgument(
@@ -119,10 +183,13 @@ impl PagedKvTensors {
         // what was queued before it.
         kv.set_before_release(Box::new(move || wait.synchronize()));
         let (c, blocks) = (&config, config.max_blocks);
-        let dims: Vec<usize> = match c.layout {
-            KvLayout::PerLayer => vec![blocks, c.block_tokens, c.kv_heads, c.head_dim],
-            KvLayout::Contiguous => {
-                vec![blocks, c.layers, 2, c.block_tokens, c.kv_heads, c.head_dim]
+        // Tensor t is layer t / 2's K (t even) or V; one tensor for a contiguous cache.
+        let dims = |t: usize| -> Vec<usize> {
+            match c.layout {
+                KvLayout::PerLayer => per_kv[t % 2].clone(),
+                KvLayout::Contiguous => {
+                    vec![blocks, c.layers, 2, c.block_tokens, c.kv_heads, c.head_dim]
+                }
             }
         };
         let mut made = Vec::with_capacity(kv.tensors());
@@ -139,7 +206,7 @@ impl PagedKvTensors {
             let (tensor, tracker) = unsafe {
                 tensors
                     .slices()
-                    .tensor(ctx, addr, Shape::from(dims.clone()), dtype)?
+                    .tensor(ctx, addr, Shape::from(dims(t)), dtype)?
             };
             made.push(tensor);
             trackers.push(tracker);
@@ -158,6 +225,7 @@ impl PagedKvTensors {
                 device: tensors.device().clone(),
                 dtype,
             }),
+            shape,
         })
     }
 
@@ -174,6 +242,11 @@ impl PagedKvTensors {
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.core.dtype
+    }
+
+    /// The order of the layer tensors' elements.
+    pub fn block_shape(&self) -> BlockShape {
+        self.shape
     }
 
     fn tensor(&self, t: usize) -> Result<Tensor> {
@@ -204,8 +277,8 @@ impl PagedKvTensors {
 
     /// Layer `layer`'s K: `[max_blocks, block_tokens, kv_heads, head_dim]` (contiguous for
     /// [`KvLayout::PerLayer`], a strided view of the one tensor for
-    /// [`KvLayout::Contiguous`]). Reads of any block are defined (zeros where unallocated);
-    /// write only allocated blocks.
+    /// [`KvLayout::Contiguous`]), or in the order of the cache's [`BlockShape`]. Reads of any
+    /// block are defined (zeros where unallocated); write only allocated blocks.
     pub fn k(&self, layer: usize) -> Result<Tensor> {
         self.layer_of(layer, 0)
     }

@@ -5,7 +5,7 @@
 //! errors that leave the device usable.
 
 use candle_core::{DType, Device, Tensor, D};
-use elastic_vmm::candle::{paged_attention_decode, PagedKvTensors, TensorPool};
+use elastic_vmm::candle::{paged_attention_decode, BlockShape, PagedKvTensors, TensorPool};
 use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::Pool;
 
@@ -219,4 +219,198 @@ fn paged_attention_refuses_bad_shapes_and_the_device_stays_usable() {
         .and_then(|o| o.to_scalar::<f32>())
         .expect("a valid call after the refusals");
     assert_eq!(out, 0.0);
+}
+
+/// Token-major data `[n, tokens, kv_heads, d]` in the order of `shape` for K (`kv` 0) or V.
+fn to_shape(t: &Tensor, shape: BlockShape, kv: usize) -> Tensor {
+    let (n, bt, h, d) = t.dims4().expect("dims");
+    let x = 16 / t.dtype().size_in_bytes();
+    match (shape, kv) {
+        (BlockShape::TokenMajor, _) => t.clone(),
+        (BlockShape::HeadMajor, _) => t.permute((0, 2, 1, 3)).expect("head major"),
+        (BlockShape::SplitK, 0) => t
+            .reshape((n, bt, h, d / x, x))
+            .and_then(|t| t.permute((0, 2, 3, 1, 4)))
+            .expect("split k"),
+        (BlockShape::SplitK, _) => t.permute((0, 2, 3, 1)).expect("transposed v"),
+    }
+    .contiguous()
+    .expect("contiguous")
+}
+
+/// The inverse of [`to_shape`]: blocks in `shape`'s order back to `[n, tokens, kv_heads, d]`.
+fn from_shape(t: &Tensor, shape: BlockShape, kv: usize) -> Tensor {
+    match (shape, kv) {
+        (BlockShape::TokenMajor, _) => t.clone(),
+        (BlockShape::HeadMajor, _) => t.permute((0, 2, 1, 3)).expect("head major"),
+        (BlockShape::SplitK, 0) => {
+            let (n, h, dx, bt, x) = t.dims5().expect("split k dims");
+            t.permute((0, 3, 1, 2, 4))
+                .and_then(|t| t.reshape((n, bt, h, dx * x)))
+                .expect("split k back")
+        }
+        (BlockShape::SplitK, _) => t.permute((0, 3, 1, 2)).expect("transposed v back"),
+    }
+    .contiguous()
+    .expect("contiguous")
+}
+
+/// The engines' block orders (vLLM's split K and transposed V, FlashInfer's head-major, ours):
+/// each layer's K and V written block by block through candle tensors of that shape and read
+/// back by table bit-exact; attention over the blocks read from each shape matches the
+/// paged-attention kernel over the same data in the token-major cache; every shape spans the
+/// same bytes per block; a split K that does not divide head_dim, or a shape on a contiguous
+/// cache, is refused with the numbers.
+#[test]
+fn paged_kv_block_shapes_hold_the_engines_orders() {
+    let dev = Device::new_cuda(0).expect("candle CUDA device 0");
+    let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let (heads, kvh, d, layers, blocks) = (8, 2, 64, 2, 256);
+    let mut rng = Rng::new(5);
+    let config = || PagedKvConfig::new(layers, kvh, d, TOKENS, 2, blocks);
+    let caches: Vec<(BlockShape, PagedKvTensors)> = [
+        BlockShape::TokenMajor,
+        BlockShape::HeadMajor,
+        BlockShape::SplitK,
+    ]
+    .into_iter()
+    .map(|s| {
+        let c = PagedKvTensors::with_shape(&tensors, config(), DType::BF16, s).expect("cache");
+        (s, c)
+    })
+    .collect();
+    let per_block = TOKENS * kvh * d;
+    for (s, c) in &caches {
+        assert_eq!(c.block_shape(), *s);
+        for t in [c.k(0).expect("k"), c.v(1).expect("v")] {
+            assert_eq!(t.dims()[0], blocks, "{s:?}");
+            assert_eq!(t.dims()[1..].iter().product::<usize>(), per_block, "{s:?}");
+        }
+    }
+    assert_eq!(
+        caches[2].1.k(0).expect("k").dims(),
+        &[blocks, kvh, d / 8, TOKENS, 8]
+    );
+    assert_eq!(
+        caches[2].1.v(0).expect("v").dims(),
+        &[blocks, kvh, d, TOKENS]
+    );
+    // Scattered live blocks in each cache: 48 taken, every third given back.
+    let ids: Vec<Vec<usize>> = caches
+        .iter()
+        .map(|(_, c)| {
+            let all = c.alloc(48).expect("alloc");
+            let gone: Vec<usize> = all.iter().copied().filter(|b| b % 3 == 1).collect();
+            c.free(&gone).expect("free");
+            all.into_iter().filter(|b| b % 3 != 1).collect()
+        })
+        .collect();
+    let n = ids[0].len();
+    assert!(ids.iter().all(|i| i.len() == n), "{ids:?}");
+    let tables: Vec<Tensor> = ids
+        .iter()
+        .map(|live| {
+            let t: Vec<u32> = live.iter().map(|&b| b as u32).collect();
+            Tensor::new(t.as_slice(), &dev).expect("table")
+        })
+        .collect();
+    // Per layer and K/V, token-major reference data for the live blocks.
+    let data: Vec<Tensor> = (0..2 * layers)
+        .map(|_| {
+            let v: Vec<f32> = (0..n * per_block)
+                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            Tensor::from_vec(v, (n, TOKENS, kvh, d), &dev)
+                .and_then(|t| t.to_dtype(DType::BF16))
+                .expect("data")
+        })
+        .collect();
+    for (ci, (s, c)) in caches.iter().enumerate() {
+        let table = &tables[ci];
+        for l in 0..layers {
+            for kv in 0..2 {
+                let t = if kv == 0 { c.k(l) } else { c.v(l) }.expect("layer tensor");
+                let shaped = to_shape(&data[2 * l + kv], *s, kv);
+                for (i, &b) in ids[ci].iter().enumerate() {
+                    t.slice_set(&shaped.narrow(0, i, 1).expect("block"), 0, b)
+                        .expect("write a block");
+                }
+                let back = from_shape(&t.index_select(table, 0).expect("gather"), *s, kv);
+                let diff = (back.to_dtype(DType::F32).expect("f32")
+                    - data[2 * l + kv].to_dtype(DType::F32).expect("f32"))
+                .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                .expect("diff");
+                assert_eq!(diff, 0.0, "{s:?} layer {l} kv {kv}: read back differs");
+            }
+        }
+    }
+    // One sequence over all the live blocks: the kernel on the token-major cache against
+    // attention over the blocks each shape gives back.
+    let len = n * TOKENS - 5;
+    let q: Vec<f32> = (0..heads * d)
+        .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    let q = Tensor::from_vec(q, (1, heads, d), &dev)
+        .and_then(|t| t.to_dtype(DType::BF16))
+        .expect("q");
+    let scale = 1.0 / (d as f64).sqrt();
+    let (_, token_major) = &caches[0];
+    let lens = Tensor::new(&[len as u32], &dev).expect("lens");
+    let tab2 = tables[0].reshape((1, n)).expect("table row");
+    for l in 0..layers {
+        let got = paged_attention_decode(
+            &q,
+            &token_major.k(l).expect("k"),
+            &token_major.v(l).expect("v"),
+            &tab2,
+            &lens,
+            len,
+            scale as f32,
+        )
+        .and_then(|t| t.to_dtype(DType::F32))
+        .expect("kernel");
+        for (ci, (s, c)) in caches.iter().enumerate() {
+            let read = |kv: usize| {
+                let t = if kv == 0 { c.k(l) } else { c.v(l) }.expect("layer tensor");
+                from_shape(&t.index_select(&tables[ci], 0).expect("gather"), *s, kv)
+                    .reshape((n * TOKENS, kvh, d))
+                    .and_then(|t| t.narrow(0, 0, len))
+                    .and_then(|t| t.to_dtype(DType::F32))
+                    .expect("blocks")
+            };
+            let q32 = q
+                .to_dtype(DType::F32)
+                .and_then(|q| q.squeeze(0))
+                .expect("q");
+            let want = reference(&q32, &read(0), &read(1), heads, scale);
+            let diff = (got.squeeze(0).expect("squeeze") - want)
+                .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                .expect("diff");
+            assert!(diff < 2e-2, "{s:?} layer {l}: the kernel differs by {diff}");
+        }
+    }
+    // Shapes that cannot hold the config are refused before anything is mapped.
+    let e = PagedKvTensors::with_shape(
+        &tensors,
+        PagedKvConfig::new(1, 2, 12, TOKENS, 2, 8),
+        DType::BF16,
+        BlockShape::SplitK,
+    )
+    .expect_err("head_dim 12 with x = 8");
+    assert!(
+        e.to_string()
+            .contains("head_dim 12 is not a multiple of x = 8"),
+        "{e}"
+    );
+    let e = PagedKvTensors::with_shape(
+        &tensors,
+        config().layout(elastic_vmm::kv::KvLayout::Contiguous),
+        DType::BF16,
+        BlockShape::HeadMajor,
+    )
+    .expect_err("a shape on a contiguous cache");
+    assert!(e.to_string().contains("per-layer tensors"), "{e}");
+    drop(caches);
+    dev.synchronize().expect("device still usable");
 }
