@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use elastic_vmm::backend::host::HostBackend;
-use elastic_vmm::kv::{BlockId, BlockPool, BlockPoolHook, KvLayout, PagedKvConfig};
+use elastic_vmm::kv::{BlockId, BlockPool, BlockPoolHook, KvLayout, PagedKv, PagedKvConfig};
 use elastic_vmm::{
     Backend, Error, ModelConfig, ModelHandle, PoolConfig, SharedPool, SharedPoolConfig,
 };
@@ -144,6 +144,47 @@ fn a_short_take_evicts_the_least_recently_released_and_a_hit_keeps_its_bytes() {
     assert!(holds(&bp, b, 101));
     assert!(null_reads_zeros(&bp));
     assert!(used(&m) <= 5 * BLOCK);
+    s.audit().expect("audit");
+}
+
+/// An owner presenting the cache otherwise (as `PagedKvTensors` presents it to kernels).
+struct Presenter(PagedKv);
+
+impl AsRef<PagedKv> for Presenter {
+    fn as_ref(&self) -> &PagedKv {
+        &self.0
+    }
+}
+
+/// A block pool over a cache another owner presents hands out that owner's blocks: what the
+/// pool takes is live in the owner's cache, a hit keeps its bytes, a free goes back to it; the
+/// conditions of `over` hold (the null block reserved, no block allocated before).
+#[test]
+fn a_block_pool_over_a_shared_cache_hands_out_the_owners_blocks() {
+    let s = shared(64 * BLOCK);
+    let m = register(&s, "m", 5 * BLOCK);
+    let owner = Arc::new(Presenter(
+        PagedKv::new(&m, cfg(16).null_block(true)).expect("cache"),
+    ));
+    let bp = BlockPool::over_shared(owner.clone()).expect("block pool");
+    let ids = bp.take(3).expect("take");
+    assert_eq!(owner.0.stats().live, 3, "taken in the owner's cache");
+    fill(&bp, ids[0], 7);
+    bp.release_cached(ids[0], 70).expect("release");
+    assert_eq!(bp.take_cached(70), Some(ids[0]));
+    assert!(holds(&bp, ids[0], 7), "a hit keeps its bytes");
+    bp.free(&ids).expect("free");
+    assert_eq!(owner.0.stats().live, 0, "freed in the owner's cache");
+    assert!(null_reads_zeros(&bp));
+    drop(bp);
+    // Refused as `over` refuses: no null block; blocks allocated already.
+    let plain = Arc::new(Presenter(PagedKv::new(&m, cfg(4)).expect("cache")));
+    let e = BlockPool::over_shared(plain).expect_err("no null block");
+    assert!(e.to_string().contains("null block"), "{e}");
+    let held = owner.0.alloc(1).expect("alloc");
+    let e = BlockPool::over_shared(owner.clone()).expect_err("a block allocated");
+    assert!(e.to_string().contains("1 blocks allocated already"), "{e}");
+    owner.0.free(&held).expect("free");
     s.audit().expect("audit");
 }
 

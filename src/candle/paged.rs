@@ -129,6 +129,14 @@ impl Drop for FinishGpu {
     }
 }
 
+/// The cache underneath, for a [`crate::kv::BlockPool::over_shared`] that hands out its
+/// blocks while these tensors present them to kernels.
+impl AsRef<PagedKv> for PagedKvTensors {
+    fn as_ref(&self) -> &PagedKv {
+        &self.core.kv
+    }
+}
+
 impl fmt::Debug for PagedKvTensors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PagedKvTensors")

@@ -272,15 +272,33 @@ impl State {
 ///
 /// `Send + Sync`; every method takes `&self`.
 pub struct BlockPool {
-    kv: PagedKv,
+    kv: Home,
     state: Mutex<State>,
     sizing: Option<KvSizing>,
+}
+
+/// The cache a block pool hands out: its own, or one it shares with an owner that presents it
+/// otherwise (the candle tensors of the cache, so the engine's kernels read the blocks the pool
+/// hands out).
+enum Home {
+    Own(PagedKv),
+    Shared(Arc<dyn AsRef<PagedKv> + Send + Sync>),
+}
+
+impl std::ops::Deref for Home {
+    type Target = PagedKv;
+    fn deref(&self) -> &PagedKv {
+        match self {
+            Home::Own(kv) => kv,
+            Home::Shared(owner) => (**owner).as_ref(),
+        }
+    }
 }
 
 impl fmt::Debug for BlockPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BlockPool")
-            .field("kv", &self.kv)
+            .field("kv", &*self.kv)
             .field("stats", &self.stats())
             .finish()
     }
@@ -306,6 +324,17 @@ impl BlockPool {
     /// A block pool over `kv`, which must reserve the null block
     /// ([`PagedKvConfig::null_block`]) and have no block allocated (the pool owns every id).
     pub fn over(kv: PagedKv) -> Result<BlockPool> {
+        Self::adopt(Home::Own(kv))
+    }
+
+    /// A block pool over the cache `owner` presents (`PagedKvTensors`: the candle tensors
+    /// the engine's kernels read), with the same conditions as [`BlockPool::over`]. The owner
+    /// keeps the cache alive as long as the pool; allocate and free through the pool only.
+    pub fn over_shared(owner: Arc<dyn AsRef<PagedKv> + Send + Sync>) -> Result<BlockPool> {
+        Self::adopt(Home::Shared(owner))
+    }
+
+    fn adopt(kv: Home) -> Result<BlockPool> {
         if kv.null_block().is_none() {
             return Err(Error::InvalidArgument(
                 "block pool: the paged KV cache must reserve the null block (PagedKvConfig::null_block(true))".into(),

@@ -413,3 +413,51 @@ fn paged_kv_move_in_waits_for_kernels_queued_on_its_destinations() {
     drop(x);
     cache.free(&[0]).expect("free");
 }
+
+/// A candle engine's block pool over its cache's tensors (vLLM's split-K order): the blocks the
+/// pool hands out are written and read through the tensors; a prefix-cache hit gives back the
+/// same block with its bytes; the null block reads zeros; freeing through the pool frees the
+/// tensors' cache.
+#[test]
+fn a_block_pool_hands_out_the_blocks_of_candle_tensors() {
+    use elastic_vmm::candle::BlockShape;
+    use elastic_vmm::kv::BlockPool;
+    use std::sync::Arc;
+    let dev = Device::new_cuda(0).expect("candle CUDA device 0");
+    let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let config = PagedKvConfig::new(2, HEADS, DIM, TOKENS, 2, 64).null_block(true);
+    let cache = Arc::new(
+        PagedKvTensors::with_shape(&tensors, config, DType::BF16, BlockShape::SplitK)
+            .expect("paged cache"),
+    );
+    let blocks = BlockPool::over_shared(cache.clone()).expect("block pool");
+    let ids = blocks.take(3).expect("take");
+    assert_eq!(cache.stats().live, 3);
+    let k = cache.k(1).expect("k");
+    let one = Tensor::arange(0f32, (HEADS * DIM * TOKENS) as f32, &dev)
+        .and_then(|t| t.to_dtype(DType::BF16))
+        .and_then(|t| t.reshape((1, HEADS, DIM / 8, TOKENS, 8)))
+        .expect("block data");
+    k.slice_set(&one, 0, ids[1]).expect("write a taken block");
+    blocks.release_cached(ids[1], 42).expect("release");
+    assert_eq!(blocks.take_cached(42), Some(ids[1]));
+    let table = Tensor::new(&[ids[1] as u32, blocks.null_block() as u32], &dev).expect("table");
+    let read = k
+        .index_select(&table, 0)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .expect("read");
+    let diff = (read.narrow(0, 0, 1).expect("hit") - one.to_dtype(DType::F32).expect("f32"))
+        .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+        .expect("diff");
+    assert_eq!(diff, 0.0, "the hit kept its bytes");
+    let null = read
+        .narrow(0, 1, 1)
+        .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+        .expect("null");
+    assert_eq!(null, 0.0, "the null block reads zeros");
+    blocks.free(&ids).expect("free");
+    assert_eq!(cache.stats().live, 0);
+    drop((k, blocks, cache));
+    dev.synchronize().expect("device still usable");
+}
