@@ -176,7 +176,19 @@ fn a_block_pool_over_a_shared_cache_hands_out_the_owners_blocks() {
     bp.free(&ids).expect("free");
     assert_eq!(owner.0.stats().live, 0, "freed in the owner's cache");
     assert!(null_reads_zeros(&bp));
+    // Dropped with blocks held (one referenced, one cached), it gives them back to the owner,
+    // whose cache another pool can then adopt.
+    let kept = bp.take(2).expect("take");
+    bp.release_cached(kept[0], 71).expect("release");
+    assert_eq!(owner.0.stats().live, 2);
     drop(bp);
+    assert_eq!(
+        owner.0.stats().live,
+        0,
+        "the pool's blocks went back with it"
+    );
+    let again = BlockPool::over_shared(owner.clone()).expect("a second pool adopts the cache");
+    drop(again);
     // Refused as `over` refuses: no null block; blocks allocated already.
     let plain = Arc::new(Presenter(PagedKv::new(&m, cfg(4)).expect("cache")));
     let e = BlockPool::over_shared(plain).expect_err("no null block");

@@ -310,6 +310,8 @@ impl LayerCache for PagedKvTensors {
     }
 
     /// The crate's paged-attention op: K and V read in place through the tables, no gather.
+    /// Token-major blocks only (the order the op reads), of the head sizes, query heads per
+    /// KV head and dtypes it takes; anything else gathers.
     fn decode_attention(
         &self,
         q: &Tensor,
@@ -320,6 +322,17 @@ impl LayerCache for PagedKvTensors {
         max_context: usize,
         scale: f32,
     ) -> Option<candle_core::Result<Tensor>> {
+        let (heads, hd) = (q.dim(1).ok()?, q.dim(2).ok()?);
+        let kvh = k.dim(2).ok()?;
+        let supported = self.block_shape() == elastic_vmm::candle::BlockShape::TokenMajor
+            && matches!(q.dtype(), DType::BF16 | DType::F16)
+            && matches!(hd, 64 | 128)
+            && kvh > 0
+            && heads % kvh == 0
+            && matches!(heads / kvh, 1 | 2 | 4 | 8);
+        if !supported {
+            return None;
+        }
         Some(elastic_vmm::candle::paged_attention_decode(
             q,
             k,

@@ -380,7 +380,8 @@ fn attend(
     let rep = s.heads / kvh;
     let ctx = start + len;
     // [len, kvh, rep, hd] -> [kvh, rep * len, hd], scaled here (len rows) rather than the
-    // scores (len x ctx).
+    // scores (len x ctx, a pass of f32 fewer). In bf16 that rounds q once more and the scale
+    // to bf16 (1/sqrt(128) by about 1e-4 relative); decode scales in f32.
     let q = (q
         .reshape((len, kvh, rep, hd))?
         .permute((1, 2, 0, 3))?

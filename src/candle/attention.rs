@@ -2,9 +2,10 @@
 //! tokens read in place through its block table, with no gather copy (the kernel is
 //! `kernels/paged_attention.cu`, its PTX committed and embedded).
 //!
-//! The cache is the per-layer layout of [`crate::kv::PagedKv`] (and of mistral.rs's FlashInfer
-//! path): K and V each `[blocks, block_tokens, kv_heads, head_dim]`, as
-//! [`super::PagedKvTensors::k`] and [`super::PagedKvTensors::v`] give them. Grouped-query
+//! The cache is the per-layer layout of [`crate::kv::PagedKv`] (FlashInfer's NHD): K and V
+//! each `[blocks, block_tokens, kv_heads, head_dim]`, as [`super::PagedKvTensors::k`] and
+//! [`super::PagedKvTensors::v`] give them with [`super::BlockShape::TokenMajor`] (the default;
+//! the op cannot tell another 4-d order from this one, so give it no other). Grouped-query
 //! attention: `heads` a multiple of `kv_heads` (1, 2, 4 or 8 query heads per KV head);
 //! `head_dim` 64 or 128; f16 or bf16, accumulated in f32.
 //!

@@ -40,12 +40,13 @@ use crate::kv::{
 /// and budget are the same whatever the shape; only the tensors' dimensions differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BlockShape {
-    /// K and V `[blocks, block_tokens, kv_heads, head_dim]`: the crate's
-    /// [`super::paged_attention_decode`], and [`KvLayout::Contiguous`]'s order.
+    /// K and V `[blocks, block_tokens, kv_heads, head_dim]` (FlashInfer's NHD): the order the
+    /// crate's [`super::paged_attention_decode`] reads (it cannot tell another 4-d shape from
+    /// this one: give it token-major caches only), and [`KvLayout::Contiguous`]'s order.
     #[default]
     TokenMajor,
-    /// K and V `[blocks, kv_heads, block_tokens, head_dim]`: FlashInfer's paged cache (NHD
-    /// per head), as mistral.rs's FlashInfer path allocates it.
+    /// K and V `[blocks, kv_heads, block_tokens, head_dim]`: FlashInfer's HND paged layout,
+    /// as mistral.rs's FlashInfer path allocates it.
     HeadMajor,
     /// vLLM's paged-attention kernels (mistral.rs, candle-vllm, attention-rs): K `[blocks,
     /// kv_heads, head_dim / x, block_tokens, x]` with `x` elements in 16 bytes (8 for f16 and

@@ -277,6 +277,25 @@ pub struct BlockPool {
     sizing: Option<KvSizing>,
 }
 
+/// A shared cache outlives the pool: the blocks the pool still holds (referenced or cached) go
+/// back to it, so the owner's cache has none allocated (and a new pool can adopt it).
+impl Drop for BlockPool {
+    fn drop(&mut self) {
+        if let Home::Shared(_) = self.kv {
+            let held: Vec<BlockId> = self
+                .state
+                .get_mut()
+                .blocks
+                .drain()
+                .map(|(b, _)| b)
+                .collect();
+            if let Err(e) = self.kv.free(&held) {
+                tracing::error!(error = %e, blocks = held.len(), "a block pool over a shared cache could not free its blocks");
+            }
+        }
+    }
+}
+
 /// The cache a block pool hands out: its own, or one it shares with an owner that presents it
 /// otherwise (the candle tensors of the cache, so the engine's kernels read the blocks the pool
 /// hands out).
@@ -328,8 +347,10 @@ impl BlockPool {
     }
 
     /// A block pool over the cache `owner` presents (`PagedKvTensors`: the candle tensors
-    /// the engine's kernels read), with the same conditions as [`BlockPool::over`]. The owner
-    /// keeps the cache alive as long as the pool; allocate and free through the pool only.
+    /// the engine's kernels read), with the same conditions as [`BlockPool::over`]. The pool
+    /// keeps the owner alive; while it lives, take and free blocks through the pool only (not
+    /// the owner's `alloc`, `free`, `compact`, `move_out` or `move_in`, which would change ids
+    /// behind its books). Dropped, it frees every block it still holds in the owner's cache.
     pub fn over_shared(owner: Arc<dyn AsRef<PagedKv> + Send + Sync>) -> Result<BlockPool> {
         Self::adopt(Home::Shared(owner))
     }

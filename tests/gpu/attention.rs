@@ -289,6 +289,14 @@ fn paged_kv_block_shapes_hold_the_engines_orders() {
         }
     }
     assert_eq!(
+        caches[0].1.k(0).expect("k").dims(),
+        &[blocks, TOKENS, kvh, d]
+    );
+    assert_eq!(
+        caches[1].1.v(1).expect("v").dims(),
+        &[blocks, kvh, TOKENS, d]
+    );
+    assert_eq!(
         caches[2].1.k(0).expect("k").dims(),
         &[blocks, kvh, d / 8, TOKENS, 8]
     );
