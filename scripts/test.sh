@@ -231,5 +231,32 @@ step "every feature (candle with its CUDA backend, NIXL): lint, docs, examples; 
   RUSTDOCFLAGS="-D warnings" cargo doc "${lint[@]}" --no-deps
 )
 
+step "the serving engine's model on candle's CPU backend (examples/serve/paged_llama.rs tests)"
+(
+  # Built as the lint above (its candle kernels reused); linking needs CUDA's libraries (the
+  # full toolchain: cuBLAS, cuRAND). Nothing here calls the driver: on a machine without one,
+  # the toolchain's link-only libcuda stub lets the binary load.
+  eval "$(scripts/cuda-toolchain.sh)"
+  lint=(--profile "$profile" --features gpu-tests,candle-example,nixl
+    --config "profile.$profile.package.candle-kernels.opt-level=0")
+  if [[ "$(nvcc --help)" == *--Ofast-compile* ]]; then
+    export NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }-Ofc=max"
+  fi
+  libs=$CUDA_ROOT/lib
+  [[ -d $CUDA_ROOT/lib64 ]] && libs=$CUDA_ROOT/lib64
+  if ! grep -q 'libcuda\.so\.1' <<<"$(ldconfig -p 2>/dev/null || true)"; then
+    stub=$(find "$CUDA_ROOT/" -path '*/stubs/libcuda.so' -print -quit)
+    [[ -n $stub ]] || {
+      echo "no libcuda.so.1 here and no stub under $CUDA_ROOT" >&2
+      exit 1
+    }
+    mkdir -p "$tmp/libcuda"
+    ln -sf "$stub" "$tmp/libcuda/libcuda.so.1"
+    libs=$tmp/libcuda:$libs
+  fi
+  LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    cargo test "${lint[@]}" --test serve -- paged_llama
+)
+
 end_step
 printf '\nall checks passed\n'

@@ -540,6 +540,66 @@ mod tests {
         }
     }
 
+    /// The cache with a decode kernel of its own, as the GPU's is: each sequence's K and V
+    /// read through its row of the `[batch, width]` table, the first `lens[b]` tokens, per
+    /// query head over its KV head, in plain ops; counts its calls.
+    struct Hooked(Cache, std::cell::Cell<usize>);
+
+    impl LayerCache for Hooked {
+        fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+            self.0.layer(l)
+        }
+
+        fn decode_attention(
+            &self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            table: &Tensor,
+            lens: &Tensor,
+            max_context: usize,
+            scale: f32,
+        ) -> Option<candle_core::Result<Tensor>> {
+            self.1.set(self.1.get() + 1);
+            let run = || -> candle_core::Result<Tensor> {
+                let (b, heads, hd) = q.dims3()?;
+                let kvh = k.dim(2)?;
+                let lens = lens.to_vec1::<u32>()?;
+                assert_eq!(lens.len(), b, "a length per sequence");
+                assert_eq!(
+                    lens.iter().copied().max().unwrap_or(0) as usize,
+                    max_context,
+                    "max_context is the longest length"
+                );
+                let mut outs = Vec::with_capacity(b);
+                for (i, &len) in lens.iter().enumerate() {
+                    let row = table.get(i)?;
+                    let read = |c: &Tensor| -> candle_core::Result<Tensor> {
+                        let n = row.dim(0)?;
+                        c.index_select(&row, 0)?
+                            .reshape((n * BLOCK_TOKENS, kvh, hd))?
+                            .narrow(0, 0, len as usize)
+                    };
+                    let (ks, vs) = (read(k)?, read(v)?);
+                    let mut per_head = Vec::with_capacity(heads);
+                    for h in 0..heads {
+                        let g = h / (heads / kvh);
+                        let qh = q.get(i)?.get(h)?.reshape((1, hd))?;
+                        let kh = ks.narrow(1, g, 1)?.reshape((len as usize, hd))?;
+                        let vh = vs.narrow(1, g, 1)?.reshape((len as usize, hd))?;
+                        let p = candle_nn::ops::softmax_last_dim(
+                            &(qh.matmul(&kh.t()?)? * scale as f64)?,
+                        )?;
+                        per_head.push(p.matmul(&vh)?.reshape(hd)?);
+                    }
+                    outs.push(Tensor::stack(&per_head, 0)?);
+                }
+                Tensor::stack(&outs, 0)
+            };
+            Some(run())
+        }
+    }
+
     fn model() -> PagedLlama {
         let vm = VarMap::new();
         let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
@@ -584,6 +644,46 @@ mod tests {
             out.push(rows(&m.forward(cache, &[p]).unwrap()).remove(0));
         }
         out
+    }
+
+    /// A decode step through the cache's own kernel (the hook the GPU engine's paged-attention
+    /// op uses) gives the logits the gather gives: tables as `[batch, width]` rows padded to the
+    /// longest, lengths per sequence, output reshaped back; called once per layer.
+    #[test]
+    fn a_decode_through_the_caches_kernel_equals_the_gather() {
+        let m = model();
+        let s = shape();
+        let tables: [&[u32]; 3] = [&[7, 2, 19], &[4], &[11, 30]];
+        let prompts = [40usize, 9, 25];
+        let (plain, hooked) = (Cache::new(&s), Hooked(Cache::new(&s), Default::default()));
+        for (t, &n) in tables.iter().zip(&prompts) {
+            for c in [&plain as &dyn LayerCache, &hooked] {
+                let p = Piece {
+                    blocks: t,
+                    start: 0,
+                    len: n,
+                };
+                m.forward(c, &[p]).unwrap();
+            }
+        }
+        assert_eq!(hooked.1.get(), 0, "a prefill gathers");
+        let step = |c: &dyn LayerCache| {
+            let pieces: Vec<Piece> = tables
+                .iter()
+                .zip(&prompts)
+                .map(|(t, &n)| Piece {
+                    blocks: t,
+                    start: n,
+                    len: 1,
+                })
+                .collect();
+            rows(&m.forward(c, &pieces).unwrap())
+        };
+        let (want, got) = (step(&plain), step(&hooked));
+        assert_eq!(hooked.1.get(), s.layers, "the kernel once per layer");
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            close(g, w, &format!("sequence {i}"));
+        }
     }
 
     #[test]
