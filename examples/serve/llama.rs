@@ -492,7 +492,9 @@ pub struct GpuCluster {
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Run the largest steps `model` can be asked for: one prefill forward of `chunk` tokens at
-/// the longest context, one decode of `max_batch` sequences all at the longest context. The
+/// the longest context (from position 1 at least, so it reads its context from the blocks as
+/// a later chunk does, the heavier of the two prefill paths), one decode of `max_batch`
+/// sequences all at the longest context. The
 /// block tables repeat one real block (attention reads `context` keys through them; the
 /// writes land in that block), so the warm-up needs no KV beyond it.
 pub fn warm(
@@ -508,7 +510,7 @@ pub fn warm(
     let r = (|| {
         model.prefill(&[SeqView {
             blocks: &table,
-            new_tokens: chunk.min(max_context) as u32,
+            new_tokens: chunk.min(max_context.saturating_sub(1)).max(1) as u32,
             context,
         }])?;
         let seqs: Vec<SeqView> = (0..max_batch)
