@@ -894,10 +894,13 @@ pub fn from_saved(dirs: &[PathBuf], out: &Path) -> Result<Summary, String> {
                     })
                 }
                 Some(h) => {
-                    if h.slo != r.slo || (h.nominal_rate - nominal).abs() > 1e-6 * nominal.max(1.0)
-                    {
+                    // Commands of one sweep measure the device's free memory each: their KV
+                    // budgets, so their load 1.0, may differ by a few blocks.
+                    let apart = (h.nominal_rate - nominal).abs()
+                        > 5e-3 * h.nominal_rate.abs().max(nominal.abs());
+                    if h.slo != r.slo || apart {
                         return Err(format!(
-                            "{}: SLO {:?} at {nominal:.4}/s nominal, where the first run had {:?} at {:.4}/s",
+                            "{}: SLO {:?} at {nominal:.4}/s nominal, where the first run had {:?} at {:.4}/s (load 1.0 may differ by 0.5% at most)",
                             p.display(),
                             r.slo,
                             h.slo,
