@@ -241,16 +241,20 @@ impl StepModel for LlamaModel {
     }
 
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        let pieces: Vec<Piece> = seqs
-            .iter()
-            .map(|s| Piece {
-                blocks: s.blocks,
-                start: (s.context as usize).saturating_sub(1),
-                len: 1,
-            })
-            .collect();
+        let pieces = decode_pieces(seqs);
         self.run(|m| m.llama.forward(&*m.kv, &pieces).map(|_| ()))
     }
+}
+
+/// A decode step's pieces: each sequence's last token.
+fn decode_pieces<'a>(seqs: &[SeqView<'a>]) -> Vec<Piece<'a>> {
+    seqs.iter()
+        .map(|s| Piece {
+            blocks: s.blocks,
+            start: (s.context as usize).saturating_sub(1),
+            len: 1,
+        })
+        .collect()
 }
 
 /// The cache without its kernel: a forward over it gathers the blocks (the reference the
@@ -268,14 +272,7 @@ impl LlamaModel {
     /// paged-attention kernel and by gathering the blocks, and the largest logit (the same
     /// K and V written twice, so both read the same cache).
     pub fn decode_check(&mut self, seqs: &[SeqView]) -> Result<(f32, f32), String> {
-        let pieces: Vec<Piece> = seqs
-            .iter()
-            .map(|s| Piece {
-                blocks: s.blocks,
-                start: (s.context as usize).saturating_sub(1),
-                len: 1,
-            })
-            .collect();
+        let pieces = decode_pieces(seqs);
         let (pool, id) = (self.pool.clone(), self.id.clone());
         route::with_route(
             &pool,
