@@ -27,6 +27,8 @@ mod metrics;
 mod paged_llama;
 #[path = "../examples/serve/report.rs"]
 mod report;
+#[path = "../examples/serve/sleeper.rs"]
+mod sleeper;
 #[path = "../examples/serve/trace.rs"]
 mod trace;
 #[path = "../examples/serve/workload.rs"]
@@ -983,6 +985,29 @@ mod workload_tests {
 "#;
 
     #[test]
+    fn bursts_keep_each_models_on_windows_only() {
+        use super::trace::Request;
+        let reqs: Vec<Request> = (0..100)
+            .map(|i| Request {
+                id: i,
+                model: 1,
+                arrival_us: i * 100_000,
+                prompt: 1,
+                output: 1,
+            })
+            .collect();
+        // Model 1 of 2, 2 s on and 2 s off: its bursts start at 2 s of each 4 s cycle.
+        let kept = bursts(reqs, 1, 2, 2.0, 2.0);
+        // Its bursts in 10 s of arrivals every 0.1 s: [2, 4) and [6, 8).
+        assert_eq!(kept.len(), 40);
+        assert!(kept
+            .iter()
+            .all(|r| (r.arrival() - 2.0).rem_euclid(4.0) < 2.0));
+        assert_eq!(kept[0].arrival_us, 2_000_000);
+        assert!(kept.iter().enumerate().all(|(i, r)| r.id == i as u64));
+    }
+
+    #[test]
     fn azure_and_mooncake_rows_parse() {
         let a = parse_azure(AZURE).unwrap();
         assert_eq!(a.len(), 3);
@@ -1156,6 +1181,7 @@ mod deploy_tests {
             duration_s: 0.5,
             drain_s: 1.5,
             reclaim_wait_ms: 200,
+            sleep_idle_s: 1.0,
         }
     }
 
@@ -1169,7 +1195,8 @@ mod deploy_tests {
         // One deployment serves both runs: the driver lowers model 0's limit from the whole KV
         // budget (elastic) to its share (static) between them, through the broker.
         let first = burst_point(DeployPolicy::Elastic);
-        let mut d = Deployment::start(&launcher(), &first.sizes, 2, first.reclaim_wait_ms).unwrap();
+        let mut d =
+            Deployment::start(&launcher(), &first.sizes, 2, first.reclaim_wait_ms, false).unwrap();
         for policy in [DeployPolicy::Elastic, DeployPolicy::StaticEqual] {
             let p = burst_point(policy);
             let r = d.run(&p).unwrap();
@@ -1218,6 +1245,101 @@ mod deploy_tests {
             el.ttft_p90,
             stc.ttft_p90
         );
+    }
+
+    /// Three models on a budget with room for two bases: model `m`'s four requests arrive
+    /// at `starts[m]` seconds.
+    fn turns_point(policy: DeployPolicy, starts: [f64; 3]) -> Point {
+        let mut sizes = DeploySizes::small(3);
+        sizes.resident = 2;
+        sizes.kv_blocks = 128;
+        let requests = starts
+            .iter()
+            .enumerate()
+            .map(|(m, &t)| {
+                (0..4)
+                    .map(|i| Request {
+                        id: i,
+                        model: m,
+                        arrival_us: (t * 1e6) as u64 + i * 10_000,
+                        prompt: 200,
+                        output: 20,
+                    })
+                    .collect()
+            })
+            .collect();
+        Point {
+            policy,
+            sizes,
+            requests,
+            demand: vec![1.0; 3],
+            duration_s: 2.0,
+            drain_s: 2.0,
+            reclaim_wait_ms: 200,
+            sleep_idle_s: 0.1,
+        }
+    }
+
+    /// More models than the budget holds: the engines load one by one, each asleep before
+    /// the next; in a run each sleeps when idle and wakes for its requests (the wake inside
+    /// their TTFT), and a wake the budget has no room for waits until another model sleeps.
+    /// Every request is served; the weights come back intact after each wake (the engines
+    /// check them after every run).
+    #[test]
+    fn sleeping_models_take_turns_beyond_what_the_budget_holds() {
+        let slo = Slo {
+            ttft_s: 10.0,
+            tpot_s: 1.0,
+        };
+        let first = turns_point(DeployPolicy::ElasticSleep, [0.0; 3]);
+        // Not for sleep-less policies, with more models than fit.
+        assert!(
+            Deployment::start(&launcher(), &first.sizes, 3, 200, false).is_err(),
+            "three models with room for two bases started without sleeps"
+        );
+        let mut d = Deployment::start(&launcher(), &first.sizes, 3, 200, true).unwrap();
+        let refused = d.run(&turns_point(DeployPolicy::Elastic, [0.0; 3]));
+        assert!(refused.unwrap_err().contains("2 resident"));
+        // Apart, then all three at once.
+        for (policy, starts) in [
+            (DeployPolicy::ElasticSleep, [0.0, 0.6, 1.2]),
+            (DeployPolicy::StaticSleep, [0.0, 0.6, 1.2]),
+            (DeployPolicy::StaticSleep, [0.0, 0.0, 0.0]),
+            (DeployPolicy::ElasticSleep, [0.0, 0.0, 0.0]),
+        ] {
+            let p = turns_point(policy, starts);
+            let r = d.run(&p).unwrap();
+            let name = format!("{} {starts:?}", policy.name());
+            let st = RunStats::of(&r.records(), &slo, p.duration_s, r.end_s);
+            assert_eq!(
+                (st.requests, st.finished),
+                (12, 12),
+                "{name}: {:?}",
+                r.engines
+            );
+            for e in &r.engines {
+                assert!(e.errors.is_empty(), "{name}: {e:?}");
+                assert!(
+                    e.wakes >= 1 && e.wake_s > 0.0,
+                    "{name}: model {} never woke",
+                    e.model
+                );
+                // Apart, each model went back to sleep once idle.
+                if starts[1] > 0.0 {
+                    assert!(e.sleeps >= 1, "{name}: model {} never slept", e.model);
+                }
+            }
+            let refused: u64 = r.engines.iter().map(|e| e.wakes_refused).sum();
+            if policy == DeployPolicy::StaticSleep && starts[1] == 0.0 {
+                // Two bases and two static shares fill the budget: the third waited.
+                assert!(refused >= 1, "{name}: three awake at once: {:?}", r.engines);
+            }
+            if policy == DeployPolicy::ElasticSleep && starts[1] == 0.0 {
+                // The KV budget not in use has room for the third base: no wake waited.
+                assert_eq!(refused, 0, "{name}: {:?}", r.engines);
+            }
+        }
+        d.stop().unwrap();
     }
 }
 

@@ -6,6 +6,7 @@
 //!             [--seeds 1,2,3,4,5] [--duration S] [--drain S] [--traces conv,code,mooncake]
 //!             [--traces-dir DIR] [--len-scale F] [--kv-blocks B] [--slo-ttft S]
 //!             [--slo-tpot S] [--reclaim-wait-ms MS] [--out DIR]
+//!             [--resident R] [--sleep-after S] [--on-off ON,OFF] [--rate R]
 //!             [--gpu small|8b [--budget-gib G] [--reserve-gib G] [--act-reserve-gib G]
 //!              [--cost-ms STEP,SEQ,PREFILL[,CTX]] [--max-batch N] [--max-context N] [--prefill-chunk N]]
 //! ```
@@ -23,6 +24,16 @@
 //! attention`, 0.14 ms a prefill token from the first serve run, when decode still gathered
 //! its blocks) only stand in where no probe ran. The costs are multiplied by the models
 //! because the engines share the device's compute.
+//!
+//! Sleep policies (`static-sleep`, `elastic-sleep`; see `deploy.rs`): a model with no work
+//! for `--sleep-after` seconds (default 1) sleeps, its base copied to host memory and its
+//! guarantees given back; a request wakes it, the wake inside its TTFT. `--resident R` sizes
+//! the budget for R models' bases (default: every model's); with fewer than `--models` only
+//! sleep policies run, and the engines load one by one, each asleep before the next.
+//! `--on-off ON,OFF` keeps each model's requests to bursts of ON seconds followed by OFF idle
+//! (Prism-like; the models' bursts spread over the cycle); `--rate R` sets load 1.0 to R
+//! requests/s per model instead of the nominal capacity, so that sweeps over the model count
+//! offer each model the same traffic.
 //!
 //! `--reclaim-wait-ms` (default 200) is the broker's `reclaim_wait`: how long a growth the
 //! budget cannot take waits for other engines to give memory back before it is refused.
@@ -101,6 +112,15 @@ pub struct BenchArgs {
     pub max_context: u32,
     /// GPU: most tokens in one prefill forward.
     pub prefill_chunk: usize,
+    /// Models whose bases the budget holds at once (`None`: all; fewer: sleep policies only).
+    pub resident: Option<usize>,
+    /// Sleep policies: seconds with no work after which a model sleeps.
+    pub sleep_idle_s: f64,
+    /// Prism-like idle periods: each model's requests only in bursts of `.0` seconds, then
+    /// `.1` seconds idle, the bursts spread over the cycle.
+    pub on_off: Option<(f64, f64)>,
+    /// Load 1.0's rate per model (requests/s) as given, instead of the nominal capacity.
+    pub rate: Option<f64>,
 }
 
 impl BenchArgs {
@@ -138,6 +158,10 @@ impl BenchArgs {
             max_batch: 64,
             max_context: 4096,
             prefill_chunk: 512,
+            resident: None,
+            sleep_idle_s: 1.0,
+            on_off: None,
+            rate: None,
         }
     }
 
@@ -221,6 +245,21 @@ impl BenchArgs {
                 "--max-batch" => a.max_batch = num(v)? as usize,
                 "--max-context" => a.max_context = num(v)? as u32,
                 "--prefill-chunk" => a.prefill_chunk = num(v)? as usize,
+                "--resident" => a.resident = Some(num(v)? as usize),
+                "--sleep-after" => a.sleep_idle_s = num(v)?,
+                "--rate" => a.rate = Some(num(v)?),
+                "--on-off" => {
+                    let c = list(v)?
+                        .iter()
+                        .map(|x| num(x))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    match c[..] {
+                        [on, off] if on > 0.0 && off >= 0.0 => a.on_off = Some((on, off)),
+                        _ => {
+                            return Err(format!("--on-off: ON,OFF seconds, ON above 0, got {v:?}"))
+                        }
+                    }
+                }
                 _ => return Err(format!("bench: unknown flag {flag} (see bench.rs)")),
             }
             i += 2;
@@ -235,6 +274,31 @@ impl BenchArgs {
         if bad {
             return Err("bench: models, policies, seeds, traces, KV blocks, duration, length scale and loads must be positive".into());
         }
+        let (idle_ok, rate_ok) = (
+            a.sleep_idle_s.is_finite() && a.sleep_idle_s >= 0.0,
+            a.rate.is_none_or(|r| r.is_finite() && r > 0.0),
+        );
+        if !idle_ok || !rate_ok {
+            return Err(format!(
+                "bench: --sleep-after {} must be at least 0 and --rate {:?} above 0",
+                a.sleep_idle_s, a.rate
+            ));
+        }
+        match a.resident {
+            Some(r) if r == 0 || r > a.models => {
+                return Err(format!(
+                    "bench: --resident {r} must be from 1 to --models {}",
+                    a.models
+                ))
+            }
+            Some(r) if r < a.models && a.policies.iter().any(|p| !p.sleeps()) => {
+                return Err(format!(
+                    "bench: with --resident {r} below --models {} only sleep policies (static-sleep, elastic-sleep) serve every model",
+                    a.models
+                ))
+            }
+            _ => {}
+        }
         Ok(a)
     }
 
@@ -242,11 +306,17 @@ impl BenchArgs {
     fn sizes(&self) -> Result<DeploySizes, String> {
         let Some(size) = &self.gpu else {
             return Ok(DeploySizes {
-                kv_blocks: self.kv_blocks_per_model * self.models as u64,
+                kv_blocks: self.kv_blocks_per_model * self.resident() as u64,
+                resident: self.resident(),
                 ..DeploySizes::small(self.models)
             });
         };
         gpu_sizes(self, size)
+    }
+
+    /// Models whose bases the budget holds at once.
+    fn resident(&self) -> usize {
+        self.resident.unwrap_or(self.models)
     }
 
     fn lengths(&self) -> Lengths {
@@ -292,8 +362,10 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
         Size::Llama8B => 5 << 29,
         Size::Small => 1 << 30,
     });
+    let k = a.resident() as f64;
     Ok(DeploySizes {
         granularity: PAGE,
+        resident: a.resident(),
         block_tokens: BLOCK_TOKENS as u32,
         group_blocks: per_page,
         group_bytes: per_page * block,
@@ -308,12 +380,12 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
             max_context: a.max_context,
         },
         // The engines share the device's compute (time-sliced): with all of them busy a step
-        // takes K times as long.
+        // takes K times as long (K the models awake at once).
         cost: SimCost {
-            step_s: step * a.models as f64,
-            prefill_token_s: prefill * a.models as f64,
-            decode_seq_s: seq * a.models as f64,
-            context_token_s: ctx * a.models as f64,
+            step_s: step * k,
+            prefill_token_s: prefill * k,
+            decode_seq_s: seq * k,
+            context_token_s: ctx * k,
         },
         gpu: Some(deploy::GpuEngines {
             size: size.to_string(),
@@ -390,7 +462,7 @@ fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
     let demands: Vec<f64> = feeds.iter().map(|f| f.demand).collect();
     let contexts: Vec<f64> = feeds.iter().map(|f| f.context).collect();
     let kv_tokens = s.kv_blocks as f64 * s.block_tokens as f64;
-    let share_tokens = kv_tokens / a.models as f64;
+    let share_tokens = kv_tokens / a.resident() as f64;
     let mean_ctx = (contexts.iter().sum::<f64>() / contexts.len().max(1) as f64).max(1.0);
     let batch = (share_tokens / mean_ctx).clamp(1.0, s.engine.max_batch as f64);
     let step = s.cost.step_s + (s.cost.decode_seq_s + s.cost.context_token_s * mean_ctx) * batch;
@@ -420,7 +492,7 @@ fn requests(
     let mut synth: Option<Vec<Vec<Request>>> = None;
     let mut out = Vec::new();
     for (m, FeedStats { feed, .. }) in feeds.iter().enumerate() {
-        out.push(match feed {
+        let mut reqs = match feed {
             Feed::Real(rows) => workload::window(rows, m, seed, rate, a.duration_s, len),
             Feed::Synthetic => {
                 if synth.is_none() {
@@ -434,7 +506,11 @@ fn requests(
                 }
                 synth.as_ref().map(|s| s[m].clone()).unwrap_or_default()
             }
-        });
+        };
+        if let Some((on, off)) = a.on_off {
+            reqs = workload::bursts(reqs, m, a.models, on, off);
+        }
+        out.push(reqs);
     }
     Ok(out)
 }
@@ -669,7 +745,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                 info.budget as f64 / GIB
             ));
         }
-        let bases = (sizes.base() + sizes.zero_page).saturating_mul(a.models as u64);
+        let bases = sizes.bases(a.models);
         let groups = budget.saturating_sub(bases) / sizes.group_bytes.max(1);
         sizes.kv_blocks = groups * sizes.group_blocks;
         if sizes.kv_blocks == 0 {
@@ -684,7 +760,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
             "bench: {} on the GPU: budget {:.2} GiB = {} x {:.2} GiB bases (weights {:.2}) + {:.2} GiB of KV ({} blocks of {} tokens)",
             info.device,
             (bases + sizes.kv_bytes(sizes.kv_blocks)) as f64 / GIB,
-            a.models,
+            a.resident(),
             sizes.base() as f64 / GIB,
             sizes.weights as f64 / GIB,
             sizes.kv_bytes(sizes.kv_blocks) as f64 / GIB,
@@ -693,7 +769,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         );
         gpu = Some(info);
     }
-    let rate1 = nominal_rate(a, &sizes, &feeds);
+    let rate1 = a.rate.unwrap_or_else(|| nominal_rate(a, &sizes, &feeds));
     let (commit, machine) = (commit(), machine(gpu.as_ref()));
     let traces: Vec<String> = (0..a.models)
         .map(|m| a.sources[m % a.sources.len()].name().to_string())
@@ -710,7 +786,9 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
     let mut all = Vec::new();
     let total = a.seeds.len() * a.loads.len() * a.policies.len();
     // One deployment serves every run of the sweep: engines are loaded once.
-    let mut deployment = deploy::Deployment::start(launcher, &sizes, a.models, a.reclaim_wait_ms)?;
+    let sleeps = a.policies.iter().any(|p| p.sleeps());
+    let mut deployment =
+        deploy::Deployment::start(launcher, &sizes, a.models, a.reclaim_wait_ms, sleeps)?;
     for (si, &seed) in a.seeds.iter().enumerate() {
         for &load in &a.loads {
             let rate = load * rate1;
@@ -731,6 +809,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     duration_s: a.duration_s,
                     drain_s: a.drain_s,
                     reclaim_wait_ms: a.reclaim_wait_ms,
+                    sleep_idle_s: a.sleep_idle_s,
                 };
                 let result = deployment.run(&point)?;
                 let records = result.records();
@@ -768,6 +847,18 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     stats.tpot_p50,
                     result.wall_s
                 );
+                if policy.sleeps() {
+                    let sum = |f: fn(&deploy::EngineReport) -> f64| -> f64 {
+                        result.engines.iter().map(f).sum()
+                    };
+                    let wakes = sum(|e| e.wakes as f64);
+                    println!(
+                        "    sleeps {}, wakes {wakes} (mean {:.3} s each), wakes waiting for room {}",
+                        sum(|e| e.sleeps as f64),
+                        sum(|e| e.wake_s) / wakes.max(1.0),
+                        sum(|e| e.wakes_refused as f64)
+                    );
+                }
                 let file = RunFile {
                     command: command.to_string(),
                     commit: commit.clone(),

@@ -39,13 +39,22 @@
 //! - `elastic`: limit the whole KV budget, no guarantee (but its zero page). A model grows
 //!   into what the others do not hold; the broker asks the others to give back (their idle
 //!   chunks) when one cannot grow. An engine asked to give back (its reclaim callback) admits
-//!   nothing beyond its fair share (1/K of the KV budget) for the next `CONTENDED_S`.
+//!   nothing beyond its fair share (1/K of the KV budget) for the next `CONTENDED_S`;
+//! - `static-sleep`: whole models swapped. An awake model holds its base and a static share
+//!   of the KV budget (1/R of it, R the models whose bases the budget holds: `resident`),
+//!   both guaranteed; after `sleep_idle_s` with no work it sleeps (`sleeper.rs`: its base
+//!   copied to host memory, its chunks and guarantees given back) and a request wakes it,
+//!   when the broker has room for both guarantees (else it waits, in its TTFT);
+//! - `elastic-sleep`: as `elastic`, and an idle model sleeps: a wake needs room for its base
+//!   only, beside what the others use, so more models can be awake at once when their KV is
+//!   small. Each run of a sleep policy starts with every model asleep.
 //!
 //! Roles are chosen by the variable [`ROLE_VAR`] (`broker` or `engine`) and [`SPEC_VAR`]; a
 //! role talks to the driver by lines on stdin and stdout, each of its own lines holding
 //! [`LINE_PREFIX`] then the word (a test harness may print other text, even ahead of it on
 //! the line).
 
+use std::cell::RefCell;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -64,6 +73,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{Engine, EngineConfig, EngineCounters, KvBlocks, SimCost, StepModel};
 use crate::host::{kv_config, SimModel};
 use crate::metrics::{Outcome, Record};
+use crate::sleeper::Sleeper;
 use crate::trace::Request;
 
 /// The variable naming a child's role.
@@ -98,6 +108,11 @@ pub enum DeployPolicy {
     StaticBest,
     /// One shared budget.
     Elastic,
+    /// Whole models swapped: an awake model holds its base and a static share of the KV
+    /// budget (1/`resident` of it); an idle one sleeps and gives both back.
+    StaticSleep,
+    /// Elastic KV, and an idle model sleeps (its base given back).
+    ElasticSleep,
 }
 
 impl DeployPolicy {
@@ -107,7 +122,14 @@ impl DeployPolicy {
             DeployPolicy::StaticEqual => "static-equal",
             DeployPolicy::StaticBest => "static-best",
             DeployPolicy::Elastic => "elastic",
+            DeployPolicy::StaticSleep => "static-sleep",
+            DeployPolicy::ElasticSleep => "elastic-sleep",
         }
+    }
+
+    /// Whether an idle model sleeps.
+    pub fn sleeps(&self) -> bool {
+        matches!(self, DeployPolicy::StaticSleep | DeployPolicy::ElasticSleep)
     }
 
     /// Parse a name.
@@ -116,10 +138,14 @@ impl DeployPolicy {
             DeployPolicy::StaticEqual,
             DeployPolicy::StaticBest,
             DeployPolicy::Elastic,
+            DeployPolicy::StaticSleep,
+            DeployPolicy::ElasticSleep,
         ]
         .into_iter()
         .find(|p| p.name() == s)
-        .ok_or_else(|| format!("unknown policy {s:?}: static-equal, static-best or elastic"))
+        .ok_or_else(|| {
+            format!("unknown policy {s:?}: static-equal, static-best, elastic, static-sleep or elastic-sleep")
+        })
     }
 }
 
@@ -155,6 +181,8 @@ pub struct DeploySizes {
     pub act_bytes_per_token: u64,
     /// KV blocks of all models together (the KV budget).
     pub kv_blocks: u64,
+    /// Models whose bases the budget holds at once (the others asleep: sleep policies only).
+    pub resident: usize,
     /// Engine limits.
     pub engine: EngineConfig,
     /// Step costs: the simulated compute's, or the GPU's cost model (which only sets the
@@ -179,6 +207,7 @@ impl DeploySizes {
             zero_page: 256 << 10,
             act_bytes_per_token: 128,
             kv_blocks: 192 * models as u64,
+            resident: models,
             engine: EngineConfig {
                 max_batch: 64,
                 max_prefill_tokens: 2048,
@@ -199,10 +228,17 @@ impl DeploySizes {
         blocks.div_ceil(self.group_blocks.max(1)) * self.group_bytes
     }
 
-    /// The broker's budget for `models` models: their bases, their KV caches' zero pages
-    /// and the KV budget.
+    /// The broker's budget for `models` models: the bases of the resident ones, every KV
+    /// cache's zero page and the KV budget.
     pub fn budget(&self, models: usize) -> u64 {
-        (self.base() + self.zero_page) * models as u64 + self.kv_bytes(self.kv_blocks)
+        self.bases(models) + self.kv_bytes(self.kv_blocks)
+    }
+
+    /// What the budget holds besides KV for `models` models: the resident ones' bases and
+    /// every KV cache's zero page.
+    pub fn bases(&self, models: usize) -> u64 {
+        let resident = self.resident.clamp(1, models.max(1)) as u64;
+        self.base() * resident + self.zero_page * models as u64
     }
 }
 
@@ -220,6 +256,20 @@ pub struct EngineSpec {
     pub limit: u64,
     /// Its KV model's guarantee at the broker (bytes).
     pub guarantee: u64,
+    /// Whether runs may put it to sleep: it keeps host memory for its base's copy (pinned
+    /// once at the start, off the sleep path) and a control connection to give its
+    /// guarantees back while asleep.
+    pub sleeps: bool,
+}
+
+/// How a model sleeps in a run of a sleep policy.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct SleepSpec {
+    /// Seconds with no work after which it sleeps.
+    pub idle_s: f64,
+    /// Its KV model's guarantee while awake (bytes): a static share, or the zero page
+    /// (elastic); the zero page while asleep.
+    pub kv_guarantee: u64,
 }
 
 /// One run of an engine process (it serves runs one after the other; the driver sets its
@@ -236,6 +286,9 @@ pub struct RunSpec {
     pub requests: Vec<Request>,
     /// Where it writes its [`EngineReport`].
     pub out: PathBuf,
+    /// A sleep policy's terms: the run starts with the model asleep; `None`: awake
+    /// throughout.
+    pub sleep: Option<SleepSpec>,
 }
 
 /// What an engine process reports at its end.
@@ -266,6 +319,21 @@ pub struct EngineReport {
     pub base: u64,
     /// Errors seen (failed steps).
     pub errors: Vec<String>,
+    /// Sleeps and wakes in the run.
+    #[serde(default)]
+    pub sleeps: u64,
+    /// Wakes in the run.
+    #[serde(default)]
+    pub wakes: u64,
+    /// Wakes the broker could not make room for yet (tried again).
+    #[serde(default)]
+    pub wakes_refused: u64,
+    /// Wall seconds in sleeps (copies out, chunks and guarantees given back).
+    #[serde(default)]
+    pub sleep_s: f64,
+    /// Wall seconds in wakes that succeeded (guarantees, chunks, copies back).
+    #[serde(default)]
+    pub wake_s: f64,
 }
 
 /// A paged KV cache on a broker model as the scheduler sees it: blocks it may hold by the
@@ -547,6 +615,16 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         asked: &asked,
         reclaims: &reclaims,
         kv_pool: kv_model.pool(),
+        sleeper: RefCell::new(None),
+    };
+    // Host memory for a sleeping base's copy: what the base pool maps once loaded.
+    let sleeper = |pool: &elastic_vmm::Pool| -> Result<(), String> {
+        if spec.sleeps {
+            let staging = pool.stats().mapped.max(s.granularity);
+            let z = Sleeper::new(&spec.socket, &id, pool, s.base(), s.zero_page, staging)?;
+            *ctx.sleeper.borrow_mut() = Some(z);
+        }
+        Ok(())
     };
     match &s.gpu {
         None => {
@@ -569,6 +647,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
                 wall: true,
             };
             let kv = BrokerKv::new(KvStore::Host(store), s.block_tokens, blocks);
+            sleeper(model.pool())?;
             let check = |m: &SimModel| match m.weights_intact()? {
                 true => Ok(()),
                 false => Err(format!("{id}: weights changed during the run")),
@@ -601,6 +680,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
                 ));
             }
             let kv = BrokerKv::new(KvStore::Gpu(m.kv.clone()), s.block_tokens, blocks);
+            sleeper(model.pool())?;
             let engine = ctx.serve(Engine::new(kv, m.model, s.engine), base, |_| Ok(()))?;
             drop(engine);
             drop(m.kv);
@@ -630,6 +710,8 @@ struct Serving<'a> {
     reclaims: &'a AtomicU64,
     /// The KV model's pool, trimmed after each run.
     kv_pool: &'a elastic_vmm::Pool,
+    /// Sleep and wake, where runs may put the model to sleep.
+    sleeper: RefCell<Option<Sleeper>>,
 }
 
 impl Serving<'_> {
@@ -647,12 +729,31 @@ impl Serving<'_> {
         let setup_s = self.born.elapsed().as_secs_f64();
         say("ready");
         while let Some(line) = read_line()? {
+            if line == "sleep" {
+                // The deployment's start: models beyond what the budget holds load one by
+                // one, each asleep before the next.
+                let mut z = self.sleeper.borrow_mut();
+                let z = z
+                    .as_mut()
+                    .ok_or("`sleep` to an engine started without sleeps")?;
+                z.sleep(self.kv_pool)?;
+                say("asleep");
+                continue;
+            }
             let path = line
                 .strip_prefix("run ")
                 .ok_or_else(|| format!("expected `run <spec>`, got {line:?}"))?;
             let run: RunSpec = read_json(Path::new(path))?;
-            let report = self.run(&mut engine, &run, base, setup_s)?;
-            check(&engine.model)?;
+            let report = self.run(&mut engine, &run, base, setup_s, &check)?;
+            // Asleep, the weights are checked after the next wake instead.
+            if !self
+                .sleeper
+                .borrow()
+                .as_ref()
+                .is_some_and(|z| z.is_asleep())
+            {
+                check(&engine.model)?;
+            }
             // The next run starts from nothing: no block held, every page back at the broker.
             engine.kv.store.kv().trim();
             self.kv_pool.trim().map_err(|e| e.to_string())?;
@@ -662,13 +763,14 @@ impl Serving<'_> {
         Ok(engine)
     }
 
-    /// One run; see [`Serving::serve`].
+    /// One run; see [`Serving::serve`]. `check` runs after every wake.
     fn run<M: StepModel>(
         &self,
         engine: &mut Engine<BrokerKv, M>,
         spec: &RunSpec,
         base: u64,
         setup_s: f64,
+        check: &impl Fn(&M) -> Result<(), String>,
     ) -> Result<EngineReport, String> {
         engine.counters = EngineCounters::default();
         engine.last_error = None;
@@ -679,6 +781,28 @@ impl Serving<'_> {
             ));
         }
         engine.kv.reset(spec.cap_blocks);
+        let mut sleeper = self.sleeper.borrow_mut();
+        if let Some(z) = sleeper.as_mut() {
+            if spec.sleep.is_some() {
+                // A sleep policy's run starts with every model asleep.
+                z.sleep(self.kv_pool)?;
+            } else {
+                // Awake throughout: the driver set the KV guarantees; the base's comes back
+                // once the other models' sleeps gave theirs back.
+                let until = Instant::now() + READY_WAIT;
+                while !z.try_wake(None)? {
+                    if Instant::now() > until {
+                        return Err(format!(
+                            "model {}: no room to wake for {READY_WAIT:?}",
+                            self.spec.model
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                check(&engine.model)?;
+            }
+            z.counts = Default::default();
+        }
         // A give-back asked during the last run (or by the limit change) holds nothing here.
         self.asked.store(0, Ordering::Relaxed);
         let before_reclaims = self.reclaims.load(Ordering::Relaxed);
@@ -693,6 +817,7 @@ impl Serving<'_> {
         let mut errors = Vec::new();
         let reqs = &spec.requests;
         let mut next = 0;
+        let mut idle_since = 0.0;
         loop {
             let now = clock();
             if now >= spec.end_s {
@@ -701,6 +826,23 @@ impl Serving<'_> {
             while next < reqs.len() && reqs[next].arrival() <= now {
                 engine.submit(reqs[next]);
                 next += 1;
+            }
+            if let (Some(terms), Some(z)) = (spec.sleep, sleeper.as_mut()) {
+                if engine.has_work() {
+                    idle_since = now;
+                    // Asleep with work: wake, or wait for room (the requests' TTFT runs).
+                    let kv = Some(terms.kv_guarantee).filter(|g| *g > self.spec.sizes.zero_page);
+                    if z.is_asleep() {
+                        if !z.try_wake(kv)? {
+                            std::thread::sleep(Duration::from_millis(2));
+                            continue;
+                        }
+                        check(&engine.model)?;
+                    }
+                } else if !z.is_asleep() && now - idle_since >= terms.idle_s && engine.kv.held == 0
+                {
+                    z.sleep(self.kv_pool)?;
+                }
             }
             let since_asked =
                 (monotonic_ns() as f64 - self.asked.load(Ordering::Relaxed) as f64) / 1e9;
@@ -737,6 +879,7 @@ impl Serving<'_> {
         }
         let model = self.spec.model;
         let records = records(model, spec, engine, next);
+        let slept = sleeper.as_ref().map(|z| z.counts).unwrap_or_default();
         Ok(EngineReport {
             model,
             records,
@@ -749,6 +892,11 @@ impl Serving<'_> {
             setup_s,
             base,
             errors,
+            sleeps: slept.sleeps,
+            wakes: slept.wakes,
+            wakes_refused: slept.refused,
+            sleep_s: slept.sleep_s,
+            wake_s: slept.wake_s,
         })
     }
 }
@@ -974,6 +1122,8 @@ pub struct Point {
     /// How long the broker waits for other engines to give memory back before it refuses a
     /// growth (`BrokerConfig::reclaim_wait`; milliseconds).
     pub reclaim_wait_ms: u64,
+    /// Sleep policies: seconds with no work after which a model sleeps.
+    pub sleep_idle_s: f64,
 }
 
 /// Each model's KV blocks under a static split proportional to `weights`: whole blocks, at
@@ -1101,6 +1251,8 @@ pub fn probe_budget(
 pub struct Deployment {
     dir: PathBuf,
     sizes: DeploySizes,
+    /// Whether its engines can sleep.
+    sleeps: bool,
     broker: Option<Role>,
     engines: Vec<Role>,
     control: BrokerClient,
@@ -1112,15 +1264,25 @@ pub struct Deployment {
 
 impl Deployment {
     /// Start the broker (the budget `sizes.budget(k)`) and `k` engines, each loaded and
-    /// warmed; ready when this returns.
+    /// warmed; ready when this returns. With `sleeps` runs may use sleep policies; where the
+    /// budget holds fewer bases than `k` (`sizes.resident`), only they, and the engines load
+    /// one by one, each asleep before the next.
     pub fn start(
         launcher: &Launcher,
         sizes: &DeploySizes,
         k: usize,
         reclaim_wait_ms: u64,
+        sleeps: bool,
     ) -> Result<Deployment, String> {
         if k == 0 {
             return Err("a deployment with no models".into());
+        }
+        let one_by_one = sizes.resident < k;
+        if one_by_one && !sleeps {
+            return Err(format!(
+                "{k} models with room for {} bases at once: only sleep policies serve them",
+                sizes.resident
+            ));
         }
         let dir = temp_dir()?;
         let started = (|| {
@@ -1137,14 +1299,20 @@ impl Deployment {
                     sizes: sizes.clone(),
                     limit: sizes.zero_page + sizes.group_bytes,
                     guarantee: sizes.zero_page,
+                    sleeps,
                 };
                 let path = dir.join(format!("engine-{m}.json"));
                 write_json(&path, &spec)?;
                 let mut role = launcher.spawn("engine", &path)?;
                 role.name = format!("engine {m}");
+                if one_by_one {
+                    role.expect("ready", ready_wait(sizes))?;
+                    role.send("sleep")?;
+                    role.expect("asleep", ready_wait(sizes))?;
+                }
                 engines.push(role);
             }
-            for role in engines.iter_mut() {
+            for role in engines.iter_mut().filter(|_| !one_by_one) {
                 role.expect("ready", ready_wait(sizes))?;
             }
             let control = BrokerClient::connect_control(&socket, "serve-driver")
@@ -1155,6 +1323,7 @@ impl Deployment {
             Ok((broker, engines, control)) => Ok(Deployment {
                 dir,
                 sizes: sizes.clone(),
+                sleeps,
                 broker: Some(broker),
                 engines,
                 control,
@@ -1204,14 +1373,17 @@ impl Deployment {
         if self.failed {
             return Err("an earlier run of this deployment failed: start another".into());
         }
+        // A point this deployment cannot run changes nothing.
+        self.check(point)?;
         self.failed = true;
         let r = self.run_once(point);
         self.failed = r.is_err();
         r
     }
 
-    fn run_once(&mut self, point: &Point) -> Result<PointResult, String> {
-        let wall = Instant::now();
+    /// Whether this deployment can run `point`: its sizes, model count and reclaim wait, and
+    /// a policy its engines serve.
+    fn check(&self, point: &Point) -> Result<(), String> {
         let s = &self.sizes;
         let k = self.engines.len();
         if point.requests.len() != k
@@ -1226,6 +1398,22 @@ impl Deployment {
                 self.reclaim_wait_ms
             ));
         }
+        let (resident, sleeps) = (s.resident.clamp(1, k), point.policy.sleeps());
+        if (sleeps && !self.sleeps) || (resident < k && !sleeps) {
+            return Err(format!(
+                "{}: a deployment of {k} models, {resident} resident, {}started for sleeps",
+                point.policy.name(),
+                if self.sleeps { "" } else { "not " }
+            ));
+        }
+        Ok(())
+    }
+
+    fn run_once(&mut self, point: &Point) -> Result<PointResult, String> {
+        let wall = Instant::now();
+        let s = &self.sizes;
+        let k = self.engines.len();
+        let resident = s.resident.clamp(1, k);
         // Shares in whole mapped groups, so that the static limits sum to at most the budget.
         let g = s.group_blocks.max(1) as usize;
         let total = s.kv_blocks as usize;
@@ -1235,16 +1423,20 @@ impl Deployment {
                 let longest = s.engine.max_context.div_ceil(s.block_tokens) as usize;
                 static_shares(total / g, &point.demand, longest.div_ceil(g))
             }
-            DeployPolicy::Elastic => vec![total / g; k],
+            // A share of every resident model's, held only while awake.
+            DeployPolicy::StaticSleep => vec![total / g / resident; k],
+            DeployPolicy::Elastic | DeployPolicy::ElasticSleep => vec![total / g; k],
         };
         let shares: Vec<usize> = groups.iter().map(|n| n * g).collect();
+        // Each KV model's limit, and the guarantee the driver sets (a sleeping model's is its
+        // zero page: it raises its own while awake).
         let limits: Vec<(u64, u64)> = shares
             .iter()
             .map(|&n| {
                 let share = s.kv_bytes(n as u64) + s.zero_page;
                 match point.policy {
-                    DeployPolicy::Elastic => (share, s.zero_page),
-                    _ => (share, share),
+                    DeployPolicy::StaticEqual | DeployPolicy::StaticBest => (share, share),
+                    _ => (share, s.zero_page),
                 }
             })
             .collect();
@@ -1276,10 +1468,17 @@ impl Deployment {
         for (m, reqs) in point.requests.iter().enumerate() {
             let spec = RunSpec {
                 cap_blocks: shares[m],
-                fair_blocks: total / k,
+                fair_blocks: total / resident,
                 end_s,
                 requests: reqs.clone(),
                 out: self.dir.join(format!("run-{run}-engine-{m}.out.json")),
+                sleep: point.policy.sleeps().then_some(SleepSpec {
+                    idle_s: point.sleep_idle_s,
+                    kv_guarantee: match point.policy {
+                        DeployPolicy::StaticSleep => s.kv_bytes(shares[m] as u64) + s.zero_page,
+                        _ => s.zero_page,
+                    },
+                }),
             };
             let path = self.dir.join(format!("run-{run}-engine-{m}.json"));
             write_json(&path, &spec)?;

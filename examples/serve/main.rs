@@ -14,7 +14,8 @@
 //! 2025; the files are in `../shared/traces` beside the repository, with their README) or the
 //! seeded generator's trace, time-scaled to the load point; seeds pick windows. Policies:
 //! static equal split, static best split (shares proportional to each model's mean demand),
-//! elastic; the same engine. Per load point it prints a table of each metric's mean and 95%
+//! elastic, and with sleep (idle models swapped out to host memory): static + sleep (whole
+//! models swapped) and elastic + sleep; the same engine. Per load point it prints a table of each metric's mean and 95%
 //! confidence interval over seeds per policy, saves every run as JSON (command, commit,
 //! machine, every record), `summary.json` with the knee (the load at which the best static
 //! policy's SLO attainment falls below 99%) and `slo-attainment.svg` (confidence bands). It
@@ -118,6 +119,7 @@ mod paged_llama;
 #[cfg(feature = "candle-example")]
 mod probe;
 mod report;
+mod sleeper;
 mod trace;
 mod workload;
 

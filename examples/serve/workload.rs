@@ -243,6 +243,19 @@ pub fn window(
         .collect()
 }
 
+/// Prism-like idle periods: of model `model`'s `reqs`, those arriving in its bursts (`on`
+/// seconds, then `off` idle, the `models` models' bursts spread evenly over the cycle), ids
+/// counted again from 0.
+pub fn bursts(reqs: Vec<Request>, model: usize, models: usize, on: f64, off: f64) -> Vec<Request> {
+    let cycle = on + off;
+    let offset = cycle * model as f64 / models.max(1) as f64;
+    reqs.into_iter()
+        .filter(|r| (r.arrival() - offset).rem_euclid(cycle) < on)
+        .enumerate()
+        .map(|(i, r)| Request { id: i as u64, ..r })
+        .collect()
+}
+
 /// Every model's requests from the seeded generator at a mean `rate` requests/s per model
 /// (its peak chosen so; kvcached-like ramps, out of phase, and flash crowds).
 pub fn synthetic(
