@@ -1329,7 +1329,30 @@ mod deploy_tests {
                     assert!(e.sleeps >= 1, "{name}: model {} never slept", e.model);
                 }
             }
-            let refused: u64 = r.engines.iter().map(|e| e.wakes_refused).sum();
+            if starts[1] > 0.0 {
+                // All asleep at the end: the broker holds nothing of any base, and of any KV
+                // cache only its zero page (memory given back, not only guarantees).
+                let snap = d.snapshot().unwrap();
+                for m in &snap.models {
+                    let (most, what) = match m.name.ends_with("-kv") {
+                        true => (p.sizes.zero_page, "its zero page"),
+                        false => (0, "nothing"),
+                    };
+                    assert!(
+                        m.used <= most,
+                        "{name}: asleep, {} holds {} bytes, not {what}",
+                        m.name,
+                        m.used
+                    );
+                    assert!(
+                        m.guarantee <= most,
+                        "{name}: asleep, {} keeps a guarantee of {}",
+                        m.name,
+                        m.guarantee
+                    );
+                }
+            }
+            let refused: u64 = r.engines.iter().map(|e| e.wakes_waited).sum();
             if policy == DeployPolicy::StaticSleep && starts[1] == 0.0 {
                 // Two bases and two static shares fill the budget: the third waited.
                 assert!(refused >= 1, "{name}: three awake at once: {:?}", r.engines);

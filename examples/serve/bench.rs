@@ -31,7 +31,8 @@
 //! the budget for R models' bases (default: every model's); with fewer than `--models` only
 //! sleep policies run, and the engines load one by one, each asleep before the next.
 //! `--on-off ON,OFF` keeps each model's requests to bursts of ON seconds followed by OFF idle
-//! (Prism-like; the models' bursts spread over the cycle); `--rate R` sets load 1.0 to R
+//! (Prism-like; the models' bursts spread over the cycle; the load is the rate inside a
+//! burst, the mean ON/(ON+OFF) of it); `--rate R` sets load 1.0 to R
 //! requests/s per model instead of the nominal capacity, so that sweeps over the model count
 //! offer each model the same traffic.
 //!
@@ -812,6 +813,10 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     sleep_idle_s: a.sleep_idle_s,
                 };
                 let result = deployment.run(&point)?;
+                // The broker's books after every run: a drift is a defect, not noise.
+                if let Some(audit) = deployment.snapshot()?.audit {
+                    eprintln!("bench: the broker's books do not balance after this run: {audit}");
+                }
                 let records = result.records();
                 let stats = RunStats::of(&records, &a.slo, a.duration_s, result.end_s);
                 let per_model = (0..a.models)
@@ -852,11 +857,12 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                         result.engines.iter().map(f).sum()
                     };
                     let wakes = sum(|e| e.wakes as f64);
+                    let waited = sum(|e| e.wakes_waited as f64);
                     println!(
-                        "    sleeps {}, wakes {wakes} (mean {:.3} s each), wakes waiting for room {}",
+                        "    sleeps {}, wakes {wakes} (mean {:.3} s each), {waited} of them waited for room (mean {:.3} s)",
                         sum(|e| e.sleeps as f64),
                         sum(|e| e.wake_s) / wakes.max(1.0),
-                        sum(|e| e.wakes_refused as f64)
+                        sum(|e| e.wake_wait_s) / waited.max(1.0)
                     );
                 }
                 let file = RunFile {

@@ -47,7 +47,10 @@
 //!   when the broker has room for both guarantees (else it waits, in its TTFT);
 //! - `elastic-sleep`: as `elastic`, and an idle model sleeps: a wake needs room for its base
 //!   only, beside what the others use, so more models can be awake at once when their KV is
-//!   small. Each run of a sleep policy starts with every model asleep.
+//!   small. Each run of a sleep policy starts with every model asleep. Sleeps are an idle
+//!   timeout, as in Prism: nothing makes a busy model sleep for a waiting one, so a model
+//!   whose requests never pause that long keeps its room, and the others' wait shows in their
+//!   TTFT and censored requests.
 //!
 //! Roles are chosen by the variable [`ROLE_VAR`] (`broker` or `engine`) and [`SPEC_VAR`]; a
 //! role talks to the driver by lines on stdin and stdout, each of its own lines holding
@@ -325,9 +328,12 @@ pub struct EngineReport {
     /// Wakes in the run.
     #[serde(default)]
     pub wakes: u64,
-    /// Wakes the broker could not make room for yet (tried again).
+    /// Wakes that waited for room at the broker (another model's sleep).
     #[serde(default)]
-    pub wakes_refused: u64,
+    pub wakes_waited: u64,
+    /// Seconds those wakes waited.
+    #[serde(default)]
+    pub wake_wait_s: f64,
     /// Wall seconds in sleeps (copies out, chunks and guarantees given back).
     #[serde(default)]
     pub sleep_s: f64,
@@ -681,7 +687,10 @@ fn engine_role(spec: &Path) -> Result<(), String> {
             }
             let kv = BrokerKv::new(KvStore::Gpu(m.kv.clone()), s.block_tokens, blocks);
             sleeper(model.pool())?;
-            let engine = ctx.serve(Engine::new(kv, m.model, s.engine), base, |_| Ok(()))?;
+            // The weights as loaded, checked after every run and every wake.
+            let reference = m.model.fingerprint()?;
+            let check = move |x: &crate::llama::LlamaModel| x.check_weights(&reference);
+            let engine = ctx.serve(Engine::new(kv, m.model, s.engine), base, check)?;
             drop(engine);
             drop(m.kv);
             drop(m.tensors);
@@ -736,7 +745,7 @@ impl Serving<'_> {
                 let z = z
                     .as_mut()
                     .ok_or("`sleep` to an engine started without sleeps")?;
-                z.sleep(self.kv_pool)?;
+                z.sleep(engine.kv.store.kv(), self.kv_pool)?;
                 say("asleep");
                 continue;
             }
@@ -785,7 +794,7 @@ impl Serving<'_> {
         if let Some(z) = sleeper.as_mut() {
             if spec.sleep.is_some() {
                 // A sleep policy's run starts with every model asleep.
-                z.sleep(self.kv_pool)?;
+                z.sleep(engine.kv.store.kv(), self.kv_pool)?;
             } else {
                 // Awake throughout: the driver set the KV guarantees; the base's comes back
                 // once the other models' sleeps gave theirs back.
@@ -797,7 +806,7 @@ impl Serving<'_> {
                             self.spec.model
                         ));
                     }
-                    std::thread::sleep(Duration::from_millis(5));
+                    std::thread::sleep(z.backoff());
                 }
                 check(&engine.model)?;
             }
@@ -834,14 +843,14 @@ impl Serving<'_> {
                     let kv = Some(terms.kv_guarantee).filter(|g| *g > self.spec.sizes.zero_page);
                     if z.is_asleep() {
                         if !z.try_wake(kv)? {
-                            std::thread::sleep(Duration::from_millis(2));
+                            std::thread::sleep(z.backoff());
                             continue;
                         }
                         check(&engine.model)?;
                     }
                 } else if !z.is_asleep() && now - idle_since >= terms.idle_s && engine.kv.held == 0
                 {
-                    z.sleep(self.kv_pool)?;
+                    z.sleep(engine.kv.store.kv(), self.kv_pool)?;
                 }
             }
             let since_asked =
@@ -894,7 +903,8 @@ impl Serving<'_> {
             errors,
             sleeps: slept.sleeps,
             wakes: slept.wakes,
-            wakes_refused: slept.refused,
+            wakes_waited: slept.waited,
+            wake_wait_s: slept.wait_s,
             sleep_s: slept.sleep_s,
             wake_s: slept.wake_s,
         })
@@ -1451,16 +1461,6 @@ impl Deployment {
         for (m, &(_, guarantee)) in limits.iter().enumerate() {
             self.set(m, None, Some(guarantee))?;
         }
-        // Every run starts from the same state: the chunks the last run gave back are
-        // released, not waiting idle at the broker for a hand-over.
-        match self
-            .control
-            .request(elastic_vmm::broker::protocol::Request::Trim)
-        {
-            Ok((elastic_vmm::broker::protocol::Reply::Trimmed { .. }, _)) => {}
-            Ok((other, _)) => return Err(format!("trim at the broker: {other:?}")),
-            Err(e) => return Err(format!("trim at the broker: {e}")),
-        }
         let end_s = point.duration_s + point.drain_s;
         let run = self.runs;
         self.runs += 1;
@@ -1488,6 +1488,17 @@ impl Deployment {
         for role in self.engines.iter_mut() {
             role.expect("armed", READY_WAIT)?;
         }
+        // Every run starts from the same state: the chunks the last run and the engines'
+        // arming (a sleep policy's sleeps) gave back are released, not waiting idle at the
+        // broker for a hand-over.
+        match self
+            .control
+            .request(elastic_vmm::broker::protocol::Request::Trim)
+        {
+            Ok((elastic_vmm::broker::protocol::Reply::Trimmed { .. }, _)) => {}
+            Ok((other, _)) => return Err(format!("trim at the broker: {other:?}")),
+            Err(e) => return Err(format!("trim at the broker: {e}")),
+        }
         // Every engine gets the same start instant, a little ahead (they read it at once).
         let start = monotonic_ns() + 20_000_000;
         for role in self.engines.iter_mut() {
@@ -1504,6 +1515,11 @@ impl Deployment {
             end_s,
             wall_s: wall.elapsed().as_secs_f64(),
         })
+    }
+
+    /// The broker's view of every model and its counters.
+    pub fn snapshot(&self) -> Result<elastic_vmm::broker::protocol::Snapshot, String> {
+        self.control.snapshot().map_err(|e| e.to_string())
     }
 
     /// Stop the engines (their input ends), then the broker.

@@ -203,6 +203,30 @@ pub struct LlamaModel {
 }
 
 impl LlamaModel {
+    /// [`PagedLlama::fingerprint`], its temporaries in the model's pool.
+    pub fn fingerprint(&self) -> Result<Vec<f32>, String> {
+        route::with_route(&self.pool, Tag::Activations, || self.llama.fingerprint())
+            .map_err(|e| format!("route: {e}"))?
+            .map_err(|e| format!("{}: fingerprint of the weights: {e}", self.id))
+    }
+
+    /// Whether the weights' fingerprint is `reference`'s (to a relative 1e-5: a lost byte
+    /// moves a sum of squares far more).
+    pub fn check_weights(&self, reference: &[f32]) -> Result<(), String> {
+        let now = self.fingerprint()?;
+        let off = now
+            .iter()
+            .zip(reference)
+            .position(|(a, b)| !((a - b).abs() <= 1e-5 * b.abs().max(1e-30)));
+        match off {
+            None if now.len() == reference.len() => Ok(()),
+            _ => Err(format!(
+                "{}: the weights changed: fingerprint {now:?}, loaded as {reference:?}",
+                self.id
+            )),
+        }
+    }
+
     fn run(&mut self, f: impl FnOnce(&mut Self) -> candle_core::Result<()>) -> Result<f64, String> {
         let t = Instant::now();
         let (pool, id) = (self.pool.clone(), self.id.clone());

@@ -115,6 +115,36 @@ pub struct PagedLlama {
     sin: Tensor,
 }
 
+impl PagedLlama {
+    /// A fingerprint of the weights (sums of squares of the embedding, the LM head, the final
+    /// norm, the rotary tables and the first and last layers' attention and MLP weights, in
+    /// f32): equal before a sleep and after the wake when the bytes came back.
+    pub fn fingerprint(&self) -> candle_core::Result<Vec<f32>> {
+        let mut parts = vec![
+            self.embed.embeddings().clone(),
+            self.lm_head.weight().clone(),
+            self.norm.clone(),
+            self.cos.clone(),
+            self.sin.clone(),
+        ];
+        for l in [self.layers.first(), self.layers.last()]
+            .into_iter()
+            .flatten()
+        {
+            parts.extend([
+                l.attn_norm.clone(),
+                l.wq.weight().clone(),
+                l.wo.weight().clone(),
+                l.down.weight().clone(),
+            ]);
+        }
+        parts
+            .iter()
+            .map(|t| t.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>())
+            .collect()
+    }
+}
+
 /// A piece of a sequence in one forward: its block table, the position of its first new token
 /// and how many new tokens.
 pub struct Piece<'a> {

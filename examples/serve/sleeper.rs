@@ -12,11 +12,17 @@
 //! wakes at the same addresses. Sleeping a model with work queued is the caller's to avoid.
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use elastic_vmm::broker::protocol::{ErrorKind, Reply, Request};
 use elastic_vmm::broker::BrokerClient;
-use elastic_vmm::{AfterWake, Pool, SleepPolicy};
+use elastic_vmm::kv::PagedKv;
+use elastic_vmm::{AfterWake, Error, Pool, SleepPolicy};
+
+/// Back-off between wake attempts the broker had no room for: from the first, doubling to
+/// the second, each drawn at random between half and all of it, so that engines waiting
+/// together do not keep asking in step.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(2), Duration::from_millis(32));
 
 /// What a run's sleeps and wakes did.
 #[derive(Debug, Clone, Copy, Default)]
@@ -25,8 +31,10 @@ pub struct SleepCounts {
     pub sleeps: u64,
     /// Wakes.
     pub wakes: u64,
-    /// Wakes refused for room (tried again later).
-    pub refused: u64,
+    /// Wakes that waited for room (their first attempt refused).
+    pub waited: u64,
+    /// Seconds those waited, from the first refused attempt to the wake.
+    pub wait_s: f64,
     /// Wall seconds in sleeps.
     pub sleep_s: f64,
     /// Wall seconds in wakes that succeeded.
@@ -44,6 +52,8 @@ pub struct Sleeper {
     /// The KV model's guarantee while asleep.
     zero_page: u64,
     asleep: bool,
+    /// Since when a wake has waited for room, and the attempts refused.
+    waiting: Option<(Instant, u32)>,
     /// This run's counts.
     pub counts: SleepCounts,
 }
@@ -72,6 +82,7 @@ impl Sleeper {
             base,
             zero_page,
             asleep: false,
+            waiting: None,
             counts: SleepCounts::default(),
         })
     }
@@ -81,13 +92,14 @@ impl Sleeper {
         self.asleep
     }
 
-    /// Put the model to sleep: `kv_pool`'s pages back to the broker (the caller holds no
-    /// block), the base pool asleep, then both guarantees down.
-    pub fn sleep(&mut self, kv_pool: &Pool) -> Result<(), String> {
+    /// Put the model to sleep: the KV cache's warm blocks and `kv_pool`'s pages back to the
+    /// broker (the caller holds no block), the base pool asleep, then both guarantees down.
+    pub fn sleep(&mut self, kv: &PagedKv, kv_pool: &Pool) -> Result<(), String> {
         if self.asleep {
             return Ok(());
         }
         let t = Instant::now();
+        kv.trim();
         kv_pool.trim().map_err(|e| e.to_string())?;
         self.pool
             .sleep(&SleepPolicy::offload_all())
@@ -103,7 +115,8 @@ impl Sleeper {
 
     /// Wake the model if the broker has room for its base, and for `kv_guarantee` (its KV
     /// model's guarantee while awake; `None` leaves the KV model's as it is): `Ok(false)`,
-    /// holding nothing more, when not.
+    /// holding nothing more, when not; call again after [`Sleeper::backoff`]. Any other
+    /// failure is an error.
     pub fn try_wake(&mut self, kv_guarantee: Option<u64>) -> Result<bool, String> {
         if !self.asleep {
             return Ok(true);
@@ -116,9 +129,16 @@ impl Sleeper {
                 None => Ok(()),
             });
         let woke = match held {
-            Ok(()) => self.pool.wake(AfterWake::KeepHostMemory).map_err(|e| {
-                tracing::debug!(model = %self.base_model, error = %e, "wake refused");
-            }),
+            Ok(()) => match self.pool.wake(AfterWake::KeepHostMemory) {
+                Ok(_) => Ok(()),
+                // Room the guarantee held was taken before the pool's growth (its sleeping
+                // bytes above the base): wait like a refused guarantee.
+                Err(e @ Error::WakeRefused { .. }) => {
+                    tracing::debug!(model = %self.base_model, error = %e, "wake refused");
+                    Err(())
+                }
+                Err(e) => return Err(format!("{}: wake: {e}", self.base_model)),
+            },
             Err(Some(e)) => return Err(e),
             Err(None) => Err(()),
         };
@@ -130,13 +150,27 @@ impl Sleeper {
                     None => Ok(()),
                 })
                 .map_err(|r| r.unwrap_or_else(|| "lowering a guarantee had no room".into()))?;
-            self.counts.refused += 1;
+            let (_, n) = self.waiting.get_or_insert((t, 0));
+            *n += 1;
+            if *n == 1 {
+                self.counts.waited += 1;
+            }
             return Ok(false);
         }
         self.asleep = false;
         self.counts.wakes += 1;
         self.counts.wake_s += t.elapsed().as_secs_f64();
+        if let Some((since, _)) = self.waiting.take() {
+            self.counts.wait_s += since.elapsed().as_secs_f64();
+        }
         Ok(true)
+    }
+
+    /// How long to wait before the next wake attempt after a refused one.
+    pub fn backoff(&self) -> Duration {
+        let n = self.waiting.map_or(0, |(_, n)| n.saturating_sub(1)).min(8);
+        let d = BACKOFF.0.saturating_mul(1 << n).min(BACKOFF.1);
+        d.mul_f64(0.5 + rand::random::<f64>() / 2.0)
     }
 
     /// Set `model`'s guarantee: `Err(None)` where the broker has no room, `Err(Some)` for
