@@ -116,9 +116,10 @@ pub struct PagedLlama {
 }
 
 impl PagedLlama {
-    /// A fingerprint of the weights (sums of squares of the embedding, the LM head, the final
-    /// norm, the rotary tables and the first and last layers' attention and MLP weights, in
-    /// f32): equal before a sleep and after the wake when the bytes came back.
+    /// A fingerprint of the weights: sums of squares (in f32) of the first and last 64 rows
+    /// of the embedding, the LM head, the rotary tables and the first and last layers'
+    /// attention and MLP weights, and of the norms; equal before a sleep and after the wake
+    /// when the bytes came back. Samples, small enough for the activations' reserve.
     pub fn fingerprint(&self) -> candle_core::Result<Vec<f32>> {
         let mut parts = vec![
             self.embed.embeddings().clone(),
@@ -138,10 +139,16 @@ impl PagedLlama {
                 l.down.weight().clone(),
             ]);
         }
-        parts
-            .iter()
-            .map(|t| t.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>())
-            .collect()
+        let mut sums = Vec::with_capacity(2 * parts.len());
+        for t in &parts {
+            let rows = t.dim(0)?;
+            let n = rows.min(64);
+            for at in [0, rows - n] {
+                let s = t.narrow(0, at, n)?.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+                sums.push(s.to_scalar::<f32>()?);
+            }
+        }
+        Ok(sums)
     }
 }
 
@@ -679,6 +686,30 @@ mod tests {
     /// A decode step through the cache's own kernel (the hook the GPU engine's paged-attention
     /// op uses) gives the logits the gather gives: tables as `[batch, width]` rows padded to the
     /// longest, lengths per sequence, output reshaped back; called once per layer.
+    /// The weights' fingerprint is stable, and a changed sampled row changes it.
+    #[test]
+    fn the_fingerprint_sees_a_changed_weight() {
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let m = PagedLlama::load(shape(), vb).unwrap();
+        let first = m.fingerprint().unwrap();
+        assert_eq!(first.len(), 2 * (5 + 2 * 4));
+        assert!(first.iter().all(|x| x.is_finite()));
+        assert_eq!(m.fingerprint().unwrap(), first);
+        // Zero the embedding's rows in place (the VarMap's variable is the model's tensor).
+        let data = vm.data().lock().unwrap();
+        let embed = data
+            .iter()
+            .find(|(name, _)| name.contains("embed"))
+            .map(|(_, v)| v.clone())
+            .expect("an embedding variable");
+        drop(data);
+        embed.set(&embed.zeros_like().unwrap()).unwrap();
+        let after = m.fingerprint().unwrap();
+        assert_eq!((after[0], after[1]), (0.0, 0.0), "{after:?}");
+        assert_eq!(after[2..], first[2..]);
+    }
+
     #[test]
     fn a_decode_through_the_caches_kernel_equals_the_gather() {
         let m = model();
