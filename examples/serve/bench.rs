@@ -666,9 +666,11 @@ pub fn summarise(runs: &[(f64, String, RunStats)]) -> (Vec<Cell>, Option<f64>) {
             }
         })
         .collect();
-    // The best static policy at each load: the most attainment of the static ones.
+    // The best static policy at each load: the most attainment of the static splits (whole
+    // models swapped, `static-sleep`, is another deployment).
     let mut best: Vec<(f64, f64)> = Vec::new();
-    for c in cells.iter().filter(|c| c.policy.starts_with("static")) {
+    let split = |p: &str| matches!(p, "static-equal" | "static-best");
+    for c in cells.iter().filter(|c| split(&c.policy)) {
         let att = c.metrics[0].1;
         match best.iter_mut().find(|b| b.0 == c.load) {
             Some(b) => b.1 = b.1.max(att),
