@@ -24,6 +24,10 @@ use std::sync::Arc;
 
 use crate::error::Result;
 
+/// CUDA's legacy default stream of the current context (`CU_STREAM_LEGACY`): ordered with every
+/// blocking stream. On the host backend any stream value orders nothing.
+pub(crate) const LEGACY_STREAM: u64 = 0x1;
+
 /// Which kind of memory a backend provides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MemoryKind {

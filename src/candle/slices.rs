@@ -40,8 +40,7 @@ use crate::error::{Error, Result};
 const MAX_IDLE_CONTEXTS: usize = 1024;
 /// Spare fence events kept for reuse.
 const MAX_SPARE_EVENTS: usize = 64;
-/// CUDA's handle for the legacy default stream of the current context (`CU_STREAM_LEGACY`).
-pub(crate) const LEGACY_STREAM: u64 = 0x1;
+pub(crate) use crate::backend::LEGACY_STREAM;
 /// CUDA's handle for the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`),
 /// which candle 0.11's `Device::new_cuda` launches every kernel on
 /// (`CudaContext::per_thread_stream`).

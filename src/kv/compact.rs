@@ -83,9 +83,6 @@ use super::BlockId;
 use crate::backend::{GatherPiece, GatherShift, MemoryKind};
 use crate::error::{Error, Result};
 
-/// CUDA's legacy default stream (`CU_STREAM_LEGACY`): ordered with every blocking stream.
-pub(crate) const LEGACY_STREAM: u64 = 0x1;
-
 /// What a [`super::PagedKv::compact`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Compaction {

@@ -68,7 +68,6 @@ mod moves;
 mod paged;
 
 pub use block_pool::{BlockHash, BlockPool, BlockPoolHook, BlockPoolStats, KvSizing};
-pub(crate) use compact::LEGACY_STREAM;
 pub use compact::{Compaction, CompactionGain};
 pub use moves::KvMove;
 pub use paged::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};

@@ -633,7 +633,7 @@ impl PagedKv {
     /// copy ([`Error::KvCompactionFailed`]): then nothing moved, every block keeps its id and
     /// contents, and what the compaction took is free again.
     pub fn compact(&self, max_moves: usize) -> Result<super::Compaction> {
-        self.core.compact(max_moves, super::LEGACY_STREAM)
+        self.core.compact(max_moves, crate::backend::LEGACY_STREAM)
     }
 
     /// [`PagedKv::compact`] with the copies queued on the GPU stream `stream` (a raw
