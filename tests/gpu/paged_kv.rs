@@ -461,3 +461,73 @@ fn a_block_pool_hands_out_the_blocks_of_candle_tensors() {
     drop((k, blocks, cache));
     dev.synchronize().expect("device still usable");
 }
+
+/// Padding that cannot fault (issue 33): kernels read a block table padded with the null block
+/// and with ids across the whole cache while two threads allocate, write and free blocks on the
+/// same pages (their pages mapped, aliased to the zero page and unmapped under the reads), for
+/// thousands of rounds. Every read succeeds, the null block reads zeros every round, and the
+/// device stays usable; under compute-sanitizer memcheck this is also the fault check.
+#[test]
+fn a_padded_table_reads_while_neighbours_churn() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    const ROUNDS: usize = 3000;
+    const BLOCKS: usize = 512;
+    let dev = Device::new_cuda(0).expect("candle CUDA device 0");
+    let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let config = PagedKvConfig::new(2, HEADS, DIM, TOKENS, 4, BLOCKS).null_block(true);
+    let cache = Arc::new(PagedKvTensors::new(&tensors, config, DType::F32).expect("paged cache"));
+    let stop = AtomicBool::new(false);
+    let churned = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        let churners: Vec<_> = (0..2u64)
+            .map(|t| {
+                let (cache, dev, stop, churned) = (&cache, &dev, &stop, &churned);
+                s.spawn(move || {
+                    let mut rng = Rng::new(100 + t);
+                    while !stop.load(Ordering::Relaxed) {
+                        let n = 1 + rng.below(8) as usize;
+                        let ids = cache.alloc(n).expect("alloc");
+                        for &b in &ids {
+                            let one = block_data(dev, 0, 0, b);
+                            let k = cache.k(0).expect("k");
+                            k.slice_set(&one, 0, b).expect("write");
+                        }
+                        cache.free(&ids).expect("free");
+                        churned.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        let mut rng = Rng::new(7);
+        for round in 0..ROUNDS {
+            // The null block first, then ids anywhere in the cache (allocated or not).
+            let mut table = vec![0u32];
+            table.extend((0..31).map(|_| rng.below(BLOCKS as u64) as u32));
+            let idx = Tensor::new(table.as_slice(), &dev).expect("table");
+            for t in 0..2 {
+                let x = if t == 0 { cache.k(1) } else { cache.v(0) }.expect("tensor");
+                let read = x
+                    .index_select(&idx, 0)
+                    .expect("a read through a padded table");
+                let null = read
+                    .narrow(0, 0, 1)
+                    .and_then(|x| x.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                    .expect("the null block's read");
+                assert_eq!(null, 0.0, "round {round}: the null block read {null}");
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for c in churners {
+            c.join().expect("churner");
+        }
+    });
+    assert!(
+        churned.load(Ordering::Relaxed) > ROUNDS as u64,
+        "the neighbours churned ({} blocks)",
+        churned.load(Ordering::Relaxed)
+    );
+    drop(cache);
+    dev.synchronize().expect("device still usable");
+}
