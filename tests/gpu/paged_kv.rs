@@ -466,12 +466,16 @@ fn a_block_pool_hands_out_the_blocks_of_candle_tensors() {
 /// and with ids across the whole cache while two threads allocate, write and free blocks on the
 /// same pages (their pages mapped, aliased to the zero page and unmapped under the reads), for
 /// thousands of rounds. Every read succeeds, the null block reads zeros every round, and the
-/// device stays usable; under compute-sanitizer memcheck this is also the fault check.
+/// device stays usable; under compute-sanitizer memcheck this is also the fault check
+/// (`EVMM_CHURN_ROUNDS` sets the rounds, 3000 by default: memcheck slows every kernel).
 #[test]
 fn a_padded_table_reads_while_neighbours_churn() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
-    const ROUNDS: usize = 3000;
+    let rounds: usize = std::env::var("EVMM_CHURN_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
     const BLOCKS: usize = 512;
     let dev = Device::new_cuda(0).expect("candle CUDA device 0");
     let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
@@ -501,7 +505,7 @@ fn a_padded_table_reads_while_neighbours_churn() {
             })
             .collect();
         let mut rng = Rng::new(7);
-        for round in 0..ROUNDS {
+        for round in 0..rounds {
             // The null block first, then ids anywhere in the cache (allocated or not).
             let mut table = vec![0u32];
             table.extend((0..31).map(|_| rng.below(BLOCKS as u64) as u32));
@@ -524,7 +528,7 @@ fn a_padded_table_reads_while_neighbours_churn() {
         }
     });
     assert!(
-        churned.load(Ordering::Relaxed) > ROUNDS as u64,
+        churned.load(Ordering::Relaxed) > rounds as u64,
         "the neighbours churned ({} blocks)",
         churned.load(Ordering::Relaxed)
     );
