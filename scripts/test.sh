@@ -118,7 +118,8 @@ head -c 5 "$svg" | grep -q '^<svg' || {
 
 step "serving benchmark (examples/serve): the process deployment and the in-process driver, host backend, simulated compute"
 # `serve bench`: a broker and three engine processes per run, wall clock, open loop, 2 seeds x
-# 2 loads x 3 policies of 1.5 s traces (about 25 s), the real traces beside the repository
+# 2 loads x 3 policies of 1.5 s traces (about 25 s), the sleep policies once each (about 10 s),
+# the real traces beside the repository
 # when there (../shared/traces), the generator's otherwise; then the in-process virtual-clock
 # driver (a second or two). tests/serve.rs tests the parts. The example the tests built,
 # found as the CLI is above.
@@ -137,6 +138,15 @@ traces=synthetic
 [[ -f ../shared/traces/azure-llm-2023-conv.csv ]] && traces=conv,code,mooncake
 "$serve" bench --sim --seeds 1,2 --loads 0.5,1.5 --duration 1.5 --drain 0.5 --traces "$traces" \
   --traces-dir ../shared/traces --out "$tmp/serve-bench" >/dev/null
+# The sleep policies: four engines on a budget of two bases, Prism-like bursts, one run each.
+"$serve" bench --sim --models 4 --resident 2 --policies static-sleep,elastic-sleep --loads 1 \
+  --seeds 1 --duration 3 --drain 1 --on-off 1,2 --sleep-after 0.2 --traces "$traces" \
+  --traces-dir ../shared/traces --out "$tmp/serve-sleep" >"$tmp/serve-sleep.log"
+[[ $(grep -c 'sleeps [1-9]' "$tmp/serve-sleep.log") -eq 2 ]] || {
+  echo "serve bench's sleep policies did not sleep and wake in both runs:" >&2
+  cat "$tmp/serve-sleep.log" >&2
+  exit 1
+}
 # The same table again from the saved runs alone (how a sweep over several commands is summed).
 "$serve" bench --from "$tmp/serve-bench" --out "$tmp/serve-again" >/dev/null
 cmp "$tmp/serve-bench/table.txt" "$tmp/serve-again/table.txt" || {
