@@ -15,7 +15,6 @@
 //! run). A [`Flight`] is the copies under way; [`Flight::finish`] waits for every one of them,
 //! whatever failed, so nothing stays queued on the memory when it returns.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -397,15 +396,48 @@ pub(crate) enum Flight {
     /// counts those not done.
     Threads {
         handles: Vec<JoinHandle<(u64, Result<()>)>>,
-        running: Arc<AtomicUsize>,
+        running: Arc<Running>,
     },
+}
+
+/// Copy threads not done yet, and a wake-up for whoever waits for none.
+#[derive(Default)]
+pub(crate) struct Running {
+    count: parking_lot::Mutex<usize>,
+    none: parking_lot::Condvar,
+}
+
+impl Running {
+    fn start_one(&self) {
+        *self.count.lock() += 1;
+    }
+
+    fn end_one(&self) {
+        let mut n = self.count.lock();
+        *n -= 1;
+        if *n == 0 {
+            self.none.notify_all();
+        }
+    }
+
+    fn is_none(&self) -> bool {
+        *self.count.lock() == 0
+    }
+
+    /// Block until every thread counted has ended.
+    fn wait_none(&self) {
+        let mut n = self.count.lock();
+        while *n != 0 {
+            self.none.wait(&mut n);
+        }
+    }
 }
 
 /// A way to ask a [`Flight`] how far it is, without holding it (cheap to clone).
 #[derive(Clone)]
 pub(crate) enum Probe {
     Marker(Arc<dyn Backend>, u64),
-    Threads(Arc<AtomicUsize>),
+    Threads(Arc<Running>),
 }
 
 impl Probe {
@@ -417,7 +449,7 @@ impl Probe {
         match self {
             // SAFETY: the marker is live (the caller's promise).
             Probe::Marker(b, m) => unsafe { b.copies().marker_done(*m) }.unwrap_or(true),
-            Probe::Threads(running) => running.load(Ordering::Acquire) == 0,
+            Probe::Threads(running) => running.is_none(),
         }
     }
 
@@ -432,9 +464,7 @@ impl Probe {
             // SAFETY: the marker is live; the stream is the caller's promise.
             Probe::Marker(b, m) => unsafe { b.copies().stream_wait_marker(stream, *m) },
             Probe::Threads(running) => {
-                while running.load(Ordering::Acquire) != 0 {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
+                running.wait_none();
                 Ok(())
             }
         }
@@ -763,7 +793,7 @@ unsafe fn on_threads(op: CpuOp<'_>, pieces: &[Piece]) -> Result<Flight> {
     };
     let share = bytes.div_ceil(threads as u64).max(1);
     let mut handles = Vec::with_capacity(threads);
-    let running = Arc::new(AtomicUsize::new(0));
+    let running = Arc::new(Running::default());
     let mut rest = split.as_slice();
     while !rest.is_empty() {
         let (mut n, mut sum) = (0, 0);
@@ -773,14 +803,16 @@ unsafe fn on_threads(op: CpuOp<'_>, pieces: &[Piece]) -> Result<Flight> {
         }
         let mine = rest[..n].to_vec();
         rest = &rest[n..];
-        running.fetch_add(1, Ordering::AcqRel);
+        running.start_one();
         let done = Done(running.clone());
         let spawned = std::thread::Builder::new()
             .name("evmm-tier-io".into())
             .spawn(move || {
                 let _done = done;
                 #[cfg(test)]
-                std::thread::sleep(Duration::from_millis(IO_DELAY_MS.load(Ordering::Relaxed)));
+                std::thread::sleep(Duration::from_millis(
+                    IO_DELAY_MS.load(std::sync::atomic::Ordering::Relaxed),
+                ));
                 let mut moved = 0u64;
                 for p in &mine {
                     // SAFETY: the caller's promise, carried to this thread.
@@ -808,10 +840,10 @@ unsafe fn on_threads(op: CpuOp<'_>, pieces: &[Piece]) -> Result<Flight> {
 }
 
 /// Counts a copy thread out when it ends, panicking or not.
-struct Done(Arc<AtomicUsize>);
+struct Done(Arc<Running>);
 
 impl Drop for Done {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.end_one();
     }
 }
