@@ -291,10 +291,15 @@ impl LayerCache for Gathered<'_> {
 }
 
 impl LlamaModel {
-    /// The largest difference between the logits of one decode step of `seqs` attended by the
-    /// paged-attention kernel and by gathering the blocks, and the largest logit (the same
-    /// K and V written twice, so both read the same cache).
-    pub fn decode_check(&mut self, seqs: &[SeqView]) -> Result<(f32, f32), String> {
+    /// The model's layers.
+    pub fn layers(&self) -> usize {
+        self.llama.shape().layers
+    }
+
+    /// The largest difference between the logits of one decode step of `seqs` through the
+    /// first `depth` layers attended by the paged-attention kernel and by gathering the blocks,
+    /// and the largest logit (the same K and V written twice, so both read the same cache).
+    pub fn decode_check(&mut self, seqs: &[SeqView], depth: usize) -> Result<(f32, f32), String> {
         let pieces = decode_pieces(seqs);
         let (pool, id) = (self.pool.clone(), self.id.clone());
         route::with_route(
@@ -303,11 +308,11 @@ impl LlamaModel {
             || -> candle_core::Result<(f32, f32)> {
                 let a = self
                     .llama
-                    .forward(&*self.kv, &pieces)?
+                    .forward_layers(&*self.kv, &pieces, depth)?
                     .to_dtype(DType::F32)?;
                 let b = self
                     .llama
-                    .forward(&Gathered(&self.kv), &pieces)?
+                    .forward_layers(&Gathered(&self.kv), &pieces, depth)?
                     .to_dtype(DType::F32)?;
                 let diff = (&a - &b)?
                     .abs()?

@@ -225,6 +225,22 @@ impl PagedLlama {
         kv: &dyn LayerCache,
         pieces: &[Piece<'a>],
     ) -> candle_core::Result<Tensor> {
+        self.forward_layers(kv, pieces, self.layers.len())
+    }
+
+    /// Its shape.
+    pub fn shape(&self) -> &LlamaShape {
+        &self.shape
+    }
+
+    /// [`PagedLlama::forward`] through the first `depth` layers only (then the final norm and
+    /// the LM head): how a difference between two attention paths grows with depth.
+    pub fn forward_layers<'a>(
+        &self,
+        kv: &dyn LayerCache,
+        pieces: &[Piece<'a>],
+        depth: usize,
+    ) -> candle_core::Result<Tensor> {
         let dev = self.cos.device().clone();
         let s = &self.shape;
         let (hd, kvd) = (s.head_dim(), s.kv_heads * s.head_dim());
@@ -300,7 +316,7 @@ impl PagedLlama {
             .map(|i| ((pos_host[i] as usize) % s.vocab) as u32)
             .collect();
         let mut x = self.embed.forward(&Tensor::new(ids.as_slice(), &dev)?)?;
-        for (l, w) in self.layers.iter().enumerate() {
+        for (l, w) in self.layers.iter().enumerate().take(depth) {
             let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, s.eps as f32)?;
             let q = rope(&w.wq.forward(&h)?, s.heads)?;
             let k = rope(&w.wk.forward(&h)?, s.kv_heads)?;
@@ -686,6 +702,23 @@ mod tests {
     /// A decode step through the cache's own kernel (the hook the GPU engine's paged-attention
     /// op uses) gives the logits the gather gives: tables as `[batch, width]` rows padded to the
     /// longest, lengths per sequence, output reshaped back; called once per layer.
+    /// Through every layer `forward_layers` is `forward`; through fewer it is another model.
+    #[test]
+    fn forward_through_fewer_layers_stops_early() {
+        let m = model();
+        let s = shape();
+        let p = || Piece {
+            blocks: &[3, 5],
+            start: 0,
+            len: 20,
+        };
+        let whole = rows(&m.forward(&Cache::new(&s), &[p()]).unwrap());
+        let all = rows(&m.forward_layers(&Cache::new(&s), &[p()], s.layers).unwrap());
+        assert_eq!(whole, all);
+        let one = rows(&m.forward_layers(&Cache::new(&s), &[p()], 1).unwrap());
+        assert_ne!(whole, one);
+    }
+
     /// The weights' fingerprint is stable, and a changed sampled row changes it.
     #[test]
     fn the_fingerprint_sees_a_changed_weight() {
