@@ -1036,9 +1036,9 @@ mod workload_tests {
             max_len: 300,
         };
         let w = window(&rows, 1, 7, 10.0, 20.0, len);
-        assert!((195..=201).contains(&w.len()), "{} requests", w.len());
-        // The trace's rate is 1000 requests over 999 s: sped up 9.99 times.
-        let gap_us = 1e6 / (10.0 * 999.0 / 1000.0);
+        assert_eq!(w.len(), 200, "10 requests a second for 20 s");
+        // 200 requests a second apart, sped up to span 20 s: 0.1 s apart.
+        let gap_us = 1e5;
         assert!(w.windows(2).all(|p| {
             let gap = (p[1].arrival_us - p[0].arrival_us) as f64;
             (gap - gap_us).abs() <= 2.0
@@ -1064,6 +1064,25 @@ mod workload_tests {
         assert_eq!(l.apply(0, 0), (1, 1));
         let other = window(&rows, 1, 8, 10.0, 20.0, len);
         assert_ne!(other[0].prompt, first, "another seed, another window");
+        // A bursty trace (a burst of 100 in 1 s, then one request a second): every window
+        // offers the load asked, bursts kept in proportion inside it.
+        let bursty: Vec<Row> = (0..100)
+            .map(|i| i as f64 * 0.01)
+            .chain((1..900).map(|i| i as f64))
+            .map(|t| Row {
+                t,
+                prompt: 10,
+                output: 10,
+            })
+            .collect();
+        for seed in 0..20 {
+            let w = window(&bursty, 0, seed, 2.0, 30.0, len);
+            assert_eq!(w.len(), 60, "seed {seed}");
+            assert!(w.iter().all(|r| r.arrival() < 30.0), "seed {seed}");
+        }
+        // The whole trace at its own rate is the whole trace.
+        let all = window(&rows, 0, 0, 1000.0 / 999.0, 999.0, len);
+        assert_eq!(all.len(), 1000);
         assert_eq!(
             window(&rows, 1, 7, 10.0, 20.0, len),
             w,

@@ -10,10 +10,13 @@
 //!   `input_length`, `output_length`). Apache-2.0; Qin et al., "Mooncake: A KVCache-centric
 //!   Architecture for Serving LLM Chatbot", FAST 2025.
 //!
-//! Model `m` replays source `m mod n` of the sources named. Its window: at a target mean rate
-//! `r` requests/s, a trace of mean rate `R` is sped up by `r / R`, so a `d`-second run replays
-//! `d r / R` seconds of it, starting at a point drawn from the seed and the model (so seeds are
-//! windows). Its bursts and lulls are the trace's own, only faster. Lengths are multiplied by
+//! Model `m` replays source `m mod n` of the sources named. Its window: at a target rate `r`
+//! requests/s for a `d`-second run, `r d` consecutive requests of the trace, starting at one
+//! drawn from the seed and the model (so seeds are windows), time-scaled so that they span the
+//! run. Every window offers the load asked; its bursts and lulls are the trace's own, only
+//! faster or slower. (Scaling by the whole trace's mean rate instead let windows offer 8x more
+//! or less than the load point: on the H200, one seed's windows brought 83 requests at a load
+//! whose other seeds brought 9 and 10.) Lengths are multiplied by
 //! `len_scale` (the host simulation serves smaller contexts), then cut to the engines' context
 //! ([`Lengths`]: the output to half of it, the prompt to the rest).
 
@@ -208,9 +211,12 @@ impl Lengths {
     }
 }
 
-/// Model `model`'s requests: a window of `rows` replayed at `rate` requests/s on average for
-/// `duration_s` seconds, its start drawn from `seed` and `model`. Arrivals are seconds from
-/// the run's start; ids count from 0 in arrival order.
+/// Model `model`'s requests: a window of `rows` replayed at `rate` requests/s for
+/// `duration_s` seconds. The window is `rate * duration_s` consecutive requests (at least one),
+/// its first drawn from `seed` and `model`; it is time-scaled so that those requests span the
+/// run (the window's own mean rate becomes `rate`), keeping its bursts and lulls in proportion.
+/// So every seed offers the load asked, and seeds differ in the traffic's shape and lengths.
+/// Arrivals are seconds from the run's start; ids count from 0 in arrival order.
 pub fn window(
     rows: &[Row],
     model: usize,
@@ -219,23 +225,31 @@ pub fn window(
     duration_s: f64,
     len: Lengths,
 ) -> Vec<Request> {
-    let (span, trace_rate) = span_rate(rows);
-    let speed = (rate / trace_rate).max(1e-12);
-    let real = (duration_s * speed).min(span);
+    if rows.is_empty() || !(rate > 0.0 && duration_s > 0.0) {
+        return Vec::new();
+    }
+    let n = ((rate * duration_s).round() as usize).clamp(1, rows.len());
     let mut rng =
         StdRng::seed_from_u64(seed ^ (model as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D));
-    let start = rng.random::<f64>() * (span - real).max(0.0);
-    let first = rows.partition_point(|r| r.t < start);
-    rows[first..]
+    let first = rng.random_range(0..=rows.len() - n);
+    let start = rows[first].t;
+    // The window's span: to the next request after it (n arrivals in it), or, at the trace's
+    // end, its last gap's worth past its last request.
+    let span = match rows.get(first + n) {
+        Some(next) => next.t - start,
+        None if n > 1 => (rows[first + n - 1].t - start) * n as f64 / (n - 1) as f64,
+        None => 0.0,
+    };
+    let scale = if span > 0.0 { duration_s / span } else { 0.0 };
+    rows[first..first + n]
         .iter()
-        .take_while(|r| r.t < start + real)
         .enumerate()
         .map(|(i, r)| {
             let (prompt, output) = len.apply(r.prompt, r.output);
             Request {
                 id: i as u64,
                 model,
-                arrival_us: ((r.t - start) / speed * 1e6) as u64,
+                arrival_us: ((r.t - start) * scale * 1e6) as u64,
                 prompt,
                 output,
             }
