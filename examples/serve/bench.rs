@@ -459,7 +459,10 @@ fn feeds(a: &BenchArgs) -> Result<Vec<FeedStats>, String> {
 }
 
 /// The rate per model (requests/s) at load 1.0: see the module docs.
-fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
+/// The two rates per model whose lower is load 1.0: `(memory, compute)` (requests/s), the
+/// one at which the mean KV demand fills the budget and the one at which a mean request's
+/// compute keeps its engine busy (infinite where the cost model prices nothing).
+fn bound_rates(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> (f64, f64) {
     let demands: Vec<f64> = feeds.iter().map(|f| f.demand).collect();
     let contexts: Vec<f64> = feeds.iter().map(|f| f.context).collect();
     let kv_tokens = s.kv_blocks as f64 * s.block_tokens as f64;
@@ -476,11 +479,18 @@ fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
         (p + f.lengths.0 / k, o + f.lengths.1 / k)
     });
     let per_request = p * s.cost.prefill_token_s + o * step / batch;
-    if per_request > 0.0 {
-        memory.min(1.0 / per_request)
+    let compute = if per_request > 0.0 {
+        1.0 / per_request
     } else {
-        memory
-    }
+        f64::INFINITY
+    };
+    (memory, compute)
+}
+
+/// The rate per model (requests/s) at load 1.0: see the module docs.
+fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
+    let (memory, compute) = bound_rates(a, s, feeds);
+    memory.min(compute)
 }
 
 fn requests(
@@ -773,6 +783,13 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         gpu = Some(info);
     }
     let rate1 = a.rate.unwrap_or_else(|| nominal_rate(a, &sizes, &feeds));
+    // Which bound sets load 1.0: where compute binds first, memory binds only past it (and no
+    // policy of memory can help below it).
+    let (memory, compute) = bound_rates(a, &sizes, &feeds);
+    println!(
+        "bench: per model, the KV budget fills at {memory:.3} requests/s and compute at {compute:.3}: {} binds first",
+        if memory <= compute { "memory" } else { "compute" }
+    );
     let (commit, machine) = (commit(), machine(gpu.as_ref()));
     let traces: Vec<String> = (0..a.models)
         .map(|m| a.sources[m % a.sources.len()].name().to_string())
