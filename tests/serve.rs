@@ -1080,6 +1080,20 @@ mod workload_tests {
             assert_eq!(w.len(), 60, "seed {seed}");
             assert!(w.iter().all(|r| r.arrival() < 30.0), "seed {seed}");
         }
+        // A window of requests at one instant is spread evenly over the run.
+        let instant: Vec<Row> = (0..50)
+            .map(|_| Row {
+                t: 3.0,
+                prompt: 10,
+                output: 10,
+            })
+            .collect();
+        let spread = window(&instant, 0, 1, 1.0, 10.0, len);
+        assert_eq!(spread.len(), 10);
+        assert!(spread
+            .iter()
+            .enumerate()
+            .all(|(i, r)| r.arrival_us == i as u64 * 1_000_000));
         // The whole trace at its own rate is the whole trace.
         let all = window(&rows, 0, 0, 1000.0 / 999.0, 999.0, len);
         assert_eq!(all.len(), 1000);

@@ -504,7 +504,18 @@ fn requests(
     let mut out = Vec::new();
     for (m, FeedStats { feed, .. }) in feeds.iter().enumerate() {
         let mut reqs = match feed {
-            Feed::Real(rows) => workload::window(rows, m, seed, rate, a.duration_s, len),
+            Feed::Real(rows) => {
+                let w = workload::window(rows, m, seed, rate, a.duration_s, len);
+                let asked = (rate * a.duration_s).round();
+                if (w.len() as f64) < asked {
+                    return Err(format!(
+                        "model {m}'s trace has {} requests, fewer than the {asked} a rate of {rate:.3}/s for {} s asks: shorten --duration or lower the load",
+                        w.len(),
+                        a.duration_s
+                    ));
+                }
+                w
+            }
             Feed::Synthetic => {
                 if synth.is_none() {
                     synth = Some(workload::synthetic(

@@ -214,7 +214,7 @@ impl LlamaModel {
     /// moves a sum of squares far more).
     pub fn check_weights(&self, reference: &[f32]) -> Result<(), String> {
         let now = self.fingerprint()?;
-        // NaN is the same as nothing, itself included.
+        // A NaN compares unequal to everything, itself included: a changed weight.
         let same = |a: f32, b: f32| (a - b).abs() <= 1e-5 * b.abs().max(1e-30);
         let off = now.iter().zip(reference).position(|(a, b)| !same(*a, *b));
         match off {
@@ -298,7 +298,8 @@ impl LlamaModel {
 
     /// The largest difference between the logits of one decode step of `seqs` through the
     /// first `depth` layers attended by the paged-attention kernel and by gathering the blocks,
-    /// and the largest logit (the same K and V written twice, so both read the same cache).
+    /// and the largest logit. Each path writes the new token's K and V before reading them
+    /// (the same in the first layer; deeper, each path's own), so each reads what it wrote.
     pub fn decode_check(&mut self, seqs: &[SeqView], depth: usize) -> Result<(f32, f32), String> {
         let pieces = decode_pieces(seqs);
         let (pool, id) = (self.pool.clone(), self.id.clone());

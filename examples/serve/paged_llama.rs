@@ -699,9 +699,6 @@ mod tests {
         out
     }
 
-    /// A decode step through the cache's own kernel (the hook the GPU engine's paged-attention
-    /// op uses) gives the logits the gather gives: tables as `[batch, width]` rows padded to the
-    /// longest, lengths per sequence, output reshaped back; called once per layer.
     /// Through every layer `forward_layers` is `forward`; through fewer it is another model.
     #[test]
     fn forward_through_fewer_layers_stops_early() {
@@ -743,6 +740,9 @@ mod tests {
         assert_eq!(after[2..], first[2..]);
     }
 
+    /// A decode step through the cache's own kernel (the hook the GPU engine's paged-attention
+    /// op uses) gives the logits the gather gives: tables as `[batch, width]` rows padded to the
+    /// longest, lengths per sequence, output reshaped back; called once per layer.
     #[test]
     fn a_decode_through_the_caches_kernel_equals_the_gather() {
         let m = model();

@@ -215,7 +215,8 @@ impl Lengths {
 /// `duration_s` seconds. The window is `rate * duration_s` consecutive requests (at least one),
 /// its first drawn from `seed` and `model`; it is time-scaled so that those requests span the
 /// run (the window's own mean rate becomes `rate`), keeping its bursts and lulls in proportion.
-/// So every seed offers the load asked, and seeds differ in the traffic's shape and lengths.
+/// So every seed offers the load asked, and seeds differ in the traffic's shape and lengths;
+/// a trace with fewer than `rate * duration_s` requests gives them all (the caller checks).
 /// Arrivals are seconds from the run's start; ids count from 0 in arrival order.
 pub fn window(
     rows: &[Row],
@@ -240,16 +241,23 @@ pub fn window(
         None if n > 1 => (rows[first + n - 1].t - start) * n as f64 / (n - 1) as f64,
         None => 0.0,
     };
-    let scale = if span > 0.0 { duration_s / span } else { 0.0 };
+    // Arrivals strictly inside the run; a window with no span (every request at one
+    // instant) is spread evenly over it.
+    let last_us = ((duration_s * 1e6) as u64).saturating_sub(1);
     rows[first..first + n]
         .iter()
         .enumerate()
         .map(|(i, r)| {
             let (prompt, output) = len.apply(r.prompt, r.output);
+            let at = if span > 0.0 {
+                (r.t - start) * duration_s / span
+            } else {
+                i as f64 * duration_s / n as f64
+            };
             Request {
                 id: i as u64,
                 model,
-                arrival_us: ((r.t - start) * scale * 1e6) as u64,
+                arrival_us: ((at * 1e6) as u64).min(last_us),
                 prompt,
                 output,
             }

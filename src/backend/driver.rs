@@ -59,10 +59,10 @@ pub(crate) struct Driver {
 
 /// `CU_EVENT_DISABLE_TIMING`: fences need no timestamps, and untimed events are cheaper.
 pub(crate) const EVENT_DISABLE_TIMING: c_uint = 0x2;
-/// `CU_STREAM_LEGACY`.
-pub(crate) const STREAM_LEGACY: usize = 0x1;
-/// `CU_STREAM_PER_THREAD`.
-pub(crate) const STREAM_PER_THREAD: usize = 0x2;
+/// `CU_STREAM_LEGACY`, as the driver's handle type.
+pub(crate) const STREAM_LEGACY: usize = super::LEGACY_STREAM as usize;
+/// `CU_STREAM_PER_THREAD`, as the driver's handle type.
+pub(crate) const STREAM_PER_THREAD: usize = super::PER_THREAD_STREAM as usize;
 
 /// The driver, or `None` where no CUDA driver library can be loaded.
 pub(crate) fn driver() -> Option<&'static Driver> {

@@ -27,6 +27,8 @@ use crate::error::Result;
 /// CUDA's legacy default stream of the current context (`CU_STREAM_LEGACY`): ordered with every
 /// blocking stream. On the host backend any stream value orders nothing.
 pub(crate) const LEGACY_STREAM: u64 = 0x1;
+/// CUDA's per-thread default stream of the calling thread (`CU_STREAM_PER_THREAD`).
+pub(crate) const PER_THREAD_STREAM: u64 = 0x2;
 
 /// Which kind of memory a backend provides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -40,11 +40,9 @@ use crate::error::{Error, Result};
 const MAX_IDLE_CONTEXTS: usize = 1024;
 /// Spare fence events kept for reuse.
 const MAX_SPARE_EVENTS: usize = 64;
-pub(crate) use crate::backend::LEGACY_STREAM;
-/// CUDA's handle for the calling thread's per-thread default stream (`CU_STREAM_PER_THREAD`),
-/// which candle 0.11's `Device::new_cuda` launches every kernel on
-/// (`CudaContext::per_thread_stream`).
-pub(crate) const PER_THREAD_STREAM: u64 = 0x2;
+// The per-thread stream is the one candle 0.11's `Device::new_cuda` launches every kernel on
+// (`CudaContext::per_thread_stream`).
+pub(crate) use crate::backend::{LEGACY_STREAM, PER_THREAD_STREAM};
 
 /// The stream that orders our copies, fills, host reads and fences with the kernels of a candle
 /// device whose stream handle is `device_stream`, whatever thread queues them.
