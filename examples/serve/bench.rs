@@ -487,12 +487,6 @@ fn bound_rates(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> (f64, f64
     (memory, compute)
 }
 
-/// The rate per model (requests/s) at load 1.0: see the module docs.
-fn nominal_rate(a: &BenchArgs, s: &DeploySizes, feeds: &[FeedStats]) -> f64 {
-    let (memory, compute) = bound_rates(a, s, feeds);
-    memory.min(compute)
-}
-
 fn requests(
     a: &BenchArgs,
     feeds: &[FeedStats],
@@ -793,10 +787,10 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         );
         gpu = Some(info);
     }
-    let rate1 = a.rate.unwrap_or_else(|| nominal_rate(a, &sizes, &feeds));
-    // Which bound sets load 1.0: where compute binds first, memory binds only past it (and no
-    // policy of memory can help below it).
+    // Load 1.0: the lower bound (or --rate). Where compute binds first, memory binds only past
+    // it, and no policy of memory can help below it.
     let (memory, compute) = bound_rates(a, &sizes, &feeds);
+    let rate1 = a.rate.unwrap_or(memory.min(compute));
     println!(
         "bench: per model, the KV budget fills at {memory:.3} requests/s and compute at {compute:.3}: {} binds first",
         if memory <= compute { "memory" } else { "compute" }

@@ -51,7 +51,6 @@ pub struct Sleeper {
     base: u64,
     /// The KV model's guarantee while asleep.
     zero_page: u64,
-    asleep: bool,
     /// Since when a wake has waited for room, and the attempts refused.
     waiting: Option<(Instant, u32)>,
     /// This run's counts.
@@ -81,21 +80,21 @@ impl Sleeper {
             kv_model: format!("{id}-kv"),
             base,
             zero_page,
-            asleep: false,
             waiting: None,
             counts: SleepCounts::default(),
         })
     }
 
-    /// Whether the model is asleep.
+    /// Whether the model is asleep (its base pool's own state: a sleep whose rollback failed
+    /// leaves it asleep too).
     pub fn is_asleep(&self) -> bool {
-        self.asleep
+        self.pool.is_asleep()
     }
 
     /// Put the model to sleep: the KV cache's warm blocks and `kv_pool`'s pages back to the
     /// broker (the caller holds no block), the base pool asleep, then both guarantees down.
     pub fn sleep(&mut self, kv: &PagedKv, kv_pool: &Pool) -> Result<(), String> {
-        if self.asleep {
+        if self.is_asleep() {
             return Ok(());
         }
         let t = Instant::now();
@@ -104,7 +103,6 @@ impl Sleeper {
         self.pool
             .sleep(&SleepPolicy::offload_all())
             .map_err(|e| format!("{}: sleep: {e}", self.base_model))?;
-        self.asleep = true;
         self.set(&self.base_model, 0)
             .and_then(|()| self.set(&self.kv_model, self.zero_page))
             .map_err(|r| r.unwrap_or_else(|| "lowering a guarantee had no room".into()))?;
@@ -118,7 +116,7 @@ impl Sleeper {
     /// holding nothing more, when not; call again after [`Sleeper::backoff`]. Any other
     /// failure is an error.
     pub fn try_wake(&mut self, kv_guarantee: Option<u64>) -> Result<bool, String> {
-        if !self.asleep {
+        if !self.is_asleep() {
             return Ok(true);
         }
         let t = Instant::now();
@@ -157,7 +155,6 @@ impl Sleeper {
             }
             return Ok(false);
         }
-        self.asleep = false;
         self.counts.wakes += 1;
         self.counts.wake_s += t.elapsed().as_secs_f64();
         if let Some((since, _)) = self.waiting.take() {
