@@ -196,6 +196,8 @@ pub fn run() -> Result<(), BoxError> {
     let gain = kv.compaction_gain();
     let (mut calls, mut moved, mut copied, mut released) = (0, 0, 0u64, 0u64);
     let mut longest = Duration::ZERO;
+    // Where the calls' time went: backing the destinations, copying, giving pages back.
+    let mut phases = [Duration::ZERO; 3];
     let t = Instant::now();
     loop {
         let c = kv.compact(1024)?;
@@ -204,6 +206,9 @@ pub fn run() -> Result<(), BoxError> {
         copied += c.bytes_copied;
         released += c.bytes_released;
         longest = longest.max(c.elapsed);
+        for (p, d) in phases.iter_mut().zip([c.backing, c.copying, c.releasing]) {
+            *p += d;
+        }
         for &i in &order[finish..] {
             for b in &mut seqs[i] {
                 *b = c.rename(*b);
@@ -228,6 +233,15 @@ pub fn run() -> Result<(), BoxError> {
         human(after.mapped_bytes),
         human(floor),
         after.mapped_bytes as f64 / floor as f64
+    );
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "compaction's time: backing the destinations {:.2} ms, copying {:.2} ms ({:.1} GB/s), giving back {} {:.2} ms",
+        ms(phases[0]),
+        ms(phases[1]),
+        copied as f64 / phases[1].as_secs_f64().max(1e-9) / 1e9,
+        human(released),
+        ms(phases[2])
     );
     for &i in &order[finish..] {
         kv.free(&seqs[i])?;

@@ -95,6 +95,12 @@ pub struct Compaction {
     pub bytes_released: u64,
     /// Wall time of the call.
     pub elapsed: Duration,
+    /// Of `elapsed`: backing the destinations (maps, and clearing where the cache clears).
+    pub backing: Duration,
+    /// Of `elapsed`: the copies, queued and waited for.
+    pub copying: Duration,
+    /// Of `elapsed`: giving the emptied pages back (the device wait before it, the unmaps).
+    pub releasing: Duration,
 }
 
 impl Compaction {
@@ -282,7 +288,7 @@ impl Core {
         };
         let copy_bytes = plan.moves.len() as u64 * self.geo.unit * self.geo.tensors;
         match self.move_blocks(&plan, stream) {
-            Ok(pin) => {
+            Ok((pin, backing, copying)) => {
                 let to_release: Vec<usize> = {
                     let mut book = self.book.lock();
                     for &(old, new) in &plan.moves {
@@ -309,13 +315,18 @@ impl Core {
                     out
                 };
                 drop(pin);
+                let t = Instant::now();
                 let released = self.release(&to_release);
+                let releasing = t.elapsed();
                 self.book.lock().bytes_compacted += released;
                 let done = Compaction {
                     moves: plan.moves,
                     bytes_copied: copy_bytes,
                     bytes_released: released,
                     elapsed: started.elapsed(),
+                    backing,
+                    copying,
+                    releasing,
                 };
                 tracing::debug!(moved = done.moves.len(), groups = plan.groups.len(), bytes_copied = copy_bytes, bytes_released = released, elapsed = ?done.elapsed, "paged KV cache compacted");
                 Ok(done)
@@ -338,9 +349,15 @@ impl Core {
         }
     }
 
-    /// Steps 2 to 4: back the destinations, pin, copy. On failure the destinations are
-    /// released again (free, out of the compaction's hands) before this returns.
-    fn move_blocks(&self, plan: &Plan, stream: u64) -> Result<crate::backing::BlockPin> {
+    /// Steps 2 to 4: back the destinations, pin, copy; with the time backing and copying
+    /// took. On failure the destinations are released again (free, out of the compaction's
+    /// hands) before this returns.
+    fn move_blocks(
+        &self,
+        plan: &Plan,
+        stream: u64,
+    ) -> Result<(crate::backing::BlockPin, Duration, Duration)> {
+        let t = Instant::now();
         let fresh: Vec<usize> = plan
             .moves
             .iter()
@@ -363,11 +380,16 @@ impl Core {
                 self.backed(&mut book, b);
             }
         }
+        let backing = t.elapsed();
+        let t = Instant::now();
         let pinned = plan.moves.iter().flat_map(|&(old, new)| [old, new]);
         let done = self
             .backing
             .pin(pinned, "paged KV compaction")
-            .and_then(|pin| self.copy(&plan.moves, stream).map(|()| pin));
+            .and_then(|pin| {
+                self.copy(&plan.moves, stream)
+                    .map(|()| (pin, backing, t.elapsed()))
+            });
         if done.is_err() {
             // The pin (if any) is gone: the destinations are backed blocks of ours alone.
             self.release(&fresh);

@@ -730,6 +730,14 @@ pub fn kv_compaction_moves_contents_byte_exact(backend: Arc<dyn Backend>) {
             (gain.moves, gain.bytes_released, gain.bytes_to_copy),
             "{layout:?}: did what the gain said"
         );
+        assert!(
+            c.backing + c.copying + c.releasing <= c.elapsed,
+            "{layout:?}: the phases {:?} + {:?} + {:?} fit in the call's {:?}",
+            c.backing,
+            c.copying,
+            c.releasing,
+            c.elapsed
+        );
         assert_eq!(
             c.bytes_copied,
             c.moves.len() as u64 * kv.block_span_bytes() * kv.tensors() as u64
