@@ -200,6 +200,48 @@ fn the_guard_fails_a_missing_line_and_reports_a_new_one() {
 }
 
 #[test]
+fn the_guard_compares_only_runs_on_the_same_device() {
+    let h100 = "# gpu: NVIDIA H100 80GB HBM3, driver 580.159.04\n# command: ./gpu-bench pool\n\
+RESULT|pool/hot-pair|hot pair|80 ns|async|600 ns|7.50x\n";
+    let h200 = "# gpu: NVIDIA H200, driver 580.159.04\n# command: ./gpu-bench pool\n\
+RESULT|pool/hot-pair|hot pair|63 ns|async|578 ns|9.17x\n";
+    let example = "# gpu: NVIDIA H100 80GB HBM3, driver 580.159.04\n# command: ./routed_llama\n\
+RESULT|candle/decode|d|1 ms|p|1 ms|1.00x\n";
+    let logs: Vec<(String, String)> = [("a.log", h100), ("b.log", h200), ("c.log", example)]
+        .iter()
+        .map(|(f, t)| (f.to_string(), t.to_string()))
+        .collect();
+    assert_eq!(check::saved_device(h200), Some("NVIDIA H200"));
+    let on = |d: &str| check::saved_on(d, &logs);
+    let h200_lines = on("NVIDIA H200").expect("saved on the H200");
+    assert_eq!(h200_lines.len(), 1);
+    assert_eq!(
+        (h200_lines[0].0.as_str(), h200_lines[0].1.ratio),
+        ("b.log", 9.17)
+    );
+    // 7.00x is 24% worse than the H200's 9.17x: fails there, though it passes against the
+    // H100's 7.50x.
+    let r = check::compare(&h200_lines, &fresh("7.00x", None), &["pool"]);
+    assert!(!r.passed(), "{}", r.text());
+    let h100_lines = on("NVIDIA H100 80GB HBM3").expect("saved on the H100");
+    assert!(check::compare(&h100_lines, &fresh("7.00x", None), &["pool"]).passed());
+    // A device with no saved run is an error naming the devices that have one.
+    let e = on("NVIDIA B200").expect_err("no B200 run");
+    assert!(
+        e.contains("no saved gpu-bench run on NVIDIA B200")
+            && e.contains("NVIDIA H100 80GB HBM3, NVIDIA H200"),
+        "{e}"
+    );
+    // A bench log with no device is refused.
+    let bare = vec![(
+        "d.log".to_string(),
+        "# command: ./gpu-bench pool\nRESULT|pool/x|w|1|p|1|1.00x\n".to_string(),
+    )];
+    let e = check::saved_on("NVIDIA H200", &bare).expect_err("no gpu line");
+    assert!(e.contains("d.log: no '# gpu:' line"), "{e}");
+}
+
+#[test]
 fn every_saved_bench_log_passes_against_itself() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/results");
     let mut all = Vec::new();

@@ -80,6 +80,42 @@ pub fn saved_bench_lines(text: &str) -> Result<Vec<Line>, String> {
     lines_of(text)
 }
 
+/// The device a saved log ran on: its `# gpu:` header without the driver (`NVIDIA H100 80GB
+/// HBM3` of `# gpu: NVIDIA H100 80GB HBM3, driver 580.159.04`).
+pub fn saved_device(text: &str) -> Option<&str> {
+    let gpu = text.lines().find_map(|l| l.strip_prefix("# gpu: "))?;
+    Some(gpu.split(", driver").next().unwrap_or(gpu).trim())
+}
+
+/// The saved lines (`(file, text)` of each saved log) of `gpu-bench` runs on `device`: a ratio
+/// is compared only with one measured on the same kind of device (an H200's attention against
+/// its own bandwidth floor is not an H100's). An error names the devices that have saved runs
+/// when `device` has none.
+pub fn saved_on(device: &str, logs: &[(String, String)]) -> Result<Vec<(String, Line)>, String> {
+    let mut out = Vec::new();
+    let mut others = Vec::new();
+    for (file, text) in logs {
+        let lines = saved_bench_lines(text).map_err(|e| format!("{file}: {e}"))?;
+        if lines.is_empty() {
+            continue;
+        }
+        match saved_device(text) {
+            Some(d) if d == device => out.extend(lines.into_iter().map(|l| (file.clone(), l))),
+            Some(d) => others.push(d.to_string()),
+            None => return Err(format!("{file}: no '# gpu:' line")),
+        }
+    }
+    if out.is_empty() {
+        others.sort();
+        others.dedup();
+        return Err(format!(
+            "no saved gpu-bench run on {device} to compare with (saved runs are on: {}); save this run as its baseline (docs/guide/benchmarks.md)",
+            if others.is_empty() { "none".to_string() } else { others.join(", ") }
+        ));
+    }
+    Ok(out)
+}
+
 /// The outcome of a check: one printed row per line, and whether all passed.
 #[derive(Debug, Default)]
 pub struct Report {

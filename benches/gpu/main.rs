@@ -6,8 +6,10 @@
 //! (see `p2p.rs`).
 //!
 //! `--check` compares every `RESULT` line of the run with the saved one in `docs/results/`
-//! (or `$EVMM_RESULTS_DIR`) and fails on a ratio more than 20% worse or a missing line
-//! (`check.rs`); `--check-log=FILE` does the same for a log saved before, without running.
+//! (or `$EVMM_RESULTS_DIR`) of a run on the same device (the saved log's `# gpu:` line), and
+//! fails on a ratio more than 20% worse, a missing line, or no saved run on this device
+//! (`check.rs`); `--check-log=FILE` does the same for a log saved before (its `# gpu:` line
+//! names the device), without running.
 
 #[cfg(feature = "candle")]
 mod attention;
@@ -60,8 +62,8 @@ pub fn result(key: &str, what: &str, ours: String, peer: &str, peer_figure: Stri
 /// The `RESULT` lines printed so far, for `--check`.
 static RESULTS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
-/// The saved `RESULT` lines of `gpu-bench` runs, with their files.
-fn saved_lines() -> Result<Vec<(String, check::Line)>, BoxError> {
+/// The saved `RESULT` lines of `gpu-bench` runs on `device`, with their files.
+fn saved_lines(device: &str) -> Result<Vec<(String, check::Line)>, BoxError> {
     let dir = std::env::var("EVMM_RESULTS_DIR").unwrap_or_else(|_| "docs/results".into());
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .map_err(|e| format!("saved results {dir}: {e}"))?
@@ -69,27 +71,31 @@ fn saved_lines() -> Result<Vec<(String, check::Line)>, BoxError> {
         .filter(|p| p.extension().is_some_and(|e| e == "log"))
         .collect();
     files.sort();
-    let mut out = Vec::new();
+    let mut logs = Vec::new();
     for p in files {
         let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-        let name = p
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        let lines = check::saved_bench_lines(&text).map_err(|e| format!("{name}: {e}"))?;
-        out.extend(lines.into_iter().map(|l| (name.clone(), l)));
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
+        logs.push((name.into_owned(), text));
     }
-    Ok(out)
+    Ok(check::saved_on(device, &logs)?)
 }
 
-/// Compare `fresh` with the saved lines of `sections`; prints the report, returns whether it
-/// passed.
-fn check_against_saved(fresh: &str, sections: &[&str]) -> Result<bool, BoxError> {
+/// Compare `fresh` (run on `device`) with the saved lines of `sections`; prints the report,
+/// returns whether it passed.
+fn check_against_saved(device: &str, fresh: &str, sections: &[&str]) -> Result<bool, BoxError> {
     let fresh = check::lines_of(fresh)?;
-    let report = check::compare(&saved_lines()?, &fresh, sections);
+    let report = check::compare(&saved_lines(device)?, &fresh, sections);
     print!("{}", report.text());
     Ok(report.passed())
+}
+
+/// The name of CUDA device 0 (as `nvidia-smi` and the saved logs' `# gpu:` lines give it).
+fn device_name() -> Result<String, BoxError> {
+    use elastic_vmm::Backend as _;
+    Ok(elastic_vmm::backend::cuda::CudaBackend::new(0)?
+        .info()
+        .device_name
+        .clone())
 }
 
 pub fn human(bytes: u64) -> String {
@@ -148,7 +154,12 @@ fn main() -> ExitCode {
                 .collect();
         }
         let sections: Vec<&str> = sections.iter().map(String::as_str).collect();
-        return verdict(check_against_saved(&text, &sections));
+        // The device is the log's `# gpu:` line.
+        let Some(device) = check::saved_device(&text) else {
+            eprintln!("--check-log: {log} has no '# gpu: <device>, driver <version>' line");
+            return ExitCode::FAILURE;
+        };
+        return verdict(check_against_saved(device, &text, &sections));
     }
     #[cfg_attr(not(feature = "candle"), allow(unused_mut))]
     let mut sections: Vec<Section> = vec![
@@ -178,7 +189,8 @@ fn main() -> ExitCode {
     }
     if all.iter().any(|a| a == "--check") {
         let fresh = RESULTS.lock().unwrap_or_else(|p| p.into_inner()).join("\n");
-        if verdict(check_against_saved(&fresh, &ran)) == ExitCode::FAILURE {
+        let checked = device_name().and_then(|d| check_against_saved(&d, &fresh, &ran));
+        if verdict(checked) == ExitCode::FAILURE {
             failed = true;
         }
     }
