@@ -197,6 +197,17 @@ fn the_guard_fails_a_missing_line_and_reports_a_new_one() {
         r.text()
     );
     assert!(check::compare(&saved(), &[], &["sleep"]).passed());
+    // A section with no saved line at all has nothing to guard it: its lines fail.
+    let kv = check::lines_of("RESULT|kv/compaction|c|1 ms|raw|1 ms|1.00x").unwrap();
+    let r = check::compare(&saved(), &kv, &["kv"]);
+    assert!(!r.passed(), "{}", r.text());
+    assert!(
+        r.text().contains(
+            "FAIL    kv/compaction: now 1.00x (1 ms vs raw 1 ms), and section kv has no saved line on this device"
+        ),
+        "{}",
+        r.text()
+    );
 }
 
 #[test]
@@ -244,24 +255,36 @@ RESULT|candle/decode|d|1 ms|p|1 ms|1.00x\n";
 #[test]
 fn every_saved_bench_log_passes_against_itself() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/results");
-    let mut all = Vec::new();
+    let mut logs = Vec::new();
     for e in fs::read_dir(&root).expect("docs/results") {
         let p = e.expect("entry").path();
         if p.extension().is_some_and(|x| x == "log") {
             let text = fs::read_to_string(&p).expect("readable");
-            let name = p.file_name().unwrap().to_string_lossy().into_owned();
-            let lines = check::saved_bench_lines(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
-            all.extend(lines.into_iter().map(|l| (name.clone(), l)));
+            logs.push((p.file_name().unwrap().to_string_lossy().into_owned(), text));
         }
     }
-    assert!(all.iter().any(|(_, l)| l.key == "pool/growth"), "{all:?}");
-    assert!(
-        !all.iter().any(|(_, l)| l.section() == "candle"),
-        "the routed_llama log is no gpu-bench run"
-    );
-    let fresh: Vec<Line> = all.iter().map(|(_, l)| l.clone()).collect();
-    let sections: Vec<&str> = fresh.iter().map(Line::section).collect();
-    let r = check::compare(&all, &fresh, &sections);
-    assert!(r.passed(), "{}", r.text());
-    assert_eq!(r.rows.len(), all.len());
+    // Through what `--check` reads: each device's saved runs.
+    let mut devices: Vec<&str> = logs
+        .iter()
+        .filter(|(_, t)| !check::saved_bench_lines(t).unwrap_or_default().is_empty())
+        .map(|(f, t)| check::saved_device(t).unwrap_or_else(|| panic!("{f}: no '# gpu:' line")))
+        .collect();
+    devices.sort_unstable();
+    devices.dedup();
+    assert!(!devices.is_empty(), "no saved gpu-bench run");
+    let mut keys = Vec::new();
+    for device in devices {
+        let all = check::saved_on(device, &logs).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            !all.iter().any(|(_, l)| l.section() == "candle"),
+            "the routed_llama log is no gpu-bench run"
+        );
+        let fresh: Vec<Line> = all.iter().map(|(_, l)| l.clone()).collect();
+        let sections: Vec<&str> = fresh.iter().map(Line::section).collect();
+        let r = check::compare(&all, &fresh, &sections);
+        assert!(r.passed(), "{device}: {}", r.text());
+        assert_eq!(r.rows.len(), all.len());
+        keys.extend(fresh.into_iter().map(|l| l.key));
+    }
+    assert!(keys.iter().any(|k| k == "pool/growth"), "{keys:?}");
 }

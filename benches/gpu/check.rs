@@ -1,7 +1,8 @@
 //! The regression guard (`gpu-bench --check`): every `RESULT` ratio of a fresh run against the
-//! one saved in `docs/results/`. A line fails when its ratio is more than [`TOLERANCE`] worse
-//! than the saved one, or when a saved line of a section that ran is missing; a line with no
-//! saved figure is reported as new. Both figures are printed for every line.
+//! one saved in `docs/results/` from the same device. A line fails when its ratio is more than
+//! [`TOLERANCE`] worse than the saved one, when a saved line of a section that ran is missing,
+//! or when its section has no saved line at all; a new line of a section with saved ones is
+//! reported as new. Both figures are printed for every line.
 //!
 //! Pure text in, text out: `tests/results.rs` includes this file to test it on the host.
 
@@ -160,8 +161,9 @@ fn figures(l: &Line) -> String {
     )
 }
 
-/// Compare the fresh lines of the sections that ran with the saved ones (`(file, line)`).
-/// Saved lines of sections that did not run are ignored.
+/// Compare the fresh lines of the sections that ran with the saved ones (`(file, line)`, of
+/// the device that ran them). Saved lines of sections that did not run are ignored; a fresh
+/// line whose section has no saved line fails.
 pub fn compare(saved: &[(String, Line)], fresh: &[Line], sections: &[&str]) -> Report {
     let mut report = Report::default();
     for (file, s) in saved
@@ -193,11 +195,24 @@ pub fn compare(saved: &[(String, Line)], fresh: &[Line], sections: &[&str]) -> R
         ));
     }
     for f in fresh {
-        if !saved.iter().any(|(_, s)| s.key == f.key) {
+        if saved.iter().any(|(_, s)| s.key == f.key) {
+            continue;
+        }
+        // A new line of a section with a baseline is reported; a section with none at all on
+        // this device has nothing to guard it: that fails (save its run as the baseline).
+        if saved.iter().any(|(_, s)| s.section() == f.section()) {
             report.rows.push(format!(
                 "new     {}: now {}, no saved figure",
                 f.key,
                 figures(f)
+            ));
+        } else {
+            report.failed += 1;
+            report.rows.push(format!(
+                "FAIL    {}: now {}, and section {} has no saved line on this device to compare with",
+                f.key,
+                figures(f),
+                f.section()
             ));
         }
     }

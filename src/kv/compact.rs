@@ -97,7 +97,8 @@ pub struct Compaction {
     pub elapsed: Duration,
     /// Of `elapsed`: backing the destinations (maps, and clearing where the cache clears).
     pub backing: Duration,
-    /// Of `elapsed`: the copies, queued and waited for.
+    /// Of `elapsed`: the copies, queued and waited for (not the pin before them, which may
+    /// wait for blocks another thread maps).
     pub copying: Duration,
     /// Of `elapsed`: giving the emptied pages back (the device wait before it, the unmaps).
     pub releasing: Duration,
@@ -381,12 +382,13 @@ impl Core {
             }
         }
         let backing = t.elapsed();
-        let t = Instant::now();
         let pinned = plan.moves.iter().flat_map(|&(old, new)| [old, new]);
         let done = self
             .backing
             .pin(pinned, "paged KV compaction")
             .and_then(|pin| {
+                // The copy alone: the pin may have waited for blocks being mapped elsewhere.
+                let t = Instant::now();
                 self.copy(&plan.moves, stream)
                     .map(|()| (pin, backing, t.elapsed()))
             });

@@ -738,6 +738,13 @@ pub fn kv_compaction_moves_contents_byte_exact(backend: Arc<dyn Backend>) {
             c.releasing,
             c.elapsed
         );
+        assert!(
+            c.moves.is_empty() || (c.copying > Duration::ZERO && c.releasing > Duration::ZERO),
+            "{layout:?}: {} moves timed: copying {:?}, releasing {:?}",
+            c.moves.len(),
+            c.copying,
+            c.releasing
+        );
         assert_eq!(
             c.bytes_copied,
             c.moves.len() as u64 * kv.block_span_bytes() * kv.tensors() as u64
