@@ -91,11 +91,7 @@ fn check_against_saved(device: &str, fresh: &str, sections: &[&str]) -> Result<b
 
 /// The name of CUDA device 0 (as `nvidia-smi` and the saved logs' `# gpu:` lines give it).
 fn device_name() -> Result<String, BoxError> {
-    use elastic_vmm::Backend as _;
-    Ok(elastic_vmm::backend::cuda::CudaBackend::new(0)?
-        .info()
-        .device_name
-        .clone())
+    Ok(cudarc::driver::CudaContext::new(0)?.name()?)
 }
 
 pub fn human(bytes: u64) -> String {
