@@ -1,7 +1,8 @@
 //! The paged-attention decode op (`elastic_vmm::candle::paged_attention_decode`) on the GPU:
 //! against a reference attention in f32 candle ops over the same blocks gathered by table, for
 //! f16 and bf16, grouped-query ratios 1, 4 and 8, head sizes 64 and 128, lengths from 0 to past
-//! one partition, tables padded with never-allocated and out-of-range ids; bad shapes are
+//! one partition, tables padded with never-allocated and out-of-range ids, out-of-range ids
+//! inside a length (masked blocks, a whole masked tile among them); bad shapes are
 //! errors that leave the device usable.
 
 use candle_core::{DType, Device, Tensor, D};
@@ -15,6 +16,9 @@ const TOKENS: usize = 16;
 const MAX_BLOCKS: usize = 1024;
 /// Lengths: empty, one token, one block exactly, one past it, several partitions.
 const LENS: [usize; 7] = [0, 1, 16, 17, 300, 1500, 2500];
+/// Inside its length, sequence 5's blocks 0, 1 and 4 are ids past the cache (masked): a whole
+/// tile of every group is masked, then valid tokens follow. The reference leaves them out.
+const MASKED: (usize, [usize; 3]) = (5, [0, 1, 4]);
 
 /// The attention of one sequence in f32 candle ops: q `[heads, d]` over its first `len` tokens
 /// of k, v `[len, kv_heads, d]`.
@@ -81,8 +85,10 @@ fn check(dtype: DType, heads: usize, kv_heads: usize, head_dim: usize, seed: u64
     let mut next = ids.iter();
     for (i, &len) in LENS.iter().enumerate() {
         let n = len.div_ceil(TOKENS);
-        for _ in 0..n {
-            table.push(*next.next().expect("enough blocks") as u32);
+        for j in 0..n {
+            let id = *next.next().expect("enough blocks") as u32;
+            let masked = i == MASKED.0 && MASKED.1.contains(&j);
+            table.push(if masked { u32::MAX } else { id });
         }
         // Padding: a block nobody allocated, or an id past the cache.
         for j in n..width {
@@ -120,12 +126,19 @@ fn check(dtype: DType, heads: usize, kv_heads: usize, head_dim: usize, seed: u64
             assert_eq!(sum, 0.0, "sequence {b} of length 0 is not zeros");
             continue;
         }
-        let rows =
-            Tensor::from_vec(table[b * width..b * width + n].to_vec(), n, &dev).expect("rows");
+        // The named blocks in order; a masked block's tokens are not attended over.
+        let named: Vec<u32> = table[b * width..b * width + n]
+            .iter()
+            .copied()
+            .filter(|&id| id != u32::MAX)
+            .collect();
+        let m = named.len();
+        let attended = len - (n - m) * TOKENS;
+        let rows = Tensor::from_vec(named, m, &dev).expect("rows");
         let gather = |c: &Tensor| {
             c.index_select(&rows, 0)
-                .and_then(|x| x.reshape((n * TOKENS, kv_heads, head_dim)))
-                .and_then(|x| x.narrow(0, 0, len))
+                .and_then(|x| x.reshape((m * TOKENS, kv_heads, head_dim)))
+                .and_then(|x| x.narrow(0, 0, attended))
                 .and_then(|x| x.to_dtype(DType::F32))
                 .expect("gather")
         };

@@ -12,8 +12,11 @@
 //
 // Inside a CTA: 4 warps; each warp is split into groups of G = D / 8 lanes, one group per
 // token, each lane holding 8 elements of a row (one 16-byte load). A group walks its tokens
-// with its own online softmax, U tokens' K and V rows loaded before any is used (loads in
-// flight hide the memory latency); the groups merge in shared memory at the end.
+// a tile of U at a time (4, or 2 for 8 heads per KV head): the tile's K and V rows are loaded
+// before any is used (loads in flight hide the memory latency), its U x REP scores are summed
+// across the group together (a reduce-scatter, then a broadcast), and the group's online
+// softmax takes one max and one rescale per head per tile rather than per token. The groups
+// merge in shared memory at the end.
 //
 // Bounds: a table entry at or past `num_blocks` and a token past the table's width count as
 // masked (they contribute nothing): the kernel never reads outside the cache.
@@ -23,7 +26,43 @@
 #include <stdint.h>
 
 #define WARPS 4
-#define U 4
+
+template <int X> struct Log2 { static constexpr int v = 1 + Log2<X / 2>::v; };
+template <> struct Log2<1> { static constexpr int v = 0; };
+
+// Sums each of the N values across the G lanes of a group (every lane holds its share of each)
+// and leaves every lane with all N sums. A reduce-scatter halves the values a lane holds at each
+// step (a lane whose step bit is set keeps the upper half and adds its partner's copy), so the
+// sums take N - 1 shuffles rather than N * log2(G); if lanes remain once a lane holds one value,
+// a butterfly finishes the sum; then a broadcast hands every sum to every lane.
+template <int N, int G>
+__device__ __forceinline__ void group_sums(float (&v)[N], uint32_t gl) {
+    constexpr int LG = Log2<G>::v;
+    constexpr int S = Log2<(N < G ? N : G)>::v;  // reduce-scatter steps
+    constexpr int NS = N >> S;                     // values a lane holds after them
+#pragma unroll
+    for (int k = 0; k < S; k++) {
+        const int o = G >> (k + 1), h = N >> (k + 1);
+        const bool up = (gl & o) != 0;
+#pragma unroll
+        for (int i = 0; i < h; i++) {
+            const float send = up ? v[i] : v[i + h];
+            const float keep = up ? v[i + h] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+#pragma unroll
+    for (int k = S; k < LG; k++) {
+#pragma unroll
+        for (int i = 0; i < NS; i++) v[i] += __shfl_xor_sync(0xffffffffu, v[i], G >> (k + 1));
+    }
+    // Sum j sits in slot j % NS of the lanes whose top S bits are j / NS.
+    float all[N];
+#pragma unroll
+    for (int j = 0; j < N; j++) all[j] = __shfl_sync(0xffffffffu, v[j % NS], (j / NS) << (LG - S), G);
+#pragma unroll
+    for (int j = 0; j < N; j++) v[j] = all[j];
+}
 
 __device__ __forceinline__ void to_float8(const uint4& v, float* f, const __half*) {
     const __half2* h = reinterpret_cast<const __half2*>(&v);
@@ -63,6 +102,8 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
     constexpr int G = D / 8;             // lanes per token
     constexpr int PER_WARP = 32 / G;     // tokens a warp works on at once
     constexpr int GROUPS = WARPS * PER_WARP;
+    // Tokens in a tile: four, or two where eight heads' scores would not fit the registers.
+    constexpr int U = REP >= 8 ? 2 : 4;
     const uint32_t b = blockIdx.x, kvh = blockIdx.y, p = blockIdx.z, parts = gridDim.z;
     const uint32_t heads = kv_heads * REP;
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -114,29 +155,58 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
                 }
             }
         }
+        // The tile's scores, index u * REP + r; every lane takes part in the shuffles (groups
+        // of a warp may differ in `ok`), a masked token's score is computed from zeros and
+        // then left out.
+        float s[U * REP];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            // Every lane takes part in the shuffles (groups of a warp may differ in `ok`);
-            // a masked token's score is computed from zeros and then dropped.
-            float kf[8], vf[8];
+            float kf[8];
             if (!ok[u]) kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
             to_float8(kr[u], kf, tag);
+#pragma unroll
+            for (int r = 0; r < REP; r++) {
+                float x = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) x += qf[r][i] * kf[i];
+                s[u * REP + r] = x;
+            }
+        }
+        group_sums<U * REP, G>(s, gl);
+        bool any = false;
+#pragma unroll
+        for (int u = 0; u < U; u++) any |= ok[u];
+        // No token of the tile counts (past the end, or ids past the cache): nothing changes.
+        if (!any) continue;
+        // One max and one rescale per head; the scores become the tokens' weights.
+#pragma unroll
+        for (int r = 0; r < REP; r++) {
+            float tmax = -INFINITY;
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (ok[u]) tmax = fmaxf(tmax, s[u * REP + r]);
+            const float mn = fmaxf(m[r], tmax);
+            const float alpha = __expf(m[r] - mn);
+            m[r] = mn;
+            float sum = 0.f;
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const float pr = ok[u] ? __expf(s[u * REP + r] - mn) : 0.f;
+                s[u * REP + r] = pr;
+                sum += pr;
+            }
+            l[r] = l[r] * alpha + sum;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[r][i] *= alpha;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float vf[8];
             to_float8(vr[u], vf, tag);
 #pragma unroll
             for (int r = 0; r < REP; r++) {
-                float s = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) s += qf[r][i] * kf[i];
-#pragma unroll
-                for (int o = G / 2; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-                if (!ok[u]) continue;
-                const float mn = fmaxf(m[r], s);
-                const float alpha = __expf(m[r] - mn);
-                const float pr = __expf(s - mn);
-                m[r] = mn;
-                l[r] = l[r] * alpha + pr;
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[r][i] = acc[r][i] * alpha + pr * vf[i];
+                for (int i = 0; i < 8; i++) acc[r][i] += s[u * REP + r] * vf[i];
             }
         }
     }
@@ -202,8 +272,12 @@ __device__ void phase2(const float* __restrict__ part_out, const float* __restri
     }
 }
 
+// CTAs per SM the register use must allow: three keep 12 warps per SM to hide the loads'
+// latency; eight heads per KV head need more registers than three CTAs can have.
+#define MIN_CTAS(REP) ((REP) >= 8 ? 2 : 3)
+
 #define PHASE1(NAME, T, D, REP)                                                                  \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS(REP)) NAME(              \
         const T* q, const T* k, const T* v, const uint32_t* table, const uint32_t* lens,        \
         float* part_out, float* part_m, float* part_l, uint32_t num_blocks, uint32_t bt,        \
         uint32_t kv_heads, uint32_t width, uint32_t part, uint32_t max_len, float scale) {      \
