@@ -196,7 +196,16 @@ fn the_guard_fails_a_missing_line_and_reports_a_new_one() {
         "{}",
         r.text()
     );
-    assert!(check::compare(&saved(), &[], &["sleep"]).passed());
+    // A section that ran, printed no line and has none saved is a check of nothing: it fails.
+    let r = check::compare(&saved(), &[], &["pool", "sleep"]);
+    assert!(!r.passed(), "{}", r.text());
+    assert!(
+        r.text().contains(
+            "FAIL    section sleep: no RESULT line in this run and none saved on this device"
+        ),
+        "{}",
+        r.text()
+    );
     // A section with no saved line at all has nothing to guard it: its lines fail.
     let kv = check::lines_of("RESULT|kv/compaction|c|1 ms|raw|1 ms|1.00x").unwrap();
     let r = check::compare(&saved(), &kv, &["kv"]);

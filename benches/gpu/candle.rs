@@ -4,7 +4,8 @@
 //! - one decode step of attention over 8 sequences with an elastic KV cache against the same step
 //!   with a static candle KV cache (target: within 1%), at short contexts (100..1700 tokens: the
 //!   host launching kernels bounds the step, the worst case for the elastic bookkeeping) and long
-//!   ones (4000..14500 tokens), with the host time of each part of the step.
+//!   ones (4000..14500 tokens), with the host time of each part of the step. Its `RESULT`
+//!   lines: each step's static time over the elastic one.
 
 use std::time::Instant;
 
@@ -404,6 +405,25 @@ fn decode_step(
         crate::human(2 * (max_blocks * BLOCK_SIZE * HIDDEN * 4) as u64)
     );
     ratio_line("  static/elastic, decode step", fixed, elastic);
+    let (key, what) = if base < 1000 {
+        (
+            "candle/decode-step-short",
+            "candle decode step, 8 short sequences, over an elastic KV cache",
+        )
+    } else {
+        (
+            "candle/decode-step-long",
+            "candle decode step, 8 long sequences, over an elastic KV cache",
+        )
+    };
+    crate::result(
+        key,
+        what,
+        format!("{:.1} us", elastic * 1e6),
+        "the same step over static candle tensors",
+        format!("{:.1} us", fixed * 1e6),
+        fixed / elastic,
+    );
     let fmt = |h: [f64; 4]| {
         format!(
             "ensure {:.1}, write {:.1}, tokens {:.1}, attention {:.1}",

@@ -163,7 +163,8 @@ fn figures(l: &Line) -> String {
 
 /// Compare the fresh lines of the sections that ran with the saved ones (`(file, line)`, of
 /// the device that ran them). Saved lines of sections that did not run are ignored; a fresh
-/// line whose section has no saved line fails.
+/// line whose section has no saved line fails, and so does a section that ran with no line in
+/// this run and none saved (a check of nothing must not pass).
 pub fn compare(saved: &[(String, Line)], fresh: &[Line], sections: &[&str]) -> Report {
     let mut report = Report::default();
     for (file, s) in saved
@@ -213,6 +214,16 @@ pub fn compare(saved: &[(String, Line)], fresh: &[Line], sections: &[&str]) -> R
                 f.key,
                 figures(f),
                 f.section()
+            ));
+        }
+    }
+    for &section in sections {
+        let fresh_any = fresh.iter().any(|f| f.section() == section);
+        let saved_any = saved.iter().any(|(_, s)| s.section() == section);
+        if !fresh_any && !saved_any {
+            report.failed += 1;
+            report.rows.push(format!(
+                "FAIL    section {section}: no RESULT line in this run and none saved on this device: nothing guards it"
             ));
         }
     }

@@ -19,6 +19,11 @@
 //! (freed at once); device memory: one 16 GiB model at a time.
 //! `TIERS_MIB` sets the bytes moved per case (default 1024), `TIERS_DIR` the directory of the
 //! files (default the temp dir). Ratios are raw time / ours (above 1: ours is faster).
+//!
+//! `RESULT` lines (for `--check`): 256 KiB blocks to and from pinned host memory and to and
+//! from the host tier, the paged KV cache to a host-tier cache and back (kernel; cold, and out
+//! warm), and sleep + wake through a warm tier against staging. The disk cases print no line:
+//! their raw peer is the machine's disk, which differs between lent machines.
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
@@ -159,6 +164,14 @@ pub fn run() -> Result<(), BoxError> {
             gbps(bytes, raw_h2d),
             raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
         );
+        if kib == 256 {
+            pair_results(
+                "tiers/pinned-256k",
+                "pinned host",
+                bytes,
+                [ours_d2h, raw_d2h, ours_h2d, raw_h2d],
+            );
+        }
     }
     async_move(&pool, total)?;
     println!(
@@ -446,6 +459,23 @@ fn paged_offload_once(
         gbps(bytes, raw_back),
         raw_back.as_secs_f64() / back.as_secs_f64(),
     );
+    if heads == 8 && engine == "kernel" {
+        let state = if warm { "warm" } else { "cold" };
+        let mut cases = vec![("out", out, raw_out)];
+        if !warm {
+            cases.push(("back", back, raw_back));
+        }
+        for (way, ours, peer) in cases {
+            crate::result(
+                &format!("tiers/paged-kv-{way}-{state}"),
+                &format!("paged KV to a host-tier cache, {way}, {state}: 256 scattered blocks, 64 pieces of 32 KiB each"),
+                format!("{:.1} GB/s", gbps(bytes, ours)),
+                "raw per-piece copies on one stream",
+                format!("{:.1} GB/s", gbps(bytes, peer)),
+                peer.as_secs_f64() / ours.as_secs_f64(),
+            );
+        }
+    }
     kv.free(&live)?;
     Ok(())
 }
@@ -547,6 +577,14 @@ fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), 
             gbps(moved, raw_h2d),
             raw_h2d.as_secs_f64() / ours_h2d.as_secs_f64(),
         );
+        if kib == 256 {
+            pair_results(
+                "tiers/host-tier-256k",
+                "the host tier",
+                moved,
+                [ours_d2h, raw_d2h, ours_h2d, raw_h2d],
+            );
+        }
     }
     // Sleep and wake of `bytes` of device memory (one model per pool).
     let sleep_wake = |p: &Pool, after: AfterWake| -> Result<(Duration, Duration), BoxError> {
@@ -613,5 +651,29 @@ fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), 
             (ss + sw).as_secs_f64() / (ts + tw).as_secs_f64()
         );
     }
+    let (ts, tw) = warm;
+    crate::result(
+        "tiers/sleep-wake-through-tier",
+        &format!("sleep + wake of {gib} GiB through a warm host tier"),
+        format!("{:.2} s", (ts + tw).as_secs_f64()),
+        "staging pinned ahead per model",
+        format!("{:.2} s", (ss + sw).as_secs_f64()),
+        (ss + sw).as_secs_f64() / (ts + tw).as_secs_f64(),
+    );
     Ok(())
+}
+
+/// The `RESULT` lines of one block size moved both ways between device memory and `other`:
+/// `t` holds ours and raw device-to-host, then ours and raw host-to-device.
+fn pair_results(key: &str, other: &str, bytes: u64, t: [Duration; 4]) {
+    for (way, ours, raw) in [("d2h", t[0], t[1]), ("h2d", t[2], t[3])] {
+        crate::result(
+            &format!("{key}-{way}"),
+            &format!("256 KiB blocks, every other one, {way} with {other}"),
+            format!("{:.1} GB/s", gbps(bytes, ours)),
+            "raw async copies, one per block, on one stream",
+            format!("{:.1} GB/s", gbps(bytes, raw)),
+            raw.as_secs_f64() / ours.as_secs_f64(),
+        );
+    }
 }
