@@ -287,14 +287,19 @@ pub fn run() -> Result<(), BoxError> {
     let page = 2 << 20;
     let pages = released / page;
     if pages > 0 {
-        let raw = raw_give_back(page, 256)?;
+        let raw = raw_give_back(page, 256, 0)?;
         let floor = raw * pages as f64;
+        // The same with the zero page mapped at as many other places as the cache aliases
+        // (its unbacked pages): whether the driver's cost grows with a handle's mappings.
+        let aliases = (pool.stats().zero_aliased / page) as usize;
+        let loaded = raw_give_back(page, 256, aliases)?;
         println!(
-            "compaction's give-back: {pages} pages in {:.2} ms, {:.1} us a page; raw unmap + release + zero-page map + read-only access {:.1} us a page ({:.2} ms for as many)",
+            "compaction's give-back: {pages} pages in {:.2} ms, {:.1} us a page; raw unmap + release + zero-page map + read-only access {:.1} us a page ({:.2} ms for as many), {:.1} us a page with the zero page mapped at {aliases} other places",
             ms(phases[2]),
             phases[2].as_secs_f64() * 1e6 / pages as f64,
             raw * 1e6,
-            floor * 1e3
+            floor * 1e3,
+            loaded * 1e6
         );
         crate::result(
             "kv/compaction-give-back",
@@ -313,13 +318,14 @@ pub fn run() -> Result<(), BoxError> {
 
 /// Seconds per page of the driver calls that give one `page`-byte page of a device cache
 /// back: unmap and release its chunk, then map the zero page read-only in its place; the mean
-/// over `count` pages, made raw on CUDA device 0's primary context.
-fn raw_give_back(page: u64, count: usize) -> Result<f64, BoxError> {
+/// over `count` pages, made raw on CUDA device 0's primary context, with the zero page mapped
+/// read-only at `others` other places first (untimed).
+fn raw_give_back(page: u64, count: usize, others: usize) -> Result<f64, BoxError> {
     // The primary context, current on this thread for the raw calls.
     let ctx = cudarc::driver::CudaContext::new(0)?;
     ctx.bind_to_thread()?;
     let size = page as usize;
-    let total = size * (count + 1);
+    let total = size * (count + others + 1);
     // SAFETY: plain data, zero is the documented default.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -348,6 +354,11 @@ fn raw_give_back(page: u64, count: usize) -> Result<f64, BoxError> {
             sys::cuMemSetAccess(at, size, &rw, 1).result()?;
             handles.push(h);
         }
+        for j in 0..others {
+            let at = va + ((count + j) * size) as u64;
+            sys::cuMemMap(at, size, 0, zero, 0).result()?;
+            sys::cuMemSetAccess(at, size, &ro, 1).result()?;
+        }
         let t = Instant::now();
         for (i, h) in handles.into_iter().enumerate() {
             let at = va + (i * size) as u64;
@@ -357,7 +368,7 @@ fn raw_give_back(page: u64, count: usize) -> Result<f64, BoxError> {
             sys::cuMemSetAccess(at, size, &ro, 1).result()?;
         }
         let took = t.elapsed().as_secs_f64();
-        for i in 0..count {
+        for i in 0..count + others {
             sys::cuMemUnmap(va + (i * size) as u64, size).result()?;
         }
         sys::cuMemRelease(zero).result()?;
