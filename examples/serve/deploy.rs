@@ -836,12 +836,6 @@ impl Serving<'_> {
                 engine.submit(reqs[next]);
                 next += 1;
             }
-            // Every request arrived and finished (and, under a sleep policy, the model went to
-            // sleep): the drain is a deadline, not a wait.
-            let resting = spec.sleep.is_none() || sleeper.as_ref().is_some_and(|z| z.is_asleep());
-            if next == reqs.len() && !engine.has_work() && resting {
-                break;
-            }
             if let (Some(terms), Some(z)) = (spec.sleep, sleeper.as_mut()) {
                 if engine.has_work() {
                     idle_since = now;
