@@ -149,6 +149,12 @@ fn main() -> ExitCode {
                 .map(|l| l.section().to_string())
                 .collect();
         }
+        if sections.is_empty() {
+            eprintln!(
+                "--check-log: {log} has no RESULT line and no section was named: nothing to check"
+            );
+            return ExitCode::FAILURE;
+        }
         let sections: Vec<&str> = sections.iter().map(String::as_str).collect();
         // The device is the log's `# gpu:` line.
         let Some(device) = check::saved_device(&text) else {
@@ -171,6 +177,19 @@ fn main() -> ExitCode {
     sections.push(("candle", candle::run));
     #[cfg(feature = "candle")]
     sections.push(("attention", attention::run));
+    // A name that is no section runs nothing: refused, so that a typo cannot pass a check.
+    let unknown: Vec<&String> = args
+        .iter()
+        .filter(|a| !sections.iter().any(|(name, _)| name == a))
+        .collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = sections.iter().map(|(name, _)| *name).collect();
+        eprintln!(
+            "unknown section(s) {unknown:?}; the sections are {}",
+            known.join(", ")
+        );
+        return ExitCode::FAILURE;
+    }
     let mut failed = false;
     let mut ran = Vec::new();
     for (name, run) in sections {
