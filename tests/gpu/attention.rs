@@ -16,8 +16,9 @@ const TOKENS: usize = 16;
 const MAX_BLOCKS: usize = 1024;
 /// Lengths: empty, one token, one block exactly, one past it, several partitions.
 const LENS: [usize; 7] = [0, 1, 16, 17, 300, 1500, 2500];
-/// Inside its length, sequence 5's blocks 0, 1 and 4 are ids past the cache (masked): a whole
-/// tile of every group is masked, then valid tokens follow. The reference leaves them out.
+/// Inside its length, sequence 5's blocks 0, 1 and 4 are ids past the cache (masked): with
+/// head size 128 the first tile of every group is wholly masked (with 64, only its first two
+/// tokens), then valid tokens follow. The reference leaves them out.
 const MASKED: (usize, [usize; 3]) = (5, [0, 1, 4]);
 
 /// The attention of one sequence in f32 candle ops: q `[heads, d]` over its first `len` tokens

@@ -33,8 +33,8 @@ template <> struct Log2<1> { static constexpr int v = 0; };
 // Sums each of the N values across the G lanes of a group (every lane holds its share of each)
 // and leaves every lane with all N sums. A reduce-scatter halves the values a lane holds at each
 // step (a lane whose step bit is set keeps the upper half and adds its partner's copy), so the
-// sums take N - 1 shuffles rather than N * log2(G); if lanes remain once a lane holds one value,
-// a butterfly finishes the sum; then a broadcast hands every sum to every lane.
+// sums take N - N / G shuffles where N >= G (N - 1 and log2(G / N) butterfly steps where
+// N < G) rather than N * log2(G); then a broadcast (N shuffles) hands every sum to every lane.
 template <int N, int G>
 __device__ __forceinline__ void group_sums(float (&v)[N], uint32_t gl) {
     constexpr int LG = Log2<G>::v;
@@ -44,11 +44,15 @@ __device__ __forceinline__ void group_sums(float (&v)[N], uint32_t gl) {
     for (int k = 0; k < S; k++) {
         const int o = G >> (k + 1), h = N >> (k + 1);
         const bool up = (gl & o) != 0;
+        // A constant trip count (N / 2, the largest h) so that the compiler unrolls both
+        // loops and every index is a constant: the values stay in registers.
 #pragma unroll
-        for (int i = 0; i < h; i++) {
-            const float send = up ? v[i] : v[i + h];
-            const float keep = up ? v[i + h] : v[i];
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        for (int i = 0; i < N / 2; i++) {
+            if (i < h) {
+                const float send = up ? v[i] : v[i + h];
+                const float keep = up ? v[i + h] : v[i];
+                v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
         }
     }
 #pragma unroll
