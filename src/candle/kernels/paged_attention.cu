@@ -12,11 +12,11 @@
 //
 // Inside a CTA: 4 warps; each warp is split into groups of G = D / 8 lanes, one group per
 // token, each lane holding 8 elements of a row (one 16-byte load). A group walks its tokens
-// a tile of U at a time (4, or 2 for 8 heads per KV head): the tile's K and V rows are loaded
-// before any is used (loads in flight hide the memory latency), its U x REP scores are summed
-// across the group together (a reduce-scatter, then a broadcast), and the group's online
-// softmax takes one max and one rescale per head per tile rather than per token. The groups
-// merge in shared memory at the end.
+// a tile of U at a time (4, or 2 for 8 heads per KV head): the next tile's K and V rows are
+// loaded while this one is computed (software pipelining hides the memory latency), its U x
+// REP scores are summed across the group together (a reduce-scatter, then a broadcast), and
+// the group's online softmax takes one max and one rescale per head per tile rather than per
+// token. The groups merge in shared memory at the end.
 //
 // Bounds: a table entry at or past `num_blocks` and a token past the table's width count as
 // masked (they contribute nothing): the kernel never reads outside the cache.
@@ -141,14 +141,13 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
         for (int i = 0; i < 8; i++) acc[r][i] = 0.f;
     }
     const uint64_t row = (uint64_t)kv_heads * D;  // elements between two tokens of a block
-    // The loop's bounds are the same for every lane (the shuffles need the whole warp).
-    for (uint32_t base = start; base < end; base += GROUPS * U) {
-        uint4 kr[U], vr[U];
-        bool ok[U];
+    // Load the tile at `base`: K and V rows of U tokens, `ok` where a token counts.
+    auto load = [&](uint32_t base, uint4 (&kr)[U], uint4 (&vr)[U], bool (&ok)[U]) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const uint32_t t = base + group + u * GROUPS;
             ok[u] = false;
+            kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
             if (t < end) {
                 const uint32_t blk = table[(uint64_t)b * width + t / bt];
                 if (blk < num_blocks) {
@@ -159,6 +158,16 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
                 }
             }
         }
+    };
+    // Software pipelining: the next tile's loads are in flight while this one is computed.
+    uint4 kr[U], vr[U];
+    bool ok[U];
+    load(start, kr, vr, ok);
+    // The loop's bounds are the same for every lane (the shuffles need the whole warp).
+    for (uint32_t base = start; base < end; base += GROUPS * U) {
+        uint4 nk[U], nv[U];
+        bool nok[U];
+        load(base + GROUPS * U, nk, nv, nok);
         // The tile's scores, index u * REP + r; every lane takes part in the shuffles (groups
         // of a warp may differ in `ok`), a masked token's score is computed from zeros and
         // then left out.
@@ -166,7 +175,6 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float kf[8];
-            if (!ok[u]) kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
             to_float8(kr[u], kf, tag);
 #pragma unroll
             for (int r = 0; r < REP; r++) {
@@ -181,37 +189,44 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
 #pragma unroll
         for (int u = 0; u < U; u++) any |= ok[u];
         // No token of the tile counts (past the end, or ids past the cache): nothing changes.
-        if (!any) continue;
-        // One max and one rescale per head; the scores become the tokens' weights.
+        if (any) {
+            // One max and one rescale per head; the scores become the tokens' weights.
 #pragma unroll
-        for (int r = 0; r < REP; r++) {
-            float tmax = -INFINITY;
+            for (int r = 0; r < REP; r++) {
+                float tmax = -INFINITY;
 #pragma unroll
-            for (int u = 0; u < U; u++)
-                if (ok[u]) tmax = fmaxf(tmax, s[u * REP + r]);
-            const float mn = fmaxf(m[r], tmax);
-            const float alpha = __expf(m[r] - mn);
-            m[r] = mn;
-            float sum = 0.f;
+                for (int u = 0; u < U; u++)
+                    if (ok[u]) tmax = fmaxf(tmax, s[u * REP + r]);
+                const float mn = fmaxf(m[r], tmax);
+                const float alpha = __expf(m[r] - mn);
+                m[r] = mn;
+                float sum = 0.f;
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const float pr = ok[u] ? __expf(s[u * REP + r] - mn) : 0.f;
+                    s[u * REP + r] = pr;
+                    sum += pr;
+                }
+                l[r] = l[r] * alpha + sum;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[r][i] *= alpha;
+            }
 #pragma unroll
             for (int u = 0; u < U; u++) {
-                const float pr = ok[u] ? __expf(s[u * REP + r] - mn) : 0.f;
-                s[u * REP + r] = pr;
-                sum += pr;
-            }
-            l[r] = l[r] * alpha + sum;
+                float vf[8];
+                to_float8(vr[u], vf, tag);
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[r][i] *= alpha;
+                for (int r = 0; r < REP; r++) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[r][i] += s[u * REP + r] * vf[i];
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            float vf[8];
-            to_float8(vr[u], vf, tag);
-#pragma unroll
-            for (int r = 0; r < REP; r++) {
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[r][i] += s[u * REP + r] * vf[i];
-            }
+            kr[u] = nk[u];
+            vr[u] = nv[u];
+            ok[u] = nok[u];
         }
     }
 
