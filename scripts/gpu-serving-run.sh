@@ -15,7 +15,9 @@
 #     SECTIONS  gpu-bench sections to --check, e.g. "attention kv" ("-": none)
 #     sleep     also the sleep run (twice the models the budget holds, Prism-like bursts)
 #   TLIM: seconds the call may take in all (default 570); BENCHT: seconds for gpu-bench when a
-#   sweep follows (default 150); EXTRA: more `serve bench` flags (e.g. --max-batch 256).
+#   sweep follows (default 150); EXTRA: more `serve bench` flags (e.g. --max-batch 256); DUR,
+#   DRAIN: seconds of trace and after it (default 12 and 4; a request still running at the
+#   end is censored, so a drain shorter than a long request counts it as a miss).
 # Three 8B-shaped engines on a GPU under 100 GB, five above (about the same KV per model).
 set -u
 SEEDS=${1:--}; LOADS=${2:-0.5,1,1.5}; BENCH=${3:--}; SLEEPX=${4:-}
@@ -61,7 +63,7 @@ if [ "$SEEDS" != "-" ]; then
   echo "== sweep: $MA models, seeds $SEEDS, loads $LOADS, cost $COST, $W s"
   # shellcheck disable=SC2086 # EXTRA is flags
   timeout "$W" ./serve bench --gpu 8b --models $MA --loads "$LOADS" --seeds "$SEEDS" \
-    --duration "${DUR:-12}" --drain 4 --cost-ms "$COST" ${EXTRA:-} --traces-dir "$T" --out "$D" > "$D.log" 2>&1
+    --duration "${DUR:-12}" --drain "${DRAIN:-4}" --cost-ms "$COST" ${EXTRA:-} --traces-dir "$T" --out "$D" > "$D.log" 2>&1
   echo "rc $?" >> "$D.log"
   grep -o 'load 1.0 = [0-9.]*' "$D.log" | head -1 | awk '{print $4}' > /tmp/rate
   grep -E "^\[|bench:|error|knee|^  *(static|elastic)|rc " "$D.log" | cut -c1-260 | head -70
@@ -73,7 +75,7 @@ if [ -n "$SLEEPX" ]; then
   W=$(left)
   echo "== sleep: $SM models, $MA resident, rate $RATE, on 4 s off 8 s, $W s"
   timeout "$W" ./serve bench --gpu 8b --models $SM --resident $MA --policies elastic-sleep,static-sleep \
-    --loads 1 --rate "$RATE" --on-off 4,8 --sleep-after 0.5 --seeds 1 --duration 24 --drain 4 \
+    --loads 1 --rate "$RATE" --on-off 4,8 --sleep-after 0.5 --seeds 1 --duration 24 --drain "${DRAIN:-4}" \
     --cost-ms "$COST" --traces-dir "$T" --out "$RES/sleep" > "$RES/sleep.log" 2>&1
   echo "rc $?" >> "$RES/sleep.log"
   grep -E "^\[|bench:|error|sleeps|^  *(static|elastic)|rc " "$RES/sleep.log" | cut -c1-260 | head -30
