@@ -120,16 +120,20 @@ pub fn run() -> Result<(), BoxError> {
     // Cold path: the median of 3 rounds of each (one cold sample swings by 10-20%).
     for n in [16usize, 256] {
         let mut rounds = Vec::new();
-        for _ in 0..3 {
-            let kv = PagedKv::new(&pool, config())?;
+        // The first alloc of `n` blocks from `kv`: its time and driver calls; then all back.
+        let first_alloc = |kv: PagedKv| -> Result<(Duration, u64), BoxError> {
             let before = counting.hook().counts();
             let t = Instant::now();
             let ids = kv.alloc(n)?;
-            let cold = t.elapsed();
+            let took = t.elapsed();
             let calls = counting.hook().counts().since(&before).total();
             kv.free(&ids)?;
             drop(kv);
             pool.trim()?;
+            Ok((took, calls))
+        };
+        for _ in 0..3 {
+            let (cold, calls) = first_alloc(PagedKv::new(&pool, config())?)?;
             let w = Watermarks {
                 low: n,
                 high: n,
@@ -138,14 +142,7 @@ pub fn run() -> Result<(), BoxError> {
             };
             let kv = PagedKv::new(&pool, config().watermarks(w))?;
             wait_for("pre-mapped", || kv.stats().warm >= n)?;
-            let before = counting.hook().counts();
-            let t = Instant::now();
-            let ids = kv.alloc(n)?;
-            let warm = t.elapsed();
-            let warm_calls = counting.hook().counts().since(&before).total();
-            kv.free(&ids)?;
-            drop(kv);
-            pool.trim()?;
+            let (warm, warm_calls) = first_alloc(kv)?;
             rounds.push((cold, calls, warm, warm_calls));
         }
         let mid = |mut v: Vec<Duration>| {

@@ -466,13 +466,12 @@ fn paged_offload_once(
             cases.push(("back", back, raw_back));
         }
         for (way, ours, peer) in cases {
-            crate::result(
+            copy_result(
                 &format!("tiers/paged-kv-{way}-{state}"),
                 &format!("paged KV to a host-tier cache, {way}, {state}: 256 scattered blocks, 64 pieces of 32 KiB each"),
-                format!("{:.1} GB/s", gbps(bytes, ours)),
                 "raw per-piece copies on one stream",
-                format!("{:.1} GB/s", gbps(bytes, peer)),
-                peer.as_secs_f64() / ours.as_secs_f64(),
+                bytes,
+                [ours, peer],
             );
         }
     }
@@ -667,13 +666,25 @@ fn host_tier(backend: &Arc<dyn Backend>, pool: &Pool, total: u64) -> Result<(), 
 /// `t` holds ours and raw device-to-host, then ours and raw host-to-device.
 fn pair_results(key: &str, other: &str, bytes: u64, t: [Duration; 4]) {
     for (way, ours, raw) in [("d2h", t[0], t[1]), ("h2d", t[2], t[3])] {
-        crate::result(
+        copy_result(
             &format!("{key}-{way}"),
             &format!("256 KiB blocks, every other one, {way} with {other}"),
-            format!("{:.1} GB/s", gbps(bytes, ours)),
             "raw async copies, one per block, on one stream",
-            format!("{:.1} GB/s", gbps(bytes, raw)),
-            raw.as_secs_f64() / ours.as_secs_f64(),
+            bytes,
+            [ours, raw],
         );
     }
+}
+
+/// One `RESULT` line of `bytes` moved by ours and by `peer` (`t`: ours, then the peer's time),
+/// both as GB/s, the ratio the peer's time over ours.
+fn copy_result(key: &str, what: &str, peer: &str, bytes: u64, t: [Duration; 2]) {
+    crate::result(
+        key,
+        what,
+        format!("{:.1} GB/s", gbps(bytes, t[0])),
+        peer,
+        format!("{:.1} GB/s", gbps(bytes, t[1])),
+        t[1].as_secs_f64() / t[0].as_secs_f64(),
+    );
 }
