@@ -1057,6 +1057,10 @@ impl Copies for CudaBackend {
         Ok(())
     }
 
+    fn prepare_gather(&self) -> Result<()> {
+        self.gather_kernel().map(|_| ())
+    }
+
     unsafe fn gather_async(
         &self,
         pieces: &[GatherPiece],

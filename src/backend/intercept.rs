@@ -454,6 +454,10 @@ impl<H: Hook> Copies for Intercept<H> {
         unsafe { self.up().copy_batch_async(copies, stream) }
     }
 
+    fn prepare_gather(&self) -> Result<()> {
+        self.up().prepare_gather()
+    }
+
     unsafe fn gather_async(&self, p: &[GatherPiece], s: &[GatherShift], stream: u64) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.up().gather_async(p, s, stream) }

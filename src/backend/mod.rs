@@ -689,6 +689,13 @@ pub trait Copies: Backend {
         ))
     }
 
+    /// Load what [`Copies::gather_async`] launches now rather than at its first call, so that
+    /// call times the copy alone (on CUDA: the kernel's module, JIT-compiled from PTX, and its
+    /// descriptor staging). Backends with nothing to load keep this default.
+    fn prepare_gather(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Wait until every piece of work queued on the GPU stream `stream` (a raw `CUstream` or one
     /// of the special handles of [`Copies::copy_async`]) has run.
     ///

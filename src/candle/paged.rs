@@ -319,7 +319,8 @@ impl PagedKvTensors {
     /// [`crate::candle`]): it runs after every kernel candle queued before on this device, from
     /// any thread, and candle's kernels queued after the call run after it. Rename the moved
     /// ids ([`Compaction::rename`]) in the block tables before queuing kernels that use them;
-    /// the old blocks' pages are released once the GPU ran what was queued before.
+    /// the old blocks' pages are released after the call, on the compaction's give-back
+    /// thread ([`Compaction::give_back`]), once the GPU ran what was queued before.
     pub fn compact(&self, max_moves: usize) -> Result<Compaction> {
         let stream = match &self.core.device {
             Device::Cuda(d) => ordering_stream(device_stream(d)),

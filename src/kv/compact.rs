@@ -37,13 +37,19 @@
 //!    of the gather kernel (or a batch of device-to-device copies where the backend has none) on
 //!    `stream`, then a wait for the stream; on host memory, through a bounce buffer with the
 //!    backend's staging copies (a host `memcpy` on the host backend).
-//! 5. Under the lock: the destinations become live, the old blocks free; the pin goes; the old
-//!    blocks and the evacuated groups' warm blocks are released (their pages unmapped, aliased
-//!    to the zero page again).
+//! 5. Under the lock: the destinations become live, the old blocks free; the pin goes.
+//! 6. The old blocks and the evacuated groups' warm blocks are released (their pages unmapped,
+//!    aliased to the zero page again) on a background thread: [`PagedKv::compact`] returns
+//!    once it is handed over, with a [`GiveBack`] to wait on. The driver's unmaps cost tens of
+//!    microseconds a page (a spike's give-back is 70-110 ms on the H100), which the engine
+//!    between two steps should not wait for. Until it lands the blocks are in transit (in no
+//!    free list: no `alloc` takes them, no compaction plans their group), and
+//!    [`PagedKv::trim`] waits for it, so a limit lowered right after a compaction sees the
+//!    pages back.
 //!
 //! A failure in 2 to 4 rolls everything back: the destinations are released (free again), the
 //! moving blocks stay live under their ids with their contents, and the error is
-//! [`crate::Error::KvCompactionFailed`]. A failure in 5 cannot lose a block: a release that
+//! [`crate::Error::KvCompactionFailed`]. A failure in 6 cannot lose a block: a release that
 //! fails keeps the blocks warm (mapped, free), as any release of the cache.
 //!
 //! # Contract with the engine, and why it is sound
@@ -76,7 +82,10 @@
 //!   ([`crate::Error::KvCompactionBusy`]).
 
 use std::cmp::Reverse;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
 
 use super::paged::{group_of, Book, Core};
 use super::BlockId;
@@ -91,18 +100,111 @@ pub struct Compaction {
     pub moves: Vec<(BlockId, BlockId)>,
     /// Bytes copied (every moved block's span in every tensor).
     pub bytes_copied: u64,
-    /// Bytes of pages given back to the pool.
-    pub bytes_released: u64,
-    /// Wall time of the call.
+    /// Giving the emptied pages back to the pool, after the call (see [`GiveBack`]).
+    pub give_back: GiveBack,
+    /// Wall time of the call (what the engine waited for; not the give-back).
     pub elapsed: Duration,
     /// Of `elapsed`: backing the destinations (maps, and clearing where the cache clears).
     pub backing: Duration,
     /// Of `elapsed`: the copies, queued and waited for (not the pin before them, which may
     /// wait for blocks another thread maps).
     pub copying: Duration,
-    /// Of `elapsed`: giving the emptied pages back (the device wait before it, the unmaps).
-    pub releasing: Duration,
 }
+
+/// The give-back of a compaction's emptied pages, on a background thread after
+/// [`super::PagedKv::compact`] returned: the old blocks and the evacuated groups' warm blocks
+/// released, their pages unmapped and aliased to the zero page again. Clones share it; dropping
+/// it waits for nothing (the give-back goes on; dropping the cache waits for it).
+#[derive(Clone, Default)]
+pub struct GiveBack {
+    /// `None`: nothing was given back (an empty compaction).
+    shared: Option<Arc<GiveBackState>>,
+}
+
+struct GiveBackState {
+    /// Blocks handed over.
+    blocks: usize,
+    /// Bytes of pages given back and the time it took, once done.
+    done: Mutex<Option<(u64, Duration)>>,
+    landed: Condvar,
+}
+
+impl GiveBack {
+    fn start(blocks: usize) -> GiveBack {
+        GiveBack {
+            shared: Some(Arc::new(GiveBackState {
+                blocks,
+                done: Mutex::new(None),
+                landed: Condvar::new(),
+            })),
+        }
+    }
+
+    fn finish(&self, bytes: u64, took: Duration) {
+        if let Some(s) = &self.shared {
+            *s.done.lock() = Some((bytes, took));
+            s.landed.notify_all();
+        }
+    }
+
+    /// Blocks handed to the give-back (the moved blocks' old ids and the evacuated groups'
+    /// warm blocks).
+    pub fn blocks(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.blocks)
+    }
+
+    /// Whether it is done.
+    pub fn is_done(&self) -> bool {
+        self.shared.as_ref().is_none_or(|s| s.done.lock().is_some())
+    }
+
+    /// Wait until it is done; the bytes of pages given back to the pool (a release that failed
+    /// keeps its blocks warm, logged, and gives nothing back).
+    pub fn wait(&self) -> u64 {
+        let Some(s) = &self.shared else {
+            return 0;
+        };
+        let mut done = s.done.lock();
+        loop {
+            if let Some((bytes, _)) = *done {
+                return bytes;
+            }
+            s.landed.wait(&mut done);
+        }
+    }
+
+    /// How long the give-back took on its thread (the device wait before it, the unmaps), once
+    /// done.
+    pub fn took(&self) -> Option<Duration> {
+        match &self.shared {
+            None => Some(Duration::ZERO),
+            Some(s) => s.done.lock().map(|(_, took)| took),
+        }
+    }
+}
+
+impl std::fmt::Debug for GiveBack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let done = self.shared.as_ref().map(|s| *s.done.lock());
+        f.debug_struct("GiveBack")
+            .field("blocks", &self.blocks())
+            .field("done", &done)
+            .finish()
+    }
+}
+
+/// Two handles are equal when they are the same give-back (or both empty).
+impl PartialEq for GiveBack {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.shared, &other.shared) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+impl Eq for GiveBack {}
 
 impl Compaction {
     /// The new id of `old`, if it was moved.
@@ -118,9 +220,9 @@ impl Compaction {
         self.new_id(id).unwrap_or(id)
     }
 
-    /// Whether nothing moved.
+    /// Whether nothing moved and nothing is given back.
     pub fn is_empty(&self) -> bool {
-        self.moves.is_empty() && self.bytes_released == 0
+        self.moves.is_empty() && self.give_back.blocks() == 0
     }
 }
 
@@ -255,7 +357,7 @@ impl Core {
 
     /// See [`super::PagedKv::compact`]; the copies go on `stream` where the memory is a
     /// device's.
-    pub(super) fn compact(&self, max_moves: usize, stream: u64) -> Result<Compaction> {
+    pub(super) fn compact(self: &Arc<Self>, max_moves: usize, stream: u64) -> Result<Compaction> {
         if max_moves == 0 {
             return Err(Error::InvalidArgument(
                 "paged KV compaction: max_moves is 0 (at least the blocks of one page, e.g. page / span - 1, to make progress)".into(),
@@ -316,20 +418,16 @@ impl Core {
                     out
                 };
                 drop(pin);
-                let t = Instant::now();
-                let released = self.release(&to_release);
-                let releasing = t.elapsed();
-                self.book.lock().bytes_compacted += released;
+                let give_back = self.give_back(to_release);
                 let done = Compaction {
                     moves: plan.moves,
                     bytes_copied: copy_bytes,
-                    bytes_released: released,
+                    give_back,
                     elapsed: started.elapsed(),
                     backing,
                     copying,
-                    releasing,
                 };
-                tracing::debug!(moved = done.moves.len(), groups = plan.groups.len(), bytes_copied = copy_bytes, bytes_released = released, elapsed = ?done.elapsed, "paged KV cache compacted");
+                tracing::debug!(moved = done.moves.len(), groups = plan.groups.len(), bytes_copied = copy_bytes, giving_back = done.give_back.blocks(), elapsed = ?done.elapsed, "paged KV cache compacted");
                 Ok(done)
             }
             Err(e) => {
@@ -348,6 +446,58 @@ impl Core {
                 })
             }
         }
+    }
+
+    /// Step 6: release `blocks` (taken out of the book: in transit) on a background thread,
+    /// or on this one where no thread can be started.
+    fn give_back(self: &Arc<Self>, blocks: Vec<usize>) -> GiveBack {
+        if blocks.is_empty() {
+            return GiveBack::default();
+        }
+        let handle = GiveBack::start(blocks.len());
+        let run = {
+            let (core, handle) = (self.clone(), handle.clone());
+            move || {
+                let t = Instant::now();
+                let bytes = core.release(&blocks);
+                let took = t.elapsed();
+                {
+                    let mut book = core.book.lock();
+                    book.bytes_compacted += bytes;
+                    book.giving_back -= 1;
+                }
+                core.landed.notify_all();
+                handle.finish(bytes, took);
+                tracing::debug!(
+                    blocks = blocks.len(),
+                    bytes,
+                    ?took,
+                    "paged KV compaction gave its pages back"
+                );
+            }
+        };
+        {
+            let mut book = self.book.lock();
+            book.giving_back += 1;
+            // Threads that ended are let go here; the cache's drop joins the rest.
+            book.give_backs.retain(|t| !t.is_finished());
+        }
+        // `spawn` does not hand the closure back when it fails: it waits in a slot.
+        let job = Arc::new(Mutex::new(Some(run)));
+        let spawned = {
+            let job = job.clone();
+            std::thread::Builder::new()
+                .name("kv-give-back".into())
+                .spawn(move || job.lock().take().into_iter().for_each(|run| run()))
+        };
+        match spawned {
+            Ok(t) => self.book.lock().give_backs.push(t),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread for a compaction's give-back; giving back on the caller's");
+                job.lock().take().into_iter().for_each(|run| run());
+            }
+        }
+        handle
     }
 
     /// Steps 2 to 4: back the destinations, pin, copy; with the time backing and copying

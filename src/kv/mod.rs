@@ -68,6 +68,6 @@ mod moves;
 mod paged;
 
 pub use block_pool::{BlockHash, BlockPool, BlockPoolHook, BlockPoolStats, KvSizing};
-pub use compact::{Compaction, CompactionGain};
+pub use compact::{Compaction, CompactionGain, GiveBack};
 pub use moves::KvMove;
 pub use paged::{BlockId, KvLayout, PagedKv, PagedKvConfig, PagedKvStats, Watermarks};

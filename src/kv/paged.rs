@@ -332,6 +332,11 @@ pub(crate) struct Book {
     pub(super) tiered: BTreeSet<usize>,
     /// A compaction runs (one at a time).
     pub(super) compacting: bool,
+    /// Compactions' give-backs still releasing their blocks (in transit meanwhile); a trim
+    /// waits for them.
+    pub(super) giving_back: usize,
+    /// Their threads, joined when the cache is dropped.
+    pub(super) give_backs: Vec<std::thread::JoinHandle<()>>,
     pub(super) compactions: u64,
     pub(super) blocks_moved: u64,
     pub(super) bytes_compacted: u64,
@@ -450,6 +455,13 @@ impl PagedKv {
             options
         };
         let region = pool.reserve_region_with(geo.region_bytes(), &options)?;
+        if info.memory_kind == crate::MemoryKind::Device {
+            // A compaction's copies are one gather launch: its kernel is loaded now rather
+            // than inside the first compaction an engine waits for (CUDA JIT-compiles it).
+            if let Err(e) = pool.backend().copies().prepare_gather() {
+                tracing::debug!(error = %e, "no gather kernel: compactions copy span by span");
+            }
+        }
         let backing = BlockBacking::new(region, geo, None)?;
         let groups = group_of(&geo, page, config.max_blocks - 1) + 1;
         let mut group_backed = vec![0; groups];
@@ -477,6 +489,8 @@ impl PagedKv {
             moving: BTreeSet::new(),
             tiered: BTreeSet::new(),
             compacting: false,
+            giving_back: 0,
+            give_backs: Vec::new(),
             compactions: 0,
             blocks_moved: 0,
             bytes_compacted: 0,
@@ -595,8 +609,8 @@ impl PagedKv {
 
     /// Give every warm block back (pages no live block touches go back to the pool), a batch
     /// the background thread is mapping ahead included (waited for: when this returns, no
-    /// memory of the cache is warm or on its way to being warm). Returns the blocks released
-    /// here. Until the next `alloc`, the thread maps nothing and freed blocks are not kept warm.
+    /// memory of the cache is warm or on its way to being warm), and compactions' give-backs
+    /// still running waited for. Returns the blocks released here. Until the next `alloc`, the thread maps nothing and freed blocks are not kept warm.
     pub fn trim(&self) -> usize {
         self.core.trim()
     }
@@ -607,7 +621,9 @@ impl PagedKv {
     }
 
     /// Move live blocks off sparsely used pages into free slots of densely used pages that are
-    /// mapped already, and give the emptied pages back to the pool: at most `max_moves` blocks
+    /// mapped already, and give the emptied pages back to the pool (on a background thread once
+    /// this returns: [`Compaction::give_back`](super::Compaction::give_back) waits for it, as
+    /// [`PagedKv::trim`] and the cache's drop do): at most `max_moves` blocks
     /// moved per call (bounded work: call it between steps, again until it returns an empty
     /// [`Compaction`](super::Compaction)). Returns the renaming `old id -> new id` ([`Compaction::moves`](super::Compaction::moves)), which
     /// the engine applies to its block tables before queuing more work on those blocks.
@@ -654,9 +670,15 @@ impl PagedKv {
 
 impl Drop for PagedKv {
     fn drop(&mut self) {
-        // The thread first (it holds the core), then the core: its backing unmaps the pages.
+        // The threads first (they hold the core), then the core: its backing unmaps the pages.
         if let Some(a) = self.ahead.take() {
             a.stop(&self.core);
+        }
+        let give_backs = std::mem::take(&mut self.core.book.lock().give_backs);
+        for t in give_backs {
+            if t.join().is_err() {
+                tracing::error!("a KV compaction's give-back thread panicked");
+            }
         }
     }
 }
@@ -1015,12 +1037,13 @@ impl Core {
 
     /// See [`PagedKv::trim`]. The wait for the look-ahead's batch is bounded by its map: the
     /// look-ahead takes only memory admission gives at once (no reclaim, so no callback, such
-    /// as the one this trim may run in, is waited for).
+    /// as the one this trim may run in, is waited for). The wait for compactions' give-backs is
+    /// bounded by their unmaps (a release asks nobody for anything).
     pub(super) fn trim(&self) -> usize {
         {
             let mut book = self.book.lock();
             book.trimmed = true;
-            while book.ahead_busy {
+            while book.ahead_busy || book.giving_back > 0 {
                 self.landed.wait(&mut book);
             }
         }
