@@ -47,6 +47,11 @@
 //!    [`PagedKv::trim`] waits for it, so a limit lowered right after a compaction sees the
 //!    pages back.
 //!
+//! A sleep of the pool waits for give-backs under way before it begins (their unmaps need the
+//! pool awake); one that a sleep overtakes anyway (a compaction started as the sleep began)
+//! leaves its pages mapped, unused, through the sleep, and the next [`PagedKv::trim`]
+//! unmaps them. Lock order: the book, then a [`GiveBack`]'s own state (a leaf).
+//!
 //! A failure in 2 to 4 rolls everything back: the destinations are released (free again), the
 //! moving blocks stay live under their ids with their contents, and the error is
 //! [`crate::Error::KvCompactionFailed`]. A failure in 6 cannot lose a block: a release that
@@ -392,7 +397,7 @@ impl Core {
         let copy_bytes = plan.moves.len() as u64 * self.geo.unit * self.geo.tensors;
         match self.move_blocks(&plan, stream) {
             Ok((pin, backing, copying)) => {
-                let to_release: Vec<usize> = {
+                let (to_release, parked) = {
                     let mut book = self.book.lock();
                     for &(old, new) in &plan.moves {
                         book.live[old] = false;
@@ -402,6 +407,10 @@ impl Core {
                     book.warm.extend(plan.rewarm.iter().copied());
                     self.landed.notify_all();
                     let mut out: Vec<usize> = plan.moves.iter().map(|m| m.0).collect();
+                    // The groups' free unbacked blocks rank as costing no memory until their
+                    // pages are unmapped: parked in transit meanwhile, so no alloc or look-ahead
+                    // takes them and keeps the pages the give-back is about to return.
+                    let mut parked = Vec::new();
                     let per = self.per_group().unwrap_or(1);
                     for &g in &plan.groups {
                         let end = ((g + 1) * per).min(self.config.max_blocks);
@@ -409,16 +418,20 @@ impl Core {
                         for b in g * per..end {
                             if book.warm.remove(&b) {
                                 out.push(b);
+                            } else if book.cold.remove(&(0, b)) || book.cold.remove(&(1, b)) {
+                                parked.push(b);
                             }
                         }
                     }
+                    // Counted in the same critical section: a trim from now on waits for it.
+                    book.giving_back += 1;
                     book.compacting = false;
                     book.compactions += 1;
                     book.blocks_moved += plan.moves.len() as u64;
-                    out
+                    (out, parked)
                 };
                 drop(pin);
-                let give_back = self.give_back(to_release);
+                let give_back = self.give_back(to_release, parked);
                 let done = Compaction {
                     moves: plan.moves,
                     bytes_copied: copy_bytes,
@@ -448,39 +461,37 @@ impl Core {
         }
     }
 
-    /// Step 6: release `blocks` (taken out of the book: in transit) on a background thread,
-    /// or on this one where no thread can be started.
-    fn give_back(self: &Arc<Self>, blocks: Vec<usize>) -> GiveBack {
-        if blocks.is_empty() {
-            return GiveBack::default();
-        }
+    /// Step 6: release `blocks` (taken out of the book: in transit, counted in `giving_back`)
+    /// on a background thread, or on this one where no thread can be started; then put the
+    /// `parked` free blocks back in the cold list, ranked by what is mapped then.
+    fn give_back(self: &Arc<Self>, blocks: Vec<usize>, parked: Vec<usize>) -> GiveBack {
         let handle = GiveBack::start(blocks.len());
         let run = {
             let (core, handle) = (self.clone(), handle.clone());
             move || {
+                // Whatever happens (a panic included), the give-back ends in the books.
+                let mut landing = Landing {
+                    core: &core,
+                    handle: &handle,
+                    parked: &parked,
+                    bytes: 0,
+                    took: Duration::ZERO,
+                };
                 let t = Instant::now();
-                let bytes = core.release(&blocks);
-                let took = t.elapsed();
-                {
-                    let mut book = core.book.lock();
-                    book.bytes_compacted += bytes;
-                    book.giving_back -= 1;
-                }
-                core.landed.notify_all();
-                handle.finish(bytes, took);
+                landing.bytes = core.release(&blocks);
+                landing.took = t.elapsed();
                 tracing::debug!(
                     blocks = blocks.len(),
-                    bytes,
-                    ?took,
+                    bytes = landing.bytes,
+                    took = ?landing.took,
                     "paged KV compaction gave its pages back"
                 );
+                drop(landing);
             }
         };
         {
-            let mut book = self.book.lock();
-            book.giving_back += 1;
             // Threads that ended are let go here; the cache's drop joins the rest.
-            book.give_backs.retain(|t| !t.is_finished());
+            self.book.lock().give_backs.retain(|t| !t.is_finished());
         }
         // `spawn` does not hand the closure back when it fails: it waits in a slot.
         let job = Arc::new(Mutex::new(Some(run)));
@@ -653,6 +664,32 @@ impl Core {
             }
         }
         result
+    }
+}
+
+/// The end of a give-back, in its drop so that a panic ends it too: the parked blocks back in
+/// the cold list, the bytes counted, the handle done, then `giving_back` down (a trim that
+/// returns finds the handle done) and waiters woken.
+struct Landing<'a> {
+    core: &'a Core,
+    handle: &'a GiveBack,
+    parked: &'a [usize],
+    bytes: u64,
+    took: Duration,
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        let mut book = self.core.book.lock();
+        for &b in self.parked {
+            let r = book.rank(&self.core.geo, self.core.page, b);
+            book.cold.insert((r, b));
+        }
+        book.bytes_compacted += self.bytes;
+        self.handle.finish(self.bytes, self.took);
+        book.giving_back -= 1;
+        drop(book);
+        self.core.landed.notify_all();
     }
 }
 

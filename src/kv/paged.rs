@@ -1047,7 +1047,16 @@ impl Core {
                 self.landed.wait(&mut book);
             }
         }
-        self.release_warm(0)
+        let released = self.release_warm(0);
+        // Pages a release could not unmap (a give-back a sleep overtook) go now.
+        let left = self.backing.unmap_unused();
+        if left > 0 {
+            tracing::debug!(
+                bytes = left,
+                "trim unmapped pages a release had left mapped"
+            );
+        }
+        released
     }
 
     fn available(&self) -> usize {
@@ -1098,6 +1107,14 @@ impl Core {
 }
 
 impl SleepWatcher for Core {
+    fn settle(&self) {
+        // A compaction's give-back unmaps, refused once the pool is falling asleep.
+        let mut book = self.book.lock();
+        while book.giving_back > 0 {
+            self.landed.wait(&mut book);
+        }
+    }
+
     fn freeze(&self) -> Result<()> {
         let mut book = self.book.lock();
         if !book.tiered.is_empty() {

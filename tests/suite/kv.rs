@@ -1040,9 +1040,10 @@ pub fn kv_free_of_a_block_still_being_allocated_is_refused(backend: Arc<dyn Back
 
 /// A compaction returns once its copies are done: giving the emptied pages back (unmaps, tens
 /// of microseconds a page on CUDA) runs on a background thread the engine does not wait for.
-/// With every unmap, map and release slowed to 60 ms, the call ends before the first of them,
-/// a trim waits for the give-back (a limit lowered right after sees the pages back), and so
-/// does the cache's drop (the pool gets everything back).
+/// With every unmap, map and release slowed to 150 ms, the call ends before the first of them,
+/// a trim waits for the give-back (a limit lowered right after sees the pages back), so does a
+/// sleep of the pool (whose unmaps it would refuse: the pages would stay mapped, unused, through
+/// it) and the cache's drop (the pool gets everything back).
 pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     let g = gran(&backend);
     let slow = Arc::new(DelayInjector::new(backend.clone()));
@@ -1059,7 +1060,7 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     kv.trim();
     let before = kv.stats();
     assert_eq!(before.mapped_bytes, 4 * 2 * g, "{before:?}");
-    let delay = Duration::from_millis(60);
+    let delay = Duration::from_millis(150);
     for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
         slow.set_delay(call, delay);
     }
@@ -1074,6 +1075,11 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     for &x in &keep {
         holds_pattern(&backend, &kv, x, c.rename(x));
     }
+    // An alloc meanwhile takes no block of the groups being emptied (their pages still
+    // mapped, they would look free of cost, and keep those pages from going back).
+    let extra = kv.alloc(1).expect("alloc during the give-back");
+    assert!(extra[0] >= 16, "block {} of an emptied group", extra[0]);
+    kv.free(&extra).expect("free");
     // The trim waits for the give-back: the pages are back when it returns.
     kv.trim();
     slow.clear();
@@ -1084,8 +1090,9 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     assert_eq!(s.bytes_compacted, 3 * 2 * g);
     assert!(c.give_back.took().expect("done") >= delay);
     books_hold(&b, &p);
-    // Again with the drop right after: it waits for the give-back, then gives back the rest.
-    // Group 0 full, one survivor in each of groups 1 to 3: two of them move into group 1.
+    // A sleep right after a compaction waits for its give-back: after the wake the cache maps
+    // its packed floor, nothing the give-back left behind.
+    let now: Vec<usize> = keep.iter().map(|&x| c.rename(x)).collect();
     let more = kv.alloc(12).expect("alloc");
     let gone: Vec<usize> = more.iter().copied().filter(|b| b % 4 != 0).collect();
     kv.free(&gone).expect("free");
@@ -1093,8 +1100,36 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
         slow.set_delay(call, delay);
     }
+    // Group 0 full, one survivor in each of groups 1 to 3: two of them move into group 1.
     let c = kv.compact(100).expect("compact");
     assert_eq!(c.moves.len(), 2, "{more:?} -> {c:?}");
+    p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    assert!(c.give_back.is_done(), "the sleep waited: {:?}", c.give_back);
+    slow.clear();
+    p.wake(AfterWake::FreeHostMemory).expect("wake");
+    let s = kv.stats();
+    assert_eq!(
+        s.mapped_bytes,
+        2 * 2 * g,
+        "on two groups after the wake: {s:?}"
+    );
+    assert_eq!(c.give_back.wait(), 2 * 2 * g);
+    books_hold(&b, &p);
+    // Again with the drop right after: it waits for the give-back, then gives back the rest.
+    let survivors: Vec<usize> = now
+        .iter()
+        .chain(more.iter().filter(|b| *b % 4 == 0))
+        .map(|&x| c.rename(x))
+        .collect();
+    // One block free in group 0, one survivor in group 1: it moves, group 1 empties.
+    let (g0, g1): (Vec<usize>, Vec<usize>) = survivors.iter().partition(|&&x| x < 4);
+    assert_eq!((g0.len(), g1.len()), (4, 3), "{survivors:?}");
+    kv.free(&[g0[0], g1[1], g1[2]]).expect("free");
+    for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
+        slow.set_delay(call, delay);
+    }
+    let c = kv.compact(100).expect("compact");
+    assert_eq!(c.moves.len(), 1, "{c:?}");
     drop(kv);
     slow.clear();
     assert!(c.give_back.is_done(), "the drop waited: {:?}", c.give_back);

@@ -224,6 +224,9 @@ pub struct SleepStats {
 /// A component holding memory of the pool that must hear of sleep and wake (a block backing:
 /// its pins and its mapping hook). Called with no pool lock held.
 pub(crate) trait SleepWatcher: Send + Sync {
+    /// The pool is about to start falling asleep (nothing refused yet): finish background work
+    /// that needs the pool awake (a KV compaction's give-back unmaps). Bounded; no lock held.
+    fn settle(&self) {}
     /// Refuse (memory in use, e.g. pinned blocks) or stop handing out new uses until `thaw`.
     fn freeze(&self) -> Result<()>;
     /// Hand out uses again.

@@ -126,6 +126,10 @@ impl Inner {
 
     pub(crate) fn sleep(&self, policy: &SleepPolicy) -> Result<SleepReport> {
         let t0 = Instant::now();
+        // Background work that needs the pool awake ends first (no lock held).
+        let watchers = self.watchers();
+        watchers.iter().for_each(|w| w.settle());
+        drop(watchers);
         {
             let mut st = self.state.lock();
             if let Some(reason) = &st.refusing {
