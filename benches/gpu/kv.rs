@@ -256,6 +256,18 @@ pub fn run() -> Result<(), BoxError> {
         for (p, d) in phases.iter_mut().zip([c.backing, c.copying, took]) {
             *p += d;
         }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "compaction call {calls}: {} blocks moved ({} MiB) in {:.2} ms: backing {:.2} ms, copying {:.2} ms, the rest {:.2} ms; its give-back {} blocks in {:.2} ms after it",
+            c.moves.len(),
+            c.bytes_copied >> 20,
+            ms(c.elapsed),
+            ms(c.backing),
+            ms(c.copying),
+            ms(c.elapsed.saturating_sub(c.backing + c.copying)),
+            c.give_back.blocks(),
+            ms(took)
+        );
         for &i in &order[finish..] {
             for b in &mut seqs[i] {
                 *b = c.rename(*b);

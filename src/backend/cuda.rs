@@ -524,6 +524,37 @@ impl CudaBackend {
                 e.0
             ));
         }
+        // Lazy module loading (CUDA's default since 12.2) loads a function at its first launch
+        // (a JIT compile of the PTX, milliseconds): an empty launch now, so that no copy an
+        // engine waits for pays it. No task: the kernel reads none of its pointers.
+        let (mut p_pieces, mut p_count, mut p_shifts, mut p_tasks) = (0u64, 1u32, 0u64, 0u64);
+        let mut params: [*mut std::ffi::c_void; 4] = [
+            (&mut p_pieces as *mut u64).cast(),
+            (&mut p_count as *mut u32).cast(),
+            (&mut p_shifts as *mut u64).cast(),
+            (&mut p_tasks as *mut u64).cast(),
+        ];
+        // SAFETY: the four parameters point at locals of the kernel's types, read during the
+        // call; with no task the kernel dereferences nothing.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                function,
+                1,
+                1,
+                1,
+                GATHER_THREADS,
+                1,
+                1,
+                0,
+                raw_stream(super::PER_THREAD_STREAM),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result();
+        if let Err(e) = r {
+            tracing::debug!(error = ?e.0, "empty gather launch failed; the first copy loads the kernel");
+        }
         // SAFETY: plain data; all-zero is its documented default.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
         props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;

@@ -371,11 +371,12 @@ impl Inner {
         let end = offset.saturating_add(len);
         let parts: Vec<(u64, u64)> = {
             let mut st = self.state.lock();
-            let aliased: Vec<(u64, u64)> = st.zero.ranges.iter().collect();
+            // Only what overlaps the range: the sets hold thousands of intervals after a spike,
+            // and this runs once per run a region unmaps.
+            let aliased: Vec<(u64, u64)> = st.zero.ranges.overlapping(offset, end).collect();
             let mut parts: Vec<(u64, u64)> = st
                 .held
-                .iter()
-                .filter(|&(s, e)| s < end && e > offset)
+                .overlapping(offset, end)
                 .map(|(s, e)| (s.max(offset), e.min(end)))
                 .collect();
             for &(s, e) in &aliased {
