@@ -1089,7 +1089,13 @@ impl Copies for CudaBackend {
     }
 
     fn prepare_gather(&self) -> Result<()> {
-        self.gather_kernel().map(|_| ())
+        let kernel = self.gather_kernel()?;
+        // The first launch's descriptor slot too (pinned host memory, made on first use).
+        let _bound = self.bind()?;
+        if let Some(slot) = kernel.staging.take(1) {
+            kernel.staging.give_back_unused(slot);
+        }
+        Ok(())
     }
 
     unsafe fn gather_async(
