@@ -526,7 +526,11 @@ impl CudaBackend {
         }
         // Lazy module loading (CUDA's default since 12.2) loads a function at its first launch
         // (a JIT compile of the PTX, milliseconds): an empty launch now, so that no copy an
-        // engine waits for pays it. No task: the kernel reads none of its pointers.
+        // engine waits for pays it. No task: the kernel reads none of its pointers. Not while
+        // this thread's stream is being captured (the launch would join the caller's graph).
+        let per_thread = raw_stream(super::PER_THREAD_STREAM);
+        let capturing =
+            super::driver::driver().is_none_or(|d| super::driver::stream_capturing(d, per_thread));
         let (mut p_pieces, mut p_count, mut p_shifts, mut p_tasks) = (0u64, 1u32, 0u64, 0u64);
         let mut params: [*mut std::ffi::c_void; 4] = [
             (&mut p_pieces as *mut u64).cast(),
@@ -534,25 +538,27 @@ impl CudaBackend {
             (&mut p_shifts as *mut u64).cast(),
             (&mut p_tasks as *mut u64).cast(),
         ];
-        // SAFETY: the four parameters point at locals of the kernel's types, read during the
-        // call; with no task the kernel dereferences nothing.
-        let r = unsafe {
-            sys::cuLaunchKernel(
-                function,
-                1,
-                1,
-                1,
-                GATHER_THREADS,
-                1,
-                1,
-                0,
-                raw_stream(super::PER_THREAD_STREAM),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result();
-        if let Err(e) = r {
+        let r = (!capturing).then(|| {
+            // SAFETY: the four parameters point at locals of the kernel's types, read during
+            // the call; with no task the kernel dereferences nothing.
+            unsafe {
+                sys::cuLaunchKernel(
+                    function,
+                    1,
+                    1,
+                    1,
+                    GATHER_THREADS,
+                    1,
+                    1,
+                    0,
+                    per_thread,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        });
+        if let Some(Err(e)) = r {
             tracing::debug!(error = ?e.0, "empty gather launch failed; the first copy loads the kernel");
         }
         // SAFETY: plain data; all-zero is its documented default.
@@ -1090,10 +1096,13 @@ impl Copies for CudaBackend {
 
     fn prepare_gather(&self) -> Result<()> {
         let kernel = self.gather_kernel()?;
-        // The first launch's descriptor slot too (pinned host memory, made on first use).
+        // The first launch's descriptor slot too (pinned host memory, made on first use), once:
+        // caches made while the slots are busy make none.
         let _bound = self.bind()?;
-        if let Some(slot) = kernel.staging.take(1) {
-            kernel.staging.give_back_unused(slot);
+        if kernel.staging.uploads().slots == 0 {
+            if let Some(slot) = kernel.staging.take(1) {
+                kernel.staging.give_back_unused(slot);
+            }
         }
         Ok(())
     }
