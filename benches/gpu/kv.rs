@@ -244,6 +244,7 @@ pub fn run() -> Result<(), BoxError> {
     let mut phases = [Duration::ZERO; 3];
     let mut total = Duration::ZERO;
     let calls_before = counting.hook().counts();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     loop {
         let c = kv.compact(1024)?;
         released += c.give_back.wait();
@@ -256,7 +257,6 @@ pub fn run() -> Result<(), BoxError> {
         for (p, d) in phases.iter_mut().zip([c.backing, c.copying, took]) {
             *p += d;
         }
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         println!(
             "compaction call {calls}: {} blocks moved ({} MiB) in {:.2} ms: backing {:.2} ms, copying {:.2} ms, the rest {:.2} ms; its give-back {} blocks in {:.2} ms after it",
             c.moves.len(),
@@ -280,7 +280,6 @@ pub fn run() -> Result<(), BoxError> {
     let driver = counting.hook().counts().since(&calls_before);
     let after = kv.stats();
     let floor = after.packed_floor_bytes + 64 * per_block;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "compaction (steps of <= 1024 blocks): predicted {} blocks / {} back, did {moved} blocks in {calls} calls, copied {:.1} MiB; the calls took {:.2} ms (longest {:.2} ms: what the engine waits for), their give-backs {:.2} ms after them on a background thread, gave back {}; mapped {} vs packed floor + low {} = {:.2}x (target <= 1.1x)",
         gain.moves,

@@ -1061,9 +1061,12 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     let before = kv.stats();
     assert_eq!(before.mapped_bytes, 4 * 2 * g, "{before:?}");
     let delay = Duration::from_millis(150);
-    for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
-        slow.set_delay(call, delay);
-    }
+    let slow_down = || {
+        for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
+            slow.set_delay(call, delay);
+        }
+    };
+    slow_down();
     let c = kv.compact(100).expect("compact");
     let given = c.give_back.is_done();
     assert_eq!(c.moves.len(), 3, "{c:?}");
@@ -1097,9 +1100,7 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     let gone: Vec<usize> = more.iter().copied().filter(|b| b % 4 != 0).collect();
     kv.free(&gone).expect("free");
     kv.trim();
-    for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
-        slow.set_delay(call, delay);
-    }
+    slow_down();
     // Group 0 full, one survivor in each of groups 1 to 3: two of them move into group 1.
     let c = kv.compact(100).expect("compact");
     assert_eq!(c.moves.len(), 2, "{more:?} -> {c:?}");
@@ -1125,9 +1126,7 @@ pub fn kv_compaction_gives_back_after_the_call(backend: Arc<dyn Backend>) {
     let (g0, g1): (Vec<usize>, Vec<usize>) = survivors.iter().partition(|&&x| x < 4);
     assert_eq!((g0.len(), g1.len()), (4, 3), "{survivors:?}");
     kv.free(&[g0[0], g1[1], g1[2]]).expect("free");
-    for call in [DriverCall::Unmap, DriverCall::Map, DriverCall::Release] {
-        slow.set_delay(call, delay);
-    }
+    slow_down();
     let c = kv.compact(100).expect("compact");
     assert_eq!(c.moves.len(), 1, "{c:?}");
     drop(kv);
