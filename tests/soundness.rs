@@ -19,3 +19,8 @@ crate::soundness_suite!(host);
 fn stress_books_hold() {
     suite::soundness::stress_books_hold(host(), 25);
 }
+
+#[test]
+fn thread_fronts_race_sleep_trim_and_stats() {
+    suite::soundness::thread_fronts_race_sleep_trim_and_stats(host(), 40);
+}

@@ -595,7 +595,8 @@ fn reporter(stop: Receiver<()>, writer: FrameWriter, links: Links) {
             .filter_map(|(&k, l)| Some((k, l.pool.upgrade()?, l.host)))
             .collect();
         for (model, pool, host) in pools {
-            let s = pool.stats();
+            // Blocks kept in threads' fronts are idle memory for the broker.
+            let s = pool.stats_flushed();
             let report = ToBroker {
                 id: NOTIFY_ID,
                 request: for_tier(

@@ -24,6 +24,8 @@ pub struct Allocation {
     size: usize,
     footprint: u64,
     slot: u32,
+    /// Which thread front may keep it when freed (`thread_front::front_kind`).
+    front_kind: u8,
 }
 
 // SAFETY: an allocation is a shared reference to the pool's internals (`Inner: Send + Sync`)
@@ -44,6 +46,7 @@ impl Allocation {
         size: usize,
         footprint: u64,
         slot: u32,
+        front_kind: u8,
     ) -> Self {
         Allocation {
             pool: NonNull::from(&**pool),
@@ -51,7 +54,14 @@ impl Allocation {
             size,
             footprint,
             slot,
+            front_kind,
         }
+    }
+
+    /// Never kept by a thread front when freed: for blocks a front cache holds (routing), whose
+    /// flush must give them to the pool itself, not to the flushing thread's front.
+    pub(crate) fn bypass_thread_fronts(&mut self) {
+        self.front_kind = 0;
     }
 
     fn inner(&self) -> &Inner {
@@ -195,6 +205,10 @@ impl Drop for Allocation {
     fn drop(&mut self) {
         // The last allocation of a closed pool ends the pool: its last reference is dropped
         // here, after `free` returned and with nothing of the pool used any more.
-        drop(self.inner().free(self.offset, self.footprint, self.slot));
+        let inner = self.inner();
+        if inner.keep_in_thread_front(self.offset, self.footprint, self.slot, self.front_kind) {
+            return;
+        }
+        drop(inner.free(self.offset, self.footprint, self.slot));
     }
 }

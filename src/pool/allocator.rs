@@ -14,6 +14,7 @@ use super::allocation::Allocation;
 use super::mapper::{bytes_of, Placed};
 use super::sleep::SleepStatus;
 use super::state::{LiveRecord, State};
+use super::thread_front::front_kind;
 use super::Inner;
 use crate::backend::PhysicalChunk;
 use crate::error::{round_up, Error, Result};
@@ -108,6 +109,12 @@ impl Inner {
         tag: Tag,
     ) -> Result<Allocation> {
         let footprint = self.footprint(bytes)?;
+        let kind = front_kind(name.as_ref(), &tag);
+        // Hottest path: the block this thread freed last, still live in the books.
+        if let Some((off, slot)) = self.take_from_thread_front(footprint, kind) {
+            // SAFETY: live in the books, with the pool kept alive for it, and now ours.
+            return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot, kind) });
+        }
         {
             // Hot path: a freed range of this very size, no driver call, nothing to plan.
             let mut st = self.state.lock();
@@ -119,11 +126,11 @@ impl Inner {
                     st.keep_alive.hold(self);
                     drop(st);
                     // SAFETY: recorded live just above, with the pool kept alive for it.
-                    return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
+                    return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot, kind) });
                 }
             }
         }
-        self.allocate_slow(bytes, footprint, name, tag)
+        self.allocate_slow(bytes, footprint, name, tag, kind)
     }
 
     /// [`Inner::allocate`] past the quick bins: refusals, best fit in idle memory, growth.
@@ -135,7 +142,9 @@ impl Inner {
         footprint: u64,
         name: Option<Arc<str>>,
         tag: Tag,
+        kind: u8,
     ) -> Result<Allocation> {
+        let mut fronts_flushed = false;
         for _ in 0..MAX_ROUNDS {
             let growth = {
                 let mut st = self.state.lock();
@@ -159,13 +168,21 @@ impl Inner {
                     st.keep_alive.hold(self);
                     drop(st);
                     // SAFETY: recorded live just above, with the pool kept alive for it.
-                    return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
+                    return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot, kind) });
+                }
+                if !fronts_flushed {
+                    // Blocks threads keep for their next allocation are idle memory: take them
+                    // back before growing (or refusing) for this one.
+                    drop(st);
+                    fronts_flushed = true;
+                    self.flush_fronts_now();
+                    continue;
                 }
                 self.plan_growth(&mut st, footprint)?
             };
             if let Some((off, slot)) = self.grow(growth, footprint, &name, &tag)? {
                 // SAFETY: `grow` recorded it live and keeps the pool alive for it.
-                return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot) });
+                return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot, kind) });
             }
         }
         Err(Error::InvalidArgument(format!(

@@ -1,5 +1,6 @@
 //! Front caches: holders of memory the pool handed out and its users freed, kept in front of
-//! the pool for quick reuse before it comes back (routing's per-stream free lists). Their
+//! the pool for quick reuse before it comes back (routing's per-stream free lists, and each
+//! thread's last freed block: `thread_front.rs`). Their
 //! blocks are still live allocations in the pool's books; the pool's state governs them:
 //! - a [`FrontGate`] says whether they may serve and keep blocks: open while the pool is awake
 //!   and not closed. The pool shuts it under its lock as it leaves `Awake`, and at close (no
@@ -28,6 +29,14 @@ pub(crate) trait FrontCache: Send + Sync {
     fn flush(&self);
     /// The pool closed (its gate is shut for good): give everything back, as `flush`.
     fn close(&self);
+    /// Give back what needs no waiting (before a stats snapshot, or before an allocation
+    /// grows); by default nothing.
+    fn flush_now(&self) {}
+    /// Allocate+free pairs served without the pool's books (counted in its stats); by default
+    /// none.
+    fn reuses(&self) -> u64 {
+        0
+    }
 }
 
 /// Whether front caches may keep and serve blocks now (see the module documentation).
@@ -45,20 +54,26 @@ impl FrontGate {
         }
     }
 
-    /// Open: the pool is awake and not closed.
+    /// Open: the pool is awake and not closed. Sequentially consistent, as the changes: thread
+    /// fronts pair it with their slot's state (`thread_front.rs`).
     pub(crate) fn is_open(&self) -> bool {
-        self.awake.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire)
+        self.awake.load(Ordering::SeqCst) && !self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Shut for good: the pool closed.
+    pub(super) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
     }
 
     /// Follow the pool's sleep status (called under the pool's lock, with every change of it).
     pub(super) fn follow(&self, status: SleepStatus) {
         self.awake
-            .store(status == SleepStatus::Awake, Ordering::Release);
+            .store(status == SleepStatus::Awake, Ordering::SeqCst);
     }
 
     /// Shut for good (the pool closed).
     pub(super) fn close(&self) {
-        self.closed.store(true, Ordering::Release);
+        self.closed.store(true, Ordering::SeqCst);
     }
 }
 
@@ -83,6 +98,32 @@ impl Inner {
         let fronts = self.fronts();
         fronts.iter().for_each(|f| f.flush());
         drop(fronts);
+    }
+
+    /// Front caches give back what needs no waiting (thread fronts): before a stats snapshot,
+    /// or before an allocation grows the pool.
+    pub(crate) fn flush_fronts_now(&self) {
+        let fronts = self.fronts();
+        fronts.iter().for_each(|f| f.flush_now());
+        drop(fronts);
+    }
+
+    /// The pool's counters, after front caches gave back what needs no waiting, with the
+    /// pairs they served counted (under the pool's lock, as a thread front folds its own in
+    /// when its thread ends).
+    pub(crate) fn stats_flushed(&self) -> crate::stats::PoolStats {
+        let fronts = self.fronts();
+        fronts.iter().for_each(|f| f.flush_now());
+        let s = {
+            let st = self.state.lock();
+            let reuses: u64 = fronts.iter().map(|f| f.reuses()).sum();
+            let mut s = self.stats_of(&st);
+            s.allocations += reuses;
+            s.frees += reuses;
+            s
+        };
+        drop(fronts);
+        s
     }
 
     /// The pool closed: front caches give everything back and keep nothing from now on.

@@ -47,6 +47,7 @@ mod sleep;
 mod sources;
 mod state;
 mod tags;
+mod thread_front;
 mod zero;
 
 use std::sync::atomic::AtomicU64;
@@ -421,13 +422,16 @@ impl Pool {
         self.inner().release_cached(0)
     }
 
-    /// A snapshot of the pool's counters, in O(1).
+    /// A snapshot of the pool's counters. Blocks that threads freed and keep for their next
+    /// allocation (their fronts) go back to the pool first, so a freed block is never counted
+    /// in use; O(1) in the pool's size, O(threads that freed memory of it).
     pub fn stats(&self) -> PoolStats {
-        self.inner().stats()
+        self.inner().stats_flushed()
     }
 
     /// Live allocations, for reports.
     pub fn live_allocations(&self) -> Vec<LiveAllocation> {
+        self.inner().flush_fronts_now();
         let st = self.inner().state.lock();
         st.live
             .iter()
@@ -464,7 +468,7 @@ impl Inner {
         }
     }
 
-    fn stats_of(&self, st: &State) -> PoolStats {
+    pub(super) fn stats_of(&self, st: &State) -> PoolStats {
         PoolStats {
             capacity: self.capacity,
             granularity: self.gran,

@@ -148,7 +148,14 @@ fn routed_alloc(bytes: usize, stream: CUstream, usage: Use) -> Outcome {
             // Read only on this path: a cache hit costs no counter reads.
             let calls_before = entry.pool.driver_call_total();
             let opts = MemOptions::new().tag(entry.tag.tag.clone());
-            let allocate = || entry.pool.allocate_with(class, &opts);
+            // Routed blocks are kept by routing's own front (per stream, fenced), never by
+            // a thread's.
+            let allocate = || {
+                entry.pool.allocate_with(class, &opts).map(|mut m| {
+                    m.bypass_thread_fronts();
+                    m
+                })
+            };
             let (m, origin) = if capturing {
                 match allocate() {
                     Ok(m) => (m, Origin::Captured),

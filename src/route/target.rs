@@ -275,9 +275,10 @@ impl Target {
         &self,
         key: StreamKey,
         class: usize,
-        block: Allocation,
+        mut block: Allocation,
         ctx: Option<usize>,
     ) {
+        block.bypass_thread_fronts();
         let evict = {
             let mut cache = self.cache.lock();
             let bytes = block.footprint();
@@ -430,7 +431,8 @@ impl Target {
     /// (`cuCtxSynchronize` in the context of this target's allocations), then the block is the
     /// pool's again, for any stream. During a capture no synchronize may be made: it waits
     /// among the orphans for a later one.
-    pub(crate) fn free_synchronously(&self, block: Allocation, freed_in: Option<usize>) {
+    pub(crate) fn free_synchronously(&self, mut block: Allocation, freed_in: Option<usize>) {
+        block.bypass_thread_fronts();
         let ctx = match self.place {
             Place::Host => return drop(block), // nothing is queued on a GPU
             Place::Cuda(_) => Some(self.ctx.load(Ordering::Relaxed))
@@ -503,7 +505,8 @@ impl Target {
     }
 
     /// Keep a block a CUDA graph may still use until [`Target::release_parked`].
-    pub(crate) fn park(&self, block: Allocation) {
+    pub(crate) fn park(&self, mut block: Allocation) {
+        block.bypass_thread_fronts();
         self.parked_bytes
             .fetch_add(block.footprint(), Ordering::Relaxed);
         self.parked.lock().push(block);

@@ -901,6 +901,8 @@ impl SharedPool {
     /// A consistent snapshot of all models and the budget.
     pub fn stats(&self) -> SharedStats {
         let refs = self.inner.model_refs(None);
+        // Blocks threads keep for their next allocation are not in use (no lock held here).
+        refs.iter().for_each(|r| r.pool.flush_fronts_now());
         let snapshot = {
             let l = self.inner.ledger.lock();
             // Every pool's lock, in registry order, while the ledger is held.

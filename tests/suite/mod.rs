@@ -31,6 +31,7 @@ macro_rules! pool_suite {
             peak_physical_covers_chunks_a_failed_release_keeps,
             pool_drop_reports_and_releases,
             region_takes_space_from_idle_memory,
+            thread_fronts_follow_the_pools_state,
         );
     };
 }
@@ -1100,4 +1101,78 @@ pub fn region_takes_space_from_idle_memory(backend: Arc<dyn Backend>) {
     p.trim().expect("trim");
     assert_eq!(p.stats().physical(), 0);
     assert_backend_matches(&backend, &p);
+}
+
+/// A thread keeps the block it freed last for its next allocation of that size and tag (no
+/// pool lock): the block stays the pool's, governed by its state. Stats never count it in use;
+/// a sleep, a growth that needs the memory, the thread's end and the pool's close each take
+/// it back; nothing is served from it while the pool sleeps.
+pub fn thread_fronts_follow_the_pools_state(backend: Arc<dyn Backend>) {
+    use elastic_vmm::{AfterWake, SleepPolicy};
+    let g = backend.info().granularity as u64;
+    let p = pool(
+        &backend,
+        PoolConfig::new(GIB as usize).physical_limit(4 * g),
+    );
+    let a = p.allocate((2 * g) as usize).expect("first");
+    let addr = a.addr();
+    drop(a);
+    let b = p.allocate((2 * g) as usize).expect("again");
+    assert_eq!(b.addr(), addr, "the thread's freed block comes back");
+    drop(b);
+    let named = p
+        .allocate_with((2 * g) as usize, &MemOptions::new().tag(Tag::Weights))
+        .expect("another tag");
+    // Not from the front (another tag): from the pool, which took the kept block back first
+    // rather than grow, and recorded it with the new tag.
+    assert_eq!(named.tag(), Tag::Weights);
+    drop(named);
+    let s = p.stats();
+    assert_eq!((s.in_use, s.live_allocations), (0, 0), "{s:?}");
+    assert_eq!(
+        (s.allocations, s.frees),
+        (3, 3),
+        "every pair counted: {s:?}"
+    );
+
+    // The physical limit holds 4 granules: a kept 2-granule block is given back for a
+    // 3-granule growth instead of refusing it.
+    let a = p.allocate((2 * g) as usize).expect("kept again");
+    drop(a);
+    p.trim().expect("trim");
+    let a = p.allocate((2 * g) as usize).expect("kept again");
+    drop(a);
+    let big = p
+        .allocate((3 * g) as usize)
+        .expect("the kept block is idle memory for a growth");
+    drop(big);
+
+    // Asleep: the kept block went back with the sleep; nothing is served from it.
+    let a = p.allocate((2 * g) as usize).expect("kept before the sleep");
+    drop(a);
+    let r = p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    assert_eq!(r.offloaded, 0, "a kept block is not live data: {r:?}");
+    assert_eq!(p.stats().mapped, 0);
+    match p.allocate((2 * g) as usize) {
+        Err(Error::Asleep { .. }) => {}
+        other => panic!("served while asleep: {other:?}"),
+    }
+    p.wake(AfterWake::FreeHostMemory).expect("wake");
+    let a = p.allocate((2 * g) as usize).expect("after the wake");
+    drop(a);
+
+    // A thread that ends gives its kept block back: a trim then finds the memory idle.
+    let q = p.clone();
+    std::thread::spawn(move || drop(q.allocate((2 * g) as usize).expect("on a thread")))
+        .join()
+        .expect("thread");
+    p.trim().expect("trim");
+    let s = p.stats();
+    assert_eq!((s.in_use, s.mapped), (0, 0), "{s:?}");
+    p.audit().expect("books");
+
+    // Closing with a block kept: it is given back with everything else.
+    drop(p.allocate(g as usize).expect("kept at the close"));
+    drop(p);
+    assert_eq!(backend.physical_bytes().expect("held"), 0);
 }

@@ -424,3 +424,83 @@ pub fn stress_books_hold(backend: Arc<dyn Backend>, rounds: usize) {
     assert_eq!(st.global.in_flight, 0, "{st:?}");
     tracing::info!(elapsed = ?started.elapsed(), "stress done");
 }
+
+/// Threads' fronts (each thread's last freed block, kept without the pool's lock) against the
+/// pool's state changing under them: six threads allocate, write, read back and free blocks of
+/// two sizes and two tags while another sleeps and wakes the pool, trims it, takes stats (each
+/// a flush of the fronts from another thread) and audits the books, with unmaps and releases
+/// slowed. A block served twice shows another thread's bytes; a block kept past a flush or
+/// lost by one shows in the books or the final accounting.
+pub fn thread_fronts_race_sleep_trim_and_stats(backend: Arc<dyn Backend>, rounds: usize) {
+    use elastic_vmm::{AfterWake, MemOptions, SleepPolicy, Tag};
+    let g = backend.info().granularity as u64;
+    let slow: Arc<dyn Backend> = slowed(&backend, Duration::from_micros(50));
+    let p = Pool::new(slow, PoolConfig::new(1 << 30)).expect("pool");
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..6u8)
+        .map(|w| {
+            let (p, stop) = (p.clone(), stop.clone());
+            thread::spawn(move || {
+                let mut rng = Rng::new(u64::from(w) + 77);
+                let (mut served, mut refused) = (0u64, 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let size = ((1 + rng.below(2)) * g) as usize;
+                    let tag = if rng.below(2) == 0 {
+                        Tag::Kv
+                    } else {
+                        Tag::Scratch
+                    };
+                    match p.allocate_with(size, &MemOptions::new().tag(tag)) {
+                        Ok(mut a) => {
+                            let mine = vec![w.wrapping_mul(37).wrapping_add(served as u8); 4096];
+                            let written = a.write(size - 4096, &mine);
+                            thread::yield_now();
+                            let mut back = vec![0u8; 4096];
+                            if written.is_ok() && a.read(size - 4096, &mut back).is_ok() {
+                                assert_eq!(back, mine, "worker {w}: another thread's bytes");
+                            }
+                            served += 1;
+                        }
+                        Err(Error::Asleep { .. }) => refused += 1,
+                        Err(e) => panic!("worker {w}: {e}"),
+                    }
+                }
+                (served, refused)
+            })
+        })
+        .collect();
+    for round in 0..rounds {
+        p.sleep(&SleepPolicy::offload_all())
+            .unwrap_or_else(|e| panic!("round {round}: sleep: {e}"));
+        assert_eq!(p.stats().mapped, 0, "round {round}: mapped while asleep");
+        p.audit()
+            .unwrap_or_else(|e| panic!("round {round}, asleep: {e}"));
+        p.wake(AfterWake::KeepHostMemory)
+            .unwrap_or_else(|e| panic!("round {round}: wake: {e}"));
+        p.trim()
+            .unwrap_or_else(|e| panic!("round {round}: trim: {e}"));
+        let _ = p.stats();
+        p.audit()
+            .unwrap_or_else(|e| panic!("round {round}, awake: {e}"));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut served, mut refused) = (0, 0);
+    for w in workers {
+        let (s, r) = w.join().expect("worker");
+        served += s;
+        refused += r;
+    }
+    assert!(
+        served > 0 && refused > 0,
+        "the workers were served {served} times and refused {refused}: the race was not run"
+    );
+    p.trim().expect("trim");
+    let s = p.stats();
+    assert_eq!((s.in_use, s.live_allocations, s.mapped), (0, 0, 0), "{s:?}");
+    assert_eq!(s.allocations, s.frees, "{s:?}");
+    assert_eq!(
+        s.allocations, served,
+        "every allocation served is counted: {s:?}"
+    );
+    p.audit().expect("books at the end");
+}
