@@ -145,7 +145,8 @@ impl Inner {
         kind: u8,
     ) -> Result<Allocation> {
         let mut fronts_flushed = false;
-        for _ in 0..MAX_ROUNDS {
+        let mut rounds = 0;
+        while rounds < MAX_ROUNDS {
             let growth = {
                 let mut st = self.state.lock();
                 if let Some(reason) = &st.refusing {
@@ -178,6 +179,7 @@ impl Inner {
                     self.flush_fronts_now();
                     continue;
                 }
+                rounds += 1;
                 self.plan_growth(&mut st, footprint)?
             };
             if let Some((off, slot)) = self.grow(growth, footprint, &name, &tag)? {

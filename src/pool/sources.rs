@@ -120,6 +120,8 @@ impl Inner {
 
     /// Whether the pool holds memory nobody uses: cached chunks, or idle mapped memory.
     fn has_spare(&self) -> bool {
+        // Blocks threads keep for their next allocation are idle memory too.
+        self.flush_fronts_now();
         let st = self.state.lock();
         st.cache.bytes() > 0 || st.mapped > st.in_use()
     }

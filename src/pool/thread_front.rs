@@ -80,21 +80,55 @@ unsafe impl Sync for ThreadSlot {}
 unsafe impl Send for ThreadSlot {}
 
 impl ThreadSlot {
-    /// The owner keeps a freed block; false when it was not kept (the caller frees it).
-    fn keep(&self, block: Held) -> bool {
-        if self.state.load(Ordering::Acquire) != EMPTY {
-            return false;
-        }
+    /// The owner keeps a freed block in place of the one it held. Returns what the caller
+    /// frees to the pool: the block replaced, or `block` itself when it was not kept.
+    fn keep(&self, block: Held) -> Option<Held> {
+        let replaced = match self.state.load(Ordering::Acquire) {
+            EMPTY => None,
+            FULL => {
+                // SAFETY: the owner reads its own write (see `take`).
+                let old = unsafe { *self.held.get() };
+                if self
+                    .state
+                    .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_err()
+                {
+                    // A flush took the old block meanwhile: this one goes to the pool.
+                    return Some(block);
+                }
+                Some(old)
+            }
+            // A flush is giving the old block back: this one goes to the pool too.
+            _ => return Some(block),
+        };
         // SAFETY: the owner in `EMPTY` (see `Sync`).
         unsafe { *self.held.get() = block };
         self.state.store(FULL, Ordering::SeqCst);
         if self.gate.is_open() {
-            return true;
+            return replaced;
         }
-        // The pool shut the gate meanwhile: take the block back unless its flush did.
-        self.state
-            .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::Relaxed)
-            .is_err()
+        // The pool shut the gate meanwhile: take the block back unless its flush did (then
+        // only the replaced one is left to free; both cannot be, one slot holds one block).
+        match self
+            .state
+            .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::SeqCst)
+        {
+            Ok(_) => {
+                if let Some(old) = replaced {
+                    // Two blocks to free: the replaced one now, this one by the caller.
+                    self.free_to_pool(old);
+                }
+                Some(block)
+            }
+            Err(_) => replaced,
+        }
+    }
+
+    /// Free a block of this slot to its pool (alive: the block keeps it so).
+    fn free_to_pool(&self, held: Held) {
+        if let Some(pool) = self.pool.upgrade() {
+            drop(pool.free(held.offset, held.footprint, held.slot));
+        }
     }
 
     /// The owner takes its block if it has `footprint` and `kind`.
@@ -108,7 +142,7 @@ impl ThreadSlot {
             return None;
         }
         self.state
-            .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::Relaxed)
+            .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::SeqCst)
             .ok()?;
         Some(held)
     }
@@ -124,7 +158,7 @@ impl ThreadSlot {
         loop {
             match self
                 .state
-                .compare_exchange(FULL, TAKING, Ordering::SeqCst, Ordering::Relaxed)
+                .compare_exchange(FULL, TAKING, Ordering::SeqCst, Ordering::SeqCst)
             {
                 Ok(_) => break,
                 // Another thread is giving it back: done when it is the pool's.
@@ -134,10 +168,7 @@ impl ThreadSlot {
         }
         // SAFETY: this thread moved the slot to `TAKING` (see `Sync`).
         let held = unsafe { *self.held.get() };
-        // The block is live, so the pool is kept alive (its `KeepAlive`): the upgrade holds.
-        if let Some(pool) = self.pool.upgrade() {
-            drop(pool.free(held.offset, held.footprint, held.slot));
-        }
+        self.free_to_pool(held);
         // Only now: a concurrent flush waits in `TAKING` until the block is the pool's.
         self.state.store(EMPTY, Ordering::Release);
     }
@@ -212,8 +243,9 @@ impl Inner {
         }
     }
 
-    /// The free fast path: keep a block of `kind` in this thread's front. False when not kept
-    /// (the caller frees it to the pool).
+    /// The free fast path: keep a block of `kind` in this thread's front, in place of the
+    /// block kept there before (freed to the pool). False when not kept (the caller frees it
+    /// to the pool).
     #[inline]
     pub(super) fn keep_in_thread_front(
         &self,
@@ -231,17 +263,28 @@ impl Inner {
             slot,
             kind,
         };
-        SLOTS
+        let to_free = SLOTS
             .try_with(|s| {
                 let Ok(mut s) = s.try_borrow_mut() else {
-                    return false;
+                    return Some(block);
                 };
                 if let Some(x) = s.0.iter().find(|x| std::ptr::eq(x.pool.as_ptr(), self)) {
                     return x.keep(block);
                 }
                 self.new_thread_slot(&mut s).keep(block)
             })
-            .unwrap_or(false)
+            .unwrap_or(Some(block));
+        match to_free {
+            None => true,
+            // Not kept: the caller frees it.
+            Some(h) if h.slot == slot => false,
+            // Kept in place of an older block, which goes back to the pool (outside the
+            // thread's slots: a free may end a closed pool).
+            Some(old) => {
+                drop(self.free(old.offset, old.footprint, old.slot));
+                true
+            }
+        }
     }
 
     /// A thread front's pairs, counted in the books as its thread ends (under the lock, as
@@ -257,8 +300,16 @@ impl Inner {
     #[cold]
     #[inline(never)]
     fn new_thread_slot<'a>(&self, slots: &'a mut Slots) -> &'a Arc<ThreadSlot> {
-        // Slots of closed pools keep nothing any more.
-        slots.0.retain(|x| !x.gate.is_closed());
+        // Slots of closed pools keep nothing any more. One may still hold a block kept just
+        // before the close shut the gate and not yet flushed by it: given back before the slot
+        // goes (the pool reaches its slots only through weak references).
+        slots.0.retain(|x| {
+            let closed = x.gate.is_closed();
+            if closed {
+                x.give_back();
+            }
+            !closed
+        });
         let slot = Arc::new(ThreadSlot {
             pool: self.me.clone(),
             gate: self.front_gate.clone(),

@@ -1120,12 +1120,20 @@ pub fn thread_fronts_follow_the_pools_state(backend: Arc<dyn Backend>) {
     let b = p.allocate((2 * g) as usize).expect("again");
     assert_eq!(b.addr(), addr, "the thread's freed block comes back");
     drop(b);
+    // Held back in the front, the block is still mapped: another tag is not served from the
+    // front but from the pool, which takes the kept block back first rather than grow, and
+    // records it with the new tag.
+    let physical = backend.physical_bytes().expect("held");
     let named = p
         .allocate_with((2 * g) as usize, &MemOptions::new().tag(Tag::Weights))
         .expect("another tag");
-    // Not from the front (another tag): from the pool, which took the kept block back first
-    // rather than grow, and recorded it with the new tag.
     assert_eq!(named.tag(), Tag::Weights);
+    assert_eq!(named.addr(), addr, "the kept block, given back, serves it");
+    assert_eq!(
+        backend.physical_bytes().expect("held"),
+        physical,
+        "no growth"
+    );
     drop(named);
     let s = p.stats();
     assert_eq!((s.in_use, s.live_allocations), (0, 0), "{s:?}");
@@ -1146,6 +1154,14 @@ pub fn thread_fronts_follow_the_pools_state(backend: Arc<dyn Backend>) {
         .allocate((3 * g) as usize)
         .expect("the kept block is idle memory for a growth");
     drop(big);
+
+    // The range API's growth too: 4 granules mapped at once need the kept block's room.
+    let a = p.allocate((2 * g) as usize).expect("kept before a range");
+    drop(a);
+    p.map(GIB / 2, 4 * g)
+        .expect("the kept block is given back for a range mapping");
+    p.unmap(GIB / 2, 4 * g).expect("unmap");
+    p.trim().expect("trim");
 
     // Asleep: the kept block went back with the sleep; nothing is served from it.
     let a = p.allocate((2 * g) as usize).expect("kept before the sleep");

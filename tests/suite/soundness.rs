@@ -1,7 +1,7 @@
 //! Soundness under interleavings: lifetimes across threads, locks, the books of the shared
 //! pool, and rollback of rollbacks. Race windows are widened with the delaying adaptor.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Barrier};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -437,12 +437,15 @@ pub fn thread_fronts_race_sleep_trim_and_stats(backend: Arc<dyn Backend>, rounds
     let slow: Arc<dyn Backend> = slowed(&backend, Duration::from_micros(50));
     let p = Pool::new(slow, PoolConfig::new(1 << 30)).expect("pool");
     let stop = Arc::new(AtomicBool::new(false));
+    // Each worker's blocks checked and refusals so far: the rounds go on until both happened
+    // (on a busy machine the workers may start late).
+    let progress = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
     let workers: Vec<_> = (0..6u8)
         .map(|w| {
-            let (p, stop) = (p.clone(), stop.clone());
+            let (p, stop, progress) = (p.clone(), stop.clone(), progress.clone());
             thread::spawn(move || {
                 let mut rng = Rng::new(u64::from(w) + 77);
-                let (mut served, mut refused) = (0u64, 0u64);
+                let (mut served, mut refused, mut checked) = (0u64, 0u64, 0u64);
                 while !stop.load(Ordering::Relaxed) {
                     let size = ((1 + rng.below(2)) * g) as usize;
                     let tag = if rng.below(2) == 0 {
@@ -452,24 +455,37 @@ pub fn thread_fronts_race_sleep_trim_and_stats(backend: Arc<dyn Backend>, rounds
                     };
                     match p.allocate_with(size, &MemOptions::new().tag(tag)) {
                         Ok(mut a) => {
-                            let mine = vec![w.wrapping_mul(37).wrapping_add(served as u8); 4096];
+                            // This worker's number and this allocation's, no other's.
+                            let mine = (u64::from(w) << 56 | served).to_le_bytes().repeat(512);
                             let written = a.write(size - 4096, &mine);
                             thread::yield_now();
                             let mut back = vec![0u8; 4096];
+                            // Refused only while the pool sleeps (held across a sleep).
                             if written.is_ok() && a.read(size - 4096, &mut back).is_ok() {
                                 assert_eq!(back, mine, "worker {w}: another thread's bytes");
+                                checked += 1;
+                                progress[0].fetch_add(1, Ordering::Relaxed);
                             }
                             served += 1;
                         }
-                        Err(Error::Asleep { .. }) => refused += 1,
+                        Err(Error::Asleep { .. }) => {
+                            refused += 1;
+                            progress[1].fetch_add(1, Ordering::Relaxed);
+                        }
                         Err(e) => panic!("worker {w}: {e}"),
                     }
                 }
-                (served, refused)
+                (served, refused, checked)
             })
         })
         .collect();
-    for round in 0..rounds {
+    let started = Instant::now();
+    let mut round = 0;
+    while round < rounds
+        || (progress.iter().any(|n| n.load(Ordering::Relaxed) == 0)
+            && started.elapsed() < Duration::from_secs(30))
+    {
+        round += 1;
         p.sleep(&SleepPolicy::offload_all())
             .unwrap_or_else(|e| panic!("round {round}: sleep: {e}"));
         assert_eq!(p.stats().mapped, 0, "round {round}: mapped while asleep");
@@ -484,15 +500,16 @@ pub fn thread_fronts_race_sleep_trim_and_stats(backend: Arc<dyn Backend>, rounds
             .unwrap_or_else(|e| panic!("round {round}, awake: {e}"));
     }
     stop.store(true, Ordering::Relaxed);
-    let (mut served, mut refused) = (0, 0);
+    let (mut served, mut refused, mut checked) = (0, 0, 0);
     for w in workers {
-        let (s, r) = w.join().expect("worker");
+        let (s, r, c) = w.join().expect("worker");
         served += s;
         refused += r;
+        checked += c;
     }
     assert!(
-        served > 0 && refused > 0,
-        "the workers were served {served} times and refused {refused}: the race was not run"
+        checked > 0 && refused > 0,
+        "the workers checked {checked} blocks' bytes and were refused {refused} times: the race was not run"
     );
     p.trim().expect("trim");
     let s = p.stats();
