@@ -1,6 +1,6 @@
-//! Thread fronts: the last block a thread freed, kept for that thread's next allocation of the
-//! same size, so that the hot allocate+free pair takes no pool lock (one atomic exchange each
-//! way instead of a lock and an unlock each way).
+//! Thread fronts: a block a thread freed, kept (when the thread keeps none) for that thread's
+//! next allocation of the same size, so that the hot allocate+free pair takes no pool lock
+//! (one atomic exchange each way instead of a lock and an unlock each way).
 //!
 //! A thread front is a front cache ([`super::front`]): the block it holds stays a live
 //! allocation in the pool's books, and the pool's state governs it through the [`FrontGate`]:
@@ -80,48 +80,24 @@ unsafe impl Sync for ThreadSlot {}
 unsafe impl Send for ThreadSlot {}
 
 impl ThreadSlot {
-    /// The owner keeps a freed block in place of the one it held. Returns what the caller
-    /// frees to the pool: the block replaced, or `block` itself when it was not kept.
+    /// The owner keeps a freed block if it holds none. Returns what the caller frees to the
+    /// pool: `block` itself when it was not kept. (A block held stays: replacing it would
+    /// cost a batch of frees a lock and two exchanges each.)
     fn keep(&self, block: Held) -> Option<Held> {
-        let replaced = match self.state.load(Ordering::Acquire) {
-            EMPTY => None,
-            FULL => {
-                // SAFETY: the owner reads its own write (see `take`).
-                let old = unsafe { *self.held.get() };
-                if self
-                    .state
-                    .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_err()
-                {
-                    // A flush took the old block meanwhile: this one goes to the pool.
-                    return Some(block);
-                }
-                Some(old)
-            }
-            // A flush is giving the old block back: this one goes to the pool too.
-            _ => return Some(block),
-        };
+        if self.state.load(Ordering::Acquire) != EMPTY {
+            return Some(block);
+        }
         // SAFETY: the owner in `EMPTY` (see `Sync`).
         unsafe { *self.held.get() = block };
         self.state.store(FULL, Ordering::SeqCst);
         if self.gate.is_open() {
-            return replaced;
+            return None;
         }
-        // The pool shut the gate meanwhile: take the block back unless its flush did (then
-        // only the replaced one is left to free; both cannot be, one slot holds one block).
-        match self
-            .state
+        // The pool shut the gate meanwhile: take the block back unless its flush did.
+        self.state
             .compare_exchange(FULL, EMPTY, Ordering::SeqCst, Ordering::SeqCst)
-        {
-            Ok(_) => {
-                if let Some(old) = replaced {
-                    // Two blocks to free: the replaced one now, this one by the caller.
-                    self.free_to_pool(old);
-                }
-                Some(block)
-            }
-            Err(_) => replaced,
-        }
+            .ok()
+            .map(|_| block)
     }
 
     /// Free a block of this slot to its pool (alive: the block keeps it so).
@@ -243,9 +219,8 @@ impl Inner {
         }
     }
 
-    /// The free fast path: keep a block of `kind` in this thread's front, in place of the
-    /// block kept there before (freed to the pool). False when not kept (the caller frees it
-    /// to the pool).
+    /// The free fast path: keep a block of `kind` in this thread's front if it holds none.
+    /// False when not kept (the caller frees it to the pool).
     #[inline]
     pub(super) fn keep_in_thread_front(
         &self,
@@ -274,17 +249,7 @@ impl Inner {
                 self.new_thread_slot(&mut s).keep(block)
             })
             .unwrap_or(Some(block));
-        match to_free {
-            None => true,
-            // Not kept: the caller frees it.
-            Some(h) if h.slot == slot => false,
-            // Kept in place of an older block, which goes back to the pool (outside the
-            // thread's slots: a free may end a closed pool).
-            Some(old) => {
-                drop(self.free(old.offset, old.footprint, old.slot));
-                true
-            }
-        }
+        to_free.is_none()
     }
 
     /// A thread front's pairs, counted in the books as its thread ends (under the lock, as
