@@ -431,7 +431,7 @@ impl Core {
                     (out, parked)
                 };
                 drop(pin);
-                let give_back = self.give_back(to_release, parked);
+                let give_back = self.give_back(to_release, parked, true);
                 let done = Compaction {
                     moves: plan.moves,
                     bytes_copied: copy_bytes,
@@ -463,8 +463,14 @@ impl Core {
 
     /// Step 6: release `blocks` (taken out of the book: in transit, counted in `giving_back`)
     /// on a background thread, or on this one where no thread can be started; then put the
-    /// `parked` free blocks back in the cold list, ranked by what is mapped then.
-    fn give_back(self: &Arc<Self>, blocks: Vec<usize>, parked: Vec<usize>) -> GiveBack {
+    /// `parked` free blocks back in the cold list, ranked by what is mapped then. Also the
+    /// source's pages after a move between caches (`compaction` false).
+    pub(super) fn give_back(
+        self: &Arc<Self>,
+        blocks: Vec<usize>,
+        parked: Vec<usize>,
+        compaction: bool,
+    ) -> GiveBack {
         let handle = GiveBack::start(blocks.len());
         let run = {
             let (core, handle) = (self.clone(), handle.clone());
@@ -474,6 +480,7 @@ impl Core {
                     core: &core,
                     handle: &handle,
                     parked: &parked,
+                    compaction,
                     bytes: 0,
                     took: Duration::ZERO,
                 };
@@ -484,7 +491,8 @@ impl Core {
                     blocks = blocks.len(),
                     bytes = landing.bytes,
                     took = ?landing.took,
-                    "paged KV compaction gave its pages back"
+                    compaction,
+                    "paged KV cache gave pages back after the call"
                 );
                 drop(landing);
             }
@@ -674,6 +682,8 @@ struct Landing<'a> {
     core: &'a Core,
     handle: &'a GiveBack,
     parked: &'a [usize],
+    /// A compaction's (its bytes counted as compacted), or a move's source.
+    compaction: bool,
     bytes: u64,
     took: Duration,
 }
@@ -685,7 +695,9 @@ impl Drop for Landing<'_> {
             let r = book.rank(&self.core.geo, self.core.page, b);
             book.cold.insert((r, b));
         }
-        book.bytes_compacted += self.bytes;
+        if self.compaction {
+            book.bytes_compacted += self.bytes;
+        }
         self.handle.finish(self.bytes, self.took);
         book.giving_back -= 1;
         drop(book);

@@ -13,8 +13,10 @@
 //! - the engine must not write the source blocks, nor read the destination ones before
 //!   [`KvMove::is_done`] or a stream ordered after it ([`KvMove::order_before`]).
 //!
-//! [`KvMove::wait`] settles: on success the source blocks are freed (warm or given back, as a
-//! `free` does) and the destination ids are the engine's; on a failure the destination blocks
+//! [`KvMove::wait`] settles: on success the source blocks are freed (kept warm as a `free`
+//! does, or their pages given back on a background thread after the wait, as a compaction's
+//! are: [`PagedKv::trim`], a sleep and the cache's drop wait for it) and the destination ids
+//! are the engine's; on a failure the destination blocks
 //! are freed and the source blocks are as they were. A move dropped unwaited settles then; a
 //! move forgotten keeps both caches' memory (it holds them) and their pools awake: nothing is
 //! unmapped under a copy.
@@ -274,7 +276,10 @@ impl KvMove {
         match r {
             Ok(()) => {
                 unpin(&self.dst, &self.to);
-                give_back(&self.src, &self.from);
+                // The source's pages go back after the wait, as a compaction's do.
+                if let Err(e) = self.src.free_in_background(&self.from, true) {
+                    tracing::error!(error = %e, "freeing the sources of a settled move between caches failed");
+                }
                 let report = MoveReport {
                     blocks: self.from.len(),
                     bytes: self.bytes,

@@ -847,6 +847,26 @@ impl Core {
     /// and freed under one lock (between two, another thread could free an unpinned id, have
     /// it allocated again, and this free would then take the new owner's block).
     pub(super) fn free_as(&self, ids: &[BlockId], unpin: bool) -> Result<()> {
+        let to_release = self.take_freed(ids, unpin, false)?;
+        self.release(&to_release);
+        Ok(())
+    }
+
+    /// [`Core::free_as`] whose pages go back on a background thread, as a compaction's do
+    /// (a trim, a sleep and the cache's drop wait for it): for a move between caches, whose
+    /// engine waits for the copies, not for the source's unmaps.
+    pub(super) fn free_in_background(self: &Arc<Self>, ids: &[BlockId], unpin: bool) -> Result<()> {
+        let to_release = self.take_freed(ids, unpin, true)?;
+        if !to_release.is_empty() {
+            drop(self.give_back(to_release, Vec::new(), false));
+        }
+        Ok(())
+    }
+
+    /// The book's part of a free: marks `ids` free (all or none), keeps some warm, and
+    /// returns the rest, in transit, for the caller to release; with `giving_back`, counted
+    /// as a give-back in the same critical section when there is any.
+    fn take_freed(&self, ids: &[BlockId], unpin: bool, giving_back: bool) -> Result<Vec<usize>> {
         let max = self.config.max_blocks;
         let to_release = {
             let mut book = self.book.lock();
@@ -904,10 +924,13 @@ impl Core {
                 book.warm.insert(b);
             }
             self.landed.notify_all();
+            if giving_back && keep < ids.len() {
+                // Counted here: a trim from now on waits for it.
+                book.giving_back += 1;
+            }
             ids[keep..].to_vec()
         };
-        self.release(&to_release);
-        Ok(())
+        Ok(to_release)
     }
 
     /// Release backed, free blocks taken out of the book (none live or warm): unmapped where

@@ -1353,6 +1353,8 @@ pub fn kv_blocks_move_to_a_host_tier_cache_and_back(backend: Arc<dyn Backend>) {
     let r = m.wait().expect("offload");
     assert_eq!((r.blocks, r.bytes), (6, 6 * 4 * g));
     assert!(ids[..6].iter().all(|&x| !kv.is_live(x)));
+    // The source's pages go back after the wait; a trim waits for them.
+    kv.trim();
     assert!(p.stats().mapped < mapped, "the device pages went back");
     for (&was, &now) in ids[..6].iter().zip(&moved) {
         holds_pattern(&hb, &host, was, now);
@@ -2118,4 +2120,72 @@ pub fn kv_null_block_reads_zeros_while_neighbours_churn(backend: Arc<dyn Backend
     p.trim().expect("trim");
     assert_eq!(p.stats().mapped, 0);
     books_hold(&b, &p);
+}
+
+/// A move between caches returns from its wait once the copies are done: the source's pages
+/// go back on a background thread (unmaps and releases slowed to 150 ms each here), a trim
+/// waits for them, a sleep right after the wait waits for them, and so does the cache's drop.
+pub fn kv_move_gives_the_source_back_after_the_wait(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let slow = Arc::new(DelayInjector::new(backend.clone()));
+    let b: Arc<dyn Backend> = slow.clone();
+    let p = pool(&b, 256 * g);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    let tier = Pool::host_tier(ordinal, PoolConfig::new(256 * g as usize)).expect("host tier");
+    // One block per page of each tensor: a freed block gives its pages back.
+    let c = config(g, 1, 2, 16);
+    let kv = PagedKv::new(&p, c.clone()).expect("device cache");
+    let host = PagedKv::new(&tier, c).expect("host cache");
+    let ids = kv.alloc(4).expect("alloc");
+    fill_blocks(&b, &kv, &ids);
+    let mapped = p.stats().mapped;
+    let delay = Duration::from_millis(150);
+    for call in [DriverCall::Unmap, DriverCall::Release] {
+        slow.set_delay(call, delay);
+    }
+    let t = Instant::now();
+    let m = kv.move_to(&ids, &host).expect("offload");
+    let moved = m.destinations().to_vec();
+    m.wait().expect("offload");
+    let waited = t.elapsed();
+    assert!(
+        waited < delay,
+        "the wait ({waited:?}) waited for no unmap of the source ({delay:?} each)"
+    );
+    assert_eq!(
+        p.stats().mapped,
+        mapped,
+        "the source's pages still mapped after the wait"
+    );
+    for (&was, &now) in ids.iter().zip(&moved) {
+        holds_pattern(&tier.backend().clone(), &host, was, now);
+    }
+    // An alloc meanwhile is served (it may wait for blocks in transit, never refused).
+    let extra = kv.alloc(1).expect("alloc during the give-back");
+    kv.free(&extra).expect("free");
+    kv.trim();
+    assert!(
+        p.stats().mapped < mapped,
+        "the trim waited for the give-back"
+    );
+    books_hold(&b, &p);
+    // Back, then out again and a sleep right after the wait: it waits for the give-back.
+    let m = host.move_to(&moved, &kv).expect("onboard");
+    let home = m.destinations().to_vec();
+    m.wait().expect("onboard");
+    let m = kv.move_to(&home, &host).expect("offload again");
+    let again = m.destinations().to_vec();
+    m.wait().expect("offload again");
+    p.sleep(&SleepPolicy::offload_all()).expect("sleep");
+    assert_eq!(p.stats().mapped, 0, "nothing left mapped by the give-back");
+    p.wake(AfterWake::FreeHostMemory).expect("wake");
+    // The drop of a cache joins its give-backs.
+    let m = host.move_to(&again, &kv).expect("onboard again");
+    let last = m.destinations().to_vec();
+    m.wait().expect("onboard again");
+    kv.free(&last).expect("free");
+    slow.clear();
+    drop((kv, host));
+    books_hold(&b, &p);
+    assert_eq!(p.stats().in_use, 0);
 }

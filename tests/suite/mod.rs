@@ -103,6 +103,7 @@ macro_rules! kv_suite {
             kv_compaction_bad_input_and_rollback,
             kv_compaction_spares_blocks_of_an_alloc_in_progress,
             kv_compaction_gives_back_after_the_call,
+            kv_move_gives_the_source_back_after_the_wait,
             kv_compaction_races_alloc_free_trim_sleep,
             kv_blocks_move_to_a_host_tier_cache_and_back,
             kv_moves_race_compaction_free_and_sleep,
