@@ -256,8 +256,9 @@ fn paged_kv_compaction_contiguous() {
 }
 
 /// Blocks written by candle kernels go out to a host-tier cache with no host wait in between
-/// (the copies ordered after candle's stream), the device pages go back, then come home under
-/// new ids and read back bit for bit by a gather queued right after (ordered after the copies).
+/// (the copies ordered after candle's stream), the device pages go back (after the wait), then
+/// come home under new ids and read back bit for bit by a gather queued right after (ordered
+/// after the copies).
 fn blocks_go_to_the_host_tier_and_back(layout: KvLayout) {
     let (dev, pool, _tensors, cache) = setup(layout, 1024);
     let tier = Pool::host_tier(0, PoolConfig::new(2 * GIB as usize)).expect("host tier");
@@ -271,6 +272,8 @@ fn blocks_go_to_the_host_tier_and_back(layout: KvLayout) {
     let on_host = out.destinations().to_vec();
     let r = out.wait().expect("offload");
     assert_eq!(r.blocks, 300);
+    // The device pages go back after the wait; a trim waits for them.
+    cache.cache().trim();
     assert!(pool.stats().mapped < mapped, "{:?}", pool.stats());
     assert_eq!(host.stats().live, 300);
     let back = cache.move_in(&host, &on_host).expect("move in");
