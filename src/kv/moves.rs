@@ -16,8 +16,8 @@
 //! [`KvMove::wait`] settles: on success the source blocks are freed (kept warm as a `free`
 //! does, or their pages given back on a background thread after the wait, as a compaction's
 //! are: [`PagedKv::trim`], a sleep and the cache's drop wait for it) and the destination ids
-//! are the engine's; on a failure the destination blocks
-//! are freed and the source blocks are as they were. A move dropped unwaited settles then; a
+//! are the engine's; on a failure the destination blocks are freed and the source blocks are
+//! as they were. A move dropped unwaited settles then; a
 //! move forgotten keeps both caches' memory (it holds them) and their pools awake: nothing is
 //! unmapped under a copy.
 //!

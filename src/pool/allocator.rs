@@ -110,7 +110,7 @@ impl Inner {
     ) -> Result<Allocation> {
         let footprint = self.footprint(bytes)?;
         let kind = front_kind(name.as_ref(), &tag);
-        // Hottest path: the block this thread freed last, still live in the books.
+        // Hottest path: a block this thread freed and kept, still live in the books.
         if let Some((off, slot)) = self.take_from_thread_front(footprint, kind) {
             // SAFETY: live in the books, with the pool kept alive for it, and now ours.
             return Ok(unsafe { Allocation::new(self, off, bytes, footprint, slot, kind) });

@@ -1,7 +1,7 @@
 //! Front caches: holders of memory the pool handed out and its users freed, kept in front of
-//! the pool for quick reuse before it comes back (routing's per-stream free lists, and each
-//! thread's last freed block: `thread_front.rs`). Their
-//! blocks are still live allocations in the pool's books; the pool's state governs them:
+//! the pool for quick reuse before it comes back (routing's per-stream free lists, and the
+//! block each thread keeps: `thread_front.rs`). Their blocks are still live allocations in the
+//! pool's books; the pool's state governs them:
 //! - a [`FrontGate`] says whether they may serve and keep blocks: open while the pool is awake
 //!   and not closed. The pool shuts it under its lock as it leaves `Awake`, and at close (no
 //!   lock needed there: the gate never opens again), and only then flushes them; a front cache reads the gate under its own lock when it keeps or serves

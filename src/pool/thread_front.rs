@@ -264,7 +264,7 @@ impl Inner {
     /// Register a slot of this thread for this pool (the first free of a kept kind here).
     #[cold]
     #[inline(never)]
-    fn new_thread_slot<'a>(&self, slots: &'a mut Slots) -> &'a Arc<ThreadSlot> {
+    fn new_thread_slot(&self, slots: &mut Slots) -> Arc<ThreadSlot> {
         // Slots of closed pools keep nothing any more. One may still hold a block kept just
         // before the close shut the gate and not yet flushed by it: given back before the slot
         // goes (the pool reaches its slots only through weak references).
@@ -284,7 +284,7 @@ impl Inner {
         });
         let weak: Weak<dyn FrontCache> = Arc::downgrade(&slot) as Weak<dyn FrontCache>;
         self.add_front(weak);
-        slots.0.push(slot);
-        slots.0.last().expect("just pushed")
+        slots.0.push(slot.clone());
+        slot
     }
 }
