@@ -8,12 +8,21 @@
 //! - a decode step of an 8B-shaped model (32 layers: the fused QKV, output, gate-up and down
 //!   projections as bf16 matmuls, the op per layer, the LM head of 128256 rows) against the
 //!   floor of its weights and KV bytes. Norms and rotary embeddings are left out (a few
-//!   microseconds each); the new token's K and V writes too (2 KiB per sequence and layer).
+//!   microseconds each); the new token's K and V writes too (2 KiB per sequence and layer);
+//! - the paged-attention prefill op, 8B-shaped: a chunk of 512 new tokens at positions
+//!   3584..4096 of one sequence (the last chunk of a 4k prompt, where the serving example's
+//!   engine prefilled slowest), against attention by gather (`index_select` of the blocks,
+//!   matmuls, a causal mask, a softmax over the materialised scores: that engine's prefill);
+//! - a prefill forward of an 8B-shaped model over that chunk (the decode step's matmuls with
+//!   512 rows, the prefill op per layer), in tensor-core FLOP/s: how far the engine's prefill
+//!   is from the device's compute (the H100 SXM's dense bf16 peak is 989 TFLOP/s).
 
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
-use elastic_vmm::candle::{paged_attention_decode, PagedKvTensors, TensorPool};
+use elastic_vmm::candle::{
+    paged_attention_decode, paged_attention_prefill, PagedKvTensors, PrefillPiece, TensorPool,
+};
 use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::Pool;
 
@@ -140,8 +149,200 @@ pub fn run() -> Result<(), BoxError> {
         floor / ours,
     );
     decode_step(&device, &cache, &table, &lens, bw, layer_kv)?;
+    // The prefill chunk reads sequence 0's and 1's blocks of layer 0 as one 4096-token context.
+    let ctx_table = Tensor::from_vec(
+        ids[..2 * CONTEXT / TOKENS]
+            .iter()
+            .map(|&b| b as u32)
+            .collect::<Vec<_>>(),
+        (1, 2 * CONTEXT / TOKENS),
+        &device,
+    )?;
+    prefill(&device, &k0, &v0, &ctx_table)?;
+    prefill_step(&device, &cache, &ctx_table)?;
     cache.free(&ids)?;
     Ok(())
+}
+
+/// New tokens of the prefill chunk, and where it starts.
+const CHUNK: usize = 512;
+const CHUNK_START: usize = 2 * CONTEXT - CHUNK;
+
+/// The prefill op on the last chunk of a 4096-token context against attention by gather.
+fn prefill(device: &Device, k: &Tensor, v: &Tensor, table: &Tensor) -> Result<(), BoxError> {
+    let q = Tensor::randn(0f32, 1.0, (CHUNK, HEADS, HEAD_DIM), device)?.to_dtype(DType::BF16)?;
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let piece = [PrefillPiece {
+        start: CHUNK_START,
+        len: CHUNK,
+    }];
+    let op = || -> Result<Tensor, BoxError> {
+        Ok(paged_attention_prefill(&q, k, v, table, &piece, scale)?)
+    };
+    let by_gather = || -> Result<Tensor, BoxError> { gather_prefill(&q, k, v, table, scale) };
+    let diff = (op()?.to_dtype(DType::F32)? - by_gather()?.to_dtype(DType::F32)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    let ours = median(5, || {
+        timed(device, 20, || op().map(drop)).unwrap_or(f64::NAN)
+    });
+    let peer = median(3, || {
+        timed(device, 5, || by_gather().map(drop)).unwrap_or(f64::NAN)
+    });
+    // Causal: query i (position CHUNK_START + i) multiplies by CHUNK_START + i + 1 keys, twice
+    // (scores and values), 2 flops a multiply-add.
+    let pairs: usize = (0..CHUNK).map(|i| CHUNK_START + i + 1).sum();
+    let softmax = if cfg!(feature = "candle-example") {
+        "candle-nn's fused softmax"
+    } else {
+        "softmax in plain ops"
+    };
+    let flops = (4 * HEADS * HEAD_DIM * pairs) as f64;
+    println!(
+        "paged prefill, {CHUNK} new tokens at {CHUNK_START}..{}, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, bf16: {:.1} us ({:.0} TFLOP/s); by gather ({softmax}) {:.1} us ({:.2}x ours; outputs differ by at most {diff:.4}); per 32 layers: {:.1} ms against {:.1} ms",
+        CHUNK_START + CHUNK,
+        ours * 1e6,
+        flops / ours / 1e12,
+        peer * 1e6,
+        peer / ours,
+        ours * 1e3 * LAYERS as f64,
+        peer * 1e3 * LAYERS as f64,
+    );
+    result(
+        "attention/prefill-vs-gather",
+        &format!(
+            "paged-attention prefill, {CHUNK} tokens at {CHUNK_START}..{}, 8B-shaped, bf16",
+            CHUNK_START + CHUNK
+        ),
+        format!("{:.1} us", ours * 1e6),
+        "attention by gather: index_select of the blocks, matmuls, causal mask, softmax",
+        format!("{:.1} us", peer * 1e6),
+        peer / ours,
+    );
+    Ok(())
+}
+
+/// One prefill forward of an 8B-shaped model: the chunk's 512 tokens through 32 layers of
+/// matmuls and the prefill op (norms, rotary embeddings and K/V writes left out, as in the
+/// decode step), timed and counted in FLOP/s.
+fn prefill_step(device: &Device, cache: &PagedKvTensors, table: &Tensor) -> Result<(), BoxError> {
+    let w = |r: usize, c: usize| Tensor::zeros((r, c), DType::BF16, device);
+    let mut layers = Vec::new();
+    for _ in 0..LAYERS {
+        layers.push((
+            w(HIDDEN, HIDDEN + 2 * KV_HEADS * HEAD_DIM)?,
+            w(HIDDEN, HIDDEN)?,
+            w(HIDDEN, 2 * FFN)?,
+            w(FFN, HIDDEN)?,
+        ));
+    }
+    let params: usize = layers
+        .iter()
+        .flat_map(|(a, b, c, d)| [a, b, c, d])
+        .map(|t| t.elem_count())
+        .sum();
+    let kv: Vec<(Tensor, Tensor)> = (0..LAYERS)
+        .map(|l| Ok((cache.k(l)?, cache.v(l)?)))
+        .collect::<Result<_, BoxError>>()?;
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let piece = [PrefillPiece {
+        start: CHUNK_START,
+        len: CHUNK,
+    }];
+    let x0 = Tensor::randn(0f32, 1.0, (CHUNK, HIDDEN), device)?.to_dtype(DType::BF16)?;
+    let step = |matmul_only: bool| -> Result<(), BoxError> {
+        let mut x = x0.clone();
+        for ((wqkv, wo, wgu, wd), (k, v)) in layers.iter().zip(&kv) {
+            let qkv = x.matmul(wqkv)?;
+            let a = if matmul_only {
+                qkv.narrow(1, 0, HIDDEN)?
+            } else {
+                let q = qkv
+                    .narrow(1, 0, HIDDEN)?
+                    .contiguous()?
+                    .reshape((CHUNK, HEADS, HEAD_DIM))?;
+                paged_attention_prefill(&q, k, v, table, &piece, scale)?.reshape((CHUNK, HIDDEN))?
+            };
+            x = (x + a.matmul(wo)?)?;
+            let gu = x.matmul(wgu)?;
+            let h = (gu.narrow(1, 0, FFN)?.silu()? * gu.narrow(1, FFN, FFN)?)?;
+            x = (x + h.matmul(wd)?)?;
+        }
+        Ok(())
+    };
+    step(false)?;
+    let ours = median(3, || timed(device, 3, || step(false)).unwrap_or(f64::NAN));
+    let matmuls = median(3, || timed(device, 3, || step(true)).unwrap_or(f64::NAN));
+    let pairs: usize = (0..CHUNK).map(|i| CHUNK_START + i + 1).sum();
+    let mm_flops = (2 * CHUNK * params) as f64;
+    let attn_flops = (4 * HEADS * HEAD_DIM * pairs * LAYERS) as f64;
+    println!(
+        "prefill forward, 8B-shaped, {CHUNK} tokens at {CHUNK_START}..{}: {:.2} ms ({:.0} tokens/s, {:.0} TFLOP/s); its matmuls alone {:.2} ms ({:.0} TFLOP/s)",
+        CHUNK_START + CHUNK,
+        ours * 1e3,
+        CHUNK as f64 / ours,
+        (mm_flops + attn_flops) / ours / 1e12,
+        matmuls * 1e3,
+        mm_flops / matmuls / 1e12
+    );
+    Ok(())
+}
+
+/// The serving example's prefill attention: the context's blocks gathered, the scores
+/// materialised in f32, masked, softmaxed, multiplied by the values.
+fn gather_prefill(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    table: &Tensor,
+    scale: f32,
+) -> Result<Tensor, BoxError> {
+    let rep = HEADS / KV_HEADS;
+    let (len, ctx) = (CHUNK, CHUNK_START + CHUNK);
+    let dev = q.device();
+    let q = (q
+        .reshape((len, KV_HEADS, rep, HEAD_DIM))?
+        .permute((1, 2, 0, 3))?
+        .contiguous()?
+        .reshape((KV_HEADS, rep * len, HEAD_DIM))?
+        * scale as f64)?;
+    let gather = |c: &Tensor| -> Result<Tensor, BoxError> {
+        Ok(c.index_select(&table.flatten_all()?, 0)?
+            .reshape((ctx, KV_HEADS, HEAD_DIM))?
+            .transpose(0, 1)?
+            .contiguous()?)
+    };
+    let (k, v) = (gather(k)?, gather(v)?);
+    let scores = q
+        .matmul(&k.t()?)?
+        .to_dtype(DType::F32)?
+        .reshape((KV_HEADS, rep, len, ctx))?;
+    let key = Tensor::arange(0u32, ctx as u32, dev)?.reshape((1, ctx))?;
+    let query = Tensor::arange(CHUNK_START as u32, ctx as u32, dev)?.reshape((len, 1))?;
+    let masked = key
+        .broadcast_gt(&query)?
+        .broadcast_as((KV_HEADS, rep, len, ctx))?;
+    let neg = Tensor::new(f32::NEG_INFINITY, dev)?.broadcast_as((KV_HEADS, rep, len, ctx))?;
+    let scores = masked.where_cond(&neg, &scores)?;
+    // The engine's softmax is candle-nn's fused kernel; a build without candle-nn does it in
+    // plain ops (slower: the bench prints which).
+    #[cfg(feature = "candle-example")]
+    let p = candle_nn::ops::softmax_last_dim(&scores)?;
+    #[cfg(not(feature = "candle-example"))]
+    let p = {
+        let max = scores.max_keepdim(D::Minus1)?;
+        let e = scores.broadcast_sub(&max)?.exp()?;
+        e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+    };
+    let p = p
+        .to_dtype(DType::BF16)?
+        .reshape((KV_HEADS, rep * len, ctx))?;
+    Ok(p.matmul(&v)?
+        .reshape((KV_HEADS, rep, len, HEAD_DIM))?
+        .permute((2, 0, 1, 3))?
+        .contiguous()?
+        .reshape((len, HEADS, HEAD_DIM))?)
 }
 
 /// Bytes moved per second by a device-to-device copy of 4 GiB (`cuMemcpyDtoDAsync`, counted

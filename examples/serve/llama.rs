@@ -8,7 +8,9 @@
 //! `paged_llama.rs`): projections and MLP batched over every token of the step, each token's K
 //! and V written into its sequence's blocks; a decode step attended in one batch by the
 //! paged-attention kernel, reading K and V in place through the block tables; a prefill's
-//! attention per sequence. A prefill is chunked: forwards of at most
+//! attention by the crate's paged prefill kernel (causal flash attention over the blocks, in
+//! place; before it, a prefill gathered each sequence's blocks and materialised its scores,
+//! which made prefill at a 4k context a third of its rate at the start). A prefill is chunked: forwards of at most
 //! `prefill_chunk` tokens (`--prefill-chunk`), each writing its tokens' K and V into the
 //! sequence's blocks and attending over the cache so far (a later chunk reads the earlier ones
 //! from the blocks), so a prefill's activations are bounded by the chunk, not the prompt.
@@ -27,7 +29,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::candle::{PagedKvTensors, TensorPool};
+use elastic_vmm::candle::{PagedKvTensors, PrefillPiece, TensorPool};
 use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::route;
 use elastic_vmm::{ModelConfig, ModelHandle, Pool, PoolConfig, SharedPool, SharedPoolConfig, Tag};
@@ -200,9 +202,17 @@ pub struct LlamaModel {
     device: Device,
     /// Most tokens in one forward of a prefill.
     chunk: usize,
+    /// Prefill attends by gathering the blocks, not by the prefill kernel (`serve probe
+    /// --prefill gather`: the path before the kernel, measured beside it).
+    prefill_by_gather: bool,
 }
 
 impl LlamaModel {
+    /// Prefill by gathering the blocks (`true`) or by the prefill kernel (the default).
+    pub fn set_prefill_by_gather(&mut self, gather: bool) {
+        self.prefill_by_gather = gather;
+    }
+
     /// [`PagedLlama::fingerprint`], its temporaries in the model's pool.
     pub fn fingerprint(&self) -> Result<Vec<f32>, String> {
         route::with_route(&self.pool, Tag::Activations, || self.llama.fingerprint())
@@ -245,22 +255,33 @@ fn refusal(id: &str, e: String) -> String {
     }
 }
 
+/// A prefill's pieces: each sequence's new tokens, ending at its context.
+fn prefill_pieces<'a>(seqs: &[SeqView<'a>]) -> Vec<Piece<'a>> {
+    seqs.iter()
+        .map(|s| {
+            let len = (s.new_tokens as usize).min(s.context as usize);
+            Piece {
+                blocks: s.blocks,
+                start: s.context as usize - len,
+                len,
+            }
+        })
+        .filter(|p| p.len > 0)
+        .collect()
+}
+
 impl StepModel for LlamaModel {
     fn prefill(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
-        let pieces: Vec<Piece> = seqs
-            .iter()
-            .map(|s| {
-                let len = (s.new_tokens as usize).min(s.context as usize);
-                Piece {
-                    blocks: s.blocks,
-                    start: s.context as usize - len,
-                    len,
-                }
-            })
-            .filter(|p| p.len > 0)
-            .collect();
+        let pieces = prefill_pieces(seqs);
         let chunk = self.chunk;
-        self.run(|m| m.llama.prefill_chunked(&*m.kv, &pieces, chunk).map(|_| ()))
+        self.run(|m| {
+            let kv: &dyn LayerCache = if m.prefill_by_gather {
+                &PrefillGathered(&m.kv)
+            } else {
+                &*m.kv
+            };
+            m.llama.prefill_chunked(kv, &pieces, chunk).map(|_| ())
+        })
     }
 
     fn decode(&mut self, seqs: &[SeqView]) -> Result<f64, String> {
@@ -290,6 +311,29 @@ impl LayerCache for Gathered<'_> {
     }
 }
 
+/// The cache with its decode kernel but not its prefill kernel: a prefill gathers the blocks.
+struct PrefillGathered<'a>(&'a PagedKvTensors);
+
+impl LayerCache for PrefillGathered<'_> {
+    fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        self.0.layer(l)
+    }
+
+    fn decode_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        table: &Tensor,
+        lens: &Tensor,
+        max_context: usize,
+        scale: f32,
+    ) -> Option<candle_core::Result<Tensor>> {
+        self.0
+            .decode_attention(q, k, v, table, lens, max_context, scale)
+    }
+}
+
 impl LlamaModel {
     /// The model's layers.
     pub fn layers(&self) -> usize {
@@ -301,7 +345,18 @@ impl LlamaModel {
     /// and the largest logit. Each path writes the new token's K and V before reading them
     /// (the same in the first layer; deeper, each path's own), so each reads what it wrote.
     pub fn decode_check(&mut self, seqs: &[SeqView], depth: usize) -> Result<(f32, f32), String> {
-        let pieces = decode_pieces(seqs);
+        self.paths_check(&decode_pieces(seqs), depth)
+    }
+
+    /// As [`LlamaModel::decode_check`] for one prefill forward of `seqs`' new tokens (each
+    /// `new_tokens` ending at `context`): the prefill kernel against attention by gather.
+    pub fn prefill_check(&mut self, seqs: &[SeqView], depth: usize) -> Result<(f32, f32), String> {
+        self.paths_check(&prefill_pieces(seqs), depth)
+    }
+
+    /// The logits of one forward of `pieces` through `depth` layers by the kernels and by
+    /// gathering: their largest difference and the largest logit.
+    fn paths_check(&mut self, pieces: &[Piece], depth: usize) -> Result<(f32, f32), String> {
         let (pool, id) = (self.pool.clone(), self.id.clone());
         route::with_route(
             &pool,
@@ -309,11 +364,11 @@ impl LlamaModel {
             || -> candle_core::Result<(f32, f32)> {
                 let a = self
                     .llama
-                    .forward_layers(&*self.kv, &pieces, depth)?
+                    .forward_layers(&*self.kv, pieces, depth)?
                     .to_dtype(DType::F32)?;
                 let b = self
                     .llama
-                    .forward_layers(&Gathered(&self.kv), &pieces, depth)?
+                    .forward_layers(&Gathered(&self.kv), pieces, depth)?
                     .to_dtype(DType::F32)?;
                 let diff = (&a - &b)?
                     .abs()?
@@ -367,6 +422,36 @@ impl LayerCache for PagedKvTensors {
             lens,
             max_context,
             scale,
+        ))
+    }
+
+    /// The crate's paged-attention prefill op: causal flash attention over the blocks in
+    /// place. Token-major blocks of the head sizes and dtypes it takes; anything else gathers.
+    fn prefill_attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        table: &Tensor,
+        spans: &[(usize, usize)],
+        scale: f32,
+    ) -> Option<candle_core::Result<Tensor>> {
+        let (heads, hd) = (q.dim(1).ok()?, q.dim(2).ok()?);
+        let kvh = k.dim(2).ok()?;
+        let supported = self.block_shape() == elastic_vmm::candle::BlockShape::TokenMajor
+            && matches!(q.dtype(), DType::BF16 | DType::F16)
+            && matches!(hd, 64 | 128)
+            && kvh > 0
+            && heads % kvh == 0;
+        if !supported {
+            return None;
+        }
+        let pieces: Vec<PrefillPiece> = spans
+            .iter()
+            .map(|&(start, len)| PrefillPiece { start, len })
+            .collect();
+        Some(elastic_vmm::candle::paged_attention_prefill(
+            q, k, v, table, &pieces, scale,
         ))
     }
 }
@@ -472,6 +557,7 @@ pub fn engine_model(
         kv: kv.clone(),
         device,
         chunk: prefill_chunk,
+        prefill_by_gather: false,
     };
     let max_context = (engine.max_context as usize).max(1);
     warm(
@@ -655,6 +741,7 @@ pub fn cluster(sizes: GpuSizes, progress: &dyn Fn(&str)) -> Result<GpuCluster, S
             kv: kv.clone(),
             device: device.clone(),
             chunk: sizes.prefill_chunk,
+            prefill_by_gather: false,
         };
         let t = Instant::now();
         warm(

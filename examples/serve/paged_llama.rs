@@ -21,8 +21,10 @@
 //!   crate's paged-attention op on the GPU), else by gathering each sequence's blocks
 //!   (`index_select`, as `examples/paged_kv_attention.rs` checks bit for bit against a static
 //!   cache; the CPU path, and the reference `serve probe` checks the kernel against);
-//! - a prefill attends per piece, causal within its new tokens: a piece from position 0 over
-//!   its own K and V as computed, a later piece of a sequence over its blocks, gathered;
+//! - a prefill attends causally through the block tables in place, in one batch, where the
+//!   cache has a kernel ([`LayerCache::prefill_attention`]: the crate's prefill op on the GPU);
+//!   else per piece: a piece from position 0 over its own K and V as computed, a later piece of
+//!   a sequence over its blocks, gathered (the CPU path and the reference);
 //! - only each piece's last token goes through the final norm and the LM head.
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -52,6 +54,23 @@ pub trait LayerCache {
         _table: &Tensor,
         _lens: &Tensor,
         _max_context: usize,
+        _scale: f32,
+    ) -> Option<candle_core::Result<Tensor>> {
+        None
+    }
+
+    /// A prefill batch's attention read in place through the block tables, causal, where the
+    /// cache has a kernel for it (the GPU's paged-attention prefill op): `q` `[tokens, heads,
+    /// head_dim]` (every piece's new tokens, piece after piece, their K and V already
+    /// written), `table` `[pieces, width]` u32, `spans` each piece's (start, len). `None` where
+    /// it has none: the forward gathers each piece's blocks instead.
+    fn prefill_attention(
+        &self,
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _table: &Tensor,
+        _spans: &[(usize, usize)],
         _scale: f32,
     ) -> Option<candle_core::Result<Tensor>> {
         None
@@ -304,6 +323,21 @@ impl PagedLlama {
                 .map(|p| Tensor::new(held(p), &dev))
                 .collect::<candle_core::Result<_>>()?
         };
+        // A prefill's tables for a kernel, `[pieces, width]`, each padded with its own last
+        // block (never read: a piece reads only its context).
+        let spans: Vec<(usize, usize)> = pieces.iter().map(|p| (p.start, p.len)).collect();
+        let prefill_table = if decode.is_some() {
+            None
+        } else {
+            let nb = pieces.iter().map(|p| held(p).len()).max().unwrap_or(1);
+            let mut table = Vec::with_capacity(pieces.len() * nb);
+            for p in pieces {
+                let h = held(p);
+                table.extend_from_slice(h);
+                table.extend(std::iter::repeat_n(h[h.len() - 1], nb - h.len()));
+            }
+            Some(Tensor::from_vec(table, (pieces.len(), nb), &dev)?)
+        };
         let rope = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
             // Each token its own batch row: `[n, heads, 1, head_dim]` against `[n, 1, hd/2]`.
             candle_nn::rotary_emb::rope(&x.reshape((n, heads, 1, hd))?, &cos, &sin)?
@@ -339,21 +373,15 @@ impl PagedLlama {
                     }
                 }
                 None => {
-                    let mut outs = Vec::with_capacity(pieces.len());
-                    let mut off = 0;
-                    for (p, table) in pieces.iter().zip(&tables) {
-                        let q = q.narrow(0, off, p.len)?;
-                        // A piece from position 0 has no context but its own tokens: their K
-                        // and V as computed (what was just written), no gather.
-                        let src = if p.start == 0 {
-                            Context::Own(k.narrow(0, off, p.len)?, v.narrow(0, off, p.len)?)
-                        } else {
-                            Context::Blocks(&kc, &vc, table)
-                        };
-                        off += p.len;
-                        outs.push(attend(s, &q, src, p.start, p.len)?);
+                    let scale = 1.0 / (hd as f32).sqrt();
+                    let q3 = q.reshape((n, s.heads, hd))?;
+                    let Some(table) = prefill_table.as_ref() else {
+                        candle_core::bail!("a prefill without its tables");
+                    };
+                    match kv.prefill_attention(&q3, &kc, &vc, table, &spans, scale) {
+                        Some(a) => a?.reshape((n, s.heads * hd))?,
+                        None => attend_pieces(s, pieces, &tables, &q, &k, &v, &kc, &vc)?,
                     }
-                    Tensor::cat(&outs, 0)?
                 }
             };
             x = (x + w.wo.forward(&a)?)?;
@@ -365,6 +393,36 @@ impl PagedLlama {
         let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
         self.lm_head.forward(&x)
     }
+}
+
+/// A prefill's attention by gather, piece by piece: `q`, `k`, `v` `[tokens, ..]` the forward's
+/// new tokens, `kc`, `vc` the layer's cache tensors, `tables` each piece's blocks.
+#[allow(clippy::too_many_arguments)]
+fn attend_pieces(
+    s: &LlamaShape,
+    pieces: &[Piece],
+    tables: &[Tensor],
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    kc: &Tensor,
+    vc: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let mut outs = Vec::with_capacity(pieces.len());
+    let mut off = 0;
+    for (p, table) in pieces.iter().zip(tables) {
+        let q = q.narrow(0, off, p.len)?;
+        // A piece from position 0 has no context but its own tokens: their K and V as
+        // computed (what was just written), no gather.
+        let src = if p.start == 0 {
+            Context::Own(k.narrow(0, off, p.len)?, v.narrow(0, off, p.len)?)
+        } else {
+            Context::Blocks(kc, vc, table)
+        };
+        off += p.len;
+        outs.push(attend(s, &q, src, p.start, p.len)?);
+    }
+    Tensor::cat(&outs, 0)
 }
 
 impl PagedLlama {

@@ -3,14 +3,17 @@
 //! from constants.
 //!
 //! ```text
-//! serve probe --gpu 8b [--max-batch 64] [--max-context 4096] [--prefill-chunk 512]
+//! serve probe --gpu 8b [--max-batch 64] [--max-context 4096] [--prefill-chunk 512] [--prefill kernel]
 //! ```
+//!
+//! `--prefill gather` times prefill by the path before the prefill kernel (blocks gathered,
+//! scores materialised), to compare the two on one machine.
 //!
 //! The engine is `serve bench`'s (`llama::engine_model`: random bf16 weights, its KV a paged
 //! KV cache, decode attended in place by the paged-attention kernel), in pools of its own.
 //! It times decode steps over distinct blocks (batches 1 to `--max-batch`, contexts 512 to
-//! `--max-context`) and prefill forwards of one chunk at several offsets, checks the kernel's
-//! decode against attention by gather on the same cache (logits), fits the cost model of
+//! `--max-context`) and prefill forwards of one chunk at several offsets, checks the kernels'
+//! decode and prefill against attention by gather on the same cache (logits), fits the cost model of
 //! `serve bench` (seconds per step, per sequence, per context token read; per prefill token),
 //! and prints it as the line `cost-ms: STEP,SEQ,PREFILL_TOKEN,CONTEXT_TOKEN` that `serve bench
 //! --cost-ms` takes.
@@ -35,6 +38,8 @@ struct ProbeArgs {
     max_batch: usize,
     max_context: usize,
     chunk: usize,
+    /// Prefill by gathering the blocks (`--prefill gather`).
+    prefill_by_gather: bool,
 }
 
 fn parse(args: &[String]) -> Result<ProbeArgs, String> {
@@ -43,6 +48,7 @@ fn parse(args: &[String]) -> Result<ProbeArgs, String> {
         max_batch: 64,
         max_context: 4096,
         chunk: 512,
+        prefill_by_gather: false,
     };
     let mut gpu = false;
     let mut it = args.iter();
@@ -65,11 +71,18 @@ fn parse(args: &[String]) -> Result<ProbeArgs, String> {
             "--max-batch" => a.max_batch = num(v)?,
             "--max-context" => a.max_context = num(v)?,
             "--prefill-chunk" => a.chunk = num(v)?,
+            "--prefill" => {
+                a.prefill_by_gather = match v {
+                    "kernel" => false,
+                    "gather" => true,
+                    _ => return Err(format!("--prefill {v:?}: kernel or gather")),
+                }
+            }
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
     if !gpu {
-        return Err("usage: serve probe --gpu small|8b [--max-batch N] [--max-context N] [--prefill-chunk N]".into());
+        return Err("usage: serve probe --gpu small|8b [--max-batch N] [--max-context N] [--prefill-chunk N] [--prefill kernel|gather]".into());
     }
     // The fit needs two batch sizes and two contexts.
     if a.max_batch < 2 || a.max_context < 2 * BLOCK_TOKENS {
@@ -131,6 +144,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     );
     let ids = BlockStore::alloc(&m.kv, blocks)?;
     let tables: Vec<&[u32]> = ids.chunks(per_seq).collect();
+    m.model.set_prefill_by_gather(a.prefill_by_gather);
     let r = measure(&a, &mut m.model, &tables);
     BlockStore::free(&m.kv, &ids)?;
     r
@@ -178,6 +192,35 @@ fn measure(a: &ProbeArgs, model: &mut llama::LlamaModel, tables: &[&[u32]]) -> R
             break;
         }
         depth = (depth * 2).min(layers);
+    }
+    // The prefill kernel against the gather: a chunk of each of two sequences, one inside its
+    // first chunk's blocks and one at the end of the longest context (in one forward), through
+    // one layer (judged) and through all (printed).
+    let half = a.chunk / 2;
+    let mut pieces = vec![SeqView {
+        blocks: tables[0],
+        new_tokens: half as u32,
+        context: (a.chunk.saturating_sub(7)).max(half) as u32,
+    }];
+    if let Some(t) = tables.get(1) {
+        pieces.push(SeqView {
+            blocks: t,
+            new_tokens: half as u32,
+            context: a.max_context as u32,
+        });
+    }
+    for depth in [1, layers] {
+        let (diff, top) = model.prefill_check(&pieces, depth)?;
+        println!(
+            "prefill kernel vs gather through {depth:>2} of {layers} layers: logits of {} pieces of {half} tokens differ by at most {diff:.4} (largest logit {top:.3}, {:.2}%)",
+            pieces.len(),
+            100.0 * diff / top.max(1e-30)
+        );
+        if depth == 1 && (diff.is_nan() || diff > 0.03 * top.max(1.0)) {
+            return Err(format!(
+                "through one layer the prefill kernel's logits differ from attention by gather by {diff} (largest logit {top}): beyond bf16 rounding"
+            ));
+        }
     }
     let mut contexts = vec![a.max_context / 2, 512usize, 1024, 2048, 4096, a.max_context];
     contexts.retain(|&c| c <= a.max_context);
@@ -235,7 +278,12 @@ fn measure(a: &ProbeArgs, model: &mut llama::LlamaModel, tables: &[&[u32]]) -> R
         }];
         let t = median(|| model.prefill(&seq))?;
         println!(
-            "prefill: {} tokens at {start}..{}: {:.2} ms ({:.0} tokens/s)",
+            "prefill ({}): {} tokens at {start}..{}: {:.2} ms ({:.0} tokens/s)",
+            if a.prefill_by_gather {
+                "gather"
+            } else {
+                "kernel"
+            },
             a.chunk,
             start + a.chunk,
             t * 1e3,

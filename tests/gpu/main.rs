@@ -24,6 +24,8 @@ mod candle;
 #[cfg(feature = "candle")]
 mod paged_kv;
 #[cfg(feature = "candle")]
+mod prefill;
+#[cfg(feature = "candle")]
 mod route;
 
 // Candle's allocations in this binary go through routing's hooks (forwarded to the driver
