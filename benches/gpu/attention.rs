@@ -256,7 +256,7 @@ fn prefill_step(device: &Device, cache: &PagedKvTensors, table: &Tensor) -> Resu
         for ((wqkv, wo, wgu, wd), (k, v)) in layers.iter().zip(&kv) {
             let qkv = x.matmul(wqkv)?;
             let a = if matmul_only {
-                qkv.narrow(1, 0, HIDDEN)?
+                qkv.narrow(1, 0, HIDDEN)?.contiguous()?
             } else {
                 let q = qkv
                     .narrow(1, 0, HIDDEN)?
