@@ -8,9 +8,11 @@
 //
 // Flash attention on tensor cores (WMMA, 16x16x16, f32 accumulation): one CTA per (tile of 64
 // query tokens of one piece, query head), 4 warps of 16 query rows each. The CTA walks its
-// keys 64 at a time: the K and V rows of the tile into shared memory (masked keys as zeros),
-// S = Q K^T per warp on tensor cores, the online softmax per row in f32 (two lanes a row), the
-// running output O (f32, shared memory) rescaled and O += P V on tensor cores. Keys stop at the
+// keys 64 at a time: the K and V rows of the tile into shared memory (masked keys as zeros;
+// the next tile's rows loaded into registers while this one is computed),
+// S = Q K^T per warp on tensor cores, the online softmax per row in f32 (two lanes a row), and
+// O += P V on tensor cores, O in registers (rescaled through shared memory in a tile where a
+// row's max grew). Keys stop at the
 // tile's last query position (causal), so early tiles of a piece read fewer keys.
 //
 // Bounds: a table entry at or past `num_blocks` counts as masked (contributes nothing), as in
@@ -79,7 +81,7 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
     constexpr int VEC = 8;         // elements per 16-byte load
     constexpr int CH = D / VEC;    // 16-byte pieces per row
 
-    // The query tile (rows past the piece's as zeros) and O = 0.
+    // The query tile (rows past the piece's as zeros).
     for (uint32_t x = threadIdx.x; x < PF_M * CH; x += blockDim.x) {
         const uint32_t r = x / CH, c = x % CH;
         uint4 val = make_uint4(0, 0, 0, 0);
@@ -87,68 +89,94 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
             val = *reinterpret_cast<const uint4*>(q + ((uint64_t)(row0 + r) * heads + h) * D + c * VEC);
         *reinterpret_cast<uint4*>(qs + r * L::LDT + c * VEC) = val;
     }
-    for (uint32_t x = threadIdx.x; x < PF_M * D; x += blockDim.x) os[(x / D) * L::LDO + x % D] = 0.f;
     __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa[D / 16];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++)
-        wmma::load_matrix_sync(qa[kk], qs + warp * 16 * L::LDT + kk * 16, L::LDT);
 
     // Two lanes a row: this lane's row of the tile, the half of the keys (and of O) it takes.
     const uint32_t my_row = warp * 16 + lane / 2, half = lane % 2;
     const bool row_ok = my_row < rows;
     const uint32_t my_pos = pos0 + my_row;
     float m = -INFINITY, l = 0.f;
+    // The warp's running output, 16 rows x D, in registers.
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[D / 16];
+#pragma unroll
+    for (int n = 0; n < D / 16; n++) wmma::fill_fragment(of[n], 0.f);
+    float* const ow = os + warp * 16 * L::LDO;  // the warp's rows of the staging area
 
-    for (uint32_t kb = 0; kb < key_end; kb += PF_N) {
-        // K and V rows of keys kb..kb + 64; a key past the end or in a block past the cache is
-        // masked and its rows zeros (a zero times a zero weight: no NaN from what a block held).
-        for (uint32_t x = threadIdx.x; x < PF_N * CH; x += blockDim.x) {
-            const uint32_t r = x / CH, c = x % CH, t = kb + r;
-            uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
-            bool ok = false;
-            if (t < key_end) {
-                const uint32_t blk = tab[t / bt];
-                if (blk < num_blocks) {
-                    const uint64_t off = (((uint64_t)blk * bt + t % bt) * kv_heads + kvh) * D + c * VEC;
-                    kr = *reinterpret_cast<const uint4*>(k + off);
-                    vr = *reinterpret_cast<const uint4*>(v + off);
-                    ok = true;
-                }
+    // A tile's K and V rows, each thread LOADS 16-byte pieces of each: the block ids first (all
+    // of them, then all the rows: two round trips to memory, not one per piece), into
+    // registers. A key past the end or in a block past the cache is masked and its rows zeros
+    // (a zero times a zero weight: no NaN from what a block held).
+    constexpr int LOADS = PF_N * CH / (PF_WARPS * 32);
+    uint4 kr[LOADS], vr[LOADS];
+    bool kok[LOADS];
+    auto load = [&](uint32_t kb) {
+        uint32_t blk[LOADS];
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const uint32_t x = threadIdx.x + i * PF_WARPS * 32, t = kb + x / CH;
+            kok[i] = t < key_end;
+            blk[i] = kok[i] ? tab[t / bt] : num_blocks;
+        }
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const uint32_t x = threadIdx.x + i * PF_WARPS * 32, t = kb + x / CH, c = x % CH;
+            kok[i] = kok[i] && blk[i] < num_blocks;
+            kr[i] = vr[i] = make_uint4(0, 0, 0, 0);
+            if (kok[i]) {
+                const uint64_t off = (((uint64_t)blk[i] * bt + t % bt) * kv_heads + kvh) * D + c * VEC;
+                kr[i] = *reinterpret_cast<const uint4*>(k + off);
+                vr[i] = *reinterpret_cast<const uint4*>(v + off);
             }
-            *reinterpret_cast<uint4*>(ks + r * L::LDT + c * VEC) = kr;
-            *reinterpret_cast<uint4*>(vs + r * L::LDT + c * VEC) = vr;
-            if (c == 0) valid[r] = ok;
+        }
+    };
+    load(0);
+    for (uint32_t kb = 0; kb < key_end; kb += PF_N) {
+        // This tile's rows into shared memory; then the next tile's loads are issued, in flight
+        // while this one is computed (software pipelining).
+#pragma unroll
+        for (int i = 0; i < LOADS; i++) {
+            const uint32_t x = threadIdx.x + i * PF_WARPS * 32, r = x / CH, c = x % CH;
+            *reinterpret_cast<uint4*>(ks + r * L::LDT + c * VEC) = kr[i];
+            *reinterpret_cast<uint4*>(vs + r * L::LDT + c * VEC) = vr[i];
+            if (c == 0) valid[r] = kok[i];
         }
         __syncthreads();
+        if (kb + PF_N < key_end) load(kb + PF_N);
 
-        // S = Q K^T for the warp's 16 rows: K rows in shared memory are K^T column-major.
+        // S = Q K^T for the warp's 16 rows: K rows in shared memory are K^T column-major. Q's
+        // fragments come from shared memory each tile (registers hold the output instead).
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PF_N / 16];
 #pragma unroll
-        for (int n = 0; n < PF_N / 16; n++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-            wmma::fill_fragment(acc, 0.f);
+        for (int n = 0; n < PF_N / 16; n++) wmma::fill_fragment(acc[n], 0.f);
 #pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
+        for (int kk = 0; kk < D / 16; kk++) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qa;
+            wmma::load_matrix_sync(qa, qs + warp * 16 * L::LDT + kk * 16, L::LDT);
+#pragma unroll
+            for (int n = 0; n < PF_N / 16; n++) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
                 wmma::load_matrix_sync(kf, ks + n * 16 * L::LDT + kk * 16, L::LDT);
-                wmma::mma_sync(acc, qa[kk], kf, acc);
+                wmma::mma_sync(acc[n], qa, kf, acc[n]);
             }
-            wmma::store_matrix_sync(ss + warp * 16 * L::LDS + n * 16, acc, L::LDS, wmma::mem_row_major);
         }
+#pragma unroll
+        for (int n = 0; n < PF_N / 16; n++)
+            wmma::store_matrix_sync(ss + warp * 16 * L::LDS + n * 16, acc[n], L::LDS, wmma::mem_row_major);
         __syncwarp();
 
         // Online softmax of the row, in f32: this lane's 32 keys, the pair's max and sum.
         const float* srow = ss + my_row * L::LDS + half * (PF_N / 2);
         T* prow = ps + my_row * L::LDP + half * (PF_N / 2);
-        float sv[PF_N / 2];
-        float tmax = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < PF_N / 2; j++) {
+        // Two passes over the scores in shared memory (the max, then the weights) rather than
+        // 32 registers a lane holding them.
+        auto score = [&](int j) {
             const uint32_t c = half * (PF_N / 2) + j;
             const bool ok = row_ok && valid[c] && kb + c <= my_pos;
-            sv[j] = ok ? srow[j] * scale : -INFINITY;
-            tmax = fmaxf(tmax, sv[j]);
-        }
+            return ok ? srow[j] * scale : -INFINITY;
+        };
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < PF_N / 2; j++) tmax = fmaxf(tmax, score(j));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         const float mn = fmaxf(m, tmax);
         // Nothing seen yet (mn still -inf): weights 0 and O unchanged.
@@ -156,17 +184,28 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < PF_N / 2; j++) {
-            const float p = sv[j] == -INFINITY ? 0.f : __expf(sv[j] - mn);
+            const float x = score(j);
+            const float p = x == -INFINITY ? 0.f : __expf(x - mn);
             sum += p;
             prow[j] = pf_from_float(p, tag);
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         l = l * alpha + sum;
         m = mn;
-        if (alpha != 1.f) {
+        // A row whose max grew rescales its output: the warp's O goes through shared memory
+        // (a fragment's element-to-row map is the hardware's), only in tiles where one did.
+        if (__any_sync(0xffffffffu, alpha != 1.f)) {
+#pragma unroll
+            for (int n = 0; n < D / 16; n++)
+                wmma::store_matrix_sync(ow + n * 16, of[n], L::LDO, wmma::mem_row_major);
+            __syncwarp();
             float* orow = os + my_row * L::LDO + half * (D / 2);
 #pragma unroll 8
             for (int d = 0; d < D / 2; d++) orow[d] *= alpha;
+            __syncwarp();
+#pragma unroll
+            for (int n = 0; n < D / 16; n++)
+                wmma::load_matrix_sync(of[n], ow + n * 16, L::LDO, wmma::mem_row_major);
         }
         __syncwarp();
 
@@ -177,22 +216,22 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
             wmma::load_matrix_sync(pa[kk], ps + warp * 16 * L::LDP + kk * 16, L::LDP);
 #pragma unroll
         for (int n = 0; n < D / 16; n++) {
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
-            float* op = os + warp * 16 * L::LDO + n * 16;
-            wmma::load_matrix_sync(o, op, L::LDO, wmma::mem_row_major);
 #pragma unroll
             for (int kk = 0; kk < PF_N / 16; kk++) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vb;
                 wmma::load_matrix_sync(vb, vs + kk * 16 * L::LDT + n * 16, L::LDT);
-                wmma::mma_sync(o, pa[kk], vb, o);
+                wmma::mma_sync(of[n], pa[kk], vb, of[n]);
             }
-            wmma::store_matrix_sync(op, o, L::LDO, wmma::mem_row_major);
         }
         // Every warp is done with this tile's K, V and mask before the next overwrites them.
         __syncthreads();
     }
 
     // Normalised rows out; a row that attended over nothing (no valid key) gets zeros.
+#pragma unroll
+    for (int n = 0; n < D / 16; n++)
+        wmma::store_matrix_sync(ow + n * 16, of[n], L::LDO, wmma::mem_row_major);
+    __syncwarp();
     if (row_ok) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const float* orow = os + my_row * L::LDO + half * (D / 2);
