@@ -438,11 +438,15 @@ impl LayerCache for PagedKvTensors {
     ) -> Option<candle_core::Result<Tensor>> {
         let (heads, hd) = (q.dim(1).ok()?, q.dim(2).ok()?);
         let kvh = k.dim(2).ok()?;
+        // Where the op cannot run (its shared memory on a smaller GPU, a contiguous cache's
+        // strided layer views) the engine gathers, as before the op.
         let supported = self.block_shape() == elastic_vmm::candle::BlockShape::TokenMajor
             && matches!(q.dtype(), DType::BF16 | DType::F16)
-            && matches!(hd, 64 | 128)
+            && k.is_contiguous()
+            && v.is_contiguous()
             && kvh > 0
-            && heads % kvh == 0;
+            && heads % kvh == 0
+            && elastic_vmm::candle::paged_prefill_supported(q.device(), hd);
         if !supported {
             return None;
         }

@@ -193,26 +193,26 @@ fn measure(a: &ProbeArgs, model: &mut llama::LlamaModel, tables: &[&[u32]]) -> R
         }
         depth = (depth * 2).min(layers);
     }
-    // The prefill kernel against the gather: a chunk of each of two sequences, one inside its
-    // first chunk's blocks and one at the end of the longest context (in one forward), through
-    // one layer (judged) and through all (printed).
-    let half = a.chunk / 2;
+    // The prefill kernel against the gather: the second half of two sequences' first chunk
+    // (what the prefill above wrote: no context read is stale), ending at different places,
+    // in one forward, through one layer (judged) and through all (printed).
+    let half = (a.chunk / 2).max(1);
     let mut pieces = vec![SeqView {
         blocks: tables[0],
         new_tokens: half as u32,
-        context: (a.chunk.saturating_sub(7)).max(half) as u32,
+        context: a.chunk as u32,
     }];
     if let Some(t) = tables.get(1) {
         pieces.push(SeqView {
             blocks: t,
-            new_tokens: half as u32,
-            context: a.max_context as u32,
+            new_tokens: half.saturating_sub(3).max(1) as u32,
+            context: a.chunk.saturating_sub(3).max(half) as u32,
         });
     }
     for depth in [1, layers] {
         let (diff, top) = model.prefill_check(&pieces, depth)?;
         println!(
-            "prefill kernel vs gather through {depth:>2} of {layers} layers: logits of {} pieces of {half} tokens differ by at most {diff:.4} (largest logit {top:.3}, {:.2}%)",
+            "prefill kernel vs gather through {depth:>2} of {layers} layers: logits of {} pieces of about {half} tokens differ by at most {diff:.4} (largest logit {top:.3}, {:.2}%)",
             pieces.len(),
             100.0 * diff / top.max(1e-30)
         );

@@ -45,7 +45,8 @@ const TARGET_CTAS: usize = 528;
 ///
 /// Returns `[batch, heads, head_dim]` in q's dtype; a sequence of length 0 gets zeros. Runs on
 /// q's device's stream, ordered with candle's other work. Shapes, dtypes and devices are
-/// checked; a mismatch is an error naming them.
+/// checked, and that q, K and V start 16-byte aligned in their storage; a mismatch is an error
+/// naming them.
 pub fn paged_attention_decode(
     q: &Tensor,
     k_cache: &Tensor,
@@ -173,6 +174,16 @@ impl PagedAttention {
         ] {
             if !t.is_contiguous() {
                 return Err(bad(format!("{what} is not contiguous")));
+            }
+        }
+        // The kernel reads q, K and V 16 bytes at a time: a view starting inside an element
+        // group would be a misaligned load (a fault that ends the CUDA context).
+        for (what, t) in [("q", q), ("k_cache", k), ("v_cache", v)] {
+            let at = t.layout().start_offset() * t.dtype().size_in_bytes();
+            if at % 16 != 0 {
+                return Err(bad(format!(
+                    "{what} starts {at} bytes into its storage, not a multiple of 16"
+                )));
             }
         }
         Ok(PagedAttention {

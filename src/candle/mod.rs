@@ -93,7 +93,7 @@ pub use attention::paged_attention_decode;
 pub use kv::{ElasticKv, KvStats};
 pub use orphans::{reap_orphans, reap_orphans_blocking};
 pub use paged::{BlockShape, PagedKvTensors};
-pub use prefill::{paged_attention_prefill, PrefillPiece};
+pub use prefill::{paged_attention_prefill, paged_prefill_supported, PrefillPiece};
 pub use tensor_pool::{CollectReport, TensorPool, TensorPoolStats};
 
 use candle_core::{DType, Tensor};

@@ -47,9 +47,12 @@ pub struct PrefillPiece {
 /// - `pieces`: where each piece's tokens are in its sequence;
 /// - `scale`: applied to the scores (usually `1 / sqrt(head_dim)`).
 ///
-/// Returns `[tokens, heads, head_dim]` in q's dtype. Runs on q's device's stream, ordered with
-/// candle's other work. Shapes, dtypes, devices and the pieces are checked; a mismatch is an
-/// error naming them.
+/// Returns `[tokens, heads, head_dim]` in q's dtype; a token whose every visible key is masked
+/// gets zeros. Runs on q's device's stream, ordered with candle's other work. Shapes, dtypes,
+/// devices, the pieces, that q, K and V start 16-byte aligned in their storage, and that the
+/// device has the kernel's shared memory (110 KiB a block for head_dim 128: not on sm_86 and
+/// sm_89 cards; [`paged_prefill_supported`] asks) are checked; a mismatch is an error naming
+/// them.
 pub fn paged_attention_prefill(
     q: &Tensor,
     k_cache: &Tensor,
@@ -91,6 +94,25 @@ fn cuda(s: &Storage) -> candle_core::Result<&CudaStorage> {
     }
 }
 
+/// The most dynamic shared memory a block may opt in to on `dev` (227 KiB on the H100; 99 KiB
+/// on sm_86/sm_89 cards, where head_dim 128 does not fit).
+fn shared_memory_limit(dev: &CudaDevice) -> candle_core::Result<usize> {
+    let attr = candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    let n = dev.cuda_stream().context().attribute(attr).w()?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// Whether the prefill op runs on `device` for heads of `head_dim` (64 or 128, and the shared
+/// memory its kernel needs is there): an engine asks before it chooses the op over its own
+/// path, as the serving example does.
+pub fn paged_prefill_supported(device: &candle_core::Device, head_dim: usize) -> bool {
+    let Ok(dev) = device.as_cuda_device() else {
+        return false;
+    };
+    matches!(head_dim, 64 | 128)
+        && shared_memory_limit(dev).is_ok_and(|limit| smem_bytes(head_dim) <= limit)
+}
+
 /// Dynamic shared memory of the kernel for `head_dim` (the kernel's `PrefillSmem::BYTES`, 2-byte
 /// elements): Q, K and V tiles, scores, probabilities, the output and the key mask.
 fn smem_bytes(head_dim: usize) -> usize {
@@ -108,8 +130,15 @@ impl Prefill {
         pieces: &[PrefillPiece],
         scale: f32,
     ) -> candle_core::Result<Self> {
-        let (tokens, heads, head_dim) = q.dims3()?;
-        let (blocks, block_tokens, kv_heads, kd) = k.dims4()?;
+        let (tokens, heads, head_dim) = q
+            .dims3()
+            .map_err(|_| bad(format!("q {:?}: want [tokens, heads, head_dim]", q.dims())))?;
+        let (blocks, block_tokens, kv_heads, kd) = k.dims4().map_err(|_| {
+            bad(format!(
+                "k_cache {:?}: want [blocks, block_tokens, kv_heads, head_dim]",
+                k.dims()
+            ))
+        })?;
         if v.dims() != k.dims() {
             return Err(bad(format!(
                 "v_cache {:?} differs from k_cache {:?}",
@@ -135,7 +164,12 @@ impl Prefill {
                 "an empty cache: {blocks} blocks of {block_tokens} tokens"
             )));
         }
-        let (tp, width) = table.dims2()?;
+        let (tp, width) = table.dims2().map_err(|_| {
+            bad(format!(
+                "block_tables {:?}: want [pieces, width]",
+                table.dims()
+            ))
+        })?;
         if tp != pieces.len() {
             return Err(bad(format!(
                 "block_tables {:?} has {tp} rows for {} pieces",
@@ -168,17 +202,45 @@ impl Prefill {
                 return Err(bad(format!("{what} is not contiguous")));
             }
         }
-        // The kernel indexes with 32-bit block ids, rows, positions and grid sizes.
+        // The kernel reads q, K and V 16 bytes at a time: a view starting inside an element
+        // group would be a misaligned load (a fault that ends the CUDA context).
+        for (what, t) in [("q", q), ("k_cache", k), ("v_cache", v)] {
+            let at = t.layout().start_offset() * t.dtype().size_in_bytes();
+            if at % 16 != 0 {
+                return Err(bad(format!(
+                    "{what} starts {at} bytes into its storage, not a multiple of 16"
+                )));
+            }
+        }
+        if !scale.is_finite() {
+            return Err(bad(format!("scale {scale} is not finite")));
+        }
+        // The kernel indexes with 32-bit block ids, rows and positions, and walks keys 64 at a
+        // time in a 32-bit counter (so a context stays 64 below 2^32).
         let cover = width.checked_mul(block_tokens);
         let fits = |n: usize| u32::try_from(n).is_ok();
-        if !(fits(blocks) && fits(width) && cover.is_some_and(fits) && fits(tokens))
-            || heads > 65535
-        {
+        let key_room = (u32::MAX - 64) as usize;
+        if !(fits(blocks) && fits(width) && cover.is_some_and(|c| c <= key_room) && fits(tokens)) {
             return Err(bad(format!(
-                "sizes past 32 bits: {blocks} blocks, width {width} of {block_tokens} tokens, {tokens} tokens, {heads} heads"
+                "sizes past 32 bits: {blocks} blocks, width {width} of {block_tokens} tokens, {tokens} tokens"
+            )));
+        }
+        if heads > 65535 {
+            return Err(bad(format!(
+                "{heads} query heads: the grid takes at most 65535"
             )));
         }
         let cover = cover.unwrap_or(0);
+        let sum = pieces
+            .iter()
+            .try_fold(0usize, |a, p| a.checked_add(p.len))
+            .filter(|&n| n == tokens);
+        if sum.is_none() {
+            let shown = pieces.iter().fold(0u128, |a, p| a + p.len as u128);
+            return Err(bad(format!(
+                "q has {tokens} tokens, the pieces' lengths sum to {shown}"
+            )));
+        }
         let mut tiles = Vec::new();
         let mut row = 0usize;
         for (i, p) in pieces.iter().enumerate() {
@@ -200,11 +262,6 @@ impl Prefill {
                 ]);
             }
             row += p.len;
-        }
-        if row != tokens {
-            return Err(bad(format!(
-                "q has {tokens} tokens, the pieces' lengths sum to {row}"
-            )));
         }
         if tiles.len() / 4 > i32::MAX as usize {
             return Err(bad(format!("{} query tiles", tiles.len() / 4)));
@@ -256,8 +313,15 @@ impl Prefill {
         let table = cuda(&ts)?
             .as_cuda_slice::<u32>()?
             .slice(tl.start_offset()..);
-        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let smem = smem_bytes(self.head_dim);
+        let limit = shared_memory_limit(dev)?;
+        if smem > limit {
+            return Err(bad(format!(
+                "head_dim {} needs {smem} bytes of shared memory a block; this device allows {limit}",
+                self.head_dim
+            )));
+        }
+        let func = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         // More than the default 48 KiB of dynamic shared memory needs the function's opt-in.
         func.set_attribute(
             CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
