@@ -97,8 +97,14 @@ fn cuda(s: &Storage) -> candle_core::Result<&CudaStorage> {
 /// The most dynamic shared memory a block may opt in to on `dev` (227 KiB on the H100; 99 KiB
 /// on sm_86/sm_89 cards, where head_dim 128 does not fit).
 fn shared_memory_limit(dev: &CudaDevice) -> candle_core::Result<usize> {
-    let attr = candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
-    let n = dev.cuda_stream().context().attribute(attr).w()?;
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    // Not `CudaContext::attribute`: it first takes (and so clears) an error another operation
+    // left in the context's error slot, and would report it as ours.
+    let cu_device = dev.cuda_stream().context().cu_device();
+    // SAFETY: `cu_device` is the device handle of a live context (the candle device holds it);
+    // the call only reads one of the device's attributes.
+    let n = unsafe { result::device::get_attribute(cu_device, attr) }.w()?;
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
