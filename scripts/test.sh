@@ -241,7 +241,7 @@ step "every feature (candle with its CUDA backend, NIXL): lint, docs, examples; 
   RUSTDOCFLAGS="-D warnings" cargo doc "${lint[@]}" --no-deps
 )
 
-step "the serving engine's model on candle's CPU backend (examples/serve/paged_llama.rs tests)"
+step "the serving engine's model and the prefill op's argument checks on candle's CPU backend"
 (
   # Built as the lint above (its candle kernels reused); linking needs CUDA's libraries (the
   # full toolchain: cuBLAS, cuRAND). Nothing here calls the driver: on a machine without one,
@@ -265,7 +265,7 @@ step "the serving engine's model on candle's CPU backend (examples/serve/paged_l
     libs=$tmp/libcuda:$libs
   fi
   LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test "${lint[@]}" --test serve -- paged_llama
+    cargo test "${lint[@]}" --lib --test serve -- paged_llama candle::prefill
 )
 
 end_step

@@ -400,6 +400,105 @@ impl CustomOp1 for Prefill {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
+
+    fn zeros(shape: &[usize], dtype: DType) -> Tensor {
+        Tensor::zeros(shape, dtype, &Device::Cpu).expect("cpu tensor")
+    }
+
+    /// The argument checks run before anything reaches a device, so they are tested on the CPU
+    /// (CI has no GPU); a call that passes them is refused by the CPU path.
+    #[test]
+    fn bad_input_is_refused_with_the_numbers_before_any_launch() {
+        let bf = DType::BF16;
+        let q = zeros(&[20, 8, 128], bf);
+        let kv = zeros(&[4, 16, 2, 128], bf);
+        let table = zeros(&[2, 4], DType::U32);
+        let ok = [
+            PrefillPiece { start: 0, len: 10 },
+            PrefillPiece { start: 3, len: 10 },
+        ];
+        let err = |r: candle_core::Result<Tensor>| r.expect_err("refused").to_string();
+        let short = [ok[0], PrefillPiece { start: 0, len: 5 }];
+        assert!(
+            err(paged_attention_prefill(&q, &kv, &kv, &table, &short, 1.0))
+                .contains("q has 20 tokens, the pieces' lengths sum to 15")
+        );
+        let huge = [
+            ok[0],
+            PrefillPiece {
+                start: 0,
+                len: usize::MAX,
+            },
+        ];
+        assert!(
+            err(paged_attention_prefill(&q, &kv, &kv, &table, &huge, 1.0))
+                .contains("sum to 18446744073709551625")
+        );
+        let long = [ok[0], PrefillPiece { start: 60, len: 10 }];
+        assert!(
+            err(paged_attention_prefill(&q, &kv, &kv, &table, &long, 1.0)).contains(
+                "piece 1 (positions 60 + 10) goes past its table's 4 blocks of 16 tokens (64)"
+            )
+        );
+        let shifted = zeros(&[20 * 8 * 128 + 1], bf)
+            .narrow(0, 1, 20 * 8 * 128)
+            .and_then(|t| t.reshape((20, 8, 128)))
+            .expect("a shifted view");
+        assert!(err(paged_attention_prefill(
+            &shifted, &kv, &kv, &table, &ok, 1.0
+        ))
+        .contains("q starts 2 bytes into its storage, not a multiple of 16"));
+        assert!(err(paged_attention_prefill(
+            &q,
+            &kv,
+            &kv,
+            &table,
+            &ok,
+            f32::INFINITY
+        ))
+        .contains("scale inf is not finite"));
+        assert!(err(paged_attention_prefill(
+            &zeros(&[20, 1024], bf),
+            &kv,
+            &kv,
+            &table,
+            &ok,
+            1.0
+        ))
+        .contains("q [20, 1024]: want [tokens, heads, head_dim]"));
+        let kv96 = zeros(&[4, 16, 2, 96], bf);
+        assert!(err(paged_attention_prefill(
+            &zeros(&[20, 8, 96], bf),
+            &kv96,
+            &kv96,
+            &table,
+            &ok,
+            1.0
+        ))
+        .contains("head_dim 96 (supported: 64, 128)"));
+        assert!(err(paged_attention_prefill(
+            &zeros(&[20, 3, 128], bf),
+            &kv,
+            &kv,
+            &table,
+            &ok,
+            1.0
+        ))
+        .contains("3 query heads over 2 KV heads"));
+        assert!(
+            err(paged_attention_prefill(&q, &kv, &kv, &table, &ok[..1], 1.0))
+                .contains("block_tables [2, 4] has 2 rows for 1 pieces")
+        );
+        let f32kv = zeros(&[4, 16, 2, 128], DType::F32);
+        assert!(err(paged_attention_prefill(
+            &q, &f32kv, &f32kv, &table, &ok, 1.0
+        ))
+        .contains("k_cache is F32, not BF16"));
+        // Every check passed: the CPU path says where the op runs.
+        assert!(err(paged_attention_prefill(&q, &kv, &kv, &table, &ok, 1.0))
+            .contains("runs on CUDA devices only"));
+    }
 
     #[test]
     fn shared_memory_matches_the_kernels_layout() {
