@@ -295,19 +295,22 @@ impl PagedLlama {
             .broadcast_as((n, kvd))?
             .contiguous()?;
         let held = |p: &Piece<'a>| &p.blocks[..(p.start + p.len).div_ceil(bt)];
-        // A decode step (one token per piece) attends in one batch: every block table padded
-        // to the longest with its own last block (read, masked out); otherwise per piece.
+        // Every piece's block table padded to the longest with its own last block: a kernel
+        // reads the padding only past a piece's context (masked out in a decode, never read in
+        // a prefill).
+        let nb = pieces.iter().map(|p| held(p).len()).max().unwrap_or(1);
+        let mut padded = Vec::with_capacity(pieces.len() * nb);
+        for p in pieces {
+            let h = held(p);
+            padded.extend_from_slice(h);
+            padded.extend(std::iter::repeat_n(h[h.len() - 1], nb - h.len()));
+        }
+        // A decode step (one token per piece) attends in one batch; a prefill in one batch by
+        // the cache's kernel, else per piece.
         let decode = if pieces.iter().all(|p| p.len == 1) {
-            let nb = pieces.iter().map(|p| held(p).len()).max().unwrap_or(1);
-            let mut table = Vec::with_capacity(pieces.len() * nb);
-            for p in pieces {
-                let h = held(p);
-                table.extend_from_slice(h);
-                table.extend(std::iter::repeat_n(h[h.len() - 1], nb - h.len()));
-            }
             let lens: Vec<u32> = pieces.iter().map(|p| (p.start + 1) as u32).collect();
             Some((
-                Tensor::new(table.as_slice(), &dev)?,
+                Tensor::new(padded.as_slice(), &dev)?,
                 Tensor::new(lens.as_slice(), &dev)?,
                 nb,
                 lens.iter().copied().max().unwrap_or(1) as usize,
@@ -323,20 +326,11 @@ impl PagedLlama {
                 .map(|p| Tensor::new(held(p), &dev))
                 .collect::<candle_core::Result<_>>()?
         };
-        // A prefill's tables for a kernel, `[pieces, width]`, each padded with its own last
-        // block (never read: a piece reads only its context).
         let spans: Vec<(usize, usize)> = pieces.iter().map(|p| (p.start, p.len)).collect();
         let prefill_table = if decode.is_some() {
             None
         } else {
-            let nb = pieces.iter().map(|p| held(p).len()).max().unwrap_or(1);
-            let mut table = Vec::with_capacity(pieces.len() * nb);
-            for p in pieces {
-                let h = held(p);
-                table.extend_from_slice(h);
-                table.extend(std::iter::repeat_n(h[h.len() - 1], nb - h.len()));
-            }
-            Some(Tensor::from_vec(table, (pieces.len(), nb), &dev)?)
+            Some(Tensor::from_vec(padded, (pieces.len(), nb), &dev)?)
         };
         let rope = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
             // Each token its own batch row: `[n, heads, 1, head_dim]` against `[n, 1, hd/2]`.

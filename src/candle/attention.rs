@@ -19,6 +19,8 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor};
 
+use super::operands;
+
 /// The PTX of the kernels (compute_80, JIT-compiled by the driver once per process).
 const PTX: &str = include_str!("kernels/paged_attention.ptx");
 /// The module's name in candle's cache of custom modules.
@@ -87,10 +89,7 @@ struct PagedAttention {
 
 /// The CUDA storage of a tensor's storage, or an error.
 fn cuda(s: &Storage) -> candle_core::Result<&CudaStorage> {
-    match s {
-        Storage::Cuda(c) => Ok(c),
-        _ => Err(bad("a tensor is not on a CUDA device".into())),
-    }
+    operands::cuda(s).map_err(bad)
 }
 
 fn bad(msg: String) -> candle_core::Error {
@@ -142,22 +141,6 @@ impl PagedAttention {
                 lens.dims()
             )));
         }
-        for (what, t, want) in [
-            ("k_cache", k, q.dtype()),
-            ("v_cache", v, q.dtype()),
-            ("block_table", table, DType::U32),
-            ("context_lens", lens, DType::U32),
-        ] {
-            if t.dtype() != want {
-                return Err(bad(format!("{what} is {:?}, not {want:?}", t.dtype())));
-            }
-            if !t.device().same_device(q.device()) {
-                return Err(bad(format!("{what} is on another device than q")));
-            }
-        }
-        if !matches!(q.dtype(), DType::F16 | DType::BF16) {
-            return Err(bad(format!("dtype {:?} (supported: f16, bf16)", q.dtype())));
-        }
         // The kernel indexes with 32-bit block ids and token counts.
         let fits = |n: usize| u32::try_from(n).is_ok();
         if !(fits(blocks) && fits(width) && fits(kv_heads) && fits(max_context)) {
@@ -165,27 +148,24 @@ impl PagedAttention {
                 "sizes past 32 bits: {blocks} blocks, width {width}, max_context {max_context}"
             )));
         }
-        for (what, t) in [
-            ("q", q),
-            ("k_cache", k),
-            ("v_cache", v),
-            ("block_table", table),
-            ("context_lens", lens),
-        ] {
-            if !t.is_contiguous() {
-                return Err(bad(format!("{what} is not contiguous")));
-            }
-        }
-        // The kernel reads q, K and V 16 bytes at a time: a view starting inside an element
-        // group would be a misaligned load (a fault that ends the CUDA context).
-        for (what, t) in [("q", q), ("k_cache", k), ("v_cache", v)] {
-            let at = t.layout().start_offset() * t.dtype().size_in_bytes();
-            if at % 16 != 0 {
-                return Err(bad(format!(
-                    "{what} starts {at} bytes into its storage, not a multiple of 16"
-                )));
-            }
-        }
+        operands::check(
+            q,
+            &[
+                ("k_cache", k, q.dtype()),
+                ("v_cache", v, q.dtype()),
+                ("block_table", table, DType::U32),
+                ("context_lens", lens, DType::U32),
+            ],
+            &[
+                ("q", q),
+                ("k_cache", k),
+                ("v_cache", v),
+                ("block_table", table),
+                ("context_lens", lens),
+            ],
+            &[("q", q), ("k_cache", k), ("v_cache", v)],
+        )
+        .map_err(bad)?;
         Ok(PagedAttention {
             k: k.clone(),
             v: v.clone(),

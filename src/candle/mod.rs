@@ -82,6 +82,7 @@
 
 mod attention;
 mod kv;
+mod operands;
 mod orphans;
 mod paged;
 mod prefill;

@@ -16,6 +16,8 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor};
 
+use super::operands;
+
 /// The PTX of the kernels (compute_80, JIT-compiled by the driver once per process).
 const PTX: &str = include_str!("kernels/paged_prefill.ptx");
 /// The module's name in candle's cache of custom modules.
@@ -88,24 +90,35 @@ fn bad(msg: String) -> candle_core::Error {
 
 /// The CUDA storage of a tensor's storage, or an error.
 fn cuda(s: &Storage) -> candle_core::Result<&CudaStorage> {
-    match s {
-        Storage::Cuda(c) => Ok(c),
-        _ => Err(bad("a tensor is not on a CUDA device".into())),
-    }
+    operands::cuda(s).map_err(bad)
 }
 
 /// The most dynamic shared memory a block may opt in to on `dev` (227 KiB on the H100; 99 KiB
-/// on sm_86/sm_89 cards, where head_dim 128 does not fit).
+/// on sm_86/sm_89 cards, where head_dim 128 does not fit). Read from the driver once per device
+/// and kept: every layer of every prefill asks.
 fn shared_memory_limit(dev: &CudaDevice) -> candle_core::Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    use std::sync::Mutex;
+    // Per device handle; a leaf lock, never held across the driver call.
+    static LIMITS: Mutex<Vec<(sys::CUdevice, usize)>> = Mutex::new(Vec::new());
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let known =
+        |l: &Vec<(sys::CUdevice, usize)>| l.iter().find(|(d, _)| *d == cu_device).map(|&(_, n)| n);
+    if let Some(n) = known(&LIMITS.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Ok(n);
+    }
     let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
     // Not `CudaContext::attribute`: it first takes (and so clears) an error another operation
     // left in the context's error slot, and would report it as ours.
-    let cu_device = dev.cuda_stream().context().cu_device();
     // SAFETY: `cu_device` is the device handle of a live context (the candle device holds it);
     // the call only reads one of the device's attributes.
     let n = unsafe { result::device::get_attribute(cu_device, attr) }.w()?;
-    Ok(usize::try_from(n).unwrap_or(0))
+    let n = usize::try_from(n).unwrap_or(0);
+    let mut limits = LIMITS.lock().unwrap_or_else(|p| p.into_inner());
+    if known(&limits).is_none() {
+        limits.push((cu_device, n));
+    }
+    Ok(n)
 }
 
 /// Whether the prefill op runs on `device` for heads of `head_dim` (64 or 128, and the shared
@@ -183,41 +196,22 @@ impl Prefill {
                 pieces.len()
             )));
         }
-        for (what, t, want) in [
-            ("k_cache", k, q.dtype()),
-            ("v_cache", v, q.dtype()),
-            ("block_tables", table, DType::U32),
-        ] {
-            if t.dtype() != want {
-                return Err(bad(format!("{what} is {:?}, not {want:?}", t.dtype())));
-            }
-            if !t.device().same_device(q.device()) {
-                return Err(bad(format!("{what} is on another device than q")));
-            }
-        }
-        if !matches!(q.dtype(), DType::F16 | DType::BF16) {
-            return Err(bad(format!("dtype {:?} (supported: f16, bf16)", q.dtype())));
-        }
-        for (what, t) in [
-            ("q", q),
-            ("k_cache", k),
-            ("v_cache", v),
-            ("block_tables", table),
-        ] {
-            if !t.is_contiguous() {
-                return Err(bad(format!("{what} is not contiguous")));
-            }
-        }
-        // The kernel reads q, K and V 16 bytes at a time: a view starting inside an element
-        // group would be a misaligned load (a fault that ends the CUDA context).
-        for (what, t) in [("q", q), ("k_cache", k), ("v_cache", v)] {
-            let at = t.layout().start_offset() * t.dtype().size_in_bytes();
-            if at % 16 != 0 {
-                return Err(bad(format!(
-                    "{what} starts {at} bytes into its storage, not a multiple of 16"
-                )));
-            }
-        }
+        operands::check(
+            q,
+            &[
+                ("k_cache", k, q.dtype()),
+                ("v_cache", v, q.dtype()),
+                ("block_tables", table, DType::U32),
+            ],
+            &[
+                ("q", q),
+                ("k_cache", k),
+                ("v_cache", v),
+                ("block_tables", table),
+            ],
+            &[("q", q), ("k_cache", k), ("v_cache", v)],
+        )
+        .map_err(bad)?;
         if !scale.is_finite() {
             return Err(bad(format!("scale {scale} is not finite")));
         }
