@@ -265,7 +265,7 @@ step "the serving engine's model and the prefill op's argument checks on candle'
     libs=$tmp/libcuda:$libs
   fi
   LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-    cargo test "${lint[@]}" --lib --test serve -- paged_llama candle::prefill
+    cargo test "${lint[@]}" --lib --test serve -- paged_llama candle::prefill candle::kv_write
 )
 
 end_step

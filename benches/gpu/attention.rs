@@ -5,6 +5,8 @@
 //!   2048, blocks scattered through the cache: against the floor (the K and V bytes it must read
 //!   over the bandwidth) and against attention by gather (`index_select` of each sequence's
 //!   blocks, then matmuls and a softmax: what the serving example's engine did);
+//! - the op over the same blocks in vLLM's split-K order (mistral.rs's and candle-vllm's
+//!   paged-attention layout) against the token-major run;
 //! - a decode step of an 8B-shaped model (32 layers: the fused QKV, output, gate-up and down
 //!   projections as bf16 matmuls, the op per layer, the LM head of 128256 rows) against the
 //!   floor of its weights and KV bytes. Norms and rotary embeddings are left out (a few
@@ -21,7 +23,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, D};
 use elastic_vmm::candle::{
-    paged_attention_decode, paged_attention_prefill, PagedKvTensors, PrefillPiece, TensorPool,
+    paged_attention_decode, paged_attention_decode_shaped, paged_attention_prefill, BlockShape,
+    PagedKvTensors, PrefillPiece, TensorPool,
 };
 use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::Pool;
@@ -148,6 +151,7 @@ pub fn run() -> Result<(), BoxError> {
         format!("{:.1} us", floor * 1e6),
         floor / ours,
     );
+    split_k(&device, &tensors, &ids, &table, &lens, &q, ours)?;
     decode_step(&device, &cache, &table, &lens, bw, layer_kv)?;
     // The prefill chunk reads sequence 0's and 1's blocks of layer 0 as one 4096-token context.
     let ctx_table = Tensor::from_vec(
@@ -161,6 +165,70 @@ pub fn run() -> Result<(), BoxError> {
     prefill(&device, &k0, &v0, &ctx_table)?;
     prefill_step(&device, &cache, &ctx_table)?;
     cache.free(&ids)?;
+    Ok(())
+}
+
+/// The op over one layer of a cache in vLLM's split-K order (mistral.rs's and candle-vllm's
+/// paged-attention layout: V transposed, read 2 bytes at a time), the same blocks and shapes
+/// as the token-major run that took `token_major` seconds.
+fn split_k(
+    device: &Device,
+    tensors: &TensorPool,
+    ids: &[usize],
+    table: &Tensor,
+    lens: &Tensor,
+    q: &Tensor,
+    token_major: f64,
+) -> Result<(), BoxError> {
+    let n = ids.iter().max().map_or(1, |m| m + 1);
+    let cache = PagedKvTensors::with_shape(
+        tensors,
+        PagedKvConfig::new(1, KV_HEADS, HEAD_DIM, TOKENS, 2, n),
+        DType::BF16,
+        BlockShape::SplitK,
+    )?;
+    let mine = cache.alloc(n)?;
+    let (k, v) = (cache.k(0)?, cache.v(0)?);
+    for t in [&k, &v] {
+        let dims = t.dims().to_vec();
+        t.slice_set(
+            &Tensor::randn(0f32, 1.0, dims, device)?.to_dtype(DType::BF16)?,
+            0,
+            0,
+        )?;
+    }
+    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
+    let op = || -> Result<Tensor, BoxError> {
+        Ok(paged_attention_decode_shaped(
+            BlockShape::SplitK,
+            q,
+            &k,
+            &v,
+            table,
+            lens,
+            CONTEXT,
+            scale,
+        )?)
+    };
+    op()?;
+    let t = median(5, || {
+        timed(device, 50, || op().map(drop)).unwrap_or(f64::NAN)
+    });
+    println!(
+        "paged attention over split-K blocks (vLLM's order), batch {BATCH}, context {CONTEXT}: {:.1} us, token-major {:.1} us ({:.2}x)",
+        t * 1e6,
+        token_major * 1e6,
+        token_major / t
+    );
+    result(
+        "attention/split-k",
+        &format!("paged-attention decode over split-K blocks, batch {BATCH}, context {CONTEXT}, 8B-shaped, bf16"),
+        format!("{:.1} us", t * 1e6),
+        "the op over the same blocks in token-major order",
+        format!("{:.1} us", token_major * 1e6),
+        token_major / t,
+    );
+    cache.free(&mine)?;
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! The regression guard (`gpu-bench --check`): every `RESULT` ratio of a fresh run against the
 //! one saved in `docs/results/` from the same device. A line fails when its ratio is more than
-//! [`TOLERANCE`] worse than the saved one, when a saved line of a section that ran is missing,
+//! its [`tolerance`] worse than the saved one, when a saved line of a section that ran is missing,
 //! or when its section has no saved line at all; a new line of a section with saved ones is
 //! reported as new. Both figures are printed for every line.
 //!
@@ -8,8 +8,23 @@
 
 use std::fmt::Write as _;
 
-/// How much worse than the saved ratio a fresh one may be: 20%.
+/// How much worse than the saved ratio a fresh one may be: 20%, unless [`tolerance`] says
+/// otherwise for the line.
 pub const TOLERANCE: f64 = 0.20;
+
+/// How much worse than the saved ratio line `key`'s fresh one may be: [`TOLERANCE`], or wider
+/// for a line whose reruns of one build spread past it, with the spread that was seen.
+pub fn tolerance(key: &str) -> f64 {
+    match key {
+        // 8 GiB in one request against one raw 8 GiB handle, best of 4 rounds each: the
+        // driver's state moves both (0.35x and 0.52x on the H100 with the same pool code, runs
+        // of 2026-12-07; 0.35x-0.62x across the saved logs). The regression this line was
+        // made for took the ratio from 0.52x to 0.03x, which fails at 50% too, and the bench's
+        // own check (8 GiB in at most 4x one raw handle) stays.
+        "pool/bulk-growth" => 0.50,
+        _ => TOLERANCE,
+    }
+}
 
 /// One `RESULT|key|what|ours|peer|peer's figure|ratio` line.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +155,7 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "check: {} of {} lines {} (a ratio may be at most {:.0}% worse than the saved one)",
+            "check: {} of {} lines {} (a ratio may be at most {:.0}% worse than the saved one, unless its line says more)",
             if self.passed() {
                 self.rows.len()
             } else {
@@ -181,18 +196,24 @@ pub fn compare(saved: &[(String, Line)], fresh: &[Line], sections: &[&str]) -> R
             continue;
         };
         let change = f.ratio / s.ratio - 1.0;
+        let tol = tolerance(&s.key);
         // Exactly the tolerance passes (a hair below it in floating point too).
-        let worse = change < -TOLERANCE - 1e-9;
+        let worse = change < -tol - 1e-9;
         if worse {
             report.failed += 1;
         }
         report.rows.push(format!(
-            "{} {}: saved {} [{file}], now {}: {:+.1}%",
+            "{} {}: saved {} [{file}], now {}: {:+.1}%{}",
             if worse { "FAIL   " } else { "ok     " },
             s.key,
             figures(s),
             figures(f),
-            change * 100.0
+            change * 100.0,
+            if tol == TOLERANCE {
+                String::new()
+            } else {
+                format!(" (this line may be {:.0}% worse)", tol * 100.0)
+            }
         ));
     }
     for f in fresh {

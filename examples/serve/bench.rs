@@ -8,7 +8,8 @@
 //!             [--slo-tpot S] [--reclaim-wait-ms MS] [--out DIR]
 //!             [--resident R] [--sleep-after S] [--on-off ON,OFF] [--rate R]
 //!             [--gpu small|8b [--budget-gib G] [--reserve-gib G] [--act-reserve-gib G]
-//!              [--cost-ms STEP,SEQ,PREFILL[,CTX]] [--max-batch N] [--max-context N] [--prefill-chunk N]]
+//!              [--cost-ms STEP,SEQ,PREFILL[,CTX]] [--max-batch N] [--max-context N] [--prefill-chunk N]
+//!              [--block-shape token-major|head-major|split-k]]
 //! ```
 //!
 //! With `--gpu` the engines are candle Llamas on CUDA device 0 (see `deploy.rs`); lengths
@@ -113,6 +114,8 @@ pub struct BenchArgs {
     pub max_context: u32,
     /// GPU: most tokens in one prefill forward.
     pub prefill_chunk: usize,
+    /// GPU: the KV cache's block order (`--block-shape`, see `llama::parse_block_shape`).
+    pub block_shape: String,
     /// Models whose bases the budget holds at once (`None`: all; fewer: sleep policies only).
     pub resident: Option<usize>,
     /// Sleep policies: seconds with no work after which a model sleeps.
@@ -159,6 +162,7 @@ impl BenchArgs {
             max_batch: 64,
             max_context: 4096,
             prefill_chunk: 512,
+            block_shape: "token-major".into(),
             resident: None,
             sleep_idle_s: 1.0,
             on_off: None,
@@ -246,6 +250,7 @@ impl BenchArgs {
                 "--max-batch" => a.max_batch = num(v)? as usize,
                 "--max-context" => a.max_context = num(v)? as u32,
                 "--prefill-chunk" => a.prefill_chunk = num(v)? as usize,
+                "--block-shape" => a.block_shape = v.to_string(),
                 "--resident" => a.resident = Some(num(v)? as usize),
                 "--sleep-after" => a.sleep_idle_s = num(v)?,
                 "--rate" => a.rate = Some(num(v)?),
@@ -343,6 +348,8 @@ fn gib(g: f64) -> Result<u64, String> {
 /// Sizes of real engines of `size` on the GPU (2 MiB granules; the KV budget set later).
 #[cfg(feature = "candle-example")]
 fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
+    // A bad order is refused here, before any engine starts.
+    crate::llama::parse_block_shape(&a.block_shape)?;
     use crate::engine::{EngineConfig, SimCost};
     use crate::llama::Size;
     use crate::paged_llama::BLOCK_TOKENS;
@@ -391,6 +398,7 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
         gpu: Some(deploy::GpuEngines {
             size: size.to_string(),
             prefill_chunk: a.prefill_chunk,
+            block_shape: a.block_shape.clone(),
         }),
     })
 }

@@ -159,6 +159,8 @@ pub struct GpuEngines {
     pub size: String,
     /// Most tokens in one forward of a prefill.
     pub prefill_chunk: usize,
+    /// The KV cache's block order (`token-major`, `head-major` or `split-k`).
+    pub block_shape: String,
 }
 
 /// Sizes of a deployment: on the host backend with simulated compute (`gpu` is `None`), or
@@ -662,7 +664,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
         }
         #[cfg(feature = "candle-example")]
         Some(g) => {
-            use crate::llama::{engine_model, Size};
+            use crate::llama::{engine_model, parse_block_shape, Size};
             let size = Size::parse(&g.size)?;
             let m = engine_model(
                 size,
@@ -672,6 +674,7 @@ fn engine_role(spec: &Path) -> Result<(), String> {
                 blocks,
                 s.engine,
                 g.prefill_chunk,
+                parse_block_shape(&g.block_shape)?,
             )?;
             // What the model holds besides KV: mapped after the warm-up (weights and any gaps
             // between them) and the warm-up's activations. More than planned would fail its

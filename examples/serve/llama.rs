@@ -29,7 +29,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use elastic_vmm::backend::cuda::CudaBackend;
-use elastic_vmm::candle::{PagedKvTensors, PrefillPiece, TensorPool};
+use elastic_vmm::candle::{BlockShape, PagedKvTensors, PrefillPiece, TensorPool};
 use elastic_vmm::kv::PagedKvConfig;
 use elastic_vmm::route;
 use elastic_vmm::{ModelConfig, ModelHandle, Pool, PoolConfig, SharedPool, SharedPoolConfig, Tag};
@@ -301,17 +301,33 @@ fn decode_pieces<'a>(seqs: &[SeqView<'a>]) -> Vec<Piece<'a>> {
         .collect()
 }
 
-/// The cache without its kernel: a forward over it gathers the blocks (the reference the
-/// kernel's decode is checked against).
+/// The cache without its attention kernels: a forward over it gathers the blocks (the
+/// reference the kernels are checked against). Writes and block order as the cache's.
 struct Gathered<'a>(&'a PagedKvTensors);
 
 impl LayerCache for Gathered<'_> {
     fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
         self.0.layer(l)
     }
+
+    fn write(
+        &self,
+        kc: &Tensor,
+        vc: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        slots: &Tensor,
+    ) -> Option<candle_core::Result<()>> {
+        self.0.write(kc, vc, k, v, slots)
+    }
+
+    fn token_major(&self, blocks: Tensor, kv: usize) -> candle_core::Result<Tensor> {
+        self.0.token_major(blocks, kv)
+    }
 }
 
 /// The cache with its decode kernel but not its prefill kernel: a prefill gathers the blocks.
+/// Writes and block order as the cache's.
 struct PrefillGathered<'a>(&'a PagedKvTensors);
 
 impl LayerCache for PrefillGathered<'_> {
@@ -331,6 +347,21 @@ impl LayerCache for PrefillGathered<'_> {
     ) -> Option<candle_core::Result<Tensor>> {
         self.0
             .decode_attention(q, k, v, table, lens, max_context, scale)
+    }
+
+    fn write(
+        &self,
+        kc: &Tensor,
+        vc: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        slots: &Tensor,
+    ) -> Option<candle_core::Result<()>> {
+        self.0.write(kc, vc, k, v, slots)
+    }
+
+    fn token_major(&self, blocks: Tensor, kv: usize) -> candle_core::Result<Tensor> {
+        self.0.token_major(blocks, kv)
     }
 }
 
@@ -390,9 +421,9 @@ impl LayerCache for PagedKvTensors {
         Ok((self.k(l).map_err(e)?, self.v(l).map_err(e)?))
     }
 
-    /// The crate's paged-attention op: K and V read in place through the tables, no gather.
-    /// Token-major blocks only (the order the op reads), of the head sizes, query heads per
-    /// KV head and dtypes it takes; anything else gathers.
+    /// The crate's paged-attention op in the cache's block order: K and V read in place
+    /// through the tables, no gather. Of the head sizes, query heads per KV head and dtypes it
+    /// takes; anything else gathers.
     fn decode_attention(
         &self,
         q: &Tensor,
@@ -404,9 +435,8 @@ impl LayerCache for PagedKvTensors {
         scale: f32,
     ) -> Option<candle_core::Result<Tensor>> {
         let (heads, hd) = (q.dim(1).ok()?, q.dim(2).ok()?);
-        let kvh = k.dim(2).ok()?;
-        let supported = self.block_shape() == elastic_vmm::candle::BlockShape::TokenMajor
-            && matches!(q.dtype(), DType::BF16 | DType::F16)
+        let kvh = self.config().kv_heads;
+        let supported = matches!(q.dtype(), DType::BF16 | DType::F16)
             && matches!(hd, 64 | 128)
             && kvh > 0
             && heads % kvh == 0
@@ -414,7 +444,8 @@ impl LayerCache for PagedKvTensors {
         if !supported {
             return None;
         }
-        Some(elastic_vmm::candle::paged_attention_decode(
+        Some(elastic_vmm::candle::paged_attention_decode_shaped(
+            self.block_shape(),
             q,
             k,
             v,
@@ -437,10 +468,10 @@ impl LayerCache for PagedKvTensors {
         scale: f32,
     ) -> Option<candle_core::Result<Tensor>> {
         let (heads, hd) = (q.dim(1).ok()?, q.dim(2).ok()?);
-        let kvh = k.dim(2).ok()?;
+        let kvh = self.config().kv_heads;
         // Where the op cannot run (its shared memory on a smaller GPU, a contiguous cache's
-        // strided layer views) the engine gathers, as before the op.
-        let supported = self.block_shape() == elastic_vmm::candle::BlockShape::TokenMajor
+        // strided layer views, another block order) the engine gathers, as before the op.
+        let supported = self.block_shape() == BlockShape::TokenMajor
             && matches!(q.dtype(), DType::BF16 | DType::F16)
             && k.is_contiguous()
             && v.is_contiguous()
@@ -457,6 +488,53 @@ impl LayerCache for PagedKvTensors {
         Some(elastic_vmm::candle::paged_attention_prefill(
             q, k, v, table, &pieces, scale,
         ))
+    }
+
+    /// The crate's write kernel for caches in another block order than token-major (those the
+    /// forward's `scatter_set` writes as before).
+    fn write(
+        &self,
+        kc: &Tensor,
+        vc: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        slots: &Tensor,
+    ) -> Option<candle_core::Result<()>> {
+        if self.block_shape() == BlockShape::TokenMajor {
+            return None;
+        }
+        let c = self.config();
+        let (n, h, d) = (k.dim(0).ok()?, c.kv_heads, c.head_dim);
+        let run = || {
+            elastic_vmm::candle::paged_kv_write(
+                self.block_shape(),
+                &k.reshape((n, h, d))?,
+                &v.reshape((n, h, d))?,
+                kc,
+                vc,
+                slots,
+            )
+        };
+        Some(run())
+    }
+
+    /// Blocks in the cache's order as token-major `[n, block_tokens, kv_heads, head_dim]`.
+    fn token_major(&self, blocks: Tensor, kv: usize) -> candle_core::Result<Tensor> {
+        let c = self.config();
+        let (bt, h, d) = (c.block_tokens, c.kv_heads, c.head_dim);
+        let n = blocks.dim(0)?;
+        match (self.block_shape(), kv) {
+            (BlockShape::TokenMajor, _) => Ok(blocks),
+            // [n, h, bt, d]
+            (BlockShape::HeadMajor, _) => blocks.permute((0, 2, 1, 3))?.contiguous(),
+            // [n, h, d / x, bt, x]
+            (BlockShape::SplitK, 0) => blocks
+                .permute((0, 3, 1, 2, 4))?
+                .contiguous()?
+                .reshape((n, bt, h, d)),
+            // [n, h, d, bt]
+            (BlockShape::SplitK, _) => blocks.permute((0, 3, 1, 2))?.contiguous(),
+        }
     }
 }
 
@@ -525,7 +603,22 @@ pub struct EngineModel {
     pub act_peak: u64,
 }
 
-/// Load and warm the model of one engine process; see [`EngineModel`].
+/// The block order `--block-shape` names: `token-major` (the crate's own), `head-major`
+/// (FlashInfer's HND) or `split-k` (vLLM's paged-attention kernels, as mistral.rs and
+/// candle-vllm allocate their caches).
+pub fn parse_block_shape(s: &str) -> Result<BlockShape, String> {
+    match s {
+        "token-major" => Ok(BlockShape::TokenMajor),
+        "head-major" => Ok(BlockShape::HeadMajor),
+        "split-k" => Ok(BlockShape::SplitK),
+        _ => Err(format!(
+            "--block-shape {s:?}: token-major, head-major or split-k"
+        )),
+    }
+}
+
+/// Load and warm the model of one engine process, its KV cache's blocks in `shape`'s order;
+/// see [`EngineModel`].
 #[allow(clippy::too_many_arguments)]
 pub fn engine_model(
     size: Size,
@@ -535,6 +628,7 @@ pub fn engine_model(
     max_blocks: usize,
     engine: EngineConfig,
     prefill_chunk: usize,
+    shape: BlockShape,
 ) -> Result<EngineModel, String> {
     let e = |e: elastic_vmm::Error| e.to_string();
     let ce = |e: candle_core::Error| e.to_string();
@@ -553,7 +647,10 @@ pub fn engine_model(
     route::flush(pool);
     pool.trim().map_err(e)?;
     let tensors = TensorPool::new(kv_pool, &device).map_err(e)?;
-    let kv = Arc::new(PagedKvTensors::new(&tensors, size.kv_config(max_blocks), DTYPE).map_err(e)?);
+    let kv = Arc::new(
+        PagedKvTensors::with_shape(&tensors, size.kv_config(max_blocks), DTYPE, shape)
+            .map_err(e)?,
+    );
     let mut model = LlamaModel {
         pool: pool.clone(),
         id: id.to_string(),

@@ -1,7 +1,7 @@
 //! A Llama-shaped decoder of candle-nn pieces (RMS norm, rotary embeddings, grouped-query
-//! attention, SwiGLU MLP) over a paged KV cache: per layer a K and a V tensor `[blocks,
-//! block_tokens, kv_heads, head_dim]` ([`LayerCache`]: `PagedKvTensors` on the GPU, ordinary
-//! tensors in the host test). Candle only, so a host check can include it by `#[path]`.
+//! attention, SwiGLU MLP) over a paged KV cache: per layer a K and a V tensor, `[blocks,
+//! block_tokens, kv_heads, head_dim]` or another block order the cache reads and writes itself
+//! ([`LayerCache`]: `PagedKvTensors` on the GPU, ordinary tensors in the host test). Candle only, so a host check can include it by `#[path]`.
 //!
 //! Checked on the CPU by its unit tests (ordinary tensors as the cache, f32): `cargo test
 //! --features candle-example --example serve paged_llama` where that links (the CUDA toolchain);
@@ -12,9 +12,10 @@
 //! of a decode step):
 //! - the projections and the MLP are one batched matmul over every token of the forward;
 //! - each token's K and V (after the rotary embedding) are written into its slot of its
-//!   sequence's blocks (`scatter_set` on the layer's tensor viewed as `[blocks * block_tokens,
-//!   kv_heads * head_dim]`: one kernel per layer for K and one for V, in place; only blocks the
-//!   engine allocated are written);
+//!   sequence's blocks, in place, only blocks the engine allocated: by the cache's own write
+//!   where it has one ([`LayerCache::write`]: the crate's write kernel, for caches in another
+//!   block order than token-major), else by `scatter_set` on the layer's tensor viewed as
+//!   `[blocks * block_tokens, kv_heads * head_dim]` (one kernel per layer for K and one for V);
 //! - a decode step (one token per piece) attends in one batch through the block tables
 //!   (padded to the longest with the sequence's own last block, keys past its length masked):
 //!   in place by the cache's kernel where it has one ([`LayerCache::decode_attention`]: the
@@ -35,8 +36,10 @@ pub const BLOCK_TOKENS: usize = 16;
 /// Positions the rotary tables cover (a longer context is an error naming it).
 pub const MAX_POSITION: usize = 32768;
 
-/// Where a forward finds layer `l`'s K and V tensors `[blocks, BLOCK_TOKENS, kv_heads,
-/// head_dim]`, contiguous, written in place.
+/// Where a forward finds layer `l`'s K and V tensors, contiguous, written in place: `[blocks,
+/// BLOCK_TOKENS, kv_heads, head_dim]`, or blocks in another order where the cache writes them
+/// ([`LayerCache::write`]), reads them in its kernels and turns them token-major for the gather
+/// paths ([`LayerCache::token_major`]).
 pub trait LayerCache {
     /// Layer `l`'s K and V.
     fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)>;
@@ -74,6 +77,28 @@ pub trait LayerCache {
         _scale: f32,
     ) -> Option<candle_core::Result<Tensor>> {
         None
+    }
+
+    /// The forward's new tokens' K and V (`[tokens, kv_heads * head_dim]`) into their slots
+    /// (`slots` `[tokens]` u32, `block * block_tokens + offset`) of layer tensors `kc`, `vc`,
+    /// where the cache has a write of its own (a kernel for its block order). `None` where it
+    /// has none: the forward scatters into token-major tensors.
+    fn write(
+        &self,
+        _kc: &Tensor,
+        _vc: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _slots: &Tensor,
+    ) -> Option<candle_core::Result<()>> {
+        None
+    }
+
+    /// Blocks read from a layer's K (`kv` 0) or V tensor by `index_select` (`[n, ..]` in the
+    /// cache's block order) as token-major `[n, block_tokens, kv_heads, head_dim]`, for the
+    /// gather paths. As they are by default (token-major caches).
+    fn token_major(&self, blocks: Tensor, _kv: usize) -> candle_core::Result<Tensor> {
+        Ok(blocks)
     }
 }
 
@@ -290,10 +315,10 @@ impl PagedLlama {
         let pos = Tensor::new(pos_host.as_slice(), &dev)?;
         let cos = self.cos.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
         let sin = self.sin.index_select(&pos, 0)?.reshape((n, 1, hd / 2))?;
-        let rows = Tensor::new(rows.as_slice(), &dev)?
-            .reshape((n, 1))?
-            .broadcast_as((n, kvd))?
-            .contiguous()?;
+        let slots = Tensor::new(rows.as_slice(), &dev)?;
+        // The slots as scatter indices `[tokens, kv_heads * head_dim]`, made at the first layer
+        // whose cache has no write of its own.
+        let mut rows: Option<Tensor> = None;
         let held = |p: &Piece<'a>| &p.blocks[..(p.start + p.len).div_ceil(bt)];
         // Every piece's block table padded to the longest with its own last block: a kernel
         // reads the padding only past a piece's context (masked out in a decode, never read in
@@ -351,10 +376,24 @@ impl PagedLlama {
             let v = w.wv.forward(&h)?.contiguous()?;
             let (kc, vc) = kv.layer(l)?;
             // The new tokens' K and V into their slots, in place (blocks the engine allocated).
-            kc.reshape((max_blocks * bt, kvd))?
-                .scatter_set(&rows, &k, 0)?;
-            vc.reshape((max_blocks * bt, kvd))?
-                .scatter_set(&rows, &v, 0)?;
+            match kv.write(&kc, &vc, &k, &v, &slots) {
+                Some(r) => r?,
+                None => {
+                    let rows = match &rows {
+                        Some(r) => r,
+                        None => rows.insert(
+                            slots
+                                .reshape((n, 1))?
+                                .broadcast_as((n, kvd))?
+                                .contiguous()?,
+                        ),
+                    };
+                    kc.reshape((max_blocks * bt, kvd))?
+                        .scatter_set(rows, &k, 0)?;
+                    vc.reshape((max_blocks * bt, kvd))?
+                        .scatter_set(rows, &v, 0)?;
+                }
+            }
             let a = match &decode {
                 Some((table, lens, nb, longest)) => {
                     let b = pieces.len();
@@ -363,7 +402,7 @@ impl PagedLlama {
                     let table2 = table.reshape((b, *nb))?;
                     match kv.decode_attention(&q3, &kc, &vc, &table2, lens, *longest, scale) {
                         Some(a) => a?.reshape((b, s.heads * hd))?,
-                        None => attend_decode(s, &q, &kc, &vc, table, lens, *nb)?,
+                        None => attend_decode(s, kv, &q, &kc, &vc, table, lens, *nb)?,
                     }
                 }
                 None => {
@@ -374,7 +413,7 @@ impl PagedLlama {
                     };
                     match kv.prefill_attention(&q3, &kc, &vc, table, &spans, scale) {
                         Some(a) => a?.reshape((n, s.heads * hd))?,
-                        None => attend_pieces(s, pieces, &tables, &q, &k, &v, &kc, &vc)?,
+                        None => attend_pieces(s, kv, pieces, &tables, &q, &k, &v, &kc, &vc)?,
                     }
                 }
             };
@@ -394,6 +433,7 @@ impl PagedLlama {
 #[allow(clippy::too_many_arguments)]
 fn attend_pieces(
     s: &LlamaShape,
+    kv: &dyn LayerCache,
     pieces: &[Piece],
     tables: &[Tensor],
     q: &Tensor,
@@ -411,7 +451,7 @@ fn attend_pieces(
         let src = if p.start == 0 {
             Context::Own(k.narrow(0, off, p.len)?, v.narrow(0, off, p.len)?)
         } else {
-            Context::Blocks(kc, vc, table)
+            Context::Blocks(kv, kc, vc, table)
         };
         off += p.len;
         outs.push(attend(s, &q, src, p.start, p.len)?);
@@ -467,9 +507,9 @@ enum Context<'a> {
     /// Only its own new tokens (it starts at position 0): their K and V `[len, kv_heads *
     /// head_dim]`.
     Own(Tensor, Tensor),
-    /// Its blocks (`table`) of the layer's cache tensors `[blocks, block_tokens, kv_heads,
-    /// head_dim]`, K and V.
-    Blocks(&'a Tensor, &'a Tensor, &'a Tensor),
+    /// Its blocks (`table`) of the layer's cache tensors, K and V, read as token-major by the
+    /// cache.
+    Blocks(&'a dyn LayerCache, &'a Tensor, &'a Tensor, &'a Tensor),
 }
 
 /// Attention of one sequence's `len` new queries `q` `[len, heads * head_dim]` (positions
@@ -499,17 +539,18 @@ fn attend(
             let own = |c: Tensor| c.reshape((len, kvh, hd))?.transpose(0, 1)?.contiguous();
             (own(k)?, own(v)?)
         }
-        Context::Blocks(kc, vc, table) => {
+        Context::Blocks(cache, kc, vc, table) => {
             let nb = table.dim(0)?;
-            let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+            let gather = |c: &Tensor, kv: usize| -> candle_core::Result<Tensor> {
                 // [nb, bt, kvh, hd] -> [ctx, kvh, hd] -> [kvh, ctx, hd]
-                c.index_select(table, 0)?
+                cache
+                    .token_major(c.index_select(table, 0)?, kv)?
                     .reshape((nb * BLOCK_TOKENS, kvh, hd))?
                     .narrow(0, 0, ctx)?
                     .transpose(0, 1)?
                     .contiguous()
             };
-            (gather(kc)?, gather(vc)?)
+            (gather(kc, 0)?, gather(vc, 1)?)
         }
     };
     let scores = q
@@ -543,8 +584,10 @@ fn attend(
 /// Attention of a decode batch: query `b` `q[b]` (`[batch, heads * head_dim]`) over the first
 /// `lens[b]` tokens of its `nb` blocks, `table` `[batch * nb]` (padded). Returns `[batch, heads
 /// * head_dim]`.
+#[allow(clippy::too_many_arguments)]
 fn attend_decode(
     s: &LlamaShape,
+    kv: &dyn LayerCache,
     q: &Tensor,
     kc: &Tensor,
     vc: &Tensor,
@@ -557,14 +600,14 @@ fn attend_decode(
     let b = q.dim(0)?;
     let l = nb * BLOCK_TOKENS;
     let q = q.reshape((b, kvh, rep, hd))?;
-    let gather = |c: &Tensor| -> candle_core::Result<Tensor> {
+    let gather = |c: &Tensor, which: usize| -> candle_core::Result<Tensor> {
         // [b * nb, bt, kvh, hd] -> [b, l, kvh, hd] -> [b, kvh, l, hd]
-        c.index_select(table, 0)?
+        kv.token_major(c.index_select(table, 0)?, which)?
             .reshape((b, l, kvh, hd))?
             .transpose(1, 2)?
             .contiguous()
     };
-    let (k, v) = (gather(kc)?, gather(vc)?);
+    let (k, v) = (gather(kc, 0)?, gather(vc, 1)?);
     let scores = q
         .matmul(&k.t()?)?
         .to_dtype(DType::F32)?
@@ -702,6 +745,111 @@ mod tests {
                 Tensor::stack(&outs, 0)
             };
             Some(run())
+        }
+    }
+
+    /// The cache in head-major order, `[blocks, kv_heads, block_tokens, head_dim]`, written
+    /// and turned token-major by its own hooks (as the GPU's cache in another engine's order
+    /// is by the crate's kernels); counts its writes.
+    struct HeadMajor(Vec<(Tensor, Tensor)>, std::cell::Cell<usize>);
+
+    impl HeadMajor {
+        fn new(s: &LlamaShape) -> HeadMajor {
+            let z = || {
+                Tensor::zeros(
+                    (BLOCKS, s.kv_heads, BLOCK_TOKENS, s.head_dim()),
+                    DType::F32,
+                    &Device::Cpu,
+                )
+                .unwrap()
+            };
+            HeadMajor(
+                (0..s.layers).map(|_| (z(), z())).collect(),
+                Default::default(),
+            )
+        }
+    }
+
+    impl LayerCache for HeadMajor {
+        fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
+            Ok(self.0[l].clone())
+        }
+
+        fn write(
+            &self,
+            kc: &Tensor,
+            vc: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            slots: &Tensor,
+        ) -> Option<candle_core::Result<()>> {
+            self.1.set(self.1.get() + 1);
+            let run = || -> candle_core::Result<()> {
+                let (blocks, kvh, bt, hd) = kc.dims4()?;
+                for (i, &slot) in slots.to_vec1::<u32>()?.iter().enumerate() {
+                    let (b, o) = (slot as usize / bt, slot as usize % bt);
+                    for (c, x) in [(kc, k), (vc, v)] {
+                        let rows = c.reshape((blocks * kvh * bt, hd))?;
+                        let token = x.get(i)?.reshape((kvh, hd))?;
+                        for h in 0..kvh {
+                            rows.slice_set(&token.narrow(0, h, 1)?, 0, (b * kvh + h) * bt + o)?;
+                        }
+                    }
+                }
+                Ok(())
+            };
+            Some(run())
+        }
+
+        fn token_major(&self, blocks: Tensor, _kv: usize) -> candle_core::Result<Tensor> {
+            blocks.permute((0, 2, 1, 3))?.contiguous()
+        }
+    }
+
+    /// A cache in another block order, written and read through its hooks, gives the logits
+    /// of the token-major cache, prefill and decode, batched; the forward never scatters into
+    /// it (every layer's write goes through the hook).
+    #[test]
+    fn a_cache_in_another_block_order_gives_the_same_logits() {
+        let m = model();
+        let s = shape();
+        let tables: [&[u32]; 2] = [&[7, 2, 19], &[4, 30]];
+        let prompts = [40usize, 21];
+        let (plain, other) = (Cache::new(&s), HeadMajor::new(&s));
+        let run = |c: &dyn LayerCache| {
+            let mut out = Vec::new();
+            let pieces: Vec<Piece> = tables
+                .iter()
+                .zip(&prompts)
+                .map(|(t, &n)| Piece {
+                    blocks: t,
+                    start: 0,
+                    len: n,
+                })
+                .collect();
+            out.extend(rows(&m.forward(c, &pieces).unwrap()));
+            for step in 0..3 {
+                let pieces: Vec<Piece> = tables
+                    .iter()
+                    .zip(&prompts)
+                    .map(|(t, &n)| Piece {
+                        blocks: t,
+                        start: n + step,
+                        len: 1,
+                    })
+                    .collect();
+                out.extend(rows(&m.forward(c, &pieces).unwrap()));
+            }
+            out
+        };
+        let (want, got) = (run(&plain), run(&other));
+        assert_eq!(
+            other.1.get(),
+            4 * s.layers,
+            "every layer's write through the hook"
+        );
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            close(g, w, &format!("row {i}"));
         }
     }
 

@@ -4,10 +4,14 @@
 //!
 //! ```text
 //! serve probe --gpu 8b [--max-batch 64] [--max-context 4096] [--prefill-chunk 512] [--prefill kernel]
+//!                      [--block-shape token-major|head-major|split-k]
 //! ```
 //!
 //! `--prefill gather` times prefill by the path before the prefill kernel (blocks gathered,
-//! scores materialised), to compare the two on one machine.
+//! scores materialised), to compare the two on one machine. `--block-shape` puts the cache's
+//! blocks in another engine's order (`split-k`: vLLM's paged-attention layout, as mistral.rs
+//! and candle-vllm allocate it): the decode kernel reads that order in place, the write kernel
+//! writes it, and a prefill gathers (the prefill op reads token-major blocks only).
 //!
 //! The engine is `serve bench`'s (`llama::engine_model`: random bf16 weights, its KV a paged
 //! KV cache, decode attended in place by the paged-attention kernel), in pools of its own.
@@ -40,6 +44,8 @@ struct ProbeArgs {
     chunk: usize,
     /// Prefill by gathering the blocks (`--prefill gather`).
     prefill_by_gather: bool,
+    /// The cache's block order (`--block-shape`).
+    shape: elastic_vmm::candle::BlockShape,
 }
 
 fn parse(args: &[String]) -> Result<ProbeArgs, String> {
@@ -49,6 +55,7 @@ fn parse(args: &[String]) -> Result<ProbeArgs, String> {
         max_context: 4096,
         chunk: 512,
         prefill_by_gather: false,
+        shape: elastic_vmm::candle::BlockShape::TokenMajor,
     };
     let mut gpu = false;
     let mut it = args.iter();
@@ -71,6 +78,7 @@ fn parse(args: &[String]) -> Result<ProbeArgs, String> {
             "--max-batch" => a.max_batch = num(v)?,
             "--max-context" => a.max_context = num(v)?,
             "--prefill-chunk" => a.chunk = num(v)?,
+            "--block-shape" => a.shape = llama::parse_block_shape(v)?,
             "--prefill" => {
                 a.prefill_by_gather = match v {
                     "kernel" => false,
@@ -82,7 +90,7 @@ fn parse(args: &[String]) -> Result<ProbeArgs, String> {
         }
     }
     if !gpu {
-        return Err("usage: serve probe --gpu small|8b [--max-batch N] [--max-context N] [--prefill-chunk N] [--prefill kernel|gather]".into());
+        return Err("usage: serve probe --gpu small|8b [--max-batch N] [--max-context N] [--prefill-chunk N] [--prefill kernel|gather] [--block-shape token-major|head-major|split-k]".into());
     }
     // The fit needs two batch sizes and two contexts.
     if a.max_batch < 2 || a.max_context < 2 * BLOCK_TOKENS {
@@ -133,10 +141,12 @@ pub fn run(args: &[String]) -> Result<(), String> {
         blocks + 1,
         engine,
         a.chunk,
+        a.shape,
     )?;
     println!(
-        "probe: {} on {}: weights {:.2} GiB, loaded and warmed in {:.1} s; activations' peak {:.2} GiB",
+        "probe: {} ({:?} blocks) on {}: weights {:.2} GiB, loaded and warmed in {:.1} s; activations' peak {:.2} GiB",
         a.size.name(),
+        a.shape,
         pool.backend_info().device_name,
         m.held as f64 / GIB as f64,
         t0.elapsed().as_secs_f64(),

@@ -1,11 +1,14 @@
 //! Paged-attention decode as a candle op: each sequence's query token attends over its cached
-//! tokens read in place through its block table, with no gather copy (the kernel is
-//! `kernels/paged_attention.cu`, its PTX committed and embedded).
+//! tokens read in place through its block table, with no gather copy; and the write of new
+//! tokens' K and V into their slots. The kernels are `kernels/paged_attention.cuh`, one
+//! module per block order (its PTX committed and embedded, JIT-compiled once a process uses
+//! that order).
 //!
-//! The cache is the per-layer layout of [`crate::kv::PagedKv`] (FlashInfer's NHD): K and V
-//! each `[blocks, block_tokens, kv_heads, head_dim]`, as [`super::PagedKvTensors::k`] and
-//! [`super::PagedKvTensors::v`] give them with [`super::BlockShape::TokenMajor`] (the default;
-//! the op cannot tell another 4-d order from this one, so give it no other). Grouped-query
+//! The cache is a [`crate::kv::PagedKv`]'s per-layer tensors in any [`BlockShape`]: K and V
+//! `[blocks, block_tokens, kv_heads, head_dim]` (token-major, the default), `[blocks,
+//! kv_heads, block_tokens, head_dim]` (head-major), or vLLM's split K `[blocks, kv_heads,
+//! head_dim / 8, block_tokens, 8]` with V `[blocks, kv_heads, head_dim, block_tokens]`, as
+//! [`super::PagedKvTensors::k`] and [`super::PagedKvTensors::v`] give them. Grouped-query
 //! attention: `heads` a multiple of `kv_heads` (1, 2, 4 or 8 query heads per KV head);
 //! `head_dim` 64 or 128; f16 or bf16, accumulated in f32.
 //!
@@ -19,12 +22,65 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor};
 
-use super::operands;
+use super::{operands, BlockShape};
 
-/// The PTX of the kernels (compute_80, JIT-compiled by the driver once per process).
-const PTX: &str = include_str!("kernels/paged_attention.ptx");
-/// The module's name in candle's cache of custom modules.
-const MODULE: &str = "evmm_paged_attention";
+/// The module of `shape`'s kernels: its name in candle's cache of custom modules and its PTX
+/// (compute_80, JIT-compiled by the driver once per process).
+pub(super) fn module(shape: BlockShape) -> (&'static str, &'static str) {
+    match shape {
+        BlockShape::TokenMajor => (
+            "evmm_paged_attention",
+            include_str!("kernels/paged_attention.ptx"),
+        ),
+        BlockShape::HeadMajor => (
+            "evmm_paged_attention_head_major",
+            include_str!("kernels/paged_attention_head_major.ptx"),
+        ),
+        BlockShape::SplitK => (
+            "evmm_paged_attention_split_k",
+            include_str!("kernels/paged_attention_split_k.ptx"),
+        ),
+    }
+}
+
+/// Elements in one 16-byte run of split K's innermost dimension (f16 and bf16).
+pub(super) const SPLIT: usize = 8;
+
+/// A cache's `(blocks, block_tokens, kv_heads, head_dim)` read from its K tensor in `shape`'s
+/// order, V checked to match; an error naming both shapes otherwise.
+pub(super) fn cache_dims(
+    shape: BlockShape,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(usize, usize, usize, usize), String> {
+    let (dims, want_v) = match (shape, k.dims()) {
+        (BlockShape::TokenMajor, &[n, bt, h, d]) => ((n, bt, h, d), vec![n, bt, h, d]),
+        (BlockShape::HeadMajor, &[n, h, bt, d]) => ((n, bt, h, d), vec![n, h, bt, d]),
+        (BlockShape::SplitK, &[n, h, dx, bt, SPLIT]) => {
+            let d = dx.checked_mul(SPLIT).ok_or("head_dim overflows")?;
+            ((n, bt, h, d), vec![n, h, d, bt])
+        }
+        (BlockShape::SplitK, other) => {
+            return Err(format!(
+                "k_cache {other:?} is not split K [blocks, kv_heads, head_dim / {SPLIT}, block_tokens, {SPLIT}]"
+            ))
+        }
+        (_, other) => {
+            return Err(format!(
+                "k_cache {other:?} has {} dimensions, a {shape:?} cache 4",
+                other.len()
+            ))
+        }
+    };
+    if v.dims() != want_v.as_slice() {
+        return Err(format!(
+            "v_cache {:?} does not match k_cache {:?} in {shape:?} order (want {want_v:?})",
+            v.dims(),
+            k.dims()
+        ));
+    }
+    Ok(dims)
+}
 /// Threads of a phase-1 CTA (the kernel's `WARPS * 32`).
 const THREADS: u32 = 128;
 /// Tokens of a partition are a multiple of this.
@@ -34,10 +90,35 @@ const MAX_PART: usize = 1024;
 /// The grid aims at this many CTAs at least, so a small batch still fills the device.
 const TARGET_CTAS: usize = 528;
 
-/// Attention of one decode step over a paged cache.
+/// Attention of one decode step over a paged cache of token-major blocks:
+/// [`paged_attention_decode_shaped`] with [`BlockShape::TokenMajor`].
+pub fn paged_attention_decode(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    block_table: &Tensor,
+    context_lens: &Tensor,
+    max_context: usize,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    paged_attention_decode_shaped(
+        BlockShape::TokenMajor,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        context_lens,
+        max_context,
+        scale,
+    )
+}
+
+/// Attention of one decode step over a paged cache whose blocks are in `shape`'s order.
 ///
 /// - `q`: `[batch, heads, head_dim]`, contiguous, f16 or bf16;
-/// - `k_cache`, `v_cache`: `[blocks, block_tokens, kv_heads, head_dim]`, contiguous, q's dtype;
+/// - `k_cache`, `v_cache`: one layer's K and V in `shape`'s order (see the module
+///   documentation; [`super::PagedKvTensors::k`] and [`super::PagedKvTensors::v`] of a cache
+///   made with that shape), contiguous, q's dtype;
 /// - `block_table`: `[batch, width]` u32, sequence `b`'s blocks in order (padded past its
 ///   length with any id);
 /// - `context_lens`: `[batch]` u32, the tokens each sequence attends over;
@@ -48,8 +129,11 @@ const TARGET_CTAS: usize = 528;
 /// Returns `[batch, heads, head_dim]` in q's dtype; a sequence of length 0 gets zeros. Runs on
 /// q's device's stream, ordered with candle's other work. Shapes, dtypes and devices are
 /// checked, and that q, K and V start 16-byte aligned in their storage; a mismatch is an error
-/// naming them.
-pub fn paged_attention_decode(
+/// naming them. A split-K V is read 2 bytes at a time (its elements of one token lie
+/// `block_tokens` apart), the other orders 16.
+#[allow(clippy::too_many_arguments)] // the operands of one kernel launch, as vLLM's op takes them
+pub fn paged_attention_decode_shaped(
+    shape: BlockShape,
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
@@ -59,6 +143,7 @@ pub fn paged_attention_decode(
     scale: f32,
 ) -> candle_core::Result<Tensor> {
     let op = PagedAttention::new(
+        shape,
         q,
         k_cache,
         v_cache,
@@ -72,6 +157,7 @@ pub fn paged_attention_decode(
 
 /// The op: q is its argument, the rest its fields.
 struct PagedAttention {
+    shape: BlockShape,
     k: Tensor,
     v: Tensor,
     table: Tensor,
@@ -97,7 +183,9 @@ fn bad(msg: String) -> candle_core::Error {
 }
 
 impl PagedAttention {
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        shape: BlockShape,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -107,14 +195,7 @@ impl PagedAttention {
         scale: f32,
     ) -> candle_core::Result<Self> {
         let (batch, heads, head_dim) = q.dims3()?;
-        let (blocks, block_tokens, kv_heads, kd) = k.dims4()?;
-        if v.dims() != k.dims() {
-            return Err(bad(format!(
-                "v_cache {:?} differs from k_cache {:?}",
-                v.dims(),
-                k.dims()
-            )));
-        }
+        let (blocks, block_tokens, kv_heads, kd) = cache_dims(shape, k, v).map_err(bad)?;
         if kd != head_dim {
             return Err(bad(format!(
                 "the cache's head_dim {kd} differs from q's {head_dim}"
@@ -167,6 +248,7 @@ impl PagedAttention {
         )
         .map_err(bad)?;
         Ok(PagedAttention {
+            shape,
             k: k.clone(),
             v: v.clone(),
             table: table.clone(),
@@ -245,7 +327,8 @@ impl PagedAttention {
             u(part),
         );
         let max_len = u(self.max_context);
-        let phase1 = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        let (module, ptx) = module(self.shape);
+        let phase1 = dev.get_or_load_custom_func(name, module, ptx)?;
         let mut b = phase1.builder();
         b.arg(&q)
             .arg(&k)
@@ -279,8 +362,8 @@ impl PagedAttention {
             } else {
                 "evmm_paged_attn_merge_f16"
             },
-            MODULE,
-            PTX,
+            module,
+            ptx,
         )?;
         let (parts_u, d) = (u(parts), u(self.head_dim));
         let mut b = merge.builder();

@@ -82,6 +82,7 @@
 
 mod attention;
 mod kv;
+mod kv_write;
 mod operands;
 mod orphans;
 mod paged;
@@ -90,8 +91,9 @@ mod retire;
 mod slices;
 mod tensor_pool;
 
-pub use attention::paged_attention_decode;
+pub use attention::{paged_attention_decode, paged_attention_decode_shaped};
 pub use kv::{ElasticKv, KvStats};
+pub use kv_write::paged_kv_write;
 pub use orphans::{reap_orphans, reap_orphans_blocking};
 pub use paged::{BlockShape, PagedKvTensors};
 pub use prefill::{paged_attention_prefill, paged_prefill_supported, PrefillPiece};

@@ -436,3 +436,245 @@ fn paged_kv_block_shapes_hold_the_engines_orders() {
     drop(caches);
     dev.synchronize().expect("device still usable");
 }
+
+/// The write kernel and the decode kernel in every block order (the engines' orders: ours,
+/// FlashInfer's head-major, vLLM's split K with transposed V), f16 and bf16, head sizes 64 and
+/// 128: tokens written by `paged_kv_write` read back bit-exact through candle tensors of the
+/// order; a slot past the cache is skipped; decode over each order gives the token-major
+/// output bit for bit (the same arithmetic, other loads) and matches the reference; a cache
+/// whose tensors do not match the order named, or bad tokens, are refused with the shapes and
+/// nothing written.
+#[test]
+fn paged_attention_reads_and_writes_every_block_order() {
+    use elastic_vmm::candle::{paged_attention_decode_shaped, paged_kv_write};
+    let dev = Device::new_cuda(0).expect("candle CUDA device 0");
+    let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
+    let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
+    let shapes = [
+        BlockShape::TokenMajor,
+        BlockShape::HeadMajor,
+        BlockShape::SplitK,
+    ];
+    let mut rng = Rng::new(11);
+    for (dtype, heads, kvh, d) in [
+        (DType::BF16, 32, 8, 128),
+        (DType::F16, 8, 8, 64),
+        (DType::BF16, 16, 2, 64),
+    ] {
+        let blocks = 128;
+        let caches: Vec<PagedKvTensors> = shapes
+            .iter()
+            .map(|&s| {
+                PagedKvTensors::with_shape(
+                    &tensors,
+                    PagedKvConfig::new(1, kvh, d, TOKENS, 2, blocks),
+                    dtype,
+                    s,
+                )
+                .expect("cache")
+            })
+            .collect();
+        // Three sequences over scattered blocks of each cache (fresh caches hand out the same
+        // ids; each keeps its own).
+        let lens = [1usize, 37, 700];
+        let need: usize = lens.iter().map(|l| l.div_ceil(TOKENS)).sum();
+        let ids: Vec<Vec<usize>> = caches
+            .iter()
+            .map(|c| {
+                let mut all = c.alloc(need + 20).expect("alloc");
+                let spare: Vec<usize> = all.iter().copied().filter(|b| b % 5 == 2).collect();
+                all.retain(|b| b % 5 != 2);
+                c.free(&spare).expect("free");
+                all.truncate(need);
+                all
+            })
+            .collect();
+        assert!(ids.iter().all(|i| i.len() == need), "{ids:?}");
+        // Every token of every sequence: K and V `[tokens, kvh, d]`, written in one call per
+        // cache, with one extra token whose slot is past the cache.
+        let total: usize = lens.iter().sum();
+        let rand = |rng: &mut Rng, n: usize| {
+            let v: Vec<f32> = (0..n)
+                .map(|_| rng.below(2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            v
+        };
+        let k_new = Tensor::from_vec(
+            rand(&mut rng, (total + 1) * kvh * d),
+            (total + 1, kvh, d),
+            &dev,
+        )
+        .and_then(|t| t.to_dtype(dtype))
+        .expect("k");
+        let v_new = Tensor::from_vec(
+            rand(&mut rng, (total + 1) * kvh * d),
+            (total + 1, kvh, d),
+            &dev,
+        )
+        .and_then(|t| t.to_dtype(dtype))
+        .expect("v");
+        let width = lens.iter().map(|l| l.div_ceil(TOKENS)).max().unwrap_or(1);
+        let mut outs = Vec::new();
+        for (ci, (s, c)) in shapes.iter().zip(&caches).enumerate() {
+            let mut slots = Vec::with_capacity(total + 1);
+            let mut table = Vec::new();
+            let mut next = ids[ci].iter();
+            for &len in &lens {
+                let own: Vec<usize> = next.by_ref().take(len.div_ceil(TOKENS)).copied().collect();
+                for t in 0..len {
+                    slots.push((own[t / TOKENS] * TOKENS + t % TOKENS) as u32);
+                }
+                table.extend(own.iter().map(|&b| b as u32));
+                // Padding: the sequence's last block again.
+                table.extend(std::iter::repeat_n(
+                    *own.last().expect("a block") as u32,
+                    width - own.len(),
+                ));
+            }
+            slots.push(u32::MAX);
+            let slots_t = Tensor::new(slots.as_slice(), &dev).expect("slots");
+            let (kc, vc) = (c.k(0).expect("k"), c.v(0).expect("v"));
+            paged_kv_write(*s, &k_new, &v_new, &kc, &vc, &slots_t).expect("write");
+            // Read back through the order's tensors, token by token against what was written.
+            let live: Vec<u32> = ids[ci].iter().map(|&b| b as u32).collect();
+            let live_t = Tensor::new(live.as_slice(), &dev).expect("live");
+            for (kv, src) in [(0, &k_new), (1, &v_new)] {
+                let t = if kv == 0 { &kc } else { &vc };
+                let back = from_shape(&t.index_select(&live_t, 0).expect("gather"), *s, kv)
+                    .reshape((need * TOKENS, kvh, d))
+                    .expect("tokens");
+                // Token i of the call sits at row (position of its block in `live`) * TOKENS + offset.
+                let rows: Vec<u32> = slots[..total]
+                    .iter()
+                    .map(|&sl| {
+                        let b = sl as usize / TOKENS;
+                        let at = ids[ci].iter().position(|&x| x == b).expect("a live block");
+                        (at * TOKENS + sl as usize % TOKENS) as u32
+                    })
+                    .collect();
+                let got = back
+                    .index_select(&Tensor::new(rows.as_slice(), &dev).expect("rows"), 0)
+                    .expect("written rows");
+                let want = src.narrow(0, 0, total).expect("tokens written");
+                let diff = (got.to_dtype(DType::F32).expect("f32")
+                    - want.to_dtype(DType::F32).expect("f32"))
+                .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                .expect("diff");
+                assert_eq!(
+                    diff, 0.0,
+                    "{dtype:?} d {d} {s:?} kv {kv}: written tokens read back differ"
+                );
+            }
+            let table_t = Tensor::from_vec(table, (lens.len(), width), &dev).expect("table");
+            let lens_t = Tensor::new(&lens.map(|l| l as u32), &dev).expect("lens");
+            let q = Tensor::from_vec(
+                rand(&mut Rng::new(3), lens.len() * heads * d),
+                (lens.len(), heads, d),
+                &dev,
+            )
+            .and_then(|t| t.to_dtype(dtype))
+            .expect("q");
+            let scale = 1.0 / (d as f64).sqrt();
+            let out = paged_attention_decode_shaped(
+                *s,
+                &q,
+                &kc,
+                &vc,
+                &table_t,
+                &lens_t,
+                700,
+                scale as f32,
+            )
+            .and_then(|o| o.to_dtype(DType::F32))
+            .expect("decode");
+            // Against the reference over the written tokens of each sequence.
+            let q32 = q.to_dtype(DType::F32).expect("q f32");
+            let mut off = 0;
+            for (b, &len) in lens.iter().enumerate() {
+                let part = |t: &Tensor| {
+                    t.narrow(0, off, len)
+                        .and_then(|x| x.to_dtype(DType::F32))
+                        .expect("part")
+                };
+                let want = reference(
+                    &q32.get(b).expect("q row"),
+                    &part(&k_new),
+                    &part(&v_new),
+                    heads,
+                    scale,
+                );
+                let diff = (out.get(b).expect("row") - want)
+                    .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                    .expect("diff");
+                let tol = if dtype == DType::BF16 { 2e-2 } else { 4e-3 };
+                assert!(
+                    diff <= tol,
+                    "{dtype:?} d {d} {s:?}: sequence {b} differs from the reference by {diff}"
+                );
+                off += len;
+            }
+            outs.push(out);
+        }
+        for (s, out) in shapes.iter().zip(&outs).skip(1) {
+            let diff = (out - &outs[0])
+                .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                .expect("diff");
+            assert_eq!(
+                diff, 0.0,
+                "{dtype:?} d {d}: {s:?} decode differs from token-major's"
+            );
+        }
+        // Refusals: the split-K cache named token-major, tokens of the wrong head size.
+        let (kc, vc) = (caches[2].k(0).expect("k"), caches[2].v(0).expect("v"));
+        let slots1 = Tensor::new(&[0u32], &dev).expect("slot");
+        let one = k_new.narrow(0, 0, 1).expect("one token");
+        let e = paged_kv_write(BlockShape::TokenMajor, &one, &one, &kc, &vc, &slots1)
+            .expect_err("split-K tensors as token-major");
+        assert!(
+            e.to_string().contains("paged_kv_write") && e.to_string().contains("dimensions"),
+            "{e}"
+        );
+        let e = paged_kv_write(
+            BlockShape::HeadMajor,
+            &one,
+            &one,
+            &caches[1].k(0).expect("k"),
+            &caches[0].v(0).expect("v"),
+            &slots1,
+        )
+        .expect_err("V of another order");
+        assert!(e.to_string().contains("does not match"), "{e}");
+        let narrow = one
+            .narrow(2, 0, 8)
+            .expect("head dim 8")
+            .contiguous()
+            .expect("c");
+        let e = paged_kv_write(BlockShape::SplitK, &narrow, &narrow, &kc, &vc, &slots1)
+            .expect_err("head size 8");
+        assert!(
+            e.to_string().contains(&format!("[tokens, {kvh}, {d}]")),
+            "{e}"
+        );
+        let e = paged_attention_decode_shaped(
+            BlockShape::HeadMajor,
+            &q_for(&dev, heads, d, dtype),
+            &kc,
+            &vc,
+            &slots1.reshape((1, 1)).expect("t"),
+            &slots1,
+            1,
+            1.0,
+        )
+        .expect_err("split-K tensors as head-major");
+        assert!(e.to_string().contains("paged_attention_decode"), "{e}");
+        for (c, i) in caches.iter().zip(&ids) {
+            c.free(i).expect("free");
+        }
+    }
+    dev.synchronize().expect("device still usable");
+}
+
+/// A query of one sequence.
+fn q_for(dev: &Device, heads: usize, d: usize, dtype: DType) -> Tensor {
+    Tensor::zeros((1, heads, d), dtype, dev).expect("q")
+}
