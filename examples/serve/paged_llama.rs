@@ -13,9 +13,9 @@
 //! - the projections and the MLP are one batched matmul over every token of the forward;
 //! - each token's K and V (after the rotary embedding) are written into its slot of its
 //!   sequence's blocks, in place, only blocks the engine allocated: by the cache's own write
-//!   where it has one ([`LayerCache::write`]: the crate's write kernel, for caches in another
-//!   block order than token-major), else by `scatter_set` on the layer's tensor viewed as
-//!   `[blocks * block_tokens, kv_heads * head_dim]` (one kernel per layer for K and one for V);
+//!   where it has one ([`LayerCache::write`]: the crate's write kernel on the GPU, in any block
+//!   order), else by `scatter_set` on the layer's tensor viewed as `[blocks * block_tokens,
+//!   kv_heads * head_dim]` (the CPU path);
 //! - a decode step (one token per piece) attends in one batch through the block tables
 //!   (padded to the longest with the sequence's own last block, keys past its length masked):
 //!   in place by the cache's kernel where it has one ([`LayerCache::decode_attention`]: the

@@ -10,8 +10,8 @@
 //! `--prefill gather` times prefill by the path before the prefill kernel (blocks gathered,
 //! scores materialised), to compare the two on one machine. `--block-shape` puts the cache's
 //! blocks in another engine's order (`split-k`: vLLM's paged-attention layout, as mistral.rs
-//! and candle-vllm allocate it): the decode kernel reads that order in place, the write kernel
-//! writes it, and a prefill gathers (the prefill op reads token-major blocks only).
+//! and candle-vllm allocate it): the decode and prefill kernels read that order in place and
+//! the write kernel writes it.
 //!
 //! The engine is `serve bench`'s (`llama::engine_model`: random bf16 weights, its KV a paged
 //! KV cache, decode attended in place by the paged-attention kernel), in pools of its own.

@@ -96,7 +96,9 @@ pub use kv::{ElasticKv, KvStats};
 pub use kv_write::paged_kv_write;
 pub use orphans::{reap_orphans, reap_orphans_blocking};
 pub use paged::{BlockShape, PagedKvTensors};
-pub use prefill::{paged_attention_prefill, paged_prefill_supported, PrefillPiece};
+pub use prefill::{
+    paged_attention_prefill, paged_attention_prefill_shaped, paged_prefill_supported, PrefillPiece,
+};
 pub use tensor_pool::{CollectReport, TensorPool, TensorPoolStats};
 
 use candle_core::{DType, Tensor};

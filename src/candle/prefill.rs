@@ -5,8 +5,9 @@
 //!
 //! The pieces' own K and V must be in the cache before the call (write them into their blocks
 //! first, as the decode op expects of a step's token): a token at position `p` attends over the
-//! sequence's tokens `0..=p`. The cache is the per-layer layout of [`crate::kv::PagedKv`] (K and
-//! V each `[blocks, block_tokens, kv_heads, head_dim]`, [`super::BlockShape::TokenMajor`]).
+//! sequence's tokens `0..=p`. The cache is a [`crate::kv::PagedKv`]'s per-layer tensors in any
+//! [`BlockShape`] (token-major `[blocks, block_tokens, kv_heads, head_dim]`, the default;
+//! head-major; vLLM's split K), as for [`super::paged_attention_decode_shaped`].
 //! Grouped-query attention with any number of query heads per KV head; `head_dim` 64 or 128;
 //! f16 or bf16, scores and softmax in f32.
 
@@ -16,7 +17,8 @@ use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor};
 
-use super::operands;
+use super::attention::cache_dims;
+use super::{operands, BlockShape};
 
 /// The PTX of the kernels (compute_80, JIT-compiled by the driver once per process).
 const PTX: &str = include_str!("kernels/paged_prefill.ptx");
@@ -37,12 +39,34 @@ pub struct PrefillPiece {
     pub len: usize,
 }
 
-/// Causal attention of a prefill batch over a paged cache.
+/// Causal attention of a prefill batch over a paged cache of token-major blocks:
+/// [`paged_attention_prefill_shaped`] with [`BlockShape::TokenMajor`].
+pub fn paged_attention_prefill(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    block_tables: &Tensor,
+    pieces: &[PrefillPiece],
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    paged_attention_prefill_shaped(
+        BlockShape::TokenMajor,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        pieces,
+        scale,
+    )
+}
+
+/// Causal attention of a prefill batch over a paged cache whose blocks are in `shape`'s order.
 ///
 /// - `q`: `[tokens, heads, head_dim]`, contiguous, f16 or bf16: every piece's new tokens, piece
 ///   after piece (`tokens` is the sum of the pieces' lengths);
-/// - `k_cache`, `v_cache`: `[blocks, block_tokens, kv_heads, head_dim]`, contiguous, q's dtype,
-///   with the pieces' own tokens already written;
+/// - `k_cache`, `v_cache`: one layer's K and V in `shape`'s order (see
+///   [`super::paged_attention_decode_shaped`]), contiguous, q's dtype, with the pieces' own
+///   tokens already written;
 /// - `block_tables`: `[pieces, width]` u32, piece `i`'s sequence's blocks in order; a table
 ///   must name every block of its piece's context (`start + len` tokens); an id at or past the
 ///   cache's blocks counts as masked;
@@ -54,8 +78,10 @@ pub struct PrefillPiece {
 /// devices, the pieces, that q, K and V start 16-byte aligned in their storage, and that the
 /// device has the kernel's shared memory (110 KiB a block for head_dim 128: not on sm_86 and
 /// sm_89 cards; [`paged_prefill_supported`] asks) are checked; a mismatch is an error naming
-/// them.
-pub fn paged_attention_prefill(
+/// them. Every order gives the token-major output bit for bit (the same rows reach shared
+/// memory).
+pub fn paged_attention_prefill_shaped(
+    shape: BlockShape,
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
@@ -63,12 +89,13 @@ pub fn paged_attention_prefill(
     pieces: &[PrefillPiece],
     scale: f32,
 ) -> candle_core::Result<Tensor> {
-    let op = Prefill::new(q, k_cache, v_cache, block_tables, pieces, scale)?;
+    let op = Prefill::new(shape, q, k_cache, v_cache, block_tables, pieces, scale)?;
     q.apply_op1_no_bwd(&op)
 }
 
 /// The op: q is its argument, the rest its fields.
 struct Prefill {
+    shape: BlockShape,
     k: Tensor,
     v: Tensor,
     table: Tensor,
@@ -142,6 +169,7 @@ fn smem_bytes(head_dim: usize) -> usize {
 
 impl Prefill {
     fn new(
+        shape: BlockShape,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -152,19 +180,7 @@ impl Prefill {
         let (tokens, heads, head_dim) = q
             .dims3()
             .map_err(|_| bad(format!("q {:?}: want [tokens, heads, head_dim]", q.dims())))?;
-        let (blocks, block_tokens, kv_heads, kd) = k.dims4().map_err(|_| {
-            bad(format!(
-                "k_cache {:?}: want [blocks, block_tokens, kv_heads, head_dim]",
-                k.dims()
-            ))
-        })?;
-        if v.dims() != k.dims() {
-            return Err(bad(format!(
-                "v_cache {:?} differs from k_cache {:?}",
-                v.dims(),
-                k.dims()
-            )));
-        }
+        let (blocks, block_tokens, kv_heads, kd) = cache_dims(shape, k, v).map_err(bad)?;
         if kd != head_dim {
             return Err(bad(format!(
                 "the cache's head_dim {kd} differs from q's {head_dim}"
@@ -267,6 +283,7 @@ impl Prefill {
             return Err(bad(format!("{} query tiles", tiles.len() / 4)));
         }
         Ok(Prefill {
+            shape,
             k: k.clone(),
             v: v.clone(),
             table: table.clone(),
@@ -375,12 +392,17 @@ impl CustomOp1 for Prefill {
 
     fn cuda_fwd(&self, q: &CudaStorage, ql: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let d = self.head_dim;
+        let order = match self.shape {
+            BlockShape::TokenMajor => "",
+            BlockShape::HeadMajor => "_head_major",
+            BlockShape::SplitK => "_split_k",
+        };
         let storage = match q.dtype() {
             DType::F16 => {
-                self.launch::<half::f16>(q, ql, &format!("evmm_paged_prefill_f16_d{d}"))?
+                self.launch::<half::f16>(q, ql, &format!("evmm_paged_prefill_f16_d{d}{order}"))?
             }
             DType::BF16 => {
-                self.launch::<half::bf16>(q, ql, &format!("evmm_paged_prefill_bf16_d{d}"))?
+                self.launch::<half::bf16>(q, ql, &format!("evmm_paged_prefill_bf16_d{d}{order}"))?
             }
             other => return Err(bad(format!("dtype {other:?} (supported: f16, bf16)"))),
         };

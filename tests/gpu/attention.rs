@@ -17,8 +17,8 @@ const MAX_BLOCKS: usize = 1024;
 /// Lengths: empty, one token, one block exactly, one past it, several partitions.
 const LENS: [usize; 7] = [0, 1, 16, 17, 300, 1500, 2500];
 /// Inside its length, sequence 5's blocks 0, 1 and 4 are ids past the cache (masked): with
-/// head size 128 the first tile of every group is wholly masked (with 64, only its first two
-/// tokens), then valid tokens follow. The reference leaves them out.
+/// head size 128 the first tile of every group is wholly masked (with 64, of half the groups),
+/// then valid tokens follow. The reference leaves them out.
 const MASKED: (usize, [usize; 3]) = (5, [0, 1, 4]);
 
 /// The attention of one sequence in f32 candle ops: q `[heads, d]` over its first `len` tokens
@@ -439,14 +439,18 @@ fn paged_kv_block_shapes_hold_the_engines_orders() {
 
 /// The write kernel and the decode kernel in every block order (the engines' orders: ours,
 /// FlashInfer's head-major, vLLM's split K with transposed V), f16 and bf16, head sizes 64 and
-/// 128: tokens written by `paged_kv_write` read back bit-exact through candle tensors of the
-/// order; a slot past the cache is skipped; decode over each order gives the token-major
-/// output bit for bit (the same arithmetic, other loads) and matches the reference; a cache
+/// 128, blocks of 16 and 10 tokens: tokens written by `paged_kv_write` read back bit-exact
+/// through candle tensors of the order; a slot past the cache is skipped; decode over each
+/// order gives the token-major output bit for bit (the same arithmetic, other loads) and
+/// matches the reference, and so does prefill (the prefill op's own tests check token-major
+/// against a reference); a cache
 /// whose tensors do not match the order named, or bad tokens, are refused with the shapes and
 /// nothing written.
 #[test]
 fn paged_attention_reads_and_writes_every_block_order() {
-    use elastic_vmm::candle::{paged_attention_decode_shaped, paged_kv_write};
+    use elastic_vmm::candle::{
+        paged_attention_decode_shaped, paged_attention_prefill_shaped, paged_kv_write, PrefillPiece,
+    };
     let dev = Device::new_cuda(0).expect("candle CUDA device 0");
     let pool = Pool::cuda(0, 4 * GIB as usize).expect("CUDA pool");
     let tensors = TensorPool::new(&pool, &dev).expect("tensor pool");
@@ -456,10 +460,14 @@ fn paged_attention_reads_and_writes_every_block_order() {
         BlockShape::SplitK,
     ];
     let mut rng = Rng::new(11);
-    for (dtype, heads, kvh, d) in [
-        (DType::BF16, 32, 8, 128),
-        (DType::F16, 8, 8, 64),
-        (DType::BF16, 16, 2, 64),
+    // Blocks of 10 tokens: no tile of 4 lies whole in a block's run (split K's V read 2 bytes
+    // at a time); 8 heads per KV head take tiles of 2, which do.
+    for (dtype, heads, kvh, d, bt) in [
+        (DType::BF16, 32, 8, 128, TOKENS),
+        (DType::F16, 8, 8, 64, TOKENS),
+        (DType::BF16, 16, 2, 64, TOKENS),
+        (DType::BF16, 32, 8, 128, 10),
+        (DType::F16, 16, 2, 128, 10),
     ] {
         let blocks = 128;
         let caches: Vec<PagedKvTensors> = shapes
@@ -467,7 +475,7 @@ fn paged_attention_reads_and_writes_every_block_order() {
             .map(|&s| {
                 PagedKvTensors::with_shape(
                     &tensors,
-                    PagedKvConfig::new(1, kvh, d, TOKENS, 2, blocks),
+                    PagedKvConfig::new(1, kvh, d, bt, 2, blocks),
                     dtype,
                     s,
                 )
@@ -477,7 +485,7 @@ fn paged_attention_reads_and_writes_every_block_order() {
         // Three sequences over scattered blocks of each cache (fresh caches hand out the same
         // ids; each keeps its own).
         let lens = [1usize, 37, 700];
-        let need: usize = lens.iter().map(|l| l.div_ceil(TOKENS)).sum();
+        let need: usize = lens.iter().map(|l| l.div_ceil(bt)).sum();
         let ids: Vec<Vec<usize>> = caches
             .iter()
             .map(|c| {
@@ -513,16 +521,16 @@ fn paged_attention_reads_and_writes_every_block_order() {
         )
         .and_then(|t| t.to_dtype(dtype))
         .expect("v");
-        let width = lens.iter().map(|l| l.div_ceil(TOKENS)).max().unwrap_or(1);
+        let width = lens.iter().map(|l| l.div_ceil(bt)).max().unwrap_or(1);
         let mut outs = Vec::new();
         for (ci, (s, c)) in shapes.iter().zip(&caches).enumerate() {
             let mut slots = Vec::with_capacity(total + 1);
             let mut table = Vec::new();
             let mut next = ids[ci].iter();
             for &len in &lens {
-                let own: Vec<usize> = next.by_ref().take(len.div_ceil(TOKENS)).copied().collect();
+                let own: Vec<usize> = next.by_ref().take(len.div_ceil(bt)).copied().collect();
                 for t in 0..len {
-                    slots.push((own[t / TOKENS] * TOKENS + t % TOKENS) as u32);
+                    slots.push((own[t / bt] * bt + t % bt) as u32);
                 }
                 table.extend(own.iter().map(|&b| b as u32));
                 // Padding: the sequence's last block again.
@@ -541,15 +549,15 @@ fn paged_attention_reads_and_writes_every_block_order() {
             for (kv, src) in [(0, &k_new), (1, &v_new)] {
                 let t = if kv == 0 { &kc } else { &vc };
                 let back = from_shape(&t.index_select(&live_t, 0).expect("gather"), *s, kv)
-                    .reshape((need * TOKENS, kvh, d))
+                    .reshape((need * bt, kvh, d))
                     .expect("tokens");
-                // Token i of the call sits at row (position of its block in `live`) * TOKENS + offset.
+                // Token i of the call sits at row (position of its block in `live`) * bt + offset.
                 let rows: Vec<u32> = slots[..total]
                     .iter()
                     .map(|&sl| {
-                        let b = sl as usize / TOKENS;
+                        let b = sl as usize / bt;
                         let at = ids[ci].iter().position(|&x| x == b).expect("a live block");
-                        (at * TOKENS + sl as usize % TOKENS) as u32
+                        (at * bt + sl as usize % bt) as u32
                     })
                     .collect();
                 let got = back
@@ -614,6 +622,61 @@ fn paged_attention_reads_and_writes_every_block_order() {
                 off += len;
             }
             outs.push(out);
+        }
+        // Prefill over each order: each sequence's last (up to) 40 tokens as a piece over the
+        // tokens written, bit for bit the token-major output.
+        let pieces: Vec<PrefillPiece> = lens
+            .iter()
+            .map(|&l| PrefillPiece {
+                start: l - l.min(40),
+                len: l.min(40),
+            })
+            .collect();
+        let rows: usize = pieces.iter().map(|p| p.len).sum();
+        let qp = Tensor::from_vec(
+            rand(&mut Rng::new(4), rows * heads * d),
+            (rows, heads, d),
+            &dev,
+        )
+        .and_then(|t| t.to_dtype(dtype))
+        .expect("prefill q");
+        let mut prefills = Vec::new();
+        for (ci, (s, c)) in shapes.iter().zip(&caches).enumerate() {
+            let mut table = Vec::new();
+            let mut next = ids[ci].iter();
+            for &len in &lens {
+                let own: Vec<u32> = next
+                    .by_ref()
+                    .take(len.div_ceil(bt))
+                    .map(|&b| b as u32)
+                    .collect();
+                let last = *own.last().expect("a block");
+                table.extend(own.iter().copied());
+                table.extend(std::iter::repeat_n(last, width - own.len()));
+            }
+            let table_t = Tensor::from_vec(table, (lens.len(), width), &dev).expect("table");
+            let scale = 1.0 / (d as f32).sqrt();
+            let out = paged_attention_prefill_shaped(
+                *s,
+                &qp,
+                &c.k(0).expect("k"),
+                &c.v(0).expect("v"),
+                &table_t,
+                &pieces,
+                scale,
+            )
+            .and_then(|o| o.to_dtype(DType::F32))
+            .expect("prefill");
+            prefills.push(out);
+        }
+        for (s, out) in shapes.iter().zip(&prefills).skip(1) {
+            let diff = (out - &prefills[0])
+                .and_then(|t| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>())
+                .expect("diff");
+            assert_eq!(
+                diff, 0.0,
+                "{dtype:?} d {d} bt {bt}: {s:?} prefill differs from token-major's"
+            );
         }
         for (s, out) in shapes.iter().zip(&outs).skip(1) {
             let diff = (out - &outs[0])

@@ -12,7 +12,8 @@
 //     head_dim, block_tokens] (vLLM's paged-attention kernels, mistral.rs, candle-vllm; 8
 //     elements of 16 bits in 16 bytes).
 // A lane's 8 elements of a K row are one 16-byte load in every order, and of a V row in orders
-// 0 and 1; in order 2 they are 8 loads `block_tokens` apart.
+// 0 and 1; in order 2 a lane reads, for each of its 8 elements, the tile's tokens of it in one
+// load (they are consecutive there).
 // Grouped-query attention: the REP query heads of one KV head share every K/V load.
 //
 // Split-K ("flash decoding"): phase 1 runs one CTA per (sequence, KV head, partition of
@@ -21,7 +22,8 @@
 //
 // Inside a CTA: 4 warps; each warp is split into groups of G = D / 8 lanes, one group per
 // token, each lane holding 8 elements of a row (one 16-byte load). A group walks its tokens
-// a tile of U at a time (4, or 2 for 8 heads per KV head): the next tile's K and V rows are
+// a tile of U consecutive tokens at a time (4, or 2 for 8 heads per KV head; the groups' tiles
+// side by side): the next tile's K and V rows are
 // loaded while this one is computed (software pipelining hides the memory latency), its U x
 // REP scores are summed across the group together (a reduce-scatter, then a broadcast), and
 // the group's online softmax takes one max and one rescale per head per tile rather than per
@@ -33,6 +35,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <type_traits>
 
 #define WARPS 4
 
@@ -151,10 +154,14 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
     }
     const uint64_t row = (uint64_t)kv_heads * D;  // elements between two tokens of a block
     // Load the tile at `base`: K and V rows of U tokens, `ok` where a token counts.
+    // Load the tile at `base`: K and V rows of the group's U consecutive tokens, `ok` where a
+    // token counts.
     auto load = [&](uint32_t base, uint4 (&kr)[U], uint4 (&vr)[U], bool (&ok)[U]) {
+        const uint32_t t0 = base + group * U;
+        uint64_t hb = 0;  // split K: the (block, KV head) of the tile's first token
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const uint32_t t = base + group + u * GROUPS;
+            const uint32_t t = t0 + u;
             ok[u] = false;
             kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
             if (t < end) {
@@ -171,16 +178,46 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
                         kr[u] = *reinterpret_cast<const uint4*>(k + off);
                         vr[u] = *reinterpret_cast<const uint4*>(v + off);
                     } else {
-                        const uint64_t hb = (uint64_t)blk * kv_heads + kvh;
-                        kr[u] = *reinterpret_cast<const uint4*>(k + ((hb * (D / 8) + gl) * bt + o) * 8);
-                        // V [.., head_dim, block_tokens]: the lane's 8 elements are bt apart.
-                        const T* vp = v + (hb * D + gl * 8) * bt + o;
-                        T e[8];
-#pragma unroll
-                        for (int i = 0; i < 8; i++) e[i] = vp[(uint64_t)i * bt];
-                        vr[u] = *reinterpret_cast<const uint4*>(e);
+                        const uint64_t h = (uint64_t)blk * kv_heads + kvh;
+                        if (u == 0) hb = h;
+                        kr[u] = *reinterpret_cast<const uint4*>(k + ((h * (D / 8) + gl) * bt + o) * 8);
                     }
                     ok[u] = true;
+                }
+            }
+        }
+        if constexpr (L == 2) {
+            // V [.., head_dim, block_tokens]: a lane's 8 elements of one token are bt apart,
+            // and the tile's U tokens of one element are consecutive. Where the tile is whole
+            // in one block (and aligned: bt a multiple of U), each element's U tokens are one
+            // load of U * 2 bytes; otherwise each token's elements are read 2 bytes at a time.
+            using Run = typename std::conditional<U == 4, uint2, uint32_t>::type;
+            bool whole = bt % U == 0;
+#pragma unroll
+            for (int u = 0; u < U; u++) whole = whole && ok[u];
+            if (whole) {
+                const T* vp = v + (hb * D + gl * 8) * bt + t0 % bt;
+                T e[U][8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const Run x = *reinterpret_cast<const Run*>(vp + (uint64_t)i * bt);
+                    const T* xs = reinterpret_cast<const T*>(&x);
+#pragma unroll
+                    for (int u = 0; u < U; u++) e[u][i] = xs[u];
+                }
+#pragma unroll
+                for (int u = 0; u < U; u++) vr[u] = *reinterpret_cast<const uint4*>(e[u]);
+            } else {
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const uint32_t t = t0 + u;
+                    if (!ok[u]) continue;
+                    const uint32_t blk = table[(uint64_t)b * width + t / bt];
+                    const T* vp = v + (((uint64_t)blk * kv_heads + kvh) * D + gl * 8) * bt + t % bt;
+                    T e[8];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) e[i] = vp[(uint64_t)i * bt];
+                    vr[u] = *reinterpret_cast<const uint4*>(e);
                 }
             }
         }

@@ -3,8 +3,13 @@
 //
 // A prefill chunk's new query tokens attend causally over their sequence's cached tokens (the
 // earlier chunks and their own, already written into the blocks), read in place through the
-// block table: no gather copy, no score matrix in memory. The cache is the per-layer layout of
-// PagedKv: K and V each [blocks, block_tokens, kv_heads, head_dim].
+// block table: no gather copy, no score matrix in memory. The cache's blocks are in one of the
+// orders of paged_attention.cuh (ORD, crate::candle::BlockShape): 0 token-major, K and V each
+// [blocks, block_tokens, kv_heads, head_dim] (PagedKv's own); 1 head-major, [blocks, kv_heads,
+// block_tokens, head_dim]; 2 split K, K [blocks, kv_heads, head_dim / 8, block_tokens, 8] and
+// V [blocks, kv_heads, head_dim, block_tokens] (vLLM's, mistral.rs's). Every order lands in
+// shared memory as the same rows: only the loads differ (a split-K V is read 8 keys of one
+// element at a time and stored transposed).
 //
 // Flash attention on tensor cores (WMMA, 16x16x16, f32 accumulation): one CTA per (tile of 64
 // query tokens of one piece, query head), 4 warps of 16 query rows each. The CTA walks its
@@ -53,9 +58,9 @@ struct PrefillSmem {
 };
 
 // Grid (tiles, heads), PF_WARPS * 32 threads, PrefillSmem::BYTES of dynamic shared memory.
-// q, out [tokens, heads, D]; k, v [num_blocks, bt, kv_heads, D]; table [pieces, width];
+// q, out [tokens, heads, D]; k, v [num_blocks, ...] in order ORD; table [pieces, width];
 // tiles [tiles, 4]: (first row in q, position of that row, rows (1..=64), piece).
-template <typename T, int D>
+template <typename T, int D, int ORD>
 __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const uint32_t* __restrict__ table, const uint32_t* __restrict__ tiles,
                         T* __restrict__ out, uint32_t num_blocks, uint32_t bt, uint32_t kv_heads,
@@ -109,23 +114,62 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
     constexpr int LOADS = PF_N * CH / (PF_WARPS * 32);
     uint4 kr[LOADS], vr[LOADS];
     bool kok[LOADS];
+    // Split K, blocks of a multiple of 8 tokens: a V piece is 8 keys (x / D) of element x % D,
+    // one 16-byte load, stored transposed; otherwise a V piece is a key's 8 elements, read 2
+    // bytes at a time where they lie bt apart.
+    const bool v_runs = ORD == 2 && bt % VEC == 0;
     auto load = [&](uint32_t kb) {
-        uint32_t blk[LOADS];
+        uint32_t blk[LOADS], vblk[LOADS];
 #pragma unroll
         for (int i = 0; i < LOADS; i++) {
             const uint32_t x = threadIdx.x + i * PF_WARPS * 32, t = kb + x / CH;
             kok[i] = t < key_end;
             blk[i] = kok[i] ? tab[t / bt] : num_blocks;
+            if (ORD == 2 && v_runs) {
+                const uint32_t tv = kb + (x / D) * VEC;
+                vblk[i] = tv < key_end ? tab[tv / bt] : num_blocks;
+            }
         }
 #pragma unroll
         for (int i = 0; i < LOADS; i++) {
             const uint32_t x = threadIdx.x + i * PF_WARPS * 32, t = kb + x / CH, c = x % CH;
             kok[i] = kok[i] && blk[i] < num_blocks;
             kr[i] = vr[i] = make_uint4(0, 0, 0, 0);
+            const uint64_t o = t % bt;
             if (kok[i]) {
-                const uint64_t off = (((uint64_t)blk[i] * bt + t % bt) * kv_heads + kvh) * D + c * VEC;
-                kr[i] = *reinterpret_cast<const uint4*>(k + off);
-                vr[i] = *reinterpret_cast<const uint4*>(v + off);
+                if constexpr (ORD == 0) {
+                    const uint64_t off = (((uint64_t)blk[i] * bt + o) * kv_heads + kvh) * D + c * VEC;
+                    kr[i] = *reinterpret_cast<const uint4*>(k + off);
+                    vr[i] = *reinterpret_cast<const uint4*>(v + off);
+                } else if constexpr (ORD == 1) {
+                    const uint64_t off = (((uint64_t)blk[i] * kv_heads + kvh) * bt + o) * D + c * VEC;
+                    kr[i] = *reinterpret_cast<const uint4*>(k + off);
+                    vr[i] = *reinterpret_cast<const uint4*>(v + off);
+                } else {
+                    const uint64_t hb = (uint64_t)blk[i] * kv_heads + kvh;
+                    kr[i] = *reinterpret_cast<const uint4*>(k + ((hb * CH + c) * bt + o) * VEC);
+                    if (!v_runs) {
+                        const T* vp = v + (hb * D + c * VEC) * bt + o;
+                        T e[VEC];
+#pragma unroll
+                        for (int j = 0; j < VEC; j++) e[j] = vp[(uint64_t)j * bt];
+                        vr[i] = *reinterpret_cast<const uint4*>(e);
+                    }
+                }
+            }
+            if (ORD == 2 && v_runs) {
+                // Keys kb + (x / D) * 8 .. + 8 of element x % D: one block (bt a multiple of
+                // 8, kb of 64); keys past the end as zeros.
+                const uint32_t tv = kb + (x / D) * VEC, d = x % D;
+                if (vblk[i] < num_blocks) {
+                    const uint64_t hb = (uint64_t)vblk[i] * kv_heads + kvh;
+                    uint4 run = *reinterpret_cast<const uint4*>(v + (hb * D + d) * bt + tv % bt);
+                    T* e = reinterpret_cast<T*>(&run);
+#pragma unroll
+                    for (int j = 0; j < VEC; j++)
+                        if (tv + j >= key_end) e[j] = pf_from_float(0.f, tag);
+                    vr[i] = run;
+                }
             }
         }
     };
@@ -137,7 +181,14 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
         for (int i = 0; i < LOADS; i++) {
             const uint32_t x = threadIdx.x + i * PF_WARPS * 32, r = x / CH, c = x % CH;
             *reinterpret_cast<uint4*>(ks + r * L::LDT + c * VEC) = kr[i];
-            *reinterpret_cast<uint4*>(vs + r * L::LDT + c * VEC) = vr[i];
+            if (ORD == 2 && v_runs) {
+                const uint32_t run = x / D, d = x % D;
+                const T* e = reinterpret_cast<const T*>(&vr[i]);
+#pragma unroll
+                for (int j = 0; j < VEC; j++) vs[(run * VEC + j) * L::LDT + d] = e[j];
+            } else {
+                *reinterpret_cast<uint4*>(vs + r * L::LDT + c * VEC) = vr[i];
+            }
             if (c == 0) valid[r] = kok[i];
         }
         __syncthreads();
@@ -241,16 +292,20 @@ __device__ void prefill(const T* __restrict__ q, const T* __restrict__ k, const 
     }
 }
 
-#define PREFILL(NAME, T, D)                                                                     \
+#define PREFILL(NAME, T, D, ORD)                                                                \
     extern "C" __global__ void __launch_bounds__(PF_WARPS * 32) NAME(                          \
         const T* q, const T* k, const T* v, const uint32_t* table, const uint32_t* tiles,      \
         T* out, uint32_t num_blocks, uint32_t bt, uint32_t kv_heads, uint32_t width,           \
         float scale) {                                                                         \
-        prefill<T, D>(q, k, v, table, tiles, out, num_blocks, bt, kv_heads, width, scale);    \
+        prefill<T, D, ORD>(q, k, v, table, tiles, out, num_blocks, bt, kv_heads, width, scale); \
     }
 
-PREFILL(evmm_paged_prefill_f16_d64, __half, 64)
-PREFILL(evmm_paged_prefill_f16_d128, __half, 128)
-PREFILL(evmm_paged_prefill_bf16_d64, __nv_bfloat16, 64)
-PREFILL(evmm_paged_prefill_bf16_d128, __nv_bfloat16, 128)
+#define PREFILL_ORDER(SUFFIX, ORD)                                                          \
+    PREFILL(evmm_paged_prefill_f16_d64##SUFFIX, __half, 64, ORD)                            \
+    PREFILL(evmm_paged_prefill_f16_d128##SUFFIX, __half, 128, ORD)                          \
+    PREFILL(evmm_paged_prefill_bf16_d64##SUFFIX, __nv_bfloat16, 64, ORD)                    \
+    PREFILL(evmm_paged_prefill_bf16_d128##SUFFIX, __nv_bfloat16, 128, ORD)
 
+PREFILL_ORDER(, 0)
+PREFILL_ORDER(_head_major, 1)
+PREFILL_ORDER(_split_k, 2)
