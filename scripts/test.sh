@@ -241,7 +241,7 @@ step "every feature (candle with its CUDA backend, NIXL): lint, docs, examples; 
   RUSTDOCFLAGS="-D warnings" cargo doc "${lint[@]}" --no-deps
 )
 
-step "the serving engine's model and the prefill op's argument checks on candle's CPU backend"
+step "the serving engine's model and the prefill and write ops' argument checks on candle's CPU backend"
 (
   # Built as the lint above (its candle kernels reused); linking needs CUDA's libraries (the
   # full toolchain: cuBLAS, cuRAND). Nothing here calls the driver: on a machine without one,

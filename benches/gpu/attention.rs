@@ -169,7 +169,7 @@ pub fn run() -> Result<(), BoxError> {
 }
 
 /// The op over one layer of a cache in vLLM's split-K order (mistral.rs's and candle-vllm's
-/// paged-attention layout: V transposed, read 2 bytes at a time), the same blocks and shapes
+/// paged-attention layout: V transposed, a tile's tokens of one element per load), the same blocks and shapes
 /// as the token-major run that took `token_major` seconds.
 fn split_k(
     device: &Device,

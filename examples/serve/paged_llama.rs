@@ -807,8 +807,9 @@ mod tests {
     }
 
     /// A cache in another block order, written and read through its hooks, gives the logits
-    /// of the token-major cache, prefill and decode, batched; the forward never scatters into
-    /// it (every layer's write goes through the hook).
+    /// of the token-major cache: a prefill from position 0, a later chunk over the blocks and
+    /// decode steps, batched; the forward never scatters into it (every layer's write goes
+    /// through the hook).
     #[test]
     fn a_cache_in_another_block_order_gives_the_same_logits() {
         let m = model();
@@ -828,13 +829,25 @@ mod tests {
                 })
                 .collect();
             out.extend(rows(&m.forward(c, &pieces).unwrap()));
+            // A second chunk of each prompt: a prefill over the blocks (gathered through the
+            // cache's order), then decode steps.
+            let chunk: Vec<Piece> = tables
+                .iter()
+                .zip(&prompts)
+                .map(|(t, &n)| Piece {
+                    blocks: t,
+                    start: n,
+                    len: 5,
+                })
+                .collect();
+            out.extend(rows(&m.forward(c, &chunk).unwrap()));
             for step in 0..3 {
                 let pieces: Vec<Piece> = tables
                     .iter()
                     .zip(&prompts)
                     .map(|(t, &n)| Piece {
                         blocks: t,
-                        start: n + step,
+                        start: n + 5 + step,
                         len: 1,
                     })
                     .collect();
@@ -845,7 +858,7 @@ mod tests {
         let (want, got) = (run(&plain), run(&other));
         assert_eq!(
             other.1.get(),
-            4 * s.layers,
+            5 * s.layers,
             "every layer's write through the hook"
         );
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {

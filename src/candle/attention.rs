@@ -81,6 +81,7 @@ pub(super) fn cache_dims(
     }
     Ok(dims)
 }
+
 /// Threads of a phase-1 CTA (the kernel's `WARPS * 32`).
 const THREADS: u32 = 128;
 /// Tokens of a partition are a multiple of this.
@@ -129,8 +130,10 @@ pub fn paged_attention_decode(
 /// Returns `[batch, heads, head_dim]` in q's dtype; a sequence of length 0 gets zeros. Runs on
 /// q's device's stream, ordered with candle's other work. Shapes, dtypes and devices are
 /// checked, and that q, K and V start 16-byte aligned in their storage; a mismatch is an error
-/// naming them. A split-K V is read 2 bytes at a time (its elements of one token lie
-/// `block_tokens` apart), the other orders 16.
+/// naming them. A split-K V's elements of one token lie `block_tokens` apart: where a tile's
+/// tokens lie whole in one block (`block_tokens` a multiple of 4, or of 2 with 8 query heads
+/// per KV head) each element's tokens are one load, else each element is read 2 bytes at a
+/// time; the other orders read 16 bytes at a time.
 #[allow(clippy::too_many_arguments)] // the operands of one kernel launch, as vLLM's op takes them
 pub fn paged_attention_decode_shaped(
     shape: BlockShape,
@@ -224,9 +227,14 @@ impl PagedAttention {
         }
         // The kernel indexes with 32-bit block ids and token counts.
         let fits = |n: usize| u32::try_from(n).is_ok();
-        if !(fits(blocks) && fits(width) && fits(kv_heads) && fits(max_context)) {
+        if !(fits(blocks)
+            && fits(block_tokens)
+            && fits(width)
+            && fits(kv_heads)
+            && fits(max_context))
+        {
             return Err(bad(format!(
-                "sizes past 32 bits: {blocks} blocks, width {width}, max_context {max_context}"
+                "sizes past 32 bits: {blocks} blocks of {block_tokens} tokens, {kv_heads} KV heads, width {width}, max_context {max_context}"
             )));
         }
         operands::check(

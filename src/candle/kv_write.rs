@@ -52,9 +52,9 @@ pub fn paged_kv_write(
     }
     let fits = |n: usize| u32::try_from(n).is_ok();
     let runs = kv_heads.checked_mul(head_dim);
-    if !(fits(blocks) && fits(tokens) && runs.is_some_and(fits)) {
+    if !(fits(blocks) && fits(block_tokens) && fits(tokens) && runs.is_some_and(fits)) {
         return Err(bad(format!(
-            "sizes past 32 bits: {blocks} blocks, {tokens} tokens, {kv_heads} x {head_dim}"
+            "sizes past 32 bits: {blocks} blocks of {block_tokens} tokens, {tokens} tokens, {kv_heads} x {head_dim}"
         )));
     }
     operands::check(

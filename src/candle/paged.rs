@@ -40,9 +40,11 @@ use crate::kv::{
 /// and budget are the same whatever the shape; only the tensors' dimensions differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BlockShape {
-    /// K and V `[blocks, block_tokens, kv_heads, head_dim]` (FlashInfer's NHD): the order the
-    /// crate's [`super::paged_attention_decode`] reads (it cannot tell another 4-d shape from
-    /// this one: give it token-major caches only), and [`KvLayout::Contiguous`]'s order.
+    /// K and V `[blocks, block_tokens, kv_heads, head_dim]` (FlashInfer's NHD): the order
+    /// [`super::paged_attention_decode`] and [`super::paged_attention_prefill`] read (they
+    /// cannot tell another 4-d shape from this one: give other orders to
+    /// [`super::paged_attention_decode_shaped`] and [`super::paged_attention_prefill_shaped`]),
+    /// and [`KvLayout::Contiguous`]'s order.
     #[default]
     TokenMajor,
     /// K and V `[blocks, kv_heads, block_tokens, head_dim]`: FlashInfer's HND paged layout,

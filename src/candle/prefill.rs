@@ -236,7 +236,12 @@ impl Prefill {
         let cover = width.checked_mul(block_tokens);
         let fits = |n: usize| u32::try_from(n).is_ok();
         let key_room = (u32::MAX - 64) as usize;
-        if !(fits(blocks) && fits(width) && cover.is_some_and(|c| c <= key_room) && fits(tokens)) {
+        if !(fits(blocks)
+            && fits(block_tokens)
+            && fits(width)
+            && cover.is_some_and(|c| c <= key_room)
+            && fits(tokens))
+        {
             return Err(bad(format!(
                 "sizes past 32 bits: {blocks} blocks, width {width} of {block_tokens} tokens, {tokens} tokens"
             )));

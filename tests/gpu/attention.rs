@@ -437,17 +437,20 @@ fn paged_kv_block_shapes_hold_the_engines_orders() {
     dev.synchronize().expect("device still usable");
 }
 
-/// The write kernel and the decode kernel in every block order (the engines' orders: ours,
-/// FlashInfer's head-major, vLLM's split K with transposed V), f16 and bf16, head sizes 64 and
-/// 128, blocks of 16 and 10 tokens: tokens written by `paged_kv_write` read back bit-exact
-/// through candle tensors of the order; a slot past the cache is skipped; decode over each
-/// order gives the token-major output bit for bit (the same arithmetic, other loads) and
-/// matches the reference, and so does prefill (the prefill op's own tests check token-major
-/// against a reference); a cache
-/// whose tensors do not match the order named, or bad tokens, are refused with the shapes and
-/// nothing written.
+/// The write kernel, the decode kernel and the prefill kernel in every block order (the
+/// engines' orders: ours, FlashInfer's head-major, vLLM's split K with transposed V), f16 and
+/// bf16, head sizes 64 and 128, 2, 4 and 8 query heads per KV head, blocks of 16, 12, 10 and 7
+/// tokens (tiles whole in a block or not), every live block poisoned with NaN first: tokens
+/// written by `paged_kv_write` read back bit-exact through candle tensors of the order, the
+/// first slot past the cache skipped; decode over each order matches the reference over the
+/// written tokens (a block inside a length named by an id past the cache left out) and gives
+/// the token-major output bit for bit (the same arithmetic, other loads), and so does prefill
+/// (the prefill op's own tests check token-major against a reference); a cache whose tensors
+/// do not match the order named, or bad tokens, are refused with the shapes.
 #[test]
 fn paged_attention_reads_and_writes_every_block_order() {
+    /// The block of the longest sequence named by an id past the cache.
+    const MASKED_AT: usize = 3;
     use elastic_vmm::candle::{
         paged_attention_decode_shaped, paged_attention_prefill_shaped, paged_kv_write, PrefillPiece,
     };
@@ -468,6 +471,10 @@ fn paged_attention_reads_and_writes_every_block_order() {
         (DType::BF16, 16, 2, 64, TOKENS),
         (DType::BF16, 32, 8, 128, 10),
         (DType::F16, 16, 2, 128, 10),
+        // 12: decode's tiles of 4 lie whole in a block, prefill's runs of 8 do not.
+        (DType::F16, 16, 8, 64, 12),
+        // 7: odd, even decode's tiles of 2 (8 query heads per KV head) straddle blocks.
+        (DType::BF16, 64, 8, 128, 7),
     ] {
         let blocks = 128;
         let caches: Vec<PagedKvTensors> = shapes
@@ -498,6 +505,20 @@ fn paged_attention_reads_and_writes_every_block_order() {
             })
             .collect();
         assert!(ids.iter().all(|i| i.len() == need), "{ids:?}");
+        // Every live block poisoned with NaN first: a slot no token is written to (the rest of
+        // each sequence's last block) and any masked key a kernel failed to zero would show.
+        for (c, live) in caches.iter().zip(&ids) {
+            for t in [c.k(0).expect("k"), c.v(0).expect("v")] {
+                let mut dims = t.dims().to_vec();
+                dims[0] = 1;
+                let nan = Tensor::full(f32::NAN, dims, &dev)
+                    .and_then(|x| x.to_dtype(dtype))
+                    .expect("NaN block");
+                for &b in live {
+                    t.slice_set(&nan, 0, b).expect("poison");
+                }
+            }
+        }
         // Every token of every sequence: K and V `[tokens, kvh, d]`, written in one call per
         // cache, with one extra token whose slot is past the cache.
         let total: usize = lens.iter().sum();
@@ -527,19 +548,28 @@ fn paged_attention_reads_and_writes_every_block_order() {
             let mut slots = Vec::with_capacity(total + 1);
             let mut table = Vec::new();
             let mut next = ids[ci].iter();
-            for &len in &lens {
+            for (si, &len) in lens.iter().enumerate() {
                 let own: Vec<usize> = next.by_ref().take(len.div_ceil(bt)).copied().collect();
                 for t in 0..len {
                     slots.push((own[t / bt] * bt + t % bt) as u32);
                 }
-                table.extend(own.iter().map(|&b| b as u32));
+                // Inside the longest sequence, its block MASKED_AT is named by an id past the
+                // cache: its tokens are written but not attended over.
+                table.extend(own.iter().enumerate().map(|(j, &b)| {
+                    if si == 2 && j == MASKED_AT {
+                        (blocks + 5) as u32
+                    } else {
+                        b as u32
+                    }
+                }));
                 // Padding: the sequence's last block again.
                 table.extend(std::iter::repeat_n(
                     *own.last().expect("a block") as u32,
                     width - own.len(),
                 ));
             }
-            slots.push(u32::MAX);
+            // The first slot past the cache.
+            slots.push((blocks * bt) as u32);
             let slots_t = Tensor::new(slots.as_slice(), &dev).expect("slots");
             let (kc, vc) = (c.k(0).expect("k"), c.v(0).expect("v"));
             paged_kv_write(*s, &k_new, &v_new, &kc, &vc, &slots_t).expect("write");
@@ -600,9 +630,22 @@ fn paged_attention_reads_and_writes_every_block_order() {
             let mut off = 0;
             for (b, &len) in lens.iter().enumerate() {
                 let part = |t: &Tensor| {
-                    t.narrow(0, off, len)
-                        .and_then(|x| x.to_dtype(DType::F32))
-                        .expect("part")
+                    let x = t.narrow(0, off, len).expect("part");
+                    let x = if b == 2 {
+                        // Without the masked block's tokens.
+                        let (m0, m1) = (MASKED_AT * bt, (MASKED_AT + 1) * bt);
+                        Tensor::cat(
+                            &[
+                                x.narrow(0, 0, m0).expect("before"),
+                                x.narrow(0, m1, len - m1).expect("after"),
+                            ],
+                            0,
+                        )
+                        .expect("cat")
+                    } else {
+                        x
+                    };
+                    x.to_dtype(DType::F32).expect("f32")
                 };
                 let want = reference(
                     &q32.get(b).expect("q row"),

@@ -153,7 +153,6 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
         for (int i = 0; i < 8; i++) acc[r][i] = 0.f;
     }
     const uint64_t row = (uint64_t)kv_heads * D;  // elements between two tokens of a block
-    // Load the tile at `base`: K and V rows of U tokens, `ok` where a token counts.
     // Load the tile at `base`: K and V rows of the group's U consecutive tokens, `ok` where a
     // token counts.
     auto load = [&](uint32_t base, uint4 (&kr)[U], uint4 (&vr)[U], bool (&ok)[U]) {
@@ -192,7 +191,7 @@ __device__ void phase1(const T* __restrict__ q, const T* __restrict__ k, const T
             // in one block (and aligned: bt a multiple of U), each element's U tokens are one
             // load of U * 2 bytes; otherwise each token's elements are read 2 bytes at a time.
             using Run = typename std::conditional<U == 4, uint2, uint32_t>::type;
-            bool whole = bt % U == 0;
+            bool whole = bt % U == 0 && t0 % U == 0;
 #pragma unroll
             for (int u = 0; u < U; u++) whole = whole && ok[u];
             if (whole) {
