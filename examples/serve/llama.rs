@@ -497,8 +497,9 @@ impl LayerCache for PagedKvTensors {
     }
 
     /// The crate's write kernel, in the cache's block order: one launch per layer for K and
-    /// one for V (candle's `scatter_set` took about 15 ms of an 8B-shaped engine's 512-token
-    /// prefill forward on the H100). A contiguous cache's strided layer views are refused by
+    /// one for V (on the H100 an 8B-shaped engine writing split-K blocks with it prefilled 512
+    /// tokens at 0..512 in 20.3 ms, one writing token-major blocks with candle's
+    /// `scatter_set` in 35.9 ms). A contiguous cache's strided layer views are refused by
     /// the kernel's checks, with the error: the engine makes per-layer caches.
     fn write(
         &self,
