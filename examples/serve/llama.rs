@@ -276,7 +276,10 @@ impl StepModel for LlamaModel {
         let chunk = self.chunk;
         self.run(|m| {
             let kv: &dyn LayerCache = if m.prefill_by_gather {
-                &PrefillGathered(&m.kv)
+                &Gathered {
+                    kv: &m.kv,
+                    decode: true,
+                }
             } else {
                 &*m.kv
             };
@@ -301,38 +304,17 @@ fn decode_pieces<'a>(seqs: &[SeqView<'a>]) -> Vec<Piece<'a>> {
         .collect()
 }
 
-/// The cache without its attention kernels: a forward over it gathers the blocks (the
+/// The cache without its prefill kernel, and without its decode kernel unless `decode`: a
+/// forward over it gathers the blocks where the kernel is left out (with neither, the
 /// reference the kernels are checked against). Writes and block order as the cache's.
-struct Gathered<'a>(&'a PagedKvTensors);
+struct Gathered<'a> {
+    kv: &'a PagedKvTensors,
+    decode: bool,
+}
 
 impl LayerCache for Gathered<'_> {
     fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
-        self.0.layer(l)
-    }
-
-    fn write(
-        &self,
-        kc: &Tensor,
-        vc: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        slots: &Tensor,
-    ) -> Option<candle_core::Result<()>> {
-        self.0.write(kc, vc, k, v, slots)
-    }
-
-    fn token_major(&self, blocks: Tensor, kv: usize) -> candle_core::Result<Tensor> {
-        self.0.token_major(blocks, kv)
-    }
-}
-
-/// The cache with its decode kernel but not its prefill kernel: a prefill gathers the blocks.
-/// Writes and block order as the cache's.
-struct PrefillGathered<'a>(&'a PagedKvTensors);
-
-impl LayerCache for PrefillGathered<'_> {
-    fn layer(&self, l: usize) -> candle_core::Result<(Tensor, Tensor)> {
-        self.0.layer(l)
+        self.kv.layer(l)
     }
 
     fn decode_attention(
@@ -345,8 +327,10 @@ impl LayerCache for PrefillGathered<'_> {
         max_context: usize,
         scale: f32,
     ) -> Option<candle_core::Result<Tensor>> {
-        self.0
-            .decode_attention(q, k, v, table, lens, max_context, scale)
+        self.decode.then(|| {
+            self.kv
+                .decode_attention(q, k, v, table, lens, max_context, scale)
+        })?
     }
 
     fn write(
@@ -357,11 +341,11 @@ impl LayerCache for PrefillGathered<'_> {
         v: &Tensor,
         slots: &Tensor,
     ) -> Option<candle_core::Result<()>> {
-        self.0.write(kc, vc, k, v, slots)
+        self.kv.write(kc, vc, k, v, slots)
     }
 
     fn token_major(&self, blocks: Tensor, kv: usize) -> candle_core::Result<Tensor> {
-        self.0.token_major(blocks, kv)
+        self.kv.token_major(blocks, kv)
     }
 }
 
@@ -399,7 +383,14 @@ impl LlamaModel {
                     .to_dtype(DType::F32)?;
                 let b = self
                     .llama
-                    .forward_layers(&Gathered(&self.kv), pieces, depth)?
+                    .forward_layers(
+                        &Gathered {
+                            kv: &self.kv,
+                            decode: false,
+                        },
+                        pieces,
+                        depth,
+                    )?
                     .to_dtype(DType::F32)?;
                 let diff = (&a - &b)?
                     .abs()?
