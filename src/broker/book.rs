@@ -12,9 +12,12 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use super::lease::Lease;
 use super::protocol::{
-    BrokerCounters, EngineInfo, ModelInfo, Refusal, RefusalCause, Role, MAX_MODELS, MAX_NAME,
+    BrokerCounters, EngineInfo, LeaseState, ModelInfo, Refusal, RefusalCause, Role, MAX_MODELS,
+    MAX_NAME,
 };
 use crate::backend::PhysicalChunk;
 use crate::budget::{Ledger, ModelBook, Refusal as LedgerRefusal};
@@ -52,6 +55,8 @@ pub(crate) struct ModelEntry {
     /// Its connection ended while its process lived (see [`Book::end_conn`]): retired, its name
     /// free, its chunks and charges kept until the process is gone.
     pub(crate) orphaned: bool,
+    /// Its lease (`lease.rs`): while held, `conn` is 0 (no connection has that id).
+    pub(crate) lease: Option<Lease>,
     pub(crate) chunks: BTreeSet<u64>,
     pub(crate) in_use: u64,
     pub(crate) idle: u64,
@@ -169,6 +174,8 @@ pub(crate) struct Book {
     pub(crate) orphans: Vec<Orphan>,
     pub(crate) tickets: HashMap<u64, Ticket>,
     pub(crate) counters: BrokerCounters,
+    /// How long a lease whose engine is gone holds its memory.
+    pub(crate) lease_grace: Duration,
     next_id: u64,
 }
 
@@ -180,6 +187,8 @@ pub(crate) enum BookError {
     Duplicate(String),
     /// The operator's policy (caps per user, guarantees) does not allow it.
     Forbidden(String),
+    /// Held by another engine or process right now.
+    Busy(String),
 }
 
 impl Book {
@@ -202,6 +211,7 @@ impl Book {
             orphans: Vec::new(),
             tickets: HashMap::new(),
             counters: BrokerCounters::default(),
+            lease_grace: Duration::from_secs(300),
             next_id: 0,
         }
     }
@@ -210,6 +220,12 @@ impl Book {
     /// be the device book's (an engine's links and the reclaim pushes are keyed by model id).
     pub(crate) fn ids_from(mut self, base: u64) -> Book {
         self.next_id = base;
+        self
+    }
+
+    /// Leases whose engine is gone hold their memory for `grace`.
+    pub(crate) fn lease_grace(mut self, grace: Duration) -> Book {
+        self.lease_grace = grace;
         self
     }
 
@@ -255,10 +271,13 @@ impl Book {
                 "model {name:?}: guarantee {guarantee} is above its limit {limit}"
             )));
         }
-        if self.names.contains_key(name) {
-            return Err(BookError::Duplicate(format!(
-                "model {name:?} is already registered"
-            )));
+        if let Some(held) = self.names.get(name).and_then(|k| self.models.get(k)) {
+            return Err(BookError::Duplicate(match held.lease.as_ref().map(|l| l.state) {
+                Some(LeaseState::Held | LeaseState::Waiting) => format!(
+                    "model {name:?} is held under a lease: attach it with its token, or wait for its grace period to end"
+                ),
+                _ => format!("model {name:?} is already registered"),
+            }));
         }
         if self.models.len() >= MAX_MODELS {
             return Err(BookError::Invalid(format!(
@@ -321,6 +340,7 @@ impl Book {
                 conn,
                 uid,
                 orphaned: false,
+                lease: None,
                 chunks: BTreeSet::new(),
                 in_use: 0,
                 idle: 0,
@@ -470,20 +490,22 @@ impl Book {
         };
         let size = e.chunk.size as u64;
         self.ledger.credit(model, size);
-        if let Some(m) = self.models.get_mut(&model) {
-            m.chunks.remove(&cid);
-        }
-        self.counters.give_backs += 1;
-        if self.ledger.try_charge(IDLE, size).is_ok() {
+        let out = if self.ledger.try_charge(IDLE, size).is_ok() {
             e.holder = Holder::Idle;
             e.reserved = asker;
             self.idle.entry(size).or_default().push(cid);
             self.idle_bytes += size;
-            Ok(None)
+            None
         } else {
             e.holder = Holder::Moving;
-            Ok(Some(e.chunk))
+            Some(e.chunk)
+        };
+        if let Some(m) = self.models.get_mut(&model) {
+            m.chunks.remove(&cid);
         }
+        self.counters.give_backs += 1;
+        self.unkeep(model, cid);
+        Ok(out)
     }
 
     /// Whether idle chunk `cid` is kept for another model than `model` (`None`: anyone): it
@@ -576,10 +598,11 @@ impl Book {
     }
 
     /// A connection ended. `alive`: its process still lives (its pid and pidfd): then its models
-    /// that hold chunks stay, orphaned (retired, names freed, chunks and charges kept: the
-    /// process may still map them) until [`Book::reap`]; models holding nothing go. Otherwise
-    /// (or when nothing is held) every model goes with every chunk (returned moving, charges
-    /// credited). Its reclaim tickets go either way.
+    /// that hold chunks (or a lease) stay, orphaned (retired, chunks and charges kept: the
+    /// process may still map them) until [`Book::reap`]; their names are freed, but for leased
+    /// ones (`lease.rs`), which are waiting. Models holding nothing go. Otherwise (or when
+    /// nothing is held) every model goes with every chunk (returned moving, charges credited),
+    /// but for leased ones, which are held. Its reclaim tickets go either way.
     pub(crate) fn end_conn(
         &mut self,
         conn: u64,
@@ -595,18 +618,27 @@ impl Book {
             .collect();
         let mut out = Vec::new();
         let mut kept = Vec::new();
+        let expires = Instant::now() + self.lease_grace;
         for m in models {
-            let holds = self.models.get(&m).is_some_and(|e| !e.chunks.is_empty());
+            let (holds, leased) = self.models.get(&m).map_or((false, false), |e| {
+                (!e.chunks.is_empty(), e.lease.is_some())
+            });
             match &alive {
-                Some(_) if holds => {
+                Some(_) if holds || leased => {
                     if let Some(e) = self.models.get_mut(&m) {
                         e.orphaned = true;
-                        let name = e.name.clone();
-                        self.names.remove(&name);
+                        match e.lease.as_mut() {
+                            Some(l) => l.state = LeaseState::Waiting,
+                            None => {
+                                let name = e.name.clone();
+                                self.names.remove(&name);
+                            }
+                        }
                     }
                     self.ledger.retire(m);
                     kept.push(m);
                 }
+                _ if leased => out.extend(self.hold(m, expires)),
                 _ => out.extend(self.unregister(m)),
             }
         }
@@ -627,15 +659,20 @@ impl Book {
     }
 
     /// The process of orphaned connection `conn` is gone: its models go, with their chunks
-    /// (returned moving, charges credited).
+    /// (returned moving, charges credited), but for leased ones, which are held.
     pub(crate) fn reap(&mut self, conn: u64) -> Vec<(u64, PhysicalChunk)> {
         let Some(i) = self.orphans.iter().position(|o| o.conn == conn) else {
             return Vec::new();
         };
         let orphan = self.orphans.swap_remove(i);
+        let expires = Instant::now() + self.lease_grace;
         let mut out = Vec::new();
         for m in orphan.models {
-            out.extend(self.unregister(m));
+            if self.models.get(&m).is_some_and(|e| e.lease.is_some()) {
+                out.extend(self.hold(m, expires));
+            } else {
+                out.extend(self.unregister(m));
+            }
         }
         self.counters.dead_engines += 1;
         self.counters.chunks_recovered += out.len() as u64;
@@ -666,7 +703,8 @@ impl Book {
             .chain(
                 self.models
                     .iter()
-                    .filter(|(_, m)| !m.orphaned)
+                    // Orphaned and held models have no engine to ask.
+                    .filter(|(_, m)| !m.orphaned && m.conn != 0)
                     .map(|(&k, _)| (k, u64::MAX)),
             )
             .collect()
@@ -695,6 +733,7 @@ impl Book {
 
     /// Engines and models; an engine connection sees itself and its own models only.
     pub(crate) fn view(&self, viewer: Option<u64>) -> (Vec<EngineInfo>, Vec<ModelInfo>) {
+        let now = Instant::now();
         let engines = self
             .conns
             .iter()
@@ -728,6 +767,7 @@ impl Book {
                     idle: m.idle,
                     cached: m.cached,
                     orphaned: m.orphaned,
+                    lease: self.lease_info(id, now),
                 })
             })
             .collect();

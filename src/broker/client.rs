@@ -117,6 +117,10 @@ impl std::fmt::Debug for ClientInner {
 
 impl Drop for ClientInner {
     fn drop(&mut self) {
+        // What was queued last (a model's unregister, which ends its lease) goes out first.
+        if !self.writer.flush(Duration::from_millis(500)) {
+            tracing::debug!("the broker connection closed with messages unsent");
+        }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 }

@@ -152,6 +152,7 @@ fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
     let physical = Family::<ModelLabel, Gauge>::default();
     let reclaimable = Family::<ModelLabel, Gauge>::default();
     let refusals = Family::<ModelLabel, Counter>::default();
+    let leased = Family::<ModelLabel, Gauge>::default();
     for m in &snap.models {
         let g = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         for (state, v) in [
@@ -178,6 +179,9 @@ fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
             .get_or_create(&l)
             .set(g(spare.min(m.used.saturating_sub(m.guarantee))));
         refusals.get_or_create(&l).inc_by(m.refusals);
+        if let Some(lease) = &m.lease {
+            leased.get_or_create(&l).set(g(lease.kept));
+        }
     }
     reg.register("model_bytes", "Bytes per model and state", bytes);
     reg.register("model_limit_bytes", "Physical limit per model", limit);
@@ -193,6 +197,11 @@ fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
         reclaimable,
     );
     reg.register("model_refusals", "Growths refused per model", refusals);
+    reg.register(
+        "model_lease_kept_bytes",
+        "Bytes a model's lease keeps across its engine's end (held: no engine attached)",
+        leased,
+    );
     let gauge = |v: u64| {
         let g = Gauge::<i64>::default();
         g.set(i64::try_from(v).unwrap_or(i64::MAX));
@@ -248,6 +257,27 @@ fn fill(reg: &mut Registry, snap: &Snapshot, calls: &DriverCalls) {
         counter(c.dead_engines),
     );
     reg.register("malformed", "Malformed messages", counter(c.malformed));
+    reg.register("leases", "Leases armed", counter(c.leases));
+    reg.register(
+        "leases_held",
+        "Leases whose engine ended, their memory held",
+        counter(c.leases_held),
+    );
+    reg.register(
+        "reattaches",
+        "Held leases an engine attached",
+        counter(c.reattaches),
+    );
+    reg.register(
+        "leases_expired",
+        "Held leases whose grace period ended",
+        counter(c.leases_expired),
+    );
+    reg.register(
+        "attach_refusals",
+        "Attaches refused (wrong token or user, busy)",
+        counter(c.attach_refusals),
+    );
     let driver = Family::<CallLabel, Counter>::default();
     for call in DriverCall::ALL {
         driver

@@ -53,13 +53,17 @@
 mod accept;
 mod book;
 mod client;
+mod lease;
+mod lease_requests;
 pub mod metrics;
 pub mod protocol;
+mod reattach;
 mod remote;
 mod server;
 
 pub use client::{BrokerClient, Welcome, DEFAULT_IMPORT_THREADS};
-pub use protocol::{ModelInfo, Snapshot};
+pub use protocol::{LeaseToken, ModelInfo, Snapshot};
+pub use reattach::{Lease, Reattached};
 pub use remote::RemoteModel;
 pub use server::{Broker, BrokerConfig};
 

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::ipc::PeerCredentials;
 
 /// Version of this protocol; a peer with another version is refused at [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Most chunks one [`Request::GrowMany`] asks for, and most ids one [`Request::GiveBackMany`]
 /// carries: one frame holds at most [`crate::ipc::MAX_FDS`] descriptors.
@@ -20,6 +20,16 @@ pub const MAX_BATCH: u32 = crate::ipc::MAX_FDS as u32;
 
 /// Longest model or engine name, in bytes.
 pub const MAX_NAME: usize = 64;
+
+/// Most chunks one [`Request::Keep`] names (a frame holds them with room to spare).
+pub const MAX_KEEP: usize = 2048;
+
+/// Most kept regions one lease holds.
+pub const MAX_KEPT_REGIONS: usize = 16;
+
+/// Longest blob an engine stores with its lease ([`Request::StoreBlob`]), in bytes: with the
+/// regions' names it fits one frame of [`Reply::Attached`].
+pub const MAX_BLOB: usize = 48 << 10;
 
 /// Most models registered on one broker (keeps a snapshot within one frame).
 pub const MAX_MODELS: usize = 128;
@@ -156,6 +166,185 @@ pub enum Request {
     /// A [`Request::Snapshot`] inside answers the host tier's view (its backend and budget).
     /// Decoding refuses a `HostTier` inside a `HostTier` (no recursion a peer can deepen).
     HostTier(#[serde(deserialize_with = "one_level")] Box<Request>),
+    /// Put one of this engine's models under a lease ([`Reply::Leased`]): from now on, when
+    /// the connection ends without unregistering it (a crash, or an exit that keeps it), its
+    /// kept regions ([`Request::Keep`]) and blob stay at the broker, charged to it, for the
+    /// broker's grace period, and an engine of the same user presenting the token takes them
+    /// back ([`Request::Attach`]). Asked again, it answers a new token; the old one is void.
+    Lease {
+        /// The model.
+        model: u64,
+    },
+    /// Keep a region of a leased model across its engine's end: the model's `chunks`, each at
+    /// its offset from the region's start, within `len` bytes, under the region's tag (at
+    /// most [`MAX_KEEP`] chunks a message: `append` adds to the region of that tag, else the
+    /// message replaces it). A chunk given back later drops its region from the lease.
+    Keep {
+        /// The model.
+        model: u64,
+        /// The region's tag (a name, as for models).
+        tag: String,
+        /// The region's length in bytes.
+        len: u64,
+        /// The chunks and where they lie in the region.
+        chunks: Vec<KeptChunk>,
+        /// Add to the region kept under `tag` rather than replace it.
+        append: bool,
+    },
+    /// Stop keeping the region of `tag` (its chunks stay the model's).
+    Forget {
+        /// The model.
+        model: u64,
+        /// The region's tag.
+        tag: String,
+    },
+    /// Store `blob` (at most [`MAX_BLOB`] bytes: the engine's block tables, tensor names and
+    /// offsets...) with the lease, replacing the last one; the next engine gets it back.
+    StoreBlob {
+        /// The model.
+        model: u64,
+        /// The bytes.
+        blob: Vec<u8>,
+    },
+    /// Take over a leased model whose engine is gone ([`Reply::Attached`]): the same user, the
+    /// lease's token, within its grace period. The model is this connection's from then on,
+    /// under a new token; its kept chunks come with [`Request::TakeKept`].
+    Attach {
+        /// The model's name.
+        model: String,
+        /// The lease's token.
+        token: LeaseToken,
+    },
+    /// The descriptors of the chunks `from..from + count` (at most [`MAX_BATCH`]) of the kept
+    /// region `tag` of a model this connection attached ([`Reply::KeptChunks`]).
+    TakeKept {
+        /// The model.
+        model: u64,
+        /// The region's tag.
+        tag: String,
+        /// The first chunk, in offset order.
+        from: u32,
+        /// How many.
+        count: u32,
+    },
+}
+
+/// A lease's secret (32 random bytes): whoever holds it, as the lease's user, can re-attach
+/// the model. Shown as 64 hex digits; `Debug` does not show it.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseToken(pub [u8; 32]);
+
+impl std::fmt::Debug for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseToken(..)")
+    }
+}
+
+impl std::fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl std::str::FromStr for LeaseToken {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<LeaseToken> {
+        let s = s.trim();
+        let bad = || {
+            crate::Error::InvalidArgument(format!(
+                "a lease token is 64 hex digits, got {} characters",
+                s.len()
+            ))
+        };
+        if s.len() != 64 || !s.is_ascii() {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(LeaseToken(out))
+    }
+}
+
+impl LeaseToken {
+    /// Compare in time independent of where the tokens differ.
+    pub(crate) fn matches(&self, other: &LeaseToken) -> bool {
+        self.0
+            .iter()
+            .zip(other.0.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+/// One chunk of a kept region: the broker's chunk id and its offset in the region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptChunk {
+    /// The chunk's id from its grant.
+    pub chunk: u64,
+    /// Where it lies, from the region's start.
+    pub offset: u64,
+}
+
+/// A kept region, as [`Reply::Attached`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptRegionInfo {
+    /// Its tag.
+    pub tag: String,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Its chunks ([`Request::TakeKept`] in offset order).
+    pub chunks: u32,
+    /// The bytes of those chunks.
+    pub bytes: u64,
+}
+
+/// What [`Request::Attach`] gives the new engine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attachment {
+    /// The model's id, for later requests.
+    pub model: u64,
+    /// Its limit, guarantee and priority, as registered.
+    pub limit: u64,
+    /// See `limit`.
+    pub guarantee: u64,
+    /// See `limit`.
+    pub priority: i32,
+    /// The kept regions.
+    pub regions: Vec<KeptRegionInfo>,
+    /// The blob the last engine stored.
+    pub blob: Vec<u8>,
+    /// The lease's new token (the one presented is void now).
+    pub token: LeaseToken,
+    /// The broker's grace period.
+    pub grace_ms: u64,
+}
+
+/// Where a model's lease stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LeaseState {
+    /// Its engine is connected; the lease holds if the connection ends.
+    Armed,
+    /// The connection ended while its process lived: held once that process is gone.
+    Waiting,
+    /// No engine: the kept memory waits for one to attach, until the grace period ends.
+    Held,
+}
+
+/// A model's lease, as the broker's view shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseInfo {
+    /// Where it stands.
+    pub state: LeaseState,
+    /// Kept regions.
+    pub regions: u32,
+    /// Bytes of their chunks.
+    pub kept: u64,
+    /// Bytes of the stored blob.
+    pub blob: u64,
+    /// Time left before a held lease ends, in milliseconds.
+    pub expires_in_ms: Option<u64>,
 }
 
 std::thread_local! {
@@ -281,6 +470,24 @@ pub enum Reply {
     },
     /// Every engine and model.
     Snapshot(Box<Snapshot>),
+    /// A lease armed ([`Request::Lease`]): its token, and how long the broker holds its memory
+    /// once the engine is gone.
+    Leased {
+        /// The token a later engine presents.
+        token: LeaseToken,
+        /// The grace period.
+        grace_ms: u64,
+    },
+    /// A leased model attached ([`Request::Attach`]).
+    Attached(Box<Attachment>),
+    /// Kept chunks ([`Request::TakeKept`]): their descriptors are attached to this frame, in
+    /// order; each chunk is the model's as if granted.
+    KeptChunks {
+        /// Each chunk and its offset in the region.
+        chunks: Vec<KeptChunk>,
+        /// The size of each.
+        sizes: Vec<u64>,
+    },
     /// Prometheus text.
     Metrics(String),
     /// The request failed; for a malformed message the connection is closed after this.
@@ -309,6 +516,9 @@ pub enum ErrorKind {
     NotReached,
     /// The driver failed.
     Backend,
+    /// Held by another engine or process right now (a lease attached elsewhere, or whose
+    /// previous engine still lives).
+    Busy,
 }
 
 /// Why a growth was refused, with every number.
@@ -417,6 +627,8 @@ pub struct ModelInfo {
     /// still mapped there) stay charged until that process is gone; it grows no more and its
     /// name is free.
     pub orphaned: bool,
+    /// Its lease, if it has one.
+    pub lease: Option<LeaseInfo>,
 }
 
 /// The broker's counters.
@@ -451,6 +663,16 @@ pub struct BrokerCounters {
     pub orphaned_connections: u64,
     /// Sum of grant latencies (request read to reply queued), microseconds.
     pub grant_micros: u64,
+    /// Leases armed.
+    pub leases: u64,
+    /// Leases whose engine ended and whose memory the broker held.
+    pub leases_held: u64,
+    /// Held leases an engine attached.
+    pub reattaches: u64,
+    /// Held leases whose grace period ended (their memory went back).
+    pub leases_expired: u64,
+    /// Attaches refused (wrong token, wrong user, no such lease, busy).
+    pub attach_refusals: u64,
 }
 
 /// Everything the broker knows, at one instant.
@@ -547,6 +769,35 @@ mod tests {
                 model: 1 << 56,
                 size: 2 << 20,
             })),
+            Request::Lease { model: 3 },
+            Request::Keep {
+                model: 3,
+                tag: "weights".into(),
+                len: 1 << 30,
+                chunks: vec![KeptChunk {
+                    chunk: 9,
+                    offset: 2 << 20,
+                }],
+                append: true,
+            },
+            Request::Forget {
+                model: 3,
+                tag: "kv".into(),
+            },
+            Request::StoreBlob {
+                model: 3,
+                blob: vec![1, 2, 3],
+            },
+            Request::Attach {
+                model: "m".into(),
+                token: LeaseToken([0xab; 32]),
+            },
+            Request::TakeKept {
+                model: 3,
+                tag: "weights".into(),
+                from: 16,
+                count: 16,
+            },
         ]
         .into_iter()
         .map(|request| encode(&ToBroker { id: 77, request }).unwrap())
@@ -577,6 +828,21 @@ mod tests {
             let _ = decode::<FromBroker>(&m);
         }
         assert!(decoded > 0, "some mutations stay valid messages");
+    }
+
+    /// A token reads back from its hex form; other lengths and digits are refused; `Debug`
+    /// never shows it.
+    #[test]
+    fn lease_tokens_print_and_parse() {
+        let t = LeaseToken(std::array::from_fn(|i| i as u8 * 7));
+        let hex = t.to_string();
+        assert_eq!(hex.len(), 64);
+        assert_eq!(hex.parse::<LeaseToken>().unwrap(), t);
+        assert!(hex[..62].parse::<LeaseToken>().is_err());
+        assert!(hex.replace('0', "g").parse::<LeaseToken>().is_err());
+        assert!("é".repeat(32).parse::<LeaseToken>().is_err());
+        assert_eq!(format!("{t:?}"), "LeaseToken(..)");
+        assert!(t.matches(&t) && !t.matches(&LeaseToken([0; 32])));
     }
 
     /// A host-tier request inside a host-tier request does not decode (a peer cannot make the

@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Deref;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -33,6 +33,8 @@ pub struct RemoteModel {
     id: Arc<str>,
     key: u64,
     client: BrokerClient,
+    /// The pool's backend, for what leases need of it (`reattach.rs`).
+    pub(super) backend: Arc<ModelBackend>,
 }
 
 impl Deref for RemoteModel {
@@ -119,14 +121,29 @@ impl BrokerClient {
             Reply::Registered { model } => model,
             other => return Err(unexpected("register", &other)),
         };
-        let local = match host_gran {
-            Some((b, _)) => Ok(b),
+        self.open_model(key, &config, host_gran.map(|(b, _)| b))
+    }
+
+    /// The engine's side of model `key`, registered (or attached) on the broker already: its
+    /// backend and pool, its reclaim callback linked. `host`: the host tier's local backend,
+    /// for a model of the host tier. On failure the model is unregistered.
+    pub(super) fn open_model(
+        &self,
+        key: u64,
+        config: &ModelConfig,
+        host: Option<Arc<dyn Backend>>,
+    ) -> Result<RemoteModel> {
+        let p = config.parts();
+        let inner = self.inner().clone();
+        let is_host = host.is_some();
+        let local = match host {
+            Some(b) => Ok(b),
             None => inner.local_backend(),
         };
         let local = match local {
             Ok(b) => b,
             Err(e) => {
-                inner.notify(for_tier(host, Request::Unregister { model: key }));
+                inner.notify(for_tier(is_host, Request::Unregister { model: key }));
                 return Err(e);
             }
         };
@@ -134,17 +151,18 @@ impl BrokerClient {
         let backend = Arc::new(ModelBackend {
             client: inner.clone(),
             model: key,
-            host,
+            host: is_host,
             name: id.clone(),
             local,
             granted: Mutex::new(HashMap::new()),
             fresh: Mutex::new(HashSet::new()),
-            zeroed_creates: !host && inner.welcome().backend.creates_zeroed,
+            zeroed_creates: !is_host && inner.welcome().backend.creates_zeroed,
             held: AtomicU64::new(0),
+            keeping: AtomicBool::new(false),
         });
         let mut cfg = p.pool.unwrap_or_else(|| {
             let c = PoolConfig::new(p.virtual_capacity);
-            if host {
+            if is_host {
                 // What the tier frees goes back to the broker at once, for the next engine.
                 c.max_cached(0)
             } else {
@@ -154,13 +172,13 @@ impl BrokerClient {
         cfg.capacity = p.virtual_capacity;
         cfg.name = p.id.to_string();
         // On failure the backend drops here, which unregisters the model.
-        let pool = Pool::new(backend, cfg)?;
+        let pool = Pool::new(backend.clone(), cfg)?;
         inner.links.lock().insert(
             key,
             ModelLink {
                 pool: Arc::downgrade(pool.inner()),
                 reclaim: p.reclaim,
-                host,
+                host: is_host,
             },
         );
         tracing::debug!(model = %id, key, "model registered on the broker");
@@ -169,6 +187,7 @@ impl BrokerClient {
             id,
             key,
             client: self.clone(),
+            backend,
         })
     }
 
@@ -288,15 +307,21 @@ pub(crate) struct ModelBackend {
     /// for the host tier).
     zeroed_creates: bool,
     held: AtomicU64,
+    /// [`RemoteModel::keep_on_exit`]: chunks released here are not given back, and the model
+    /// is not unregistered when the backend goes; the broker's lease decides at the end of the
+    /// connection.
+    pub(super) keeping: AtomicBool,
 }
 
 impl Drop for ModelBackend {
     fn drop(&mut self) {
         self.client.links.lock().remove(&self.model);
-        self.client.notify(for_tier(
-            self.host,
-            Request::Unregister { model: self.model },
-        ));
+        if !self.keeping.load(Ordering::Acquire) {
+            self.client.notify(for_tier(
+                self.host,
+                Request::Unregister { model: self.model },
+            ));
+        }
     }
 }
 
@@ -424,6 +449,70 @@ fn import_all(
 }
 
 impl ModelBackend {
+    /// The broker's id of `chunk`, if it is one of this model's.
+    pub(super) fn chunk_id(&self, chunk: PhysicalChunk) -> Option<u64> {
+        self.granted.lock().get(&chunk.raw).copied()
+    }
+
+    /// Import kept chunks taken over with a lease (`reattach.rs`): each is this model's from
+    /// now on, as if granted, and never cleared (its bytes are the point). On failure every
+    /// import is let go here and nothing is given back: the chunks stay the model's at the
+    /// broker.
+    pub(super) fn import_kept(
+        &self,
+        chunks: &[super::protocol::KeptChunk],
+        sizes: &[u64],
+        fds: Vec<OwnedFd>,
+    ) -> Result<Vec<PhysicalChunk>> {
+        let uniform = sizes.windows(2).all(|w| w[0] == w[1]);
+        let results: Vec<Result<PhysicalChunk>> = match (uniform, sizes.first()) {
+            (true, Some(&size)) => {
+                let size = usize::try_from(size).map_err(|_| {
+                    Error::InvalidArgument(format!("kept chunk of {size} bytes from the broker"))
+                })?;
+                let threads = self.client.import_threads.load(Ordering::Relaxed);
+                import_all(&*self.local, fds, size, threads)
+            }
+            _ => fds
+                .into_iter()
+                .zip(sizes)
+                .map(|(fd, &size)| match usize::try_from(size) {
+                    Ok(size) => self.local.import_chunk(fd, size),
+                    Err(_) => Err(Error::InvalidArgument(format!(
+                        "kept chunk of {size} bytes from the broker"
+                    ))),
+                })
+                .collect(),
+        };
+        let mut made = Vec::with_capacity(results.len());
+        let mut failure = None;
+        for r in results {
+            match r {
+                Ok(c) => made.push(c),
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            for c in made {
+                // SAFETY: imported just above, mapped nowhere, released once.
+                if let Err(r) = unsafe { self.local.release(c) } {
+                    tracing::error!(model = %self.name, error = %r, "releasing a kept chunk's import after a failed attach failed");
+                }
+            }
+            return Err(e);
+        }
+        let mut granted = self.granted.lock();
+        for (c, k) in made.iter().zip(chunks) {
+            granted.insert(c.raw, k.chunk);
+        }
+        drop(granted);
+        let bytes: u64 = made.iter().map(|c| c.size as u64).sum();
+        self.held.fetch_add(bytes, Ordering::Relaxed);
+        Ok(made)
+    }
+
     /// `request` for this model's tier.
     fn wrap(&self, request: Request) -> Request {
         for_tier(self.host, request)
@@ -432,6 +521,9 @@ impl ModelBackend {
     /// Give chunks back in as few messages as the protocol allows; the replies are awaited
     /// after every message went out.
     fn give_back_many(&self, chunks: Vec<u64>) {
+        if self.keeping.load(Ordering::Acquire) {
+            return;
+        }
         let mut sent = Vec::new();
         for batch in chunks.chunks(MAX_BATCH as usize) {
             match self.client.send_request(self.wrap(Request::GiveBackMany {
@@ -460,6 +552,9 @@ impl ModelBackend {
     }
 
     fn give_back(&self, chunk: u64) {
+        if self.keeping.load(Ordering::Acquire) {
+            return;
+        }
         match self.client.request(self.wrap(Request::GiveBack {
             model: self.model,
             chunk,

@@ -85,6 +85,10 @@ pub struct BrokerConfig {
     /// Guarantees on the host tier: the broker's own user and root only, and the caps per
     /// user are half the host budget.
     pub host_budget: Option<u64>,
+    /// How long a lease whose engine is gone holds the model's kept memory (charged to it)
+    /// for an engine to attach ([`super::RemoteModel::lease`]); then it goes back. Default 5
+    /// minutes.
+    pub lease_grace: Duration,
 }
 
 impl BrokerConfig {
@@ -107,7 +111,15 @@ impl BrokerConfig {
             max_bytes_per_user: None,
             max_priority_per_user: 0,
             host_budget: None,
+            lease_grace: Duration::from_secs(300),
         }
+    }
+
+    /// How long a lease whose engine is gone holds its memory (see
+    /// [`BrokerConfig::lease_grace`]).
+    pub fn lease_grace(mut self, grace: Duration) -> Self {
+        self.lease_grace = grace;
+        self
     }
 
     /// Give the broker a host tier with a budget of `bytes` (see [`BrokerConfig::host_budget`]).
@@ -344,7 +356,9 @@ impl Broker {
         let shared = Arc::new(Shared {
             backend: Arc::new(Counting::new(backend)),
             desc,
-            book: Mutex::new(Book::new(config.global_limit, policy)),
+            book: Mutex::new(
+                Book::new(config.global_limit, policy).lease_grace(config.lease_grace),
+            ),
             changed: Condvar::new(),
             pid: std::process::id(),
             uid,
@@ -579,7 +593,11 @@ fn host_tier_shared(
             device_name: info.device_name.clone(),
             creates_zeroed: false,
         },
-        book: Mutex::new(Book::new(budget, policy).ids_from(HOST_IDS)),
+        book: Mutex::new(
+            Book::new(budget, policy)
+                .ids_from(HOST_IDS)
+                .lease_grace(config.lease_grace),
+        ),
         changed: Condvar::new(),
         pid: std::process::id(),
         uid,
@@ -603,6 +621,7 @@ pub(super) fn book_error(e: BookError) -> Reply {
         BookError::Invalid(m) => error_reply(ErrorKind::InvalidArgument, m),
         BookError::Duplicate(m) => error_reply(ErrorKind::Duplicate, m),
         BookError::Forbidden(m) => error_reply(ErrorKind::Forbidden, m),
+        BookError::Busy(m) => error_reply(ErrorKind::Busy, m),
     }
 }
 
@@ -665,6 +684,15 @@ fn answered_at_once(request: &Request) -> bool {
     }
 }
 
+/// Whether `request` unregisters a model (on either tier).
+fn unregisters(request: &Request) -> bool {
+    match request {
+        Request::Unregister { .. } => true,
+        Request::HostTier(inner) => matches!(**inner, Request::Unregister { .. }),
+        _ => false,
+    }
+}
+
 /// A connection's requests: its reader answers give-backs, reclaim answers and reports at once
 /// ([`answered_at_once`]); every other request goes, in order, to the connection's worker
 /// thread, where a growth may wait for other engines. A panic of the worker is resumed here
@@ -678,11 +706,14 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, role: Role, writer
             .spawn_scoped(s, || {
                 for msg in queued {
                     // The reader stopped (the peer went away or sent garbage): nobody waits
-                    // for these answers, and the cleanup takes everything back.
-                    if closing.load(Ordering::SeqCst) {
-                        return;
+                    // for these answers, and the cleanup takes everything back; but an
+                    // unregister the engine sent before it went still ends its model's lease
+                    // (the cleanup would hold it).
+                    let closed = closing.load(Ordering::SeqCst);
+                    if closed && !unregisters(&msg.request) {
+                        continue;
                     }
-                    if !answer(shared, conn, role, writer, msg) {
+                    if !answer(shared, conn, role, writer, msg) && !closed {
                         return;
                     }
                 }
@@ -785,8 +816,20 @@ fn reap_loop(shared: Arc<Shared>) {
     while !shared.stopping.load(Ordering::SeqCst) {
         let watched: Vec<(u64, i32, Arc<OwnedFd>)> = {
             let mut book = shared.book.lock();
+            let now = Instant::now();
+            let expired = book.expire(now);
+            if !expired.is_empty() {
+                drop(book);
+                shared.release_all(expired, None);
+                shared.changed.notify_all();
+                continue;
+            }
             if book.orphans.is_empty() {
-                shared.changed.wait_for(&mut book, Duration::from_secs(1));
+                let wait = book
+                    .next_expiry()
+                    .map_or(Duration::from_secs(1), |e| e.saturating_duration_since(now))
+                    .min(Duration::from_secs(1));
+                shared.changed.wait_for(&mut book, wait);
                 continue;
             }
             book.orphans
@@ -1049,7 +1092,8 @@ impl Shared {
                                 BookError::Unknown(m)
                                 | BookError::Invalid(m)
                                 | BookError::Duplicate(m)
-                                | BookError::Forbidden(m),
+                                | BookError::Forbidden(m)
+                                | BookError::Busy(m),
                             ) => unknown.push(m),
                         }
                     }
@@ -1188,6 +1232,17 @@ impl Shared {
                 // The same rules on the host tier's book: roles, owners, numbers, budget.
                 (Some(h), inner) => h.handle(conn, role, inner),
             },
+            Request::Lease { .. }
+            | Request::Keep { .. }
+            | Request::Forget { .. }
+            | Request::StoreBlob { .. }
+            | Request::Attach { .. }
+            | Request::TakeKept { .. } => {
+                if role != Role::Engine {
+                    return (engine_only(Reply::Done), Vec::new());
+                }
+                self.handle_lease(conn, request)
+            }
             Request::Metrics
             | Request::Trim
             | Request::SetLimit { .. }

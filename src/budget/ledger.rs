@@ -315,6 +315,27 @@ impl Ledger {
         self.update(key, |m| m.retired = true);
     }
 
+    /// A retired model serves again (a lease re-attached): its guarantee is reserved again as
+    /// far as the budget has room beside everything used or promised, and lowered to that
+    /// otherwise. Returns the guarantee it has now.
+    #[cfg(feature = "broker")]
+    pub(crate) fn unretire(&mut self, key: u64) -> u64 {
+        let room = self
+            .global_limit
+            .saturating_sub(self.used.saturating_add(self.unused_guarantees));
+        let mut now = 0;
+        self.update(key, |m| {
+            m.retired = false;
+            let unused = m.guarantee.saturating_sub(m.used);
+            if unused > room {
+                tracing::warn!(model = %m.id, guarantee = m.guarantee, room, "a re-attached model's guarantee does not fit beside the others'; lowered");
+                m.guarantee = m.used.saturating_add(room);
+            }
+            now = m.guarantee;
+        });
+        now
+    }
+
     /// The error for a refusal of `bytes` to `key`.
     pub(crate) fn refusal_error(&self, key: u64, bytes: u64, why: Refusal) -> Error {
         let m = self.models.get(&key);

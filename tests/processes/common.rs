@@ -102,6 +102,7 @@ pub fn run_child(role: &str) -> ExitCode {
         .or_else(|| super::security::role(role))
         .or_else(|| super::p2p::role(role))
         .or_else(|| super::host_tier::role(role))
+        .or_else(|| super::lease::role(role))
     {
         Some(f) => f,
         None => {

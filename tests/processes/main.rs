@@ -9,6 +9,7 @@ mod broker;
 mod chunks;
 mod common;
 mod host_tier;
+mod lease;
 mod p2p;
 mod security;
 
@@ -23,6 +24,7 @@ fn tests() -> Vec<Test> {
     t.extend(security::TESTS);
     t.extend(p2p::TESTS);
     t.extend(host_tier::TESTS);
+    t.extend(lease::TESTS);
     t
 }
 

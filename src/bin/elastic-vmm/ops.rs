@@ -107,6 +107,10 @@ pub struct BrokerArgs {
     /// How long a growth waits for other engines to give memory back, in ms.
     #[arg(long, default_value_t = 2000)]
     pub reclaim_wait_ms: u64,
+    /// How long a lease whose engine is gone holds the model's kept memory (charged to it)
+    /// for a new engine of the same user to attach, in ms.
+    #[arg(long, default_value_t = 300_000)]
+    pub lease_grace_ms: u64,
     /// Serve Prometheus metrics on this loopback address (e.g. 127.0.0.1:9464). Every local
     /// user can read that port: it shows aggregate numbers only, unless --metrics-per-model.
     #[arg(long)]
@@ -154,6 +158,7 @@ pub fn run_broker(choice: BackendChoice, device: i32, args: &BrokerArgs) -> Resu
     };
     let mut config = BrokerConfig::new(&socket, global_limit)
         .reclaim_wait(Duration::from_millis(args.reclaim_wait_ms))
+        .lease_grace(Duration::from_millis(args.lease_grace_ms))
         .hello_timeout(Duration::from_millis(args.hello_timeout_ms))
         .max_connections_per_user(args.max_connections_per_user)
         .max_models_per_user(args.max_models_per_user);
@@ -342,7 +347,7 @@ pub fn table(s: &Snapshot, counters: bool) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<20} {:>8} {:>11} {:>11} {:>11} {:>5} {:>11} {:>11} {:>7} {:>8}",
+        "{:<20} {:>8} {:>11} {:>11} {:>11} {:>5} {:>11} {:>11} {:>7} {:>8}  LEASE",
         "MODEL", "PID", "USED", "LIMIT", "GUARANTEE", "PRIO", "IN USE", "IDLE", "CHUNKS", "REFUSED"
     );
     for m in &s.models {
@@ -351,9 +356,24 @@ pub fn table(s: &Snapshot, counters: bool) -> String {
             .iter()
             .find(|e| e.id == m.engine)
             .map_or(0, |e| e.peer.pid);
+        let lease = match &m.lease {
+            None => "-".to_string(),
+            Some(l) => {
+                let left = l.expires_in_ms.map_or(String::new(), |ms| {
+                    format!(", {:.0} s left", ms as f64 / 1e3)
+                });
+                format!(
+                    "{:?}: {} kept in {} regions{left}",
+                    l.state,
+                    human_bytes(l.kept),
+                    l.regions
+                )
+                .to_lowercase()
+            }
+        };
         let _ = writeln!(
             out,
-            "{:<20} {:>8} {:>11} {:>11} {:>11} {:>5} {:>11} {:>11} {:>7} {:>8}",
+            "{:<20} {:>8} {:>11} {:>11} {:>11} {:>5} {:>11} {:>11} {:>7} {:>8}  {lease}",
             m.name,
             pid,
             human_bytes(m.used),

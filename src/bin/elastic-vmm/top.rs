@@ -317,6 +317,7 @@ mod tests {
                 idle: 1 << 28,
                 cached: 0,
                 orphaned: false,
+                lease: None,
             }],
             counters: BrokerCounters::default(),
             audit: None,
