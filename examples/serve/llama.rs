@@ -38,7 +38,7 @@ use crate::cluster::{paged_block_bytes, paged_bytes_for, BlockStore, PoolKv, Ser
 use crate::engine::{Engine, EngineConfig, SeqView, StepModel};
 use crate::paged_llama::{LayerCache, LlamaShape, PagedLlama, Piece, BLOCK_TOKENS};
 
-const DTYPE: DType = DType::BF16;
+pub const DTYPE: DType = DType::BF16;
 
 /// A model size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

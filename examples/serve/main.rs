@@ -119,6 +119,8 @@ mod paged_llama;
 #[cfg(feature = "candle-example")]
 mod probe;
 mod report;
+#[cfg(feature = "candle-example")]
+mod restart;
 mod sleeper;
 mod trace;
 mod workload;
@@ -736,8 +738,32 @@ fn main() -> ExitCode {
             }
         };
     }
+    #[cfg(feature = "candle-example")]
+    if let Some(r) = restart::run_role() {
+        return match r {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("serve restart (child): {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let start = Instant::now();
     let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("restart") {
+        #[cfg(feature = "candle-example")]
+        let result = restart::run(&argv[2..]);
+        #[cfg(not(feature = "candle-example"))]
+        let result: Result<(), String> =
+            Err("built without the candle-example feature: restart needs the GPU engine".into());
+        return match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("serve restart: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if argv.get(1).map(String::as_str) == Some("probe") {
         #[cfg(feature = "candle-example")]
         let result = probe::run(&argv[2..]);

@@ -13,7 +13,7 @@ use super::slices::{with_device_ptr, Fence, Fences, Queue, SliceFactory, Tracker
 use super::{candle_error, element_size};
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
-use crate::pool::{Allocation, Pool};
+use crate::pool::{Allocation, Pool, RangePin, Region};
 
 /// A collect runs on allocation once live tensors exceed twice the survivors of the last one
 /// (plus this many), so its scan costs O(1) per allocation on average.
@@ -59,14 +59,22 @@ struct Shared {
 
 /// A tensor the pool handed out, and its memory.
 struct Live {
-    alloc: Allocation,
+    alloc: Held,
     tracker: Tracker,
     bytes: u64,
 }
 
+/// What keeps a live tensor's memory: its own allocation, or a pin on the range of a region it
+/// views ([`TensorPool::view`]).
+#[derive(Debug)]
+enum Held {
+    Alloc(#[allow(dead_code)] Allocation),
+    Pinned(#[allow(dead_code)] RangePin),
+}
+
 /// Memory of dead tensors waiting for the GPU to pass a fence (one batch per collect that found
 /// some).
-type Retired = Batch<Allocation, Fence>;
+type Retired = Batch<Held, Fence>;
 
 /// Whether a collect looks for dead tensors or only checks the fences of those found before.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,6 +234,65 @@ impl TensorPool {
             .allocate(src.shape().clone(), src.dtype(), Init::CopyOf(&src))
     }
 
+    /// A contiguous tensor of `shape` and `dtype` over the bytes at `at` of `region` (of this
+    /// tensor pool's pool, mapped there), with no copy: how weights kept under a lease
+    /// ([`crate::broker::BrokerClient::attach`]) become candle tensors again. The range stays
+    /// pinned against unmapping until the tensor and every view of it are gone and the GPU is
+    /// past the kernels queued on them (as for [`TensorPool::empty`]); a [`Region::unmap`] of
+    /// it meanwhile is refused, and a [`Pool::sleep`] of the pool waits for it. `at` must be a
+    /// multiple of the element size.
+    pub fn view(
+        &self,
+        region: &Region,
+        at: u64,
+        shape: impl Into<Shape>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        let elem = element_size(dtype)?;
+        let bytes = (shape.elem_count() as u64)
+            .checked_mul(elem as u64)
+            .ok_or_else(|| Error::SizeOverflow {
+                what: "tensor bytes",
+                detail: format!("{shape:?} of {dtype:?}"),
+            })?;
+        if !Arc::ptr_eq(region.pool().inner(), self.shared.pool.inner()) {
+            return Err(Error::InvalidArgument(
+                "a tensor view of a region of another pool than the tensor pool's".into(),
+            ));
+        }
+        let len = bytes.max(elem as u64);
+        match at.checked_add(len) {
+            Some(end) if end <= region.len() && at % elem as u64 == 0 => {}
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "a view of {bytes} bytes ({shape:?} of {dtype:?}) at {at} of a region of {} bytes (offsets are multiples of {elem})",
+                    region.len()
+                )))
+            }
+        }
+        // Pinned first: mapped now, it stays mapped while the pin lives.
+        let pin = self.shared.pool.pin_range(region.offset() + at, len)?;
+        let ctx = self.shared.slices.take_context()?;
+        // SAFETY: `len >= bytes` bytes at this address are mapped with access on this device
+        // (the pin refused otherwise) and stay mapped until the pin, kept in the live list below
+        // and then behind a fence, goes; `dtype` was checked.
+        let (tensor, tracker) = unsafe {
+            self.shared
+                .slices
+                .tensor(ctx, region.addr() + at, shape, dtype)?
+        };
+        let mut st = self.shared.state.lock();
+        st.live.push(Live {
+            alloc: Held::Pinned(pin),
+            tracker,
+            bytes,
+        });
+        st.live_bytes += bytes;
+        st.created += 1;
+        Ok(tensor)
+    }
+
     /// Find the tensors that are gone, put their memory behind a fence on the device's ordering
     /// stream, and give back the memory whose fence the GPU has passed; the same for the
     /// remains of dropped tensor pools and elastic tensors ([`super::reap_orphans`]). Never
@@ -340,7 +407,7 @@ impl Shared {
         {
             let mut st = self.state.lock();
             st.live.push(Live {
-                alloc,
+                alloc: Held::Alloc(alloc),
                 tracker,
                 bytes: bytes as u64,
             });

@@ -1300,3 +1300,51 @@ fn the_cuda_backend_queues_copies_and_fills() {
         );
     }
 }
+
+/// Tensors over a region's bytes with no copy (how weights kept under a broker lease become
+/// candle tensors again): they read what was written there; a view past the region, at an
+/// offset that is no multiple of the element, over an unmapped part or of another pool's region
+/// is refused; the range cannot be unmapped while a view (or a view of it) lives, and can once
+/// every view is gone and collected.
+#[test]
+fn tensors_view_a_regions_bytes_in_place() {
+    let dev = device();
+    let p = pool(GIB);
+    let tensors = TensorPool::new(&p, &dev).expect("tensor pool");
+    let region = p
+        .reserve_region_with(8 * MIB, &MemOptions::new().tag(elastic_vmm::Tag::Weights))
+        .expect("region");
+    region.map(0, 4 * MIB).expect("map");
+    let values: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    // SAFETY: mapped just above by this test, nothing else uses it.
+    unsafe { p.backend().copies().write(region.addr() + 4096, &bytes) }.expect("write");
+    let t = tensors
+        .view(&region, 4096, (32, 32), DType::F32)
+        .expect("view");
+    assert_eq!(device_addr(&t), region.addr() + 4096, "no copy");
+    let back: Vec<f32> = t.flatten_all().and_then(|x| x.to_vec1()).expect("read");
+    assert_eq!(back, values);
+    let row = t.i(3).expect("row");
+    for bad in [
+        tensors.view(&region, 8 * MIB - 8, (4,), DType::F32),
+        tensors.view(&region, 2, (4,), DType::F32),
+        tensors.view(&region, 4 * MIB, (4,), DType::F32),
+        tensors.view(&region, u64::MAX - 1, (4,), DType::F32),
+    ] {
+        assert!(bad.is_err(), "{bad:?}");
+    }
+    let other = pool(GIB);
+    let foreign = other.reserve_region(2 * MIB).expect("region");
+    foreign.map(0, 2 * MIB).expect("map");
+    assert!(tensors.view(&foreign, 0, (4,), DType::F32).is_err());
+    drop(t);
+    assert!(region.unmap(0, 4 * MIB).is_err(), "a row of the view lives");
+    assert_eq!(host(&row)[1], 97.0 * 0.5);
+    drop(row);
+    tensors.collect_blocking().expect("collect");
+    region
+        .unmap(0, 4 * MIB)
+        .expect("unmap once every view is gone");
+    assert_device_clean(&dev);
+}
