@@ -180,9 +180,14 @@ pub fn draw(f: &mut Frame, s: &Snapshot, state: &TopState, socket: &std::path::P
             .get(&m.name)
             .map(|h| spark_text(h, m.limit))
             .unwrap_or_default();
+        // A held lease has no engine: its memory waits for one to attach.
+        let pid = match m.lease.as_ref().map(|l| l.state) {
+            Some(elastic_vmm::broker::protocol::LeaseState::Held) => "leased".to_string(),
+            _ => pid.to_string(),
+        };
         Row::new([
             m.name.clone(),
-            pid.to_string(),
+            pid,
             human_bytes(m.used),
             human_bytes(m.limit),
             human_bytes(m.guarantee),
