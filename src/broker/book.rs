@@ -223,6 +223,14 @@ impl Book {
         self
     }
 
+    /// When a lease held from now ends (a grace too long for the clock: in a century).
+    pub(crate) fn lease_expiry(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(self.lease_grace)
+            .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+            .unwrap_or(now)
+    }
+
     /// Leases whose engine is gone hold their memory for `grace`.
     pub(crate) fn lease_grace(mut self, grace: Duration) -> Book {
         self.lease_grace = grace;
@@ -272,9 +280,14 @@ impl Book {
             )));
         }
         if let Some(held) = self.names.get(name).and_then(|k| self.models.get(k)) {
-            return Err(BookError::Duplicate(match held.lease.as_ref().map(|l| l.state) {
-                Some(LeaseState::Held | LeaseState::Waiting) => format!(
+            // Only the lease's own user learns that it is one.
+            let leased = held.lease.as_ref().filter(|_| held.uid == uid);
+            return Err(BookError::Duplicate(match leased.map(|l| l.state) {
+                Some(LeaseState::Held) => format!(
                     "model {name:?} is held under a lease: attach it with its token, or wait for its grace period to end"
+                ),
+                Some(LeaseState::Waiting) => format!(
+                    "model {name:?} is under a lease whose engine's process still lives; once it is gone, attach it with its token"
                 ),
                 _ => format!("model {name:?} is already registered"),
             }));
@@ -364,7 +377,10 @@ impl Book {
         let Some(m) = self.models.remove(&model) else {
             return Vec::new();
         };
-        self.names.remove(&m.name);
+        // An orphan's name may belong to a newer model by now.
+        if self.names.get(&m.name) == Some(&model) {
+            self.names.remove(&m.name);
+        }
         let mut out = Vec::new();
         for cid in m.chunks {
             if let Some(e) = self.chunks.get_mut(&cid) {
@@ -618,7 +634,7 @@ impl Book {
             .collect();
         let mut out = Vec::new();
         let mut kept = Vec::new();
-        let expires = Instant::now() + self.lease_grace;
+        let expires = self.lease_expiry();
         for m in models {
             let (holds, leased) = self.models.get(&m).map_or((false, false), |e| {
                 (!e.chunks.is_empty(), e.lease.is_some())
@@ -665,7 +681,7 @@ impl Book {
             return Vec::new();
         };
         let orphan = self.orphans.swap_remove(i);
-        let expires = Instant::now() + self.lease_grace;
+        let expires = self.lease_expiry();
         let mut out = Vec::new();
         for m in orphan.models {
             if self.models.get(&m).is_some_and(|e| e.lease.is_some()) {

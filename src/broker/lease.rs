@@ -119,6 +119,12 @@ impl Book {
             )));
         }
         let existing = lease.regions.get(tag).filter(|_| append);
+        if append && existing.is_none() {
+            return Err(BookError::Unknown(format!(
+                "region {tag:?} of model {}: appended to, but not kept (a chunk of it went back meanwhile?)",
+                m.name
+            )));
+        }
         if let Some(r) = existing {
             if r.len != len {
                 return Err(BookError::Invalid(format!(
@@ -282,14 +288,14 @@ impl Book {
     }
 
     /// Connection `conn` of user `uid` takes over the held lease of model `name` presenting
-    /// `token`; the lease's token becomes `next`. Another user's lease, or none, is "unknown".
+    /// `token`. The token stays until the engine arms the lease anew (a crash half way leaves
+    /// the lease held under it). Another user's lease, or none, is "unknown".
     pub(crate) fn attach(
         &mut self,
         conn: u64,
         uid: u32,
         name: &str,
         token: &LeaseToken,
-        next: LeaseToken,
         now: Instant,
     ) -> Result<Attachment, BookError> {
         let model = match self.attachable(conn, uid, name, token, now) {
@@ -301,7 +307,6 @@ impl Book {
         };
         let m = self.models.get_mut(&model).expect("checked above");
         let lease = m.lease.as_mut().expect("checked above");
-        lease.token = next;
         lease.state = LeaseState::Armed;
         lease.expires = None;
         m.conn = conn;
@@ -331,8 +336,6 @@ impl Book {
             priority: b.priority,
             regions,
             blob,
-            token: next,
-            grace_ms: self.lease_grace.as_millis() as u64,
         })
     }
 
@@ -363,11 +366,24 @@ impl Book {
             ))),
             LeaseState::Held if lease.expires.is_some_and(|e| e <= now) => Err(unknown()),
             LeaseState::Held if !lease.token.matches(token) => {
-                tracing::warn!(conn, uid, model = name, "attach with a wrong lease token refused");
+                tracing::debug!(conn, uid, model = name, "attach with a wrong lease token refused");
                 Err(BookError::Forbidden(format!("model {name:?}: wrong lease token")))
             }
             LeaseState::Held => Ok(model),
         }
+    }
+
+    /// Connection `conn` gives its attached model back to the lease (held again, same token):
+    /// an attach that failed in the engine. Returns the chunks no region keeps (moving).
+    pub(crate) fn detach(
+        &mut self,
+        conn: u64,
+        model: u64,
+    ) -> Result<Vec<(u64, PhysicalChunk)>, BookError> {
+        self.own_model(conn, model)?;
+        self.lease_mut(model)?;
+        let expires = self.lease_expiry();
+        Ok(self.hold(model, expires))
     }
 
     /// Chunks `from..from + count` of the kept region `tag` of `conn`'s model `model`, in
@@ -586,24 +602,21 @@ mod tests {
         assert_eq!(b.ledger.headroom(m), 0, "a held lease grows nothing");
         b.audit().unwrap();
         let now = Instant::now();
-        let next = LeaseToken([2; 32]);
         // Another user: as if there were none. A wrong token: refused. Both counted.
         assert!(matches!(
-            b.attach(5, 8, "m", &LeaseToken([1; 32]), next, now),
+            b.attach(5, 8, "m", &LeaseToken([1; 32]), now),
             Err(BookError::Unknown(_))
         ));
         assert!(matches!(
-            b.attach(5, 7, "m", &LeaseToken([9; 32]), next, now),
+            b.attach(5, 7, "m", &LeaseToken([9; 32]), now),
             Err(BookError::Forbidden(_))
         ));
         assert!(matches!(
-            b.attach(5, 7, "nope", &LeaseToken([1; 32]), next, now),
+            b.attach(5, 7, "nope", &LeaseToken([1; 32]), now),
             Err(BookError::Unknown(_))
         ));
         assert_eq!(b.counters.attach_refusals, 3);
-        let a = b
-            .attach(5, 7, "m", &LeaseToken([1; 32]), next, now)
-            .unwrap();
+        let a = b.attach(5, 7, "m", &LeaseToken([1; 32]), now).unwrap();
         assert_eq!(
             (a.model, a.limit, a.guarantee, a.blob.as_slice()),
             (m, 100, 30, &b"blob"[..])
@@ -623,14 +636,33 @@ mod tests {
             "the old connection owns nothing"
         );
         assert!(b.take_kept(5, m, "w", 3, 1).is_err());
-        // Used once: the old token is void, and the lease is busy while attached.
+        // Busy while attached.
         assert!(matches!(
-            b.attach(6, 7, "m", &LeaseToken([1; 32]), next, now),
+            b.attach(6, 7, "m", &LeaseToken([1; 32]), now),
             Err(BookError::Busy(_))
         ));
+        // An attach that failed in the engine: given back, held again under the same token,
+        // nothing released (everything is kept).
+        assert!(b.detach(6, m).is_err(), "not this connection's");
+        assert!(b.detach(5, m).unwrap().is_empty());
+        assert_eq!(b.lease_info(m, now).unwrap().state, LeaseState::Held);
+        b.attach(5, 7, "m", &LeaseToken([1; 32]), now).unwrap();
+        // The engine re-arms on success: the presented token is void from then on.
+        b.arm_lease(5, m, LeaseToken([4; 32])).unwrap();
+        assert!(b.models[&m]
+            .lease
+            .as_ref()
+            .unwrap()
+            .token
+            .matches(&LeaseToken([4; 32])));
         b.ledger.try_charge(m, 10).unwrap();
-        assert_eq!(b.counters.reattaches, 1);
+        assert_eq!(b.counters.reattaches, 2);
         b.ledger.credit(m, 10);
+        // Appending to a region that is not kept is refused (half a region is no region).
+        assert!(matches!(
+            b.keep(5, m, "gone", 20, &[], true),
+            Err(BookError::Unknown(_))
+        ));
         // A chunk given back drops its region.
         assert_eq!(b.give_back(5, m, c2).unwrap(), None);
         assert_eq!(b.lease_info(m, now).unwrap().regions, 0);
@@ -666,7 +698,7 @@ mod tests {
         );
         let now = Instant::now();
         assert!(matches!(
-            b.attach(5, 7, "m", &LeaseToken([1; 32]), LeaseToken([3; 32]), now),
+            b.attach(5, 7, "m", &LeaseToken([1; 32]), now),
             Err(BookError::Busy(_))
         ));
         let back = b.reap(1);
@@ -679,8 +711,39 @@ mod tests {
             b.released(c, None);
         }
         assert_eq!(b.lease_info(m, now).unwrap().state, LeaseState::Held);
-        b.attach(5, 7, "m", &LeaseToken([1; 32]), LeaseToken([3; 32]), now)
-            .unwrap();
+        b.attach(5, 7, "m", &LeaseToken([1; 32]), now).unwrap();
+        b.audit().unwrap();
+    }
+
+    /// An orphan reaped after a newer model took its name leaves that model's name alone (a
+    /// lease of the newer one could not be attached by name otherwise).
+    #[test]
+    fn a_reaped_orphan_leaves_a_newer_models_name() {
+        let mut b = book();
+        let old = b.register(1, 7, "m", 100, 0, 0).unwrap();
+        b.ledger.try_charge(old, 10).unwrap();
+        b.add_created(old, PhysicalChunk { raw: 1, size: 10 });
+        let fd: std::os::fd::OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        assert!(b.end_conn(1, Some((1, std::sync::Arc::new(fd)))).is_empty());
+        let new = b.register(2, 7, "m", 100, 0, 0).unwrap();
+        for (c, _) in b.reap(1) {
+            b.released(c, None);
+        }
+        assert_eq!(b.names.get("m"), Some(&new));
+        assert!(b.register(3, 7, "m", 100, 0, 0).is_err());
+        // Another user does not learn that a name is leased.
+        b.arm_lease(2, new, LeaseToken([1; 32])).unwrap();
+        b.drop_conn(2);
+        let theirs = b.register(3, 8, "m", 1, 0, 0).unwrap_err();
+        assert!(
+            matches!(&theirs, BookError::Duplicate(e) if !e.contains("lease")),
+            "{theirs:?}"
+        );
+        let mine = b.register(3, 7, "m", 1, 0, 0).unwrap_err();
+        assert!(
+            matches!(&mine, BookError::Duplicate(e) if e.contains("lease")),
+            "{mine:?}"
+        );
         b.audit().unwrap();
     }
 }

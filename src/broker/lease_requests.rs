@@ -51,15 +51,23 @@ impl Shared {
             Request::StoreBlob { model, blob } => {
                 done(self.book.lock().store_blob(conn, model, blob))
             }
+            Request::Detach { model } => {
+                let r = self.book.lock().detach(conn, model);
+                match r {
+                    Ok(back) => {
+                        tracing::info!(conn, model, "attached model given back to its lease");
+                        self.release_all(back, None);
+                        self.changed.notify_all();
+                        Reply::Done
+                    }
+                    Err(e) => book_error(e),
+                }
+            }
             Request::Attach { model, token } => {
-                let next = match new_token() {
-                    Ok(t) => t,
-                    Err(e) => return (error_reply(ErrorKind::Backend, e), Vec::new()),
-                };
                 let r = {
                     let mut book = self.book.lock();
                     match book.conns.get(&conn).map(|c| c.peer.uid) {
-                        Some(uid) => book.attach(conn, uid, &model, &token, next, Instant::now()),
+                        Some(uid) => book.attach(conn, uid, &model, &token, Instant::now()),
                         None => Err(BookError::Unknown(format!("connection {conn} is closing"))),
                     }
                 };

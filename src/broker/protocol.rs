@@ -207,13 +207,21 @@ pub enum Request {
         blob: Vec<u8>,
     },
     /// Take over a leased model whose engine is gone ([`Reply::Attached`]): the same user, the
-    /// lease's token, within its grace period. The model is this connection's from then on,
-    /// under a new token; its kept chunks come with [`Request::TakeKept`].
+    /// lease's token, within its grace period. The model is this connection's from then on;
+    /// its kept chunks come with [`Request::TakeKept`]. The token stays the lease's until the
+    /// engine asks for a new one ([`Request::Lease`], which an attach that succeeded does), so
+    /// an engine that dies half way leaves the lease held under it.
     Attach {
         /// The model's name.
         model: String,
         /// The lease's token.
         token: LeaseToken,
+    },
+    /// Give a model this connection attached back to its lease, held again under the same
+    /// token (an attach that failed in the engine, which unmapped everything it took first).
+    Detach {
+        /// The model.
+        model: u64,
     },
     /// The descriptors of the chunks `from..from + count` (at most [`MAX_BATCH`]) of the kept
     /// region `tag` of a model this connection attached ([`Reply::KeptChunks`]).
@@ -315,10 +323,6 @@ pub struct Attachment {
     pub regions: Vec<KeptRegionInfo>,
     /// The blob the last engine stored.
     pub blob: Vec<u8>,
-    /// The lease's new token (the one presented is void now).
-    pub token: LeaseToken,
-    /// The broker's grace period.
-    pub grace_ms: u64,
 }
 
 /// Where a model's lease stands.
@@ -798,6 +802,7 @@ mod tests {
                 from: 16,
                 count: 16,
             },
+            Request::Detach { model: 3 },
         ]
         .into_iter()
         .map(|request| encode(&ToBroker { id: 77, request }).unwrap())

@@ -138,7 +138,7 @@ impl RemoteModel {
             .chunks(MAX_KEEP)
             .chain(kept.is_empty().then_some(&[][..]))
         {
-            self.done(
+            let sent = self.done(
                 "keep",
                 Request::Keep {
                     model: self.key(),
@@ -147,14 +147,27 @@ impl RemoteModel {
                     chunks: batch.to_vec(),
                     append: !first,
                 },
-            )?;
+            );
+            if let Err(e) = sent {
+                // Half a region is not kept.
+                if !first {
+                    let _ = self.forget(region.tag());
+                }
+                return Err(e);
+            }
             first = false;
         }
+        // Unmapping any of it from now on makes the broker forget it (`ModelBackend::unmap`).
+        self.backend
+            .kept
+            .lock()
+            .insert(tag, (region.addr(), region.addr() + region.len()));
         Ok(())
     }
 
     /// Stop keeping the region of `tag` (its memory stays this model's).
     pub fn forget(&self, tag: &Tag) -> Result<()> {
+        self.backend.kept.lock().remove(tag.as_str());
         self.done(
             "forget",
             Request::Forget {
@@ -209,40 +222,69 @@ impl BrokerClient {
             other => return Err(unexpected("attach", &other)),
         };
         let model = self.open_model(a.model, &config, None)?;
-        let mut regions = Vec::with_capacity(a.regions.len());
-        for r in &a.regions {
-            let tag = Tag::named(&r.tag);
-            let region = model.reserve_region_with(r.len, &MemOptions::new().tag(tag))?;
-            let placed = take_kept(&model, &r.tag, r.chunks)?;
-            // Back-to-back runs of chunks map in one adoption each.
-            let mut run: Vec<PhysicalChunk> = Vec::new();
-            let mut run_at = 0u64;
-            for (at, chunk) in placed {
-                let end = run_at + run.iter().map(|c| c.size as u64).sum::<u64>();
-                if !run.is_empty() && at != end {
-                    region.adopt(run_at, std::mem::take(&mut run))?;
-                }
-                if run.is_empty() {
-                    run_at = at;
-                }
-                run.push(chunk);
+        match map_kept(&model, &a) {
+            Ok(regions) => {
+                let kept: Vec<(String, (u64, u64))> = regions
+                    .iter()
+                    .map(|r| (r.tag().as_str().to_string(), (r.addr(), r.addr() + r.len())))
+                    .collect();
+                model.backend.kept.lock().extend(kept);
+                // The presented token is void from here on.
+                let lease = model.lease()?;
+                tracing::info!(model = %model.id(), regions = regions.len(), "lease attached");
+                Ok(Reattached {
+                    model,
+                    regions,
+                    blob: a.blob,
+                    lease,
+                })
             }
-            if !run.is_empty() {
-                region.adopt(run_at, run)?;
+            Err(e) => {
+                // Nothing goes back to the broker: whatever this process imported and mapped
+                // is let go here (the regions with the model), then the lease holds again,
+                // under the same token.
+                model.keep_on_exit();
+                let key = model.key();
+                let client = model.client().clone();
+                drop(model);
+                if let Err(d) = client.request(Request::Detach { model: key }) {
+                    tracing::warn!(error = %d, "giving a failed attach back to its lease failed");
+                }
+                Err(e)
             }
-            regions.push(region);
         }
-        tracing::info!(model = %model.id(), regions = regions.len(), "lease attached");
-        Ok(Reattached {
-            model,
-            regions,
-            blob: a.blob,
-            lease: Lease {
-                token: a.token,
-                grace: Duration::from_millis(a.grace_ms),
-            },
-        })
     }
+}
+
+/// Map the kept regions of `a` into `model`'s pool; on failure every chunk this process
+/// imported and did not map is let go (mapped ones go with the regions).
+fn map_kept(model: &RemoteModel, a: &super::protocol::Attachment) -> Result<Vec<Region>> {
+    let mut regions = Vec::with_capacity(a.regions.len());
+    for r in &a.regions {
+        let tag = Tag::named(&r.tag);
+        let region = model.reserve_region_with(r.len, &MemOptions::new().tag(tag))?;
+        let mut placed = take_kept(model, &r.tag, r.chunks)?.into_iter().peekable();
+        // Back-to-back runs of chunks map in one adoption each.
+        while let Some((at, first)) = placed.next() {
+            let mut run = vec![first];
+            let mut end = at + first.size as u64;
+            while let Some(&(next, c)) = placed.peek() {
+                if next != end {
+                    break;
+                }
+                end += c.size as u64;
+                run.push(c);
+                placed.next();
+            }
+            // The run is consumed either way (released on failure); the rest is let go.
+            if let Err(e) = region.adopt(at, run) {
+                model.backend.let_go(placed.map(|(_, c)| c));
+                return Err(e);
+            }
+        }
+        regions.push(region);
+    }
+    Ok(regions)
 }
 
 /// The `count` kept chunks of region `tag`, imported, each with its offset in the region.
@@ -273,8 +315,13 @@ fn take_kept(model: &RemoteModel, tag: &str, count: u32) -> Result<Vec<(u64, Phy
                 ),
             });
         }
-        let imported = model.backend.import_kept(&chunks, &sizes, fds)?;
-        out.extend(chunks.iter().map(|k| k.offset).zip(imported));
+        match model.backend.import_kept(&chunks, &sizes, fds) {
+            Ok(imported) => out.extend(chunks.iter().map(|k| k.offset).zip(imported)),
+            Err(e) => {
+                model.backend.let_go(out.into_iter().map(|(_, c)| c));
+                return Err(e);
+            }
+        }
         from += n;
     }
     Ok(out)

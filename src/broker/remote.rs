@@ -158,6 +158,7 @@ impl BrokerClient {
             fresh: Mutex::new(HashSet::new()),
             zeroed_creates: !is_host && inner.welcome().backend.creates_zeroed,
             held: AtomicU64::new(0),
+            kept: Mutex::new(HashMap::new()),
             keeping: AtomicBool::new(false),
         });
         let mut cfg = p.pool.unwrap_or_else(|| {
@@ -307,6 +308,9 @@ pub(crate) struct ModelBackend {
     /// for the host tier).
     zeroed_creates: bool,
     held: AtomicU64,
+    /// Address spans of the regions kept under a lease, by tag (`reattach.rs`). Lock order:
+    /// taken alone, never across a request.
+    pub(super) kept: Mutex<HashMap<String, (u64, u64)>>,
     /// [`RemoteModel::keep_on_exit`]: chunks released here are not given back, and the model
     /// is not unregistered when the backend goes; the broker's lease decides at the end of the
     /// connection.
@@ -449,6 +453,58 @@ fn import_all(
 }
 
 impl ModelBackend {
+    /// Forget (at the broker, waiting for its answer) every kept region overlapping
+    /// `[start, end)`: part of it is being unmapped.
+    pub(super) fn unkeep(&self, start: u64, end: u64) {
+        // An engine exiting keeping its lease unmaps what it keeps, unchanged.
+        if self.keeping.load(Ordering::Acquire) {
+            return;
+        }
+        let gone: Vec<String> = {
+            let mut kept = self.kept.lock();
+            let tags: Vec<String> = kept
+                .iter()
+                .filter(|(_, &(s, e))| s < end && start < e)
+                .map(|(t, _)| t.clone())
+                .collect();
+            for t in &tags {
+                kept.remove(t);
+            }
+            tags
+        };
+        for tag in gone {
+            match self.client.request(self.wrap(Request::Forget {
+                model: self.model,
+                tag: tag.clone(),
+            })) {
+                Ok((Reply::Done, _)) => {
+                    tracing::debug!(model = %self.name, tag, "a kept region is unmapped; no longer kept")
+                }
+                // Forgotten already (a chunk of it went back), or the connection is gone.
+                other => {
+                    tracing::warn!(model = %self.name, tag, answer = ?other.map(|r| r.0), "forgetting an unmapped kept region failed; the broker may still keep it")
+                }
+            }
+        }
+    }
+
+    /// Let go of imported chunks mapped nowhere, here only: nothing goes back to the broker
+    /// (a failed attach, whose lease keeps them).
+    pub(super) fn let_go(&self, chunks: impl Iterator<Item = PhysicalChunk>) {
+        for c in chunks {
+            self.granted.lock().remove(&c.raw);
+            // SAFETY: imported by this backend, mapped nowhere, released once.
+            match unsafe { self.local.release(c) } {
+                Ok(()) => {
+                    self.held.fetch_sub(c.size as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::error!(model = %self.name, error = %e, "letting go of a kept chunk's import failed")
+                }
+            }
+        }
+    }
+
     /// The broker's id of `chunk`, if it is one of this model's.
     pub(super) fn chunk_id(&self, chunk: PhysicalChunk) -> Option<u64> {
         self.granted.lock().get(&chunk.raw).copied()
@@ -847,6 +903,9 @@ impl Backend for ModelBackend {
     }
 
     unsafe fn unmap(&self, addr: u64, size: usize) -> Result<()> {
+        // A kept region no longer whole is no longer kept: the broker forgets it before its
+        // chunks can hold anything else (its chunks may stay this model's, in the pool's cache).
+        self.unkeep(addr, addr.saturating_add(size as u64));
         // SAFETY: forwarded contract.
         unsafe { self.local.unmap(addr, size) }
     }

@@ -491,6 +491,20 @@ impl Broker {
                     .collect::<Vec<_>>()
             };
             s.release_all(orphaned, None);
+            // A broker that stops ends every lease: the kept memory is its process's.
+            let leased = {
+                let mut book = s.book.lock();
+                let held: Vec<u64> = book
+                    .models
+                    .iter()
+                    .filter(|(_, m)| m.lease.is_some())
+                    .map(|(&k, _)| k)
+                    .collect();
+                held.into_iter()
+                    .flat_map(|m| book.unregister(m))
+                    .collect::<Vec<_>>()
+            };
+            s.release_all(leased, None);
             let idle = s.book.lock().take_idle(u64::MAX, None);
             s.release_all(idle, Some(IDLE));
         }
@@ -704,17 +718,18 @@ fn read_loop(shared: &Shared, stream: &UnixStream, conn: u64, role: Role, writer
         let worker = std::thread::Builder::new()
             .name(format!("broker-conn-{conn}"))
             .spawn_scoped(s, || {
+                let mut unsent = false;
                 for msg in queued {
-                    // The reader stopped (the peer went away or sent garbage): nobody waits
-                    // for these answers, and the cleanup takes everything back; but an
-                    // unregister the engine sent before it went still ends its model's lease
-                    // (the cleanup would hold it).
-                    let closed = closing.load(Ordering::SeqCst);
+                    // The reader stopped (the peer went away or sent garbage) or a reply could
+                    // not be sent: nobody waits for these answers, and the cleanup takes
+                    // everything back; but an unregister the engine sent before it went still
+                    // ends its model's lease (the cleanup would hold it).
+                    let closed = unsent || closing.load(Ordering::SeqCst);
                     if closed && !unregisters(&msg.request) {
                         continue;
                     }
-                    if !answer(shared, conn, role, writer, msg) && !closed {
-                        return;
+                    if !answer(shared, conn, role, writer, msg) {
+                        unsent = true;
                     }
                 }
             });
@@ -982,7 +997,7 @@ impl Shared {
     }
 
     /// Release moving chunks to the driver, settling the book for each.
-    fn release_all(&self, chunks: Vec<(u64, PhysicalChunk)>, charged_to: Option<u64>) {
+    pub(super) fn release_all(&self, chunks: Vec<(u64, PhysicalChunk)>, charged_to: Option<u64>) {
         for (cid, chunk) in chunks {
             // SAFETY: a moving chunk is held by no model, idle list or other thread; the broker
             // never maps chunks; other processes' imports keep their own references.
@@ -1237,6 +1252,7 @@ impl Shared {
             | Request::Forget { .. }
             | Request::StoreBlob { .. }
             | Request::Attach { .. }
+            | Request::Detach { .. }
             | Request::TakeKept { .. } => {
                 if role != Role::Engine {
                     return (engine_only(Reply::Done), Vec::new());

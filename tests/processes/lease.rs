@@ -38,6 +38,14 @@ pub const TESTS: &[(&str, fn())] = &[
         "lease::a_second_user_cannot_attach",
         a_second_user_cannot_attach,
     ),
+    (
+        "lease::a_kept_region_unmapped_is_no_longer_kept",
+        a_kept_region_unmapped_is_no_longer_kept,
+    ),
+    (
+        "lease::a_failed_attach_leaves_the_lease_held",
+        a_failed_attach_leaves_the_lease_held,
+    ),
 ];
 
 pub fn role(name: &str) -> Option<fn()> {
@@ -52,8 +60,11 @@ pub fn role(name: &str) -> Option<fn()> {
 const KEPT: u64 = 64 * MIB;
 const UNKEPT: u64 = 32 * MIB;
 
+/// The model's config; `EVMM_CAPACITY` overrides its address space (too small, an attach
+/// fails in the engine).
 fn model_config() -> ModelConfig {
-    ModelConfig::new("llama", 4 << 30, 256 * MIB)
+    let capacity = std::env::var("EVMM_CAPACITY").map_or(4 << 30, |c| c.parse().unwrap());
+    ModelConfig::new("llama", capacity, 256 * MIB)
 }
 
 fn connect() -> BrokerClient {
@@ -98,10 +109,19 @@ fn holds(model: &elastic_vmm::broker::RemoteModel, region: &elastic_vmm::Region,
 }
 
 /// Then obey stdin: `exit` drops everything (ends the lease), `exit-keep` exits keeping it;
-/// a closed stdin exits keeping it too (as a crash would).
-fn obey(model: elastic_vmm::broker::RemoteModel, keep: Vec<elastic_vmm::Region>) {
+/// a closed stdin exits keeping it too (as a crash would); `drop-kept` drops the first region
+/// (its chunks go to the pool's cache, still the model's) and maps a fresh one over them.
+fn obey(model: elastic_vmm::broker::RemoteModel, mut keep: Vec<elastic_vmm::Region>) {
     for line in std::io::stdin().lock().lines() {
         match line.unwrap().trim() {
+            "drop-kept" => {
+                drop(keep.remove(0));
+                let other = model.reserve_region(KEPT).unwrap();
+                other.map(0, KEPT).unwrap();
+                fill(&model, &other, 0xee);
+                keep.push(other);
+                say("ok");
+            }
             "exit" => {
                 drop(keep);
                 drop(model);
@@ -149,19 +169,19 @@ fn engine_attach() {
     std::io::stdin().lock().read_line(&mut go).unwrap();
     match client.attach(model_config(), &token) {
         Ok(back) => {
-            let weights = back
-                .region(&Tag::Weights)
-                .expect("the weights region came back");
-            if back.regions.len() != 1 || weights.len() != KEPT {
-                say(&format!("regions {:?}", back));
-            } else if !holds(&back.model, weights, byte) {
-                say("bytes differ");
-            } else {
-                say(&format!(
-                    "ok {} {}",
-                    String::from_utf8_lossy(&back.blob),
-                    back.lease.token
-                ));
+            match back.region(&Tag::Weights) {
+                Some(w) if back.regions.len() == 1 && w.len() == KEPT => {
+                    if holds(&back.model, w, byte) {
+                        say(&format!(
+                            "ok {} {}",
+                            String::from_utf8_lossy(&back.blob),
+                            back.lease.token
+                        ));
+                    } else {
+                        say("bytes differ");
+                    }
+                }
+                _ => say(&format!("regions {back:?}")),
             }
             obey(back.model, back.regions);
         }
@@ -405,4 +425,59 @@ fn a_second_user_cannot_attach() {
     assert!(owner.ask("go").starts_with("ok blob-3 "));
     assert_eq!(owner.ask("exit"), "bye");
     owner.finish();
+}
+
+/// A kept region unmapped (its chunks cached in the pool, still the model's, then mapped
+/// elsewhere with other bytes) is forgotten by the broker before the engine dies: the lease
+/// holds nothing that would come back as the old bytes.
+fn a_kept_region_unmapped_is_no_longer_kept() {
+    let broker = BrokerProc::start("lease-unmap", 512 * MIB, &[]);
+    let control = broker.control();
+    let (mut engine, token) = leasing_engine(&broker, 4);
+    assert_eq!(engine.ask("drop-kept"), "ok");
+    engine.child.kill().unwrap();
+    let _ = engine.child.wait();
+    let s = wait_held(&control);
+    let lease = llama(&s).unwrap().lease.clone().unwrap();
+    assert_eq!((lease.regions, lease.kept), (0, 0), "{lease:?}");
+    assert_eq!(s.global_used, s.idle, "nothing kept, nothing charged");
+    let mut next = attacher(&broker, &token, 4, None);
+    let answer = next.ask("go");
+    assert!(
+        answer.starts_with("regions "),
+        "no region comes back: {answer}"
+    );
+    assert_eq!(next.ask("exit"), "bye");
+    next.finish();
+}
+
+/// An attach that fails in the engine (its address space too small for the kept region) gives
+/// the model back to the lease, held under the same token: a proper engine attaches next.
+fn a_failed_attach_leaves_the_lease_held() {
+    let broker = BrokerProc::start("lease-fail", 512 * MIB, &[]);
+    let control = broker.control();
+    let (mut engine, token) = leasing_engine(&broker, 5);
+    engine.child.kill().unwrap();
+    let _ = engine.child.wait();
+    wait_held(&control);
+    let mut small = Script::new(common::spawn_piped(
+        "engine-attach",
+        &[
+            ("EVMM_SOCKET", broker.socket.display().to_string()),
+            ("EVMM_TOKEN", token.clone()),
+            ("EVMM_BYTE", "5".into()),
+            ("EVMM_CAPACITY", (16 * MIB).to_string()),
+        ],
+    ));
+    let answer = small.ask("go");
+    assert!(answer.starts_with("refused "), "{answer}");
+    let s = wait_held(&control);
+    assert_eq!(llama(&s).unwrap().lease.as_ref().unwrap().kept, KEPT);
+    small.finish();
+    let mut next = attacher(&broker, &token, 5, None);
+    let answer = next.ask("go");
+    assert!(answer.starts_with("ok blob-5 "), "{answer}");
+    assert_eq!(next.ask("exit"), "bye");
+    next.finish();
+    check_books(&control.snapshot().unwrap());
 }
