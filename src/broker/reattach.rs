@@ -326,3 +326,59 @@ fn take_kept(model: &RemoteModel, tag: &str, count: u32) -> Result<Vec<(u64, Phy
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use crate::backend::host::{ChunkFiles, HostBackend, DEFAULT_GRANULARITY};
+    use crate::backend::Backend;
+    use crate::broker::protocol::LeaseState;
+    use crate::broker::{Broker, BrokerClient, BrokerConfig};
+    use crate::shared::ModelConfig;
+
+    /// A broker that stops ends every lease: the memory a lease keeps (here one whose engine's
+    /// connection closed while its process lives, so waiting) is released with the broker's
+    /// other chunks, not leaked.
+    #[test]
+    fn a_stopped_broker_ends_every_lease() {
+        let host = Arc::new(
+            HostBackend::with_chunk_files(DEFAULT_GRANULARITY, ChunkFiles::PerChunk).unwrap(),
+        );
+        let socket = std::env::temp_dir()
+            .join(format!("evmm-unit-lease-stop-{}", std::process::id()))
+            .join("b.sock");
+        let broker = Broker::start(host.clone(), BrokerConfig::new(socket, 64 << 20)).unwrap();
+        let client = BrokerClient::connect(broker.socket(), "unit").unwrap();
+        let model = client
+            .register(ModelConfig::new("m", 1 << 30, 32 << 20))
+            .unwrap();
+        model.lease().unwrap();
+        let region = model.reserve_region(8 << 20).unwrap();
+        region.map(0, 8 << 20).unwrap();
+        model.keep(&region).unwrap();
+        model.keep_on_exit();
+        drop(region);
+        drop(model);
+        drop(client);
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = broker.snapshot();
+            let state = s
+                .models
+                .first()
+                .and_then(|m| m.lease.as_ref())
+                .map(|l| l.state);
+            if state == Some(LeaseState::Waiting) {
+                assert_eq!(s.models[0].lease.as_ref().unwrap().kept, 8 << 20);
+                break;
+            }
+            assert!(Instant::now() < end, "the lease never waited: {s:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(host.physical_bytes().unwrap() >= 8 << 20);
+        broker.shutdown();
+        assert_eq!(host.physical_bytes().unwrap(), 0, "every chunk released");
+    }
+}
