@@ -89,10 +89,11 @@ fn save(size: Size, file: &Path) -> Result<(), String> {
     let seen = recorder.seen.clone();
     let vb = VarBuilder::from_backend(Box::new(recorder), DTYPE, device.clone());
     drop(PagedLlama::load(size.config(), vb).map_err(ce)?);
-    let tensors: HashMap<String, Tensor> = std::mem::take(&mut *seen.lock().unwrap())
-        .into_iter()
-        .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu).map_err(ce)?)))
-        .collect::<Result<_, String>>()?;
+    let tensors: HashMap<String, Tensor> =
+        std::mem::take(&mut *seen.lock().map_err(|_| "the weights' recorder panicked")?)
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_device(&Device::Cpu).map_err(ce)?)))
+            .collect::<Result<_, String>>()?;
     candle_core::safetensors::save(&tensors, file).map_err(ce)?;
     say(&format!("saved {}", tensors.len()));
     Ok(())

@@ -105,7 +105,9 @@ impl Book {
                 chunks.len()
             )));
         }
-        let m = &self.models[&model];
+        let Some(m) = self.models.get(&model) else {
+            return Err(BookError::Unknown(format!("no model {model}")));
+        };
         let Some(lease) = &m.lease else {
             return Err(BookError::Invalid(format!(
                 "model {}: no lease armed; ask for one before keeping regions",
@@ -305,8 +307,10 @@ impl Book {
                 return Err(e);
             }
         };
-        let m = self.models.get_mut(&model).expect("checked above");
-        let lease = m.lease.as_mut().expect("checked above");
+        // Both are there (checked above); were the books broken, the attach is refused.
+        let missing = || BookError::Unknown(format!("model {name:?} left the books"));
+        let m = self.models.get_mut(&model).ok_or_else(missing)?;
+        let lease = m.lease.as_mut().ok_or_else(missing)?;
         lease.state = LeaseState::Armed;
         lease.expires = None;
         m.conn = conn;
@@ -327,13 +331,17 @@ impl Book {
             .collect();
         let blob = lease.blob.clone();
         let guarantee = self.ledger.unretire(model);
-        let b = &self.ledger.models[&model];
+        let (limit, priority) = self
+            .ledger
+            .models
+            .get(&model)
+            .map_or((0, 0), |b| (b.limit, b.priority));
         self.counters.reattaches += 1;
         Ok(Attachment {
             model,
-            limit: b.limit,
+            limit,
             guarantee,
-            priority: b.priority,
+            priority,
             regions,
             blob,
         })
@@ -350,7 +358,7 @@ impl Book {
     ) -> Result<u64, BookError> {
         let unknown = || BookError::Unknown(format!("no lease on a model {name:?} of user {uid}"));
         let model = *self.names.get(name).ok_or_else(unknown)?;
-        let m = &self.models[&model];
+        let m = self.models.get(&model).ok_or_else(unknown)?;
         let lease = m
             .lease
             .as_ref()
