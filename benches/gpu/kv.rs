@@ -18,18 +18,56 @@
 //! against one raw device-to-device copy of as many bytes, and its give-back (after the calls,
 //! on a background thread) against the raw driver calls.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
-use elastic_vmm::backend::counting::Counting;
+use elastic_vmm::backend::counting::Counter;
 use elastic_vmm::backend::cuda::CudaBackend;
+use elastic_vmm::backend::intercept::{Call, Hook, Intercept, Outcome};
 use elastic_vmm::kv::{PagedKv, PagedKvConfig, Watermarks};
-use elastic_vmm::{Backend, Pool, PoolConfig};
+use elastic_vmm::{Backend, BackendInfo, Pool, PoolConfig};
 
 use crate::{human, median, BoxError, GIB};
 
 const MAX_BLOCKS: usize = 8192;
+
+/// Counts driver calls (as `Counting` does) and sums the wall time spent inside them, by kind:
+/// what of the cold path is the driver's and what is ours.
+#[derive(Debug, Default)]
+struct Clocked {
+    counter: Counter,
+    /// Nanoseconds in create, map, set-access and every other VMM call.
+    ns: [AtomicU64; 4],
+}
+
+impl Clocked {
+    fn ns(&self) -> [u64; 4] {
+        std::array::from_fn(|i| self.ns[i].load(Ordering::Relaxed))
+    }
+}
+
+impl Hook for Clocked {
+    type Pass = Instant;
+
+    fn before(&self, call: &Call, upstream: &BackendInfo) -> elastic_vmm::Result<Instant> {
+        self.counter.before(call, upstream)?;
+        Ok(Instant::now())
+    }
+
+    fn after(&self, call: &Call, started: Instant, outcome: Outcome<'_>) {
+        let took = started.elapsed().as_nanos() as u64;
+        let kind = match call {
+            Call::Create { .. } => 0,
+            Call::Map { .. } => 1,
+            Call::SetAccess { .. } => 2,
+            _ => 3,
+        };
+        self.ns[kind].fetch_add(took, Ordering::Relaxed);
+        self.counter.after(call, (), outcome);
+    }
+}
 
 fn config() -> PagedKvConfig {
     PagedKvConfig::new(32, 8, 128, 16, 2, MAX_BLOCKS)
@@ -63,7 +101,10 @@ pub fn run() -> Result<(), BoxError> {
     println!(
         "== kv: paged KV cache (32 layers x 8 heads x 128 x 16 tokens f16, {MAX_BLOCKS} blocks)"
     );
-    let counting = Arc::new(Counting::new(Arc::new(CudaBackend::new(0)?)));
+    let counting = Arc::new(Intercept::with_hook(
+        Arc::new(CudaBackend::new(0)?),
+        Clocked::default(),
+    ));
     let backend: Arc<dyn Backend> = counting.clone();
     let pool = Pool::new(backend, PoolConfig::new(80 * GIB as usize).name("kv"))?;
 
@@ -83,7 +124,7 @@ pub fn run() -> Result<(), BoxError> {
         // From high, up to high - low blocks are served warm without a refill.
         wait_for("refill", || kv.stats().warm >= 1024)?;
         let rounds = 2000 / n.max(8) + 20;
-        let before = counting.hook().counts();
+        let before = counting.hook().counter.counts();
         let ours = median(5, || {
             let t = Instant::now();
             for _ in 0..rounds {
@@ -92,7 +133,7 @@ pub fn run() -> Result<(), BoxError> {
             }
             t.elapsed().as_secs_f64() * 1e9 / (rounds * n) as f64
         });
-        let calls = counting.hook().counts().since(&before).total();
+        let calls = counting.hook().counter.counts().since(&before).total();
         let stat = median(5, || {
             let t = Instant::now();
             for _ in 0..rounds {
@@ -124,11 +165,23 @@ pub fn run() -> Result<(), BoxError> {
         let mut rounds = Vec::new();
         // The first alloc of `n` blocks from `kv`: its time and driver calls; then all back.
         let first_alloc = |kv: PagedKv| -> Result<(Duration, u64), BoxError> {
-            let before = counting.hook().counts();
+            let before = counting.hook().counter.counts();
+            let ns_before = counting.hook().ns();
             let t = Instant::now();
             let ids = kv.alloc(n)?;
             let took = t.elapsed();
-            let calls = counting.hook().counts().since(&before).total();
+            let calls = counting.hook().counter.counts().since(&before).total();
+            let ns = counting.hook().ns();
+            let us = |i: usize| (ns[i] - ns_before[i]) as f64 / 1e3;
+            println!(
+                "  first alloc of {n} blocks: {:.1} us, in the driver {:.1} us (create {:.1}, map {:.1}, set-access {:.1}, other {:.1}), {calls} calls",
+                took.as_secs_f64() * 1e6,
+                us(0) + us(1) + us(2) + us(3),
+                us(0),
+                us(1),
+                us(2),
+                us(3)
+            );
             kv.free(&ids)?;
             drop(kv);
             pool.trim()?;
@@ -243,7 +296,7 @@ pub fn run() -> Result<(), BoxError> {
     // (after them, on the give-back's thread).
     let mut phases = [Duration::ZERO; 3];
     let mut total = Duration::ZERO;
-    let calls_before = counting.hook().counts();
+    let calls_before = counting.hook().counter.counts();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     loop {
         let c = kv.compact(1024)?;
@@ -277,7 +330,7 @@ pub fn run() -> Result<(), BoxError> {
             break;
         }
     }
-    let driver = counting.hook().counts().since(&calls_before);
+    let driver = counting.hook().counter.counts().since(&calls_before);
     let after = kv.stats();
     let floor = after.packed_floor_bytes + 64 * per_block;
     println!(

@@ -193,9 +193,14 @@ fn layout(st: &candle_core::safetensors::MmapedSafetensors) -> Result<(Vec<Entry
 /// a prompt prefilled and decode steps; says `first <ms>` and `logits <..>`.
 fn engine(size: Size, role: &str, file: &Path) -> Result<(), String> {
     let born = Instant::now();
+    // Where the time to the first token goes: each phase's end, in ms from the process's start.
+    let mut phases: Vec<(&str, f64)> = Vec::new();
+    let mut mark = |what: &'static str| phases.push((what, born.elapsed().as_secs_f64() * 1e3));
     let device = Device::new_cuda(0).map_err(ce)?;
+    mark("cuda");
     let socket = std::env::var("SERVE_SOCKET").map_err(|_| "SERVE_SOCKET not set")?;
     let client = BrokerClient::connect(&socket, role).map_err(ee)?;
+    mark("connect");
     // Kept alive for the tensors that view them; dropped in this order (views collected
     // before the region goes).
     let mut held: Option<(TensorPool, Region, RemoteModel)> = None;
@@ -218,6 +223,7 @@ fn engine(size: Size, role: &str, file: &Path) -> Result<(), String> {
                 let region = back.regions.pop().ok_or("no region came back")?;
                 (back.model, region, manifest, back.lease.token)
             };
+            mark(if role == "lease" { "load" } else { "attach" });
             let tensors = TensorPool::new(model.pool(), &device).map_err(ee)?;
             let mut map = HashMap::with_capacity(manifest.len());
             for e in &manifest {
@@ -232,6 +238,7 @@ fn engine(size: Size, role: &str, file: &Path) -> Result<(), String> {
         }
     };
     let llama = PagedLlama::load(size.config(), vb).map_err(ce)?;
+    mark("model");
     // The KV cache: a pool of this process's own (not kept).
     let kv_pool = Pool::cuda(0, 4 << 30).map_err(ee)?;
     let kv_tensors = TensorPool::new(&kv_pool, &device).map_err(ee)?;
@@ -249,6 +256,7 @@ fn engine(size: Size, role: &str, file: &Path) -> Result<(), String> {
         .into_iter()
         .map(|b| b as u32)
         .collect();
+    mark("kv");
     let first = llama
         .prefill_chunked(
             &kv,
@@ -266,6 +274,17 @@ fn engine(size: Size, role: &str, file: &Path) -> Result<(), String> {
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1())
         .map_err(ce)?;
+    mark("prefill");
+    let mut last_at = 0.0;
+    let parts: Vec<String> = phases
+        .iter()
+        .map(|(what, at)| {
+            let part = format!("{what} {:.1}", at - last_at);
+            last_at = *at;
+            part
+        })
+        .collect();
+    say(&format!("phases {}", parts.join(", ")));
     say(&format!("first {:.1}", born.elapsed().as_secs_f64() * 1e3));
     let step = |at: usize| -> Result<Vec<f32>, String> {
         llama
@@ -394,10 +413,13 @@ impl Drop for Engine {
 struct Measured {
     spawn_to_first: f64,
     own_ms: f64,
+    /// Each phase's ms in the process, in order (`cuda 210.3, connect 0.4, ...`).
+    phases: String,
     logits: String,
 }
 
 fn measure(e: &mut Engine) -> Result<Measured, String> {
+    let phases = e.line("phases")?;
     let own_ms: f64 = e
         .line("first")?
         .parse()
@@ -407,6 +429,7 @@ fn measure(e: &mut Engine) -> Result<Measured, String> {
     Ok(Measured {
         spawn_to_first,
         own_ms,
+        phases,
         logits,
     })
 }
@@ -462,6 +485,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             "restart: {what:<34} first token {:>7.3} s after spawn ({:>8.1} ms in the process); last logits {}",
             m.spawn_to_first, m.own_ms, m.logits
         );
+        println!("restart:   where the process's time went, ms: {}", m.phases);
     };
     // Candle's own loader, as engines start today (twice: the second with the file warm).
     let mut candle = Vec::new();
