@@ -210,6 +210,9 @@ fi
 # A missing library fails these tests instead of skipping them.
 LD_LIBRARY_PATH="$nixl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ELASTIC_VMM_REQUIRE_NIXL=1 \
   cargo test --profile "$profile" --features nixl --test nixl -- --nocapture
+# The NIXL module's own unit tests (the transfer path's copy checks).
+LD_LIBRARY_PATH="$nixl_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  cargo test --profile "$profile" --features nixl --lib nixl::
 
 step "docs as docs.rs builds them (the features in Cargo.toml's docs.rs metadata), warnings as errors"
 # Here, where libclang (for nixl-sys) is installed.

@@ -319,6 +319,7 @@ impl CudaBackend {
                 vmm_supported: true,
                 rdma_capable: rdma,
                 posix_fd_exportable: posix_fd,
+                fabric_exportable: false,
                 total_memory: total as u64,
                 page_locked: host,
             },
@@ -365,8 +366,18 @@ impl CudaBackend {
         if host {
             // A host tier's memory is the host's (its node's), not the device's.
             backend.info.total_memory = host_memory(host_node)?.total;
+        } else {
+            backend.probe_chunk_flags()?;
         }
-        tracing::debug!(ordinal, granularity, rdma, posix_fd, "cuda backend ready");
+        let (rdma, fabric) = (backend.info.rdma_capable, backend.info.fabric_exportable);
+        tracing::debug!(
+            ordinal,
+            granularity,
+            rdma,
+            posix_fd,
+            fabric,
+            "cuda backend ready"
+        );
         Ok(backend)
     }
 
@@ -396,6 +407,69 @@ impl CudaBackend {
     /// Make the device's primary context current on this thread until the guard returned is
     /// dropped, which makes the caller's context (or none) current again: a caller's current
     /// context is the same after our calls (routing's hooks included) as before them.
+    /// What a device chunk really gets, found on one probe chunk (every chunk is created with
+    /// the same properties): a fabric handle type is asked for where `cuMemCreate` accepts it
+    /// (multi-node NVLink, and UCX's `cuda_ipc` of VMM memory, export through it; it needs an
+    /// IMEX channel, so most machines refuse it), and the GPUDirect RDMA flag counts only where
+    /// the mapped chunk's pointer attribute says so.
+    fn probe_chunk_flags(&mut self) -> Result<()> {
+        let size = self.info.granularity;
+        let plain = self.prop.0.requestedHandleTypes;
+        self.prop.0.requestedHandleTypes = sys::CUmemAllocationHandleType(
+            plain.0 | sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0,
+        );
+        let chunk = match self.create(size) {
+            Ok(c) => {
+                self.info.fabric_exportable = true;
+                c
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cuMemCreate with a fabric handle type refused: chunks without one");
+                self.prop.0.requestedHandleTypes = plain;
+                self.create(size)?
+            }
+        };
+        let checked = self.rdma_attribute_of(chunk);
+        // SAFETY: the probe chunk is ours, never mapped any more (rdma_attribute_of unmapped it).
+        let released = unsafe { self.release(chunk) };
+        self.info.rdma_capable = self.info.rdma_capable && checked?;
+        released
+    }
+
+    /// Map `chunk` at a reservation of its own, read its GPUDirect RDMA pointer attribute, and
+    /// take it all down again.
+    fn rdma_attribute_of(&self, chunk: PhysicalChunk) -> Result<bool> {
+        let size = chunk.size;
+        let base = self.reserve(size, size)?;
+        // SAFETY: `base..base + size` is our fresh reservation, `chunk` ours and unmapped.
+        let mapped = unsafe { self.map(base, chunk) }
+            // SAFETY: mapped just now, over the whole reservation.
+            .and_then(|()| unsafe { self.set_access(base, size) });
+        let attr = mapped.and_then(|()| {
+            let _bound = self.bind()?;
+            let mut capable: u32 = 0;
+            // SAFETY: `capable` is valid for the attribute's 4 bytes; `base` is mapped memory.
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut capable as *mut u32).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
+                    base,
+                )
+            }
+            .result()
+            .map_err(driver_error(
+                "cuPointerGetAttribute",
+                "IS_GPU_DIRECT_RDMA_CAPABLE",
+            ))?;
+            Ok(capable != 0)
+        });
+        // SAFETY: the range is ours; unmapping a range where the map failed is refused, harmless.
+        let _ = unsafe { self.unmap(base, size) };
+        // SAFETY: nothing is mapped in the reservation any more.
+        let _ = unsafe { self.free_reservation(base, size) };
+        attr
+    }
+
     fn bind(&self) -> Result<Bound> {
         let current = result::ctx::get_current().map_err(driver_error("cuCtxGetCurrent", ""))?;
         if current == Some(self.ctx) {

@@ -222,6 +222,7 @@ impl HostBackend {
                 vmm_supported: true,
                 rdma_capable: false,
                 posix_fd_exportable: chunk_files == ChunkFiles::PerChunk,
+                fabric_exportable: false,
                 total_memory: total,
                 page_locked: false,
             },

@@ -106,6 +106,11 @@ pub struct BackendInfo {
     pub rdma_capable: bool,
     /// Whether physical chunks can be exported as POSIX file descriptors.
     pub posix_fd_exportable: bool,
+    /// Whether physical chunks are created with a fabric handle type (CUDA
+    /// `CU_MEM_HANDLE_TYPE_FABRIC`: multi-node NVLink needs it, and so does UCX's `cuda_ipc`
+    /// for VMM memory where it has no POSIX-fd path); only where a probe `cuMemCreate` with it
+    /// succeeded (it needs an IMEX channel).
+    pub fabric_exportable: bool,
     /// Total memory of the device (or of the host), in bytes.
     pub total_memory: u64,
     /// Whether the memory is page-locked host memory a device copies at link speed: a host

@@ -210,6 +210,10 @@ impl sealed::Sealed for ElasticLayout {
             .try_pin(blocks.iter().copied(), holder)
             .map(LayoutPin::blocks)
     }
+
+    fn pool_of(&self) -> Option<&crate::Pool> {
+        Some(self.backing.pool())
+    }
 }
 
 impl fmt::Debug for ElasticLayout {

@@ -248,6 +248,10 @@ pub(crate) mod sealed {
     pub trait Sealed {
         /// Pin `blocks`, telling a block without memory apart from bad input.
         fn pin_blocks(&self, blocks: &[usize], holder: &str) -> Result<LayoutPin, PinRefused>;
+
+        /// The pool the layout's memory comes from (`None`: memory the caller owns), whose
+        /// backend can copy it.
+        fn pool_of(&self) -> Option<&crate::Pool>;
     }
 }
 

@@ -141,6 +141,10 @@ impl crate::layout::sealed::Sealed for RegisteredLayout {
         // Every block has memory for the layout's whole life; the pin keeps that life going.
         Ok(LayoutPin::owner(self.inner.clone()))
     }
+
+    fn pool_of(&self) -> Option<&crate::Pool> {
+        self.inner.layout.pool()
+    }
 }
 
 impl Drop for Registered {

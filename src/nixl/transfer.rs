@@ -26,6 +26,7 @@ use nixl_sys::{XferDescList, XferOp, XferRequest, XferStatus};
 use std::sync::Arc;
 
 use super::agent::{available, nixl_error, AgentShared, NixlAgent};
+use super::path::{self, Plan, Side, TransferPath, TransferVia};
 use super::registered::registration_of;
 use super::registry::NixlDescriptor;
 use crate::backing::PinRefused;
@@ -79,6 +80,8 @@ pub struct TransferReport {
     pub elapsed: Duration,
     /// Whether the remote's metadata had to be (re)loaded first.
     pub metadata_loaded: bool,
+    /// How the bytes moved.
+    pub path: TransferPath,
 }
 
 /// A request NIXL may still be running, with the pins on the memory it touches. Fields drop in
@@ -184,12 +187,29 @@ fn pin_error(side: &'static str, blocks: usize, e: PinRefused) -> Error {
 /// The blocks of both sides are pinned for the whole transfer: a concurrent release of one is
 /// an [`Error::BlockPinned`]. After a timeout ([`Error::TransferTimeout`]) they stay pinned
 /// until NIXL reports the request finished; see the module documentation. Nobody else may write
-/// the bytes the transfer reads or use the bytes it writes meanwhile.
+/// the bytes the transfer reads or use the bytes it writes meanwhile (work queued on the GPU
+/// over them included).
+///
+/// The path is [`TransferVia::from_env`]'s: by default device memory is copied by the crate,
+/// not by NIXL, which has no device path between two agents of one process (see
+/// [`TransferVia`]); [`TransferReport::path`] says which path was taken.
 pub fn transfer_blocks(
     op: TransferOp,
     local: BlockSet<'_>,
     remote: BlockSet<'_>,
     timeout: Duration,
+) -> Result<TransferReport> {
+    transfer_blocks_via(op, local, remote, timeout, TransferVia::from_env()?)
+}
+
+/// As [`transfer_blocks`], on the paths `via` allows. The crate's device copy has no timeout:
+/// it is waited for to the end.
+pub fn transfer_blocks_via(
+    op: TransferOp,
+    local: BlockSet<'_>,
+    remote: BlockSet<'_>,
+    timeout: Duration,
+    via: TransferVia,
 ) -> Result<TransferReport> {
     let (lv, rv) = (local.layout.views(), remote.layout.views());
     if local.blocks.len() != remote.blocks.len() || local.blocks.is_empty() {
@@ -216,8 +236,8 @@ pub fn transfer_blocks(
             local.agent.name()
         )));
     }
-    let (lspace, _, _) = registration_of(lv)?;
-    let (rspace, _, _) = registration_of(rv)?;
+    let (lspace, lmem, ldev) = registration_of(lv)?;
+    let (rspace, rmem, rdev) = registration_of(rv)?;
     // Indices first (an index past the end is an error naming it), then backing: the pins.
     let (local_units, remote_units) = (lv.units_of(local.blocks)?, rv.units_of(remote.blocks)?);
     let blocks = local.blocks.len();
@@ -248,6 +268,50 @@ pub fn transfer_blocks(
         co_split(&lp, &rp, &mut ld, &mut rd);
     }
     let bytes: u64 = ld.iter().map(|d| d.len).sum();
+    let plan = path::plan(
+        via,
+        op.name(),
+        bytes,
+        Side {
+            layout: local.layout,
+            mem: lmem,
+            device: ldev,
+        },
+        Side {
+            layout: remote.layout,
+            mem: rmem,
+            device: rdev,
+        },
+    )?;
+    if let Plan::Copy(backend) = plan {
+        let copies = path::copies(op == TransferOp::Write, &ld, &rd)?;
+        let pins = [local_pin, remote_pin];
+        let start = Instant::now();
+        if let Err((e, running)) = path::run(&*backend, &copies) {
+            if running {
+                // Copies may still run on the device: their memory stays, pinned, for good.
+                tracing::error!(error = %e, bytes, "a transfer's device copies could not be waited for: their blocks stay pinned");
+                std::mem::forget(pins);
+            }
+            return Err(e);
+        }
+        let elapsed = start.elapsed();
+        drop(pins);
+        tracing::debug!(
+            op = op.name(),
+            bytes,
+            copies = copies.len(),
+            ?elapsed,
+            "device copy done"
+        );
+        return Ok(TransferReport {
+            bytes,
+            descriptors: copies.len(),
+            elapsed,
+            metadata_loaded: false,
+            path: TransferPath::DeviceCopy,
+        });
+    }
 
     available()?;
     reap(ls);
@@ -345,6 +409,7 @@ pub fn transfer_blocks(
         descriptors: ld.len(),
         elapsed,
         metadata_loaded,
+        path: TransferPath::Nixl,
     })
 }
 

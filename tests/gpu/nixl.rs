@@ -158,3 +158,123 @@ fn timed_out_transfer_keeps_blocks_pinned() {
     require();
     crate::suite::layout::nixl::timed_out_transfer_keeps_blocks_pinned(cuda());
 }
+
+/// Device memory between two agents of one process takes the crate's device copy by default,
+/// at device speed (UCX moves it at 0.3-0.5 GB/s there, over TCP loopback: a bandwidth above
+/// 50 GB/s cannot be that path), and memory the caller owns, which the crate cannot copy, is
+/// refused with the override named, before any byte moves.
+#[test]
+fn vram_takes_the_device_copy_or_is_refused() {
+    use elastic_vmm::layout::StorageKind;
+    use elastic_vmm::nixl::{transfer_blocks_via, BlockSet, TransferOp, TransferPath, TransferVia};
+    use elastic_vmm::{Error, MemOptions, Pool, PoolConfig};
+    use std::time::Duration;
+
+    require();
+    const BYTES: u64 = 256 << 20;
+    let backend = cuda();
+    let pool = Pool::new(backend.clone(), PoolConfig::new(4 * BYTES as usize)).expect("pool");
+    let (a, b) = (agent("copy-a"), agent("copy-b"));
+    let c = bandwidth_config(BYTES);
+    let src = a
+        .register(
+            LayoutBuilder::new()
+                .config(c)
+                .fully_contiguous()
+                .map_region(&pool, &MemOptions::new())
+                .build()
+                .expect("src"),
+        )
+        .expect("register");
+    let dst = LayoutBuilder::new()
+        .config(c)
+        .layer_separate(BlockDim::First)
+        .elastic(&pool, &MemOptions::new())
+        .hook(b.mapping_hook())
+        .build()
+        .expect("dst");
+    dst.ensure_backed(0..c.num_blocks).expect("back");
+    let all: Vec<usize> = (0..c.num_blocks).collect();
+    let go = |via| {
+        transfer_blocks_via(
+            TransferOp::Write,
+            BlockSet {
+                agent: &a,
+                layout: &src,
+                blocks: &all,
+            },
+            BlockSet {
+                agent: &b,
+                layout: &dst,
+                blocks: &all,
+            },
+            Duration::from_secs(120),
+            via,
+        )
+    };
+    go(TransferVia::Auto).expect("warm-up");
+    let best = (0..5)
+        .map(|_| go(TransferVia::Auto).expect("device copy"))
+        .min_by_key(|r| r.elapsed)
+        .expect("runs");
+    assert_eq!(best.path, TransferPath::DeviceCopy);
+    let gbs = best.bytes as f64 / best.elapsed.as_secs_f64() / 1e9;
+    println!(
+        "VMM VRAM, one process, TransferVia::Auto: {} MiB in {} copies, {:?}: {gbs:.1} GB/s",
+        best.bytes >> 20,
+        best.descriptors,
+        best.elapsed
+    );
+    assert!(gbs > 50.0, "the device copy ran at {gbs:.2} GB/s");
+
+    // Memory the caller owns (cuMemAlloc): no pool to copy with.
+    let ctx = CudaContext::new(0).expect("context");
+    ctx.bind_to_thread().expect("bind");
+    // SAFETY: a plain driver allocation, freed below after its layout and registration.
+    let raw = unsafe { result::malloc_sync(c.sizes().expect("sizes").total as usize) }
+        .expect("cuMemAlloc");
+    let range = MemoryRange {
+        addr: raw,
+        len: c.sizes().expect("sizes").total,
+        kind: MemoryKind::Device,
+        device: Some(0),
+    };
+    // SAFETY: the range is a live cuMemAlloc buffer of device 0, freed below only after the
+    // layout and its registration are gone.
+    let own = unsafe {
+        LayoutBuilder::new()
+            .config(c)
+            .fully_contiguous()
+            .regions(vec![range])
+    }
+    .build()
+    .expect("caller's layout");
+    assert_eq!(own.views().storage(), StorageKind::Device(0));
+    let own = a.register(own).expect("register");
+    let refused = transfer_blocks_via(
+        TransferOp::Write,
+        BlockSet {
+            agent: &a,
+            layout: &own,
+            blocks: &all[..2],
+        },
+        BlockSet {
+            agent: &b,
+            layout: &dst,
+            blocks: &all[..2],
+        },
+        Duration::from_secs(30),
+        TransferVia::Auto,
+    );
+    match refused {
+        Err(e @ Error::NixlNoDevicePath { .. }) => {
+            assert!(e.to_string().contains("TransferVia::Nixl"), "{e}");
+            println!("refused as it should be: {e}");
+        }
+        other => panic!("expected NixlNoDevicePath, got {other:?}"),
+    }
+    drop(own);
+    // SAFETY: no layout or registration refers to the buffer any more.
+    unsafe { result::free_sync(raw) }.expect("free");
+    drop((src, dst));
+}

@@ -195,6 +195,7 @@ macro_rules! nixl_suite {
             registration_whole_pages,
             bad_views_are_errors,
             sleep_renews_registrations,
+            transfers_take_the_path_their_memory_allows,
         );
     };
     (@tests $make:expr, $ready:expr; $($name:ident),* $(,)?) => {

@@ -190,6 +190,7 @@ fn info(backend: &Arc<dyn Backend>) -> Result<(), BoxError> {
     println!("VMM supported      {}", i.vmm_supported);
     println!("GPUDirect RDMA     {}", i.rdma_capable);
     println!("POSIX fd export    {}", i.posix_fd_exportable);
+    println!("fabric handles     {}", i.fabric_exportable);
     println!(
         "memory             {} free of {}",
         human_bytes(mem.free),
