@@ -79,10 +79,12 @@ run_logged() {
 }
 
 # ---- 1. Sources --------------------------------------------------------------------------------
-# get_src NAME URL TAG LOCAL: puts the source of NAME at $SRC/NAME. LOCAL, when set, is a source
-# tree or a bare git repository; otherwise a shallow clone of TAG from URL.
+# get_src NAME URL TAG LOCAL [PATH...]: puts the source of NAME at $SRC/NAME. LOCAL, when set, is
+# a source tree or a bare git repository; otherwise a shallow clone of TAG from URL. PATHs, when
+# given, limit what is taken from a bare repository (snapshots may lack large unneeded files).
 get_src() {
   local name=$1 url=$2 tag=$3 local=$4 dest=$SRC/$1
+  shift 4
   rm -rf "$dest"
   mkdir -p "$dest"
   if [[ -n "$local" ]]; then
@@ -92,7 +94,7 @@ get_src() {
       say "$name: tag $tag from the bare repository $local"
       git --git-dir="$local" rev-parse -q --verify "refs/tags/$tag" >/dev/null ||
         die "$name: $local has no tag $tag"
-      git --git-dir="$local" archive --format=tar "$tag" | tar -x -C "$dest"
+      git --git-dir="$local" archive --format=tar "$tag" -- "$@" | tar -x -C "$dest"
     else
       say "$name: copying the source tree $local"
       tar -C "$local" --exclude=.git -cf - . | tar -x -C "$dest"
@@ -126,7 +128,7 @@ get_src nixl https://github.com/ai-dynamo/nixl "$NIXL_TAG" "${NIXL_SRC:-}"
 get_src abseil-cpp https://github.com/abseil/abseil-cpp "$ABSEIL_TAG" "${ABSEIL_SRC:-}"
 get_src wrapdb https://github.com/mesonbuild/wrapdb "$WRAPDB_TAG" "${WRAPDB_SRC:-}"
 get_src taskflow https://github.com/taskflow/taskflow "$TASKFLOW_TAG" "${TASKFLOW_SRC:-}"
-get_src asio https://github.com/chriskohlhoff/asio "$ASIO_TAG" "${ASIO_SRC:-}"
+get_src asio https://github.com/chriskohlhoff/asio "$ASIO_TAG" "${ASIO_SRC:-}" asio/include # headers only
 get_src tomlplusplus https://github.com/marzer/tomlplusplus "$TOMLPP_TAG" "${TOMLPP_SRC:-}"
 
 ucx_ver=$(ucx_version "$SRC/ucx")

@@ -367,7 +367,7 @@ impl CudaBackend {
             // A host tier's memory is the host's (its node's), not the device's.
             backend.info.total_memory = host_memory(host_node)?.total;
         } else {
-            backend.probe_chunk_flags()?;
+            backend.probe_chunk_flags();
         }
         let (rdma, fabric) = (backend.info.rdma_capable, backend.info.fabric_exportable);
         tracing::debug!(
@@ -411,8 +411,10 @@ impl CudaBackend {
     /// the same properties): a fabric handle type is asked for where `cuMemCreate` accepts it
     /// (multi-node NVLink, and UCX's `cuda_ipc` of VMM memory, export through it; it needs an
     /// IMEX channel, so most machines refuse it), and the GPUDirect RDMA flag counts only where
-    /// the mapped chunk's pointer attribute says so.
-    fn probe_chunk_flags(&mut self) -> Result<()> {
+    /// the mapped chunk's pointer attribute says so. A probe that cannot run (a full device)
+    /// changes nothing and is logged: chunks then get no fabric handle type, and the RDMA flag
+    /// stands as the device attribute has it.
+    fn probe_chunk_flags(&mut self) {
         let size = self.info.granularity;
         let plain = self.prop.0.requestedHandleTypes;
         self.prop.0.requestedHandleTypes = sys::CUmemAllocationHandleType(
@@ -421,19 +423,32 @@ impl CudaBackend {
         let chunk = match self.create(size) {
             Ok(c) => {
                 self.info.fabric_exportable = true;
-                c
+                Ok(c)
             }
             Err(e) => {
                 tracing::debug!(error = %e, "cuMemCreate with a fabric handle type refused: chunks without one");
                 self.prop.0.requestedHandleTypes = plain;
-                self.create(size)?
+                self.create(size)
             }
         };
-        let checked = self.rdma_attribute_of(chunk);
-        // SAFETY: the probe chunk is ours, never mapped any more (rdma_attribute_of unmapped it).
-        let released = unsafe { self.release(chunk) };
-        self.info.rdma_capable = self.info.rdma_capable && checked?;
-        released
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "no probe chunk: GPUDirect RDMA not verified");
+                return;
+            }
+        };
+        match self.rdma_attribute_of(chunk) {
+            Ok(capable) => self.info.rdma_capable &= capable,
+            Err(e) => {
+                tracing::warn!(error = %e, "GPUDirect RDMA attribute of a probe chunk unreadable: not claimed");
+                self.info.rdma_capable = false;
+            }
+        }
+        // SAFETY: the probe chunk is ours and unmapped again (rdma_attribute_of unmapped it).
+        if let Err(e) = unsafe { self.release(chunk) } {
+            tracing::warn!(error = %e, "the probe chunk could not be released");
+        }
     }
 
     /// Map `chunk` at a reservation of its own, read its GPUDirect RDMA pointer attribute, and
