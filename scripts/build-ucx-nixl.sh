@@ -115,7 +115,7 @@ ucx_version() { # 1.22.0 from configure.ac's define([ucx_ver_major], 1) ...
   echo "${v[0]}.${v[1]}.${v[2]}"
 }
 meson_project_version() { # the first "version: 'X'" of a meson.build (its project() call)
-  grep -m1 -oE "version *: *'[^']+'" "$1" | sed -E "s/.*'([^']+)'/\1/"
+  grep -m1 -oE "(^|[^_[:alnum:]])version *: *'[^']+'" "$1" | sed -E "s/.*'([^']+)'/\1/"
 }
 check_version() { # check_version NAME FOUND WANTED
   [[ "$2" == "$3" ]] || die "$1: the source says version '$2', expected '$3' (wrong tag or folder?)"

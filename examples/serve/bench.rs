@@ -24,7 +24,9 @@
 //! the line to pass; the defaults (8B: 8 ms a step, 0.14 ms a sequence from `gpu-bench
 //! attention`, 0.14 ms a prefill token from the first serve run, when decode still gathered
 //! its blocks) only stand in where no probe ran. The costs are multiplied by the models
-//! because the engines share the device's compute.
+//! because the engines share the device's compute. `--cost-ms` and `--max-batch` apply to
+//! the host simulation too, so that it can stand in for a GPU run (its blocks are of 32
+//! tokens: `--kv-blocks` half the GPU's 16-token count).
 //!
 //! Sleep policies (`static-sleep`, `elastic-sleep`; see `deploy.rs`): a model with no work
 //! for `--sleep-after` seconds (default 1) sleeps, its base copied to host memory and its
@@ -311,10 +313,28 @@ impl BenchArgs {
     /// The deployment's sizes; on the GPU with no KV budget yet (see [`run`]).
     fn sizes(&self) -> Result<DeploySizes, String> {
         let Some(size) = &self.gpu else {
+            let small = DeploySizes::small(self.models);
+            // `--cost-ms` and `--max-batch` apply to the simulation too, so that it can stand
+            // in for a GPU run (its cost model from `serve probe`, the engines sharing compute
+            // as on the device: every cost times the resident models).
+            let cost = self.cost.map_or(small.cost, |[step, seq, prefill, ctx]| {
+                let k = self.resident() as f64;
+                crate::engine::SimCost {
+                    step_s: step * k,
+                    prefill_token_s: prefill * k,
+                    decode_seq_s: seq * k,
+                    context_token_s: ctx * k,
+                }
+            });
             return Ok(DeploySizes {
                 kv_blocks: self.kv_blocks_per_model * self.resident() as u64,
                 resident: self.resident(),
-                ..DeploySizes::small(self.models)
+                cost,
+                engine: crate::engine::EngineConfig {
+                    max_batch: self.max_batch,
+                    ..small.engine
+                },
+                ..small
             });
         };
         gpu_sizes(self, size)
