@@ -131,6 +131,22 @@ unsafe impl Send for CudaBackend {}
 // SAFETY: as above; all mutation goes through the driver or an atomic.
 unsafe impl Sync for CudaBackend {}
 
+/// `cuMemGetAllocationGranularity` of `prop` for `flag`.
+fn granularity_of(
+    prop: &sys::CUmemAllocationProp,
+    flag: sys::CUmemAllocationGranularity_flags,
+) -> Result<usize> {
+    let mut g = 0usize;
+    // SAFETY: `g` and the prop are valid for the call's duration.
+    unsafe { sys::cuMemGetAllocationGranularity(&mut g, prop, flag) }
+        .result()
+        .map_err(driver_error(
+            "cuMemGetAllocationGranularity",
+            format!("{flag:?}"),
+        ))?;
+    Ok(g)
+}
+
 fn driver_error(
     call: &'static str,
     detail: impl Into<String>,
@@ -341,17 +357,7 @@ impl CudaBackend {
             new_chunks_zeroed: !host && !clear_new_chunks_from_env(),
         };
         let _bound = backend.bind()?;
-        let query = |flag| -> Result<usize> {
-            let mut g = 0usize;
-            // SAFETY: `g` and the prop are valid for the call's duration.
-            unsafe { sys::cuMemGetAllocationGranularity(&mut g, &backend.prop.0, flag) }
-                .result()
-                .map_err(driver_error(
-                    "cuMemGetAllocationGranularity",
-                    format!("{flag:?}"),
-                ))?;
-            Ok(g)
-        };
+        let query = |flag| granularity_of(&backend.prop.0, flag);
         let min = query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?;
         let recommended =
             query(sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
@@ -404,41 +410,66 @@ impl CudaBackend {
         ))
     }
 
-    /// Make the device's primary context current on this thread until the guard returned is
-    /// dropped, which makes the caller's context (or none) current again: a caller's current
-    /// context is the same after our calls (routing's hooks included) as before them.
-    /// What a device chunk really gets, found on one probe chunk (every chunk is created with
-    /// the same properties): a fabric handle type is asked for where `cuMemCreate` accepts it
-    /// (multi-node NVLink, and UCX's `cuda_ipc` of VMM memory, export through it; it needs an
-    /// IMEX channel, so most machines refuse it), and the GPUDirect RDMA flag counts only where
-    /// the mapped chunk's pointer attribute says so. A probe that cannot run (a full device)
-    /// changes nothing and is logged: chunks then get no fabric handle type, and the RDMA flag
-    /// stands as the device attribute has it.
+    /// What a device chunk really gets, found on one probe chunk of the minimum granularity
+    /// (every chunk is created with the same properties): a fabric handle type is asked for
+    /// where the device says it supports one and `cuMemCreate` accepts it (multi-node NVLink,
+    /// and UCX's `cuda_ipc` for VMM memory, export through it; it needs an IMEX channel, so most
+    /// machines refuse it), and the GPUDirect RDMA flag counts only where the mapped chunk's
+    /// pointer attribute says so. A probe that cannot run (a full device) changes nothing and is
+    /// logged: chunks then get no fabric handle type, and the RDMA flag stands as the device
+    /// attribute has it. The probe chunk is made and released with raw driver calls, outside
+    /// the backend's byte count.
     fn probe_chunk_flags(&mut self) {
-        let size = self.info.granularity;
+        let size = self.info.min_granularity;
         let plain = self.prop.0.requestedHandleTypes;
-        self.prop.0.requestedHandleTypes = sys::CUmemAllocationHandleType(
+        let fabric = sys::CUmemAllocationHandleType(
             plain.0 | sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0,
         );
-        let chunk = match self.create(size) {
-            Ok(c) => {
-                self.info.fabric_exportable = true;
-                Ok(c)
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "cuMemCreate with a fabric handle type refused: chunks without one");
-                self.prop.0.requestedHandleTypes = plain;
-                self.create(size)
-            }
+        let Ok(_bound) = self.bind() else {
+            return;
         };
-        let chunk = match chunk {
-            Ok(c) => c,
+        let create = |prop: &sys::CUmemAllocationProp| {
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `handle` is valid for writing and the prop outlives the call.
+            unsafe { sys::cuMemCreate(&mut handle, size, prop, 0) }
+                .result()
+                .map(|()| handle)
+        };
+        // SAFETY: `device` is a valid device handle.
+        let supported = unsafe {
+            result::device::get_attribute(
+                self.device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
+            )
+        }
+        .is_ok_and(|v| v != 0);
+        let mut handle = None;
+        if supported {
+            let mut prop = self.prop.0;
+            prop.requestedHandleTypes = fabric;
+            match create(&prop) {
+                Ok(h) => {
+                    self.prop.0 = prop;
+                    self.info.fabric_exportable = true;
+                    handle = Some(h);
+                }
+                Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => {
+                    tracing::warn!("no memory for a probe chunk: fabric handles not tried, GPUDirect RDMA not verified");
+                    return;
+                }
+                Err(e) => {
+                    tracing::info!(error = ?e, "cuMemCreate with a fabric handle type refused (an IMEX channel is needed): chunks without one")
+                }
+            }
+        }
+        let handle = match handle.map_or_else(|| create(&self.prop.0), Ok) {
+            Ok(h) => h,
             Err(e) => {
-                tracing::warn!(error = %e, "no probe chunk: GPUDirect RDMA not verified");
+                tracing::warn!(error = ?e, "no probe chunk: GPUDirect RDMA not verified");
                 return;
             }
         };
-        match self.rdma_attribute_of(chunk) {
+        match self.rdma_attribute_of(PhysicalChunk { raw: handle, size }) {
             Ok(capable) => self.info.rdma_capable &= capable,
             Err(e) => {
                 tracing::warn!(error = %e, "GPUDirect RDMA attribute of a probe chunk unreadable: not claimed");
@@ -446,21 +477,41 @@ impl CudaBackend {
             }
         }
         // SAFETY: the probe chunk is ours and unmapped again (rdma_attribute_of unmapped it).
-        if let Err(e) = unsafe { self.release(chunk) } {
-            tracing::warn!(error = %e, "the probe chunk could not be released");
+        if let Err(e) = unsafe { sys::cuMemRelease(handle) }.result() {
+            tracing::warn!(error = ?e, "the probe chunk could not be released");
+        }
+        if self.info.fabric_exportable {
+            // Granularity may depend on the handle types asked for.
+            let min = granularity_of(
+                &self.prop.0,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            );
+            if !min
+                .as_ref()
+                .is_ok_and(|&m| m > 0 && self.info.granularity % m == 0)
+            {
+                tracing::info!(
+                    ?min,
+                    granularity = self.info.granularity,
+                    "fabric handles need another granularity: chunks without one"
+                );
+                self.prop.0.requestedHandleTypes = plain;
+                self.info.fabric_exportable = false;
+            }
         }
     }
 
     /// Map `chunk` at a reservation of its own, read its GPUDirect RDMA pointer attribute, and
-    /// take it all down again.
+    /// take the mapping and the reservation down again (the chunk stays the caller's).
     fn rdma_attribute_of(&self, chunk: PhysicalChunk) -> Result<bool> {
         let size = chunk.size;
         let base = self.reserve(size, size)?;
         // SAFETY: `base..base + size` is our fresh reservation, `chunk` ours and unmapped.
-        let mapped = unsafe { self.map(base, chunk) }
-            // SAFETY: mapped just now, over the whole reservation.
-            .and_then(|()| unsafe { self.set_access(base, size) });
+        let mapped = unsafe { self.map(base, chunk) };
+        let was_mapped = mapped.is_ok();
         let attr = mapped.and_then(|()| {
+            // SAFETY: mapped just now, over the whole reservation.
+            unsafe { self.set_access(base, size) }?;
             let _bound = self.bind()?;
             let mut capable: u32 = 0;
             // SAFETY: `capable` is valid for the attribute's 4 bytes; `base` is mapped memory.
@@ -478,13 +529,23 @@ impl CudaBackend {
             ))?;
             Ok(capable != 0)
         });
-        // SAFETY: the range is ours; unmapping a range where the map failed is refused, harmless.
-        let _ = unsafe { self.unmap(base, size) };
+        if was_mapped {
+            // SAFETY: mapped above, by us, over the whole reservation.
+            if let Err(e) = unsafe { self.unmap(base, size) } {
+                tracing::warn!(error = %e, "the probe mapping could not be unmapped");
+                return attr;
+            }
+        }
         // SAFETY: nothing is mapped in the reservation any more.
-        let _ = unsafe { self.free_reservation(base, size) };
+        if let Err(e) = unsafe { self.free_reservation(base, size) } {
+            tracing::warn!(error = %e, "the probe reservation could not be freed");
+        }
         attr
     }
 
+    /// Make the device's primary context current on this thread until the guard returned is
+    /// dropped, which makes the caller's context (or none) current again: a caller's current
+    /// context is the same after our calls (routing's hooks included) as before them.
     fn bind(&self) -> Result<Bound> {
         let current = result::ctx::get_current().map_err(driver_error("cuCtxGetCurrent", ""))?;
         if current == Some(self.ctx) {

@@ -251,6 +251,7 @@ pub(crate) mod sealed {
 
         /// The pool the layout's memory comes from (`None`: memory the caller owns), whose
         /// backend can copy it.
+        #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
         fn pool_of(&self) -> Option<&crate::Pool>;
     }
 }

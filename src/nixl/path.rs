@@ -7,23 +7,25 @@
 //! POSIX-fd path it was built without).
 //!
 //! So a transfer never runs at that speed silently. With [`TransferVia::Auto`] (the default):
-//! - no side is device memory: NIXL (UCX moves host memory with shared memory or CMA, POSIX
-//!   moves files);
+//! - no side is device memory, or one side is a file: NIXL (UCX moves host memory with shared
+//!   memory or CMA, POSIX moves files, GDS moves device memory to files);
 //! - device memory on both sides, of one device, both in pools: the crate's own copy on the
-//!   device (the pools' backend, one batch of copies on a stream of its own, waited for with
-//!   the blocks pinned), reported as [`TransferPath::DeviceCopy`];
-//! - anything else with device memory (the caller's own memory, two devices, device and host):
-//!   refused before any byte moves ([`Error::NixlNoDevicePath`]), naming the override.
+//!   device (the pools' backend: one gather launch, or a batch of copies, on a stream of its
+//!   own, waited for with the blocks pinned), reported as [`TransferPath::DeviceCopy`];
+//! - anything else with device memory (the caller's own memory, two devices, device and host
+//!   memory, which UCX's path in one process was not measured for): refused before any byte
+//!   moves ([`Error::NixlNoDevicePath`]), naming the override.
 //!
-//! [`TransferVia::Nixl`], or `EVMM_NIXL_VIA=nixl` in the environment, sends every transfer
-//! through NIXL: for a UCX built with a device path for this memory, or to measure NIXL.
+//! [`TransferVia::Nixl`], or `EVMM_NIXL_VIA=nixl` in the environment (read once, at the first
+//! transfer), sends every transfer through NIXL: for a UCX built with a device path for this
+//! memory, or to measure NIXL.
 
 use std::sync::{Arc, OnceLock};
 
 use nixl_sys::MemType;
 
 use super::registry::NixlDescriptor;
-use crate::backend::Backend;
+use crate::backend::{Backend, GatherPiece, GatherShift};
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
 
@@ -31,13 +33,12 @@ use crate::layout::KvLayout;
 pub const VIA_ENV: &str = "EVMM_NIXL_VIA";
 
 /// What a caller does to send device memory through NIXL anyway.
-const REMEDY: &str =
-    "transfer_blocks_via(.., TransferVia::Nixl) or EVMM_NIXL_VIA=nixl sends it through NIXL anyway";
+const REMEDY: &str = "transfer_blocks_via(.., TransferVia::Nixl), or EVMM_NIXL_VIA=nixl set before the process's first transfer, sends it through NIXL anyway";
 
 /// How a finished transfer moved its bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransferPath {
-    /// Through NIXL (its UCX or POSIX backend).
+    /// Through NIXL (its UCX, POSIX or GDS backend).
     Nixl,
     /// The crate's own copy on the device: device memory of one process, where UCX has no
     /// device path (see the module documentation).
@@ -94,7 +95,12 @@ pub(super) fn plan(
     remote: Side<'_>,
 ) -> Result<Plan> {
     let device = |s: &Side<'_>| s.mem == MemType::Vram;
-    if via == TransferVia::Nixl || !(device(&local) || device(&remote)) {
+    let file = |s: &Side<'_>| s.mem == MemType::File;
+    if via == TransferVia::Nixl
+        || !(device(&local) || device(&remote))
+        || file(&local)
+        || file(&remote)
+    {
         return Ok(Plan::Nixl);
     }
     let refuse = |why: String| Error::NixlNoDevicePath {
@@ -105,7 +111,7 @@ pub(super) fn plan(
     };
     if !(device(&local) && device(&remote)) {
         return Err(refuse(
-            "device memory to or from host memory in one process, which UCX moves over TCP loopback and the crate's device copy does not cover".into(),
+            "device memory to or from host memory in one process: the crate's device copy does not cover it, and UCX's path for it there was not measured (device to device it is software emulation over TCP loopback)".into(),
         ));
     }
     if local.device != remote.device {
@@ -116,13 +122,13 @@ pub(super) fn plan(
     }
     let (Some(lp), Some(rp)) = (local.layout.pool_of(), remote.layout.pool_of()) else {
         return Err(refuse(
-            "a side is memory the caller owns (no pool to copy with), which UCX moves over TCP loopback in one process".into(),
+            "a side is memory the caller owns, with no pool whose backend the crate could copy with, and UCX moves device memory over TCP loopback in one process".into(),
         ));
     };
     let ordinal = |p: &crate::Pool| p.backend_info().device_ordinal;
     if ordinal(lp) != ordinal(rp) {
         return Err(refuse(format!(
-            "the pools' backends are of devices {:?} and {:?}",
+            "the pools' backends are of devices {:?} and {:?}, which the crate's device copy does not cover, and UCX moves device memory over TCP loopback in one process",
             ordinal(lp),
             ordinal(rp)
         )));
@@ -177,21 +183,39 @@ pub(super) fn copies(
     Ok(out)
 }
 
-/// Copy `copies` with `backend` on a stream of its own and wait for them. The caller holds
-/// pins on both sides' blocks (mapped, with access, not released meanwhile) and has checked
-/// them with [`copies`]. `Err(_, true)`: the wait itself failed, so copies may still run on
-/// the device, and the caller must keep its pins for good.
+/// Copy `copies` with `backend` on a stream of its own and wait for them: one launch of the
+/// backend's gather kernel, or (without one) a batch of copies. The caller holds pins on both
+/// sides' blocks (mapped, with access, not released meanwhile) and has checked them with
+/// [`copies`]. `Err(_, true)`: the wait itself failed, so copies may still run on the device,
+/// and the caller must keep its pins for good. After any error the destination's bytes are
+/// unspecified.
 pub(super) fn run(
     backend: &dyn Backend,
     copies: &[(u64, u64, usize)],
 ) -> std::result::Result<(), (Error, bool)> {
     let c = backend.copies();
     let stream = c.copy_stream_create().map_err(|e| (e, false))?;
+    let pieces: Vec<GatherPiece> = copies
+        .iter()
+        .map(|&(dst, src, len)| GatherPiece {
+            src,
+            dst,
+            len: len as u64,
+        })
+        .collect();
     // SAFETY: every range lies in pinned, mapped device memory of this backend's device (the
     // pins hold until after the wait below); `copies` checked that no destination overlaps
-    // another copy's bytes; the transfer's contract leaves the bytes to it meanwhile; the
-    // stream was created just now.
-    let queued = unsafe { c.copy_batch_async(copies, stream) };
+    // another copy's bytes; the stream was created just now and is never captured. Ordering
+    // with other work on these bytes is left to the caller, as `transfer_blocks` documents
+    // (as for NIXL's own transfers): work queued over them, on any stream, is finished, and
+    // no other transfer writes them meanwhile (pins are shared, so one is not refused).
+    let queued = match unsafe { c.gather_async(&pieces, &[GatherShift { src: 0, dst: 0 }], stream) }
+    {
+        Ok(()) => Ok(()),
+        // A failed gather queued nothing: copies instead.
+        // SAFETY: as above.
+        Err(_) => unsafe { c.copy_batch_async(copies, stream) },
+    };
     // Waited for also after a failed queueing: part of the batch may be on its way.
     let waited = c.synchronize(stream);
     if let Err(e) = waited {
@@ -237,5 +261,8 @@ mod tests {
         assert!(e.to_string().contains("destinations"), "{e}");
         // Touching is not overlapping.
         assert!(copies(true, &[d(0, 16)], &[d(16, 16)]).is_ok());
+        // One copy's source meeting another copy's destination, apart in the sort order.
+        let e = copies(true, &[d(0, 16), d(500, 16)], &[d(1000, 16), d(4, 16)]).unwrap_err();
+        assert!(e.to_string().contains("source and destination"), "{e}");
     }
 }

@@ -188,7 +188,8 @@ fn pin_error(side: &'static str, blocks: usize, e: PinRefused) -> Error {
 /// an [`Error::BlockPinned`]. After a timeout ([`Error::TransferTimeout`]) they stay pinned
 /// until NIXL reports the request finished; see the module documentation. Nobody else may write
 /// the bytes the transfer reads or use the bytes it writes meanwhile (work queued on the GPU
-/// over them included).
+/// over them included, on any stream: finish it first). Both sides naming the same bytes are
+/// refused on the device-copy path.
 ///
 /// The path is [`TransferVia::from_env`]'s: by default device memory is copied by the crate,
 /// not by NIXL, which has no device path between two agents of one process (see
