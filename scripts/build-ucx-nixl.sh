@@ -398,8 +398,10 @@ int main(void) {
   return st ? 4 : 0;
 }
 EOF
-gcc -o "$BUILD/nixl_smoke" "$BUILD/nixl_smoke.c" -L"$PREFIX/lib" -lnixl_capi
-if smoke=$(LD_LIBRARY_PATH=$PREFIX/lib timeout 120 "$BUILD/nixl_smoke" 2>&1); then
+if ! smoke=$(gcc -o "$BUILD/nixl_smoke" "$BUILD/nixl_smoke.c" -L"$PREFIX/lib" -Wl,-rpath-link,"$PREFIX/lib" \
+  -lnixl_capi 2>&1); then
+  say "WARNING: the C API smoke test did not compile:"
+elif smoke=$(LD_LIBRARY_PATH=$PREFIX/lib timeout 120 "$BUILD/nixl_smoke" 2>&1); then
   say "C API smoke test passed:"
 else
   say "WARNING: C API smoke test failed (exit $?); its output:"

@@ -4,9 +4,12 @@
 //! the destination maps what it takes under its pool's limit, the source gives back what it
 //! frees. Which blocks go, and when, is the engine's policy.
 //!
-//! A move takes its destination blocks at once (an `alloc` of the destination cache) and
-//! starts the copies (the device's copy stream, optionally ordered after the engine's stream;
-//! threads between two host caches), then returns a [`KvMove`]. Until it is waited for:
+//! A move takes its destination blocks (an `alloc` of the destination cache) and starts the
+//! copies (a copy stream of the device, optionally ordered after the engine's stream; threads
+//! between two host caches), then returns a [`KvMove`]. It does so in up to [`BATCHES`]
+//! batches, so that the destination maps a batch's pages while the copies of the batches
+//! before it run: a cold destination (pages not mapped yet) costs its mapping or its copies,
+//! whichever is longer, not both. Until it is waited for:
 //! - the source blocks keep their ids and contents; the destination blocks are the move's;
 //!   both are pinned: neither freed (refused, nothing changed) nor moved by a compaction, and
 //!   neither cache's pool sleeps (refused);
@@ -41,11 +44,17 @@ pub struct KvMove {
     dst: Arc<Core>,
     from: Vec<BlockId>,
     to: Vec<BlockId>,
-    flight: Option<Flight>,
+    /// One per batch; empty once settled.
+    flights: Vec<Flight>,
     bytes: u64,
     copies: usize,
     started: Instant,
 }
+
+/// Most batches a move is cut into (each its own alloc and its own copies).
+const BATCHES: usize = 4;
+/// Fewest blocks worth a batch of their own.
+const BATCH_MIN: usize = 32;
 
 impl PagedKv {
     /// Move blocks `ids` of this cache to `dst`, a cache of the same shape (layout, layers,
@@ -57,7 +66,9 @@ impl PagedKv {
     /// Refused before anything changes: an id out of range, not allocated, named twice, or
     /// busy (being allocated, compacted or moved); two caches of different shapes, or memory
     /// no copy reaches (device <-> device: same device copies are not a tier move); either
-    /// pool asleep; too few blocks free (or admitted) in `dst`.
+    /// pool asleep; too few blocks free in `dst`. Blocks `dst` cannot admit (its pool's limit)
+    /// fail the move part way: then the copies started are waited for and everything is
+    /// given back, as after a failed copy.
     pub fn move_to(&self, ids: &[BlockId], dst: &PagedKv) -> Result<KvMove> {
         // SAFETY: no stream to order after.
         unsafe { start(self.core(), ids, dst.core(), None) }
@@ -107,51 +118,61 @@ unsafe fn start(
         });
     }
     check_between_pools(src.pool.backend(), dst.pool.backend(), after.is_some())?;
+    let mut m = KvMove {
+        src: src.clone(),
+        dst: dst.clone(),
+        from: Vec::new(),
+        to: Vec::with_capacity(ids.len()),
+        flights: Vec::new(),
+        bytes: 0,
+        copies: 0,
+        started,
+    };
     if ids.is_empty() {
-        return Ok(KvMove {
-            src: src.clone(),
-            dst: dst.clone(),
-            from: Vec::new(),
-            to: Vec::new(),
-            flight: None,
-            bytes: 0,
-            copies: 0,
-            started,
-        });
+        return Ok(m);
     }
     pin_sources(src, ids)?;
-    let to = match dst.alloc(ids.len(), true) {
-        Ok(to) => to,
-        Err(e) => {
-            unpin(src, ids);
-            return Err(e);
-        }
-    };
-    let pieces = pieces(src, ids, dst, &to);
-    let bytes = pieces.iter().map(|p| p.len).sum();
-    // SAFETY: the source blocks are live and pinned (not freed, compacted or unmapped: their
-    // pool cannot sleep, and the move holds both caches until its flight is finished); the
-    // destination blocks are mapped, live and pinned, known to nobody else yet; `after` is the
-    // caller's promise.
-    let flight =
-        unsafe { start_between_pools(src.pool.backend(), dst.pool.backend(), &pieces, after) };
-    match flight {
-        Ok(flight) => Ok(KvMove {
-            src: src.clone(),
-            dst: dst.clone(),
-            from: ids.to_vec(),
-            to,
-            flight: Some(flight),
-            bytes,
-            copies: pieces.len(),
-            started,
-        }),
-        Err(e) => {
-            give_back(dst, &to);
-            unpin(src, ids);
-            Err(e)
+    // Refused before anything moves when the destination lacks the blocks (allocated by
+    // nobody: free, or in transit and landing free), as one alloc of them all would be.
+    let max = dst.config.max_blocks;
+    let free = max - dst.book.lock().live_count;
+    if free < ids.len() {
+        unpin(src, ids);
+        return Err(Error::KvOutOfBlocks {
+            requested: ids.len(),
+            free,
+            max_blocks: max,
+        });
+    }
+    let per = ids.len().div_ceil(BATCHES).max(BATCH_MIN);
+    for batch in ids.chunks(per) {
+        let started = dst.alloc(batch.len(), true).and_then(|to| {
+            let pieces = pieces(src, batch, dst, &to);
+            m.to.extend_from_slice(&to);
+            m.bytes += pieces.iter().map(|p| p.len).sum::<u64>();
+            m.copies += pieces.len();
+            // SAFETY: the source blocks are live and pinned (not freed, compacted or
+            // unmapped: their pool cannot sleep, and the move holds both caches until its
+            // flights are finished); the destination blocks are mapped, live and pinned,
+            // known to nobody else yet; `after` is the caller's promise.
+            unsafe { start_between_pools(src.pool.backend(), dst.pool.backend(), &pieces, after) }
+        });
+        match started {
+            Ok(flight) => m.flights.push(flight),
+            Err(e) => {
+                // The batches under way finish before their blocks go back.
+                for f in m.flights.drain(..) {
+                    let _ = f.finish();
+                }
+                give_back(dst, &m.to);
+                unpin(src, ids);
+                m.to.clear();
+                return Err(e);
+            }
         }
     }
+    m.from = ids.to_vec();
+    Ok(m)
 }
 
 /// Pin `ids` of `core` as the sources of a move, all or none.
@@ -240,10 +261,8 @@ impl KvMove {
 
     /// Whether every copy has run (or failed), without waiting.
     pub fn is_done(&self) -> bool {
-        // SAFETY: the flight is this handle's, not finished before `wait` or the drop.
-        self.flight
-            .as_ref()
-            .is_none_or(|f| unsafe { f.probe().is_done() })
+        // SAFETY: the flights are this handle's, not finished before `wait` or the drop.
+        self.flights.iter().all(|f| unsafe { f.probe().is_done() })
     }
 
     /// Make the work queued on `stream` from now on wait for this move's copies without the
@@ -254,11 +273,11 @@ impl KvMove {
     /// `stream` is a live stream (a raw `CUstream`, or a special handle of
     /// [`crate::backend::Copies::copy_async`]) of the device whose cache the move copies.
     pub unsafe fn order_before(&self, stream: u64) -> Result<()> {
-        match &self.flight {
+        for f in &self.flights {
             // SAFETY: as in `is_done`; the stream is the caller's promise.
-            Some(f) => unsafe { f.probe().order_before(stream) },
-            None => Ok(()),
+            unsafe { f.probe().order_before(stream) }?;
         }
+        Ok(())
     }
 
     /// Wait for the copies and settle: the source blocks are freed and the destination ids are
@@ -269,10 +288,16 @@ impl KvMove {
     }
 
     fn settle(&mut self) -> Result<MoveReport> {
-        let Some(flight) = self.flight.take() else {
+        if self.flights.is_empty() {
             return Ok(MoveReport::default());
-        };
-        let (copied, r) = flight.finish();
+        }
+        // Every batch is waited for, whatever another one did.
+        let (mut copied, mut r) = (0, Ok(()));
+        for f in self.flights.drain(..) {
+            let (c, done) = f.finish();
+            copied += c;
+            r = r.and(done);
+        }
         match r {
             Ok(()) => {
                 unpin(&self.dst, &self.to);
@@ -320,7 +345,7 @@ impl std::fmt::Debug for KvMove {
         f.debug_struct("KvMove")
             .field("blocks", &self.from.len())
             .field("bytes", &self.bytes)
-            .field("under_way", &self.flight.is_some())
+            .field("under_way", &!self.flights.is_empty())
             .finish()
     }
 }

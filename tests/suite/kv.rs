@@ -1374,6 +1374,64 @@ pub fn kv_blocks_move_to_a_host_tier_cache_and_back(backend: Arc<dyn Backend>) {
     assert_eq!(tier.stats().mapped, 0, "{:?}", tier.stats());
 }
 
+/// A move of many blocks runs in batches (each mapped while the copies of the ones before it
+/// run): every block arrives whole, in order, both ways. A destination whose pool admits only
+/// part of them fails the move part way (a later batch's map is refused), and then everything
+/// is as it was: the batches under way finished, the destination gave its blocks and pages
+/// back, the source keeps its blocks and bytes and can free them.
+pub fn kv_moves_in_batches_and_rolls_back_whole(backend: Arc<dyn Backend>) {
+    let g = gran(&backend);
+    let p = pool(&backend, 1024 * g);
+    let ordinal = backend.info().device_ordinal.unwrap_or(0);
+    // One block per page of each of its two tensors: 100 blocks map 200 pages.
+    let c = config(g, 1, 1, 128);
+    let kv = PagedKv::new(&p, c.clone()).expect("device cache");
+    let n = 100;
+    let ids = kv.alloc(n).expect("alloc");
+    fill_blocks(&backend, &kv, &ids);
+    let tier = Pool::host_tier(ordinal, PoolConfig::new(1024 * g as usize)).expect("host tier");
+    let hb = tier.backend().clone();
+    let host = PagedKv::new(&tier, c.clone()).expect("host cache");
+    let m = kv.move_to(&ids, &host).expect("offload");
+    let to = m.destinations().to_vec();
+    let r = m.wait().expect("offload");
+    assert_eq!((r.blocks, to.len()), (n, n));
+    for (&was, &now) in ids.iter().zip(&to) {
+        holds_pattern(&hb, &host, was, now);
+    }
+    let m = host.move_to(&to, &kv).expect("onboard");
+    let home = m.destinations().to_vec();
+    m.wait().expect("onboard");
+    for (&was, &now) in ids.iter().zip(&home) {
+        holds_pattern(&backend, &kv, was, now);
+    }
+    assert_eq!(host.stats().live, 0);
+    drop(host);
+
+    // A tier admitting 55 blocks' pages: the first batch (32 blocks) maps, the second fails.
+    let small = Pool::host_tier(
+        ordinal,
+        PoolConfig::new(1024 * g as usize).physical_limit(110 * g),
+    )
+    .expect("limited host tier");
+    let host = PagedKv::new(&small, c).expect("limited host cache");
+    let e = kv.move_to(&home, &host).expect_err("over the tier's limit");
+    assert!(
+        !matches!(e, Error::KvOutOfBlocks { .. }),
+        "the cache has the blocks, its pool refuses their pages: {e}"
+    );
+    assert_eq!(host.stats().live, 0, "{:?}", host.stats());
+    host.trim();
+    assert_eq!(small.stats().mapped, 0, "{:?}", small.stats());
+    for (&was, &now) in ids.iter().zip(&home) {
+        assert!(kv.is_live(now));
+        holds_pattern(&backend, &kv, was, now);
+    }
+    kv.free(&home).expect("the sources are the engine's again");
+    drop((kv, host));
+    books_hold(&backend, &p);
+}
+
 /// Moves between a device cache and a host-tier cache race compaction, frees and sleeps, many
 /// rounds: a mover offloads its blocks, leaves the move under way while a compactor packs the
 /// cache (its ids renamed in the owners' lists, as an engine does between steps) and the pools

@@ -106,6 +106,7 @@ macro_rules! kv_suite {
             kv_move_gives_the_source_back_after_the_wait,
             kv_compaction_races_alloc_free_trim_sleep,
             kv_blocks_move_to_a_host_tier_cache_and_back,
+            kv_moves_in_batches_and_rolls_back_whole,
             kv_moves_race_compaction_free_and_sleep,
             kv_trim_holds_until_the_next_alloc,
             kv_trim_holds_against_a_refill_under_way,
