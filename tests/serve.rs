@@ -1459,3 +1459,77 @@ mod bench_tests {
         assert_eq!(attainment_svg(&cells, &slo).matches("<polyline").count(), 3);
     }
 }
+
+/// The host simulation's shared device (`DeploySizes::shared_device`): engines whose steps
+/// overlap take turns, as engine processes time-slicing one GPU do; without it they overlap.
+mod shared_device_tests {
+    use std::time::{Duration, Instant};
+
+    use elastic_vmm::Pool;
+
+    use crate::engine::{SimCost, StepModel};
+    use crate::host::SimModel;
+
+    fn model(device: Option<std::fs::File>) -> SimModel {
+        let pool = Pool::host(64 << 20).expect("host pool");
+        let weights = pool.allocate(64 << 10).expect("weights");
+        SimModel {
+            pool,
+            cost: SimCost {
+                step_s: 0.05,
+                prefill_token_s: 0.0,
+                decode_seq_s: 0.0,
+                context_token_s: 0.0,
+            },
+            act_bytes_per_token: 1,
+            weights,
+            pattern: 0,
+            wall: true,
+            device,
+        }
+    }
+
+    /// Wall time of two engines stepping once at the same moment.
+    fn two_at_once(shared: bool) -> Duration {
+        let dir = std::env::temp_dir().join(format!("serve-device-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join(format!("device-{shared}"));
+        let open = || {
+            shared.then(|| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&path)
+                    .expect("device file")
+            })
+        };
+        let mut models = [model(open()), model(open())];
+        let barrier = std::sync::Barrier::new(2);
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for m in &mut models {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    m.decode(&[]).expect("step");
+                });
+            }
+        });
+        t.elapsed()
+    }
+
+    #[test]
+    fn engines_on_one_simulated_device_take_turns() {
+        let shared = two_at_once(true);
+        let apart = two_at_once(false);
+        assert!(
+            shared >= Duration::from_millis(98),
+            "two 50 ms steps on one device took {shared:?}"
+        );
+        assert!(
+            apart < Duration::from_millis(95),
+            "two 50 ms steps without a shared device took {apart:?}"
+        );
+    }
+}

@@ -25,8 +25,9 @@
 //! attention`, 0.14 ms a prefill token from the first serve run, when decode still gathered
 //! its blocks) only stand in where no probe ran. The costs are multiplied by the models
 //! because the engines share the device's compute. `--cost-ms` and `--max-batch` apply to
-//! the host simulation too, so that it can stand in for a GPU run (its blocks are of 32
-//! tokens: `--kv-blocks` half the GPU's 16-token count).
+//! the host simulation too, so that it can stand in for a GPU run: its engines then take
+//! turns on one simulated device, each step costing what one engine alone takes (its blocks
+//! are of 32 tokens: `--kv-blocks` half the GPU's 16-token count).
 //!
 //! Sleep policies (`static-sleep`, `elastic-sleep`; see `deploy.rs`): a model with no work
 //! for `--sleep-after` seconds (default 1) sleeps, its base copied to host memory and its
@@ -315,8 +316,10 @@ impl BenchArgs {
         let Some(size) = &self.gpu else {
             let small = DeploySizes::small(self.models);
             // `--cost-ms` and `--max-batch` apply to the simulation too, so that it can stand
-            // in for a GPU run (its cost model from `serve probe`, the engines sharing compute
-            // as on the device: every cost times the resident models).
+            // in for a GPU run: its cost model from `serve probe`, the engines taking turns on
+            // one simulated device (each step costs what one engine alone takes, and waits
+            // while another engine's step runs). The nominal load counts every cost times the
+            // resident models, as on the GPU.
             let cost = self.cost.map_or(small.cost, |[step, seq, prefill, ctx]| {
                 let k = self.resident() as f64;
                 crate::engine::SimCost {
@@ -329,6 +332,7 @@ impl BenchArgs {
             return Ok(DeploySizes {
                 kv_blocks: self.kv_blocks_per_model * self.resident() as u64,
                 resident: self.resident(),
+                shared_device: self.cost.is_some(),
                 cost,
                 engine: crate::engine::EngineConfig {
                     max_batch: self.max_batch,
@@ -420,6 +424,7 @@ fn gpu_sizes(a: &BenchArgs, size: &str) -> Result<DeploySizes, String> {
             prefill_chunk: a.prefill_chunk,
             block_shape: a.block_shape.clone(),
         }),
+        shared_device: false,
     })
 }
 

@@ -195,6 +195,13 @@ pub struct DeploySizes {
     pub cost: SimCost,
     /// Real engines on the GPU, or `None` for simulated compute on the host.
     pub gpu: Option<GpuEngines>,
+    /// Simulated compute only: the engines take turns on one simulated device (a lock on a
+    /// file beside the broker's socket, held for each step), each step costing what one
+    /// engine alone takes (`cost` over `resident`), so that engines slow each other down only
+    /// when they run at once, as engine processes time-slicing a GPU do. Without it every step
+    /// costs `cost` whatever the others do.
+    #[serde(default)]
+    pub shared_device: bool,
 }
 
 impl DeploySizes {
@@ -220,6 +227,7 @@ impl DeploySizes {
             },
             cost: SimCost::memory_bound(),
             gpu: None,
+            shared_device: false,
         }
     }
 
@@ -646,13 +654,33 @@ fn engine_role(spec: &Path) -> Result<(), String> {
                 kv_config(blocks, s.block_tokens, s.granularity)?,
             )
             .map_err(e)?;
+            let (cost, device) = if s.shared_device {
+                let k = s.resident.max(1) as f64;
+                let solo = SimCost {
+                    step_s: s.cost.step_s / k,
+                    prefill_token_s: s.cost.prefill_token_s / k,
+                    decode_seq_s: s.cost.decode_seq_s / k,
+                    context_token_s: s.cost.context_token_s / k,
+                };
+                let path = spec.socket.with_extension("device");
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                (solo, Some(file))
+            } else {
+                (s.cost, None)
+            };
             let sim = SimModel {
                 pool: model.pool().clone(),
-                cost: s.cost,
+                cost,
                 act_bytes_per_token: s.act_bytes_per_token,
                 weights,
                 pattern,
                 wall: true,
+                device,
             };
             let kv = BrokerKv::new(KvStore::Host(store), s.block_tokens, blocks);
             sleeper(model.pool())?;

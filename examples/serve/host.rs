@@ -33,6 +33,9 @@ pub struct SimModel {
     pub pattern: u8,
     /// Whether a step sleeps for its modelled time.
     pub wall: bool,
+    /// With `wall`: a file every engine of the run opened, locked for the length of each step
+    /// (engines taking turns on one simulated device).
+    pub device: Option<std::fs::File>,
 }
 
 impl SimModel {
@@ -62,8 +65,19 @@ impl SimModel {
 
 impl SimModel {
     fn took(&self, dt: f64) -> f64 {
-        if self.wall {
-            std::thread::sleep(std::time::Duration::from_secs_f64(dt));
+        if !self.wall {
+            return dt;
+        }
+        let fd = self.device.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        if let Some(fd) = fd {
+            // SAFETY: `fd` is an open file of ours for the call's duration. A failed lock
+            // (it is not expected) leaves the step unshared.
+            unsafe { libc::flock(fd, libc::LOCK_EX) };
+        }
+        std::thread::sleep(std::time::Duration::from_secs_f64(dt));
+        if let Some(fd) = fd {
+            // SAFETY: as above.
+            unsafe { libc::flock(fd, libc::LOCK_UN) };
         }
         dt
     }
@@ -231,6 +245,7 @@ pub fn cluster(sizes: HostSizes) -> Result<(SharedPool, Vec<HostServed>, Pool), 
             weights,
             pattern,
             wall: false,
+            device: None,
         };
         models.push(Served {
             handle,
