@@ -401,7 +401,8 @@ EOF
 if ! smoke=$(gcc -o "$BUILD/nixl_smoke" "$BUILD/nixl_smoke.c" -L"$PREFIX/lib" -Wl,-rpath-link,"$PREFIX/lib" \
   -lnixl_capi 2>&1); then
   say "WARNING: the C API smoke test did not compile:"
-elif smoke=$(LD_LIBRARY_PATH=$PREFIX/lib timeout 120 "$BUILD/nixl_smoke" 2>&1); then
+# (env -u: UCX warns about unknown UCX_* variables, and this script's UCX_SRC/UCX_TAG are such.)
+elif smoke=$(env -u UCX_SRC -u UCX_TAG LD_LIBRARY_PATH="$PREFIX/lib" timeout 120 "$BUILD/nixl_smoke" 2>&1); then
   say "C API smoke test passed:"
 else
   say "WARNING: C API smoke test failed (exit $?); its output:"
@@ -418,6 +419,7 @@ cp -P "$PREFIX"/lib/*.so* "$stage/lib/"         # UCX (ucp, uct, ucs, ucm) and N
 cp -P "$PREFIX"/lib/ucx/*.so* "$stage/lib/ucx/" # UCX modules: cuda (copy, ipc), cma, ucm_cuda
 cp -P "$PREFIX"/lib/plugins/*.so "$stage/lib/plugins/" # NIXL plugins: UCX
 cp "$PREFIX/bin/ucx_info" "$stage/bin/"         # to check transports there: ucx_info -d
+[[ -x "$BUILD/nixl_smoke" ]] && cp "$BUILD/nixl_smoke" "$stage/bin/" # agent + UCX backend check
 # libucm_cuda.so (UCX's hooks on cudaFree etc.) needs the CUDA runtime; the GPU machine has no
 # toolkit on its library path, so the wheel's libcudart.so.13 (0.7 MB) goes along.
 cp -L "$CUDA_ROOT/lib/libcudart.so.13" "$stage/lib/"
@@ -454,6 +456,7 @@ On the GPU machine (glibc >= $glibc, with the driver's libcuda.so.1 and libnvidi
   tar -xJf $(basename "$OUT") -C /tmp
   . /tmp/$name/env.sh      # LD_LIBRARY_PATH=/tmp/$name/lib, NIXL_PLUGIN_DIR=.../lib/plugins, UCX_MODULE_DIR=.../lib/ucx
   ucx_info -d | grep -A3 cuda_ipc
+  nixl_smoke               # creates a NIXL agent and a UCX backend through libnixl_capi.so
   # nixl-sys (the project's 'nixl' feature) dlopens libnixl_capi.so from LD_LIBRARY_PATH.
   # Check the protocol UCX picks for VMM memory: UCX_PROTO_INFO=y (expect cuda_ipc, not tcp).
 EOF
