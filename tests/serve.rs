@@ -1400,8 +1400,39 @@ mod deploy_tests {
 }
 
 mod bench_tests {
-    use super::bench::{attainment_svg, summarise, table};
+    use super::bench::{attainment_svg, per_model_table, summarise, table};
     use super::metrics::{RunStats, Slo};
+
+    /// The table per model: each model's attainment averaged over the seeds of one load and
+    /// policy, headed by its trace, so a reader sees which model's requests miss.
+    #[test]
+    fn the_table_per_model_says_which_model_misses() {
+        let run = |a: f64, b: f64| {
+            vec![
+                ("conv".to_string(), stats(a, 0.5)),
+                ("mooncake".to_string(), stats(b, 3.0)),
+            ]
+        };
+        let per = vec![
+            (0.5, "elastic".to_string(), run(1.0, 0.5)),
+            (0.5, "elastic".to_string(), run(1.0, 0.0)),
+            (0.5, "static-best".to_string(), run(0.5, 0.0)),
+        ];
+        let text = per_model_table(&per);
+        assert!(text.contains("0 conv") && text.contains("1 mooncake"), "{text}");
+        let line = |policy: &str| {
+            text.lines()
+                .find(|l| l.split_whitespace().next() == Some(policy))
+                .unwrap_or_else(|| panic!("no {policy} line in {text}"))
+                .to_string()
+        };
+        // Elastic: conv 1.0 both seeds, mooncake 0.5 and 0.0: mean 0.25.
+        assert!(line("elastic").contains("1.000±0.000"), "{text}");
+        assert!(line("elastic").contains("0.250±"), "{text}");
+        // One seed: no interval to compute, the mean stands.
+        assert!(line("static-best").contains("0.500±"), "{text}");
+        assert!(per_model_table(&[(1.0, "elastic".into(), Vec::new())]).is_empty());
+    }
 
     fn stats(slo: f64, p99: f64) -> RunStats {
         RunStats {

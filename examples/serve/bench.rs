@@ -729,6 +729,59 @@ pub fn summarise(runs: &[(f64, String, RunStats)]) -> (Vec<Cell>, Option<f64>) {
     (cells, knee)
 }
 
+/// One run's models: each model's trace and its stats, with the run's load and policy.
+pub type PerModel = (f64, String, Vec<(String, RunStats)>);
+
+/// Where the misses come from: per load and policy, each model's SLO attainment (mean ± 95%
+/// CI over seeds), headed by its trace. Empty without per-model stats.
+pub fn per_model_table(per: &[PerModel]) -> String {
+    let mut keys: Vec<(f64, &str)> = Vec::new();
+    for (l, p, _) in per {
+        if !keys.iter().any(|(kl, kp)| kl == l && kp == p) {
+            keys.push((*l, p));
+        }
+    }
+    if per.iter().all(|r| r.2.is_empty()) {
+        return String::new();
+    }
+    keys.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(b.1)));
+    let mut out =
+        String::from("\nSLO attainment per model (its trace), mean ± 95% CI over seeds\n");
+    let mut last = f64::NAN;
+    for (load, policy) in keys {
+        let runs: Vec<&Vec<(String, RunStats)>> = per
+            .iter()
+            .filter(|r| r.0 == load && r.1 == policy)
+            .map(|r| &r.2)
+            .collect();
+        let models = runs.iter().map(|r| r.len()).max().unwrap_or(0);
+        if load != last {
+            last = load;
+            let _ = write!(out, "\nload {load:<6} {:<13}", "policy");
+            for m in 0..models {
+                let name = runs
+                    .iter()
+                    .find_map(|r| r.get(m))
+                    .map_or("?", |x| x.0.as_str());
+                let _ = write!(out, " {:>17}", format!("{m} {name}"));
+            }
+            out.push('\n');
+        }
+        let _ = write!(out, "{:<11} {policy:<13}", "");
+        for m in 0..models {
+            let v: Vec<f64> = runs
+                .iter()
+                .filter_map(|r| r.get(m))
+                .map(|x| x.1.slo_attainment)
+                .collect();
+            let (mean, ci) = metrics::mean_ci(&v);
+            let _ = write!(out, " {:>17}", format!("{mean:.3}±{ci:.3}"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// The table: per load, a line per policy with each metric's mean ± CI.
 pub fn table(cells: &[Cell], slo: &Slo) -> String {
     let mut out = format!(
@@ -842,6 +895,8 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
         a.slo.tpot_s
     );
     let mut all = Vec::new();
+    // Per run: each model's trace and its stats, for the table per model.
+    let mut per: Vec<PerModel> = Vec::new();
     let total = a.seeds.len() * a.loads.len() * a.policies.len();
     // One deployment serves every run of the sweep: engines are loaded once.
     let sleeps = a.policies.iter().any(|p| p.sleeps());
@@ -876,7 +931,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                 }
                 let records = result.records();
                 let stats = RunStats::of(&records, &a.slo, a.duration_s, result.end_s);
-                let per_model = (0..a.models)
+                let per_model: Vec<RunStats> = (0..a.models)
                     .map(|m| {
                         let r: Vec<_> = records.iter().filter(|r| r.model == m).copied().collect();
                         RunStats::of(&r, &a.slo, a.duration_s, result.end_s)
@@ -936,7 +991,7 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                     drain_s: a.drain_s,
                     reclaim_wait_ms: a.reclaim_wait_ms,
                     stats: stats.clone(),
-                    per_model,
+                    per_model: per_model.clone(),
                     sizes: sizes.clone(),
                     device: gpu.clone(),
                     result,
@@ -945,12 +1000,18 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
                 let json = serde_json::to_vec_pretty(&file).map_err(|e| e.to_string())?;
                 std::fs::write(&path, json).map_err(|e| format!("{}: {e}", path.display()))?;
                 all.push((load, policy.name().to_string(), stats));
+                per.push((
+                    load,
+                    policy.name().to_string(),
+                    traces.iter().cloned().zip(per_model).collect(),
+                ));
             }
         }
     }
     deployment.stop()?;
     write_summary(
         &all,
+        &per,
         &a.out,
         Summary {
             command: command.to_string(),
@@ -968,11 +1029,13 @@ pub fn run(a: &BenchArgs, launcher: &Launcher, command: &str) -> Result<Summary,
 /// write it, the plot and `summary.json` into `out`.
 fn write_summary(
     all: &[(f64, String, RunStats)],
+    per: &[PerModel],
     out: &Path,
     mut head: Summary,
 ) -> Result<Summary, String> {
     let (cells, knee) = summarise(all);
     let mut text = table(&cells, &head.slo);
+    text.push_str(&per_model_table(per));
     let any_static = cells.iter().any(|c| c.policy.starts_with("static"));
     let _ = writeln!(
         text,
@@ -1014,6 +1077,12 @@ struct SavedRun {
     rate: f64,
     slo: Slo,
     stats: RunStats,
+    /// Each model's trace (older runs: none).
+    #[serde(default)]
+    traces: Vec<String>,
+    /// Each model's stats (older runs: none).
+    #[serde(default)]
+    per_model: Vec<RunStats>,
 }
 
 /// Summarise saved runs, as a sweep does at its end: every `runs/*.json` under `dirs` (the
@@ -1021,6 +1090,7 @@ struct SavedRun {
 /// SLOs or nominal rates are refused: they do not belong in one table.
 pub fn from_saved(dirs: &[PathBuf], out: &Path) -> Result<Summary, String> {
     let mut all = Vec::new();
+    let mut per = Vec::new();
     let mut head: Option<Summary> = None;
     for d in dirs {
         let runs = d.join("runs");
@@ -1070,10 +1140,15 @@ pub fn from_saved(dirs: &[PathBuf], out: &Path) -> Result<Summary, String> {
                     }
                 }
             }
+            per.push((
+                r.load,
+                r.policy.clone(),
+                r.traces.into_iter().zip(r.per_model).collect(),
+            ));
             all.push((r.load, r.policy, r.stats));
         }
     }
     let head = head.ok_or_else(|| format!("no saved runs under {dirs:?}"))?;
     println!("{} saved runs", all.len());
-    write_summary(&all, out, head)
+    write_summary(&all, &per, out, head)
 }
