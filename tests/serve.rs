@@ -1419,7 +1419,10 @@ mod bench_tests {
             (0.5, "static-best".to_string(), run(0.5, 0.0)),
         ];
         let text = per_model_table(&per);
-        assert!(text.contains("0 conv") && text.contains("1 mooncake"), "{text}");
+        assert!(
+            text.contains("0 conv") && text.contains("1 mooncake"),
+            "{text}"
+        );
         let line = |policy: &str| {
             text.lines()
                 .find(|l| l.split_whitespace().next() == Some(policy))

@@ -96,6 +96,7 @@ use super::paged::{group_of, Book, Core};
 use super::BlockId;
 use crate::backend::{GatherPiece, GatherShift, MemoryKind};
 use crate::error::{Error, Result};
+use crate::layout::copies::runs;
 
 /// What a [`super::PagedKv::compact`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -575,18 +576,15 @@ impl Core {
         }
         let unit = self.geo.unit;
         // One piece per run of consecutive blocks moved to consecutive slots.
-        let mut pieces: Vec<GatherPiece> = Vec::new();
-        for &(old, new) in moves {
-            let (src, dst) = (old as u64 * unit, new as u64 * unit);
-            match pieces.last_mut() {
-                Some(p) if p.src + p.len == src && p.dst + p.len == dst => p.len += unit,
-                _ => pieces.push(GatherPiece {
-                    src,
-                    dst,
-                    len: unit,
-                }),
-            }
-        }
+        let (olds, news): (Vec<usize>, Vec<usize>) = moves.iter().copied().unzip();
+        let pieces: Vec<GatherPiece> = runs(&olds, &news)
+            .into_iter()
+            .map(|(old, new, n)| GatherPiece {
+                src: old as u64 * unit,
+                dst: new as u64 * unit,
+                len: n as u64 * unit,
+            })
+            .collect();
         let base = self.backing.addr();
         let shifts: Vec<GatherShift> = (0..self.geo.tensors)
             .map(|t| {
