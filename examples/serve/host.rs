@@ -70,9 +70,15 @@ impl SimModel {
         }
         let fd = self.device.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         if let Some(fd) = fd {
-            // SAFETY: `fd` is an open file of ours for the call's duration. A failed lock
-            // (it is not expected) leaves the step unshared.
-            unsafe { libc::flock(fd, libc::LOCK_EX) };
+            // SAFETY: `fd` is an open file of ours for the call's duration.
+            while unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    // Not expected: the step runs unshared, and says so.
+                    eprintln!("serve: the simulated device's lock failed ({e}); this step runs beside the others");
+                    break;
+                }
+            }
         }
         std::thread::sleep(std::time::Duration::from_secs_f64(dt));
         if let Some(fd) = fd {

@@ -27,6 +27,7 @@
 //! Lock order: each cache's book is taken alone, never across a copy, a driver call or a
 //! join.
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
@@ -66,9 +67,9 @@ impl PagedKv {
     /// Refused before anything changes: an id out of range, not allocated, named twice, or
     /// busy (being allocated, compacted or moved); two caches of different shapes, or memory
     /// no copy reaches (device <-> device: same device copies are not a tier move); either
-    /// pool asleep; too few blocks free in `dst`. Blocks `dst` cannot admit (its pool's limit)
-    /// fail the move part way: then the copies started are waited for and everything is
-    /// given back, as after a failed copy.
+    /// pool asleep; too few blocks free in `dst`. Blocks `dst` cannot admit (its pool's limit),
+    /// or blocks a concurrent alloc of `dst` took meanwhile, fail the move part way: then the
+    /// copies started are waited for and everything is given back, as after a failed copy.
     pub fn move_to(&self, ids: &[BlockId], dst: &PagedKv) -> Result<KvMove> {
         // SAFETY: no stream to order after.
         unsafe { start(self.core(), ids, dst.core(), None) }
@@ -132,47 +133,75 @@ unsafe fn start(
         return Ok(m);
     }
     pin_sources(src, ids)?;
-    // Refused before anything moves when the destination lacks the blocks (allocated by
-    // nobody: free, or in transit and landing free), as one alloc of them all would be.
-    let max = dst.config.max_blocks;
-    let free = max - dst.book.lock().live_count;
-    if free < ids.len() {
-        unpin(src, ids);
-        return Err(Error::KvOutOfBlocks {
-            requested: ids.len(),
-            free,
-            max_blocks: max,
-        });
+    // The sources no batch has taken yet, unpinned however this function is left (the move
+    // then holds, and settles, only the batches that started).
+    let rest = Unstarted {
+        core: src,
+        ids,
+        from: Cell::new(0),
+    };
+    {
+        // Refused before anything moves when the destination sleeps or lacks the blocks
+        // (allocated by nobody: free, or in transit and landing free), as one alloc of them
+        // all would be. Advisory: a concurrent alloc there may still fail a later batch.
+        let book = dst.book.lock();
+        if book.asleep {
+            return Err(dst.asleep_error("move_to"));
+        }
+        let max = dst.config.max_blocks;
+        let free = max - book.live_count;
+        if free < ids.len() {
+            return Err(Error::KvOutOfBlocks {
+                requested: ids.len(),
+                free,
+                max_blocks: max,
+            });
+        }
     }
     let per = ids.len().div_ceil(BATCHES).max(BATCH_MIN);
     for batch in ids.chunks(per) {
-        let started = dst.alloc(batch.len(), true).and_then(|to| {
-            let pieces = pieces(src, batch, dst, &to);
-            m.to.extend_from_slice(&to);
-            m.bytes += pieces.iter().map(|p| p.len).sum::<u64>();
-            m.copies += pieces.len();
-            // SAFETY: the source blocks are live and pinned (not freed, compacted or
-            // unmapped: their pool cannot sleep, and the move holds both caches until its
-            // flights are finished); the destination blocks are mapped, live and pinned,
-            // known to nobody else yet; `after` is the caller's promise.
-            unsafe { start_between_pools(src.pool.backend(), dst.pool.backend(), &pieces, after) }
-        });
-        match started {
-            Ok(flight) => m.flights.push(flight),
+        let to = match dst.alloc(batch.len(), true) {
+            Ok(to) => to,
+            Err(e) => return Err(m.roll_back(e)),
+        };
+        let pieces = pieces(src, batch, dst, &to);
+        // SAFETY: the source blocks are live and pinned (not freed, compacted or unmapped:
+        // their pool cannot sleep, and the move holds both caches until its flights are
+        // finished); the destination blocks are mapped, live and pinned, known to nobody else
+        // yet; `after` is the caller's promise.
+        match unsafe { start_between_pools(src.pool.backend(), dst.pool.backend(), &pieces, after) }
+        {
+            Ok(flight) => {
+                m.flights.push(flight);
+                m.to.extend_from_slice(&to);
+                m.from.extend_from_slice(batch);
+                m.bytes += pieces.iter().map(|p| p.len).sum::<u64>();
+                m.copies += pieces.len();
+                rest.from.set(m.from.len());
+            }
             Err(e) => {
-                // The batches under way finish before their blocks go back.
-                for f in m.flights.drain(..) {
-                    let _ = f.finish();
-                }
-                give_back(dst, &m.to);
-                unpin(src, ids);
-                m.to.clear();
-                return Err(e);
+                // A failed start left nothing queued on this batch's blocks.
+                give_back(dst, &to);
+                return Err(m.roll_back(e));
             }
         }
     }
-    m.from = ids.to_vec();
     Ok(m)
+}
+
+/// Sources a move pinned that no batch has taken (`ids[from..]`), unpinned when it drops.
+struct Unstarted<'a> {
+    core: &'a Core,
+    ids: &'a [BlockId],
+    from: Cell<usize>,
+}
+
+impl Drop for Unstarted<'_> {
+    fn drop(&mut self) {
+        if let Some(rest) = self.ids.get(self.from.get()..) {
+            unpin(self.core, rest);
+        }
+    }
 }
 
 /// Pin `ids` of `core` as the sources of a move, all or none.
@@ -285,6 +314,19 @@ impl KvMove {
     /// untouched, and the error ([`Error::TierMoveFailed`]) says how many bytes had moved.
     pub fn wait(mut self) -> Result<MoveReport> {
         self.settle()
+    }
+
+    /// Undo the batches started so far after `e`: their copies finish first, then their
+    /// destination blocks go back and their sources are unpinned; the move then holds nothing.
+    fn roll_back(&mut self, e: Error) -> Error {
+        for f in self.flights.drain(..) {
+            let _ = f.finish();
+        }
+        give_back(&self.dst, &self.to);
+        unpin(&self.src, &self.from);
+        self.to.clear();
+        self.from.clear();
+        e
     }
 
     fn settle(&mut self) -> Result<MoveReport> {

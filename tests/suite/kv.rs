@@ -1420,6 +1420,11 @@ pub fn kv_moves_in_batches_and_rolls_back_whole(backend: Arc<dyn Backend>) {
         !matches!(e, Error::KvOutOfBlocks { .. }),
         "the cache has the blocks, its pool refuses their pages: {e}"
     );
+    assert!(
+        small.stats().peak_physical >= 64 * g,
+        "the first batch (32 blocks, 64 pages) was mapped before the second was refused: {:?}",
+        small.stats()
+    );
     assert_eq!(host.stats().live, 0, "{:?}", host.stats());
     host.trim();
     assert_eq!(small.stats().mapped, 0, "{:?}", small.stats());
@@ -1433,7 +1438,8 @@ pub fn kv_moves_in_batches_and_rolls_back_whole(backend: Arc<dyn Backend>) {
 }
 
 /// Moves between a device cache and a host-tier cache race compaction, frees and sleeps, many
-/// rounds: a mover offloads its blocks, leaves the move under way while a compactor packs the
+/// rounds: a mover offloads its blocks (every fourth round 40 of them, a move of two batches),
+/// leaves the move under way while a compactor packs the
 /// cache (its ids renamed in the owners' lists, as an engine does between steps) and the pools
 /// try to sleep, then settles and brings them back; scattering threads alloc and free around
 /// it. Every moved block comes back byte-exact, no pinned block is ever compacted (the move's
@@ -1553,10 +1559,12 @@ pub fn kv_moves_race_compaction_free_and_sleep(backend: Arc<dyn Backend>) {
         // (they are in no list it renames); it is not held while a move is under way.
         for round in 0..40usize {
             let pattern = |i: usize, t: usize| block_pattern(round * 8 + i, t, span);
+            // Every fourth round moves 40 blocks: two batches (32 and 8) under way together.
+            let n = if round % 4 == 3 { 40 } else { 4 };
             let m = {
                 let _step = step.read();
                 let ids = loop {
-                    match kv.alloc(4) {
+                    match kv.alloc(n) {
                         Ok(ids) => break ids,
                         Err(Error::Asleep { .. }) | Err(Error::KvOutOfBlocks { .. }) => {
                             std::thread::sleep(Duration::from_micros(100))
