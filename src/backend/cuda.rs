@@ -131,6 +131,19 @@ unsafe impl Send for CudaBackend {}
 // SAFETY: as above; all mutation goes through the driver or an atomic.
 unsafe impl Sync for CudaBackend {}
 
+/// One `cuPointerGetAttribute` of `addr` for a 4-byte attribute (memory type, device ordinal,
+/// GPUDirect RDMA capability: every one asked here), in the context current on this thread.
+fn pointer_attribute(
+    addr: u64,
+    attr: sys::CUpointer_attribute,
+) -> std::result::Result<u32, DriverError> {
+    let mut v: u32 = 0;
+    // SAFETY: `v` is valid for the attribute's 4 bytes; any address may be asked about.
+    unsafe { sys::cuPointerGetAttribute((&mut v as *mut u32).cast(), attr, addr) }
+        .result()
+        .map(|()| v)
+}
+
 /// `cuMemGetAllocationGranularity` of `prop` for `flag`.
 fn granularity_of(
     prop: &sys::CUmemAllocationProp,
@@ -513,16 +526,10 @@ impl CudaBackend {
             // SAFETY: mapped just now, over the whole reservation.
             unsafe { self.set_access(base, size) }?;
             let _bound = self.bind()?;
-            let mut capable: u32 = 0;
-            // SAFETY: `capable` is valid for the attribute's 4 bytes; `base` is mapped memory.
-            unsafe {
-                sys::cuPointerGetAttribute(
-                    (&mut capable as *mut u32).cast(),
-                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
-                    base,
-                )
-            }
-            .result()
+            let capable = pointer_attribute(
+                base,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
+            )
             .map_err(driver_error(
                 "cuPointerGetAttribute",
                 "IS_GPU_DIRECT_RDMA_CAPABLE",
@@ -1021,49 +1028,37 @@ impl Backend for CudaBackend {
 
     fn pointer_kind(&self, addr: u64) -> Result<Option<(MemoryKind, Option<i32>)>> {
         let _bound = self.bind()?;
-        let mut ty: u32 = 0;
-        // SAFETY: the attribute is a 32-bit CUmemorytype written into `ty`; any address may be
-        // asked about.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut ty as *mut u32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                addr,
-            )
-        };
-        match r {
-            sys::cudaError_enum::CUDA_SUCCESS => {}
+        let ty = match pointer_attribute(
+            addr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        ) {
+            Ok(ty) => ty,
             // Memory CUDA does not know: pageable host memory.
-            sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE => {
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_INVALID_VALUE => {
                 return Ok(Some((MemoryKind::Host, None)))
             }
-            e => {
+            Err(e) => {
                 return Err(Error::backend(
                     NAME,
                     "cuPointerGetAttribute",
-                    format!("{e:?}"),
+                    format!("{:?}", e.0),
                     format!("MEMORY_TYPE of {addr:#x}"),
                 ))
             }
-        }
+        };
         if ty != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
             return Ok(Some((MemoryKind::Host, None)));
         }
-        let mut ordinal: i32 = -1;
-        // SAFETY: the attribute is an int written into `ordinal`.
-        unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut ordinal as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                addr,
-            )
-        }
-        .result()
+        let ordinal = pointer_attribute(
+            addr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        )
         .map_err(driver_error(
             "cuPointerGetAttribute",
             format!("DEVICE_ORDINAL of {addr:#x}"),
         ))?;
-        Ok(Some((MemoryKind::Device, Some(ordinal))))
+        // The attribute is a C int.
+        Ok(Some((MemoryKind::Device, Some(ordinal as i32))))
     }
 
     fn reach(&self, uuid: &[u8; 16]) -> Result<super::DeviceReach> {
