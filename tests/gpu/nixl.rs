@@ -17,7 +17,9 @@ use elastic_vmm::layout::{
 use elastic_vmm::nixl::{self, RegisteredLayout};
 use elastic_vmm::{Backend, MemoryKind};
 
-use crate::suite::layout::nixl::{agent, bandwidth, bandwidth_config, measure, AsKv};
+use crate::suite::layout::nixl::{
+    agent, bandwidth, bandwidth_config, bandwidth_layouts, measure, AsKv,
+};
 use crate::suite::layout::Bytes;
 
 fn cuda() -> Arc<dyn Backend> {
@@ -167,7 +169,7 @@ fn timed_out_transfer_keeps_blocks_pinned() {
 fn vram_takes_the_device_copy_or_is_refused() {
     use elastic_vmm::layout::StorageKind;
     use elastic_vmm::nixl::{transfer_blocks_via, BlockSet, TransferOp, TransferPath, TransferVia};
-    use elastic_vmm::{Error, MemOptions, Pool, PoolConfig};
+    use elastic_vmm::{Error, Pool, PoolConfig};
     use std::time::Duration;
 
     require();
@@ -176,24 +178,7 @@ fn vram_takes_the_device_copy_or_is_refused() {
     let pool = Pool::new(backend.clone(), PoolConfig::new(4 * BYTES as usize)).expect("pool");
     let (a, b) = (agent("copy-a"), agent("copy-b"));
     let c = bandwidth_config(BYTES);
-    let src = a
-        .register(
-            LayoutBuilder::new()
-                .config(c)
-                .fully_contiguous()
-                .map_region(&pool, &MemOptions::new())
-                .build()
-                .expect("src"),
-        )
-        .expect("register");
-    let dst = LayoutBuilder::new()
-        .config(c)
-        .layer_separate(BlockDim::First)
-        .elastic(&pool, &MemOptions::new())
-        .hook(b.mapping_hook())
-        .build()
-        .expect("dst");
-    dst.ensure_backed(0..c.num_blocks).expect("back");
+    let (src, dst) = bandwidth_layouts(&pool, BYTES, &a, &b);
     let all: Vec<usize> = (0..c.num_blocks).collect();
     let go = |via| {
         transfer_blocks_via(

@@ -621,6 +621,39 @@ pub mod nixl {
         Ok(r)
     }
 
+    /// A fully contiguous layout of `p`'s memory in chunks of `g`, registered with `a`, and an
+    /// elastic block-second layout of `p` registering with `b`: units of 768 KiB, blocks of
+    /// 3 MiB, so blocks straddle chunks, differently on each side.
+    fn straddling_pair(
+        p: &elastic_vmm::Pool,
+        g: u64,
+        a: &NixlAgent,
+        b: &NixlAgent,
+    ) -> (
+        elastic_vmm::nixl::RegisteredLayout,
+        elastic_vmm::layout::ElasticLayout,
+    ) {
+        let c = LayoutConfig::new(16, 2, 2, 16, 24576, 2);
+        let src = a
+            .register(
+                LayoutBuilder::new()
+                    .config(c)
+                    .fully_contiguous()
+                    .map_region(p, &MemOptions::new().chunk(g))
+                    .build()
+                    .expect("src"),
+            )
+            .expect("register src");
+        let dst = LayoutBuilder::new()
+            .config(c)
+            .layer_separate(BlockDim::Second)
+            .elastic(p, &MemOptions::new())
+            .hook(b.mapping_hook())
+            .build()
+            .expect("dst");
+        (src, dst)
+    }
+
     /// By default ([`TransferVia::Auto`]) a transfer of host memory goes through NIXL and one
     /// of device memory in pools of one device is the crate's own device copy (UCX has no
     /// device path between two agents of one process); either way byte for byte, both
@@ -629,24 +662,7 @@ pub mod nixl {
         let g = backend.info().granularity as u64;
         let p = pool(&backend, 256 * g);
         let (a, b) = (agent("path-a"), agent("path-b"));
-        let c = LayoutConfig::new(16, 2, 2, 16, 24576, 2);
-        let src = a
-            .register(
-                LayoutBuilder::new()
-                    .config(c)
-                    .fully_contiguous()
-                    .map_region(&p, &MemOptions::new().chunk(g))
-                    .build()
-                    .expect("src"),
-            )
-            .expect("register src");
-        let dst = LayoutBuilder::new()
-            .config(c)
-            .layer_separate(BlockDim::Second)
-            .elastic(&p, &MemOptions::new())
-            .hook(b.mapping_hook())
-            .build()
-            .expect("dst");
+        let (src, dst) = straddling_pair(&p, g, &a, &b);
         let want = match backend.info().memory_kind {
             MemoryKind::Host => TransferPath::Nixl,
             MemoryKind::Device => TransferPath::DeviceCopy,
@@ -981,25 +997,7 @@ pub mod nixl {
         let g = backend.info().granularity as u64;
         let p = pool(&backend, 256 * g);
         let (a, b) = (agent("write-a"), agent("write-b"));
-        // Units of 768 KiB, blocks of 3 MiB: blocks straddle chunks, differently on each side.
-        let c = LayoutConfig::new(16, 2, 2, 16, 24576, 2);
-        let src = a
-            .register(
-                LayoutBuilder::new()
-                    .config(c)
-                    .fully_contiguous()
-                    .map_region(&p, &MemOptions::new().chunk(g))
-                    .build()
-                    .expect("src"),
-            )
-            .expect("register src");
-        let dst = LayoutBuilder::new()
-            .config(c)
-            .layer_separate(BlockDim::Second)
-            .elastic(&p, &MemOptions::new())
-            .hook(b.mapping_hook())
-            .build()
-            .expect("dst");
+        let (src, dst) = straddling_pair(&p, g, &a, &b);
         let from = [0, 1, 2, 3, 9, 10, 15];
         // Block 0 of B is alone on its pages (blocks 1 and 2 stay unbacked).
         let to = [12, 13, 14, 15, 6, 7, 0];
@@ -1237,19 +1235,25 @@ pub mod nixl {
         LayoutConfig::new((bytes >> 20) as usize, 4, 2, 16, 4096, 2)
     }
 
-    /// Bandwidth of WRITE and READ of `bytes` from a fully contiguous layout mapped in full to
-    /// an elastic layer-separate one, both in pool memory of `backend`, registered per chunk.
-    pub fn bandwidth(backend: Arc<dyn Backend>, bytes: u64) -> (f64, f64) {
-        let g = backend.info().granularity as u64;
-        let p = pool(&backend, 4 * bytes + 64 * g);
-        let (a, b) = (agent("bw-a"), agent("bw-b"));
+    /// The layouts `bandwidth` moves between: `bytes` of a fully contiguous layout of `p`,
+    /// registered with `a`, and an elastic layer-separate one backed in full, registering
+    /// with `b`.
+    pub fn bandwidth_layouts(
+        p: &elastic_vmm::Pool,
+        bytes: u64,
+        a: &NixlAgent,
+        b: &NixlAgent,
+    ) -> (
+        elastic_vmm::nixl::RegisteredLayout,
+        elastic_vmm::layout::ElasticLayout,
+    ) {
         let c = bandwidth_config(bytes);
         let src = a
             .register(
                 LayoutBuilder::new()
                     .config(c)
                     .fully_contiguous()
-                    .map_region(&p, &MemOptions::new())
+                    .map_region(p, &MemOptions::new())
                     .build()
                     .expect("src"),
             )
@@ -1257,11 +1261,21 @@ pub mod nixl {
         let dst = LayoutBuilder::new()
             .config(c)
             .layer_separate(BlockDim::First)
-            .elastic(&p, &MemOptions::new())
+            .elastic(p, &MemOptions::new())
             .hook(b.mapping_hook())
             .build()
             .expect("dst");
         dst.ensure_backed(0..c.num_blocks).expect("back");
+        (src, dst)
+    }
+
+    /// Bandwidth of WRITE and READ of `bytes` from a fully contiguous layout mapped in full to
+    /// an elastic layer-separate one, both in pool memory of `backend`, registered per chunk.
+    pub fn bandwidth(backend: Arc<dyn Backend>, bytes: u64) -> (f64, f64) {
+        let g = backend.info().granularity as u64;
+        let p = pool(&backend, 4 * bytes + 64 * g);
+        let (a, b) = (agent("bw-a"), agent("bw-b"));
+        let (src, dst) = bandwidth_layouts(&p, bytes, &a, &b);
         let what = format!(
             "{:?} pool memory ({} + {} registrations)",
             backend.info().memory_kind,
