@@ -905,6 +905,41 @@ pub struct GatherShift {
     pub dst: u64,
 }
 
+/// Queue a gather copy on `stream` ([`Copies::gather_async`]), or, where the backend has no
+/// gather kernel (or its launch failed, which queues nothing), the same copies one by one in a
+/// batch ([`Copies::copy_batch_async`]).
+///
+/// # Safety
+/// As for [`Copies::gather_async`].
+pub(crate) unsafe fn gather_or_copy_async(
+    copies: &dyn Copies,
+    pieces: &[GatherPiece],
+    shifts: &[GatherShift],
+    stream: u64,
+) -> Result<()> {
+    // SAFETY: the caller's promise.
+    match unsafe { copies.gather_async(pieces, shifts, stream) } {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            tracing::debug!(error = %e, "no gather kernel; copying piece by piece");
+            let flat: Vec<(u64, u64, usize)> = shifts
+                .iter()
+                .flat_map(|s| {
+                    pieces.iter().map(move |p| {
+                        (
+                            s.dst.wrapping_add(p.dst),
+                            s.src.wrapping_add(p.src),
+                            p.len as usize,
+                        )
+                    })
+                })
+                .collect();
+            // SAFETY: as above: the same copies; the failed gather queued nothing.
+            unsafe { copies.copy_batch_async(&flat, stream) }
+        }
+    }
+}
+
 /// The size of a gather copy's descriptors as the kernel reads them (the pieces, 24 bytes each,
 /// then the shifts, 16 bytes each): total bytes and the word index where the shifts start. The
 /// pieces' count must fit 32 bits and the tasks (`pieces * shifts`) 64 bits; anything else is

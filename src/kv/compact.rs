@@ -94,7 +94,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::paged::{group_of, Book, Core};
 use super::BlockId;
-use crate::backend::{GatherPiece, GatherShift, MemoryKind};
+use crate::backend::{gather_or_copy_async, GatherPiece, GatherShift, MemoryKind};
 use crate::error::{Error, Result};
 use crate::layout::copies::runs;
 
@@ -601,19 +601,7 @@ impl Core {
             // overlaps another copy's source or destination. Work queued before on streams
             // `stream` is ordered with precedes the copy; the engine promises nothing else
             // touches the blocks (see the module's contract).
-            let queued = unsafe { copies.gather_async(&pieces, &shifts, stream) }.or_else(|e| {
-                tracing::debug!(error = %e, "no gather kernel; copying the compaction's spans one by one");
-                let flat: Vec<(u64, u64, usize)> = shifts
-                    .iter()
-                    .flat_map(|s| {
-                        pieces
-                            .iter()
-                            .map(move |p| (s.dst + p.dst, s.src + p.src, p.len as usize))
-                    })
-                    .collect();
-                // SAFETY: as above; the failed gather queued nothing.
-                unsafe { copies.copy_batch_async(&flat, stream) }
-            });
+            let queued = unsafe { gather_or_copy_async(copies, &pieces, &shifts, stream) };
             // Whatever failed, nothing may stay queued on the blocks once the pin goes.
             let waited = copies.synchronize(stream);
             return queued.and(waited);

@@ -25,7 +25,7 @@ use std::sync::{Arc, OnceLock};
 use nixl_sys::MemType;
 
 use super::registry::NixlDescriptor;
-use crate::backend::{Backend, GatherPiece, GatherShift};
+use crate::backend::{gather_or_copy_async, Backend, GatherPiece, GatherShift};
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
 
@@ -209,13 +209,8 @@ pub(super) fn run(
     // with other work on these bytes is left to the caller, as `transfer_blocks` documents
     // (as for NIXL's own transfers): work queued over them, on any stream, is finished, and
     // no other transfer writes them meanwhile (pins are shared, so one is not refused).
-    let queued = match unsafe { c.gather_async(&pieces, &[GatherShift { src: 0, dst: 0 }], stream) }
-    {
-        Ok(()) => Ok(()),
-        // A failed gather queued nothing: copies instead.
-        // SAFETY: as above.
-        Err(_) => unsafe { c.copy_batch_async(copies, stream) },
-    };
+    let queued =
+        unsafe { gather_or_copy_async(c, &pieces, &[GatherShift { src: 0, dst: 0 }], stream) };
     // Waited for also after a failed queueing: part of the batch may be on its way.
     let waited = c.synchronize(stream);
     if let Err(e) = waited {
